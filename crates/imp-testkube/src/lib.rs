@@ -1,7 +1,223 @@
 //! Test infrastructure for imp: never shipped, only a dev-dependency.
 //!
-//! It holds the guard that decides whether a test whose environment is missing (root, a tool,
-//! a binary) skips or fails: it skips on a developer machine and fails when `CI=true`, so a
-//! skip can never pass as green in CI.
+//! It holds a Kubernetes API server subset that runs in-process (or as the `imp-testkube`
+//! binary) on 127.0.0.1 over plain HTTP, with the semantics controllers depend on:
+//! resourceVersion and 409 on stale writes, watches with bookmarks and `410 Gone`, the status
+//! subresource, generation, finalizers, ownerReference garbage collection, label and field
+//! selectors, merge/JSON/strategic/server-side-apply patches, CRD registration with structural
+//! schema and CEL validation, discovery and Table output for kubectl. It is not a full API server:
+//! there is no persistence, no admission webhooks, no aggregation, no protobuf and no RBAC
+//! enforcement (SubjectAccessReview answers from simple rules).
+//!
+//! It also holds the guard that decides whether a test whose environment is missing (root, a
+//! tool, a binary) skips or fails: it skips on a developer machine and fails when `CI=true`, so
+//! a skip can never pass as green in CI.
 
+pub mod auth;
+pub mod cel;
+pub mod discovery;
+pub mod error;
+pub mod events;
 pub mod guard;
+pub mod meta;
+pub mod patch;
+pub mod resource;
+pub mod schema;
+pub mod selector;
+pub mod server;
+pub mod store;
+pub mod table;
+pub mod watch;
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::oneshot;
+
+pub use auth::{Auth, Rule, User};
+pub use store::Store;
+
+/// Errors starting the server.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    /// Binding the listening socket failed.
+    #[error("binding 127.0.0.1:{port}")]
+    Bind {
+        /// Requested port.
+        port: u16,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Writing the kubeconfig failed.
+    #[error("writing kubeconfig {path}")]
+    Kubeconfig {
+        /// Where it was to go.
+        path: PathBuf,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// How to run the server; the default suits most tests.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// Port on 127.0.0.1; 0 picks a free one.
+    pub port: u16,
+    /// How many events watches can resume from; older versions get `410 Gone`.
+    pub history: usize,
+    /// Interval between BOOKMARK events on watches that allow them.
+    pub bookmark_interval: Duration,
+    /// Tokens and SubjectAccessReview rules; empty means no authentication.
+    pub auth: Auth,
+    /// Token written into the kubeconfig (when authentication is on).
+    pub kubeconfig_token: Option<String>,
+    /// Where to write the kubeconfig; None puts it in a fresh temporary directory.
+    pub kubeconfig: Option<PathBuf>,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            port: 0,
+            history: 10_000,
+            bookmark_interval: Duration::from_secs(5),
+            auth: Auth::default(),
+            kubeconfig_token: None,
+            kubeconfig: None,
+        }
+    }
+}
+
+/// A running test API server; it stops when dropped.
+#[derive(Debug)]
+pub struct TestKube {
+    url: String,
+    addr: SocketAddr,
+    kubeconfig: PathBuf,
+    temp_dir: Option<PathBuf>,
+    store: Arc<Store>,
+    shutdown: Option<oneshot::Sender<()>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+/// Renders a kubeconfig pointing at `url`, so kubectl and kube-rs find the server.
+pub fn kubeconfig_yaml(url: &str, token: Option<&str>) -> String {
+    let user = match token {
+        Some(t) => format!("    token: {t}\n"),
+        None => "    username: imp-testkube\n".to_string(),
+    };
+    format!(
+        "apiVersion: v1\nkind: Config\nclusters:\n- name: imp-testkube\n  cluster:\n    server: {url}\ncontexts:\n- name: imp-testkube\n  context:\n    cluster: imp-testkube\n    user: imp-testkube\n    namespace: default\ncurrent-context: imp-testkube\nusers:\n- name: imp-testkube\n  user:\n{user}"
+    )
+}
+
+impl TestKube {
+    /// Starts a server with the default configuration on a free port.
+    pub async fn start() -> Result<Self, StartError> {
+        Self::start_with(Config::default()).await
+    }
+
+    /// Starts a server with `config`.
+    pub async fn start_with(config: Config) -> Result<Self, StartError> {
+        let listener = tokio::net::TcpListener::bind(("127.0.0.1", config.port))
+            .await
+            .map_err(|source| StartError::Bind {
+                port: config.port,
+                source,
+            })?;
+        let addr = listener.local_addr().map_err(|source| StartError::Bind {
+            port: config.port,
+            source,
+        })?;
+        let url = format!("http://{addr}");
+        let (kubeconfig, temp_dir) = match &config.kubeconfig {
+            Some(p) => (p.clone(), None),
+            None => {
+                let dir = std::env::temp_dir().join(format!(
+                    "imp-testkube-{}-{}",
+                    std::process::id(),
+                    addr.port()
+                ));
+                (dir.join("kubeconfig"), Some(dir))
+            }
+        };
+        if let Some(parent) = kubeconfig.parent() {
+            tokio::fs::create_dir_all(parent)
+                .await
+                .map_err(|source| StartError::Kubeconfig {
+                    path: kubeconfig.clone(),
+                    source,
+                })?;
+        }
+        tokio::fs::write(
+            &kubeconfig,
+            kubeconfig_yaml(&url, config.kubeconfig_token.as_deref()),
+        )
+        .await
+        .map_err(|source| StartError::Kubeconfig {
+            path: kubeconfig.clone(),
+            source,
+        })?;
+        let store = Arc::new(Store::new(config.history));
+        let server = Arc::new(server::Server {
+            store: store.clone(),
+            auth: config.auth.clone(),
+            bookmark_every: config.bookmark_interval,
+            addr: addr.to_string(),
+        });
+        let (tx, rx) = oneshot::channel::<()>();
+        let app = server::router(server);
+        let task = tokio::spawn(async move {
+            let _ = axum::serve(listener, app)
+                .with_graceful_shutdown(async move {
+                    let _ = rx.await;
+                })
+                .await;
+        });
+        Ok(Self {
+            url,
+            addr,
+            kubeconfig,
+            temp_dir,
+            store,
+            shutdown: Some(tx),
+            task,
+        })
+    }
+
+    /// Base URL, e.g. `http://127.0.0.1:34567`.
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+
+    /// The socket address the server listens on.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Path of the kubeconfig written for this server.
+    pub fn kubeconfig(&self) -> &Path {
+        &self.kubeconfig
+    }
+
+    /// The store, for tests that want to look behind the HTTP surface.
+    pub fn store(&self) -> &Arc<Store> {
+        &self.store
+    }
+}
+
+impl Drop for TestKube {
+    fn drop(&mut self) {
+        if let Some(tx) = self.shutdown.take() {
+            let _ = tx.send(());
+        }
+        self.task.abort();
+        if let Some(d) = &self.temp_dir {
+            let _ = std::fs::remove_dir_all(d);
+        }
+    }
+}
