@@ -1,0 +1,78 @@
+//! The API calls that boot, snapshot and restore a VM, built as data before anything is sent.
+//!
+//! Keeping the sequence pure lets tests check every body the driver sends against
+//! Firecracker's OpenAPI spec without a running Firecracker.
+
+use crate::vmm::firecracker::api::{self, Request};
+use crate::vmm::firecracker::{Launcher, Layout, drive_file, files};
+use crate::vmm::{SnapshotFiles, VmConfig};
+
+/// Calls that configure and start a fresh VM, in order.
+pub fn boot(_launcher: &Launcher, config: &VmConfig, layout: &Layout) -> api::Result<Vec<Request>> {
+    let mut out = vec![
+        Request::put_machine_config(&api::MachineConfiguration {
+            vcpu_count: config.vcpus,
+            mem_size_mib: config.memory_mib,
+        })?,
+        Request::put_boot_source(&api::BootSource {
+            kernel_image_path: layout.vmm_file(&config.kernel, files::KERNEL),
+            boot_args: Some(config.kernel_args.clone()),
+            initrd_path: config
+                .initrd
+                .as_deref()
+                .map(|p| layout.vmm_file(p, files::INITRD)),
+        })?,
+    ];
+    for d in &config.drives {
+        out.push(Request::put_drive(&api::Drive {
+            drive_id: d.id.clone(),
+            path_on_host: layout.vmm_file(&d.path, &drive_file(&d.id)),
+            is_root_device: d.root,
+            is_read_only: d.read_only,
+        })?);
+    }
+    if let Some(net) = &config.net {
+        out.push(Request::put_network_interface(&api::NetworkInterface {
+            iface_id: net.id.clone(),
+            host_dev_name: net.tap.clone(),
+            guest_mac: net.mac.clone(),
+        })?);
+    }
+    if let Some(v) = &config.vsock {
+        out.push(Request::put_vsock(&api::Vsock {
+            guest_cid: v.guest_cid,
+            uds_path: layout.vmm(files::VSOCK),
+        })?);
+    }
+    out.push(Request::put_action(api::ActionType::InstanceStart)?);
+    Ok(out)
+}
+
+/// Calls that load `snapshot` into a fresh process, in order.
+pub fn restore(
+    _launcher: &Launcher,
+    _config: &VmConfig,
+    layout: &Layout,
+    snapshot: &SnapshotFiles,
+    resume: bool,
+) -> api::Result<Vec<Request>> {
+    Ok(vec![Request::put_snapshot_load(
+        &api::SnapshotLoadParams {
+            snapshot_path: layout.vmm_file(&snapshot.state, files::SNAPSHOT_STATE),
+            mem_backend: api::MemoryBackend {
+                backend_type: api::MemoryBackendType::File,
+                backend_path: layout.vmm_file(&snapshot.memory, files::SNAPSHOT_MEM),
+            },
+            resume_vm: resume,
+        },
+    )?])
+}
+
+/// The call that writes a full snapshot (inside the jail when jailed; the driver moves it out).
+pub fn snapshot_create(layout: &Layout, snapshot: &SnapshotFiles) -> api::Result<Request> {
+    Request::put_snapshot_create(&api::SnapshotCreateParams {
+        snapshot_type: api::SnapshotType::Full,
+        snapshot_path: layout.vmm_file(&snapshot.state, files::SNAPSHOT_STATE),
+        mem_file_path: layout.vmm_file(&snapshot.memory, files::SNAPSHOT_MEM),
+    })
+}

@@ -1,0 +1,176 @@
+//! Virtual machine monitors: one trait, [`Vmm`], and a driver per VMM.
+//!
+//! The node agent drives every VM through [`Vmm`], so the reconciler does not care whether a VM
+//! runs under Firecracker ([`firecracker`]) or, later, QEMU. The shared config types describe a
+//! VM in VMM-neutral terms; each driver maps them onto its own API. The host side of hybrid
+//! vsock ([`vsock`]) is shared by both drivers because Firecracker and vhost-device-vsock speak
+//! the same `CONNECT <port>` protocol.
+
+use std::future::Future;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use tokio::io::{AsyncRead, AsyncWrite};
+
+pub mod firecracker;
+pub mod vsock;
+
+/// How the VM should look: what every driver needs to boot it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VmConfig {
+    /// Unique name on this node; names the VMM's files and, under a jailer, its jail.
+    pub id: String,
+    /// Directory that holds the VMM's sockets and logs (created if missing).
+    pub run_dir: PathBuf,
+    /// Number of virtual CPUs.
+    pub vcpus: u8,
+    /// Guest memory in MiB.
+    pub memory_mib: u32,
+    /// Guest kernel image (an uncompressed ELF `vmlinux` for Firecracker on x86_64).
+    pub kernel: PathBuf,
+    /// Optional initramfs.
+    pub initrd: Option<PathBuf>,
+    /// Kernel command line.
+    pub kernel_args: String,
+    /// Block devices, in the order the guest should see them.
+    pub drives: Vec<DriveConfig>,
+    /// Optional network interface backed by a host TAP device.
+    pub net: Option<NetConfig>,
+    /// Optional virtio-vsock device.
+    pub vsock: Option<VsockConfig>,
+    /// Network namespace (a name under `/var/run/netns`) the VMM runs in, where its TAP lives.
+    pub netns: Option<String>,
+}
+
+/// One virtio block device backed by a host file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DriveConfig {
+    /// Drive name, unique within the VM.
+    pub id: String,
+    /// Host file (raw image or filesystem) that backs the drive.
+    pub path: PathBuf,
+    /// Whether the guest may only read it.
+    pub read_only: bool,
+    /// Whether this is the guest's root device (at most one).
+    pub root: bool,
+}
+
+/// One virtio network device backed by a host TAP device.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NetConfig {
+    /// Interface name, unique within the VM.
+    pub id: String,
+    /// Name of the TAP device on the host (inside [`VmConfig::netns`] if set); it must exist.
+    pub tap: String,
+    /// Guest MAC address as `aa:bb:cc:dd:ee:ff`; the VMM picks one when `None`.
+    pub mac: Option<String>,
+}
+
+/// The virtio-vsock device of a VM.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct VsockConfig {
+    /// The guest's context id (3 or more).
+    pub guest_cid: u32,
+}
+
+/// Where a full snapshot lives on the host: the device state and the guest memory.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SnapshotFiles {
+    /// The VMM's serialized device and vCPU state.
+    pub state: PathBuf,
+    /// The guest memory image.
+    pub memory: PathBuf,
+}
+
+/// What the VM is doing, as far as the driver knows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum VmState {
+    /// The guest's vCPUs run.
+    Running,
+    /// The guest's vCPUs are stopped; memory and devices are kept.
+    Paused,
+    /// The VMM process has exited.
+    Stopped,
+}
+
+impl std::fmt::Display for VmState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            VmState::Running => "running",
+            VmState::Paused => "paused",
+            VmState::Stopped => "stopped",
+        })
+    }
+}
+
+/// How a VM ended, reported by [`Vmm::stop`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StopOutcome {
+    /// The VMM exited on its own within the grace period (the guest shut down).
+    Graceful,
+    /// The grace period ran out (or was zero) and the VMM process was killed.
+    Killed,
+}
+
+/// One running (or paused) VM under some VMM; the node agent's only way to touch a VM.
+///
+/// A driver is constructed with [`Vmm::boot`] or [`Vmm::restore`]; dropping it kills the VMM
+/// process, so a panic or an early return never leaks a VM. Methods return `Send` futures so
+/// the agent can run them on a multi-threaded runtime.
+pub trait Vmm: Sized + Send {
+    /// Driver-wide settings: binaries, jailer, timeouts.
+    type Launcher: Send + Sync;
+    /// A byte stream to a port of the guest's vsock.
+    type Stream: AsyncRead + AsyncWrite + Unpin + Send + 'static;
+    /// The driver's error type.
+    type Error: std::error::Error + Send + Sync + 'static;
+
+    /// Starts a VMM process and boots `config`'s kernel in it.
+    fn boot(
+        launcher: &Self::Launcher,
+        config: &VmConfig,
+    ) -> impl Future<Output = Result<Self, Self::Error>> + Send;
+
+    /// Starts a new VMM process and loads `snapshot` into it, resuming the guest if `resume`.
+    ///
+    /// `config` is the config the VM was booted with: drives, TAP and vsock must be present
+    /// again where the snapshot expects them.
+    fn restore(
+        launcher: &Self::Launcher,
+        config: &VmConfig,
+        snapshot: &SnapshotFiles,
+        resume: bool,
+    ) -> impl Future<Output = Result<Self, Self::Error>> + Send;
+
+    /// Stops the guest's vCPUs.
+    fn pause(&mut self) -> impl Future<Output = Result<(), Self::Error>> + Send;
+
+    /// Lets a paused guest's vCPUs run again.
+    fn resume(&mut self) -> impl Future<Output = Result<(), Self::Error>> + Send;
+
+    /// Writes a full snapshot (state and memory) of a paused VM to `files`.
+    fn snapshot(
+        &mut self,
+        files: &SnapshotFiles,
+    ) -> impl Future<Output = Result<(), Self::Error>> + Send;
+
+    /// Asks the guest to shut down, waits up to `grace`, then kills the VMM process.
+    fn stop(self, grace: Duration)
+    -> impl Future<Output = Result<StopOutcome, Self::Error>> + Send;
+
+    /// Opens a stream to guest vsock `port`, retrying until the guest listens or `timeout` ends.
+    fn connect_vsock(
+        &self,
+        port: u32,
+        timeout: Duration,
+    ) -> impl Future<Output = Result<Self::Stream, Self::Error>> + Send;
+
+    /// The file that receives the guest's serial console.
+    fn serial_log_path(&self) -> &Path;
+
+    /// What the driver believes the VM is doing.
+    fn state(&self) -> VmState;
+
+    /// The host process id of the VMM, while it runs.
+    fn pid(&self) -> Option<u32>;
+}
