@@ -1,0 +1,433 @@
+//! The guest's life: prepare the system (as PID 1), start the API and the workload, forward
+//! signals, and when the workload ends print the marker, report the exit to the host and end
+//! the VM. In dev mode (`--no-pid1`) the same sequence runs without touching the system.
+
+use crate::cmdline::{self, KernelParams};
+use crate::console::Console;
+use crate::exec::ExecDefaults;
+use crate::net;
+use crate::reaper::{Reaper, Reaping};
+use crate::server::{self, Context};
+use crate::system;
+use crate::transport::{self, VsockListener, VsockStream};
+use crate::user;
+use crate::workload;
+use imp_proto::config::{CONFIG_PATH, GuestConfig, PowerAction};
+use imp_proto::report::send_exit_report;
+use imp_proto::{ExitStatus, HOST_CID, Hello, WorkloadState};
+use nix::sys::signal::{SigSet, Signal, kill};
+use nix::unistd::Pid;
+use std::io::{Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::sync::atomic::{AtomicI32, Ordering};
+use std::sync::mpsc::{self, Sender};
+use std::sync::{Arc, Mutex};
+use std::thread;
+use std::time::{Duration, Instant};
+
+/// How long the guest keeps trying to deliver its exit report.
+const REPORT_DEADLINE: Duration = Duration::from_secs(10);
+
+/// How the guest runs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Options {
+    /// PID 1 in a VM (mounts, modules, network, power off) or a plain process (dev, tests).
+    pub pid1: bool,
+    /// The config file; default from the kernel command line or `/.imp/config.json`.
+    pub config: Option<PathBuf>,
+    /// Serve the API on this Unix socket instead of vsock.
+    pub listen_unix: Option<PathBuf>,
+    /// Send the exit report to this Unix socket instead of vsock.
+    pub report_unix: Option<PathBuf>,
+    /// The root whose /etc/passwd, programs and disk are used (`/` in a VM).
+    pub root: PathBuf,
+}
+
+/// Why the guest could not start its workload at all.
+#[derive(Debug, thiserror::Error)]
+pub enum InitError {
+    /// The config file could not be read.
+    #[error("Reading the guest config {path} failed")]
+    ReadConfig {
+        /// The file.
+        path: String,
+        /// The underlying error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The config file is invalid.
+    #[error("The guest config {path} is invalid")]
+    Config {
+        /// The file.
+        path: String,
+        /// What is wrong.
+        #[source]
+        source: imp_proto::config::ConfigError,
+    },
+}
+
+/// What the init's main loop waits for.
+enum Event {
+    Exited(ExitStatus),
+    Shutdown(Duration),
+    Signal(Signal),
+    KillNow,
+}
+
+fn log(message: &str) {
+    eprintln!("imp-guest: {message}");
+}
+
+fn log_error(what: &str, err: &dyn std::error::Error) {
+    let mut text = format!("{what}: {err}");
+    let mut source = err.source();
+    while let Some(s) = source {
+        text.push_str(&format!(": {s}"));
+        source = s.source();
+    }
+    log(&text);
+}
+
+/// Reads and validates the config file.
+pub fn load_config(path: &Path) -> Result<GuestConfig, InitError> {
+    let bytes = std::fs::read(path).map_err(|source| InitError::ReadConfig {
+        path: path.display().to_string(),
+        source,
+    })?;
+    GuestConfig::from_json(&bytes).map_err(|source| InitError::Config {
+        path: path.display().to_string(),
+        source,
+    })
+}
+
+/// Runs the guest; returns the workload's shell-style exit code (only in dev mode: as PID 1
+/// it ends the VM instead of returning).
+pub fn run(opts: &Options) -> i32 {
+    let started = Instant::now();
+    // Signals are taken synchronously by one thread; block them before any thread exists so
+    // every thread inherits the mask (children get a clean mask from std's spawn).
+    let mut signals = SigSet::empty();
+    for s in [Signal::SIGTERM, Signal::SIGINT, Signal::SIGHUP] {
+        signals.add(s);
+    }
+    if let Err(e) = signals.thread_block() {
+        log_error("blocking signals failed", &e);
+    }
+
+    let mut console = Console::Stdout;
+    let mut params = KernelParams::default();
+    if opts.pid1 {
+        for e in system::mount_pseudo_filesystems() {
+            log_error("mount", &e);
+        }
+        if let Err(e) = system::attach_console() {
+            log_error("attaching /dev/console failed", &e);
+        }
+        console = Console::open_device();
+        params = cmdline::parse(&std::fs::read_to_string("/proc/cmdline").unwrap_or_default());
+        for m in &params.modules {
+            if let Err(e) = system::load_module(m) {
+                log_error("module", &e);
+            }
+        }
+    }
+    let config_path = opts
+        .config
+        .clone()
+        .or(params.config)
+        .unwrap_or_else(|| PathBuf::from(CONFIG_PATH));
+    let config = match load_config(&config_path) {
+        Ok(c) => c,
+        Err(e) => {
+            log_error("cannot start the workload", &e);
+            return finish(
+                opts,
+                &mut console,
+                &GuestConfig::default(),
+                ExitStatus::Code(127),
+                started,
+            );
+        }
+    };
+    if opts.pid1 {
+        setup_system(&config);
+    }
+
+    let reaper = match Reaper::start(Reaping::All) {
+        Ok(r) => r,
+        Err(e) => {
+            log_error("starting the reaper failed", &e);
+            return finish(opts, &mut console, &config, ExitStatus::Code(127), started);
+        }
+    };
+    let (events, event_rx) = mpsc::channel::<Event>();
+    let (shutdown_tx, shutdown_rx) = mpsc::channel::<Duration>();
+    forward(shutdown_rx, events.clone(), Event::Shutdown);
+    spawn_signal_thread(signals, events.clone());
+
+    let identity = user::resolve_in(&opts.root, config.image.user.as_deref())
+        .unwrap_or_else(|_| user::Identity::root());
+    let ctx = Arc::new(Context {
+        hello: Hello::new(concat!("imp-guest ", env!("CARGO_PKG_VERSION"))),
+        started,
+        workload: Mutex::new(WorkloadState::Starting),
+        exec_defaults: ExecDefaults {
+            env: workload::environment(&config, &identity),
+            cwd: config
+                .image
+                .working_dir
+                .clone()
+                .filter(|d| !d.is_empty())
+                .unwrap_or_else(|| "/".into()),
+            user: config.image.user.clone(),
+            root: opts.root.clone(),
+        },
+        reaper: reaper.clone(),
+        proc_dir: PathBuf::from("/proc"),
+        disk_path: opts.root.clone(),
+        shutdown: Mutex::new(shutdown_tx),
+    });
+    if config.agent.enabled || opts.listen_unix.is_some() {
+        start_api(opts, &config, Arc::clone(&ctx));
+    }
+
+    let status = run_workload(opts, &config, &ctx, &reaper, &events, &event_rx);
+    ctx.set_workload(WorkloadState::Exited { status });
+    finish(opts, &mut console, &config, status, started)
+}
+
+fn setup_system(config: &GuestConfig) {
+    for m in &config.modules {
+        if let Err(e) = system::load_module(m) {
+            log_error("module", &e);
+        }
+    }
+    if let Some(h) = &config.hostname
+        && let Err(e) = system::set_hostname(h)
+    {
+        log_error("hostname", &e);
+    }
+    if let Err(e) = net::bring_up("lo") {
+        log_error("loopback", &e);
+    }
+    if let Some(n) = &config.network {
+        if let Err(e) = net::configure(n) {
+            log_error("network", &e);
+        }
+        if !n.dns.is_empty()
+            && let Err(e) = system::write_file(Path::new("/etc/resolv.conf"), &net::resolv_conf(n))
+        {
+            log_error("resolv.conf", &e);
+        }
+    }
+    if config.hostname.is_some() || config.network.is_some() {
+        let hosts = net::hosts(
+            config.hostname.as_deref(),
+            config.network.as_ref().map(|n| n.address),
+        );
+        if let Err(e) = system::write_file(Path::new("/etc/hosts"), &hosts) {
+            log_error("hosts", &e);
+        }
+    }
+}
+
+fn start_api(opts: &Options, config: &GuestConfig, ctx: Arc<Context>) {
+    let started = match &opts.listen_unix {
+        Some(path) => transport::bind_unix(path).map(|l| {
+            thread::Builder::new()
+                .name("api".into())
+                .spawn(move || server::serve(l, ctx))
+        }),
+        None => VsockListener::bind(config.agent.port).map(|l| {
+            thread::Builder::new()
+                .name("api".into())
+                .spawn(move || server::serve(l, ctx))
+        }),
+    };
+    match started {
+        Ok(Ok(_)) => {}
+        Ok(Err(e)) => log_error("starting the API thread failed", &e),
+        Err(e) => log_error("listening for the guest API failed", &e),
+    }
+}
+
+fn forward<T: Send + 'static>(rx: mpsc::Receiver<T>, events: Sender<Event>, wrap: fn(T) -> Event) {
+    let spawned = thread::Builder::new()
+        .name("forward".into())
+        .spawn(move || {
+            while let Ok(v) = rx.recv() {
+                if events.send(wrap(v)).is_err() {
+                    return;
+                }
+            }
+        });
+    if let Err(e) = spawned {
+        log_error("starting a forwarding thread failed", &e);
+    }
+}
+
+fn spawn_signal_thread(signals: SigSet, events: Sender<Event>) {
+    let spawned = thread::Builder::new()
+        .name("signals".into())
+        .spawn(move || {
+            while let Ok(sig) = signals.wait() {
+                if events.send(Event::Signal(sig)).is_err() {
+                    return;
+                }
+            }
+        });
+    if let Err(e) = spawned {
+        log_error("starting the signal thread failed", &e);
+    }
+}
+
+/// Starts the workload and waits for it, applying signals and shutdown requests.
+fn run_workload(
+    opts: &Options,
+    config: &GuestConfig,
+    ctx: &Context,
+    reaper: &Reaper,
+    events: &Sender<Event>,
+    event_rx: &mpsc::Receiver<Event>,
+) -> ExitStatus {
+    let spec = match workload::prepare(config, &opts.root) {
+        Ok(s) => s,
+        Err(e) => {
+            log_error("cannot start the workload", &e);
+            ctx.set_workload(WorkloadState::Failed {
+                message: e.to_string(),
+            });
+            let code = if matches!(e, workload::WorkloadError::NotExecutable(_)) {
+                126
+            } else {
+                127
+            };
+            return ExitStatus::Code(code);
+        }
+    };
+    let mut command = workload::command(&spec);
+    command
+        .stdin(Stdio::inherit())
+        .stdout(Stdio::inherit())
+        .stderr(Stdio::inherit());
+    let (child, exit) = match reaper.spawn(|| command.spawn()) {
+        Ok(c) => c,
+        Err(e) => {
+            let message = format!("Starting the workload {} failed: {e}", spec.program);
+            log(&message);
+            ctx.set_workload(WorkloadState::Failed { message });
+            return ExitStatus::Code(if e.kind() == std::io::ErrorKind::PermissionDenied {
+                126
+            } else {
+                127
+            });
+        }
+    };
+    let pid = child.id();
+    ctx.set_workload(WorkloadState::Running { pid });
+    forward(exit, events.clone(), Event::Exited);
+    let target = AtomicI32::new(i32::try_from(pid).unwrap_or(0));
+    let send = |sig: Signal| {
+        let pid = target.load(Ordering::SeqCst);
+        if pid > 0 {
+            let _ = kill(Pid::from_raw(pid), sig);
+        }
+    };
+    loop {
+        match event_rx.recv() {
+            Ok(Event::Exited(status)) => {
+                target.store(0, Ordering::SeqCst);
+                return status;
+            }
+            Ok(Event::Signal(sig)) => send(sig),
+            Ok(Event::Shutdown(grace)) => {
+                log(&format!(
+                    "shutdown requested: SIGTERM to the workload, SIGKILL after {grace:?}"
+                ));
+                send(Signal::SIGTERM);
+                let events = events.clone();
+                let _ = thread::Builder::new().name("grace".into()).spawn(move || {
+                    thread::sleep(grace);
+                    let _ = events.send(Event::KillNow);
+                });
+            }
+            Ok(Event::KillNow) => send(Signal::SIGKILL),
+            // Every sender lives in this function's callers; unreachable in practice.
+            Err(_) => return ExitStatus::Code(255),
+        }
+    }
+}
+
+/// Prints the marker, reports the exit, and ends the VM (or returns the code in dev mode).
+fn finish(
+    opts: &Options,
+    console: &mut Console,
+    config: &GuestConfig,
+    status: ExitStatus,
+    started: Instant,
+) -> i32 {
+    if let Err(e) = console.exit_marker(status) {
+        log_error("printing the exit marker failed", &e);
+    }
+    let hello = Hello::new(concat!("imp-guest ", env!("CARGO_PKG_VERSION")));
+    match (&opts.report_unix, config.agent.exit_report_port) {
+        (Some(path), _) => report(|| UnixStream::connect(path), &hello, status),
+        (None, Some(port)) => report(|| VsockStream::connect(HOST_CID, port), &hello, status),
+        (None, None) => {}
+    }
+    if !opts.pid1 {
+        return status.code();
+    }
+    log(&format!(
+        "workload ended ({status}) after {:?}; ending the VM",
+        started.elapsed()
+    ));
+    system::kill_all(Duration::from_millis(500));
+    system::end_vm(config.on_exit == PowerAction::PowerOff)
+}
+
+/// Ends the VM after the init itself panicked as PID 1: marker, then power off.
+pub fn panic_exit(code: i32) -> ! {
+    log("the init panicked; ending the VM");
+    let _ = Console::open_device().exit_marker(ExitStatus::Code(code));
+    system::end_vm(true)
+}
+
+/// Delivers the exit report, retrying the connection for a while; gives up with a log line.
+fn report<S, F>(connect: F, hello: &Hello, status: ExitStatus)
+where
+    S: Read + Write + crate::transport::Connection,
+    F: Fn() -> std::io::Result<S>,
+{
+    let deadline = Instant::now() + REPORT_DEADLINE;
+    let mut delay = Duration::from_millis(50);
+    loop {
+        let attempt = connect().map_err(|e| e.to_string()).and_then(|mut s| {
+            let _ = s.set_read_timeout(Some(Duration::from_secs(3)));
+            send_exit_report(&mut s, hello, status).map_err(|e| {
+                let mut text = e.to_string();
+                let mut src = std::error::Error::source(&e);
+                while let Some(s) = src {
+                    text.push_str(&format!(": {s}"));
+                    src = s.source();
+                }
+                text
+            })
+        });
+        match attempt {
+            Ok(()) => return,
+            Err(e) if Instant::now() + delay >= deadline => {
+                log(&format!(
+                    "giving up on the exit report after {REPORT_DEADLINE:?}: {e}"
+                ));
+                return;
+            }
+            Err(_) => {
+                thread::sleep(delay);
+                delay = (delay * 2).min(Duration::from_secs(1));
+            }
+        }
+    }
+}

@@ -1,0 +1,27 @@
+//! The imp guest agent: the static binary that runs as PID 1 inside every imp microVM.
+//!
+//! It prepares the guest (pseudo filesystems, kernel modules, hostname, loopback and a static
+//! eth0, resolv.conf), runs the image's ENTRYPOINT/CMD with the image's Env, WorkingDir and
+//! User plus the VM's env and a default PATH, reaps zombies, forwards SIGTERM/SIGINT, and
+//! when the workload ends prints `IMP_EXIT <code>` on the console, reports the code to the
+//! host over vsock and powers the VM off. Meanwhile it serves exec (streamed, with stdin and
+//! TTY), health, metrics and graceful shutdown over vsock using [`imp_proto`].
+//!
+//! It is not a container runtime (no namespaces, cgroups or seccomp: the VM is the boundary),
+//! not a service manager (one workload), and it uses no async runtime: threads and blocking
+//! syscalls keep the static binary small. Everything but the PID 1 system steps also runs
+//! as a plain process (`--no-pid1`, Unix sockets instead of vsock) so it is tested without a VM.
+
+pub mod cmdline;
+pub mod console;
+pub mod exec;
+pub mod init;
+pub mod metrics;
+pub mod net;
+pub mod pty;
+pub mod reaper;
+pub mod server;
+pub mod system;
+pub mod transport;
+pub mod user;
+pub mod workload;

@@ -1,0 +1,142 @@
+//! The guest agent's API: accept connections, handshake, answer health, metrics and
+//! shutdown, hand execs to [`crate::exec`]. One thread per connection.
+
+use crate::exec::{self, ExecDefaults};
+use crate::metrics;
+use crate::reaper::Reaper;
+use crate::transport::{Connection, Listener};
+use imp_proto::frame::{read_frame, write_frame};
+use imp_proto::{ErrorKind, HealthReport, Hello, Message, WorkloadState, handshake};
+use std::path::PathBuf;
+use std::sync::mpsc::Sender;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::thread;
+use std::time::{Duration, Instant};
+
+/// How long a connection may sit idle before the guest drops it (the host polls far more often).
+const IDLE_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// What every connection handler shares.
+#[derive(Debug)]
+pub struct Context {
+    /// Our hello.
+    pub hello: Hello,
+    /// When the guest agent started, for uptime.
+    pub started: Instant,
+    /// The workload's state, updated by the init.
+    pub workload: Mutex<WorkloadState>,
+    /// What execs inherit.
+    pub exec_defaults: ExecDefaults,
+    /// Spawns and waits for exec'd commands.
+    pub reaper: Reaper,
+    /// Where `/proc` is (metrics).
+    pub proc_dir: PathBuf,
+    /// A path on the disk whose usage metrics reports.
+    pub disk_path: PathBuf,
+    /// Tells the init to shut down with this grace period.
+    pub shutdown: Mutex<Sender<Duration>>,
+}
+
+impl Context {
+    /// Records a new workload state.
+    pub fn set_workload(&self, state: WorkloadState) {
+        *self.workload.lock().unwrap_or_else(PoisonError::into_inner) = state;
+    }
+
+    fn health(&self) -> HealthReport {
+        HealthReport {
+            uptime_ms: u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX),
+            workload: self
+                .workload
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .clone(),
+        }
+    }
+}
+
+/// Accepts connections forever, one handler thread each.
+pub fn serve<L: Listener>(listener: L, ctx: Arc<Context>) {
+    loop {
+        match listener.accept() {
+            Ok(conn) => {
+                let ctx = Arc::clone(&ctx);
+                if let Err(e) = thread::Builder::new()
+                    .name("conn".into())
+                    .spawn(move || handle(conn, &ctx))
+                {
+                    eprintln!("imp-guest: starting a connection thread failed: {e}");
+                }
+            }
+            Err(e) => {
+                eprintln!("imp-guest: accepting a connection failed: {e}");
+                thread::sleep(Duration::from_millis(100));
+            }
+        }
+    }
+}
+
+/// Serves one connection: handshake, then requests until it closes or becomes an exec.
+pub fn handle<C: Connection>(mut conn: C, ctx: &Context) {
+    if let Err(e) = handshake(&mut conn, &ctx.hello) {
+        eprintln!("imp-guest: refused a connection: {e}");
+        return;
+    }
+    let _ = conn.set_read_timeout(Some(IDLE_TIMEOUT));
+    loop {
+        let request = match read_frame(&mut conn) {
+            Ok(Some(m)) => m,
+            Ok(None) => return,
+            Err(e) => {
+                eprintln!("imp-guest: reading a request failed: {e}");
+                let _ = write_frame(
+                    &mut conn,
+                    &Message::error(ErrorKind::BadRequest, e.to_string()),
+                );
+                return;
+            }
+        };
+        let reply = match request {
+            Message::Health => Message::HealthReport(ctx.health()),
+            Message::Metrics => {
+                match metrics::collect(&ctx.proc_dir, &ctx.disk_path, Duration::from_millis(100)) {
+                    Ok(m) => Message::MetricsReport(m),
+                    Err(e) => Message::error(
+                        ErrorKind::Internal,
+                        format!("Collecting metrics failed: {e}"),
+                    ),
+                }
+            }
+            Message::Shutdown { grace_ms } => {
+                let sent = ctx
+                    .shutdown
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .send(Duration::from_millis(grace_ms));
+                match sent {
+                    Ok(()) => Message::ShutdownAccepted,
+                    Err(_) => {
+                        Message::error(ErrorKind::Internal, "The guest is already shutting down")
+                    }
+                }
+            }
+            Message::Exec(request) => {
+                let _ = conn.set_read_timeout(None);
+                if let Err(e) = exec::run(conn, &request, &ctx.exec_defaults, &ctx.reaper) {
+                    eprintln!("imp-guest: exec of {:?} failed: {e}", request.argv);
+                }
+                return;
+            }
+            other => Message::error(
+                ErrorKind::BadRequest,
+                format!(
+                    "A {} message is not a request (expected exec, health, metrics or shutdown)",
+                    other.name()
+                ),
+            ),
+        };
+        if write_frame(&mut conn, &reply).is_err() {
+            return;
+        }
+    }
+}

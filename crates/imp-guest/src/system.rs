@@ -1,0 +1,222 @@
+//! What only PID 1 does to the guest system: mount the pseudo filesystems, load kernel
+//! modules, set the hostname, attach the console, and end the VM cleanly.
+
+use nix::errno::Errno;
+use nix::kmod::{ModuleInitFlags, finit_module};
+use nix::mount::{MsFlags, mount};
+use nix::sys::reboot::{RebootMode, reboot};
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::{Pid, dup2_stderr, dup2_stdin, dup2_stdout, sethostname, sync};
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::path::Path;
+use std::thread;
+use std::time::Duration;
+
+/// `MODULE_INIT_COMPRESSED_FILE`: let the kernel decompress a `.ko.xz`/`.ko.zst`.
+const MODULE_INIT_COMPRESSED_FILE: u32 = 4;
+
+/// Why a system step failed.
+#[derive(Debug, thiserror::Error)]
+pub enum SystemError {
+    /// A mount failed.
+    #[error("Mounting {fstype} on {target} failed")]
+    Mount {
+        /// The filesystem type.
+        fstype: &'static str,
+        /// The mount point.
+        target: &'static str,
+        /// The errno.
+        #[source]
+        source: Errno,
+    },
+    /// A module could not be loaded.
+    #[error("Loading kernel module {path} failed")]
+    Module {
+        /// The module's path.
+        path: String,
+        /// The underlying error.
+        #[source]
+        source: io::Error,
+    },
+    /// The hostname could not be set.
+    #[error("Setting the hostname to {0:?} failed")]
+    Hostname(String, #[source] Errno),
+    /// A file could not be written.
+    #[error("Writing {path} failed")]
+    Write {
+        /// The file.
+        path: String,
+        /// The underlying error.
+        #[source]
+        source: io::Error,
+    },
+}
+
+/// One pseudo filesystem PID 1 mounts.
+struct MountSpec {
+    source: &'static str,
+    target: &'static str,
+    fstype: &'static str,
+    flags: MsFlags,
+    data: Option<&'static str>,
+}
+
+fn mounts() -> [MountSpec; 7] {
+    let nosuid_nodev = MsFlags::MS_NOSUID | MsFlags::MS_NODEV;
+    [
+        MountSpec {
+            source: "proc",
+            target: "/proc",
+            fstype: "proc",
+            flags: nosuid_nodev | MsFlags::MS_NOEXEC,
+            data: None,
+        },
+        MountSpec {
+            source: "sysfs",
+            target: "/sys",
+            fstype: "sysfs",
+            flags: nosuid_nodev | MsFlags::MS_NOEXEC,
+            data: None,
+        },
+        MountSpec {
+            source: "devtmpfs",
+            target: "/dev",
+            fstype: "devtmpfs",
+            flags: MsFlags::MS_NOSUID,
+            data: Some("mode=0755"),
+        },
+        MountSpec {
+            source: "devpts",
+            target: "/dev/pts",
+            fstype: "devpts",
+            flags: MsFlags::MS_NOSUID | MsFlags::MS_NOEXEC,
+            data: Some("gid=5,mode=0620,ptmxmode=0666"),
+        },
+        MountSpec {
+            source: "tmpfs",
+            target: "/dev/shm",
+            fstype: "tmpfs",
+            flags: nosuid_nodev,
+            data: Some("mode=1777"),
+        },
+        MountSpec {
+            source: "tmpfs",
+            target: "/run",
+            fstype: "tmpfs",
+            flags: nosuid_nodev,
+            data: Some("mode=0755"),
+        },
+        MountSpec {
+            source: "tmpfs",
+            target: "/tmp",
+            fstype: "tmpfs",
+            flags: nosuid_nodev,
+            data: Some("mode=1777"),
+        },
+    ]
+}
+
+/// Mounts proc, sys, dev, dev/pts, dev/shm, run and tmp; already-mounted ones (EBUSY) are fine.
+/// Every failure is returned, none stops the others.
+pub fn mount_pseudo_filesystems() -> Vec<SystemError> {
+    let mut errors = Vec::new();
+    for m in mounts() {
+        let _ = std::fs::create_dir_all(m.target);
+        match mount(Some(m.source), m.target, Some(m.fstype), m.flags, m.data) {
+            Ok(()) | Err(Errno::EBUSY) => {}
+            Err(source) => errors.push(SystemError::Mount {
+                fstype: m.fstype,
+                target: m.target,
+                source,
+            }),
+        }
+    }
+    errors
+}
+
+/// Makes /dev/console our stdin, stdout and stderr (the kernel may have started us without
+/// them if the rootfs had no /dev/console), so the workload inherits the console too.
+pub fn attach_console() -> io::Result<()> {
+    let console = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/console")?;
+    dup2_stdin(&console)?;
+    dup2_stdout(&console)?;
+    dup2_stderr(&console)?;
+    Ok(())
+}
+
+/// Loads one kernel module file; one already loaded is fine.
+pub fn load_module(path: &str) -> Result<(), SystemError> {
+    let fail = |source: io::Error| SystemError::Module {
+        path: path.to_string(),
+        source,
+    };
+    let file = File::open(path).map_err(fail)?;
+    let flags = if path.ends_with(".xz") || path.ends_with(".zst") || path.ends_with(".gz") {
+        ModuleInitFlags::from_bits_retain(MODULE_INIT_COMPRESSED_FILE)
+    } else {
+        ModuleInitFlags::empty()
+    };
+    match finit_module(&file, c"", flags) {
+        Ok(()) | Err(Errno::EEXIST) => Ok(()),
+        Err(e) => Err(fail(e.into())),
+    }
+}
+
+/// Sets the kernel hostname.
+pub fn set_hostname(name: &str) -> Result<(), SystemError> {
+    sethostname(name).map_err(|e| SystemError::Hostname(name.to_string(), e))
+}
+
+/// Writes a file through a temporary and a rename, replacing a symlink rather than following it.
+pub fn write_file(path: &Path, contents: &str) -> Result<(), SystemError> {
+    let fail = |source| SystemError::Write {
+        path: path.display().to_string(),
+        source,
+    };
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).map_err(fail)?;
+    }
+    let tmp = path.with_extension("imp-tmp");
+    std::fs::write(&tmp, contents).map_err(fail)?;
+    std::fs::rename(&tmp, path).map_err(fail)
+}
+
+/// Ends every remaining process: SIGTERM, a moment to exit, then SIGKILL.
+pub fn kill_all(grace: Duration) {
+    let all = Pid::from_raw(-1);
+    let _ = kill(all, Signal::SIGTERM);
+    thread::sleep(grace);
+    let _ = kill(all, Signal::SIGKILL);
+}
+
+/// Flushes filesystems, remounts / read-only and powers off or reboots; never returns.
+pub fn end_vm(power_off: bool) -> ! {
+    sync();
+    let _ = mount(
+        None::<&str>,
+        "/",
+        None::<&str>,
+        MsFlags::MS_REMOUNT | MsFlags::MS_RDONLY,
+        None::<&str>,
+    );
+    sync();
+    let mode = if power_off {
+        RebootMode::RB_POWER_OFF
+    } else {
+        RebootMode::RB_AUTOBOOT
+    };
+    let err = match reboot(mode) {
+        Err(e) => e,
+        Ok(never) => match never {},
+    };
+    eprintln!("imp-guest: reboot({mode:?}) failed: {err}; halting");
+    let _ = reboot(RebootMode::RB_HALT_SYSTEM);
+    // PID 1 must not exit (the kernel would panic); sleep forever instead.
+    loop {
+        thread::sleep(Duration::from_secs(3600));
+    }
+}

@@ -1,0 +1,476 @@
+//! The host side of a guest connection: handshake, unary requests and streamed exec.
+//!
+//! Synchronous and generic over any `Read + Write` stream, so the agent can wrap it around
+//! whatever carries the bytes (Firecracker's vsock Unix socket after [`uds_connect`], or a
+//! plain Unix socket in tests).
+
+use crate::frame::{FrameError, read_frame, write_data, write_frame};
+use crate::handshake::{HandshakeError, handshake};
+use crate::message::{
+    ErrorReply, ExecRequest, ExitStatus, HealthReport, Hello, Message, MetricsReport, WindowSize,
+};
+use std::io::{self, Read, Write};
+use std::time::Duration;
+
+/// Why a request to the guest failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    /// The connection could not be opened or the versions do not match.
+    #[error("Handshake with the guest agent failed")]
+    Handshake(#[from] HandshakeError),
+    /// A frame could not be sent or received.
+    #[error("Talking to the guest agent failed")]
+    Frame(#[from] FrameError),
+    /// The guest closed the connection before answering.
+    #[error("Guest agent closed the connection while we waited for {0}")]
+    Closed(&'static str),
+    /// The guest answered with something else.
+    #[error("Expected {expected} from the guest agent, got a {got} message")]
+    Unexpected {
+        /// What we waited for.
+        expected: &'static str,
+        /// What arrived.
+        got: &'static str,
+    },
+    /// The guest reported an error.
+    #[error("Guest agent refused the request ({:?}): {}", .0.kind, .0.message)]
+    Remote(ErrorReply),
+    /// The vsock multiplexer refused the `CONNECT`.
+    #[error("Vsock CONNECT to guest port {port} failed: {reason}")]
+    Connect {
+        /// The guest port.
+        port: u32,
+        /// What the multiplexer said, or what went wrong.
+        reason: String,
+    },
+}
+
+/// The crate's client result.
+pub type Result<T, E = ClientError> = std::result::Result<T, E>;
+
+/// Opens a guest port through a Firecracker-style vsock Unix socket (`CONNECT <port>\n` →
+/// `OK <host port>\n`), which Firecracker and vhost-device-vsock both speak.
+///
+/// Reads the answer byte by byte so no protocol bytes after the newline are swallowed.
+pub fn uds_connect<S: Read + Write>(stream: &mut S, port: u32) -> Result<()> {
+    let fail = |reason: String| ClientError::Connect { port, reason };
+    stream
+        .write_all(format!("CONNECT {port}\n").as_bytes())
+        .and_then(|()| stream.flush())
+        .map_err(|e| fail(format!("sending CONNECT: {e}")))?;
+    let mut line = Vec::new();
+    let mut byte = [0u8; 1];
+    while line.len() < 64 {
+        match stream.read(&mut byte) {
+            Ok(0) => {
+                return Err(fail(
+                    "the socket closed before answering (is the guest listening?)".into(),
+                ));
+            }
+            Ok(_) if byte[0] == b'\n' => break,
+            Ok(_) => line.push(byte[0]),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(fail(format!("reading the answer: {e}"))),
+        }
+    }
+    let line = String::from_utf8_lossy(&line);
+    if line.starts_with("OK ") {
+        Ok(())
+    } else {
+        Err(fail(format!("unexpected answer {line:?}")))
+    }
+}
+
+/// A handshaken connection to the guest agent.
+#[derive(Debug)]
+pub struct Client<S> {
+    stream: S,
+    peer: Hello,
+}
+
+impl<S: Read + Write> Client<S> {
+    /// Performs the version handshake on an open stream.
+    pub fn handshake(mut stream: S, ours: &Hello) -> Result<Self> {
+        let peer = handshake(&mut stream, ours)?;
+        Ok(Self { stream, peer })
+    }
+
+    /// The guest's hello (its version and software).
+    pub fn peer(&self) -> &Hello {
+        &self.peer
+    }
+
+    /// Asks for the guest's uptime and workload state.
+    pub fn health(&mut self) -> Result<HealthReport> {
+        write_frame(&mut self.stream, &Message::Health)?;
+        match self.answer("a health report")? {
+            Message::HealthReport(h) => Ok(h),
+            other => Err(unexpected("a health report", &other)),
+        }
+    }
+
+    /// Asks for the guest's CPU, memory and disk figures (takes ~100 ms: two CPU samples).
+    pub fn metrics(&mut self) -> Result<MetricsReport> {
+        write_frame(&mut self.stream, &Message::Metrics)?;
+        match self.answer("a metrics report")? {
+            Message::MetricsReport(m) => Ok(m),
+            other => Err(unexpected("a metrics report", &other)),
+        }
+    }
+
+    /// Asks the guest to stop its workload (SIGTERM, then SIGKILL after `grace`) and power off.
+    pub fn shutdown(&mut self, grace: Duration) -> Result<()> {
+        let grace_ms = u64::try_from(grace.as_millis()).unwrap_or(u64::MAX);
+        write_frame(&mut self.stream, &Message::Shutdown { grace_ms })?;
+        match self.answer("the shutdown acknowledgement")? {
+            Message::ShutdownAccepted => Ok(()),
+            other => Err(unexpected("the shutdown acknowledgement", &other)),
+        }
+    }
+
+    /// Starts a command; the connection then belongs to the exec until it exits.
+    pub fn exec(mut self, request: &ExecRequest) -> Result<ExecSession<S>> {
+        write_frame(&mut self.stream, &Message::Exec(request.clone()))?;
+        match self.answer("the exec to start")? {
+            Message::Started { pid } => Ok(ExecSession {
+                stream: self.stream,
+                pid,
+            }),
+            other => Err(unexpected("the exec to start", &other)),
+        }
+    }
+
+    /// Gives the stream back.
+    pub fn into_inner(self) -> S {
+        self.stream
+    }
+
+    fn answer(&mut self, expected: &'static str) -> Result<Message> {
+        match read_frame(&mut self.stream)? {
+            None => Err(ClientError::Closed(expected)),
+            Some(Message::Error(e)) => Err(ClientError::Remote(e)),
+            Some(m) => Ok(m),
+        }
+    }
+}
+
+fn unexpected(expected: &'static str, got: &Message) -> ClientError {
+    ClientError::Unexpected {
+        expected,
+        got: got.name(),
+    }
+}
+
+/// What a running exec produced next.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ExecEvent {
+    /// Bytes on stdout (or the TTY).
+    Stdout(Vec<u8>),
+    /// Bytes on stderr.
+    Stderr(Vec<u8>),
+    /// The process ended; nothing follows.
+    Exit(ExitStatus),
+}
+
+/// A running command: send it input and signals, read its output as it is produced.
+#[derive(Debug)]
+pub struct ExecSession<S> {
+    stream: S,
+    pid: u32,
+}
+
+impl<S: Read + Write> ExecSession<S> {
+    /// The command's pid inside the guest.
+    pub fn pid(&self) -> u32 {
+        self.pid
+    }
+
+    /// Sends bytes to the command's stdin.
+    pub fn write_stdin(&mut self, data: &[u8]) -> Result<()> {
+        ExecInput::write_stdin_to(&mut self.stream, data)
+    }
+
+    /// Ends the command's stdin (EOF, or Ctrl-D on a TTY).
+    pub fn close_stdin(&mut self) -> Result<()> {
+        Ok(write_frame(&mut self.stream, &Message::StdinEof)?)
+    }
+
+    /// Tells the command's TTY its new size.
+    pub fn resize(&mut self, size: WindowSize) -> Result<()> {
+        Ok(write_frame(&mut self.stream, &Message::Resize(size))?)
+    }
+
+    /// Sends a signal (a Linux signal number) to the command.
+    pub fn signal(&mut self, signal: i32) -> Result<()> {
+        Ok(write_frame(&mut self.stream, &Message::Signal { signal })?)
+    }
+
+    /// Waits for the next output or the exit.
+    pub fn next_event(&mut self) -> Result<ExecEvent> {
+        ExecOutput::next_from(&mut self.stream)
+    }
+
+    /// Reads everything until the exit, writing stdout and stderr as they arrive.
+    pub fn wait_with_output(
+        &mut self,
+        stdout: &mut dyn Write,
+        stderr: &mut dyn Write,
+    ) -> Result<ExitStatus> {
+        ExecOutput::drain_from(&mut self.stream, stdout, stderr)
+    }
+
+    /// Splits the session so input and output can be driven from two threads; `writer` must
+    /// be a second handle on the same connection (e.g. `UnixStream::try_clone`).
+    pub fn into_parts<W: Write>(self, writer: W) -> (ExecInput<W>, ExecOutput<S>) {
+        (
+            ExecInput { stream: writer },
+            ExecOutput {
+                stream: self.stream,
+            },
+        )
+    }
+}
+
+/// The sending half of a split [`ExecSession`].
+#[derive(Debug)]
+pub struct ExecInput<W> {
+    stream: W,
+}
+
+impl<W: Write> ExecInput<W> {
+    fn write_stdin_to(stream: &mut W, data: &[u8]) -> Result<()> {
+        if data.is_empty() {
+            return Ok(());
+        }
+        Ok(write_data(stream, Message::Stdin, data)?)
+    }
+
+    /// Sends bytes to the command's stdin.
+    pub fn write_stdin(&mut self, data: &[u8]) -> Result<()> {
+        Self::write_stdin_to(&mut self.stream, data)
+    }
+
+    /// Ends the command's stdin.
+    pub fn close_stdin(&mut self) -> Result<()> {
+        Ok(write_frame(&mut self.stream, &Message::StdinEof)?)
+    }
+
+    /// Tells the command's TTY its new size.
+    pub fn resize(&mut self, size: WindowSize) -> Result<()> {
+        Ok(write_frame(&mut self.stream, &Message::Resize(size))?)
+    }
+
+    /// Sends a signal to the command.
+    pub fn signal(&mut self, signal: i32) -> Result<()> {
+        Ok(write_frame(&mut self.stream, &Message::Signal { signal })?)
+    }
+}
+
+/// The receiving half of a split [`ExecSession`].
+#[derive(Debug)]
+pub struct ExecOutput<R> {
+    stream: R,
+}
+
+impl<R: Read> ExecOutput<R> {
+    fn next_from(stream: &mut R) -> Result<ExecEvent> {
+        const WHAT: &str = "the exec's output or exit";
+        match read_frame(stream)? {
+            None => Err(ClientError::Closed(WHAT)),
+            Some(Message::Stdout(d)) => Ok(ExecEvent::Stdout(d)),
+            Some(Message::Stderr(d)) => Ok(ExecEvent::Stderr(d)),
+            Some(Message::Exit { status }) => Ok(ExecEvent::Exit(status)),
+            Some(Message::Error(e)) => Err(ClientError::Remote(e)),
+            Some(other) => Err(unexpected(WHAT, &other)),
+        }
+    }
+
+    fn drain_from(
+        stream: &mut R,
+        stdout: &mut dyn Write,
+        stderr: &mut dyn Write,
+    ) -> Result<ExitStatus> {
+        loop {
+            let (out, data): (&mut dyn Write, Vec<u8>) = match Self::next_from(stream)? {
+                ExecEvent::Stdout(d) => (&mut *stdout, d),
+                ExecEvent::Stderr(d) => (&mut *stderr, d),
+                ExecEvent::Exit(status) => return Ok(status),
+            };
+            out.write_all(&data)
+                .and_then(|()| out.flush())
+                .map_err(|source| FrameError::Io {
+                    action: "copying output of",
+                    source,
+                })?;
+        }
+    }
+
+    /// Waits for the next output or the exit.
+    pub fn next_event(&mut self) -> Result<ExecEvent> {
+        Self::next_from(&mut self.stream)
+    }
+
+    /// Reads everything until the exit, writing stdout and stderr as they arrive.
+    pub fn wait_with_output(
+        &mut self,
+        stdout: &mut dyn Write,
+        stderr: &mut dyn Write,
+    ) -> Result<ExitStatus> {
+        Self::drain_from(&mut self.stream, stdout, stderr)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::message::{ErrorKind, WorkloadState};
+    use std::os::unix::net::UnixStream;
+    use std::thread;
+
+    /// A scripted guest: handshake, then answer each request with the given replies.
+    fn fake_guest(
+        mut s: UnixStream,
+        script: Vec<(&'static str, Vec<Message>)>,
+    ) -> thread::JoinHandle<Vec<Message>> {
+        thread::spawn(move || {
+            handshake(&mut s, &Hello::new("fake-guest")).unwrap();
+            let mut seen = Vec::new();
+            for (expect, replies) in script {
+                let got = read_frame(&mut s).unwrap().unwrap();
+                assert_eq!(got.name(), expect);
+                seen.push(got);
+                for r in replies {
+                    write_frame(&mut s, &r).unwrap();
+                }
+            }
+            seen
+        })
+    }
+
+    #[test]
+    fn unary_requests_get_their_answers_on_one_connection() {
+        let (host, guest) = UnixStream::pair().unwrap();
+        let health = HealthReport {
+            uptime_ms: 5,
+            workload: WorkloadState::Starting,
+        };
+        let g = fake_guest(
+            guest,
+            vec![
+                ("health", vec![Message::HealthReport(health.clone())]),
+                (
+                    "metrics",
+                    vec![Message::MetricsReport(MetricsReport::default())],
+                ),
+                ("shutdown", vec![Message::ShutdownAccepted]),
+            ],
+        );
+        let mut c = Client::handshake(host, &Hello::new("host")).unwrap();
+        assert_eq!(c.peer().software, "fake-guest");
+        assert_eq!(c.health().unwrap(), health);
+        assert_eq!(c.metrics().unwrap(), MetricsReport::default());
+        c.shutdown(Duration::from_millis(1500)).unwrap();
+        let seen = g.join().unwrap();
+        assert_eq!(seen[2], Message::Shutdown { grace_ms: 1500 });
+    }
+
+    #[test]
+    fn exec_streams_output_and_forwards_input() {
+        let (host, guest) = UnixStream::pair().unwrap();
+        let g = fake_guest(
+            guest,
+            vec![
+                ("exec", vec![Message::Started { pid: 9 }]),
+                ("stdin", vec![Message::Stdout(b"echo".to_vec())]),
+                ("stdin_eof", vec![Message::Stderr(b"e".to_vec())]),
+                (
+                    "signal",
+                    vec![Message::Exit {
+                        status: ExitStatus::Code(3),
+                    }],
+                ),
+            ],
+        );
+        let c = Client::handshake(host, &Hello::new("host")).unwrap();
+        let mut s = c
+            .exec(&ExecRequest {
+                argv: vec!["cat".into()],
+                ..Default::default()
+            })
+            .unwrap();
+        assert_eq!(s.pid(), 9);
+        s.write_stdin(b"in").unwrap();
+        assert_eq!(s.next_event().unwrap(), ExecEvent::Stdout(b"echo".to_vec()));
+        s.close_stdin().unwrap();
+        s.signal(15).unwrap();
+        let (mut out, mut err) = (Vec::new(), Vec::new());
+        assert_eq!(
+            s.wait_with_output(&mut out, &mut err).unwrap(),
+            ExitStatus::Code(3)
+        );
+        assert_eq!(err, b"e");
+        let seen = g.join().unwrap();
+        assert_eq!(seen[1], Message::Stdin(b"in".to_vec()));
+        assert_eq!(seen[3], Message::Signal { signal: 15 });
+    }
+
+    #[test]
+    fn a_refused_exec_surfaces_the_guest_message() {
+        let (host, guest) = UnixStream::pair().unwrap();
+        let g = fake_guest(
+            guest,
+            vec![(
+                "exec",
+                vec![Message::error(
+                    ErrorKind::NotFound,
+                    "command \"nope\" not found",
+                )],
+            )],
+        );
+        let c = Client::handshake(host, &Hello::new("host")).unwrap();
+        let err = c.exec(&ExecRequest {
+            argv: vec!["nope".into()],
+            ..Default::default()
+        });
+        let err = err.unwrap_err();
+        assert!(matches!(&err, ClientError::Remote(e) if e.kind == ErrorKind::NotFound));
+        assert!(
+            err.to_string().contains("command \"nope\" not found"),
+            "{err}"
+        );
+        g.join().unwrap();
+    }
+
+    #[test]
+    fn uds_connect_speaks_the_firecracker_protocol() {
+        let (mut host, mut mux) = UnixStream::pair().unwrap();
+        let t = thread::spawn(move || {
+            let mut buf = [0u8; 14];
+            mux.read_exact(&mut buf).unwrap();
+            assert_eq!(&buf, b"CONNECT 10000\n");
+            mux.write_all(b"OK 1073741824\nHELLO").unwrap();
+            mux
+        });
+        uds_connect(&mut host, 10000).unwrap();
+        let mut rest = [0u8; 5];
+        host.read_exact(&mut rest).unwrap();
+        assert_eq!(
+            &rest, b"HELLO",
+            "bytes after the OK line are left in the stream"
+        );
+        t.join().unwrap();
+    }
+
+    #[test]
+    fn uds_connect_reports_a_closed_socket() {
+        let (mut host, mux) = UnixStream::pair().unwrap();
+        let t = thread::spawn(move || {
+            let mut m = mux;
+            let mut buf = [0u8; 14];
+            m.read_exact(&mut buf).unwrap();
+        });
+        let err = uds_connect(&mut host, 10000).unwrap_err();
+        assert!(err.to_string().contains("closed before answering"), "{err}");
+        t.join().unwrap();
+    }
+}

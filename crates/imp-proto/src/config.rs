@@ -1,0 +1,296 @@
+//! The guest configuration file (`/.imp/config.json`): what the host writes is what the guest
+//! reads, because both use these types.
+
+use crate::message::EnvVar;
+use serde::{Deserialize, Serialize};
+use std::net::{IpAddr, Ipv4Addr};
+
+/// Where the host puts the config inside the rootfs and where the guest looks first.
+pub const CONFIG_PATH: &str = "/.imp/config.json";
+
+/// The PATH a workload gets when neither the image nor the VM sets one.
+pub const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
+
+/// Why a config file was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// It is not JSON of the expected shape.
+    #[error("Guest config is not valid JSON of the expected shape")]
+    Json(#[from] serde_json::Error),
+    /// A field holds a value that cannot work.
+    #[error("Guest config field `{field}` is invalid: {reason}")]
+    Invalid {
+        /// The field's path, e.g. `network.prefix_len`.
+        field: String,
+        /// Why.
+        reason: String,
+    },
+}
+
+/// Everything the guest init needs to know about its VM and workload.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(default)]
+pub struct GuestConfig {
+    /// The hostname to set (the VM's name).
+    pub hostname: Option<String>,
+    /// Kernel modules to load, by path inside the guest, in this order (dependencies first).
+    pub modules: Vec<String>,
+    /// The static network setup of eth0; none means loopback only.
+    pub network: Option<NetworkConfig>,
+    /// The OCI image config's process fields.
+    pub image: ImageConfig,
+    /// Replaces the image's ENTRYPOINT (and drops its CMD unless `args` is set), like a Pod's
+    /// `command`.
+    pub command: Option<Vec<String>>,
+    /// Replaces the image's CMD, like a Pod's `args`.
+    pub args: Option<Vec<String>>,
+    /// The VM's environment, applied over the image's `Env` (later entries win).
+    pub env: Vec<EnvVar>,
+    /// The guest agent's vsock settings.
+    pub agent: AgentConfig,
+    /// What the guest does once the workload has ended.
+    pub on_exit: PowerAction,
+}
+
+/// The process fields of an OCI image config.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(default)]
+pub struct ImageConfig {
+    /// `Entrypoint`.
+    pub entrypoint: Vec<String>,
+    /// `Cmd`.
+    pub cmd: Vec<String>,
+    /// `Env`, as `NAME=value` strings.
+    pub env: Vec<String>,
+    /// `WorkingDir`; empty means `/`.
+    pub working_dir: Option<String>,
+    /// `User`: `uid`, `uid:gid`, `name` or `name:group`; empty means root.
+    pub user: Option<String>,
+}
+
+/// A static IPv4 setup for one interface.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NetworkConfig {
+    /// The interface to configure.
+    #[serde(default = "default_interface")]
+    pub interface: String,
+    /// The VM's address.
+    pub address: Ipv4Addr,
+    /// The prefix length of its subnet (0..=32).
+    pub prefix_len: u8,
+    /// The default route's next hop.
+    #[serde(default)]
+    pub gateway: Option<Ipv4Addr>,
+    /// Name servers for `/etc/resolv.conf`.
+    #[serde(default)]
+    pub dns: Vec<IpAddr>,
+    /// Search domains for `/etc/resolv.conf`.
+    #[serde(default)]
+    pub search: Vec<String>,
+    /// The MTU, if not the driver's default.
+    #[serde(default)]
+    pub mtu: Option<u32>,
+}
+
+fn default_interface() -> String {
+    "eth0".to_string()
+}
+
+/// The guest agent's vsock settings.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct AgentConfig {
+    /// Whether to serve the exec/health/metrics API at all.
+    pub enabled: bool,
+    /// The vsock port the API listens on.
+    pub port: u32,
+    /// The host port (CID 2) to report the workload's exit to; none means no report.
+    pub exit_report_port: Option<u32>,
+}
+
+impl Default for AgentConfig {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            port: crate::DEFAULT_API_PORT,
+            exit_report_port: None,
+        }
+    }
+}
+
+/// How the guest ends once its workload has ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PowerAction {
+    /// `reboot(RB_POWER_OFF)`: QEMU exits (ACPI); the default.
+    #[default]
+    PowerOff,
+    /// `reboot(RB_AUTOBOOT)`: for VMMs that exit on reset (Firecracker with `reboot=k`,
+    /// QEMU with `-no-reboot`).
+    Reboot,
+}
+
+impl GuestConfig {
+    /// Parses and validates a config file's contents.
+    pub fn from_json(bytes: &[u8]) -> Result<Self, ConfigError> {
+        let config: GuestConfig = serde_json::from_slice(bytes)?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Serializes the config as the host writes it.
+    pub fn to_json(&self) -> Result<Vec<u8>, ConfigError> {
+        self.validate()?;
+        Ok(serde_json::to_vec_pretty(self)?)
+    }
+
+    /// Checks the values that parsing alone cannot.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let invalid = |field: &str, reason: String| {
+            Err(ConfigError::Invalid {
+                field: field.to_string(),
+                reason,
+            })
+        };
+        if let Some(h) = &self.hostname
+            && (h.is_empty() || h.len() > 64 || h.contains(['/', '\0', ' ']))
+        {
+            return invalid(
+                "hostname",
+                format!("{h:?} is not a hostname (1-64 chars, no '/', spaces or NUL)"),
+            );
+        }
+        for (i, m) in self.modules.iter().enumerate() {
+            if !m.starts_with('/') {
+                return invalid(
+                    &format!("modules[{i}]"),
+                    format!("{m:?} is not an absolute path"),
+                );
+            }
+        }
+        if let Some(n) = &self.network {
+            if n.prefix_len > 32 {
+                return invalid(
+                    "network.prefix_len",
+                    format!("{} is more than 32", n.prefix_len),
+                );
+            }
+            if n.interface.is_empty() || n.interface.len() > 15 {
+                return invalid(
+                    "network.interface",
+                    format!("{:?} is not 1-15 bytes", n.interface),
+                );
+            }
+        }
+        for (i, e) in self.env.iter().enumerate() {
+            if e.name.is_empty() || e.name.contains(['=', '\0']) {
+                return invalid(
+                    &format!("env[{i}].name"),
+                    format!("{:?} is empty or holds '=' or NUL", e.name),
+                );
+            }
+        }
+        for (i, e) in self.image.env.iter().enumerate() {
+            if !e.contains('=') || e.starts_with('=') {
+                return invalid(
+                    &format!("image.env[{i}]"),
+                    format!("{e:?} is not NAME=value"),
+                );
+            }
+        }
+        if self.agent.port == 0 {
+            return invalid("agent.port", "0 is not a vsock port".to_string());
+        }
+        if self.agent.exit_report_port == Some(0) {
+            return invalid(
+                "agent.exit_report_port",
+                "0 is not a vsock port".to_string(),
+            );
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_empty_object_is_a_valid_config_with_defaults() {
+        let c = GuestConfig::from_json(b"{}").unwrap();
+        assert!(c.agent.enabled);
+        assert_eq!(c.agent.port, crate::DEFAULT_API_PORT);
+        assert_eq!(c.on_exit, PowerAction::PowerOff);
+        assert!(c.network.is_none());
+    }
+
+    #[test]
+    fn what_the_host_writes_the_guest_reads() {
+        let c = GuestConfig {
+            hostname: Some("vm-1".into()),
+            modules: vec!["/.imp/modules/virtio_ring.ko".into()],
+            network: Some(NetworkConfig {
+                interface: "eth0".into(),
+                address: Ipv4Addr::new(10, 0, 0, 5),
+                prefix_len: 24,
+                gateway: Some(Ipv4Addr::new(10, 0, 0, 1)),
+                dns: vec!["10.0.0.1".parse().unwrap()],
+                search: vec!["svc.local".into()],
+                mtu: Some(1450),
+            }),
+            image: ImageConfig {
+                entrypoint: vec!["/bin/app".into()],
+                cmd: vec!["--serve".into()],
+                env: vec!["PATH=/app/bin".into()],
+                working_dir: Some("/app".into()),
+                user: Some("app:app".into()),
+            },
+            command: None,
+            args: Some(vec!["--once".into()]),
+            env: vec![EnvVar::new("MODE", "test")],
+            agent: AgentConfig {
+                enabled: true,
+                port: 10000,
+                exit_report_port: Some(10001),
+            },
+            on_exit: PowerAction::Reboot,
+        };
+        let json = c.to_json().unwrap();
+        assert_eq!(GuestConfig::from_json(&json).unwrap(), c);
+    }
+
+    #[test]
+    fn network_defaults_to_eth0() {
+        let c = GuestConfig::from_json(br#"{"network":{"address":"10.1.2.3","prefix_len":16}}"#)
+            .unwrap();
+        assert_eq!(c.network.unwrap().interface, "eth0");
+    }
+
+    #[test]
+    fn bad_values_name_the_field() {
+        for (json, field) in [
+            (
+                r#"{"network":{"address":"10.1.2.3","prefix_len":33}}"#,
+                "network.prefix_len",
+            ),
+            (r#"{"modules":["virtio.ko"]}"#, "modules[0]"),
+            (r#"{"env":[{"name":"A=B","value":"x"}]}"#, "env[0].name"),
+            (r#"{"image":{"env":["NOEQUALS"]}}"#, "image.env[0]"),
+            (r#"{"agent":{"port":0}}"#, "agent.port"),
+            (r#"{"hostname":"a b"}"#, "hostname"),
+        ] {
+            let err = GuestConfig::from_json(json.as_bytes()).unwrap_err();
+            assert!(
+                err.to_string().contains(&format!("`{field}`")),
+                "{json}: {err}"
+            );
+        }
+    }
+
+    #[test]
+    fn malformed_json_is_a_json_error() {
+        let err = GuestConfig::from_json(br#"{"network":{"address":"not-an-ip","prefix_len":1}}"#)
+            .unwrap_err();
+        assert!(matches!(err, ConfigError::Json(_)), "{err}");
+    }
+}
