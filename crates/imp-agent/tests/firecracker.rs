@@ -4,7 +4,7 @@
 //! jailer}` (fill it with `scripts/fetch-firecracker.sh target/firecracker`). The guest is
 //! `tests/guest/baremetal.S`, assembled here with `as` and `ld`. The spec check reads
 //! Firecracker's OpenAPI spec from `IMP_FIRECRACKER_SPEC`, else
-//! `/work/shared/reference/firecracker-api/firecracker.yaml`. Tests that need root, KVM, the
+//! `../shared/reference/firecracker-api/firecracker.yaml` beside the checkout. Tests that need root, KVM, the
 //! tools or the binaries skip on a developer machine and fail under `CI=true`. Run with
 //! `--nocapture` to see the measured snapshot and restore times.
 
@@ -24,7 +24,10 @@ use imp_testkube::guard;
 use serde_yaml_ng::Value;
 
 const GUEST_SRC: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/guest/baremetal.S");
-const DEFAULT_SPEC: &str = "/work/shared/reference/firecracker-api/firecracker.yaml";
+const DEFAULT_SPEC: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/../../../shared/reference/firecracker-api/firecracker.yaml"
+);
 const BANNER: &str = "IMP BAREMETAL GUEST";
 
 static SEQ: AtomicUsize = AtomicUsize::new(0);
@@ -650,7 +653,7 @@ fn spec() -> Option<Value> {
     let path = std::env::var("IMP_FIRECRACKER_SPEC").unwrap_or_else(|_| DEFAULT_SPEC.into());
     if !guard::require(
         Path::new(&path).is_file(),
-        "Firecracker OpenAPI spec (IMP_FIRECRACKER_SPEC or /work/shared/reference/...)",
+        "Firecracker OpenAPI spec (IMP_FIRECRACKER_SPEC or ../shared/reference beside the checkout)",
     ) {
         return None;
     }

@@ -1,0 +1,58 @@
+//! ImpVMClass: a machine size (vCPU, memory, disk) and the defaults VMs of that size inherit.
+
+use k8s_openapi::api::core::v1::Toleration;
+use kube::CustomResource;
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use crate::shared::{Arch, GuestAgentConfig, ProbeSpec, RestartPolicy, VmRuntime};
+
+/// A machine class, cluster-scoped so every namespace can use it.
+#[derive(CustomResource, Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[kube(
+    group = "imp.dev",
+    version = "v1alpha1",
+    kind = "ImpVMClass",
+    plural = "impvmclasses",
+    singular = "impvmclass",
+    shortname = "impcls",
+    category = "imp",
+    printcolumn(name = "VCPU", type_ = "integer", json_path = ".spec.vcpu"),
+    printcolumn(name = "Memory", type_ = "integer", json_path = ".spec.memoryMiB"),
+    printcolumn(name = "Disk", type_ = "integer", json_path = ".spec.diskGiB"),
+    printcolumn(name = "Arch", type_ = "string", json_path = ".spec.arch"),
+    derive = "Default",
+    derive = "PartialEq"
+)]
+#[serde(rename_all = "camelCase")]
+pub struct ImpVMClassSpec {
+    /// Virtual CPUs per VM.
+    #[schemars(range(min = 1))]
+    pub vcpu: i32,
+    /// Guest memory per VM in MiB.
+    #[serde(rename = "memoryMiB")]
+    #[schemars(range(min = 128))]
+    pub memory_mib: i32,
+    /// Size of each VM's own writable root disk in GiB.
+    #[serde(rename = "diskGiB")]
+    #[schemars(range(min = 1))]
+    pub disk_gib: i32,
+    /// Architecture the class is for; multi means any node.
+    #[serde(default)]
+    pub arch: Arch,
+    /// VMM to run these VMs with (imp extension); absent means the agent's default.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub runtime: Option<VmRuntime>,
+    /// Default probes for VMs of this class.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub probes: Option<ProbeSpec>,
+    /// Default guest-agent switch.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub guest_agent: Option<GuestAgentConfig>,
+    /// Default restart policy.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub restart_policy: Option<RestartPolicy>,
+    /// Tolerations every VM of this class gets.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tolerations: Vec<Toleration>,
+}

@@ -1,0 +1,212 @@
+//! Condition types, reasons and the helpers that keep `status.conditions` honest: one entry
+//! per type, and `lastTransitionTime` moves only when the status does.
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use serde::{Deserialize, Serialize};
+
+macro_rules! string_enum {
+    ($(#[$m:meta])* $name:ident { $($(#[$vm:meta])* $variant:ident),+ $(,)? }) => {
+        $(#[$m])*
+        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+        pub enum $name {
+            $($(#[$vm])* $variant),+
+        }
+
+        impl $name {
+            /// The string written to the API.
+            pub fn as_str(self) -> &'static str {
+                match self {
+                    $(Self::$variant => stringify!($variant)),+
+                }
+            }
+        }
+
+        impl std::fmt::Display for $name {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str(self.as_str())
+            }
+        }
+
+        impl std::str::FromStr for $name {
+            type Err = UnknownValue;
+            fn from_str(s: &str) -> Result<Self, Self::Err> {
+                match s {
+                    $(stringify!($variant) => Ok(Self::$variant),)+
+                    _ => Err(UnknownValue(s.to_owned())),
+                }
+            }
+        }
+    };
+}
+
+/// A condition string that is not one imp knows.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[error("unknown value {0:?}")]
+pub struct UnknownValue(pub String);
+
+string_enum! {
+    /// The condition types imp writes.
+    ConditionType {
+        /// The VM has (or lacks) a node.
+        Scheduled,
+        /// The VM (or network) is ready for use.
+        Ready,
+        /// The VM's node exists and is Ready.
+        NodeHealthy,
+        /// The startup probe has passed.
+        Started,
+        /// The liveness probe passes.
+        Healthy,
+    }
+}
+
+string_enum! {
+    /// The reasons imp writes, one word each as Kubernetes convention wants.
+    ConditionReason {
+        /// A node was chosen.
+        NodeAssigned,
+        /// No node can take the VM now; the message says why per node.
+        NoNodeAvailable,
+        /// The spec refers to something missing or contradicts itself; the message names the fix.
+        InvalidSpec,
+        /// The node is Ready.
+        NodeReady,
+        /// The node is gone or not Ready.
+        NodeNotReady,
+        /// The VM runs.
+        Running,
+        /// The ephemeral workload finished successfully.
+        Completed,
+        /// The workload failed.
+        Failed,
+        /// The VM is on its way to running.
+        Waiting,
+        /// The operator's HTTP check fails.
+        HealthCheckFailed,
+        /// A guest probe passed.
+        ProbeSucceeded,
+        /// A guest probe failed.
+        ProbeFailed,
+        /// The object has been reconciled.
+        Reconciled,
+        /// The VM is suspended to a snapshot.
+        Suspended,
+    }
+}
+
+/// The three condition statuses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum ConditionStatus {
+    /// Holds.
+    True,
+    /// Does not hold.
+    False,
+    /// Not known yet.
+    Unknown,
+}
+
+impl ConditionStatus {
+    /// The string written to the API.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::True => "True",
+            Self::False => "False",
+            Self::Unknown => "Unknown",
+        }
+    }
+}
+
+impl From<bool> for ConditionStatus {
+    fn from(b: bool) -> Self {
+        if b { Self::True } else { Self::False }
+    }
+}
+
+/// Finds the condition of `type_` in `conditions`.
+pub fn find(conditions: &[Condition], type_: ConditionType) -> Option<&Condition> {
+    conditions.iter().find(|c| c.type_ == type_.as_str())
+}
+
+/// True when the condition of `type_` exists with status True.
+pub fn is_true(conditions: &[Condition], type_: ConditionType) -> bool {
+    find(conditions, type_).is_some_and(|c| c.status == "True")
+}
+
+/// Sets one condition, keeping a single entry per type; returns whether anything changed.
+///
+/// `lastTransitionTime` becomes `now` only when the status changes (or the condition is new),
+/// so a reason or message update does not look like a transition.
+pub fn set(
+    conditions: &mut Vec<Condition>,
+    type_: ConditionType,
+    status: ConditionStatus,
+    reason: ConditionReason,
+    message: impl Into<String>,
+    observed_generation: Option<i64>,
+    now: Time,
+) -> bool {
+    let message = message.into();
+    match conditions.iter_mut().find(|c| c.type_ == type_.as_str()) {
+        Some(c) => {
+            let changed_status = c.status != status.as_str();
+            let changed = changed_status
+                || c.reason != reason.as_str()
+                || c.message != message
+                || c.observed_generation != observed_generation;
+            if changed_status {
+                c.last_transition_time = now;
+            }
+            c.status = status.as_str().to_owned();
+            c.reason = reason.as_str().to_owned();
+            c.message = message;
+            c.observed_generation = observed_generation;
+            changed
+        }
+        None => {
+            conditions.push(Condition {
+                type_: type_.as_str().to_owned(),
+                status: status.as_str().to_owned(),
+                reason: reason.as_str().to_owned(),
+                message,
+                observed_generation,
+                last_transition_time: now,
+            });
+            true
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use k8s_openapi::jiff::Timestamp;
+
+    fn t(secs: i64) -> Time {
+        Time(Timestamp::from_second(secs).unwrap())
+    }
+
+    #[test]
+    fn strings_match_the_go_project() {
+        assert_eq!(ConditionType::NodeHealthy.as_str(), "NodeHealthy");
+        assert_eq!(ConditionReason::NoNodeAvailable.to_string(), "NoNodeAvailable");
+        assert_eq!("Scheduled".parse::<ConditionType>(), Ok(ConditionType::Scheduled));
+        assert!("Bogus".parse::<ConditionReason>().is_err());
+        assert_eq!(serde_json::to_string(&ConditionReason::InvalidSpec).unwrap(), "\"InvalidSpec\"");
+    }
+
+    #[test]
+    fn transition_time_moves_only_with_status() {
+        let mut c = Vec::new();
+        assert!(set(&mut c, ConditionType::Ready, ConditionStatus::Unknown, ConditionReason::Waiting, "", Some(1), t(10)));
+        assert!(set(&mut c, ConditionType::Ready, ConditionStatus::Unknown, ConditionReason::Waiting, "booting", Some(1), t(20)));
+        assert_eq!(c[0].last_transition_time, t(10));
+        assert!(!set(&mut c, ConditionType::Ready, ConditionStatus::Unknown, ConditionReason::Waiting, "booting", Some(1), t(25)));
+        assert!(set(&mut c, ConditionType::Ready, ConditionStatus::True, ConditionReason::Running, "up", Some(1), t(30)));
+        assert_eq!(c.len(), 1);
+        assert_eq!(c[0].last_transition_time, t(30));
+        assert!(is_true(&c, ConditionType::Ready));
+        set(&mut c, ConditionType::Scheduled, true.into(), ConditionReason::NodeAssigned, "node-a", None, t(30));
+        assert_eq!(c.len(), 2);
+        assert_eq!(find(&c, ConditionType::Scheduled).unwrap().reason, "NodeAssigned");
+    }
+}

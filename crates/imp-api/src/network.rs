@@ -1,0 +1,195 @@
+//! ImpNetwork: an L2 network with IPAM, NAT and groups, spanning nodes over VXLAN.
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
+use kube::CustomResource;
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+/// An IPv4 address.
+pub const IPV4_PATTERN: &str = r"^((25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])\.){3}(25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])$";
+/// An IPv4 CIDR.
+pub const IPV4_CIDR_PATTERN: &str = r"^((25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])\.){3}(25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])/([0-9]|[12][0-9]|3[0-2])$";
+
+/// The network a VM attaches to.
+#[derive(CustomResource, Clone, Debug, Default, PartialEq, Serialize, Deserialize, kube::KubeSchema)]
+#[kube(
+    group = "imp.dev",
+    version = "v1alpha1",
+    kind = "ImpNetwork",
+    plural = "impnetworks",
+    singular = "impnetwork",
+    shortname = "impnet",
+    category = "imp",
+    namespaced,
+    status = "ImpNetworkStatus",
+    printcolumn(name = "Subnet", type_ = "string", json_path = ".spec.subnet"),
+    printcolumn(name = "NAT", type_ = "boolean", json_path = ".spec.nat.enabled"),
+    printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp"),
+    derive = "Default",
+    derive = "PartialEq"
+)]
+#[x_kube(validation = kube::core::Rule::new("!has(self.ipam) || self.ipam.provider != 'cilium' || (has(self.ipam.cilium) && has(self.ipam.cilium.poolRef) && self.ipam.cilium.poolRef != '')").message("spec.ipam.cilium.poolRef is required when spec.ipam.provider is cilium"))]
+#[serde(rename_all = "camelCase")]
+pub struct ImpNetworkSpec {
+    /// IPv4 subnet of the network, e.g. 10.44.0.0/24.
+    #[schemars(regex(pattern = IPV4_CIDR_PATTERN))]
+    pub subnet: String,
+    /// Gateway (bridge) address; default is the subnet's first address.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(regex(pattern = IPV4_PATTERN))]
+    pub gateway: Option<String>,
+    /// Masquerading egress to outside the network.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nat: Option<NatSpec>,
+    /// DNS servers the guests use.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub dns: Vec<String>,
+    /// Cilium integration switches.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cilium: Option<CiliumNetworkSpec>,
+    /// Where addresses come from.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ipam: Option<IpamSpec>,
+    /// Named sub-ranges VMs can join with spec.networkGroup.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub groups: Vec<NetworkGroup>,
+}
+
+/// NAT settings.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct NatSpec {
+    /// Whether to masquerade.
+    pub enabled: bool,
+    /// Host interface to masquerade out of; default is the default-route interface.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub egress_interface: Option<String>,
+}
+
+/// Cilium switches.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct CiliumNetworkSpec {
+    /// Keep the subnet out of Cilium's IPAM.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    #[serde(rename = "excludeFromIPAM")]
+    pub exclude_from_ipam: bool,
+    /// Let Cilium masquerade the subnet.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub masquerade_via_cilium: bool,
+}
+
+/// IPAM settings.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct IpamSpec {
+    /// imp's own allocator or a Cilium pool.
+    #[serde(default)]
+    pub provider: IpamProvider,
+    /// Cilium pool settings.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cilium: Option<CiliumIpamSpec>,
+}
+
+/// Source of addresses.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum IpamProvider {
+    /// imp's cluster-wide allocator.
+    #[default]
+    Internal,
+    /// A CiliumPodIPPool.
+    Cilium,
+}
+
+/// Cilium pool settings.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct CiliumIpamSpec {
+    /// Name of the CiliumPodIPPool.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pool_ref: Option<String>,
+    /// CIDR override; default is the subnet.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(regex(pattern = IPV4_CIDR_PATTERN))]
+    pub cidr: Option<String>,
+}
+
+/// A named group inside the network.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct NetworkGroup {
+    /// Group name, referenced by spec.networkGroup of a VM.
+    #[schemars(length(min = 1))]
+    pub name: String,
+    /// Connectivity model of the group.
+    #[serde(default)]
+    pub connectivity: GroupConnectivity,
+    /// Expected member count; sizes the group's CIDR.
+    #[serde(default = "default_expected_size")]
+    #[schemars(range(min = 1))]
+    pub expected_size: i32,
+}
+
+fn default_expected_size() -> i32 {
+    14
+}
+
+/// How members of a group reach each other.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub enum GroupConnectivity {
+    /// A sub-subnet of its own.
+    #[default]
+    #[serde(rename = "subnet")]
+    Subnet,
+    /// Only network policy separates it.
+    #[serde(rename = "policy-only")]
+    PolicyOnly,
+}
+
+/// What the operator and agents know about a network.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ImpNetworkStatus {
+    /// Address → VM (namespace/name) of every allocated IP.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    #[serde(rename = "allocatedIPs")]
+    pub allocated_ips: BTreeMap<String, String>,
+    /// VXLAN endpoints: which node hosts which VM address.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["vmIP"]))]
+    pub vtep_table: Vec<VtepEntry>,
+    /// CIDR carved out for each group.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[serde(rename = "groupCIDRs")]
+    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["name"]))]
+    pub group_cidrs: Vec<GroupCidr>,
+    /// Ready condition.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]))]
+    pub conditions: Vec<Condition>,
+}
+
+/// One VXLAN endpoint entry.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct VtepEntry {
+    /// Underlay IP of the node hosting the VM.
+    #[serde(rename = "nodeIP")]
+    pub node_ip: String,
+    /// The VM's address.
+    #[serde(rename = "vmIP")]
+    pub vm_ip: String,
+    /// The VM's MAC.
+    #[serde(rename = "vmMAC")]
+    pub vm_mac: String,
+}
+
+/// A group's CIDR.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct GroupCidr {
+    /// Group name.
+    pub name: String,
+    /// CIDR of the group.
+    pub cidr: String,
+}

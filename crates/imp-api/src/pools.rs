@@ -1,0 +1,261 @@
+//! ImpWarmPool (pre-restored VMs ready to hand out) and ImpVMRunnerPool (CI runners on demand).
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
+use kube::CustomResource;
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use crate::duration::GoDuration;
+use crate::shared::LocalObjectRef;
+
+/// A pool of VMs restored from an elected snapshot, kept at `size`.
+#[derive(CustomResource, Clone, Debug, Default, PartialEq, Serialize, Deserialize, kube::KubeSchema)]
+#[kube(
+    group = "imp.dev",
+    version = "v1alpha1",
+    kind = "ImpWarmPool",
+    plural = "impwarmpools",
+    singular = "impwarmpool",
+    shortname = "impwp",
+    category = "imp",
+    namespaced,
+    status = "ImpWarmPoolStatus",
+    printcolumn(name = "Snapshot", type_ = "string", json_path = ".spec.snapshotRef"),
+    printcolumn(name = "Size", type_ = "integer", json_path = ".spec.size"),
+    printcolumn(name = "Ready", type_ = "integer", json_path = ".status.readyCount"),
+    printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp"),
+    derive = "Default",
+    derive = "PartialEq"
+)]
+#[serde(rename_all = "camelCase")]
+pub struct ImpWarmPoolSpec {
+    /// Parent ImpVMSnapshot whose elected base members restore from.
+    #[schemars(length(min = 1))]
+    pub snapshot_ref: String,
+    /// Members to keep.
+    #[serde(default = "default_pool_size")]
+    #[schemars(range(min = 0))]
+    pub size: i32,
+    /// Template members are made from.
+    #[schemars(length(min = 1))]
+    pub template_name: String,
+    /// Expiry of members; 0 or at least 60s.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[x_kube(validation = kube::core::Rule::new("duration(self) == duration('0s') || duration(self) >= duration('60s')").message("must be 0 or at least 60s"))]
+    pub expire_after: Option<GoDuration>,
+}
+
+fn default_pool_size() -> i32 {
+    2
+}
+
+/// Warm-pool status.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ImpWarmPoolStatus {
+    /// Members Running.
+    #[serde(default)]
+    pub ready_count: i32,
+    /// Conditions.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]))]
+    pub conditions: Vec<Condition>,
+}
+
+/// CI runner VMs created on demand from a template.
+#[derive(CustomResource, Clone, Debug, Default, PartialEq, Serialize, Deserialize, kube::KubeSchema)]
+#[kube(
+    group = "imp.dev",
+    version = "v1alpha1",
+    kind = "ImpVMRunnerPool",
+    plural = "impvmrunnerpools",
+    singular = "impvmrunnerpool",
+    shortname = "imprp",
+    category = "imp",
+    namespaced,
+    status = "ImpVMRunnerPoolStatus",
+    printcolumn(name = "Platform", type_ = "string", json_path = ".spec.platform.type"),
+    printcolumn(name = "Template", type_ = "string", json_path = ".spec.templateName"),
+    printcolumn(name = "Idle", type_ = "integer", json_path = ".status.idleCount"),
+    printcolumn(name = "Active", type_ = "integer", json_path = ".status.activeCount"),
+    printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp"),
+    derive = "Default",
+    derive = "PartialEq"
+)]
+#[x_kube(
+    validation = kube::core::Rule::new("self.platform.type != 'github-actions' || has(self.scaling)").message("spec.scaling is required for github-actions"),
+    validation = kube::core::Rule::new("self.platform.type != 'github-actions' || !has(self.scaling) || has(self.scaling.mode)").message("spec.scaling.mode is required for github-actions"),
+    validation = kube::core::Rule::new("self.platform.type != 'github-actions' || !has(self.scaling) || (has(self.scaling.minIdle) && has(self.scaling.maxConcurrent) && has(self.scaling.scaleUpStep) && has(self.scaling.cooldownSeconds))").message("spec.scaling.minIdle, maxConcurrent, scaleUpStep and cooldownSeconds must all be set for github-actions"),
+    validation = kube::core::Rule::new("!has(self.scaling) || !has(self.scaling.minIdle) || !has(self.scaling.maxConcurrent) || self.scaling.minIdle <= self.scaling.maxConcurrent").message("spec.scaling.minIdle must not exceed spec.scaling.maxConcurrent"),
+    validation = kube::core::Rule::new("!has(self.scaling) || !has(self.scaling.mode) || self.scaling.mode == 'webhook' || has(self.scaling.polling)").message("spec.scaling.polling is required for polling and hybrid modes"),
+    validation = kube::core::Rule::new("!has(self.scaling) || !has(self.scaling.mode) || self.scaling.mode == 'polling' || (has(self.scaling.webhook) && has(self.scaling.webhook.secretRef))").message("spec.scaling.webhook.secretRef is required for webhook and hybrid modes"),
+)]
+#[serde(rename_all = "camelCase")]
+pub struct ImpVMRunnerPoolSpec {
+    /// Template runner VMs are made from.
+    #[schemars(length(min = 1))]
+    pub template_name: String,
+    /// CI platform and credentials.
+    pub platform: RunnerPlatform,
+    /// Runner tooling layer, overriding the template's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub runner_layer: Option<String>,
+    /// Labels runners register with.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub labels: Vec<String>,
+    /// How demand is detected and how fast to scale.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub scaling: Option<RunnerScaling>,
+    /// Deprecated demand detection switches, mapped onto scaling.mode when that is unset.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub job_detection: Option<JobDetection>,
+    /// Expiry of runner VMs; 0 or at least 60s.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[x_kube(validation = kube::core::Rule::new("duration(self) == duration('0s') || duration(self) >= duration('60s')").message("must be 0 or at least 60s"))]
+    pub expire_after: Option<GoDuration>,
+}
+
+/// The CI platform.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct RunnerPlatform {
+    /// Platform kind.
+    #[serde(rename = "type")]
+    pub type_: PlatformType,
+    /// Server URL for self-hosted platforms.
+    #[serde(default, rename = "serverURL", skip_serializing_if = "Option::is_none")]
+    pub server_url: Option<String>,
+    /// Organisation or repository the runners serve.
+    pub scope: RunnerScope,
+    /// Secret holding the platform token.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub credentials_secret: Option<LocalObjectRef>,
+}
+
+/// Platform kinds.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub enum PlatformType {
+    /// GitHub Actions.
+    #[default]
+    #[serde(rename = "github-actions")]
+    GithubActions,
+    /// GitLab CI.
+    #[serde(rename = "gitlab")]
+    Gitlab,
+    /// Forgejo Actions.
+    #[serde(rename = "forgejo")]
+    Forgejo,
+}
+
+/// Exactly one of org or repo.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, kube::KubeSchema)]
+#[x_kube(validation = kube::core::Rule::new("has(self.org) != has(self.repo)").message("exactly one of scope.org or scope.repo must be set"))]
+pub struct RunnerScope {
+    /// Organisation (or GitLab group).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1))]
+    pub org: Option<String>,
+    /// Repository as owner/name (or GitLab project).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1))]
+    pub repo: Option<String>,
+}
+
+/// Scaling settings; unset numbers take the controller's defaults.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct RunnerScaling {
+    /// Demand source.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mode: Option<ScalingMode>,
+    /// Idle runners to keep (default 0).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0))]
+    pub min_idle: Option<i32>,
+    /// Upper bound of runners (default 10).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 100))]
+    pub max_concurrent: Option<i32>,
+    /// Runners added per step (default 10).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
+    pub scale_up_step: Option<i32>,
+    /// Seconds between scaling steps (default 30).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 10))]
+    pub cooldown_seconds: Option<i32>,
+    /// Webhook demand source.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub webhook: Option<WebhookDetection>,
+    /// Polling demand source.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub polling: Option<PollingDetection>,
+}
+
+/// Demand sources.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum ScalingMode {
+    /// Platform webhooks.
+    Webhook,
+    /// Polling the platform's queue.
+    Polling,
+    /// Both.
+    Hybrid,
+}
+
+/// Webhook detection.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct WebhookDetection {
+    /// On.
+    #[serde(default)]
+    pub enabled: bool,
+    /// Secret with the webhook HMAC key.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub secret_ref: Option<LocalObjectRef>,
+}
+
+/// Polling detection.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct PollingDetection {
+    /// On.
+    #[serde(default)]
+    pub enabled: bool,
+    /// Seconds between polls.
+    #[serde(default = "default_poll_interval")]
+    #[schemars(range(min = 10))]
+    pub interval_seconds: i32,
+}
+
+fn default_poll_interval() -> i32 {
+    30
+}
+
+/// Deprecated detection switches.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct JobDetection {
+    /// Webhook detection.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub webhook: Option<WebhookDetection>,
+    /// Polling detection.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub polling: Option<PollingDetection>,
+}
+
+/// Runner-pool status.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ImpVMRunnerPoolStatus {
+    /// Runners waiting for a job.
+    #[serde(default)]
+    pub idle_count: i32,
+    /// Runners not terminal.
+    #[serde(default)]
+    pub active_count: i32,
+    /// Conditions.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]))]
+    pub conditions: Vec<Condition>,
+}

@@ -1,0 +1,306 @@
+//! Types shared by several kinds: object references, probes, restart policy, HTTP check,
+//! guest-agent switch, and the lifecycle enums.
+
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use crate::duration::GoDuration;
+
+/// Label on a snapshot execution (child) naming its parent ImpVMSnapshot.
+pub const LABEL_SNAPSHOT_PARENT: &str = "imp.dev/snapshot-parent";
+/// Label on a warm-pool member naming its ImpWarmPool.
+pub const LABEL_WARM_POOL: &str = "imp.dev/warm-pool";
+/// Label on a runner VM naming its ImpVMRunnerPool.
+pub const LABEL_RUNNER_POOL: &str = "imp.dev/runner-pool";
+/// Node label that makes a node eligible for ImpVMs.
+pub const LABEL_NODE_ENABLED: &str = "imp/enabled";
+/// Annotation a user sets to `"true"` to reset an exhausted VM's retries.
+pub const ANNOTATION_RESET_RETRIES: &str = "imp/reset-retries";
+/// Annotation carrying the operator's HTTP-check failure count.
+pub const ANNOTATION_HTTPCHECK_FAILURES: &str = "imp/httpcheck-failures";
+/// Annotation on a runner pool carrying the externally signalled runner demand.
+pub const ANNOTATION_RUNNER_DEMAND: &str = "imp.dev/runner-demand";
+/// Annotation carrying the W3C traceparent from the operator to the agent.
+pub const ANNOTATION_TRACE_CONTEXT: &str = "imp.dev/trace-context";
+/// Annotation carrying the W3C tracestate from the operator to the agent.
+pub const ANNOTATION_TRACE_STATE: &str = "imp.dev/trace-state";
+/// Finalizer the operator holds on every ImpVM until the agent has cleaned up.
+pub const FINALIZER_VM: &str = "imp/finalizer";
+/// Finalizer the operator holds on every ImpNetwork until its node state is torn down.
+pub const FINALIZER_NETWORK: &str = "imp/network-finalizer";
+
+/// A reference to an object in the same namespace.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct LocalObjectRef {
+    /// Name of the referenced object.
+    #[schemars(length(min = 1))]
+    pub name: String,
+}
+
+/// A reference to a cluster-scoped object.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct ClusterObjectRef {
+    /// Name of the referenced object.
+    #[schemars(length(min = 1))]
+    pub name: String,
+}
+
+/// Health probes run inside the guest, plus the operator-side HTTP check.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ProbeSpec {
+    /// Gates readiness until the workload has started.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub startup_probe: Option<Probe>,
+    /// Decides the VM's Ready condition.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub readiness_probe: Option<Probe>,
+    /// Decides whether the workload is healthy.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub liveness_probe: Option<Probe>,
+    /// HTTP check run by the operator against the VM's IP.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub http_check: Option<HttpCheckSpec>,
+}
+
+/// One guest probe: a command or an HTTP GET, exactly one of them.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, kube::KubeSchema)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(validation = kube::core::Rule::new("has(self.exec) != has(self.http)").message("exactly one of exec or http must be set"))]
+pub struct Probe {
+    /// Command run in the guest; exit 0 is success.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub exec: Option<ExecAction>,
+    /// HTTP GET against the guest's loopback; 200..399 is success.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub http: Option<HttpGetAction>,
+    /// Seconds to wait after start before the first probe.
+    #[serde(default)]
+    #[schemars(range(min = 0))]
+    pub initial_delay_seconds: i32,
+    /// Seconds between probes.
+    #[serde(default = "default_period_seconds")]
+    #[schemars(range(min = 1))]
+    pub period_seconds: i32,
+    /// Consecutive failures before the probe counts as failed.
+    #[serde(default = "default_failure_threshold")]
+    #[schemars(range(min = 1))]
+    pub failure_threshold: i32,
+}
+
+fn default_period_seconds() -> i32 {
+    10
+}
+
+fn default_failure_threshold() -> i32 {
+    3
+}
+
+/// A command for an exec probe.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct ExecAction {
+    /// argv of the command; the first element is looked up on the guest's PATH.
+    #[schemars(length(min = 1))]
+    pub command: Vec<String>,
+}
+
+/// An HTTP GET for an http probe.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct HttpGetAction {
+    /// Request path.
+    #[serde(default = "default_probe_path")]
+    pub path: String,
+    /// TCP port in the guest.
+    #[schemars(range(min = 1, max = 65535))]
+    pub port: i32,
+}
+
+fn default_probe_path() -> String {
+    "/".to_owned()
+}
+
+/// The operator-side HTTP health check of a VM.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct HttpCheckSpec {
+    /// Turns the check on; a present but disabled check switches the cluster default off.
+    #[serde(default)]
+    pub enabled: bool,
+    /// Request path.
+    #[serde(default = "default_http_check_path")]
+    pub path: String,
+    /// TCP port on the VM's IP.
+    #[schemars(range(min = 1, max = 65535))]
+    pub port: i32,
+    /// Seconds between checks.
+    #[serde(default = "default_period_seconds")]
+    #[schemars(range(min = 1))]
+    pub interval_seconds: i32,
+    /// Consecutive failures before Ready turns False.
+    #[serde(default = "default_failure_threshold")]
+    #[schemars(range(min = 1))]
+    pub failure_threshold: i32,
+}
+
+fn default_http_check_path() -> String {
+    "/healthz".to_owned()
+}
+
+/// Switch for the in-guest agent (exec, probes, metrics).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct GuestAgentConfig {
+    /// Absent means enabled.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub enabled: Option<bool>,
+}
+
+impl GuestAgentConfig {
+    /// Whether the guest agent runs, with absent meaning yes.
+    pub fn is_enabled(&self) -> bool {
+        self.enabled.unwrap_or(true)
+    }
+}
+
+/// What happens when a persistent VM's workload fails.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct RestartPolicy {
+    /// Restart on the same node, or schedule again.
+    #[serde(default)]
+    pub mode: RestartMode,
+    /// Exponential backoff between attempts.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub backoff: Option<BackoffPolicy>,
+    /// What to do once maxRetries is reached.
+    #[serde(default)]
+    pub on_exhaustion: OnExhaustion,
+    /// How long to wait before retrying again when onExhaustion is cool-down.
+    #[serde(default = "default_cool_down")]
+    pub cool_down_period: GoDuration,
+}
+
+impl Default for RestartPolicy {
+    fn default() -> Self {
+        Self {
+            mode: RestartMode::default(),
+            backoff: None,
+            on_exhaustion: OnExhaustion::default(),
+            cool_down_period: default_cool_down(),
+        }
+    }
+}
+
+fn default_cool_down() -> GoDuration {
+    GoDuration::from_static("1h")
+}
+
+/// Where a failed VM restarts.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub enum RestartMode {
+    /// Restart on the node it ran on.
+    #[default]
+    #[serde(rename = "in-place")]
+    InPlace,
+    /// Clear the node and schedule again.
+    #[serde(rename = "reschedule")]
+    Reschedule,
+}
+
+/// The end state once retries are used up.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub enum OnExhaustion {
+    /// Stay Failed.
+    #[default]
+    #[serde(rename = "fail")]
+    Fail,
+    /// Go to RetryExhausted until the reset annotation is set.
+    #[serde(rename = "manual-reset")]
+    ManualReset,
+    /// Wait coolDownPeriod, then start over.
+    #[serde(rename = "cool-down")]
+    CoolDown,
+}
+
+/// Backoff between restart attempts: initialDelay × 2^attempt, capped at maxDelay.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct BackoffPolicy {
+    /// Attempts before onExhaustion applies; 0 means the default of 5.
+    #[serde(default = "default_max_retries")]
+    #[schemars(range(min = 0))]
+    pub max_retries: i32,
+    /// Delay before the first retry.
+    #[serde(default = "default_initial_delay")]
+    pub initial_delay: GoDuration,
+    /// Upper bound of the delay.
+    #[serde(default = "default_max_delay")]
+    pub max_delay: GoDuration,
+}
+
+impl Default for BackoffPolicy {
+    fn default() -> Self {
+        Self {
+            max_retries: default_max_retries(),
+            initial_delay: default_initial_delay(),
+            max_delay: default_max_delay(),
+        }
+    }
+}
+
+fn default_max_retries() -> i32 {
+    5
+}
+
+fn default_initial_delay() -> GoDuration {
+    GoDuration::from_static("10s")
+}
+
+fn default_max_delay() -> GoDuration {
+    GoDuration::from_static("5m")
+}
+
+/// Whether a VM runs once (a job) or stays up (a service).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum VmLifecycle {
+    /// Runs its workload once; exit 0 is Succeeded, anything else Failed.
+    #[default]
+    Ephemeral,
+    /// Runs until deleted; an exit is a failure subject to the restart policy.
+    Persistent,
+}
+
+/// The state a user asks a VM to be in.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub enum VmDesiredState {
+    /// Running.
+    #[default]
+    Running,
+    /// Suspended to a snapshot on its node, memory freed.
+    Suspended,
+    /// Suspended after idleTimeout without traffic, woken by the next packet.
+    ScaleToZero,
+}
+
+/// CPU architecture a class is meant for.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum Arch {
+    /// x86_64.
+    Amd64,
+    /// aarch64.
+    Arm64,
+    /// Any node's architecture.
+    #[default]
+    Multi,
+}
+
+/// The VMM that runs a class's VMs (an imp extension; absent means the agent's default).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum VmRuntime {
+    /// Firecracker (production default, needs a working KVM).
+    Firecracker,
+    /// QEMU `-M microvm`, with KVM or TCG.
+    Qemu,
+}

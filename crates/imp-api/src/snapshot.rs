@@ -1,0 +1,236 @@
+//! ImpVMSnapshot (a schedule/config parent and its executions) and ImpVMMigration.
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use kube::CustomResource;
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use crate::shared::LocalObjectRef;
+
+/// A five-field cron expression (minute hour day-of-month month day-of-week).
+pub const CRON_PATTERN: &str = r"^\s*\S+\s+\S+\s+\S+\s+\S+\s+\S+\s*$";
+
+/// A snapshot of a VM, once or on a schedule.
+#[derive(CustomResource, Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[kube(
+    group = "imp.dev",
+    version = "v1alpha1",
+    kind = "ImpVMSnapshot",
+    plural = "impvmsnapshots",
+    singular = "impvmsnapshot",
+    shortname = "impsnap",
+    category = "imp",
+    namespaced,
+    status = "ImpVMSnapshotStatus",
+    printcolumn(name = "Source", type_ = "string", json_path = ".spec.sourceVMName"),
+    printcolumn(name = "Phase", type_ = "string", json_path = ".status.phase"),
+    printcolumn(name = "Schedule", type_ = "string", json_path = ".spec.schedule"),
+    printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp"),
+    derive = "Default",
+    derive = "PartialEq"
+)]
+#[serde(rename_all = "camelCase")]
+pub struct ImpVMSnapshotSpec {
+    /// VM to snapshot.
+    #[serde(rename = "sourceVMName")]
+    #[schemars(length(min = 1))]
+    pub source_vm_name: String,
+    /// Namespace of that VM.
+    #[serde(rename = "sourceVMNamespace")]
+    #[schemars(length(min = 1))]
+    pub source_vm_namespace: String,
+    /// Cron schedule; absent means one execution.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(regex(pattern = CRON_PATTERN))]
+    pub schedule: Option<String>,
+    /// Executions to keep.
+    #[serde(default = "default_retention")]
+    #[schemars(range(min = 1, max = 10))]
+    pub retention: i32,
+    /// Where snapshot files go.
+    pub storage: SnapshotStorage,
+    /// Execution elected as base for warm pools.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub base_snapshot: Option<String>,
+}
+
+fn default_retention() -> i32 {
+    3
+}
+
+/// Snapshot storage.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, kube::KubeSchema)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(validation = kube::core::Rule::new("self.type != 'oci-registry' || has(self.ociRegistry)").message("storage.ociRegistry is required when storage.type is oci-registry"))]
+pub struct SnapshotStorage {
+    /// Storage kind.
+    #[serde(rename = "type")]
+    pub type_: StorageType,
+    /// Node-local directory.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node_local: Option<NodeLocalStorage>,
+    /// OCI registry.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub oci_registry: Option<OciRegistryStorage>,
+}
+
+/// Storage kinds.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub enum StorageType {
+    /// A directory on the VM's node.
+    #[default]
+    #[serde(rename = "node-local")]
+    NodeLocal,
+    /// Pushed to an OCI registry.
+    #[serde(rename = "oci-registry")]
+    OciRegistry,
+}
+
+/// Node-local storage.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct NodeLocalStorage {
+    /// Directory on the node.
+    #[serde(default = "default_snapshot_path")]
+    pub path: String,
+}
+
+fn default_snapshot_path() -> String {
+    "/var/lib/imp/snapshots".to_owned()
+}
+
+/// Registry storage.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct OciRegistryStorage {
+    /// Repository to push to.
+    #[schemars(length(min = 1))]
+    pub repository: String,
+    /// Secret with registry credentials.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pull_secret_ref: Option<LocalObjectRef>,
+}
+
+/// Phase of a snapshot parent or execution.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub enum SnapshotPhase {
+    /// Waiting.
+    Pending,
+    /// Being taken.
+    Running,
+    /// Taken.
+    Succeeded,
+    /// Could not be taken.
+    Failed,
+}
+
+/// Snapshot status.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ImpVMSnapshotStatus {
+    /// Phase.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub phase: Option<SnapshotPhase>,
+    /// Digest of the pushed OCI artifact.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub digest: Option<String>,
+    /// Directory of the node-local files.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub snapshot_path: Option<String>,
+    /// When it completed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub completed_at: Option<Time>,
+    /// Next scheduled execution.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub next_scheduled_at: Option<Time>,
+    /// Latest execution.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_execution_ref: Option<LocalObjectRef>,
+    /// Elected base execution, once Succeeded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub base_snapshot: Option<String>,
+    /// When the execution ended, successfully or not.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub terminated_at: Option<Time>,
+    /// Conditions.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]))]
+    pub conditions: Vec<Condition>,
+}
+
+/// Moving a VM to another node through a snapshot.
+#[derive(CustomResource, Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[kube(
+    group = "imp.dev",
+    version = "v1alpha1",
+    kind = "ImpVMMigration",
+    plural = "impvmmigrations",
+    singular = "impvmmigration",
+    shortname = "impmig",
+    category = "imp",
+    namespaced,
+    status = "ImpVMMigrationStatus",
+    printcolumn(name = "Source", type_ = "string", json_path = ".spec.sourceVMName"),
+    printcolumn(name = "Target", type_ = "string", json_path = ".spec.targetNode"),
+    printcolumn(name = "Phase", type_ = "string", json_path = ".status.phase"),
+    printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp"),
+    derive = "Default",
+    derive = "PartialEq"
+)]
+#[serde(rename_all = "camelCase")]
+pub struct ImpVMMigrationSpec {
+    /// VM to move.
+    #[serde(rename = "sourceVMName")]
+    #[schemars(length(min = 1))]
+    pub source_vm_name: String,
+    /// Namespace of that VM.
+    #[serde(rename = "sourceVMNamespace")]
+    #[schemars(length(min = 1))]
+    pub source_vm_namespace: String,
+    /// Node to move to; absent means any CPU-compatible node.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub target_node: Option<String>,
+}
+
+/// Phase of a migration.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub enum MigrationPhase {
+    /// Choosing a target.
+    Pending,
+    /// Snapshotting the source.
+    Snapshotting,
+    /// Restoring on the target.
+    Restoring,
+    /// Done; the source is gone.
+    Succeeded,
+    /// Failed; the message says why.
+    Failed,
+}
+
+/// Migration status.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ImpVMMigrationStatus {
+    /// Phase.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub phase: Option<MigrationPhase>,
+    /// Human-readable detail.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub message: Option<String>,
+    /// Node chosen.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub selected_node: Option<String>,
+    /// Snapshot used.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub snapshot_ref: Option<String>,
+    /// VM created on the target.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(rename = "targetVMName")]
+    pub target_vm_name: Option<String>,
+    /// When it completed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub completed_at: Option<Time>,
+    /// Conditions.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]))]
+    pub conditions: Vec<Condition>,
+}

@@ -1,0 +1,67 @@
+//! ImpVMTemplate: a reusable VM shape that VMs and pools refer to.
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::core::v1::Toleration;
+use kube::CustomResource;
+use serde::{Deserialize, Serialize};
+
+use crate::duration::GoDuration;
+use crate::shared::{ClusterObjectRef, GuestAgentConfig, LocalObjectRef, ProbeSpec, RestartPolicy};
+
+/// A template: class, image, network and policies a VM inherits unless it sets its own.
+#[derive(CustomResource, Clone, Debug, Default, PartialEq, Serialize, Deserialize, kube::KubeSchema)]
+#[kube(
+    group = "imp.dev",
+    version = "v1alpha1",
+    kind = "ImpVMTemplate",
+    plural = "impvmtemplates",
+    singular = "impvmtemplate",
+    shortname = "impvmt",
+    category = "imp",
+    namespaced,
+    printcolumn(name = "Class", type_ = "string", json_path = ".spec.classRef.name"),
+    printcolumn(name = "Network", type_ = "string", json_path = ".spec.networkRef.name"),
+    printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp"),
+    derive = "Default",
+    derive = "PartialEq"
+)]
+#[serde(rename_all = "camelCase")]
+pub struct ImpVMTemplateSpec {
+    /// Machine class of VMs made from this template.
+    pub class_ref: ClusterObjectRef,
+    /// Network to attach to.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub network_ref: Option<LocalObjectRef>,
+    /// OCI image reference.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image: Option<String>,
+    /// Probes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub probes: Option<ProbeSpec>,
+    /// Guest-agent switch.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub guest_agent: Option<GuestAgentConfig>,
+    /// Restart policy.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub restart_policy: Option<RestartPolicy>,
+    /// Network group to draw IPs from.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub network_group: Option<String>,
+    /// Runner tooling layer.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub runner_layer: Option<String>,
+    /// Cilium agent layer.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cilium_layer: Option<String>,
+    /// Expiry of VMs made from it; 0 or at least 60s.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[x_kube(validation = kube::core::Rule::new("duration(self) == duration('0s') || duration(self) >= duration('60s')").message("must be 0 or at least 60s"))]
+    pub expire_after: Option<GoDuration>,
+    /// Node labels VMs from this template require (imp extension).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub node_selector: BTreeMap<String, String>,
+    /// Tolerations VMs from this template get (imp extension; unioned with class and VM).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tolerations: Vec<Toleration>,
+}

@@ -1,0 +1,244 @@
+//! ImpVM: one microVM running an OCI image on some node.
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::core::v1::{EnvFromSource, EnvVar, Toleration};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use kube::CustomResource;
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use crate::duration::GoDuration;
+use crate::shared::{
+    ClusterObjectRef, GuestAgentConfig, LocalObjectRef, ProbeSpec, RestartPolicy, VmDesiredState,
+    VmLifecycle,
+};
+
+/// What the user asks for: an image in a class of machine on a network.
+#[derive(CustomResource, Clone, Debug, Default, PartialEq, Serialize, Deserialize, kube::KubeSchema)]
+#[kube(
+    group = "imp.dev",
+    version = "v1alpha1",
+    kind = "ImpVM",
+    plural = "impvms",
+    singular = "impvm",
+    shortname = "impvm",
+    category = "imp",
+    namespaced,
+    status = "ImpVMStatus",
+    printcolumn(name = "Phase", type_ = "string", json_path = ".status.phase"),
+    printcolumn(name = "Node", type_ = "string", json_path = ".status.nodeName"),
+    printcolumn(name = "IP", type_ = "string", json_path = ".status.ip"),
+    printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp"),
+    selectable = ".spec.nodeName",
+    derive = "Default",
+    derive = "PartialEq"
+)]
+#[x_kube(
+    validation = kube::core::Rule::new("has(self.classRef) != has(self.templateRef)").message("exactly one of spec.classRef or spec.templateRef must be set"),
+    validation = kube::core::Rule::new("has(self.templateRef) || (has(self.image) && self.image != '')").message("spec.image is required when spec.classRef is used without a template"),
+)]
+#[serde(rename_all = "camelCase")]
+pub struct ImpVMSpec {
+    /// Template to inherit image, class, network and policies from.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub template_ref: Option<LocalObjectRef>,
+    /// Machine class (vCPU, memory, disk).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub class_ref: Option<ClusterObjectRef>,
+    /// Network to attach to.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub network_ref: Option<LocalObjectRef>,
+    /// OCI image reference; its ENTRYPOINT/CMD is the workload.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image: Option<String>,
+    /// Secrets (kubernetes.io/dockerconfigjson) used to pull the image (imp extension).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub image_pull_secrets: Vec<LocalObjectRef>,
+    /// One-shot job or long-running service.
+    #[serde(default)]
+    pub lifecycle: VmLifecycle,
+    /// Node the VM runs on; set by the scheduler, or by the user to pin it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node_name: Option<String>,
+    /// Name of a snapshot execution (child ImpVMSnapshot) to boot from.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub snapshot_ref: Option<String>,
+    /// Node labels that must match exactly.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub node_selector: BTreeMap<String, String>,
+    /// Taints this VM tolerates, in addition to its class's.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tolerations: Vec<Toleration>,
+    /// Environment of the workload.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub env: Vec<EnvVar>,
+    /// Environment taken from ConfigMaps and Secrets.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub env_from: Vec<EnvFromSource>,
+    /// cloud-init style user data (off by default).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub user_data: Option<UserDataSource>,
+    /// Guest probes and the operator's HTTP check; VM over template over class.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub probes: Option<ProbeSpec>,
+    /// Whether the in-guest agent runs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub guest_agent: Option<GuestAgentConfig>,
+    /// What happens when a persistent workload fails.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub restart_policy: Option<RestartPolicy>,
+    /// Group of the network to draw the IP from.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub network_group: Option<String>,
+    /// OCI image layered on top of the base image (CI runner tooling).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub runner_layer: Option<String>,
+    /// OCI image layered on top of the runner layer (Cilium agent).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cilium_layer: Option<String>,
+    /// Delete the VM this long after it first ran; 0 means never, else at least 60s.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[x_kube(validation = kube::core::Rule::new("duration(self) == duration('0s') || duration(self) >= duration('60s')").message("must be 0 or at least 60s"))]
+    pub expire_after: Option<GoDuration>,
+    /// For persistent VMs: move to another node when the node is lost.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub reschedule_on_node_loss: bool,
+    /// Running, Suspended, or ScaleToZero (suspend when idle, wake on traffic).
+    #[serde(default)]
+    pub desired_state: VmDesiredState,
+    /// Idle time before a ScaleToZero VM suspends; at least 10s, default 5m.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[x_kube(validation = kube::core::Rule::new("duration(self) >= duration('10s')").message("must be at least 10s"))]
+    pub idle_timeout: Option<GoDuration>,
+}
+
+/// Where user data comes from.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct UserDataSource {
+    /// ConfigMap holding the user data.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub config_map_ref: Option<LocalObjectRef>,
+}
+
+/// Where a VM is in its life.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
+pub enum VmPhase {
+    /// Waiting for a node (or for a referenced object).
+    #[default]
+    Pending,
+    /// A node is assigned; its agent has not started the VM yet.
+    Scheduled,
+    /// The agent is building the rootfs and booting.
+    Starting,
+    /// The guest runs (the guest agent answered).
+    Running,
+    /// Being deleted; the agent is cleaning up.
+    Terminating,
+    /// An ephemeral workload exited 0.
+    Succeeded,
+    /// The workload failed or the VM could not run.
+    Failed,
+    /// Restart attempts are used up; waiting for a manual reset.
+    RetryExhausted,
+    /// Writing a snapshot before stopping.
+    Suspending,
+    /// Stopped, with its memory in a snapshot on the node.
+    Suspended,
+    /// Restoring from the suspend snapshot.
+    Resuming,
+}
+
+impl VmPhase {
+    /// Phases from which the operator never schedules the VM again on its own.
+    pub fn is_terminal(self) -> bool {
+        matches!(self, Self::Succeeded | Self::Failed | Self::RetryExhausted)
+    }
+
+    /// The string written to the API.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Pending => "Pending",
+            Self::Scheduled => "Scheduled",
+            Self::Starting => "Starting",
+            Self::Running => "Running",
+            Self::Terminating => "Terminating",
+            Self::Succeeded => "Succeeded",
+            Self::Failed => "Failed",
+            Self::RetryExhausted => "RetryExhausted",
+            Self::Suspending => "Suspending",
+            Self::Suspended => "Suspended",
+            Self::Resuming => "Resuming",
+        }
+    }
+}
+
+impl std::fmt::Display for VmPhase {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// What the operator and the agent know about a VM.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ImpVMStatus {
+    /// Where the VM is in its life.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub phase: Option<VmPhase>,
+    /// The node the VM is assigned to (mirrors spec.nodeName for the printer column).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node_name: Option<String>,
+    /// The guest's IPv4 address.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ip: Option<String>,
+    /// PID of the VMM process on the node.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(rename = "runtimePID")]
+    pub runtime_pid: Option<i64>,
+    /// When a node was first assigned.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub scheduled_at: Option<Time>,
+    /// When the VM was first seen Running (expiry counts from here).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub running_at: Option<Time>,
+    /// When the VM will be deleted by expireAfter.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expires_at: Option<Time>,
+    /// When the agent began starting it (stuck-start timeout counts from here).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub started_at: Option<Time>,
+    /// Snapshot directory of a suspended VM on its node.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub suspend_snapshot_path: Option<String>,
+    /// When the VM was suspended.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub suspended_at: Option<Time>,
+    /// Last traffic seen before an idle suspend.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_activity_time: Option<Time>,
+    /// Restarts so far under the restart policy.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub restart_count: Option<i32>,
+    /// Earliest time of the next restart attempt.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub next_retry_after: Option<Time>,
+    /// When the restart policy ran out of attempts.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub exhausted_at: Option<Time>,
+    /// Exit code of the workload, once it exited (imp extension).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub exit_code: Option<i32>,
+    /// Cilium endpoint of the VM, when enrolled.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(rename = "ciliumEndpointID")]
+    pub cilium_endpoint_id: Option<i64>,
+    /// The spec generation this status describes (imp extension).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+    /// Scheduled, Ready, NodeHealthy and probe conditions.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]))]
+    pub conditions: Vec<Condition>,
+}
