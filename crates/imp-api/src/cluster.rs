@@ -71,7 +71,11 @@ pub struct CniConfig {
 
 impl Default for CniConfig {
     fn default() -> Self {
-        Self { auto_detect: true, provider: None, nat_backend: None }
+        Self {
+            auto_detect: true,
+            provider: None,
+            nat_backend: None,
+        }
     }
 }
 
@@ -118,7 +122,9 @@ pub struct CapacityConfig {
 
 impl Default for CapacityConfig {
     fn default() -> Self {
-        Self { default_fraction: default_fraction() }
+        Self {
+            default_fraction: default_fraction(),
+        }
     }
 }
 
@@ -174,7 +180,11 @@ pub struct TracingConfig {
     singular = "clusterimpnodeprofile",
     shortname = "impnp",
     category = "imp",
-    printcolumn(name = "Fraction", type_ = "string", json_path = ".spec.capacityFraction"),
+    printcolumn(
+        name = "Fraction",
+        type_ = "string",
+        json_path = ".spec.capacityFraction"
+    ),
     printcolumn(name = "MaxVMs", type_ = "integer", json_path = ".spec.maxImpVMs"),
     derive = "Default",
     derive = "PartialEq"

@@ -188,25 +188,77 @@ mod tests {
     #[test]
     fn strings_match_the_go_project() {
         assert_eq!(ConditionType::NodeHealthy.as_str(), "NodeHealthy");
-        assert_eq!(ConditionReason::NoNodeAvailable.to_string(), "NoNodeAvailable");
-        assert_eq!("Scheduled".parse::<ConditionType>(), Ok(ConditionType::Scheduled));
+        assert_eq!(
+            ConditionReason::NoNodeAvailable.to_string(),
+            "NoNodeAvailable"
+        );
+        assert_eq!(
+            "Scheduled".parse::<ConditionType>(),
+            Ok(ConditionType::Scheduled)
+        );
         assert!("Bogus".parse::<ConditionReason>().is_err());
-        assert_eq!(serde_json::to_string(&ConditionReason::InvalidSpec).unwrap(), "\"InvalidSpec\"");
+        assert_eq!(
+            serde_json::to_string(&ConditionReason::InvalidSpec).unwrap(),
+            "\"InvalidSpec\""
+        );
     }
 
     #[test]
     fn transition_time_moves_only_with_status() {
         let mut c = Vec::new();
-        assert!(set(&mut c, ConditionType::Ready, ConditionStatus::Unknown, ConditionReason::Waiting, "", Some(1), t(10)));
-        assert!(set(&mut c, ConditionType::Ready, ConditionStatus::Unknown, ConditionReason::Waiting, "booting", Some(1), t(20)));
+        assert!(set(
+            &mut c,
+            ConditionType::Ready,
+            ConditionStatus::Unknown,
+            ConditionReason::Waiting,
+            "",
+            Some(1),
+            t(10)
+        ));
+        assert!(set(
+            &mut c,
+            ConditionType::Ready,
+            ConditionStatus::Unknown,
+            ConditionReason::Waiting,
+            "booting",
+            Some(1),
+            t(20)
+        ));
         assert_eq!(c[0].last_transition_time, t(10));
-        assert!(!set(&mut c, ConditionType::Ready, ConditionStatus::Unknown, ConditionReason::Waiting, "booting", Some(1), t(25)));
-        assert!(set(&mut c, ConditionType::Ready, ConditionStatus::True, ConditionReason::Running, "up", Some(1), t(30)));
+        assert!(!set(
+            &mut c,
+            ConditionType::Ready,
+            ConditionStatus::Unknown,
+            ConditionReason::Waiting,
+            "booting",
+            Some(1),
+            t(25)
+        ));
+        assert!(set(
+            &mut c,
+            ConditionType::Ready,
+            ConditionStatus::True,
+            ConditionReason::Running,
+            "up",
+            Some(1),
+            t(30)
+        ));
         assert_eq!(c.len(), 1);
         assert_eq!(c[0].last_transition_time, t(30));
         assert!(is_true(&c, ConditionType::Ready));
-        set(&mut c, ConditionType::Scheduled, true.into(), ConditionReason::NodeAssigned, "node-a", None, t(30));
+        set(
+            &mut c,
+            ConditionType::Scheduled,
+            true.into(),
+            ConditionReason::NodeAssigned,
+            "node-a",
+            None,
+            t(30),
+        );
         assert_eq!(c.len(), 2);
-        assert_eq!(find(&c, ConditionType::Scheduled).unwrap().reason, "NodeAssigned");
+        assert_eq!(
+            find(&c, ConditionType::Scheduled).unwrap().reason,
+            "NodeAssigned"
+        );
     }
 }

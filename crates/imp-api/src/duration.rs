@@ -23,7 +23,9 @@ pub enum DurationError {
     #[error("empty duration")]
     Empty,
     /// A number had no unit after it, or an unknown unit.
-    #[error("invalid duration {0:?}: expected a number followed by ns, us, ms, s, m or h (for example 90s or 1h30m)")]
+    #[error(
+        "invalid duration {0:?}: expected a number followed by ns, us, ms, s, m or h (for example 90s or 1h30m)"
+    )]
     Syntax(String),
     /// The value does not fit.
     #[error("duration {0:?} is too large")]
@@ -111,11 +113,18 @@ pub fn parse_go(s: &str) -> Result<Duration, DurationError> {
             Some((i, f)) => (i, f),
             None => (num, ""),
         };
-        if int_part.is_empty() || frac_part.contains('.') || (num.contains('.') && frac_part.is_empty()) {
+        if int_part.is_empty()
+            || frac_part.contains('.')
+            || (num.contains('.') && frac_part.is_empty())
+        {
             return Err(syntax());
         }
-        let int: u128 = int_part.parse().map_err(|_| DurationError::Overflow(s.to_owned()))?;
-        let mut value = int.checked_mul(unit_nanos).ok_or_else(|| DurationError::Overflow(s.to_owned()))?;
+        let int: u128 = int_part
+            .parse()
+            .map_err(|_| DurationError::Overflow(s.to_owned()))?;
+        let mut value = int
+            .checked_mul(unit_nanos)
+            .ok_or_else(|| DurationError::Overflow(s.to_owned()))?;
         let mut scale = unit_nanos;
         for digit in frac_part.bytes() {
             scale /= 10;
@@ -124,10 +133,13 @@ pub fn parse_go(s: &str) -> Result<Duration, DurationError> {
             }
             value += u128::from(digit - b'0') * scale;
         }
-        total_nanos = total_nanos.checked_add(value).ok_or_else(|| DurationError::Overflow(s.to_owned()))?;
+        total_nanos = total_nanos
+            .checked_add(value)
+            .ok_or_else(|| DurationError::Overflow(s.to_owned()))?;
         rest = next;
     }
-    let secs = u64::try_from(total_nanos / 1_000_000_000).map_err(|_| DurationError::Overflow(s.to_owned()))?;
+    let secs = u64::try_from(total_nanos / 1_000_000_000)
+        .map_err(|_| DurationError::Overflow(s.to_owned()))?;
     // The remainder is below 10^9 and always fits.
     let nanos = (total_nanos % 1_000_000_000) as u32;
     Ok(Duration::new(secs, nanos))
@@ -140,9 +152,9 @@ fn format_go(d: Duration) -> String {
     }
     if d < Duration::from_secs(1) {
         let n = d.as_nanos();
-        return if n % 1_000_000 == 0 {
+        return if n.is_multiple_of(1_000_000) {
             format!("{}ms", n / 1_000_000)
-        } else if n % 1_000 == 0 {
+        } else if n.is_multiple_of(1_000) {
             format!("{}µs", n / 1_000)
         } else {
             format!("{n}ns")
@@ -188,7 +200,10 @@ mod tests {
         for bad in ["", "10", "s", "1x", "-1s", "1.s", ".5s", "1..2s", "1h 2m"] {
             assert!(parse_go(bad).is_err(), "{bad:?} should be rejected");
         }
-        assert!(matches!(parse_go("99999999999999999999999h"), Err(DurationError::Overflow(_))));
+        assert!(matches!(
+            parse_go("99999999999999999999999h"),
+            Err(DurationError::Overflow(_))
+        ));
     }
 
     #[test]

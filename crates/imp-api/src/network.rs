@@ -13,7 +13,9 @@ pub const IPV4_PATTERN: &str = r"^((25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])\.
 pub const IPV4_CIDR_PATTERN: &str = r"^((25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])\.){3}(25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])/([0-9]|[12][0-9]|3[0-2])$";
 
 /// The network a VM attaches to.
-#[derive(CustomResource, Clone, Debug, Default, PartialEq, Serialize, Deserialize, kube::KubeSchema)]
+#[derive(
+    CustomResource, Clone, Debug, Default, PartialEq, Serialize, Deserialize, kube::KubeSchema,
+)]
 #[kube(
     group = "imp.dev",
     version = "v1alpha1",
@@ -26,7 +28,11 @@ pub const IPV4_CIDR_PATTERN: &str = r"^((25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-
     status = "ImpNetworkStatus",
     printcolumn(name = "Subnet", type_ = "string", json_path = ".spec.subnet"),
     printcolumn(name = "NAT", type_ = "boolean", json_path = ".spec.nat.enabled"),
-    printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp"),
+    printcolumn(
+        name = "Age",
+        type_ = "date",
+        json_path = ".metadata.creationTimestamp"
+    ),
     derive = "Default",
     derive = "PartialEq"
 )]

@@ -9,7 +9,9 @@ use crate::duration::GoDuration;
 use crate::shared::LocalObjectRef;
 
 /// A pool of VMs restored from an elected snapshot, kept at `size`.
-#[derive(CustomResource, Clone, Debug, Default, PartialEq, Serialize, Deserialize, kube::KubeSchema)]
+#[derive(
+    CustomResource, Clone, Debug, Default, PartialEq, Serialize, Deserialize, kube::KubeSchema,
+)]
 #[kube(
     group = "imp.dev",
     version = "v1alpha1",
@@ -23,7 +25,11 @@ use crate::shared::LocalObjectRef;
     printcolumn(name = "Snapshot", type_ = "string", json_path = ".spec.snapshotRef"),
     printcolumn(name = "Size", type_ = "integer", json_path = ".spec.size"),
     printcolumn(name = "Ready", type_ = "integer", json_path = ".status.readyCount"),
-    printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp"),
+    printcolumn(
+        name = "Age",
+        type_ = "date",
+        json_path = ".metadata.creationTimestamp"
+    ),
     derive = "Default",
     derive = "PartialEq"
 )]
@@ -63,7 +69,9 @@ pub struct ImpWarmPoolStatus {
 }
 
 /// CI runner VMs created on demand from a template.
-#[derive(CustomResource, Clone, Debug, Default, PartialEq, Serialize, Deserialize, kube::KubeSchema)]
+#[derive(
+    CustomResource, Clone, Debug, Default, PartialEq, Serialize, Deserialize, kube::KubeSchema,
+)]
 #[kube(
     group = "imp.dev",
     version = "v1alpha1",
@@ -78,7 +86,11 @@ pub struct ImpWarmPoolStatus {
     printcolumn(name = "Template", type_ = "string", json_path = ".spec.templateName"),
     printcolumn(name = "Idle", type_ = "integer", json_path = ".status.idleCount"),
     printcolumn(name = "Active", type_ = "integer", json_path = ".status.activeCount"),
-    printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp"),
+    printcolumn(
+        name = "Age",
+        type_ = "date",
+        json_path = ".metadata.creationTimestamp"
+    ),
     derive = "Default",
     derive = "PartialEq"
 )]

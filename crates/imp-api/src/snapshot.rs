@@ -25,7 +25,11 @@ pub const CRON_PATTERN: &str = r"^\s*\S+\s+\S+\s+\S+\s+\S+\s+\S+\s*$";
     printcolumn(name = "Source", type_ = "string", json_path = ".spec.sourceVMName"),
     printcolumn(name = "Phase", type_ = "string", json_path = ".status.phase"),
     printcolumn(name = "Schedule", type_ = "string", json_path = ".spec.schedule"),
-    printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp"),
+    printcolumn(
+        name = "Age",
+        type_ = "date",
+        json_path = ".metadata.creationTimestamp"
+    ),
     derive = "Default",
     derive = "PartialEq"
 )]
@@ -172,7 +176,11 @@ pub struct ImpVMSnapshotStatus {
     printcolumn(name = "Source", type_ = "string", json_path = ".spec.sourceVMName"),
     printcolumn(name = "Target", type_ = "string", json_path = ".spec.targetNode"),
     printcolumn(name = "Phase", type_ = "string", json_path = ".status.phase"),
-    printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp"),
+    printcolumn(
+        name = "Age",
+        type_ = "date",
+        json_path = ".metadata.creationTimestamp"
+    ),
     derive = "Default",
     derive = "PartialEq"
 )]

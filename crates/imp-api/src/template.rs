@@ -10,7 +10,9 @@ use crate::duration::GoDuration;
 use crate::shared::{ClusterObjectRef, GuestAgentConfig, LocalObjectRef, ProbeSpec, RestartPolicy};
 
 /// A template: class, image, network and policies a VM inherits unless it sets its own.
-#[derive(CustomResource, Clone, Debug, Default, PartialEq, Serialize, Deserialize, kube::KubeSchema)]
+#[derive(
+    CustomResource, Clone, Debug, Default, PartialEq, Serialize, Deserialize, kube::KubeSchema,
+)]
 #[kube(
     group = "imp.dev",
     version = "v1alpha1",
@@ -21,8 +23,16 @@ use crate::shared::{ClusterObjectRef, GuestAgentConfig, LocalObjectRef, ProbeSpe
     category = "imp",
     namespaced,
     printcolumn(name = "Class", type_ = "string", json_path = ".spec.classRef.name"),
-    printcolumn(name = "Network", type_ = "string", json_path = ".spec.networkRef.name"),
-    printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp"),
+    printcolumn(
+        name = "Network",
+        type_ = "string",
+        json_path = ".spec.networkRef.name"
+    ),
+    printcolumn(
+        name = "Age",
+        type_ = "date",
+        json_path = ".metadata.creationTimestamp"
+    ),
     derive = "Default",
     derive = "PartialEq"
 )]

@@ -15,7 +15,9 @@ use crate::shared::{
 };
 
 /// What the user asks for: an image in a class of machine on a network.
-#[derive(CustomResource, Clone, Debug, Default, PartialEq, Serialize, Deserialize, kube::KubeSchema)]
+#[derive(
+    CustomResource, Clone, Debug, Default, PartialEq, Serialize, Deserialize, kube::KubeSchema,
+)]
 #[kube(
     group = "imp.dev",
     version = "v1alpha1",
@@ -29,7 +31,11 @@ use crate::shared::{
     printcolumn(name = "Phase", type_ = "string", json_path = ".status.phase"),
     printcolumn(name = "Node", type_ = "string", json_path = ".status.nodeName"),
     printcolumn(name = "IP", type_ = "string", json_path = ".status.ip"),
-    printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp"),
+    printcolumn(
+        name = "Age",
+        type_ = "date",
+        json_path = ".metadata.creationTimestamp"
+    ),
     selectable = ".spec.nodeName",
     derive = "Default",
     derive = "PartialEq"

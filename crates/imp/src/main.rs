@@ -7,7 +7,11 @@ use anyhow::Context;
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
-#[command(name = "imp", version, about = "Firecracker microVMs as Kubernetes resources")]
+#[command(
+    name = "imp",
+    version,
+    about = "Firecracker microVMs as Kubernetes resources"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,

@@ -1,0 +1,1144 @@
+//! Admission rules in Rust: everything the webhook checks, including what CEL cannot express
+//! (address arithmetic, cron fields, duration parsing, uniqueness). Reference existence is not
+//! checked here: that is the controller's, since objects may appear later.
+//!
+//! Every error names the field path and says what is allowed.
+
+use std::collections::BTreeSet;
+use std::fmt;
+use std::net::Ipv4Addr;
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::{EnvVar, Toleration};
+
+use crate::duration::GoDuration;
+use crate::network::ImpNetworkSpec;
+use crate::pools::{ImpVMRunnerPoolSpec, ImpWarmPoolSpec, PlatformType, ScalingMode};
+use crate::shared::{Probe, ProbeSpec, RestartPolicy};
+use crate::snapshot::{ImpVMSnapshotSpec, StorageType};
+use crate::{
+    ClusterImpConfig, ClusterImpNodeProfileSpec, ImpVMClassSpec, ImpVMSpec, ImpVMTemplateSpec,
+};
+
+/// One rejected field.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FieldError {
+    /// Path of the field, e.g. `spec.expireAfter`.
+    pub path: String,
+    /// What is wrong and what is allowed.
+    pub message: String,
+}
+
+impl fmt::Display for FieldError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {}", self.path, self.message)
+    }
+}
+
+/// Every rejected field of one object, in the order found.
+#[derive(Clone, Debug, Default, PartialEq, Eq, thiserror::Error)]
+pub struct ValidationErrors(pub Vec<FieldError>);
+
+impl fmt::Display for ValidationErrors {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let parts: Vec<String> = self.0.iter().map(ToString::to_string).collect();
+        f.write_str(&parts.join("; "))
+    }
+}
+
+impl ValidationErrors {
+    fn push(&mut self, path: impl Into<String>, message: impl Into<String>) {
+        self.0.push(FieldError {
+            path: path.into(),
+            message: message.into(),
+        });
+    }
+
+    fn into_result(self) -> Result<(), ValidationErrors> {
+        if self.0.is_empty() { Ok(()) } else { Err(self) }
+    }
+}
+
+/// Minimum non-zero expireAfter.
+pub const MIN_EXPIRE_AFTER: Duration = Duration::from_secs(60);
+/// Minimum idleTimeout.
+pub const MIN_IDLE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Validates an ImpVM spec.
+pub fn vm(spec: &ImpVMSpec) -> Result<(), ValidationErrors> {
+    let mut e = ValidationErrors::default();
+    match (&spec.class_ref, &spec.template_ref) {
+        (Some(_), Some(_)) => e.push(
+            "spec",
+            "exactly one of classRef or templateRef may be set, got both",
+        ),
+        (None, None) => e.push("spec", "one of classRef or templateRef is required"),
+        (Some(c), None) => {
+            non_empty(&mut e, "spec.classRef.name", &c.name);
+            if spec.image.as_deref().is_none_or(str::is_empty) {
+                e.push(
+                    "spec.image",
+                    "is required when spec.classRef is used without a template",
+                );
+            }
+        }
+        (None, Some(t)) => non_empty(&mut e, "spec.templateRef.name", &t.name),
+    }
+    if let Some(image) = &spec.image {
+        image_ref(&mut e, "spec.image", image);
+    }
+    for (field, layer) in [
+        ("spec.runnerLayer", &spec.runner_layer),
+        ("spec.ciliumLayer", &spec.cilium_layer),
+    ] {
+        if let Some(l) = layer {
+            image_ref(&mut e, field, l);
+        }
+    }
+    if let Some(n) = &spec.network_ref {
+        non_empty(&mut e, "spec.networkRef.name", &n.name);
+    }
+    if let Some(d) = &spec.expire_after {
+        expire_after(&mut e, "spec.expireAfter", d);
+    }
+    if let Some(d) = &spec.idle_timeout {
+        match d.parse() {
+            Ok(v) if v >= MIN_IDLE_TIMEOUT => {}
+            Ok(_) => e.push("spec.idleTimeout", format!("must be at least 10s, got {d}")),
+            Err(err) => e.push("spec.idleTimeout", err.to_string()),
+        }
+    }
+    env(&mut e, "spec.env", &spec.env);
+    tolerations(&mut e, "spec.tolerations", &spec.tolerations);
+    if let Some(p) = &spec.probes {
+        probes(&mut e, "spec.probes", p);
+    }
+    if let Some(r) = &spec.restart_policy {
+        restart_policy(&mut e, "spec.restartPolicy", r);
+    }
+    if let Some(n) = &spec.node_name {
+        dns_subdomain(&mut e, "spec.nodeName", n);
+    }
+    e.into_result()
+}
+
+/// Admission warnings for an ImpVM that is valid but may not do what the user expects.
+pub fn vm_warnings(spec: &ImpVMSpec) -> Vec<String> {
+    let mut w = Vec::new();
+    if spec.desired_state == crate::shared::VmDesiredState::ScaleToZero
+        && spec.idle_timeout.is_none()
+    {
+        w.push("spec.idleTimeout is unset: a ScaleToZero VM suspends after the default 5m without traffic".to_owned());
+    }
+    if spec.reschedule_on_node_loss && spec.lifecycle == crate::shared::VmLifecycle::Ephemeral {
+        w.push("spec.rescheduleOnNodeLoss only affects persistent VMs; ephemeral VMs are always rescheduled".to_owned());
+    }
+    w
+}
+
+/// Validates an update of an ImpVM: the rules of [`vm`] plus what may not change.
+///
+/// `spec.nodeName` may be cleared (the operator and agent do that) and set when empty, but not
+/// moved from one node to another by an update: a move is a migration.
+pub fn vm_update(old: &ImpVMSpec, new: &ImpVMSpec) -> Result<(), ValidationErrors> {
+    let mut e = match vm(new) {
+        Ok(()) => ValidationErrors::default(),
+        Err(e) => e,
+    };
+    if let (Some(a), Some(b)) = (&old.node_name, &new.node_name)
+        && a != b
+    {
+        e.push(
+            "spec.nodeName",
+            format!(
+                "cannot move from {a} to {b}; clear it to reschedule or create an ImpVMMigration"
+            ),
+        );
+    }
+    e.into_result()
+}
+
+/// Validates an ImpVMClass spec.
+pub fn class(spec: &ImpVMClassSpec) -> Result<(), ValidationErrors> {
+    let mut e = ValidationErrors::default();
+    if spec.vcpu < 1 {
+        e.push(
+            "spec.vcpu",
+            format!("must be at least 1, got {}", spec.vcpu),
+        );
+    }
+    if spec.memory_mib < 128 {
+        e.push(
+            "spec.memoryMiB",
+            format!("must be at least 128, got {}", spec.memory_mib),
+        );
+    }
+    if spec.disk_gib < 1 {
+        e.push(
+            "spec.diskGiB",
+            format!("must be at least 1, got {}", spec.disk_gib),
+        );
+    }
+    tolerations(&mut e, "spec.tolerations", &spec.tolerations);
+    if let Some(p) = &spec.probes {
+        probes(&mut e, "spec.probes", p);
+    }
+    if let Some(r) = &spec.restart_policy {
+        restart_policy(&mut e, "spec.restartPolicy", r);
+    }
+    e.into_result()
+}
+
+/// Validates an ImpVMTemplate spec.
+pub fn template(spec: &ImpVMTemplateSpec) -> Result<(), ValidationErrors> {
+    let mut e = ValidationErrors::default();
+    non_empty(&mut e, "spec.classRef.name", &spec.class_ref.name);
+    if let Some(image) = &spec.image {
+        image_ref(&mut e, "spec.image", image);
+    }
+    if let Some(d) = &spec.expire_after {
+        expire_after(&mut e, "spec.expireAfter", d);
+    }
+    tolerations(&mut e, "spec.tolerations", &spec.tolerations);
+    if let Some(p) = &spec.probes {
+        probes(&mut e, "spec.probes", p);
+    }
+    if let Some(r) = &spec.restart_policy {
+        restart_policy(&mut e, "spec.restartPolicy", r);
+    }
+    e.into_result()
+}
+
+/// Validates an ImpNetwork spec: address arithmetic the schema pattern cannot do.
+pub fn network(spec: &ImpNetworkSpec) -> Result<(), ValidationErrors> {
+    let mut e = ValidationErrors::default();
+    let subnet = match parse_cidr(&spec.subnet) {
+        Ok(c) => Some(c),
+        Err(m) => {
+            e.push("spec.subnet", m);
+            None
+        }
+    };
+    if let Some((net, prefix)) = subnet {
+        if prefix > 30 {
+            e.push(
+                "spec.subnet",
+                format!(
+                    "must leave room for a gateway and a VM (prefix at most /30), got /{prefix}"
+                ),
+            );
+        }
+        if let Some(gw) = &spec.gateway {
+            match gw.parse::<Ipv4Addr>() {
+                Ok(g) if !contains(net, prefix, g) => e.push(
+                    "spec.gateway",
+                    format!("{gw} is outside spec.subnet {}", spec.subnet),
+                ),
+                Ok(g) if g == net || g == broadcast(net, prefix) => e.push(
+                    "spec.gateway",
+                    format!(
+                        "{gw} is the network or broadcast address of {}",
+                        spec.subnet
+                    ),
+                ),
+                Ok(_) => {}
+                Err(_) => e.push(
+                    "spec.gateway",
+                    format!("must be an IPv4 address, got {gw:?}"),
+                ),
+            }
+        }
+        if let Some(cidr) = spec
+            .ipam
+            .as_ref()
+            .and_then(|i| i.cilium.as_ref())
+            .and_then(|c| c.cidr.as_ref())
+        {
+            match parse_cidr(cidr) {
+                Ok((n, p)) if p < prefix || !contains(net, prefix, n) => e.push(
+                    "spec.ipam.cilium.cidr",
+                    format!("{cidr} must lie inside spec.subnet {}", spec.subnet),
+                ),
+                Ok(_) => {}
+                Err(m) => e.push("spec.ipam.cilium.cidr", m),
+            }
+        }
+        let mut needed: u64 = 0;
+        let mut names = BTreeSet::new();
+        for (i, g) in spec.groups.iter().enumerate() {
+            let path = format!("spec.groups[{i}]");
+            dns_label(&mut e, &format!("{path}.name"), &g.name);
+            if !names.insert(g.name.as_str()) {
+                e.push(
+                    format!("{path}.name"),
+                    format!("duplicate group name {:?}", g.name),
+                );
+            }
+            if g.expected_size < 1 {
+                e.push(
+                    format!("{path}.expectedSize"),
+                    format!("must be at least 1, got {}", g.expected_size),
+                );
+            }
+            needed += group_block(g.expected_size.max(1));
+        }
+        let available = 1u64 << (32 - u32::from(prefix));
+        if needed > available {
+            e.push(
+                "spec.groups",
+                format!(
+                    "need {needed} addresses but spec.subnet {} has {available}",
+                    spec.subnet
+                ),
+            );
+        }
+    }
+    for (i, d) in spec.dns.iter().enumerate() {
+        if d.parse::<Ipv4Addr>().is_err() {
+            e.push(
+                format!("spec.dns[{i}]"),
+                format!("must be an IPv4 address, got {d:?}"),
+            );
+        }
+    }
+    if let Some(n) = &spec.nat
+        && let Some(i) = &n.egress_interface
+        && (i.is_empty() || i.len() > 15 || i.contains('/') || i.contains(char::is_whitespace))
+    {
+        e.push(
+            "spec.nat.egressInterface",
+            format!(
+                "must be a Linux interface name (1-15 characters, no '/' or spaces), got {i:?}"
+            ),
+        );
+    }
+    e.into_result()
+}
+
+/// Addresses a group of `expected` members takes: the smallest power of two holding them plus
+/// network and broadcast, at least 4 (a /30).
+pub fn group_block(expected: i32) -> u64 {
+    let want = u64::try_from(expected).unwrap_or(0) + 2;
+    want.next_power_of_two().max(4)
+}
+
+/// Validates an ImpVMSnapshot spec.
+pub fn snapshot(spec: &ImpVMSnapshotSpec) -> Result<(), ValidationErrors> {
+    let mut e = ValidationErrors::default();
+    dns_subdomain(&mut e, "spec.sourceVMName", &spec.source_vm_name);
+    dns_label(&mut e, "spec.sourceVMNamespace", &spec.source_vm_namespace);
+    if !(1..=10).contains(&spec.retention) {
+        e.push(
+            "spec.retention",
+            format!("must be between 1 and 10, got {}", spec.retention),
+        );
+    }
+    if let Some(s) = &spec.schedule
+        && let Err(m) = cron(s)
+    {
+        e.push("spec.schedule", m);
+    }
+    match spec.storage.type_ {
+        StorageType::OciRegistry => match &spec.storage.oci_registry {
+            None => e.push(
+                "spec.storage.ociRegistry",
+                "is required when spec.storage.type is oci-registry",
+            ),
+            Some(r) => image_ref(&mut e, "spec.storage.ociRegistry.repository", &r.repository),
+        },
+        StorageType::NodeLocal => {
+            if let Some(p) = &spec.storage.node_local
+                && (!p.path.starts_with('/') || p.path.split('/').any(|c| c == ".."))
+            {
+                e.push(
+                    "spec.storage.nodeLocal.path",
+                    format!("must be an absolute path without '..', got {:?}", p.path),
+                );
+            }
+        }
+    }
+    e.into_result()
+}
+
+/// Validates an ImpWarmPool spec.
+pub fn warm_pool(spec: &ImpWarmPoolSpec) -> Result<(), ValidationErrors> {
+    let mut e = ValidationErrors::default();
+    non_empty(&mut e, "spec.snapshotRef", &spec.snapshot_ref);
+    non_empty(&mut e, "spec.templateName", &spec.template_name);
+    if spec.size < 0 {
+        e.push(
+            "spec.size",
+            format!("must be at least 0, got {}", spec.size),
+        );
+    }
+    if let Some(d) = &spec.expire_after {
+        expire_after(&mut e, "spec.expireAfter", d);
+    }
+    e.into_result()
+}
+
+/// Validates an ImpVMRunnerPool spec, including the github-actions scaling rules.
+pub fn runner_pool(spec: &ImpVMRunnerPoolSpec) -> Result<(), ValidationErrors> {
+    let mut e = ValidationErrors::default();
+    non_empty(&mut e, "spec.templateName", &spec.template_name);
+    let scope = &spec.platform.scope;
+    match (&scope.org, &scope.repo) {
+        (Some(_), Some(_)) => e.push(
+            "spec.platform.scope",
+            "exactly one of org or repo may be set, got both",
+        ),
+        (None, None) => e.push("spec.platform.scope", "one of org or repo is required"),
+        (Some(o), None) => non_empty(&mut e, "spec.platform.scope.org", o),
+        (None, Some(r)) => {
+            non_empty(&mut e, "spec.platform.scope.repo", r);
+            if spec.platform.type_ != PlatformType::Gitlab && !r.contains('/') {
+                e.push(
+                    "spec.platform.scope.repo",
+                    format!("must be owner/name, got {r:?}"),
+                );
+            }
+        }
+    }
+    if let Some(url) = &spec.platform.server_url
+        && !(url.starts_with("https://") || url.starts_with("http://"))
+    {
+        e.push(
+            "spec.platform.serverURL",
+            format!("must be an http(s) URL, got {url:?}"),
+        );
+    }
+    let github = spec.platform.type_ == PlatformType::GithubActions;
+    match &spec.scaling {
+        None if github => e.push("spec.scaling", "is required for github-actions"),
+        None => {}
+        Some(s) => {
+            if github {
+                if s.mode.is_none() {
+                    e.push(
+                        "spec.scaling.mode",
+                        "is required for github-actions (webhook, polling or hybrid)",
+                    );
+                }
+                for (name, v) in [
+                    ("minIdle", s.min_idle),
+                    ("maxConcurrent", s.max_concurrent),
+                    ("scaleUpStep", s.scale_up_step),
+                    ("cooldownSeconds", s.cooldown_seconds),
+                ] {
+                    if v.is_none() {
+                        e.push(
+                            format!("spec.scaling.{name}"),
+                            "must be set explicitly for github-actions",
+                        );
+                    }
+                }
+            }
+            range(&mut e, "spec.scaling.minIdle", s.min_idle, 0, i32::MAX);
+            range(
+                &mut e,
+                "spec.scaling.maxConcurrent",
+                s.max_concurrent,
+                1,
+                100,
+            );
+            range(
+                &mut e,
+                "spec.scaling.scaleUpStep",
+                s.scale_up_step,
+                1,
+                i32::MAX,
+            );
+            range(
+                &mut e,
+                "spec.scaling.cooldownSeconds",
+                s.cooldown_seconds,
+                10,
+                i32::MAX,
+            );
+            if let (Some(min), Some(max)) = (s.min_idle, s.max_concurrent)
+                && min > max
+            {
+                e.push(
+                    "spec.scaling.minIdle",
+                    format!("must not exceed spec.scaling.maxConcurrent ({max}), got {min}"),
+                );
+            }
+            if matches!(s.mode, Some(ScalingMode::Polling | ScalingMode::Hybrid))
+                && s.polling.is_none()
+            {
+                e.push(
+                    "spec.scaling.polling",
+                    "is required for polling and hybrid modes",
+                );
+            }
+            if matches!(s.mode, Some(ScalingMode::Webhook | ScalingMode::Hybrid))
+                && s.webhook
+                    .as_ref()
+                    .and_then(|w| w.secret_ref.as_ref())
+                    .is_none()
+            {
+                e.push(
+                    "spec.scaling.webhook.secretRef",
+                    "is required for webhook and hybrid modes",
+                );
+            }
+            if let Some(p) = &s.polling {
+                range(
+                    &mut e,
+                    "spec.scaling.polling.intervalSeconds",
+                    Some(p.interval_seconds),
+                    10,
+                    i32::MAX,
+                );
+            }
+        }
+    }
+    if let Some(l) = &spec.runner_layer {
+        image_ref(&mut e, "spec.runnerLayer", l);
+    }
+    if let Some(d) = &spec.expire_after {
+        expire_after(&mut e, "spec.expireAfter", d);
+    }
+    e.into_result()
+}
+
+/// Validates a ClusterImpConfig, including its singleton name.
+pub fn cluster_config(cfg: &ClusterImpConfig) -> Result<(), ValidationErrors> {
+    let mut e = ValidationErrors::default();
+    let name = cfg.metadata.name.as_deref().unwrap_or("");
+    if name != crate::cluster::CLUSTER_CONFIG_NAME {
+        e.push(
+            "metadata.name",
+            format!("ClusterImpConfig is a singleton and must be named cluster, got {name:?}"),
+        );
+    }
+    if let Some(c) = &cfg.spec.capacity {
+        fraction(&mut e, "spec.capacity.defaultFraction", &c.default_fraction);
+    }
+    if let Some(p) = cfg
+        .spec
+        .observability
+        .as_ref()
+        .and_then(|o| o.metrics.as_ref())
+    {
+        range(
+            &mut e,
+            "spec.observability.metrics.port",
+            Some(p.port),
+            1,
+            65535,
+        );
+    }
+    e.into_result()
+}
+
+/// Validates a ClusterImpNodeProfile spec.
+pub fn node_profile(spec: &ClusterImpNodeProfileSpec) -> Result<(), ValidationErrors> {
+    let mut e = ValidationErrors::default();
+    if let Some(f) = &spec.capacity_fraction {
+        fraction(&mut e, "spec.capacityFraction", f);
+    }
+    range(&mut e, "spec.maxImpVMs", spec.max_imp_vms, 0, i32::MAX);
+    range(&mut e, "spec.vcpuCapacity", spec.vcpu_capacity, 0, i32::MAX);
+    if spec.memory_mib.is_some_and(|m| m < 0) {
+        e.push("spec.memoryMiB", "must be at least 0");
+    }
+    if spec.vcpu_capacity.is_some_and(|v| v > 0) && spec.memory_mib.unwrap_or(0) == 0 {
+        e.push(
+            "spec.memoryMiB",
+            "must be set when spec.vcpuCapacity is, or no VM can ever fit",
+        );
+    }
+    e.into_result()
+}
+
+fn non_empty(e: &mut ValidationErrors, path: &str, v: &str) {
+    if v.is_empty() {
+        e.push(path, "must not be empty");
+    }
+}
+
+fn range(e: &mut ValidationErrors, path: &str, v: Option<i32>, min: i32, max: i32) {
+    if let Some(v) = v
+        && (v < min || v > max)
+    {
+        let allowed = if max == i32::MAX {
+            format!("at least {min}")
+        } else {
+            format!("between {min} and {max}")
+        };
+        e.push(path, format!("must be {allowed}, got {v}"));
+    }
+}
+
+fn expire_after(e: &mut ValidationErrors, path: &str, d: &GoDuration) {
+    match d.parse() {
+        Ok(v) if v.is_zero() || v >= MIN_EXPIRE_AFTER => {}
+        Ok(_) => e.push(path, format!("must be 0 or at least 60s, got {d}")),
+        Err(err) => e.push(path, err.to_string()),
+    }
+}
+
+fn fraction(e: &mut ValidationErrors, path: &str, f: &str) {
+    match f.parse::<f64>() {
+        Ok(v) if (0.0..=1.0).contains(&v) && !f.contains(['e', 'E']) => {}
+        _ => e.push(
+            path,
+            format!("must be a decimal between 0 and 1 such as \"0.9\", got {f:?}"),
+        ),
+    }
+}
+
+fn probes(e: &mut ValidationErrors, path: &str, p: &ProbeSpec) {
+    for (name, probe) in [
+        ("startupProbe", &p.startup_probe),
+        ("readinessProbe", &p.readiness_probe),
+        ("livenessProbe", &p.liveness_probe),
+    ] {
+        if let Some(probe) = probe {
+            one_probe(e, &format!("{path}.{name}"), probe);
+        }
+    }
+    if let Some(h) = &p.http_check {
+        range(e, &format!("{path}.httpCheck.port"), Some(h.port), 1, 65535);
+        range(
+            e,
+            &format!("{path}.httpCheck.intervalSeconds"),
+            Some(h.interval_seconds),
+            1,
+            i32::MAX,
+        );
+        range(
+            e,
+            &format!("{path}.httpCheck.failureThreshold"),
+            Some(h.failure_threshold),
+            1,
+            i32::MAX,
+        );
+        if !h.path.starts_with('/') {
+            e.push(
+                format!("{path}.httpCheck.path"),
+                format!("must start with '/', got {:?}", h.path),
+            );
+        }
+    }
+}
+
+fn one_probe(e: &mut ValidationErrors, path: &str, p: &Probe) {
+    match (&p.exec, &p.http) {
+        (Some(_), Some(_)) => e.push(path, "exactly one of exec or http may be set, got both"),
+        (None, None) => e.push(path, "one of exec or http is required"),
+        (Some(x), None) if x.command.is_empty() => e.push(
+            format!("{path}.exec.command"),
+            "must have at least one element",
+        ),
+        (None, Some(h)) => range(e, &format!("{path}.http.port"), Some(h.port), 1, 65535),
+        _ => {}
+    }
+    range(
+        e,
+        &format!("{path}.initialDelaySeconds"),
+        Some(p.initial_delay_seconds),
+        0,
+        i32::MAX,
+    );
+    range(
+        e,
+        &format!("{path}.periodSeconds"),
+        Some(p.period_seconds),
+        1,
+        i32::MAX,
+    );
+    range(
+        e,
+        &format!("{path}.failureThreshold"),
+        Some(p.failure_threshold),
+        1,
+        i32::MAX,
+    );
+}
+
+fn restart_policy(e: &mut ValidationErrors, path: &str, r: &RestartPolicy) {
+    if let Err(err) = r.cool_down_period.parse() {
+        e.push(format!("{path}.coolDownPeriod"), err.to_string());
+    }
+    if let Some(b) = &r.backoff {
+        range(
+            e,
+            &format!("{path}.backoff.maxRetries"),
+            Some(b.max_retries),
+            0,
+            i32::MAX,
+        );
+        let initial = b
+            .initial_delay
+            .parse()
+            .map_err(|err| e.push(format!("{path}.backoff.initialDelay"), err.to_string()));
+        let max = b
+            .max_delay
+            .parse()
+            .map_err(|err| e.push(format!("{path}.backoff.maxDelay"), err.to_string()));
+        if let (Ok(i), Ok(m)) = (initial, max)
+            && i > m
+        {
+            e.push(
+                format!("{path}.backoff.initialDelay"),
+                format!(
+                    "must not exceed backoff.maxDelay ({}), got {}",
+                    b.max_delay, b.initial_delay
+                ),
+            );
+        }
+    }
+}
+
+fn env(e: &mut ValidationErrors, path: &str, vars: &[EnvVar]) {
+    for (i, v) in vars.iter().enumerate() {
+        let ok = !v.name.is_empty()
+            && !v.name.starts_with(|c: char| c.is_ascii_digit())
+            && v.name
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.'));
+        if !ok {
+            e.push(
+                format!("{path}[{i}].name"),
+                format!(
+                    "must be letters, digits, '_', '-' or '.', not starting with a digit, got {:?}",
+                    v.name
+                ),
+            );
+        }
+        if v.value.is_some() && v.value_from.is_some() {
+            e.push(
+                format!("{path}[{i}]"),
+                "value and valueFrom are mutually exclusive",
+            );
+        }
+    }
+}
+
+fn tolerations(e: &mut ValidationErrors, path: &str, ts: &[Toleration]) {
+    for (i, t) in ts.iter().enumerate() {
+        let op = t.operator.as_deref().unwrap_or("Equal");
+        if !matches!(op, "Equal" | "Exists") {
+            e.push(
+                format!("{path}[{i}].operator"),
+                format!("must be Equal or Exists, got {op:?}"),
+            );
+        }
+        if op == "Exists" && t.value.as_deref().is_some_and(|v| !v.is_empty()) {
+            e.push(
+                format!("{path}[{i}].value"),
+                "must be empty when operator is Exists",
+            );
+        }
+        if op == "Equal" && t.key.as_deref().unwrap_or("").is_empty() {
+            e.push(
+                format!("{path}[{i}].key"),
+                "is required when operator is Equal",
+            );
+        }
+        if let Some(eff) = t.effect.as_deref()
+            && !matches!(eff, "" | "NoSchedule" | "PreferNoSchedule" | "NoExecute")
+        {
+            e.push(
+                format!("{path}[{i}].effect"),
+                format!("must be NoSchedule, PreferNoSchedule or NoExecute, got {eff:?}"),
+            );
+        }
+    }
+}
+
+fn image_ref(e: &mut ValidationErrors, path: &str, r: &str) {
+    let bad = r.is_empty()
+        || r.contains(char::is_whitespace)
+        || r.starts_with(['/', ':', '@', '.', '-'])
+        || r.ends_with([':', '@', '/'])
+        || r.chars()
+            .any(|c| c.is_ascii_uppercase() && !r.contains(['@', ':']));
+    if bad {
+        e.push(
+            path,
+            format!(
+                "must be an OCI image reference such as docker.io/library/nginx:1.27, got {r:?}"
+            ),
+        );
+    } else if let Some((_, digest)) = r.split_once('@') {
+        let valid = digest.split_once(':').is_some_and(|(alg, hex)| {
+            !alg.is_empty() && !hex.is_empty() && hex.chars().all(|c| c.is_ascii_hexdigit())
+        });
+        if !valid {
+            e.push(
+                path,
+                format!("digest must look like sha256:<hex>, got {digest:?}"),
+            );
+        }
+    }
+}
+
+fn dns_label(e: &mut ValidationErrors, path: &str, v: &str) {
+    let ok = !v.is_empty()
+        && v.len() <= 63
+        && v.chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
+        && !v.starts_with('-')
+        && !v.ends_with('-');
+    if !ok {
+        e.push(path, format!("must be a DNS-1123 label (lowercase letters, digits and '-', at most 63), got {v:?}"));
+    }
+}
+
+fn dns_subdomain(e: &mut ValidationErrors, path: &str, v: &str) {
+    let ok = !v.is_empty()
+        && v.len() <= 253
+        && v.split('.').all(|l| {
+            !l.is_empty()
+                && l.chars()
+                    .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
+                && !l.starts_with('-')
+                && !l.ends_with('-')
+        });
+    if !ok {
+        e.push(
+            path,
+            format!(
+                "must be a DNS-1123 subdomain (lowercase letters, digits, '-' and '.'), got {v:?}"
+            ),
+        );
+    }
+}
+
+/// Parses `a.b.c.d/p` and requires it to be a network address (no host bits set).
+pub fn parse_cidr(s: &str) -> Result<(Ipv4Addr, u8), String> {
+    let err = || format!("must be an IPv4 CIDR such as 10.44.0.0/24, got {s:?}");
+    let (addr, prefix) = s.split_once('/').ok_or_else(err)?;
+    let addr: Ipv4Addr = addr.parse().map_err(|_| err())?;
+    let prefix: u8 = prefix.parse().map_err(|_| err())?;
+    if prefix > 32 {
+        return Err(err());
+    }
+    let net = mask(addr, prefix);
+    if net != addr {
+        return Err(format!(
+            "{s} has host bits set; the network address is {net}/{prefix}"
+        ));
+    }
+    Ok((net, prefix))
+}
+
+fn mask(a: Ipv4Addr, prefix: u8) -> Ipv4Addr {
+    let m = if prefix == 0 {
+        0
+    } else {
+        u32::MAX << (32 - u32::from(prefix))
+    };
+    Ipv4Addr::from(u32::from(a) & m)
+}
+
+fn contains(net: Ipv4Addr, prefix: u8, a: Ipv4Addr) -> bool {
+    mask(a, prefix) == net
+}
+
+fn broadcast(net: Ipv4Addr, prefix: u8) -> Ipv4Addr {
+    let host = if prefix == 32 {
+        0
+    } else {
+        u32::MAX >> u32::from(prefix)
+    };
+    Ipv4Addr::from(u32::from(net) | host)
+}
+
+/// Checks a five-field cron expression field by field (numbers, ranges, steps, lists, `*`,
+/// month and weekday names).
+pub fn cron(s: &str) -> Result<(), String> {
+    let fields: Vec<&str> = s.split_whitespace().collect();
+    if fields.len() != 5 {
+        return Err(format!(
+            "must be a cron expression with 5 fields (minute hour day-of-month month day-of-week), got {} in {s:?}",
+            fields.len()
+        ));
+    }
+    const NAMES: [(&str, u32, u32, &[&str]); 5] = [
+        ("minute", 0, 59, &[]),
+        ("hour", 0, 23, &[]),
+        ("day-of-month", 1, 31, &[]),
+        (
+            "month",
+            1,
+            12,
+            &[
+                "jan", "feb", "mar", "apr", "may", "jun", "jul", "aug", "sep", "oct", "nov", "dec",
+            ],
+        ),
+        (
+            "day-of-week",
+            0,
+            7,
+            &["sun", "mon", "tue", "wed", "thu", "fri", "sat"],
+        ),
+    ];
+    for (field, (name, lo, hi, names)) in fields.iter().zip(NAMES) {
+        cron_field(field, lo, hi, names).map_err(|m| format!("{name} field {field:?}: {m}"))?;
+    }
+    Ok(())
+}
+
+fn cron_field(f: &str, lo: u32, hi: u32, names: &[&str]) -> Result<(), String> {
+    let value = |v: &str| -> Result<u32, String> {
+        if let Some(i) = names.iter().position(|n| n.eq_ignore_ascii_case(v)) {
+            return Ok(lo + u32::try_from(i).unwrap_or(0));
+        }
+        let n: u32 = v.parse().map_err(|_| format!("{v:?} is not a number"))?;
+        if n < lo || n > hi {
+            return Err(format!("{n} is outside {lo}-{hi}"));
+        }
+        Ok(n)
+    };
+    for part in f.split(',') {
+        let (base, step) = match part.split_once('/') {
+            Some((b, s)) => (b, Some(s)),
+            None => (part, None),
+        };
+        if let Some(s) = step {
+            let n: u32 = s
+                .parse()
+                .map_err(|_| format!("step {s:?} is not a number"))?;
+            if n == 0 {
+                return Err("step must be at least 1".to_owned());
+            }
+        }
+        if base == "*" {
+            continue;
+        }
+        match base.split_once('-') {
+            Some((a, b)) => {
+                let (a, b) = (value(a)?, value(b)?);
+                if a > b {
+                    return Err(format!("range {a}-{b} is backwards"));
+                }
+            }
+            None => {
+                value(base)?;
+            }
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::shared::{ClusterObjectRef, LocalObjectRef, VmDesiredState};
+
+    fn vm_spec() -> ImpVMSpec {
+        ImpVMSpec {
+            class_ref: Some(ClusterObjectRef {
+                name: "small".into(),
+            }),
+            image: Some("docker.io/library/busybox:1.36".into()),
+            ..Default::default()
+        }
+    }
+
+    fn msg(r: Result<(), ValidationErrors>) -> String {
+        r.err().map(|e| e.to_string()).unwrap_or_default()
+    }
+
+    #[test]
+    fn vm_accepts_class_or_template() {
+        assert_eq!(vm(&vm_spec()), Ok(()));
+        let t = ImpVMSpec {
+            template_ref: Some(LocalObjectRef { name: "t".into() }),
+            ..Default::default()
+        };
+        assert_eq!(vm(&t), Ok(()));
+    }
+
+    #[test]
+    fn expire_after_zero_and_sixty_are_fine() {
+        for ok in ["0", "0s", "60s", "1m", "2h"] {
+            let s = ImpVMSpec {
+                expire_after: Some(GoDuration(ok.into())),
+                ..vm_spec()
+            };
+            assert_eq!(vm(&s), Ok(()), "{ok}");
+        }
+        let s = ImpVMSpec {
+            expire_after: Some(GoDuration("59s".into())),
+            ..vm_spec()
+        };
+        assert_eq!(
+            msg(vm(&s)),
+            "spec.expireAfter: must be 0 or at least 60s, got 59s"
+        );
+    }
+
+    #[test]
+    fn node_name_may_be_cleared_or_set_but_not_moved() {
+        let on = |n: Option<&str>| ImpVMSpec {
+            node_name: n.map(Into::into),
+            ..vm_spec()
+        };
+        assert_eq!(
+            vm_update(&on(Some("a")), &on(None)),
+            Ok(()),
+            "clearing is how controllers release a VM"
+        );
+        assert_eq!(vm_update(&on(None), &on(Some("a"))), Ok(()));
+        assert_eq!(vm_update(&on(Some("a")), &on(Some("a"))), Ok(()));
+        assert!(
+            msg(vm_update(&on(Some("a")), &on(Some("b"))))
+                .starts_with("spec.nodeName: cannot move from a to b")
+        );
+    }
+
+    #[test]
+    fn every_error_is_reported_not_just_the_first() {
+        let s = ImpVMSpec {
+            image: Some(String::new()),
+            idle_timeout: Some(GoDuration("1s".into())),
+            ..vm_spec()
+        };
+        let e = vm(&s).unwrap_err();
+        let paths: Vec<&str> = e.0.iter().map(|f| f.path.as_str()).collect();
+        assert!(
+            paths.contains(&"spec.image") && paths.contains(&"spec.idleTimeout"),
+            "{paths:?}"
+        );
+    }
+
+    #[test]
+    fn env_and_tolerations_are_checked() {
+        let mut s = vm_spec();
+        s.env = vec![
+            EnvVar {
+                name: "1BAD".into(),
+                ..Default::default()
+            },
+            EnvVar {
+                name: "GOOD_1".into(),
+                ..Default::default()
+            },
+        ];
+        s.tolerations = vec![Toleration {
+            operator: Some("Maybe".into()),
+            ..Default::default()
+        }];
+        let m = msg(vm(&s));
+        assert!(m.contains("spec.env[0].name: must be letters"), "{m}");
+        assert!(!m.contains("spec.env[1]"), "{m}");
+        assert!(
+            m.contains("spec.tolerations[0].operator: must be Equal or Exists, got \"Maybe\""),
+            "{m}"
+        );
+        s.env.remove(0);
+        s.tolerations = vec![Toleration {
+            operator: Some("Exists".into()),
+            ..Default::default()
+        }];
+        assert_eq!(vm(&s), Ok(()));
+    }
+
+    #[test]
+    fn image_references() {
+        for ok in [
+            "busybox",
+            "docker.io/library/nginx:1.27",
+            "127.0.0.1:5000/t/img@sha256:abcdef0123",
+            "ghcr.io/a/b",
+        ] {
+            let s = ImpVMSpec {
+                image: Some(ok.into()),
+                ..vm_spec()
+            };
+            assert_eq!(vm(&s), Ok(()), "{ok}");
+        }
+        for bad in [
+            "has space",
+            "/abs",
+            "img@sha256:",
+            "img@nohex:zz",
+            "trailing:",
+        ] {
+            let s = ImpVMSpec {
+                image: Some(bad.into()),
+                ..vm_spec()
+            };
+            assert!(msg(vm(&s)).starts_with("spec.image:"), "{bad}");
+        }
+    }
+
+    #[test]
+    fn scale_to_zero_without_idle_timeout_warns() {
+        let s = ImpVMSpec {
+            desired_state: VmDesiredState::ScaleToZero,
+            ..vm_spec()
+        };
+        assert_eq!(vm_warnings(&s).len(), 1);
+        assert!(vm_warnings(&vm_spec()).is_empty());
+    }
+
+    #[test]
+    fn cidrs_and_groups() {
+        assert_eq!(
+            parse_cidr("10.0.0.0/8"),
+            Ok((Ipv4Addr::new(10, 0, 0, 0), 8))
+        );
+        assert!(parse_cidr("10.0.0.0/33").is_err());
+        assert!(parse_cidr("10.0.0.1/8").unwrap_err().contains("host bits"));
+        assert_eq!(group_block(14), 16);
+        assert_eq!(group_block(1), 4);
+        assert_eq!(group_block(2), 4);
+        assert_eq!(group_block(30), 32);
+        let net = ImpNetworkSpec {
+            subnet: "10.0.0.0/24".into(),
+            gateway: Some("10.0.0.255".into()),
+            ..Default::default()
+        };
+        assert!(msg(network(&net)).contains("broadcast"));
+        let net = ImpNetworkSpec {
+            subnet: "10.0.0.0/24".into(),
+            dns: vec!["dns.google".into()],
+            ..Default::default()
+        };
+        assert_eq!(
+            msg(network(&net)),
+            "spec.dns[0]: must be an IPv4 address, got \"dns.google\""
+        );
+    }
+
+    #[test]
+    fn cron_expressions() {
+        for ok in [
+            "* * * * *",
+            "0 */6 * * *",
+            "15,45 9-17 * jan-jun mon-fri",
+            "0 0 1 1 7",
+        ] {
+            assert_eq!(cron(ok), Ok(()), "{ok}");
+        }
+        for bad in [
+            "* * * *",
+            "60 * * * *",
+            "* * 0 * *",
+            "*/0 * * * *",
+            "5-1 * * * *",
+            "* * * foo *",
+        ] {
+            assert!(cron(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn fractions() {
+        let mut e = ValidationErrors::default();
+        for ok in ["0", "0.9", "1", "1.0"] {
+            fraction(&mut e, "f", ok);
+        }
+        assert!(e.0.is_empty(), "{e}");
+        for bad in ["1.1", "-0.1", "1e-1", "x"] {
+            fraction(&mut e, "f", bad);
+        }
+        assert_eq!(e.0.len(), 4);
+    }
+}
