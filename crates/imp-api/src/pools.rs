@@ -47,7 +47,7 @@ pub struct ImpWarmPoolSpec {
     pub template_name: String,
     /// Expiry of members; 0 or at least 60s.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[x_kube(validation = kube::core::Rule::new("duration(self) == duration('0s') || duration(self) >= duration('60s')").message("must be 0 or at least 60s"))]
+    #[x_kube(validation = crate::shared::expire_after_rule())]
     pub expire_after: Option<GoDuration>,
 }
 
@@ -123,7 +123,7 @@ pub struct ImpVMRunnerPoolSpec {
     pub job_detection: Option<JobDetection>,
     /// Expiry of runner VMs; 0 or at least 60s.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[x_kube(validation = kube::core::Rule::new("duration(self) == duration('0s') || duration(self) >= duration('60s')").message("must be 0 or at least 60s"))]
+    #[x_kube(validation = crate::shared::expire_after_rule())]
     pub expire_after: Option<GoDuration>,
 }
 

@@ -66,7 +66,7 @@ pub struct ImpVMTemplateSpec {
     pub cilium_layer: Option<String>,
     /// Expiry of VMs made from it; 0 or at least 60s.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[x_kube(validation = kube::core::Rule::new("duration(self) == duration('0s') || duration(self) >= duration('60s')").message("must be 0 or at least 60s"))]
+    #[x_kube(validation = crate::shared::expire_after_rule())]
     pub expire_after: Option<GoDuration>,
     /// Node labels VMs from this template require (imp extension).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]

@@ -109,13 +109,12 @@ pub fn vm(spec: &ImpVMSpec) -> Result<(), ValidationErrors> {
         }
     }
     env(&mut e, "spec.env", &spec.env);
-    tolerations(&mut e, "spec.tolerations", &spec.tolerations);
-    if let Some(p) = &spec.probes {
-        probes(&mut e, "spec.probes", p);
-    }
-    if let Some(r) = &spec.restart_policy {
-        restart_policy(&mut e, "spec.restartPolicy", r);
-    }
+    inherited(
+        &mut e,
+        &spec.tolerations,
+        spec.probes.as_ref(),
+        spec.restart_policy.as_ref(),
+    );
     if let Some(n) = &spec.node_name {
         dns_subdomain(&mut e, "spec.nodeName", n);
     }
@@ -179,13 +178,12 @@ pub fn class(spec: &ImpVMClassSpec) -> Result<(), ValidationErrors> {
             format!("must be at least 1, got {}", spec.disk_gib),
         );
     }
-    tolerations(&mut e, "spec.tolerations", &spec.tolerations);
-    if let Some(p) = &spec.probes {
-        probes(&mut e, "spec.probes", p);
-    }
-    if let Some(r) = &spec.restart_policy {
-        restart_policy(&mut e, "spec.restartPolicy", r);
-    }
+    inherited(
+        &mut e,
+        &spec.tolerations,
+        spec.probes.as_ref(),
+        spec.restart_policy.as_ref(),
+    );
     e.into_result()
 }
 
@@ -199,13 +197,12 @@ pub fn template(spec: &ImpVMTemplateSpec) -> Result<(), ValidationErrors> {
     if let Some(d) = &spec.expire_after {
         expire_after(&mut e, "spec.expireAfter", d);
     }
-    tolerations(&mut e, "spec.tolerations", &spec.tolerations);
-    if let Some(p) = &spec.probes {
-        probes(&mut e, "spec.probes", p);
-    }
-    if let Some(r) = &spec.restart_policy {
-        restart_policy(&mut e, "spec.restartPolicy", r);
-    }
+    inherited(
+        &mut e,
+        &spec.tolerations,
+        spec.probes.as_ref(),
+        spec.restart_policy.as_ref(),
+    );
     e.into_result()
 }
 
@@ -550,6 +547,22 @@ pub fn node_profile(spec: &ClusterImpNodeProfileSpec) -> Result<(), ValidationEr
         );
     }
     e.into_result()
+}
+
+/// Fields a VM inherits from its class or template, checked the same way wherever they stand.
+fn inherited(
+    e: &mut ValidationErrors,
+    ts: &[Toleration],
+    p: Option<&ProbeSpec>,
+    r: Option<&RestartPolicy>,
+) {
+    tolerations(e, "spec.tolerations", ts);
+    if let Some(p) = p {
+        probes(e, "spec.probes", p);
+    }
+    if let Some(r) = r {
+        restart_policy(e, "spec.restartPolicy", r);
+    }
 }
 
 fn non_empty(e: &mut ValidationErrors, path: &str, v: &str) {

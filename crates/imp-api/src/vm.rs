@@ -105,7 +105,7 @@ pub struct ImpVMSpec {
     pub cilium_layer: Option<String>,
     /// Delete the VM this long after it first ran; 0 means never, else at least 60s.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[x_kube(validation = kube::core::Rule::new("duration(self) == duration('0s') || duration(self) >= duration('60s')").message("must be 0 or at least 60s"))]
+    #[x_kube(validation = crate::shared::expire_after_rule())]
     pub expire_after: Option<GoDuration>,
     /// For persistent VMs: move to another node when the node is lost.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
