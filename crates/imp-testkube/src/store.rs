@@ -822,6 +822,34 @@ impl State {
 }
 
 impl Store {
+    /// Stamps the next resourceVersion on `obj`, stores it under `key` and tells the watchers.
+    fn record(
+        &self,
+        st: &mut State,
+        key: String,
+        mut obj: Value,
+        kind: EventType,
+        old: Option<Arc<Value>>,
+    ) -> Arc<Value> {
+        st.rv += 1;
+        let rv = st.rv;
+        md(&mut obj).insert("resourceVersion".into(), json!(rv.to_string()));
+        let obj = Arc::new(obj);
+        st.put(&key, obj.clone());
+        st.emit(
+            &self.events,
+            self.history_limit,
+            Event {
+                rv,
+                key,
+                kind,
+                object: obj.clone(),
+                old,
+            },
+        );
+        obj
+    }
+
     /// An empty store with the built-in resources and default namespaces.
     pub fn new(history_limit: usize) -> Self {
         let (events, _) = broadcast::channel(65_536);
@@ -1047,22 +1075,7 @@ impl Store {
         if opts.dry_run {
             return Ok(Self::out(rt, &obj));
         }
-        st.rv += 1;
-        let rv = st.rv;
-        md(&mut obj).insert("resourceVersion".into(), json!(rv.to_string()));
-        let obj = Arc::new(obj);
-        st.put(&rt.store_key(), obj.clone());
-        st.emit(
-            &self.events,
-            self.history_limit,
-            Event {
-                rv,
-                key: rt.store_key(),
-                kind: EventType::Added,
-                object: obj.clone(),
-                old: None,
-            },
-        );
+        let obj = self.record(&mut st, rt.store_key(), obj, EventType::Added, None);
         if is_crd(rt) {
             st.register_crd(&obj);
         }
@@ -1394,21 +1407,12 @@ impl Store {
         if opts.dry_run {
             return Ok(Self::out(rt, &new));
         }
-        st.rv += 1;
-        let rv = st.rv;
-        md(&mut new).insert("resourceVersion".into(), json!(rv.to_string()));
-        let new = Arc::new(new);
-        st.put(&rt.store_key(), new.clone());
-        st.emit(
-            &self.events,
-            self.history_limit,
-            Event {
-                rv,
-                key: rt.store_key(),
-                kind: EventType::Modified,
-                object: new.clone(),
-                old: Some(old.clone()),
-            },
+        let new = self.record(
+            st,
+            rt.store_key(),
+            new,
+            EventType::Modified,
+            Some(old.clone()),
         );
         if is_crd(rt) {
             st.register_crd(&new);
@@ -1542,22 +1546,7 @@ impl Store {
             if let Some(Value::Array(refs)) = new.pointer_mut("/metadata/ownerReferences") {
                 refs.retain(|r| r["uid"].as_str() != Some(owner_uid));
             }
-            st.rv += 1;
-            let rv = st.rv;
-            md(&mut new).insert("resourceVersion".into(), json!(rv.to_string()));
-            let new = Arc::new(new);
-            st.put(&key, new.clone());
-            st.emit(
-                &self.events,
-                self.history_limit,
-                Event {
-                    rv,
-                    key,
-                    kind: EventType::Modified,
-                    object: new,
-                    old: Some(old),
-                },
-            );
+            self.record(st, key, new, EventType::Modified, Some(old));
         }
     }
 
@@ -1650,21 +1639,12 @@ impl Store {
         if ns_kind {
             new["status"]["phase"] = json!("Terminating");
         }
-        st.rv += 1;
-        let rv = st.rv;
-        md(&mut new).insert("resourceVersion".into(), json!(rv.to_string()));
-        let new = Arc::new(new);
-        st.put(&rt.store_key(), new.clone());
-        st.emit(
-            &self.events,
-            self.history_limit,
-            Event {
-                rv,
-                key: rt.store_key(),
-                kind: EventType::Modified,
-                object: new.clone(),
-                old: Some(old.clone()),
-            },
+        let new = self.record(
+            st,
+            rt.store_key(),
+            new,
+            EventType::Modified,
+            Some(old.clone()),
         );
         if ns_kind {
             let victims: Vec<(Arc<ResourceType>, String)> = {
