@@ -3,7 +3,8 @@
 #
 # Usage: scripts/fetch-guest-kernel.sh [DEST]
 #   DEST defaults to target/guest-kernel. Writes DEST/vmlinuz (a bzImage) and DEST/modules/
-#   (the lib/modules/<version>/ tree; virtio_mmio, vsock, virtio_blk... are modules there).
+#   (the lib/modules/<version>/ tree; virtio_mmio, vsock, virtio_blk... are modules there), and
+#   DEST/vmlinux, the uncompressed ELF Firecracker boots (scripts/extract-vmlinux.sh).
 #   Idempotent: does nothing when DEST/vmlinuz and DEST/modules already exist.
 #   Needs `apt-get update` to have run (the caller's job) and apt-get/dpkg on PATH.
 set -euo pipefail
@@ -11,8 +12,14 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 dest="${1:-target/guest-kernel}"
 
+# Firecracker boots an uncompressed ELF on x86_64: unpack it from the bzImage once.
+ensure_vmlinux() {
+    [[ -s "$dest/vmlinux" ]] || scripts/extract-vmlinux.sh "$dest/vmlinuz" "$dest/vmlinux"
+}
+
 if [[ -s "$dest/vmlinuz" && -d "$dest/modules" ]]; then
     echo "$dest/vmlinuz already present ($(cat "$dest/version" 2>/dev/null || echo unknown))"
+    ensure_vmlinux
     exit 0
 fi
 
@@ -48,3 +55,4 @@ mv "$dest/version.tmp" "$dest/version"
 cp "$vmlinuz" "$dest/vmlinuz.tmp"
 mv "$dest/vmlinuz.tmp" "$dest/vmlinuz"
 echo "$dest/vmlinuz $(cat "$dest/version") from $versioned"
+ensure_vmlinux

@@ -604,6 +604,36 @@ async fn two_vms_at_once() {
     );
 }
 
+/// Debian's cloud kernel, as `scripts/extract-vmlinux.sh` unpacks it from the bzImage, is an
+/// ELF that Firecracker loads and starts. A Linux guest cannot run under this machine's PVM
+/// KVM (FACTS.md), so this checks the load and start, not the boot; the bzImage itself is what
+/// Firecracker refuses on x86_64.
+#[tokio::test]
+async fn firecracker_loads_the_extracted_debian_vmlinux() {
+    let kdir = std::env::var_os("IMP_GUEST_KERNEL_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| workspace_root().join("target/guest-kernel"));
+    let vmlinux = kdir.join("vmlinux");
+    if !guard::require(
+        vmlinux.is_file(),
+        "target/guest-kernel/vmlinux (scripts/fetch-guest-kernel.sh)",
+    ) {
+        return;
+    }
+    let Some(env) = vm_env() else { return };
+    let dir = TempDir::new("linux");
+    let launcher = Launcher::new(&env.firecracker);
+    let mut vm = Firecracker::boot(&launcher, &base_config("linux", &dir.0, &vmlinux))
+        .await
+        .unwrap();
+    assert_eq!(vm.instance_info().await.unwrap().state, "Running");
+    assert_eq!(vm.stop(Duration::ZERO).await.unwrap(), StopOutcome::Killed);
+
+    let bzimage = kdir.join("vmlinuz");
+    let refused = Firecracker::boot(&launcher, &base_config("bz", &dir.0, &bzimage)).await;
+    assert!(refused.is_err(), "Firecracker should refuse a bzImage on x86_64");
+}
+
 /// Firecracker's rejections surface with the endpoint and its fault_message; the failed
 /// process does not outlive the error.
 #[tokio::test]
