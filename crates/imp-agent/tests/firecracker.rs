@@ -631,7 +631,10 @@ async fn firecracker_loads_the_extracted_debian_vmlinux() {
 
     let bzimage = kdir.join("vmlinuz");
     let refused = Firecracker::boot(&launcher, &base_config("bz", &dir.0, &bzimage)).await;
-    assert!(refused.is_err(), "Firecracker should refuse a bzImage on x86_64");
+    assert!(
+        refused.is_err(),
+        "Firecracker should refuse a bzImage on x86_64"
+    );
 }
 
 /// Firecracker's rejections surface with the endpoint and its fault_message; the failed
