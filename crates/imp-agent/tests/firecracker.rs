@@ -623,7 +623,7 @@ async fn firecracker_loads_the_extracted_debian_vmlinux() {
     let Some(env) = vm_env() else { return };
     let dir = TempDir::new("linux");
     let launcher = Launcher::new(&env.firecracker);
-    let mut vm = Firecracker::boot(&launcher, &base_config("linux", &dir.0, &vmlinux))
+    let vm = Firecracker::boot(&launcher, &base_config("linux", &dir.0, &vmlinux))
         .await
         .unwrap();
     assert_eq!(vm.instance_info().await.unwrap().state, "Running");
