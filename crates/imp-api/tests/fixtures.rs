@@ -175,18 +175,9 @@ mod server {
     use kube::api::{Api, ApiResource, DynamicObject, GroupVersionKind, PostParams};
     use kube::{Client, discovery};
 
-    async fn client(k: &TestKube) -> Client {
-        let kc = kube::config::Kubeconfig::read_from(k.kubeconfig()).unwrap();
-        let cfg =
-            kube::Config::from_custom_kubeconfig(kc, &kube::config::KubeConfigOptions::default())
-                .await
-                .unwrap();
-        Client::try_from(cfg).unwrap()
-    }
-
     async fn setup() -> (TestKube, Client) {
         let k = TestKube::start().await.unwrap();
-        let c = client(&k).await;
+        let c = k.client().await.unwrap();
         let crds: Api<CustomResourceDefinition> = Api::all(c.clone());
         for crd in imp_api::crd::all() {
             let name = crd.metadata.name.clone().unwrap();

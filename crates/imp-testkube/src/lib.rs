@@ -39,6 +39,17 @@ use tokio::sync::oneshot;
 pub use auth::{Auth, Rule, User};
 pub use store::Store;
 
+/// Errors building a client for the server.
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    /// The kubeconfig written for the server could not be read or used.
+    #[error("loading the test API server's kubeconfig")]
+    Kubeconfig(#[source] kube::config::KubeconfigError),
+    /// kube-rs refused the configuration.
+    #[error("building a kube client for the test API server")]
+    Client(#[source] kube::Error),
+}
+
 /// Errors starting the server.
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
@@ -202,6 +213,17 @@ impl TestKube {
     /// Path of the kubeconfig written for this server.
     pub fn kubeconfig(&self) -> &Path {
         &self.kubeconfig
+    }
+
+    /// A kube-rs client configured from this server's kubeconfig, as a controller would be.
+    pub async fn client(&self) -> Result<kube::Client, ClientError> {
+        let kc = kube::config::Kubeconfig::read_from(&self.kubeconfig)
+            .map_err(ClientError::Kubeconfig)?;
+        let cfg =
+            kube::Config::from_custom_kubeconfig(kc, &kube::config::KubeConfigOptions::default())
+                .await
+                .map_err(ClientError::Kubeconfig)?;
+        kube::Client::try_from(cfg).map_err(ClientError::Client)
     }
 
     /// The store, for tests that want to look behind the HTTP surface.

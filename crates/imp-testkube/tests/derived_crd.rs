@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
-use kube::{Client, CustomResource, CustomResourceExt, KubeSchema};
+use kube::{CustomResource, CustomResourceExt, KubeSchema};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
@@ -73,14 +73,6 @@ pub struct GadgetStatus {
     pub observed_generation: Option<i64>,
 }
 
-async fn client(k: &TestKube) -> Client {
-    let kc = kube::config::Kubeconfig::read_from(k.kubeconfig()).unwrap();
-    let cfg = kube::Config::from_custom_kubeconfig(kc, &kube::config::KubeConfigOptions::default())
-        .await
-        .unwrap();
-    Client::try_from(cfg).unwrap()
-}
-
 fn gadget(name: &str, spec: serde_json::Value) -> Gadget {
     serde_json::from_value(json!({"apiVersion": "test.imp.dev/v1alpha1", "kind": "Gadget", "metadata": {"name": name}, "spec": spec})).unwrap()
 }
@@ -88,7 +80,7 @@ fn gadget(name: &str, spec: serde_json::Value) -> Gadget {
 #[tokio::test]
 async fn derived_crd_round_trip() {
     let k = TestKube::start().await.unwrap();
-    let c = client(&k).await;
+    let c = k.client().await.unwrap();
     let crds: Api<CustomResourceDefinition> = Api::all(c.clone());
     let crd = crds
         .create(&PostParams::default(), &Gadget::crd())

@@ -10,21 +10,13 @@ use std::time::Duration;
 use futures::{StreamExt, TryStreamExt};
 use imp_testkube::{Config, TestKube};
 use k8s_openapi::api::core::v1::{ConfigMap, Pod, Secret};
+use kube::ResourceExt;
 use kube::api::{
     Api, ApiResource, DeleteParams, DynamicObject, GroupVersionKind, ListParams, Patch,
     PatchParams, PostParams, WatchEvent, WatchParams,
 };
 use kube::runtime::watcher;
-use kube::{Client, ResourceExt};
 use serde_json::json;
-
-async fn client(k: &TestKube) -> Client {
-    let kc = kube::config::Kubeconfig::read_from(k.kubeconfig()).unwrap();
-    let cfg = kube::Config::from_custom_kubeconfig(kc, &kube::config::KubeConfigOptions::default())
-        .await
-        .unwrap();
-    Client::try_from(cfg).unwrap()
-}
 
 fn cm(name: &str) -> ConfigMap {
     ConfigMap {
@@ -41,7 +33,7 @@ fn cm(name: &str) -> ConfigMap {
 #[tokio::test]
 async fn typed_api_crud_and_errors() {
     let k = TestKube::start().await.unwrap();
-    let c = client(&k).await;
+    let c = k.client().await.unwrap();
     let api: Api<ConfigMap> = Api::default_namespaced(c.clone());
     let created = api.create(&PostParams::default(), &cm("a")).await.unwrap();
     assert!(created.metadata.uid.is_some());
@@ -125,7 +117,7 @@ async fn typed_api_crud_and_errors() {
 async fn dynamic_api_for_a_crd_with_status() {
     let k = TestKube::start().await.unwrap();
     common::create_widget_crd(k.url()).await;
-    let c = client(&k).await;
+    let c = k.client().await.unwrap();
     let ar = ApiResource::from_gvk_with_plural(
         &GroupVersionKind::gvk("test.imp.dev", "v1", "Widget"),
         "widgets",
@@ -161,7 +153,7 @@ async fn raw_watch_with_bookmarks() {
     })
     .await
     .unwrap();
-    let c = client(&k).await;
+    let c = k.client().await.unwrap();
     let api: Api<ConfigMap> = Api::default_namespaced(c);
     let list = api.list(&ListParams::default()).await.unwrap();
     let rv = list.metadata.resource_version.unwrap();
@@ -195,7 +187,7 @@ async fn runtime_watcher_sees_changes_and_relists_after_gone() {
     })
     .await
     .unwrap();
-    let c = client(&k).await;
+    let c = k.client().await.unwrap();
     let api: Api<ConfigMap> = Api::default_namespaced(c.clone());
     api.create(&PostParams::default(), &cm("before"))
         .await
@@ -265,7 +257,7 @@ async fn recorder_events_show_in_both_event_apis() {
     use kube::Resource;
     use kube::runtime::events::{Event, EventType, Recorder, Reporter};
     let k = TestKube::start().await.unwrap();
-    let c = client(&k).await;
+    let c = k.client().await.unwrap();
     let api: Api<ConfigMap> = Api::default_namespaced(c.clone());
     let obj = api
         .create(&PostParams::default(), &cm("target"))
