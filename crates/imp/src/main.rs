@@ -1,10 +1,12 @@
-//! The imp host binary: one command per component. Today it prints the CRDs; the operator,
-//! the agent and local VMs arrive with their issues.
+//! The imp host binary: one command per component (`imp operator`, `imp crds`, and the local
+//! VM commands `imp run|exec|ps|stop|console`).
 
 use std::io::Write;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
+
+mod operator;
 
 #[derive(Parser)]
 #[command(
@@ -21,6 +23,8 @@ struct Cli {
 enum Command {
     /// Print every imp.dev CustomResourceDefinition as one YAML stream (for kubectl apply -f -).
     Crds,
+    /// Run the operator (controller-manager): scheduling, lifecycle, webhook, metrics.
+    Operator(operator::Args),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -32,6 +36,7 @@ fn main() -> anyhow::Result<()> {
                 .write_all(yaml.as_bytes())
                 .context("writing CRDs to stdout")?;
         }
+        Command::Operator(args) => operator::main(args)?,
     }
     Ok(())
 }
