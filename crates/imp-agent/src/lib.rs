@@ -7,5 +7,6 @@
 //! (that is the `imp` crate), not the operator, and not the in-guest agent (`imp-guest`); it
 //! holds no Kubernetes types of its own beyond those of `imp-api`.
 
+pub mod guest;
 pub mod image;
 pub mod vmm;
