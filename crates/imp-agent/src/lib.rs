@@ -2,8 +2,9 @@
 //!
 //! Today it holds [`vmm`], the [`vmm::Vmm`] trait and the Firecracker driver that boots, pauses,
 //! snapshots, restores and stops microVMs and connects to their guest vsock ports, and
-//! [`image`], which unpacks untrusted OCI image layers into a rootfs. Pulling images, node
-//! networking, node state and the per-node reconciler will live here too. It is not the binary
+//! [`image`], which pulls OCI images (registry, layout, archive) into a verified blob
+//! cache, builds cached ext4 bases and gives every VM its own disk. Node networking, node
+//! state and the per-node reconciler will live here too. It is not the binary
 //! (that is the `imp` crate), not the operator, and not the in-guest agent (`imp-guest`); it
 //! holds no Kubernetes types of its own beyond those of `imp-api`.
 
