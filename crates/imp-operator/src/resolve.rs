@@ -1,1 +1,302 @@
-//! (being written)
+//! Resolution of what a VM really asks for: class ← template ← VM.
+//!
+//! Every inherited field (image, classRef, networkRef, probes, guestAgent, restartPolicy,
+//! networkGroup, runner/cilium layers, expireAfter, nodeSelector) is taken from the VM when the VM
+//! sets it, else from its template, else from its class (for the fields a class carries).
+//! Tolerations are the union of all three.
+//!
+//! # Missing references: `Pending`, not `Failed`
+//!
+//! A missing ImpVMTemplate, ImpVMClass or ImpNetwork leaves the VM in phase `Pending` with
+//! `Ready=False, reason=InvalidSpec`, a message naming the missing object and the fix, and a
+//! Warning Event. `Pending` (not `Failed`) because the object may simply not have been applied yet
+//! (`kubectl apply -f dir/` creates in any order) and `Failed` is terminal: a VM that had to be
+//! recreated after its class arrived a second later would be a trap. The controller watches
+//! templates, classes and networks, so creating the missing object recovers the VM at once.
+
+use std::collections::BTreeMap;
+
+use imp_api::class::ImpVMClassSpec;
+use imp_api::template::ImpVMTemplateSpec;
+use imp_api::vm::ImpVMSpec;
+use k8s_openapi::api::core::v1::Toleration;
+
+/// Fills every field the VM leaves unset from its template; the VM's own values win.
+///
+/// Tolerations are the union (VM's first, then the template's not already present); node
+/// selector keys the VM does not set are taken from the template.
+pub fn apply_template(vm: &ImpVMSpec, template: &ImpVMTemplateSpec) -> ImpVMSpec {
+    let mut out = vm.clone();
+    if out.class_ref.is_none() {
+        out.class_ref = Some(template.class_ref.clone());
+    }
+    fill(&mut out.network_ref, &template.network_ref);
+    if out.image.as_deref().is_none_or(str::is_empty) && template.image.is_some() {
+        out.image = template.image.clone();
+    }
+    fill(&mut out.probes, &template.probes);
+    fill(&mut out.guest_agent, &template.guest_agent);
+    fill(&mut out.restart_policy, &template.restart_policy);
+    fill(&mut out.network_group, &template.network_group);
+    fill(&mut out.runner_layer, &template.runner_layer);
+    fill(&mut out.cilium_layer, &template.cilium_layer);
+    fill(&mut out.expire_after, &template.expire_after);
+    merge_selector(&mut out.node_selector, &template.node_selector);
+    union_tolerations(&mut out.tolerations, &template.tolerations);
+    out
+}
+
+/// Fills what the VM (already merged with its template) leaves unset from its class.
+///
+/// A class carries probes, the guest-agent switch, the restart policy and tolerations.
+pub fn apply_class(vm: &ImpVMSpec, class: &ImpVMClassSpec) -> ImpVMSpec {
+    let mut out = vm.clone();
+    fill(&mut out.probes, &class.probes);
+    fill(&mut out.guest_agent, &class.guest_agent);
+    fill(&mut out.restart_policy, &class.restart_policy);
+    union_tolerations(&mut out.tolerations, &class.tolerations);
+    out
+}
+
+/// The full resolution: VM over template (if any) over class.
+pub fn resolve(
+    vm: &ImpVMSpec,
+    template: Option<&ImpVMTemplateSpec>,
+    class: &ImpVMClassSpec,
+) -> ImpVMSpec {
+    let merged = match template {
+        Some(t) => apply_template(vm, t),
+        None => vm.clone(),
+    };
+    apply_class(&merged, class)
+}
+
+/// A reference a VM makes that points at nothing.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum MissingRef {
+    /// `spec.templateRef` names no ImpVMTemplate in the VM's namespace.
+    Template {
+        /// Namespace searched.
+        namespace: String,
+        /// Name referenced.
+        name: String,
+    },
+    /// The class (from the VM or its template) names no ImpVMClass.
+    Class {
+        /// Name referenced.
+        name: String,
+        /// Where the reference came from (`spec.classRef` or `template <name>`).
+        via: String,
+    },
+    /// The network (from the VM or its template) names no ImpNetwork in the VM's namespace.
+    Network {
+        /// Namespace searched.
+        namespace: String,
+        /// Name referenced.
+        name: String,
+    },
+    /// Neither the VM nor its template names a class.
+    NoClass,
+}
+
+impl MissingRef {
+    /// The condition/Event message: what is missing and how to fix it.
+    pub fn message(&self) -> String {
+        match self {
+            Self::Template { namespace, name } => format!(
+                "ImpVMTemplate {namespace}/{name} (spec.templateRef) does not exist: create it or fix spec.templateRef"
+            ),
+            Self::Class { name, via } => format!(
+                "ImpVMClass {name} ({via}) does not exist: create it (kubectl get impvmclasses) or fix the reference"
+            ),
+            Self::Network { namespace, name } => format!(
+                "ImpNetwork {namespace}/{name} (networkRef) does not exist: create it or fix spec.networkRef"
+            ),
+            Self::NoClass => {
+                "neither spec.classRef nor a template names an ImpVMClass: set spec.classRef or spec.templateRef"
+                    .to_owned()
+            }
+        }
+    }
+}
+
+fn fill<T: Clone>(target: &mut Option<T>, source: &Option<T>) {
+    if target.is_none() {
+        target.clone_from(source);
+    }
+}
+
+fn merge_selector(target: &mut BTreeMap<String, String>, source: &BTreeMap<String, String>) {
+    for (k, v) in source {
+        target.entry(k.clone()).or_insert_with(|| v.clone());
+    }
+}
+
+fn union_tolerations(target: &mut Vec<Toleration>, source: &[Toleration]) {
+    for t in source {
+        if !target.contains(t) {
+            target.push(t.clone());
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use imp_api::duration::GoDuration;
+    use imp_api::shared::{
+        ClusterObjectRef, GuestAgentConfig, LocalObjectRef, RestartMode, RestartPolicy,
+    };
+
+    fn tol(key: &str) -> Toleration {
+        Toleration {
+            key: Some(key.to_owned()),
+            operator: Some("Exists".to_owned()),
+            ..Default::default()
+        }
+    }
+
+    fn template() -> ImpVMTemplateSpec {
+        ImpVMTemplateSpec {
+            class_ref: ClusterObjectRef {
+                name: "small".into(),
+            },
+            network_ref: Some(LocalObjectRef { name: "net".into() }),
+            image: Some("tmpl:1".into()),
+            guest_agent: Some(GuestAgentConfig {
+                enabled: Some(false),
+            }),
+            restart_policy: Some(RestartPolicy {
+                mode: RestartMode::Reschedule,
+                ..Default::default()
+            }),
+            network_group: Some("g1".into()),
+            runner_layer: Some("runner:1".into()),
+            cilium_layer: Some("cilium:1".into()),
+            expire_after: Some(GoDuration::from_static("10m")),
+            node_selector: BTreeMap::from([
+                ("zone".to_owned(), "a".to_owned()),
+                ("disk".to_owned(), "ssd".to_owned()),
+            ]),
+            tolerations: vec![tol("t1"), tol("shared")],
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn template_fills_every_unset_field() {
+        let vm = ImpVMSpec {
+            template_ref: Some(LocalObjectRef { name: "t".into() }),
+            ..Default::default()
+        };
+        let out = apply_template(&vm, &template());
+        assert_eq!(out.class_ref.unwrap().name, "small");
+        assert_eq!(out.network_ref.unwrap().name, "net");
+        assert_eq!(out.image.as_deref(), Some("tmpl:1"));
+        assert_eq!(out.guest_agent.unwrap().enabled, Some(false));
+        assert_eq!(out.restart_policy.unwrap().mode, RestartMode::Reschedule);
+        assert_eq!(out.network_group.as_deref(), Some("g1"));
+        assert_eq!(out.runner_layer.as_deref(), Some("runner:1"));
+        assert_eq!(out.cilium_layer.as_deref(), Some("cilium:1"));
+        assert_eq!(out.expire_after.unwrap().as_str(), "10m");
+        assert_eq!(out.node_selector.len(), 2);
+        assert_eq!(out.tolerations, vec![tol("t1"), tol("shared")]);
+    }
+
+    #[test]
+    fn vm_values_win_and_tolerations_union() {
+        let vm = ImpVMSpec {
+            template_ref: Some(LocalObjectRef { name: "t".into() }),
+            image: Some("mine:2".into()),
+            network_ref: Some(LocalObjectRef {
+                name: "other".into(),
+            }),
+            expire_after: Some(GoDuration::from_static("0s")),
+            node_selector: BTreeMap::from([("zone".to_owned(), "b".to_owned())]),
+            tolerations: vec![tol("shared"), tol("v1")],
+            ..Default::default()
+        };
+        let out = apply_template(&vm, &template());
+        assert_eq!(out.image.as_deref(), Some("mine:2"));
+        assert_eq!(out.network_ref.unwrap().name, "other");
+        assert_eq!(out.expire_after.unwrap().as_str(), "0s");
+        assert_eq!(out.node_selector.get("zone").map(String::as_str), Some("b"));
+        assert_eq!(
+            out.node_selector.get("disk").map(String::as_str),
+            Some("ssd")
+        );
+        assert_eq!(out.tolerations, vec![tol("shared"), tol("v1"), tol("t1")]);
+    }
+
+    #[test]
+    fn empty_image_string_counts_as_unset() {
+        let vm = ImpVMSpec {
+            image: Some(String::new()),
+            ..Default::default()
+        };
+        assert_eq!(
+            apply_template(&vm, &template()).image.as_deref(),
+            Some("tmpl:1")
+        );
+    }
+
+    #[test]
+    fn class_is_the_last_fallback() {
+        let class = ImpVMClassSpec {
+            vcpu: 1,
+            memory_mib: 256,
+            disk_gib: 1,
+            guest_agent: Some(GuestAgentConfig {
+                enabled: Some(true),
+            }),
+            restart_policy: Some(RestartPolicy::default()),
+            tolerations: vec![tol("c1"), tol("t1")],
+            ..Default::default()
+        };
+        let vm = ImpVMSpec {
+            template_ref: Some(LocalObjectRef { name: "t".into() }),
+            ..Default::default()
+        };
+        let out = resolve(&vm, Some(&template()), &class);
+        // template beats class
+        assert_eq!(out.guest_agent.unwrap().enabled, Some(false));
+        assert_eq!(out.restart_policy.unwrap().mode, RestartMode::Reschedule);
+        assert_eq!(out.tolerations, vec![tol("t1"), tol("shared"), tol("c1")]);
+        // class fills when neither sets it
+        let bare = ImpVMSpec {
+            class_ref: Some(ClusterObjectRef {
+                name: "small".into(),
+            }),
+            image: Some("x".into()),
+            ..Default::default()
+        };
+        let out = resolve(&bare, None, &class);
+        assert_eq!(out.guest_agent.unwrap().enabled, Some(true));
+        assert_eq!(out.restart_policy.unwrap().mode, RestartMode::InPlace);
+    }
+
+    #[test]
+    fn missing_ref_messages_name_object_and_fix() {
+        let m = MissingRef::Class {
+            name: "huge".into(),
+            via: "spec.classRef".into(),
+        }
+        .message();
+        assert!(
+            m.contains("ImpVMClass huge") && m.contains("create it"),
+            "{m}"
+        );
+        let m = MissingRef::Template {
+            namespace: "ns".into(),
+            name: "t".into(),
+        }
+        .message();
+        assert!(m.contains("ImpVMTemplate ns/t") && m.contains("spec.templateRef"));
+        let m = MissingRef::Network {
+            namespace: "ns".into(),
+            name: "n".into(),
+        }
+        .message();
+        assert!(m.contains("ImpNetwork ns/n"));
+    }
+}

@@ -11,7 +11,8 @@
 //!
 //! It also holds the guard that decides whether a test whose environment is missing (root, a
 //! tool, a binary) skips or fails: it skips on a developer machine and fails when `CI=true`, so
-//! a skip can never pass as green in CI.
+//! a skip can never pass as green in CI. [`registry`] runs a real OCI registry on loopback and
+//! writes test images (OCI layouts) to push to it.
 
 pub mod auth;
 pub mod cel;
@@ -21,6 +22,7 @@ pub mod events;
 pub mod guard;
 pub mod meta;
 pub mod patch;
+pub mod registry;
 pub mod resource;
 pub mod schema;
 pub mod selector;
@@ -103,6 +105,9 @@ impl Default for Config {
     }
 }
 
+/// Requests served so far, by User-Agent header ("" when absent); benchmarks read it.
+type RequestCounts = Arc<std::sync::Mutex<std::collections::BTreeMap<String, u64>>>;
+
 /// A running test API server; it stops when dropped.
 #[derive(Debug)]
 pub struct TestKube {
@@ -111,6 +116,7 @@ pub struct TestKube {
     kubeconfig: PathBuf,
     temp_dir: Option<PathBuf>,
     store: Arc<Store>,
+    requests: RequestCounts,
     shutdown: Option<oneshot::Sender<()>>,
     task: tokio::task::JoinHandle<()>,
 }
@@ -181,7 +187,25 @@ impl TestKube {
             addr: addr.to_string(),
         });
         let (tx, rx) = oneshot::channel::<()>();
-        let app = server::router(server);
+        let requests: RequestCounts = Arc::default();
+        let counts = requests.clone();
+        let app = server::router(server).layer(axum::middleware::from_fn(
+            move |req: axum::extract::Request, next: axum::middleware::Next| {
+                let counts = counts.clone();
+                async move {
+                    let agent = req
+                        .headers()
+                        .get(axum::http::header::USER_AGENT)
+                        .and_then(|v| v.to_str().ok())
+                        .unwrap_or("")
+                        .to_owned();
+                    if let Ok(mut m) = counts.lock() {
+                        *m.entry(agent).or_insert(0) += 1;
+                    }
+                    next.run(req).await
+                }
+            },
+        ));
         let task = tokio::spawn(async move {
             let _ = axum::serve(listener, app)
                 .with_graceful_shutdown(async move {
@@ -195,6 +219,7 @@ impl TestKube {
             kubeconfig,
             temp_dir,
             store,
+            requests,
             shutdown: Some(tx),
             task,
         })
@@ -224,6 +249,11 @@ impl TestKube {
                 .await
                 .map_err(ClientError::Kubeconfig)?;
         kube::Client::try_from(cfg).map_err(ClientError::Client)
+    }
+
+    /// HTTP requests served so far, by User-Agent, so a benchmark can count a client's calls.
+    pub fn requests_by_user_agent(&self) -> std::collections::BTreeMap<String, u64> {
+        self.requests.lock().map(|m| m.clone()).unwrap_or_default()
     }
 
     /// The store, for tests that want to look behind the HTTP surface.

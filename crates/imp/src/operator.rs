@@ -1,10 +1,253 @@
 //! `imp operator`: the controller-manager process.
+//!
+//! Connects with the ambient kubeconfig (`KUBECONFIG`, or in-cluster), serves `/metrics`,
+//! `/healthz` and `/readyz`, optionally the admission webhook, and runs the ImpVM controller —
+//! with `--leader-elect` only while it holds the Lease, exiting when leadership is lost (like
+//! controller-runtime) so that a restart starts from a clean cache.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use imp_operator::controller::{self, Settings};
+use imp_operator::leader::{LeaderElector, LeaseConfig};
+use imp_operator::metrics::{self, Health, Metrics};
+use imp_operator::webhook::{self, WebhookConfig};
+use tokio::sync::watch;
 
 /// Flags of `imp operator`.
 #[derive(clap::Args)]
-pub struct Args {}
+pub struct Args {
+    /// Address of `/metrics`, `/healthz` and `/readyz`.
+    #[arg(long, default_value = "0.0.0.0:8080")]
+    metrics_addr: SocketAddr,
+    /// Address of the admission webhook (HTTPS); off unless set.
+    #[arg(long, requires_all = ["webhook_cert", "webhook_key"])]
+    webhook_addr: Option<SocketAddr>,
+    /// PEM certificate chain of the webhook.
+    #[arg(long)]
+    webhook_cert: Option<PathBuf>,
+    /// PEM private key of the webhook.
+    #[arg(long)]
+    webhook_key: Option<PathBuf>,
+    /// Run controllers only while holding the coordination.k8s.io Lease.
+    #[arg(long)]
+    leader_elect: bool,
+    /// Namespace of the Lease.
+    #[arg(long, default_value = "imp-system")]
+    lease_namespace: String,
+    /// Name of the Lease.
+    #[arg(long, default_value = "imp-operator")]
+    lease_name: String,
+    /// This replica's identity (defaults to $POD_NAME, else the hostname and PID).
+    #[arg(long)]
+    identity: Option<String>,
+    /// Lease duration in seconds (fractions allowed).
+    #[arg(long, default_value_t = 15.0)]
+    lease_duration: f64,
+    /// Renew deadline in seconds.
+    #[arg(long, default_value_t = 10.0)]
+    renew_deadline: f64,
+    /// Retry period in seconds.
+    #[arg(long, default_value_t = 2.0)]
+    retry_period: f64,
+    /// Seconds before a VM with no node is looked at again.
+    #[arg(long, default_value_t = 30.0)]
+    requeue_pending: f64,
+    /// Seconds before a placed, not yet Running VM is looked at again.
+    #[arg(long, default_value_t = 10.0)]
+    requeue_active: f64,
+    /// Seconds a deleted VM waits for its agent's cleanup before the finalizer is removed.
+    #[arg(long, default_value_t = 120.0)]
+    termination_timeout: f64,
+    /// Seconds a deleted VM whose node object is gone waits before the finalizer is removed.
+    #[arg(long, default_value_t = 10.0)]
+    node_gone_grace: f64,
+    /// Seconds a VM may stay Starting before it fails.
+    #[arg(long, default_value_t = 300.0)]
+    start_timeout: f64,
+    /// Keep suspended VMs' memory reserved instead of the Go project's overcommit.
+    #[arg(long)]
+    no_suspended_overcommit: bool,
+    /// Reconciles at once.
+    #[arg(long, default_value_t = 8)]
+    concurrency: u16,
+    /// Log as JSON lines instead of compact text.
+    #[arg(long)]
+    log_json: bool,
+}
+
+fn secs(name: &str, v: f64) -> anyhow::Result<Duration> {
+    Duration::try_from_secs_f64(v)
+        .with_context(|| format!("--{name} must be a non-negative number of seconds, got {v}"))
+}
 
 /// Runs the operator until it is told to stop.
-pub fn main(_args: Args) -> anyhow::Result<()> {
-    anyhow::bail!("imp operator is being written")
+pub fn main(args: Args) -> anyhow::Result<()> {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    if args.log_json {
+        tracing_subscriber::fmt()
+            .with_env_filter(filter)
+            .with_writer(std::io::stderr)
+            .json()
+            .init();
+    } else {
+        tracing_subscriber::fmt()
+            .with_env_filter(filter)
+            .with_writer(std::io::stderr)
+            .compact()
+            .init();
+    }
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the tokio runtime")?
+        .block_on(run(args))
+}
+
+async fn run(args: Args) -> anyhow::Result<()> {
+    let mut config = kube::Config::infer()
+        .await
+        .context("loading the Kubernetes client config (KUBECONFIG or in-cluster)")?;
+    config.headers.push((
+        http::header::USER_AGENT,
+        http::HeaderValue::from_static(concat!("imp-operator/", env!("CARGO_PKG_VERSION"))),
+    ));
+    let client = kube::Client::try_from(config).context("building the Kubernetes client")?;
+    let identity = args.identity.clone().unwrap_or_else(|| {
+        std::env::var("POD_NAME").unwrap_or_else(|_| {
+            let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+            format!("{}-{}", host.trim(), std::process::id())
+        })
+    });
+    let settings = Settings {
+        requeue_pending: secs("requeue-pending", args.requeue_pending)?,
+        requeue_active: secs("requeue-active", args.requeue_active)?,
+        termination_timeout: secs("termination-timeout", args.termination_timeout)?,
+        node_gone_grace: secs("node-gone-grace", args.node_gone_grace)?,
+        start_timeout: secs("start-timeout", args.start_timeout)?,
+        overcommit_suspended: !args.no_suspended_overcommit,
+        concurrency: args.concurrency,
+        instance: Some(identity.clone()),
+        ..Settings::default()
+    };
+
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let stopped = move |mut rx: watch::Receiver<bool>| async move {
+        let _ = rx.wait_for(|s| *s).await;
+    };
+    tokio::spawn({
+        let stop_tx = stop_tx.clone();
+        async move {
+            let mut term =
+                match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                    Ok(s) => s,
+                    Err(e) => {
+                        tracing::error!(error = %e, "cannot listen for SIGTERM");
+                        return;
+                    }
+                };
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => {}
+                _ = term.recv() => {}
+            }
+            tracing::info!("shutting down");
+            let _ = stop_tx.send(true);
+        }
+    });
+
+    let metrics = Arc::new(Metrics::new());
+    let health = Arc::new(Health::new());
+    health.set_live();
+    let ops = tokio::spawn(metrics::serve(
+        args.metrics_addr,
+        metrics.clone(),
+        health.clone(),
+        stopped(stop_rx.clone()),
+    ));
+
+    if let Some(addr) = args.webhook_addr {
+        let config = WebhookConfig {
+            addr,
+            cert: args
+                .webhook_cert
+                .clone()
+                .context("--webhook-cert is required with --webhook-addr")?,
+            key: args
+                .webhook_key
+                .clone()
+                .context("--webhook-key is required with --webhook-addr")?,
+        };
+        let client = client.clone();
+        let done = stopped(stop_rx.clone());
+        let stop_tx = stop_tx.clone();
+        tokio::spawn(async move {
+            if let Err(e) = webhook::serve(config, client, done).await {
+                tracing::error!(error = %e, "admission webhook failed");
+                let _ = stop_tx.send(true);
+            }
+        });
+    }
+
+    if args.leader_elect {
+        let lease = LeaseConfig {
+            lease_duration: secs("lease-duration", args.lease_duration)?,
+            renew_deadline: secs("renew-deadline", args.renew_deadline)?,
+            retry_period: secs("retry-period", args.retry_period)?,
+            ..LeaseConfig::new(
+                args.lease_namespace.clone(),
+                args.lease_name.clone(),
+                identity.clone(),
+            )
+        };
+        let elector = LeaderElector::new(client.clone(), lease);
+        let mut leading = elector.subscribe();
+        let election = tokio::spawn(elector.run(stopped(stop_rx.clone())));
+        // Non-leaders are ready too: they stand by.
+        health.set_ready();
+        metrics.set_leader(false);
+        tokio::select! {
+            r = leading.wait_for(|l| *l) => { r.context("leader election ended before leading")?; }
+            _ = stopped(stop_rx.clone()) => { let _ = election.await; return Ok(()); }
+        }
+        tracing::info!(identity = %identity, "leading; starting controllers");
+        metrics.set_leader(true);
+        let ctl = tokio::spawn(controller::run(
+            client.clone(),
+            settings,
+            Some(metrics.clone()),
+            None,
+            stopped(stop_rx.clone()),
+        ));
+        tokio::select! {
+            _ = leading.wait_for(|l| !*l) => {
+                tracing::error!(identity = %identity, "lost leadership; exiting");
+                metrics.set_leader(false);
+                std::process::exit(1);
+            }
+            _ = stopped(stop_rx.clone()) => {}
+        }
+        let _ = ctl.await;
+        match election.await {
+            Ok(Err(e)) => tracing::warn!(error = %e, "releasing the lease failed"),
+            Err(e) => tracing::warn!(error = %e, "leader election task failed"),
+            Ok(Ok(())) => {}
+        }
+    } else {
+        controller::run(
+            client,
+            settings,
+            Some(metrics.clone()),
+            Some(health.clone()),
+            stopped(stop_rx.clone()),
+        )
+        .await
+        .context("running the ImpVM controller")?;
+    }
+    let _ = ops.await;
+    Ok(())
 }

@@ -1,0 +1,814 @@
+//! The admission webhook as the API server sees it: a real HTTPS server with a certificate made
+//! by `openssl`, real AdmissionReview JSON posted by a client that trusts only that certificate,
+//! and a real (imp-testkube) API server holding the template and class that mutation reads.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // Test code: a failed unwrap is a failed test.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
+
+use anyhow::{Context, Result};
+use base64::Engine as _;
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper::StatusCode;
+use hyper_util::rt::TokioIo;
+use imp_operator::webhook::{self, WebhookConfig, WebhookError};
+use imp_testkube::TestKube;
+use k8s_openapi::api::core::v1::Namespace;
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use kube::api::{Api, PostParams};
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, ServerName};
+use serde_json::{Value, json};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::sync::oneshot;
+
+/// A directory of its own for each test's certificate.
+fn scratch(tag: &str) -> PathBuf {
+    static N: AtomicU32 = AtomicU32::new(0);
+    let d = std::env::temp_dir().join(format!(
+        "imp-webhook-{tag}-{}-{}",
+        std::process::id(),
+        N.fetch_add(1, Ordering::Relaxed)
+    ));
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// A self-signed P-256 certificate for 127.0.0.1, made by the openssl CLI.
+fn make_cert(openssl: &Path, dir: &Path, cn: &str) -> (PathBuf, PathBuf) {
+    let (cert, key) = (dir.join("tls.crt"), dir.join("tls.key"));
+    let out = std::process::Command::new(openssl)
+        .args([
+            "req",
+            "-x509",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+        ])
+        .args(["-nodes", "-days", "1", "-subj"])
+        .arg(format!("/CN={cn}"))
+        .args(["-addext", "subjectAltName=IP:127.0.0.1"])
+        .args(["-addext", "basicConstraints=critical,CA:FALSE"])
+        .args(["-addext", "extendedKeyUsage=serverAuth", "-keyout"])
+        .arg(&key)
+        .arg("-out")
+        .arg(&cert)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "openssl req failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (cert, key)
+}
+
+/// A running webhook against a test API server that holds class `small` (with a restart
+/// policy) and template `edge/web` (image, expireAfter, classRef small).
+struct Fixture {
+    _kube: TestKube,
+    client: kube::Client,
+    addr: SocketAddr,
+    cert: PathBuf,
+    stop: Option<oneshot::Sender<()>>,
+    server: tokio::task::JoinHandle<()>,
+    openssl: PathBuf,
+}
+
+impl Fixture {
+    async fn start(openssl: PathBuf) -> Result<Self> {
+        let kube = TestKube::start().await?;
+        let client = kube.client().await?;
+        let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
+        for crd in imp_api::crd::all() {
+            crds.create(&PostParams::default(), &crd).await?;
+        }
+        let ns: Api<Namespace> = Api::all(client.clone());
+        let _ = ns
+            .create(
+                &PostParams::default(),
+                &serde_json::from_value(json!({"metadata": {"name": "edge"}}))?,
+            )
+            .await;
+        let classes: Api<imp_api::ImpVMClass> = Api::all(client.clone());
+        classes
+            .create(
+                &PostParams::default(),
+                &serde_json::from_value(json!({
+                    "apiVersion": "imp.dev/v1alpha1", "kind": "ImpVMClass",
+                    "metadata": {"name": "small"},
+                    "spec": {"vcpu": 1, "memoryMiB": 256, "diskGiB": 1, "arch": "amd64",
+                             "restartPolicy": {"mode": "in-place", "onExhaustion": "cool-down",
+                                               "coolDownPeriod": "7m"}}
+                }))?,
+            )
+            .await
+            .context("creating class small")?;
+        let templates: Api<imp_api::ImpVMTemplate> = Api::namespaced(client.clone(), "edge");
+        templates
+            .create(
+                &PostParams::default(),
+                &serde_json::from_value(json!({
+                    "apiVersion": "imp.dev/v1alpha1", "kind": "ImpVMTemplate",
+                    "metadata": {"name": "web", "namespace": "edge"},
+                    "spec": {"classRef": {"name": "small"}, "image": "registry.local/web:1",
+                             "expireAfter": "10m"}
+                }))?,
+            )
+            .await
+            .context("creating template edge/web")?;
+
+        let dir = scratch("srv");
+        let (cert, key) = make_cert(&openssl, &dir, "127.0.0.1");
+        let hook = webhook::bind(
+            WebhookConfig {
+                addr: "127.0.0.1:0".parse()?,
+                cert: cert.clone(),
+                key,
+            },
+            client.clone(),
+        )
+        .await?;
+        let addr = hook.local_addr()?;
+        let (tx, rx) = oneshot::channel();
+        let server = tokio::spawn(hook.run(async move {
+            let _ = rx.await;
+        }));
+        Ok(Self {
+            _kube: kube,
+            client,
+            addr,
+            cert,
+            stop: Some(tx),
+            server,
+            openssl,
+        })
+    }
+
+    /// POSTs `body` to `path` over HTTPS trusting only `trust`; returns status and body.
+    async fn post_trusting(
+        &self,
+        trust: &Path,
+        path: &str,
+        body: Vec<u8>,
+    ) -> Result<(StatusCode, Bytes)> {
+        let mut roots = rustls::RootCertStore::empty();
+        for c in CertificateDer::pem_file_iter(trust)? {
+            roots.add(c?)?;
+        }
+        let tls = rustls::ClientConfig::builder_with_provider(Arc::new(
+            rustls::crypto::ring::default_provider(),
+        ))
+        .with_safe_default_protocol_versions()?
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+        let tcp = tokio::net::TcpStream::connect(self.addr).await?;
+        let stream = tokio_rustls::TlsConnector::from(Arc::new(tls))
+            .connect(ServerName::IpAddress(self.addr.ip().into()), tcp)
+            .await?;
+        let (mut send, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
+        tokio::spawn(conn);
+        let req = hyper::Request::post(path)
+            .header("host", self.addr.to_string())
+            .header("content-type", "application/json")
+            .body(Full::new(Bytes::from(body)))?;
+        let resp = send.send_request(req).await?;
+        let status = resp.status();
+        Ok((status, resp.into_body().collect().await?.to_bytes()))
+    }
+
+    async fn post(&self, path: &str, body: Vec<u8>) -> Result<(StatusCode, Bytes)> {
+        self.post_trusting(&self.cert, path, body).await
+    }
+
+    /// POSTs an AdmissionReview and returns its `response` object.
+    async fn review(&self, path: &str, request: Value) -> Value {
+        let uid = request["uid"].as_str().unwrap().to_owned();
+        let body = json!({"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": request});
+        let (status, body) = self
+            .post(path, serde_json::to_vec(&body).unwrap())
+            .await
+            .unwrap();
+        assert_eq!(status, StatusCode::OK, "{}", String::from_utf8_lossy(&body));
+        let v: Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(v["kind"], "AdmissionReview");
+        assert_eq!(v["apiVersion"], "admission.k8s.io/v1");
+        let resp = v["response"].clone();
+        assert_eq!(
+            resp["uid"],
+            uid.as_str(),
+            "the response must carry the request's uid"
+        );
+        resp
+    }
+
+    async fn shutdown(mut self) {
+        if let Some(tx) = self.stop.take() {
+            let _ = tx.send(());
+        }
+        tokio::time::timeout(std::time::Duration::from_secs(5), &mut self.server)
+            .await
+            .expect("the webhook stops when asked")
+            .unwrap();
+    }
+}
+
+/// An admission request for `obj` (old object for UPDATE), as the API server builds it.
+fn request(op: &str, obj: &Value, old: Option<&Value>) -> Value {
+    static N: AtomicU32 = AtomicU32::new(0);
+    let kind = obj["kind"].as_str().unwrap();
+    let api_version = obj["apiVersion"].as_str().unwrap();
+    let (group, version) = api_version.split_once('/').unwrap_or(("", api_version));
+    let mut r = json!({
+        "uid": format!("uid-{}", N.fetch_add(1, Ordering::Relaxed)),
+        "kind": {"group": group, "version": version, "kind": kind},
+        "resource": {"group": group, "version": version, "resource": format!("{}s", kind.to_lowercase())},
+        "name": obj["metadata"]["name"],
+        "operation": op,
+        "userInfo": {"username": "system:serviceaccount:imp-system:imp-operator"},
+        "object": obj,
+        "oldObject": old.cloned().unwrap_or(Value::Null),
+        "dryRun": false,
+    });
+    if let Some(ns) = obj["metadata"]["namespace"].as_str() {
+        r["namespace"] = json!(ns);
+    }
+    r
+}
+
+fn vm(spec: Value) -> Value {
+    json!({"apiVersion": "imp.dev/v1alpha1", "kind": "ImpVM",
+           "metadata": {"name": "vm1", "namespace": "edge"}, "spec": spec})
+}
+
+fn fixture_dir(which: &str) -> Vec<PathBuf> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../imp-api/tests/fixtures")
+        .join(which);
+    let mut v: Vec<PathBuf> = std::fs::read_dir(&root)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "yaml"))
+        .collect();
+    v.sort();
+    assert!(!v.is_empty(), "no fixtures in {}", root.display());
+    v
+}
+
+fn documents(path: &Path) -> Vec<Value> {
+    let text = std::fs::read_to_string(path).unwrap();
+    serde_yaml_ng::Deserializer::from_str(&text)
+        .map(|d| -> Value { serde::Deserialize::deserialize(d).unwrap() })
+        .filter(|v| !v.is_null())
+        .collect()
+}
+
+/// Applies an RFC 6902 patch of `add` operations on object members (all this webhook emits).
+fn apply_patch(mut doc: Value, patch: &Value) -> Value {
+    for op in patch.as_array().unwrap() {
+        assert_eq!(op["op"], "add", "unexpected operation {op}");
+        let path = op["path"].as_str().unwrap();
+        let mut tokens: Vec<&str> = path.strip_prefix('/').unwrap().split('/').collect();
+        let last = tokens.pop().unwrap();
+        let mut at = &mut doc;
+        for t in tokens {
+            at = at
+                .get_mut(t)
+                .unwrap_or_else(|| panic!("patch path {path} has no parent"));
+        }
+        at.as_object_mut()
+            .unwrap()
+            .insert(last.to_owned(), op["value"].clone());
+    }
+    doc
+}
+
+fn decode_patch(resp: &Value) -> Value {
+    assert_eq!(resp["patchType"], "JSONPatch", "{resp}");
+    let b64 = resp["patch"].as_str().unwrap();
+    let bytes = base64::engine::general_purpose::STANDARD
+        .decode(b64)
+        .unwrap();
+    serde_json::from_slice(&bytes).unwrap()
+}
+
+macro_rules! fixture {
+    () => {{
+        let openssl = imp_testkube::require_tool!("openssl");
+        Fixture::start(openssl).await.unwrap()
+    }};
+}
+
+#[tokio::test]
+async fn valid_objects_of_every_kind_are_allowed() {
+    let f = fixture!();
+    let mut n = 0;
+    for path in fixture_dir("valid") {
+        for doc in documents(&path) {
+            let resp = f.review("/validate", request("CREATE", &doc, None)).await;
+            assert_eq!(
+                resp["allowed"],
+                true,
+                "{}: {} denied: {resp}",
+                path.display(),
+                doc["kind"]
+            );
+            n += 1;
+        }
+    }
+    assert!(n >= 10, "only {n} valid documents");
+    // The Go project's per-kind path is accepted too.
+    let resp = f
+        .review(
+            "/validate-imp-dev-v1alpha1-impvm",
+            request("CREATE", &vm(json!({"templateRef": {"name": "web"}})), None),
+        )
+        .await;
+    assert_eq!(resp["allowed"], true, "{resp}");
+    f.shutdown().await;
+}
+
+#[tokio::test]
+async fn invalid_objects_are_denied_with_the_field_path() {
+    let f = fixture!();
+    let mut checked = 0;
+    for path in fixture_dir("invalid") {
+        let text = std::fs::read_to_string(&path).unwrap();
+        let expect: Vec<&str> = text
+            .lines()
+            .filter_map(|l| {
+                l.strip_prefix("# expect: ")
+                    .or_else(|| l.strip_prefix("# expect-parse: "))
+            })
+            .collect();
+        if expect.is_empty() {
+            continue; // a rule only the CRD schema enforces
+        }
+        let docs = documents(&path);
+        let doc = docs.last().unwrap();
+        let resp = f.review("/validate", request("CREATE", doc, None)).await;
+        assert_eq!(resp["allowed"], false, "{} allowed: {resp}", path.display());
+        let msg = resp["status"]["message"].as_str().unwrap();
+        for e in expect {
+            assert!(
+                msg.contains(e),
+                "{}: message {msg:?} lacks {e:?}",
+                path.display()
+            );
+        }
+        checked += 1;
+    }
+    assert!(checked >= 20, "only {checked} invalid fixtures checked");
+    // One by hand, with the status the API server shows the user.
+    let resp = f
+        .review(
+            "/validate",
+            request(
+                "CREATE",
+                &vm(json!({"classRef": {"name": "small"}, "expireAfter": "30s"})),
+                None,
+            ),
+        )
+        .await;
+    assert_eq!(resp["allowed"], false);
+    assert_eq!(resp["status"]["code"], 422);
+    let msg = resp["status"]["message"].as_str().unwrap();
+    assert!(msg.contains("spec.image: is required"), "{msg}");
+    assert!(msg.contains("spec.expireAfter"), "{msg}");
+    f.shutdown().await;
+}
+
+#[tokio::test]
+async fn controllers_updates_are_never_blocked_but_moving_a_node_is() {
+    let f = fixture!();
+    let spec =
+        json!({"classRef": {"name": "small"}, "image": "registry.local/a:1", "nodeName": "node-a"});
+    let old = vm(spec.clone());
+
+    // The agent or operator clears nodeName (completion, reschedule, deletion cleanup).
+    let mut cleared = old.clone();
+    cleared["spec"].as_object_mut().unwrap().remove("nodeName");
+    let resp = f
+        .review("/validate", request("UPDATE", &cleared, Some(&old)))
+        .await;
+    assert_eq!(resp["allowed"], true, "clearing nodeName: {resp}");
+
+    // The scheduler sets it on an unscheduled VM.
+    let resp = f
+        .review("/validate", request("UPDATE", &old, Some(&cleared)))
+        .await;
+    assert_eq!(resp["allowed"], true, "setting nodeName: {resp}");
+
+    // Moving it is a migration, not an update.
+    let mut moved = old.clone();
+    moved["spec"]["nodeName"] = json!("node-b");
+    let resp = f
+        .review("/validate", request("UPDATE", &moved, Some(&old)))
+        .await;
+    assert_eq!(resp["allowed"], false, "{resp}");
+    let msg = resp["status"]["message"].as_str().unwrap();
+    assert!(
+        msg.contains("spec.nodeName: cannot move from node-a to node-b"),
+        "{msg}"
+    );
+
+    // Even a stored VM that today's rules reject can have nodeName cleared and finalizers removed.
+    let stale = vm(
+        json!({"classRef": {"name": "small"}, "image": "registry.local/a:1",
+                          "expireAfter": "5s", "nodeName": "node-a"}),
+    );
+    let mut stale_cleared = stale.clone();
+    stale_cleared["spec"]
+        .as_object_mut()
+        .unwrap()
+        .remove("nodeName");
+    let resp = f
+        .review("/validate", request("UPDATE", &stale_cleared, Some(&stale)))
+        .await;
+    assert_eq!(
+        resp["allowed"], true,
+        "clearing nodeName on a stale VM: {resp}"
+    );
+    let mut finalizing = stale.clone();
+    finalizing["metadata"]["finalizers"] = json!(["imp.dev/agent-cleanup"]);
+    finalizing["metadata"]["deletionTimestamp"] = json!("2026-12-02T10:00:00Z");
+    let mut released = finalizing.clone();
+    released["metadata"]["finalizers"] = json!([]);
+    let resp = f
+        .review("/validate", request("UPDATE", &released, Some(&finalizing)))
+        .await;
+    assert_eq!(
+        resp["allowed"], true,
+        "finalizer removal during deletion: {resp}"
+    );
+
+    // Status-only updates and deletes pass whatever the object holds.
+    let mut status = request("UPDATE", &stale, Some(&stale));
+    status["subResource"] = json!("status");
+    let resp = f.review("/validate", status).await;
+    assert_eq!(resp["allowed"], true, "status update: {resp}");
+    let mut del = request("DELETE", &stale, Some(&stale));
+    del["object"] = Value::Null;
+    let resp = f.review("/validate", del).await;
+    assert_eq!(resp["allowed"], true, "delete: {resp}");
+
+    // A metadata-only update (labels) of a stale object is not re-judged.
+    let mut labelled = stale.clone();
+    labelled["metadata"]["labels"] = json!({"team": "edge"});
+    let resp = f
+        .review("/validate", request("UPDATE", &labelled, Some(&stale)))
+        .await;
+    assert_eq!(resp["allowed"], true, "label update: {resp}");
+
+    // A real spec change of that stale VM is judged by today's rules.
+    let mut edited = stale.clone();
+    edited["spec"]["image"] = json!("registry.local/a:2");
+    let resp = f
+        .review("/validate", request("UPDATE", &edited, Some(&stale)))
+        .await;
+    assert_eq!(resp["allowed"], false, "{resp}");
+    assert!(
+        resp["status"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("spec.expireAfter"),
+        "{resp}"
+    );
+    f.shutdown().await;
+}
+
+#[tokio::test]
+async fn warnings_come_from_the_validation_module() {
+    let f = fixture!();
+    let resp = f
+        .review(
+            "/validate",
+            request(
+                "CREATE",
+                &vm(json!({"templateRef": {"name": "web"}, "desiredState": "ScaleToZero"})),
+                None,
+            ),
+        )
+        .await;
+    assert_eq!(resp["allowed"], true, "{resp}");
+    let w = resp["warnings"].as_array().unwrap();
+    assert!(
+        w.iter()
+            .any(|w| w.as_str().unwrap().contains("spec.idleTimeout is unset")),
+        "{resp}"
+    );
+    f.shutdown().await;
+}
+
+#[tokio::test]
+async fn mutation_really_inherits_from_the_template_and_class() {
+    let f = fixture!();
+    let obj = vm(json!({"templateRef": {"name": "web"}}));
+    let resp = f.review("/mutate", request("CREATE", &obj, None)).await;
+    assert_eq!(resp["allowed"], true, "{resp}");
+    let patched = apply_patch(obj.clone(), &decode_patch(&resp));
+    let spec = &patched["spec"];
+    assert_eq!(spec["expireAfter"], "10m", "from the template: {patched}");
+    assert_eq!(spec["lifecycle"], "ephemeral", "the Go default: {patched}");
+    assert_eq!(
+        spec["restartPolicy"]["onExhaustion"], "cool-down",
+        "from the class: {patched}"
+    );
+    assert_eq!(
+        spec["restartPolicy"]["coolDownPeriod"], "7m",
+        "from the class: {patched}"
+    );
+    assert!(
+        spec.get("classRef").is_none(),
+        "classRef must not be added next to templateRef: {patched}"
+    );
+    // The mutated object is still valid.
+    let resp = f
+        .review("/validate", request("CREATE", &patched, None))
+        .await;
+    assert_eq!(resp["allowed"], true, "{resp}");
+
+    // The VM's own values win.
+    let obj = vm(
+        json!({"templateRef": {"name": "web"}, "expireAfter": "2h", "lifecycle": "persistent",
+                        "restartPolicy": {"mode": "reschedule"}}),
+    );
+    let resp = f.review("/mutate", request("CREATE", &obj, None)).await;
+    assert_eq!(resp["allowed"], true, "{resp}");
+    let patched = match resp.get("patch") {
+        Some(_) => apply_patch(obj.clone(), &decode_patch(&resp)),
+        None => obj.clone(),
+    };
+    assert_eq!(patched["spec"]["expireAfter"], "2h");
+    assert_eq!(patched["spec"]["lifecycle"], "persistent");
+    assert_eq!(patched["spec"]["restartPolicy"]["mode"], "reschedule");
+
+    // A classRef VM takes the class's restart policy directly.
+    let obj = vm(json!({"classRef": {"name": "small"}, "image": "registry.local/a:1"}));
+    let resp = f.review("/mutate", request("CREATE", &obj, None)).await;
+    let patched = apply_patch(obj.clone(), &decode_patch(&resp));
+    assert_eq!(
+        patched["spec"]["restartPolicy"]["coolDownPeriod"], "7m",
+        "{patched}"
+    );
+    assert!(patched["spec"].get("expireAfter").is_none(), "{patched}");
+
+    // A template created after this webhook started is read too (no caching of absence).
+    let templates: Api<imp_api::ImpVMTemplate> = Api::namespaced(f.client.clone(), "edge");
+    templates
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(json!({
+                "apiVersion": "imp.dev/v1alpha1", "kind": "ImpVMTemplate",
+                "metadata": {"name": "late", "namespace": "edge"},
+                "spec": {"classRef": {"name": "small"}, "expireAfter": "3h"}
+            }))
+            .unwrap(),
+        )
+        .await
+        .unwrap();
+    let obj = vm(json!({"templateRef": {"name": "late"}}));
+    let resp = f.review("/mutate", request("CREATE", &obj, None)).await;
+    let patched = apply_patch(obj.clone(), &decode_patch(&resp));
+    assert_eq!(patched["spec"]["expireAfter"], "3h", "{patched}");
+    f.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_missing_template_is_allowed_with_a_warning() {
+    let f = fixture!();
+    let obj = vm(json!({"templateRef": {"name": "nope"}}));
+    let resp = f.review("/mutate", request("CREATE", &obj, None)).await;
+    assert_eq!(resp["allowed"], true, "{resp}");
+    let w = resp["warnings"]
+        .as_array()
+        .expect("a warning for the missing template");
+    assert!(
+        w.iter().any(|w| w
+            .as_str()
+            .unwrap()
+            .contains("ImpVMTemplate edge/nope not found")),
+        "{resp}"
+    );
+    // Only the lifecycle default is patched in; nothing is invented for the missing template.
+    let patched = apply_patch(obj.clone(), &decode_patch(&resp));
+    assert_eq!(patched["spec"]["lifecycle"], "ephemeral");
+    assert!(patched["spec"].get("expireAfter").is_none(), "{patched}");
+
+    let obj = vm(json!({"classRef": {"name": "ghost"}, "image": "registry.local/a:1"}));
+    let resp = f.review("/mutate", request("CREATE", &obj, None)).await;
+    assert_eq!(resp["allowed"], true, "{resp}");
+    assert!(
+        resp["warnings"][0]
+            .as_str()
+            .unwrap()
+            .contains("ImpVMClass ghost not found"),
+        "{resp}"
+    );
+    f.shutdown().await;
+}
+
+#[tokio::test]
+async fn bad_requests_get_a_clear_400() {
+    let f = fixture!();
+    let (s, body) = f.post("/validate", b"{not json".to_vec()).await.unwrap();
+    assert_eq!(s, StatusCode::BAD_REQUEST);
+    assert!(
+        String::from_utf8_lossy(&body).contains("Decoding the AdmissionReview JSON"),
+        "{body:?}"
+    );
+
+    let (s, body) = f
+        .post(
+            "/mutate",
+            serde_json::to_vec(&json!({"apiVersion": "v1", "kind": "Pod"})).unwrap(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(s, StatusCode::BAD_REQUEST);
+    assert!(
+        String::from_utf8_lossy(&body).contains("Expected kind AdmissionReview"),
+        "{body:?}"
+    );
+
+    let (s, body) = f
+        .post(
+            "/validate",
+            serde_json::to_vec(
+                &json!({"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview"}),
+            )
+            .unwrap(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(s, StatusCode::BAD_REQUEST);
+    assert!(
+        String::from_utf8_lossy(&body).contains("has no request"),
+        "{body:?}"
+    );
+
+    let big = vec![b' '; webhook::MAX_BODY_BYTES + 1];
+    let (s, _) = f.post("/validate", big).await.unwrap();
+    assert_eq!(s, StatusCode::PAYLOAD_TOO_LARGE);
+
+    let (s, _) = f.post("/elsewhere", b"{}".to_vec()).await.unwrap();
+    assert_eq!(s, StatusCode::NOT_FOUND);
+
+    // A kind this webhook does not know is denied by name, not waved through.
+    let pod =
+        json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p", "namespace": "edge"}});
+    let mut req = request("CREATE", &pod, None);
+    req["kind"] = json!({"group": "", "version": "v1", "kind": "Pod"});
+    let resp = f.review("/validate", req).await;
+    assert_eq!(resp["allowed"], false);
+    assert!(
+        resp["status"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("only the imp.dev group"),
+        "{resp}"
+    );
+
+    // An object that does not decode as its kind names the kind.
+    let resp = f
+        .review(
+            "/validate",
+            request("CREATE", &vm(json!({"lifecycle": 7})), None),
+        )
+        .await;
+    assert_eq!(resp["allowed"], false);
+    assert!(
+        resp["status"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("Decoding the object ImpVM"),
+        "{resp}"
+    );
+    f.shutdown().await;
+}
+
+#[tokio::test]
+async fn health_answers_and_only_tls_with_the_right_cert_gets_in() {
+    let f = fixture!();
+    // /healthz over HTTPS.
+    let mut roots = rustls::RootCertStore::empty();
+    for c in CertificateDer::pem_file_iter(&f.cert).unwrap() {
+        roots.add(c.unwrap()).unwrap();
+    }
+    let (s, body) = {
+        let tls = rustls::ClientConfig::builder_with_provider(Arc::new(
+            rustls::crypto::ring::default_provider(),
+        ))
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+        let tcp = tokio::net::TcpStream::connect(f.addr).await.unwrap();
+        let stream = tokio_rustls::TlsConnector::from(Arc::new(tls))
+            .connect(ServerName::IpAddress(f.addr.ip().into()), tcp)
+            .await
+            .unwrap();
+        let (mut send, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+            .await
+            .unwrap();
+        tokio::spawn(conn);
+        let resp = send
+            .send_request(
+                hyper::Request::get("/healthz")
+                    .body(Full::new(Bytes::new()))
+                    .unwrap(),
+            )
+            .await
+            .unwrap();
+        (
+            resp.status(),
+            resp.into_body().collect().await.unwrap().to_bytes(),
+        )
+    };
+    assert_eq!(s, StatusCode::OK);
+    assert_eq!(&body[..], b"ok\n");
+
+    // A client that trusts a different certificate refuses the server.
+    let other = scratch("other");
+    let (other_cert, _) = make_cert(&f.openssl, &other, "127.0.0.1");
+    let err = f
+        .post_trusting(&other_cert, "/validate", b"{}".to_vec())
+        .await
+        .expect_err("a client trusting another CA must not connect");
+    assert!(
+        format!("{err:#}").to_lowercase().contains("certificate"),
+        "{err:#}"
+    );
+
+    // Plain HTTP gets no HTTP answer.
+    let mut tcp = tokio::net::TcpStream::connect(f.addr).await.unwrap();
+    tcp.write_all(b"POST /validate HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\n{}")
+        .await
+        .unwrap();
+    let mut buf = Vec::new();
+    let _ =
+        tokio::time::timeout(std::time::Duration::from_secs(5), tcp.read_to_end(&mut buf)).await;
+    assert!(
+        !buf.starts_with(b"HTTP/"),
+        "plain HTTP was answered: {:?}",
+        String::from_utf8_lossy(&buf)
+    );
+    f.shutdown().await;
+}
+
+#[tokio::test]
+async fn bad_certificate_files_are_named_in_the_error() {
+    let openssl = imp_testkube::require_tool!("openssl");
+    let kube = TestKube::start().await.unwrap();
+    let client = kube.client().await.unwrap();
+    let dir = scratch("bad");
+    let (cert, key) = make_cert(&openssl, &dir, "127.0.0.1");
+    let missing = dir.join("missing.crt");
+    let cfg = |cert: &Path, key: &Path| WebhookConfig {
+        addr: "127.0.0.1:0".parse().unwrap(),
+        cert: cert.to_owned(),
+        key: key.to_owned(),
+    };
+
+    let err = webhook::bind(cfg(&missing, &key), client.clone())
+        .await
+        .err()
+        .unwrap();
+    assert!(matches!(err, WebhookError::Cert { .. }), "{err:?}");
+    assert!(err.to_string().contains("missing.crt"), "{err}");
+
+    let empty = dir.join("empty.crt");
+    std::fs::write(&empty, "no pem here\n").unwrap();
+    let err = webhook::bind(cfg(&empty, &key), client.clone())
+        .await
+        .err()
+        .unwrap();
+    assert!(matches!(err, WebhookError::NoCert { .. }), "{err:?}");
+    assert!(err.to_string().contains("empty.crt"), "{err}");
+
+    // The key file holds a certificate, not a key.
+    let err = webhook::bind(cfg(&cert, &cert), client.clone())
+        .await
+        .err()
+        .unwrap();
+    assert!(matches!(err, WebhookError::Key { .. }), "{err:?}");
+    assert!(err.to_string().contains("tls.crt"), "{err}");
+
+    // A key that does not match the certificate.
+    let (_, other_key) = make_cert(&openssl, &scratch("bad2"), "127.0.0.1");
+    let err = webhook::bind(cfg(&cert, &other_key), client.clone())
+        .await
+        .err()
+        .unwrap();
+    assert!(matches!(err, WebhookError::Tls { .. }), "{err:?}");
+
+    // serve() surfaces the same errors.
+    let err = webhook::serve(cfg(&missing, &key), client, async {})
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("missing.crt"), "{err}");
+}

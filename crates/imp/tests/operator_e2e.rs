@@ -1,0 +1,745 @@
+//! End-to-end: the real `imp operator` binary against imp-testkube.
+//!
+//! The node agent does not exist yet, so tests play the agent by patching status the way the
+//! contract in `imp_operator::controller` says (phases, clearing `spec.nodeName` on cleanup).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::collections::BTreeMap;
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use imp_api::class::ImpVMClass;
+use imp_api::template::ImpVMTemplate;
+use imp_api::vm::{ImpVM, VmPhase};
+use imp_testkube::TestKube;
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::{Event, Namespace, Node};
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
+use kube::{Client, ResourceExt};
+use serde_json::{Value, json};
+use tokio::process::{Child, Command};
+
+const NS: &str = "default";
+
+struct Env {
+    kube: TestKube,
+    client: Client,
+}
+
+async fn env() -> Env {
+    let kube = TestKube::start().await.unwrap();
+    let client = kube.client().await.unwrap();
+    let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
+    for crd in imp_api::crd::all() {
+        crds.create(&PostParams::default(), &crd).await.unwrap();
+    }
+    let ns: Api<Namespace> = Api::all(client.clone());
+    for n in [NS, "imp-system"] {
+        let obj: Namespace = serde_json::from_value(json!({"metadata": {"name": n}})).unwrap();
+        let _ = ns.create(&PostParams::default(), &obj).await;
+    }
+    Env { kube, client }
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+struct Operator {
+    child: Child,
+    metrics_port: u16,
+    identity: String,
+}
+
+impl Operator {
+    async fn start(env: &Env, identity: &str, extra: &[&str]) -> Self {
+        let metrics_port = free_port();
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_imp"));
+        cmd.arg("operator")
+            .args(["--metrics-addr", &format!("127.0.0.1:{metrics_port}")])
+            .args(["--identity", identity])
+            .args(["--requeue-pending", "2", "--requeue-active", "1"])
+            .args(["--node-gone-grace", "1"])
+            .args(extra)
+            .env("KUBECONFIG", env.kube.kubeconfig())
+            .env(
+                "RUST_LOG",
+                std::env::var("IMP_TEST_RUST_LOG").unwrap_or_else(|_| "info,kube=warn".into()),
+            )
+            .stdout(Stdio::null())
+            .stderr(if std::env::var_os("IMP_TEST_LOGS").is_some() {
+                Stdio::inherit()
+            } else {
+                Stdio::null()
+            })
+            .kill_on_drop(true);
+        let child = cmd.spawn().unwrap();
+        Self {
+            child,
+            metrics_port,
+            identity: identity.to_owned(),
+        }
+    }
+
+    /// SIGKILL, like a crashed pod.
+    async fn kill9(&mut self) {
+        self.child.start_kill().unwrap();
+        let _ = self.child.wait().await;
+    }
+
+    async fn scrape(&self) -> Option<String> {
+        let mut s = tokio::net::TcpStream::connect(("127.0.0.1", self.metrics_port))
+            .await
+            .ok()?;
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            .await
+            .ok()?;
+        let mut out = String::new();
+        s.read_to_string(&mut out).await.ok()?;
+        Some(out)
+    }
+}
+
+fn sample(text: &str, key: &str) -> Option<f64> {
+    text.lines()
+        .find_map(|l| l.strip_prefix(key)?.strip_prefix(' '))
+        .and_then(|v| v.trim().parse().ok())
+}
+
+async fn node(c: &Client, name: &str, cpu: &str, mem: &str, enabled: bool, ready: bool) {
+    let api: Api<Node> = Api::all(c.clone());
+    let mut labels = BTreeMap::new();
+    if enabled {
+        labels.insert("imp/enabled".to_owned(), "true".to_owned());
+    }
+    let n: Node =
+        serde_json::from_value(json!({"metadata": {"name": name, "labels": labels}})).unwrap();
+    api.create(&PostParams::default(), &n).await.unwrap();
+    set_node_ready(c, name, cpu, mem, ready).await;
+}
+
+async fn set_node_ready(c: &Client, name: &str, cpu: &str, mem: &str, ready: bool) {
+    let api: Api<Node> = Api::all(c.clone());
+    let status = json!({"status": {
+        "allocatable": {"cpu": cpu, "memory": mem},
+        "capacity": {"cpu": cpu, "memory": mem},
+        "conditions": [{"type": "Ready", "status": if ready {"True"} else {"False"}, "reason": "Test"}]
+    }});
+    api.patch_status(name, &PatchParams::default(), &Patch::Merge(&status))
+        .await
+        .unwrap();
+}
+
+async fn class(c: &Client, name: &str, vcpu: i32, mem: i32) {
+    let api: Api<ImpVMClass> = Api::all(c.clone());
+    let obj: ImpVMClass = serde_json::from_value(json!({
+        "apiVersion": "imp.dev/v1alpha1", "kind": "ImpVMClass",
+        "metadata": {"name": name}, "spec": {"vcpu": vcpu, "memoryMiB": mem, "diskGiB": 1}
+    }))
+    .unwrap();
+    api.create(&PostParams::default(), &obj).await.unwrap();
+}
+
+async fn vm(c: &Client, name: &str, spec: Value) -> ImpVM {
+    let api: Api<ImpVM> = Api::namespaced(c.clone(), NS);
+    let obj: ImpVM = serde_json::from_value(json!({
+        "apiVersion": "imp.dev/v1alpha1", "kind": "ImpVM",
+        "metadata": {"name": name, "namespace": NS}, "spec": spec
+    }))
+    .unwrap();
+    api.create(&PostParams::default(), &obj).await.unwrap()
+}
+
+fn vms(c: &Client) -> Api<ImpVM> {
+    Api::namespaced(c.clone(), NS)
+}
+
+fn phase(v: &ImpVM) -> Option<VmPhase> {
+    v.status.as_ref().and_then(|s| s.phase)
+}
+
+fn cond<'a>(
+    v: &'a ImpVM,
+    t: &str,
+) -> Option<&'a k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition> {
+    v.status.as_ref()?.conditions.iter().find(|c| c.type_ == t)
+}
+
+/// Polls `f` until it returns Some, or panics after `timeout` naming `what`.
+async fn wait_for<T, F, Fut>(what: &str, timeout: Duration, mut f: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Option<T>>,
+{
+    let start = Instant::now();
+    loop {
+        if let Some(v) = f().await {
+            return v;
+        }
+        assert!(
+            start.elapsed() < timeout,
+            "timed out after {timeout:?} waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+async fn wait_vm(c: &Client, name: &str, what: &str, pred: impl Fn(&ImpVM) -> bool) -> ImpVM {
+    let api = vms(c);
+    wait_for(what, Duration::from_secs(20), || {
+        let api = api.clone();
+        let pred = &pred;
+        async move { api.get_opt(name).await.unwrap().filter(|v| pred(v)) }
+    })
+    .await
+}
+
+/// Plays the agent: patches the VM's status.
+async fn agent_status(c: &Client, name: &str, status: Value) {
+    vms(c)
+        .patch_status(
+            name,
+            &PatchParams::default(),
+            &Patch::Merge(&json!({"status": status})),
+        )
+        .await
+        .unwrap();
+}
+
+async fn agent_clear_node(c: &Client, name: &str) {
+    vms(c)
+        .patch(
+            name,
+            &PatchParams::default(),
+            &Patch::Merge(&json!({"spec": {"nodeName": null}})),
+        )
+        .await
+        .unwrap();
+}
+
+async fn events_for(c: &Client, name: &str) -> Vec<Event> {
+    let api: Api<Event> = Api::namespaced(c.clone(), NS);
+    api.list(&ListParams::default())
+        .await
+        .unwrap()
+        .items
+        .into_iter()
+        .filter(|e| e.involved_object.name.as_deref() == Some(name))
+        .collect()
+}
+
+/// Per node, the sum of vCPU and count of placed VMs (every VM uses class `small`: 1 vCPU).
+async fn placements(c: &Client) -> BTreeMap<String, usize> {
+    let mut m = BTreeMap::new();
+    for v in vms(c).list(&ListParams::default()).await.unwrap().items {
+        if let Some(n) = v.spec.node_name {
+            *m.entry(n).or_insert(0) += 1;
+        }
+    }
+    m
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn missing_references_wait_in_pending_and_recover_when_created() {
+    let e = env().await;
+    let c = &e.client;
+    let _op = Operator::start(&e, "solo", &[]).await;
+    node(c, "w1", "4", "8Gi", true, true).await;
+    vm(
+        c,
+        "direct",
+        json!({"classRef": {"name": "small"}, "image": "busybox"}),
+    )
+    .await;
+    vm(c, "via-template", json!({"templateRef": {"name": "tmpl"}})).await;
+
+    let d = wait_vm(c, "direct", "InvalidSpec on direct", |v| {
+        cond(v, "Ready").is_some_and(|c| c.reason == "InvalidSpec")
+    })
+    .await;
+    assert_eq!(phase(&d), Some(VmPhase::Pending));
+    let msg = &cond(&d, "Ready").unwrap().message;
+    assert!(
+        msg.contains("ImpVMClass small") && msg.contains("create it"),
+        "{msg}"
+    );
+    assert_eq!(cond(&d, "Ready").unwrap().status, "False");
+    let t = wait_vm(c, "via-template", "InvalidSpec on via-template", |v| {
+        cond(v, "Ready").is_some_and(|c| c.reason == "InvalidSpec")
+    })
+    .await;
+    assert!(
+        cond(&t, "Ready")
+            .unwrap()
+            .message
+            .contains("ImpVMTemplate default/tmpl")
+    );
+    let evs = wait_for(
+        "a Warning InvalidSpec event",
+        Duration::from_secs(10),
+        || async {
+            let evs = events_for(c, "direct").await;
+            evs.iter()
+                .any(|e| {
+                    e.reason.as_deref() == Some("InvalidSpec")
+                        && e.type_.as_deref() == Some("Warning")
+                })
+                .then_some(evs)
+        },
+    )
+    .await;
+    assert!(!evs.is_empty());
+
+    // Fix the references: the same objects recover, without being recreated.
+    class(c, "small", 1, 256).await;
+    let tmpl: ImpVMTemplate = serde_json::from_value(json!({
+        "apiVersion": "imp.dev/v1alpha1", "kind": "ImpVMTemplate",
+        "metadata": {"name": "tmpl", "namespace": NS},
+        "spec": {"classRef": {"name": "small"}, "image": "busybox"}
+    }))
+    .unwrap();
+    Api::<ImpVMTemplate>::namespaced(c.clone(), NS)
+        .create(&PostParams::default(), &tmpl)
+        .await
+        .unwrap();
+    for name in ["direct", "via-template"] {
+        let v = wait_vm(c, name, "Scheduled after the fix", |v| {
+            phase(v) == Some(VmPhase::Scheduled)
+        })
+        .await;
+        assert_eq!(v.spec.node_name.as_deref(), Some("w1"));
+        assert_eq!(v.status.as_ref().unwrap().node_name.as_deref(), Some("w1"));
+        assert!(v.status.as_ref().unwrap().scheduled_at.is_some());
+        let s = cond(&v, "Scheduled").unwrap();
+        assert_eq!(
+            (s.status.as_str(), s.reason.as_str()),
+            ("True", "NodeAssigned")
+        );
+        assert!(v.finalizers().iter().any(|f| f == "imp.dev/vm-cleanup"));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_creation_never_overbooks_and_metrics_count_phases() {
+    let e = env().await;
+    let c = &e.client;
+    // 3 vCPU × 0.9 = 2.7 → two 1-vCPU VMs per node; 4 enabled nodes → 8 slots.
+    for i in 0..4 {
+        node(c, &format!("n{i}"), "3", "16Gi", true, true).await;
+    }
+    node(c, "off", "64", "64Gi", false, true).await;
+    class(c, "small", 1, 256).await;
+    let op = Operator::start(&e, "solo", &[]).await;
+    let creates = (0..24).map(|i| {
+        let c = c.clone();
+        async move {
+            vm(
+                &c,
+                &format!("vm{i:02}"),
+                json!({"classRef": {"name": "small"}, "image": "busybox"}),
+            )
+            .await
+        }
+    });
+    futures::future::join_all(creates).await;
+
+    let list = wait_for(
+        "8 Scheduled and 16 NoNodeAvailable",
+        Duration::from_secs(30),
+        || async {
+            let items = vms(c).list(&ListParams::default()).await.unwrap().items;
+            let scheduled = items
+                .iter()
+                .filter(|v| phase(v) == Some(VmPhase::Scheduled))
+                .count();
+            let unsched = items
+                .iter()
+                .filter(|v| cond(v, "Scheduled").is_some_and(|c| c.reason == "NoNodeAvailable"))
+                .count();
+            (scheduled == 8 && unsched == 16).then_some(items)
+        },
+    )
+    .await;
+    let per_node = placements(c).await;
+    assert_eq!(per_node.len(), 4, "{per_node:?}");
+    assert!(
+        per_node.values().all(|n| *n == 2),
+        "overbooked: {per_node:?}"
+    );
+    let pending = list
+        .iter()
+        .find(|v| phase(v) == Some(VmPhase::Pending))
+        .unwrap();
+    let msg = &cond(pending, "Scheduled").unwrap().message;
+    assert!(msg.starts_with("5 nodes: "), "{msg}");
+    assert!(msg.contains("1 lacks label imp/enabled=true"), "{msg}");
+    assert!(msg.contains("4 have 0.7 vCPU free of 1 needed"), "{msg}");
+    // No more placements happen later either.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(placements(c).await.values().sum::<usize>(), 8);
+
+    let text = wait_for("phase gauges", Duration::from_secs(10), || async {
+        let t = op.scrape().await?;
+        (sample(&t, "imp_operator_vms{phase=\"Scheduled\"}") == Some(8.0)).then_some(t)
+    })
+    .await;
+    assert_eq!(
+        sample(&text, "imp_operator_vms{phase=\"Pending\"}"),
+        Some(16.0),
+        "{text}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn operator_killed_mid_scheduling_neither_loses_nor_double_places() {
+    let e = env().await;
+    let c = &e.client;
+    // 5 nodes × 4 slots (5 vCPU × 0.9 = 4.5) = 20 slots for 30 VMs.
+    for i in 0..5 {
+        node(c, &format!("n{i}"), "5", "16Gi", true, true).await;
+    }
+    class(c, "small", 1, 256).await;
+    for i in 0..30 {
+        vm(
+            c,
+            &format!("vm{i:02}"),
+            json!({"classRef": {"name": "small"}, "image": "busybox"}),
+        )
+        .await;
+    }
+    let mut op = Operator::start(&e, "first", &[]).await;
+    wait_for("the first placements", Duration::from_secs(20), || async {
+        let n: usize = placements(c).await.values().sum();
+        (n >= 1).then_some(())
+    })
+    .await;
+    op.kill9().await;
+    let at_kill: usize = placements(c).await.values().sum();
+    eprintln!("operator killed with {at_kill} of 20 placements made");
+    let _op2 = Operator::start(&e, "second", &[]).await;
+    wait_for(
+        "20 placed after the restart",
+        Duration::from_secs(30),
+        || async {
+            let items = vms(c).list(&ListParams::default()).await.unwrap().items;
+            let sched = items
+                .iter()
+                .filter(|v| {
+                    phase(v) == Some(VmPhase::Scheduled)
+                        && v.status.as_ref().unwrap().node_name == v.spec.node_name
+                })
+                .count();
+            let unsched = items
+                .iter()
+                .filter(|v| cond(v, "Scheduled").is_some_and(|c| c.reason == "NoNodeAvailable"))
+                .count();
+            (sched == 20 && unsched == 10).then_some(())
+        },
+    )
+    .await;
+    let per_node = placements(c).await;
+    assert!(
+        per_node.values().all(|n| *n == 4),
+        "killed with {at_kill} placed; now {per_node:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lifecycle_terminal_restart_reset_node_loss_and_deletion() {
+    let e = env().await;
+    let c = &e.client;
+    node(c, "a", "8", "16Gi", true, true).await;
+    class(c, "small", 1, 256).await;
+    let _op = Operator::start(
+        &e,
+        "solo",
+        &["--termination-timeout", "30", "--start-timeout", "1"],
+    )
+    .await;
+
+    // A start that hangs fails after the stuck-start timeout, with a reason and an Event.
+    vm(
+        c,
+        "stuck",
+        json!({"classRef": {"name": "small"}, "image": "busybox"}),
+    )
+    .await;
+    wait_vm(c, "stuck", "stuck Scheduled", |v| {
+        phase(v) == Some(VmPhase::Scheduled)
+    })
+    .await;
+    let now = k8s_openapi::jiff::Timestamp::now().to_string();
+    agent_status(c, "stuck", json!({"phase": "Starting", "startedAt": now})).await;
+    let stuck = wait_vm(c, "stuck", "stuck Failed", |v| {
+        phase(v) == Some(VmPhase::Failed)
+    })
+    .await;
+    let ready = cond(&stuck, "Ready").unwrap();
+    assert!(
+        ready.message.contains("still Starting"),
+        "{}",
+        ready.message
+    );
+    let reasons: Vec<String> = events_for(c, "stuck")
+        .await
+        .into_iter()
+        .filter_map(|e| e.reason)
+        .collect();
+    assert!(reasons.iter().any(|r| r == "StartTimeout"), "{reasons:?}");
+    // Failed ephemeral VMs are terminal too.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(
+        phase(&vms(c).get("stuck").await.unwrap()),
+        Some(VmPhase::Failed)
+    );
+
+    // A finished ephemeral VM is never scheduled again.
+    vm(
+        c,
+        "job",
+        json!({"classRef": {"name": "small"}, "image": "busybox"}),
+    )
+    .await;
+    wait_vm(c, "job", "job Scheduled", |v| {
+        phase(v) == Some(VmPhase::Scheduled)
+    })
+    .await;
+    agent_status(c, "job", json!({"phase": "Running"})).await;
+    let run = wait_vm(c, "job", "runningAt stamped", |v| {
+        v.status.as_ref().unwrap().running_at.is_some()
+    })
+    .await;
+    assert_eq!(cond(&run, "NodeHealthy").unwrap().status, "True");
+    agent_status(c, "job", json!({"phase": "Succeeded", "exitCode": 0})).await;
+    agent_clear_node(c, "job").await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let job = vms(c).get("job").await.unwrap();
+    assert_eq!(phase(&job), Some(VmPhase::Succeeded));
+    assert_eq!(
+        job.spec.node_name, None,
+        "a Succeeded ephemeral VM was scheduled again"
+    );
+
+    // Restart policy: reschedule after backoff, exhaust to RetryExhausted, reset really runs again.
+    vm(
+        c,
+        "svc",
+        json!({"classRef": {"name": "small"}, "image": "busybox", "lifecycle": "persistent",
+               "restartPolicy": {"mode": "reschedule", "onExhaustion": "manual-reset",
+                                 "backoff": {"maxRetries": 1, "initialDelay": "1s", "maxDelay": "2s"}}}),
+    )
+    .await;
+    wait_vm(c, "svc", "svc Scheduled", |v| {
+        phase(v) == Some(VmPhase::Scheduled)
+    })
+    .await;
+    agent_status(c, "svc", json!({"phase": "Failed", "exitCode": 3})).await;
+    let restarted = wait_vm(c, "svc", "svc restarted", |v| {
+        phase(v) == Some(VmPhase::Scheduled) && v.status.as_ref().unwrap().restart_count == Some(1)
+    })
+    .await;
+    assert!(restarted.spec.node_name.is_some());
+    agent_status(c, "svc", json!({"phase": "Failed", "exitCode": 3})).await;
+    let ex = wait_vm(c, "svc", "svc RetryExhausted", |v| {
+        phase(v) == Some(VmPhase::RetryExhausted)
+    })
+    .await;
+    assert!(ex.status.as_ref().unwrap().exhausted_at.is_some());
+    vms(c)
+        .patch(
+            "svc",
+            &PatchParams::default(),
+            &Patch::Merge(&json!({"metadata": {"annotations": {"imp/reset-retries": "true"}}})),
+        )
+        .await
+        .unwrap();
+    let reset = wait_vm(c, "svc", "svc scheduled again after reset", |v| {
+        phase(v) == Some(VmPhase::Scheduled)
+            && v.status.as_ref().unwrap().restart_count.is_none()
+            && !v.annotations().contains_key("imp/reset-retries")
+    })
+    .await;
+    assert_eq!(reset.spec.node_name.as_deref(), Some("a"));
+    let reasons: Vec<String> = events_for(c, "svc")
+        .await
+        .into_iter()
+        .filter_map(|e| e.reason)
+        .collect();
+    for r in [
+        "Scheduled",
+        "Restarting",
+        "RetriesExhausted",
+        "RetriesReset",
+    ] {
+        assert!(
+            reasons.iter().any(|x| x == r),
+            "no {r} event in {reasons:?}"
+        );
+    }
+
+    // Node loss: the opted-in persistent VM moves, the other fails.
+    vm(c, "mover", json!({"classRef": {"name": "small"}, "image": "busybox", "lifecycle": "persistent", "rescheduleOnNodeLoss": true})).await;
+    vm(
+        c,
+        "stayer",
+        json!({"classRef": {"name": "small"}, "image": "busybox", "lifecycle": "persistent"}),
+    )
+    .await;
+    for n in ["mover", "stayer"] {
+        wait_vm(c, n, "on node a", |v| phase(v) == Some(VmPhase::Scheduled)).await;
+        agent_status(c, n, json!({"phase": "Running"})).await;
+    }
+    node(c, "b", "8", "16Gi", true, true).await;
+    set_node_ready(c, "a", "8", "16Gi", false).await;
+    let moved = wait_vm(c, "mover", "mover on node b", |v| {
+        v.spec.node_name.as_deref() == Some("b") && phase(v) == Some(VmPhase::Scheduled)
+    })
+    .await;
+    assert_eq!(
+        moved.status.as_ref().unwrap().node_name.as_deref(),
+        Some("b")
+    );
+    let failed = wait_vm(c, "stayer", "stayer Failed", |v| {
+        phase(v) == Some(VmPhase::Failed)
+    })
+    .await;
+    let nh = cond(&failed, "NodeHealthy").unwrap();
+    assert_eq!(
+        (nh.status.as_str(), nh.reason.as_str()),
+        ("False", "NodeNotReady")
+    );
+
+    // Deletion waits for the agent's cleanup marker (spec.nodeName cleared).
+    vms(c)
+        .delete("mover", &DeleteParams::default())
+        .await
+        .unwrap();
+    wait_vm(c, "mover", "mover Terminating", |v| {
+        phase(v) == Some(VmPhase::Terminating)
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(
+        vms(c).get_opt("mover").await.unwrap().is_some(),
+        "finalizer removed before cleanup"
+    );
+    agent_clear_node(c, "mover").await;
+    wait_for("mover gone", Duration::from_secs(10), || async {
+        vms(c)
+            .get_opt("mover")
+            .await
+            .unwrap()
+            .is_none()
+            .then_some(())
+    })
+    .await;
+
+    // Deletion when the node object is gone: released after the grace, with an Event.
+    Api::<Node>::all(c.clone())
+        .delete("a", &DeleteParams::default())
+        .await
+        .unwrap();
+    vms(c)
+        .delete("stayer", &DeleteParams::default())
+        .await
+        .unwrap();
+    wait_for("stayer gone", Duration::from_secs(15), || async {
+        vms(c)
+            .get_opt("stayer")
+            .await
+            .unwrap()
+            .is_none()
+            .then_some(())
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leader_election_failover_within_the_lease_duration() {
+    let e = env().await;
+    let c = &e.client;
+    node(c, "a", "8", "16Gi", true, true).await;
+    class(c, "small", 1, 256).await;
+    let flags = [
+        "--leader-elect",
+        "--lease-duration",
+        "3",
+        "--renew-deadline",
+        "2",
+        "--retry-period",
+        "0.5",
+    ];
+    let mut one = Operator::start(&e, "one", &flags).await;
+    let mut two = Operator::start(&e, "two", &flags).await;
+    let leases: Api<Lease> = Api::namespaced(c.clone(), "imp-system");
+    let holder = wait_for("a leader", Duration::from_secs(15), || async {
+        leases
+            .get_opt("imp-operator")
+            .await
+            .ok()
+            .flatten()?
+            .spec?
+            .holder_identity
+    })
+    .await;
+    vm(
+        c,
+        "before",
+        json!({"classRef": {"name": "small"}, "image": "busybox"}),
+    )
+    .await;
+    wait_vm(c, "before", "before Scheduled", |v| {
+        phase(v) == Some(VmPhase::Scheduled)
+    })
+    .await;
+    // Only the leader wrote: every event comes from it.
+    let evs = events_for(c, "before").await;
+    assert!(!evs.is_empty());
+    for ev in &evs {
+        assert_eq!(
+            ev.reporting_instance.as_deref(),
+            Some(holder.as_str()),
+            "event from a non-leader: {ev:?}"
+        );
+    }
+    let (leader, follower) = if holder == one.identity {
+        (&mut one, &two)
+    } else {
+        (&mut two, &one)
+    };
+    let text = follower.scrape().await.unwrap();
+    assert_eq!(sample(&text, "imp_operator_is_leader"), Some(0.0), "{text}");
+    leader.kill9().await;
+    let killed = Instant::now();
+    vm(
+        c,
+        "after",
+        json!({"classRef": {"name": "small"}, "image": "busybox"}),
+    )
+    .await;
+    wait_vm(c, "after", "after Scheduled by the new leader", |v| {
+        phase(v) == Some(VmPhase::Scheduled)
+    })
+    .await;
+    let took = killed.elapsed();
+    // lease 3 s + one retry period + the reconcile itself
+    assert!(took < Duration::from_secs(5), "takeover took {took:?}");
+    let new_holder = leases
+        .get("imp-operator")
+        .await
+        .unwrap()
+        .spec
+        .unwrap()
+        .holder_identity
+        .unwrap();
+    assert_eq!(new_holder, follower.identity);
+    let text = follower.scrape().await.unwrap();
+    assert_eq!(sample(&text, "imp_operator_is_leader"), Some(1.0), "{text}");
+    eprintln!("takeover after kill -9: {took:?}");
+}
