@@ -29,6 +29,8 @@ use std::time::{Duration, Instant};
 
 /// How long the guest keeps trying to deliver its exit report.
 const REPORT_DEADLINE: Duration = Duration::from_secs(10);
+/// How long the root disk's device node may take to appear after its driver loads.
+const ROOT_DEVICE_WAIT: Duration = Duration::from_secs(10);
 
 /// How the guest runs.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -151,8 +153,11 @@ pub fn run(opts: &Options) -> i32 {
             );
         }
     };
-    if opts.pid1 {
-        setup_system(&config);
+    if opts.pid1
+        && let Err(e) = setup_system(&config)
+    {
+        log_error("cannot start the workload", &e);
+        return finish(opts, &mut console, &config, ExitStatus::Code(127), started);
     }
 
     let reaper = match Reaper::start(Reaping::All) {
@@ -198,11 +203,20 @@ pub fn run(opts: &Options) -> i32 {
     finish(opts, &mut console, &config, status, started)
 }
 
-fn setup_system(config: &GuestConfig) {
+/// Modules, root disk, hostname, network; only a root disk that cannot be used is fatal.
+fn setup_system(config: &GuestConfig) -> Result<(), system::SystemError> {
     for m in &config.modules {
         if let Err(e) = system::load_module(m) {
             log_error("module", &e);
         }
+    }
+    if let Some(root) = &config.root {
+        system::switch_root(
+            &root.device,
+            &root.fstype,
+            root.options.as_deref(),
+            ROOT_DEVICE_WAIT,
+        )?;
     }
     if let Some(h) = &config.hostname
         && let Err(e) = system::set_hostname(h)
@@ -231,6 +245,7 @@ fn setup_system(config: &GuestConfig) {
             log_error("hosts", &e);
         }
     }
+    Ok(())
 }
 
 fn start_api(opts: &Options, config: &GuestConfig, ctx: Arc<Context>) {

@@ -42,6 +42,17 @@ pub enum SystemError {
     /// The hostname could not be set.
     #[error("Setting the hostname to {0:?} failed")]
     Hostname(String, #[source] Errno),
+    /// The root disk could not be made `/`.
+    #[error("Switching the root to {device} ({step}) failed")]
+    SwitchRoot {
+        /// The root device.
+        device: String,
+        /// The step that failed.
+        step: &'static str,
+        /// The errno.
+        #[source]
+        source: Errno,
+    },
     /// A file could not be written.
     #[error("Writing {path} failed")]
     Write {
@@ -133,6 +144,67 @@ pub fn mount_pseudo_filesystems() -> Vec<SystemError> {
         }
     }
     errors
+}
+
+/// Where the root disk is mounted before it becomes `/`.
+const NEW_ROOT: &str = "/.imp-root";
+
+/// Makes the image's disk the guest's `/`, as `switch_root` does for an initramfs.
+///
+/// Waits up to `wait` for the device node (virtio_blk probes asynchronously after its module
+/// loads), mounts it, moves the pseudo filesystems onto it, then moves it over `/` and chroots
+/// there. From then on everything PID 1 starts (the workload, every exec) runs on the disk and
+/// finds the image's programs and /etc/passwd under `/`. Mount points the image lacks (proc,
+/// sys, dev, run, tmp) are created on the disk. The initramfs stays in memory underneath; it
+/// holds only this binary, the modules and the config.
+pub fn switch_root(
+    device: &str,
+    fstype: &str,
+    options: Option<&str>,
+    wait: Duration,
+) -> Result<(), SystemError> {
+    let fail = |step: &'static str| {
+        let device = device.to_string();
+        move |source: Errno| SystemError::SwitchRoot {
+            device,
+            step,
+            source,
+        }
+    };
+    let deadline = std::time::Instant::now() + wait;
+    while !Path::new(device).exists() {
+        if std::time::Instant::now() >= deadline {
+            return Err(fail("waiting for the device")(Errno::ENODEV));
+        }
+        thread::sleep(Duration::from_millis(10));
+    }
+    let _ = std::fs::create_dir_all(NEW_ROOT);
+    mount(
+        Some(device),
+        NEW_ROOT,
+        Some(fstype),
+        MsFlags::empty(),
+        options,
+    )
+    .map_err(fail("mount"))?;
+    for target in ["/proc", "/sys", "/dev", "/run", "/tmp"] {
+        let dest = format!("{NEW_ROOT}{target}");
+        let _ = std::fs::create_dir_all(&dest);
+        mount(
+            Some(target),
+            dest.as_str(),
+            None::<&str>,
+            MsFlags::MS_MOVE,
+            None::<&str>,
+        )
+        .map_err(fail("moving a pseudo filesystem"))?;
+    }
+    nix::unistd::chdir(NEW_ROOT).map_err(fail("chdir"))?;
+    mount(Some("."), "/", None::<&str>, MsFlags::MS_MOVE, None::<&str>)
+        .map_err(fail("moving it over /"))?;
+    nix::unistd::chroot(".").map_err(fail("chroot"))?;
+    nix::unistd::chdir("/").map_err(fail("chdir /"))?;
+    Ok(())
 }
 
 /// Makes /dev/console our stdin, stdout and stderr (the kernel may have started us without

@@ -50,6 +50,37 @@ pub struct GuestConfig {
     pub agent: AgentConfig,
     /// What the guest does once the workload has ended.
     pub on_exit: PowerAction,
+    /// The image's disk, made the guest's `/` before the workload starts; none keeps the
+    /// initramfs (or the kernel's root device) as `/`.
+    pub root: Option<RootDisk>,
+}
+
+/// The block device that holds the image's root filesystem.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RootDisk {
+    /// The device node, e.g. `/dev/vda`.
+    pub device: String,
+    /// Its filesystem type, e.g. `ext4`.
+    #[serde(default = "default_fstype")]
+    pub fstype: String,
+    /// Mount options passed to the filesystem (`data`), e.g. `errors=remount-ro`.
+    #[serde(default)]
+    pub options: Option<String>,
+}
+
+impl RootDisk {
+    /// An ext4 root disk on `device`.
+    pub fn ext4(device: impl Into<String>) -> Self {
+        Self {
+            device: device.into(),
+            fstype: default_fstype(),
+            options: None,
+        }
+    }
+}
+
+fn default_fstype() -> String {
+    "ext4".to_string()
 }
 
 /// The process fields of an OCI image config.
@@ -168,6 +199,14 @@ impl GuestConfig {
                 );
             }
         }
+        if let Some(r) = &self.root
+            && (!r.device.starts_with("/dev/") || r.fstype.is_empty())
+        {
+            return invalid(
+                "root",
+                format!("device {:?} must be under /dev/ and fstype set", r.device),
+            );
+        }
         if let Some(n) = &self.network {
             if n.prefix_len > 32 {
                 return invalid(
@@ -254,6 +293,7 @@ mod tests {
                 exit_report_port: Some(10001),
             },
             on_exit: PowerAction::Reboot,
+            root: Some(RootDisk::ext4("/dev/vda")),
         };
         let json = c.to_json().unwrap();
         assert_eq!(GuestConfig::from_json(&json).unwrap(), c);

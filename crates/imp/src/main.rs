@@ -6,6 +6,7 @@ use std::io::Write;
 use anyhow::Context;
 use clap::{Parser, Subcommand};
 
+mod local;
 mod operator;
 
 #[derive(Parser)]
@@ -24,7 +25,19 @@ enum Command {
     /// Print every imp.dev CustomResourceDefinition as one YAML stream (for kubectl apply -f -).
     Crds,
     /// Run the operator (controller-manager): scheduling, lifecycle, webhook, metrics.
-    Operator(operator::Args),
+    Operator(Box<operator::Args>),
+    /// Boot IMAGE as a microVM on this machine (no cluster) and run its workload.
+    Run(Box<local::RunArgs>),
+    /// Run a command in a local VM.
+    Exec(local::ExecArgs),
+    /// List local VMs.
+    Ps(local::PsArgs),
+    /// Stop local VMs (SIGTERM to the workload, then power off).
+    Stop(local::StopArgs),
+    /// Remove local VMs that have ended (their disk, logs and record).
+    Rm(local::RmArgs),
+    /// Show a local VM's serial console.
+    Console(local::ConsoleArgs),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -36,7 +49,26 @@ fn main() -> anyhow::Result<()> {
                 .write_all(yaml.as_bytes())
                 .context("writing CRDs to stdout")?;
         }
-        Command::Operator(args) => operator::main(args)?,
+        Command::Operator(args) => operator::main(*args)?,
+        Command::Run(args) => {
+            local_logs();
+            std::process::exit(local::run::main(*args)?)
+        }
+        Command::Exec(args) => std::process::exit(local::exec(args)?),
+        Command::Ps(args) => local::ps(args)?,
+        Command::Stop(args) => local::stop(args)?,
+        Command::Rm(args) => local::rm(args)?,
+        Command::Console(args) => local::console(args)?,
     }
     Ok(())
+}
+
+/// Local commands log warnings to stderr (more with RUST_LOG), keeping stdout for the workload.
+fn local_logs() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
 }

@@ -13,6 +13,8 @@ use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncWrite};
 
 pub mod firecracker;
+pub mod kvm;
+pub mod qemu;
 pub mod vsock;
 
 /// How the VM should look: what every driver needs to boot it.
@@ -165,8 +167,17 @@ pub trait Vmm: Sized + Send {
         timeout: Duration,
     ) -> impl Future<Output = Result<Self::Stream, Self::Error>> + Send;
 
+    /// The host Unix socket of the guest's vsock (`CONNECT <port>`), if the VM has one;
+    /// guest connections to host port P arrive on [`vsock::host_listener_path`] of it.
+    fn vsock_path(&self) -> Option<PathBuf>;
+
     /// The file that receives the guest's serial console.
     fn serial_log_path(&self) -> &Path;
+
+    /// Whether the VMM process has exited (the guest powered off or crashed); reaps it.
+    ///
+    /// Polled by supervisors that must notice a VM ending on its own.
+    fn exited(&mut self) -> Result<bool, Self::Error>;
 
     /// What the driver believes the VM is doing.
     fn state(&self) -> VmState;

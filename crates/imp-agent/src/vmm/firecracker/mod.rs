@@ -541,8 +541,30 @@ impl Vmm for Firecracker {
         Ok(vsock::connect(&uds, port, timeout).await?)
     }
 
+    fn vsock_path(&self) -> Option<PathBuf> {
+        Firecracker::vsock_path(self)
+    }
+
     fn serial_log_path(&self) -> &Path {
         &self.serial
+    }
+
+    fn exited(&mut self) -> Result<bool> {
+        match self.child.try_wait() {
+            Ok(Some(status)) => {
+                if self.state != VmState::Stopped {
+                    tracing::info!(vm = %self.id, %status, "firecracker exited");
+                }
+                self.state = VmState::Stopped;
+                Ok(true)
+            }
+            Ok(None) => Ok(false),
+            Err(source) => Err(Error::Process {
+                what: "check on",
+                id: self.id.clone(),
+                source,
+            }),
+        }
     }
 
     fn state(&self) -> VmState {

@@ -1,0 +1,121 @@
+//! Can this host run Linux guests under KVM? Decided by trying, not by `stat`.
+//!
+//! `/dev/kvm` may open and `KVM_CREATE_VM` may succeed while a stock guest kernel still cannot
+//! boot: on hosts whose KVM is PVM (pagetable-based virtualisation) the kernel hangs early. So
+//! the probe opens `/dev/kvm` read-write and then boots the guest kernel for real under QEMU +
+//! KVM with no root filesystem: a working KVM reaches the kernel's "VFS: Unable to mount root"
+//! panic within seconds and QEMU exits (`panic=-1` with `-no-reboot`); a KVM that cannot boot
+//! Linux is still silent at the deadline. The answer is cached per kernel in a small file.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+/// Whether `/dev/kvm` opens read-write (needed, not sufficient).
+pub fn device_usable() -> bool {
+    std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/kvm")
+        .is_ok()
+}
+
+/// What a probe found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Probe {
+    /// KVM booted the kernel to its first panic in this long.
+    Boots(Duration),
+    /// `/dev/kvm` cannot be opened read-write.
+    NoDevice,
+    /// The kernel printed nothing that shows it ran, within the deadline.
+    Hangs(Duration),
+    /// QEMU could not be run at all.
+    Failed(String),
+}
+
+impl Probe {
+    /// Whether guests should use KVM.
+    pub fn kvm_boots(&self) -> bool {
+        matches!(self, Probe::Boots(_))
+    }
+}
+
+/// Boots `kernel` under `qemu -accel kvm` and waits up to `deadline` for proof that it ran.
+pub async fn probe_boot(qemu: &Path, kernel: &Path, deadline: Duration) -> Probe {
+    if !device_usable() {
+        return Probe::NoDevice;
+    }
+    let dir = std::env::temp_dir().join(format!("imp-kvm-probe-{}", std::process::id()));
+    let _ = std::fs::create_dir_all(&dir);
+    let serial = dir.join("serial.log");
+    let started = Instant::now();
+    let child = tokio::process::Command::new(qemu)
+        .args([
+            "-accel", "kvm", "-M", "microvm", "-m", "128", "-smp", "1", "-cpu", "host",
+        ])
+        .args(["-nographic", "-no-reboot", "-monitor", "none"])
+        .arg("-serial")
+        .arg(format!("file:{}", serial.display()))
+        .arg("-kernel")
+        .arg(kernel)
+        .args(["-append", "console=ttyS0 panic=-1 reboot=t"])
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .spawn();
+    let mut child = match child {
+        Ok(c) => c,
+        Err(e) => return Probe::Failed(format!("starting {}: {e}", qemu.display())),
+    };
+    let result = loop {
+        let text = std::fs::read_to_string(&serial).unwrap_or_default();
+        if text.contains("Kernel panic") || text.contains("Unable to mount root") {
+            break Probe::Boots(started.elapsed());
+        }
+        if let Ok(Some(status)) = child.try_wait() {
+            break if text.contains("Linux version") {
+                Probe::Boots(started.elapsed())
+            } else {
+                Probe::Failed(format!(
+                    "QEMU with KVM exited ({status}) before the kernel ran"
+                ))
+            };
+        }
+        if started.elapsed() >= deadline {
+            break Probe::Hangs(deadline);
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let _ = child.kill().await;
+    let _ = std::fs::remove_dir_all(&dir);
+    result
+}
+
+/// [`probe_boot`], remembered in `cache_dir` per kernel file (path, size and mtime).
+pub async fn probe_boot_cached(
+    qemu: &Path,
+    kernel: &Path,
+    deadline: Duration,
+    cache_dir: &Path,
+) -> bool {
+    let key = std::fs::metadata(kernel)
+        .ok()
+        .map(|m| {
+            use std::os::unix::fs::MetadataExt;
+            format!("{}:{}:{}", kernel.display(), m.len(), m.mtime())
+        })
+        .unwrap_or_default();
+    let file: PathBuf = cache_dir.join("kvm-probe");
+    if let Ok(text) = std::fs::read_to_string(&file)
+        && let Some((k, v)) = text.trim().rsplit_once('=')
+        && k == key
+    {
+        return v == "kvm";
+    }
+    let probe = probe_boot(qemu, kernel, deadline).await;
+    tracing::info!(?probe, kernel = %kernel.display(), "kvm boot probe");
+    let _ = std::fs::create_dir_all(cache_dir);
+    let verdict = if probe.kvm_boots() { "kvm" } else { "tcg" };
+    let _ = std::fs::write(&file, format!("{key}={verdict}\n"));
+    probe.kvm_boots()
+}

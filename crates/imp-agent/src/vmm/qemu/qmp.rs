@@ -1,0 +1,178 @@
+//! A small QMP (QEMU Machine Protocol) client: JSON lines on a Unix socket.
+//!
+//! After connecting, QEMU sends a greeting; the client answers with `qmp_capabilities` and can
+//! then `execute` commands. Asynchronous events (`{"event": …}`) may arrive between a command
+//! and its answer; they are logged and skipped.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde_json::{Value, json};
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+use tokio::net::UnixStream;
+use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
+
+/// Why a QMP exchange failed.
+#[derive(Debug, thiserror::Error)]
+pub enum QmpError {
+    /// The socket could not be used.
+    #[error("QMP socket {socket}: {what}")]
+    Io {
+        /// The socket.
+        socket: PathBuf,
+        /// What was being done.
+        what: &'static str,
+        /// The underlying error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// QEMU closed the connection.
+    #[error("QMP socket {0}: QEMU closed the connection")]
+    Closed(PathBuf),
+    /// QEMU did not answer in time.
+    #[error("QMP command {command} got no answer within {timeout:?}")]
+    Timeout {
+        /// The command.
+        command: String,
+        /// How long we waited.
+        timeout: Duration,
+    },
+    /// QEMU sent something that is not QMP.
+    #[error("QMP socket {socket}: unexpected message {message}")]
+    Protocol {
+        /// The socket.
+        socket: PathBuf,
+        /// What arrived.
+        message: String,
+    },
+    /// QEMU refused the command.
+    #[error("QMP command {command} failed: {class}: {desc}")]
+    Command {
+        /// The command.
+        command: String,
+        /// QEMU's error class.
+        class: String,
+        /// QEMU's description.
+        desc: String,
+    },
+}
+
+/// A negotiated QMP connection.
+#[derive(Debug)]
+pub struct Qmp {
+    socket: PathBuf,
+    reader: BufReader<OwnedReadHalf>,
+    writer: OwnedWriteHalf,
+    timeout: Duration,
+}
+
+impl Qmp {
+    /// Connects to `socket`, reads the greeting and enters command mode.
+    pub async fn connect(socket: &Path, timeout: Duration) -> Result<Self, QmpError> {
+        let stream = UnixStream::connect(socket)
+            .await
+            .map_err(|source| QmpError::Io {
+                socket: socket.to_path_buf(),
+                what: "connecting",
+                source,
+            })?;
+        let (r, w) = stream.into_split();
+        let mut qmp = Qmp {
+            socket: socket.to_path_buf(),
+            reader: BufReader::new(r),
+            writer: w,
+            timeout,
+        };
+        let greeting = tokio::time::timeout(timeout, qmp.read_message())
+            .await
+            .map_err(|_| QmpError::Timeout {
+                command: "greeting".into(),
+                timeout,
+            })??;
+        if greeting.get("QMP").is_none() {
+            return Err(QmpError::Protocol {
+                socket: qmp.socket.clone(),
+                message: greeting.to_string(),
+            });
+        }
+        qmp.execute("qmp_capabilities", None).await?;
+        Ok(qmp)
+    }
+
+    async fn read_message(&mut self) -> Result<Value, QmpError> {
+        let mut line = String::new();
+        let n = self
+            .reader
+            .read_line(&mut line)
+            .await
+            .map_err(|source| QmpError::Io {
+                socket: self.socket.clone(),
+                what: "reading",
+                source,
+            })?;
+        if n == 0 {
+            return Err(QmpError::Closed(self.socket.clone()));
+        }
+        serde_json::from_str(&line).map_err(|_| QmpError::Protocol {
+            socket: self.socket.clone(),
+            message: line.trim().to_string(),
+        })
+    }
+
+    /// Runs `command` with `arguments` and returns its `return` value.
+    pub async fn execute(
+        &mut self,
+        command: &str,
+        arguments: Option<Value>,
+    ) -> Result<Value, QmpError> {
+        let mut request = json!({ "execute": command });
+        if let Some(args) = arguments {
+            request["arguments"] = args;
+        }
+        let mut bytes = request.to_string().into_bytes();
+        bytes.push(b'\n');
+        self.writer
+            .write_all(&bytes)
+            .await
+            .map_err(|source| QmpError::Io {
+                socket: self.socket.clone(),
+                what: "writing",
+                source,
+            })?;
+        let timeout = self.timeout;
+        tokio::time::timeout(timeout, async {
+            loop {
+                let message = self.read_message().await?;
+                if let Some(ret) = message.get("return") {
+                    return Ok(ret.clone());
+                }
+                if let Some(err) = message.get("error") {
+                    let s = |k: &str| err.get(k).and_then(Value::as_str).unwrap_or("").to_string();
+                    return Err(QmpError::Command {
+                        command: command.to_string(),
+                        class: s("class"),
+                        desc: s("desc"),
+                    });
+                }
+                if let Some(event) = message.get("event") {
+                    tracing::debug!(socket = %self.socket.display(), %event, "qmp event");
+                }
+            }
+        })
+        .await
+        .map_err(|_| QmpError::Timeout {
+            command: command.to_string(),
+            timeout,
+        })?
+    }
+
+    /// `query-status`'s `status` (`running`, `paused`, `inmigrate`, `postmigrate`, …).
+    pub async fn status(&mut self) -> Result<String, QmpError> {
+        let ret = self.execute("query-status", None).await?;
+        Ok(ret
+            .get("status")
+            .and_then(Value::as_str)
+            .unwrap_or("unknown")
+            .to_string())
+    }
+}

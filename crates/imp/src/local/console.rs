@@ -1,0 +1,171 @@
+//! Following a VM's serial console log: what `imp run` prints while the workload runs and what
+//! `imp console` shows.
+//!
+//! The guest's workload writes to the serial console, which the VMM appends to a log file. The
+//! follower reads the file as it grows and hands complete lines on; [`Filter`] drops what is not
+//! the workload's (kernel printk lines, the guest init's own `imp-guest:` lines and the exit
+//! marker) unless the user asked for the raw console.
+
+use std::io::{Read, Seek, SeekFrom};
+use std::path::{Path, PathBuf};
+
+use imp_proto::marker::{EXIT_PREFIX, SUCCESS_LINE};
+
+/// Reads a log file from an offset as it grows.
+#[derive(Debug)]
+pub struct Follower {
+    path: PathBuf,
+    offset: u64,
+    partial: Vec<u8>,
+}
+
+impl Follower {
+    /// Starts at the beginning of `path` (which may not exist yet).
+    pub fn new(path: &Path) -> Self {
+        Self {
+            path: path.to_path_buf(),
+            offset: 0,
+            partial: Vec::new(),
+        }
+    }
+
+    /// Returns the complete lines (with their newline) written since the last call.
+    pub fn poll(&mut self) -> std::io::Result<Vec<String>> {
+        let mut file = match std::fs::File::open(&self.path) {
+            Ok(f) => f,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+            Err(e) => return Err(e),
+        };
+        file.seek(SeekFrom::Start(self.offset))?;
+        let mut buf = Vec::new();
+        let n = file.read_to_end(&mut buf)?;
+        self.offset += n as u64;
+        self.partial.extend_from_slice(&buf);
+        let mut lines = Vec::new();
+        while let Some(pos) = self.partial.iter().position(|&b| b == b'\n') {
+            let rest = self.partial.split_off(pos + 1);
+            let line = std::mem::replace(&mut self.partial, rest);
+            lines.push(String::from_utf8_lossy(&line).into_owned());
+        }
+        Ok(lines)
+    }
+
+    /// Whatever is left after the last newline (used once the VM has ended).
+    pub fn rest(&mut self) -> Option<String> {
+        if self.partial.is_empty() {
+            return None;
+        }
+        let s = String::from_utf8_lossy(&self.partial).into_owned();
+        self.partial.clear();
+        Some(s)
+    }
+}
+
+/// Where a console line belongs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Line {
+    /// The workload's output: to stdout.
+    Workload,
+    /// A message of the guest init that the user needs (e.g. why the workload could not
+    /// start): to stderr.
+    Guest,
+    /// Kernel log, exit marker and routine init lines: not shown.
+    Hidden,
+}
+
+/// Decides which console lines are the workload's output.
+#[derive(Debug, Clone, Copy)]
+pub struct Filter {
+    /// Show every line as the console printed it.
+    pub raw: bool,
+}
+
+impl Filter {
+    /// Where `line` goes.
+    pub fn classify(&self, line: &str) -> Line {
+        if self.raw {
+            return Line::Workload;
+        }
+        let l = line.trim_end_matches(['\n', '\r']);
+        if is_printk(l) || l.starts_with(EXIT_PREFIX) || l == SUCCESS_LINE {
+            Line::Hidden
+        } else if let Some(msg) = l.strip_prefix("imp-guest: ") {
+            if msg.starts_with("workload ended") {
+                Line::Hidden
+            } else {
+                Line::Guest
+            }
+        } else {
+            Line::Workload
+        }
+    }
+}
+
+/// A kernel log line: `[    1.234567] message`.
+fn is_printk(line: &str) -> bool {
+    let Some(rest) = line.strip_prefix('[') else {
+        return false;
+    };
+    let Some((stamp, _)) = rest.split_once(']') else {
+        return false;
+    };
+    let stamp = stamp.trim_start();
+    !stamp.is_empty()
+        && stamp.contains('.')
+        && stamp.bytes().all(|b| b.is_ascii_digit() || b == b'.')
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn filter_sorts_workload_guest_and_hidden_lines() {
+        let f = Filter { raw: false };
+        assert_eq!(
+            f.classify("[    0.123456] Linux version 6.1\n"),
+            Line::Hidden
+        );
+        assert_eq!(
+            f.classify("[12345.000001] virtio_blk virtio0: [vda]\n"),
+            Line::Hidden
+        );
+        assert_eq!(f.classify("IMP_EXIT 3\n"), Line::Hidden);
+        assert_eq!(f.classify("IMP_SUCCESS\r\n"), Line::Hidden);
+        assert_eq!(
+            f.classify("imp-guest: workload ended (exit code 0) after 1s; ending the VM\n"),
+            Line::Hidden
+        );
+        assert_eq!(
+            f.classify("imp-guest: cannot start the workload: x not found\n"),
+            Line::Guest
+        );
+        assert_eq!(f.classify("hello\n"), Line::Workload);
+        assert_eq!(f.classify("[INFO] a workload log line\n"), Line::Workload);
+        assert_eq!(f.classify("\n"), Line::Workload);
+        assert_eq!(
+            Filter { raw: true }.classify("IMP_EXIT 3\n"),
+            Line::Workload
+        );
+    }
+
+    #[test]
+    fn follower_returns_only_complete_lines_as_the_file_grows() {
+        let path = std::env::temp_dir().join(format!("imp-follow-{}.log", std::process::id()));
+        let _ = std::fs::remove_file(&path);
+        let mut f = Follower::new(&path);
+        assert!(f.poll().unwrap().is_empty());
+        std::fs::write(&path, "one\ntw").unwrap();
+        assert_eq!(f.poll().unwrap(), ["one\n"]);
+        use std::io::Write;
+        let mut file = std::fs::OpenOptions::new()
+            .append(true)
+            .open(&path)
+            .unwrap();
+        file.write_all(b"o\nthree").unwrap();
+        assert_eq!(f.poll().unwrap(), ["two\n"]);
+        assert_eq!(f.rest().as_deref(), Some("three"));
+        assert_eq!(f.rest(), None);
+        std::fs::remove_file(&path).unwrap();
+    }
+}

@@ -1,0 +1,177 @@
+//! Talking to a local VM's guest agent: `imp exec` and the health check `imp run` waits on.
+//!
+//! Everything here is synchronous: the guest client in `imp-proto` works on a blocking Unix
+//! stream, reached through the VMM's vsock socket with `CONNECT <port>`.
+
+use std::io::{Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use imp_proto::message::{EnvVar, ExecRequest, ExitStatus, Hello, WindowSize};
+use imp_proto::{Client, ExecEvent};
+
+/// A handshaken guest-agent connection plus a second handle on the same socket (for writing
+/// stdin from another thread and for changing socket options).
+pub struct Connection {
+    /// The protocol client.
+    pub client: Client<UnixStream>,
+    /// Another handle on the client's socket.
+    pub handle: UnixStream,
+}
+
+/// Opens a handshaken client to guest `port` through `vsock`, retrying until `timeout`.
+pub fn connect(vsock: &Path, port: u32, timeout: Duration) -> anyhow::Result<Connection> {
+    let deadline = Instant::now() + timeout;
+    let mut pause = Duration::from_millis(20);
+    loop {
+        let attempt = UnixStream::connect(vsock)
+            .with_context(|| format!("connecting to {}", vsock.display()))
+            .and_then(|mut s| {
+                imp_proto::client::uds_connect(&mut s, port)?;
+                // The timeout guards the handshake only; execs may be silent for long.
+                s.set_read_timeout(Some(Duration::from_secs(10)))?;
+                let handle = s.try_clone()?;
+                let ours = Hello::new(concat!("imp/", env!("CARGO_PKG_VERSION")));
+                let client = Client::handshake(s, &ours)?;
+                handle.set_read_timeout(None)?;
+                Ok(Connection { client, handle })
+            });
+        match attempt {
+            Ok(c) => return Ok(c),
+            Err(e) if Instant::now() >= deadline => {
+                return Err(e.context(format!(
+                    "the guest agent on vsock port {port} via {} did not answer within {timeout:?}",
+                    vsock.display()
+                )));
+            }
+            Err(_) => {
+                std::thread::sleep(pause);
+                pause = (pause * 2).min(Duration::from_millis(250));
+            }
+        }
+    }
+}
+
+/// How `imp exec` should run a command.
+#[derive(Debug, Clone)]
+pub struct ExecOptions {
+    /// The command and its arguments.
+    pub argv: Vec<String>,
+    /// Extra environment.
+    pub env: Vec<EnvVar>,
+    /// Working directory in the guest.
+    pub cwd: Option<String>,
+    /// User in the guest.
+    pub user: Option<String>,
+    /// Allocate a terminal in the guest and put ours in raw mode.
+    pub tty: bool,
+    /// Forward our stdin.
+    pub stdin: bool,
+}
+
+/// Runs a command in the guest, streaming its output to ours; returns how it ended.
+pub fn exec(conn: Connection, opts: &ExecOptions) -> anyhow::Result<ExitStatus> {
+    if opts.argv.is_empty() {
+        bail!("no command given: use `imp exec VM -- COMMAND [ARGS…]`");
+    }
+    let window = if opts.tty { terminal_size() } else { None };
+    let request = ExecRequest {
+        argv: opts.argv.clone(),
+        env: opts.env.clone(),
+        cwd: opts.cwd.clone(),
+        user: opts.user.clone(),
+        tty: opts.tty,
+        window,
+        stdin: opts.stdin,
+    };
+    let Connection { client, handle } = conn;
+    let session = client
+        .exec(&request)
+        .with_context(|| format!("starting {:?} in the guest", opts.argv))?;
+    let _raw = if opts.tty { RawTerminal::enter() } else { None };
+    if !opts.stdin {
+        let mut session = session;
+        let status = session
+            .wait_with_output(&mut std::io::stdout(), &mut std::io::stderr())
+            .context("reading the command's output")?;
+        return Ok(status);
+    }
+    let (mut input, mut output) = session.into_parts(handle);
+    std::thread::spawn(move || {
+        let mut stdin = std::io::stdin().lock();
+        let mut buf = [0u8; 4096];
+        loop {
+            match stdin.read(&mut buf) {
+                Ok(0) | Err(_) => {
+                    let _ = input.close_stdin();
+                    return;
+                }
+                Ok(n) => {
+                    if input.write_stdin(&buf[..n]).is_err() {
+                        return;
+                    }
+                }
+            }
+        }
+    });
+    loop {
+        match output
+            .next_event()
+            .context("reading the command's output")?
+        {
+            ExecEvent::Stdout(d) => write_flush(&mut std::io::stdout(), &d)?,
+            ExecEvent::Stderr(d) => write_flush(&mut std::io::stderr(), &d)?,
+            ExecEvent::Exit(status) => return Ok(status),
+        }
+    }
+}
+
+fn write_flush(out: &mut dyn Write, data: &[u8]) -> anyhow::Result<()> {
+    out.write_all(data)
+        .and_then(|()| out.flush())
+        .context("writing the command's output")
+}
+
+/// Our terminal's size, if stdout is a terminal.
+#[allow(unsafe_code)]
+fn terminal_size() -> Option<WindowSize> {
+    let mut ws = libc::winsize {
+        ws_row: 0,
+        ws_col: 0,
+        ws_xpixel: 0,
+        ws_ypixel: 0,
+    };
+    // SAFETY: TIOCGWINSZ writes one `winsize` into the valid, exclusively borrowed `ws`; fd 1
+    // is ours for the whole call and a non-terminal just makes the ioctl fail.
+    let rc = unsafe { libc::ioctl(1, libc::TIOCGWINSZ, &mut ws) };
+    (rc == 0 && ws.ws_row > 0).then_some(WindowSize {
+        rows: ws.ws_row,
+        cols: ws.ws_col,
+    })
+}
+
+/// Puts our terminal in raw mode for a TTY exec and restores it on drop.
+struct RawTerminal {
+    saved: nix::sys::termios::Termios,
+}
+
+impl RawTerminal {
+    fn enter() -> Option<Self> {
+        use nix::sys::termios::{SetArg, cfmakeraw, tcgetattr, tcsetattr};
+        let stdin = std::io::stdin();
+        let saved = tcgetattr(&stdin).ok()?;
+        let mut raw = saved.clone();
+        cfmakeraw(&mut raw);
+        tcsetattr(&stdin, SetArg::TCSANOW, &raw).ok()?;
+        Some(Self { saved })
+    }
+}
+
+impl Drop for RawTerminal {
+    fn drop(&mut self) {
+        use nix::sys::termios::{SetArg, tcsetattr};
+        let _ = tcsetattr(std::io::stdin(), SetArg::TCSANOW, &self.saved);
+    }
+}

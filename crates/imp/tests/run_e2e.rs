@@ -1,0 +1,340 @@
+//! End-to-end tests of `imp run`: the real `imp` binary pulls an image the test pushed to a
+//! real registry (Debian's docker-registry on 127.0.0.1), builds its root disk, boots it as a
+//! real Linux guest under QEMU (TCG here) with the real imp-guest, and reports what the
+//! workload did. These need root, QEMU, vhost-device-vsock, docker-registry, skopeo, e2fsprogs,
+//! a static busybox, Debian's cloud kernel and the built guest (`scripts/setup`): without them
+//! they skip on a developer machine and fail under `CI=true`.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::time::Instant;
+
+use imp_testkube::registry::{TestImage, TestLayer, TestRegistry, push, scratch_dir};
+
+fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .ancestors()
+        .nth(2)
+        .unwrap()
+        .to_path_buf()
+}
+
+/// Everything a boot needs, or `None` when the test must skip (the guard already said why).
+fn ready() -> Option<()> {
+    let root = workspace_root();
+    let vhost = imp_testkube::guard::which("vhost-device-vsock").is_some()
+        || std::env::var_os("HOME")
+            .map(|h| PathBuf::from(h).join(".cargo/bin/vhost-device-vsock"))
+            .is_some_and(|p| p.is_file());
+    let checks = [
+        (imp_testkube::guard::is_root(), "root".to_string()),
+        (
+            imp_testkube::guard::which("qemu-system-x86_64").is_some(),
+            "qemu-system-x86_64 (scripts/setup)".into(),
+        ),
+        (
+            vhost,
+            "vhost-device-vsock (cargo install vhost-device-vsock)".into(),
+        ),
+        (
+            imp_testkube::guard::which("docker-registry").is_some(),
+            "docker-registry (apt-get install docker-registry)".into(),
+        ),
+        (
+            imp_testkube::guard::which("skopeo").is_some(),
+            "skopeo (apt-get install skopeo)".into(),
+        ),
+        (
+            imp_testkube::guard::which("mkfs.ext4").is_some(),
+            "mkfs.ext4 (apt-get install e2fsprogs)".into(),
+        ),
+        (
+            Path::new("/bin/busybox").is_file(),
+            "static /bin/busybox (apt-get install busybox-static)".into(),
+        ),
+        (
+            root.join("target/guest-kernel/vmlinuz").is_file(),
+            "target/guest-kernel/vmlinuz (scripts/fetch-guest-kernel.sh)".into(),
+        ),
+        (
+            root.join("target/imp-guest/imp-guest").is_file(),
+            "target/imp-guest/imp-guest (scripts/build-guest.sh)".into(),
+        ),
+    ];
+    for (ok, what) in checks {
+        if !imp_testkube::guard::require(ok, &what) {
+            return None;
+        }
+    }
+    Some(())
+}
+
+/// A busybox image whose config exercises ENTRYPOINT, CMD, Env and WorkingDir.
+fn busybox_image() -> TestImage {
+    let mut layer = TestLayer::new()
+        .dir("bin", 0o755)
+        .file("bin/busybox", std::fs::read("/bin/busybox").unwrap(), 0o755)
+        .dir("etc", 0o755)
+        .file(
+            "etc/passwd",
+            "root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/:/bin/false\n",
+            0o644,
+        )
+        .file("etc/group", "root:x:0:\nnogroup:x:65534:\n", 0o644)
+        .dir("tmp", 0o1777)
+        .dir("root", 0o700)
+        .dir("srv", 0o755)
+        .dir("srv/app", 0o755)
+        .file("srv/app/motd", "only on the image's disk\n", 0o644);
+    for applet in [
+        "sh", "echo", "cat", "pwd", "sleep", "id", "ls", "mount", "uname",
+    ] {
+        layer = layer.symlink(&format!("bin/{applet}"), "busybox");
+    }
+    TestImage::new()
+        .layer(layer)
+        .entrypoint(&["/bin/sh", "-c"])
+        .cmd(&["echo \"$GREETING from $(pwd)\"; cat motd; exit 3"])
+        .env("PATH=/bin")
+        .env("GREETING=hello")
+        .working_dir("/srv/app")
+}
+
+struct Env {
+    state: PathBuf,
+    _registry: TestRegistry,
+    image: String,
+}
+
+impl Drop for Env {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.state);
+    }
+}
+
+async fn env_with(name: &str, image: TestImage) -> Env {
+    let registry = TestRegistry::start().await.unwrap();
+    let layout = scratch_dir("imp-run-e2e-layout").unwrap();
+    image.write_layout(&layout, "1").unwrap();
+    let dest = format!("{}/{name}:1", registry.host());
+    push(&layout, "1", &dest, None).await.unwrap();
+    std::fs::remove_dir_all(&layout).unwrap();
+    Env {
+        state: scratch_dir("imp-run-e2e-state").unwrap(),
+        _registry: registry,
+        image: dest,
+    }
+}
+
+fn imp(env: &Env, args: &[&str]) -> Output {
+    let started = Instant::now();
+    let out = Command::new(env!("CARGO_BIN_EXE_imp"))
+        .args(args)
+        .env("IMP_STATE_DIR", &env.state)
+        .env(
+            "IMP_KERNEL",
+            workspace_root().join("target/guest-kernel/vmlinuz"),
+        )
+        .env(
+            "IMP_GUEST",
+            workspace_root().join("target/imp-guest/imp-guest"),
+        )
+        .output()
+        .unwrap();
+    eprintln!(
+        "imp {args:?}: {:?} in {:.1}s\n--- stdout\n{}--- stderr\n{}",
+        out.status,
+        started.elapsed().as_secs_f64(),
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
+
+fn stdout(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// The cached base root filesystems (ext4 files) under the state dir's cache.
+fn cached_bases(state: &Path) -> Vec<(PathBuf, std::time::SystemTime, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    let mut found = Vec::new();
+    let mut stack = vec![state.join("cache")];
+    while let Some(dir) = stack.pop() {
+        for entry in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
+            let path = entry.path();
+            let meta = entry.metadata().unwrap();
+            if meta.is_dir() {
+                stack.push(path);
+            } else if path.extension().is_some_and(|e| e == "ext4") {
+                found.push((path, meta.modified().unwrap(), meta.ino()));
+            }
+        }
+    }
+    found.sort();
+    found
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn imp_run_prints_the_workload_output_and_returns_its_exit_code() {
+    if ready().is_none() {
+        return;
+    }
+    let env = env_with("busybox", busybox_image()).await;
+
+    // The image's own ENTRYPOINT + CMD, Env and WorkingDir; the workload exits 3.
+    let out = imp(&env, &["run", "--rm", &env.image]);
+    assert_eq!(out.status.code(), Some(3), "exit code of the workload");
+    let text = stdout(&out);
+    assert!(text.contains("hello from /srv/app"), "{text}");
+    assert!(text.contains("only on the image's disk"), "{text}");
+    assert!(
+        !text.contains("IMP_EXIT"),
+        "the marker is not workload output: {text}"
+    );
+    let first = cached_bases(&env.state);
+    assert_eq!(first.len(), 1, "one cached base: {first:?}");
+
+    // `-- CMD` replaces CMD and keeps ENTRYPOINT; --env wins over the image's Env; exit 0. The
+    // second run of the same image reuses the cached base untouched.
+    let out = imp(
+        &env,
+        &[
+            "run",
+            "--rm",
+            "--env",
+            "GREETING=bonjour",
+            "--memory",
+            "192",
+            &env.image,
+            "--",
+            "echo \"$GREETING\"; id -u; echo disk $(cat /srv/app/motd | wc -c)",
+        ],
+    );
+    assert_eq!(out.status.code(), Some(0));
+    let text = stdout(&out);
+    assert!(text.contains("bonjour"), "{text}");
+    assert!(
+        text.lines().any(|l| l.trim() == "0"),
+        "runs as root: {text}"
+    );
+    assert_eq!(
+        cached_bases(&env.state),
+        first,
+        "the cached base was rebuilt"
+    );
+    // --rm removed both VMs; nothing is left but the cache.
+    let vms = env.state.join("vms");
+    let left: Vec<_> = std::fs::read_dir(&vms).unwrap().flatten().collect();
+    assert!(left.is_empty(), "VM directories left behind: {left:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn imp_run_detached_then_exec_ps_stop_and_rm() {
+    if ready().is_none() {
+        return;
+    }
+    let env = env_with("busybox", busybox_image()).await;
+    let out = imp(
+        &env,
+        &[
+            "run",
+            "-d",
+            "--name",
+            "e2e-sleeper",
+            &env.image,
+            "--",
+            "sleep 600",
+        ],
+    );
+    assert!(out.status.success());
+    assert_eq!(stdout(&out).trim(), "e2e-sleeper");
+
+    let ps = stdout(&imp(&env, &["ps"]));
+    assert!(
+        ps.lines()
+            .any(|l| l.starts_with("e2e-sleeper") && l.contains("running")),
+        "{ps}"
+    );
+
+    // exec streams output and returns the command's exit code while the workload runs.
+    let out = imp(
+        &env,
+        &[
+            "exec",
+            "e2e-sleeper",
+            "--",
+            "sh",
+            "-c",
+            "echo $((6*7)); cat /srv/app/motd",
+        ],
+    );
+    assert_eq!(out.status.code(), Some(0));
+    let text = stdout(&out);
+    assert!(text.contains("42"), "{text}");
+    assert!(
+        text.contains("only on the image's disk"),
+        "exec runs in the VM's disk: {text}"
+    );
+    let out = imp(&env, &["exec", "e2e-sleeper", "--", "sh", "-c", "exit 5"]);
+    assert_eq!(out.status.code(), Some(5));
+    let out = imp(&env, &["exec", "e2e-sleeper", "--", "no-such-command"]);
+    assert_ne!(out.status.code(), Some(0));
+
+    // Another name is refused while this one exists.
+    let out = imp(&env, &["run", "-d", "--name", "e2e-sleeper", &env.image]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("already exists"));
+    let out = imp(&env, &["rm", "e2e-sleeper"]);
+    assert!(!out.status.success(), "rm refuses a running VM");
+
+    let out = imp(&env, &["stop", "--time", "5s", "e2e-sleeper"]);
+    assert!(out.status.success());
+    let ps = stdout(&imp(&env, &["ps", "-a"]));
+    let line = ps
+        .lines()
+        .find(|l| l.starts_with("e2e-sleeper"))
+        .unwrap_or_else(|| panic!("{ps}"));
+    assert!(line.contains("exited"), "{line}");
+    let console = stdout(&imp(&env, &["console", "--no-follow", "e2e-sleeper"]));
+    assert!(
+        console.contains("IMP_EXIT"),
+        "the raw console has the marker: {console}"
+    );
+    assert!(!console.contains("Kernel panic"), "{console}");
+    let out = imp(&env, &["exec", "e2e-sleeper", "--", "true"]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("not running"));
+
+    assert!(imp(&env, &["rm", "e2e-sleeper"]).status.success());
+    assert!(!stdout(&imp(&env, &["ps", "-a"])).contains("e2e-sleeper"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn imp_run_refuses_an_image_whose_layer_escapes_the_rootfs() {
+    if ready().is_none() {
+        return;
+    }
+    let outside = std::env::temp_dir().join(format!("imp-e2e-escaped-{}", std::process::id()));
+    let _ = std::fs::remove_file(&outside);
+    // `../../…` climbs out of the rootfs toward the cache's parent directories.
+    let name = outside.file_name().unwrap().to_str().unwrap().to_string();
+    let escape = TestLayer::new().dir("etc", 0o755).file(
+        &format!("etc/../../../../../../../../..{}", outside.display()),
+        "escaped",
+        0o644,
+    );
+    let image = busybox_image().layer(escape);
+    let env = env_with("escape", image).await;
+    let out = imp(&env, &["run", "--rm", &env.image]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("layer"), "the error names the layer: {err}");
+    assert!(err.contains(&name), "the error names the entry: {err}");
+    assert!(!outside.exists(), "a file was written outside the rootfs");
+    assert!(
+        cached_bases(&env.state).is_empty(),
+        "a refused image left a base in the cache"
+    );
+}
