@@ -1,5 +1,5 @@
 //! The real guest init (`imp-guest`) as PID 1 in a real Linux VM: QEMU `-M microvm` under TCG
-//! with Debian's cloud kernel and an initramfs (newc cpio, written here) holding `/init` =
+//! with Debian's cloud kernel and an initramfs (newc cpio, written with imp-agent's `Cpio`) holding `/init` =
 //! imp-guest, `/.imp/config.json` and a static busybox as the workload.
 //!
 //! Inputs: `IMP_GUEST_KERNEL_DIR` (default `target/guest-kernel`, filled by
@@ -18,6 +18,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
+use imp_agent::guest::initramfs::Cpio;
 use imp_proto::config::{AgentConfig, GuestConfig, PowerAction};
 use imp_proto::marker::{EXIT_PREFIX, SUCCESS_LINE, find_exit_code};
 
@@ -35,100 +36,29 @@ fn env_path(var: &str, default: PathBuf) -> PathBuf {
     std::env::var_os(var).map(PathBuf::from).unwrap_or(default)
 }
 
-/// A newc ("070701") cpio archive, as the kernel unpacks an initramfs.
-struct Cpio {
-    buf: Vec<u8>,
-    ino: u32,
-}
-
-impl Cpio {
-    fn new() -> Self {
-        Self {
-            buf: Vec::new(),
-            ino: 1,
-        }
-    }
-
-    fn pad4(&mut self) {
-        while !self.buf.len().is_multiple_of(4) {
-            self.buf.push(0);
-        }
-    }
-
-    fn entry(&mut self, name: &str, mode: u32, data: &[u8], rdev: (u32, u32)) {
-        let nlink = if mode & 0o170000 == 0o040000 { 2 } else { 1 };
-        let fields = [
-            self.ino,
-            mode,
-            0, // uid
-            0, // gid
-            nlink,
-            0, // mtime
-            u32::try_from(data.len()).unwrap(),
-            0, // devmajor
-            0, // devminor
-            rdev.0,
-            rdev.1,
-            u32::try_from(name.len() + 1).unwrap(),
-            0, // check
-        ];
-        self.ino += 1;
-        self.buf.extend_from_slice(b"070701");
-        for f in fields {
-            self.buf.extend_from_slice(format!("{f:08x}").as_bytes());
-        }
-        self.buf.extend_from_slice(name.as_bytes());
-        self.buf.push(0);
-        self.pad4();
-        self.buf.extend_from_slice(data);
-        self.pad4();
-    }
-
-    fn dir(&mut self, name: &str) {
-        self.entry(name, 0o040755, &[], (0, 0));
-    }
-
-    fn file(&mut self, name: &str, mode: u32, data: &[u8]) {
-        self.entry(name, 0o100000 | mode, data, (0, 0));
-    }
-
-    fn symlink(&mut self, name: &str, target: &str) {
-        self.entry(name, 0o120777, target.as_bytes(), (0, 0));
-    }
-
-    fn char_dev(&mut self, name: &str, mode: u32, major: u32, minor: u32) {
-        self.entry(name, 0o020000 | mode, &[], (major, minor));
-    }
-
-    fn finish(mut self) -> Vec<u8> {
-        self.entry("TRAILER!!!", 0, &[], (0, 0));
-        // The kernel reads the initramfs in 512-byte blocks, like cpio writes it.
-        while !self.buf.len().is_multiple_of(512) {
-            self.buf.push(0);
-        }
-        self.buf
-    }
-}
-
 /// The initramfs: the guest init as `/init`, its config, and busybox as the workload's shell.
 fn initramfs(guest: &Path, busybox: &Path, config: &GuestConfig) -> Vec<u8> {
     let mut c = Cpio::new();
     for d in ["dev", "proc", "sys", "run", "tmp", "bin", "etc", ".imp"] {
-        c.dir(d);
+        c.dir(d).unwrap();
     }
-    c.char_dev("dev/console", 0o600, 5, 1);
-    c.char_dev("dev/null", 0o666, 1, 3);
-    c.file("init", 0o755, &fs::read(guest).unwrap());
-    c.file(".imp/config.json", 0o644, &config.to_json().unwrap());
-    c.file("bin/busybox", 0o755, &fs::read(busybox).unwrap());
-    c.symlink("bin/sh", "busybox");
+    c.char_dev("dev/console", 0o600, 5, 1).unwrap();
+    c.char_dev("dev/null", 0o666, 1, 3).unwrap();
+    c.file("init", 0o755, &fs::read(guest).unwrap()).unwrap();
+    c.file(".imp/config.json", 0o644, &config.to_json().unwrap())
+        .unwrap();
+    c.file("bin/busybox", 0o755, &fs::read(busybox).unwrap())
+        .unwrap();
+    c.symlink("bin/sh", "busybox").unwrap();
     c.file(
         "etc/passwd",
         0o644,
         b"root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/:/bin/sh\n",
-    );
-    c.file("etc/group", 0o644, b"root:x:0:\nnogroup:x:65534:\n");
-    c.finish()
+    )
+    .unwrap();
+    c.file("etc/group", 0o644, b"root:x:0:\nnogroup:x:65534:\n")
+        .unwrap();
+    c.finish().unwrap()
 }
 
 /// The host's TSC frequency in kHz, from /proc/cpuinfo's `cpu MHz`.

@@ -28,6 +28,9 @@ pub enum Probe {
     NoDevice,
     /// The kernel printed nothing that shows it ran, within the deadline.
     Hangs(Duration),
+    /// QEMU with KVM died before the kernel ran (e.g. PVM rejects `-cpu host`'s MSRs);
+    /// holds the last line QEMU printed.
+    Rejected(String),
     /// QEMU could not be run at all.
     Failed(String),
 }
@@ -60,7 +63,10 @@ pub async fn probe_boot(qemu: &Path, kernel: &Path, deadline: Duration) -> Probe
         .args(["-append", "console=ttyS0 panic=-1 reboot=t"])
         .stdin(std::process::Stdio::null())
         .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
+        .stderr(match std::fs::File::create(dir.join("stderr")) {
+            Ok(f) => std::process::Stdio::from(f),
+            Err(_) => std::process::Stdio::null(),
+        })
         .kill_on_drop(true)
         .spawn();
     let mut child = match child {
@@ -76,8 +82,14 @@ pub async fn probe_boot(qemu: &Path, kernel: &Path, deadline: Duration) -> Probe
             break if text.contains("Linux version") {
                 Probe::Boots(started.elapsed())
             } else {
-                Probe::Failed(format!(
-                    "QEMU with KVM exited ({status}) before the kernel ran"
+                let stderr = std::fs::read_to_string(dir.join("stderr")).unwrap_or_default();
+                Probe::Rejected(format!(
+                    "QEMU with KVM exited ({status}) before the kernel ran: {}",
+                    stderr
+                        .lines()
+                        .rev()
+                        .find(|l| !l.trim().is_empty())
+                        .unwrap_or("")
                 ))
             };
         }

@@ -257,11 +257,15 @@ async fn run_vm(
     detached: bool,
 ) -> anyhow::Result<i32> {
     let started = Instant::now();
+    // Firecracker on x86_64 loads an uncompressed ELF vmlinux; QEMU boots the bzImage.
     let kernel = locate(
         "guest kernel",
         args.kernel.clone(),
         "IMP_KERNEL",
-        "guest-kernel/vmlinuz",
+        match args.runtime {
+            Runtime::Qemu => "guest-kernel/vmlinuz",
+            Runtime::Firecracker => "guest-kernel/vmlinux",
+        },
     )?;
     let modules = args.modules.clone().unwrap_or_else(|| {
         kernel

@@ -16,7 +16,8 @@
 //! later vsock connection fails with [`Error::VsockBackendDied`] naming its log.
 //!
 //! Snapshots use QEMU's migration stream: `stop`, `migrate` to `exec:cat > FILE`, and restore
-//! by a new QEMU started with `-incoming`. The whole stream (devices and memory) goes to
+//! by a new QEMU started with `-incoming`. QEMU 7.2 refuses to migrate vhost-user-vsock, so a
+//! VM with vsock answers [`Error::Unsupported`] (QEMU's own reason included). The whole stream (devices and memory) goes to
 //! [`SnapshotFiles::memory`]; [`SnapshotFiles::state`] records the QEMU version it came from.
 
 pub mod qmp;
@@ -35,6 +36,9 @@ use qmp::{Qmp, QmpError};
 /// Used when the host's TSC rate cannot be read (the guest kernel cannot calibrate it under
 /// microvm, which has no PIT or HPET).
 const FALLBACK_TSC_KHZ: u64 = 2_000_000;
+
+/// Longest single vsock connection attempt inside [`Vmm::connect_vsock`]'s overall timeout.
+const CONNECT_SLICE: Duration = Duration::from_secs(5);
 
 /// Why a QEMU VM could not be started or driven.
 #[derive(Debug, thiserror::Error)]
@@ -693,8 +697,26 @@ impl Vmm for Qemu {
         self.require("snapshot", &[VmState::Paused])?;
         let _ = std::fs::remove_file(&files.memory);
         let uri = format!("exec:cat > {}", shell_quote(&files.memory));
-        self.qmp("migrate", Some(serde_json::json!({ "uri": uri })))
-            .await?;
+        let migrate = self
+            .qmp
+            .execute("migrate", Some(serde_json::json!({ "uri": uri })))
+            .await;
+        match migrate {
+            Ok(_) => {}
+            // QEMU 7.2 marks vhost-user-vsock unmigratable: a VM with vsock cannot be saved.
+            Err(QmpError::Command { desc, .. }) if desc.contains("non-migratable") => {
+                return Err(Error::Unsupported {
+                    id: self.id.clone(),
+                    reason: format!("QEMU cannot snapshot this VM: {desc}"),
+                });
+            }
+            Err(source) => {
+                return Err(Error::Qmp {
+                    id: self.id.clone(),
+                    source,
+                });
+            }
+        }
         self.wait_migration().await?;
         let version = self.qmp("query-version", None).await?;
         std::fs::write(&files.state, version.to_string())
@@ -748,7 +770,24 @@ impl Vmm for Qemu {
                 log: self.run_dir.join(files::VHOST_LOG),
             });
         }
-        Ok(vsock::connect(&self.vsock_uds(), port, timeout).await?)
+        // One attempt can hang when the daemon forwards CONNECT but the guest never answers
+        // (seen under heavy TCG load): retry in slices so a stuck attempt is abandoned.
+        let deadline = Instant::now() + timeout;
+        loop {
+            let remaining = deadline.saturating_duration_since(Instant::now());
+            match vsock::connect(&self.vsock_uds(), port, remaining.min(CONNECT_SLICE)).await {
+                Ok(stream) => return Ok(stream),
+                Err(vsock::Error::Timeout { .. }) if remaining > CONNECT_SLICE => {
+                    if self.vsock_backend_died() {
+                        return Err(Error::VsockBackendDied {
+                            id: self.id.clone(),
+                            log: self.run_dir.join(files::VHOST_LOG),
+                        });
+                    }
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
     }
 
     fn vsock_path(&self) -> Option<PathBuf> {
