@@ -101,6 +101,9 @@ pub struct Settings {
     pub termination_timeout: Duration,
     /// Finalizer removal when the VM's node object no longer exists.
     pub node_gone_grace: Duration,
+    /// How long a node may be NotReady (since its Ready condition's lastTransitionTime)
+    /// before its VMs are moved or failed, so a short blip does not restart workloads.
+    pub node_loss_grace: Duration,
     /// A VM `Starting` for longer fails.
     pub start_timeout: Duration,
     /// Count suspended VMs' memory as free (the Go overcommit rule).
@@ -120,6 +123,7 @@ impl Default for Settings {
             requeue_error: Duration::from_secs(5),
             termination_timeout: Duration::from_secs(120),
             node_gone_grace: Duration::from_secs(10),
+            node_loss_grace: Duration::from_secs(40),
             start_timeout: Duration::from_secs(300),
             overcommit_suspended: true,
             concurrency: 8,
@@ -462,6 +466,17 @@ fn restart_state(s: &ImpVMStatus) -> RestartState {
     }
 }
 
+/// How long `node` has been not Ready, from its Ready condition's lastTransitionTime;
+/// `None` when that time is unknown (then the node counts as lost at once).
+fn not_ready_for(node: &Node) -> Option<Duration> {
+    node.status
+        .as_ref()
+        .and_then(|s| s.conditions.as_ref())
+        .and_then(|cs| cs.iter().find(|c| c.type_ == "Ready"))
+        .and_then(|c| c.last_transition_time.as_ref())
+        .map(|t| Duration::try_from(Timestamp::now().duration_since(t.0)).unwrap_or_default())
+}
+
 fn node_ready(node: &Node) -> bool {
     node.status
         .as_ref()
@@ -644,6 +659,26 @@ async fn step(mut vm: ImpVM, ctx: &Context) -> Result<Action, Error> {
             why.clone(),
             generation,
         );
+        // A node that only just went NotReady may come back: wait out the grace period.
+        if let Some(elapsed) = node.as_ref().and_then(not_ready_for)
+            && elapsed < s.node_loss_grace
+        {
+            set_cond(
+                &mut status,
+                ConditionType::NodeHealthy,
+                false,
+                ConditionReason::NodeNotReady,
+                format!(
+                    "{why}; its VMs are moved or failed if it stays so for {}s",
+                    s.node_loss_grace.as_secs()
+                ),
+                generation,
+            );
+            ctx.patch_status(&vm, &status, "noting the node is not Ready")
+                .await?;
+            let left = s.node_loss_grace - elapsed;
+            return Ok(Action::requeue(left.min(s.requeue_active)));
+        }
         let spec = resolved
             .as_ref()
             .map(|r| r.spec.clone())

@@ -65,6 +65,9 @@ pub struct Args {
     /// Seconds a deleted VM whose node object is gone waits before the finalizer is removed.
     #[arg(long, default_value_t = 10.0)]
     node_gone_grace: f64,
+    /// Seconds a node may be NotReady before its VMs are moved (rescheduleOnNodeLoss) or failed.
+    #[arg(long, default_value_t = 40.0)]
+    node_loss_grace: f64,
     /// Seconds a VM may stay Starting before it fails.
     #[arg(long, default_value_t = 300.0)]
     start_timeout: f64,
@@ -129,6 +132,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
         requeue_active: secs("requeue-active", args.requeue_active)?,
         termination_timeout: secs("termination-timeout", args.termination_timeout)?,
         node_gone_grace: secs("node-gone-grace", args.node_gone_grace)?,
+        node_loss_grace: secs("node-loss-grace", args.node_loss_grace)?,
         start_timeout: secs("start-timeout", args.start_timeout)?,
         overcommit_suspended: !args.no_suspended_overcommit,
         concurrency: args.concurrency,

@@ -64,7 +64,7 @@ impl Operator {
             .args(["--metrics-addr", &format!("127.0.0.1:{metrics_port}")])
             .args(["--identity", identity])
             .args(["--requeue-pending", "2", "--requeue-active", "1"])
-            .args(["--node-gone-grace", "1"])
+            .args(["--node-gone-grace", "1", "--node-loss-grace", "3"])
             .args(extra)
             .env("KUBECONFIG", env.kube.kubeconfig())
             .env(
@@ -129,7 +129,8 @@ async fn set_node_ready(c: &Client, name: &str, cpu: &str, mem: &str, ready: boo
     let status = json!({"status": {
         "allocatable": {"cpu": cpu, "memory": mem},
         "capacity": {"cpu": cpu, "memory": mem},
-        "conditions": [{"type": "Ready", "status": if ready {"True"} else {"False"}, "reason": "Test"}]
+        "conditions": [{"type": "Ready", "status": if ready {"True"} else {"False"}, "reason": "Test",
+                        "lastTransitionTime": k8s_openapi::jiff::Timestamp::now().to_string()}]
     }});
     api.patch_status(name, &PatchParams::default(), &Patch::Merge(&status))
         .await
@@ -597,6 +598,20 @@ async fn lifecycle_terminal_restart_reset_node_loss_and_deletion() {
     }
     node(c, "b", "8", "16Gi", true, true).await;
     set_node_ready(c, "a", "8", "16Gi", false).await;
+    // Within the node-loss grace (3 s here) the VMs stay put and say why.
+    let noted = wait_vm(c, "mover", "mover noting node a NotReady", |v| {
+        cond(v, "NodeHealthy").is_some_and(|c| c.status == "False")
+    })
+    .await;
+    assert_eq!(noted.spec.node_name.as_deref(), Some("a"));
+    assert!(
+        cond(&noted, "NodeHealthy")
+            .unwrap()
+            .message
+            .contains("if it stays so for 3s"),
+        "{:?}",
+        cond(&noted, "NodeHealthy")
+    );
     let moved = wait_vm(c, "mover", "mover on node b", |v| {
         v.spec.node_name.as_deref() == Some("b") && phase(v) == Some(VmPhase::Scheduled)
     })
