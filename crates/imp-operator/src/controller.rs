@@ -185,6 +185,9 @@ pub struct Context {
     profiles: Store<ClusterImpNodeProfile>,
     recorder: Recorder,
     ledger: Mutex<HashMap<String, Option<String>>>,
+    /// The last size each placed VM resolved to, so a VM whose class or template was deleted
+    /// still counts against its node (counting it as zero would let the node be overbooked).
+    sizes: std::sync::Mutex<HashMap<String, (i64, i64)>>,
     settings: Settings,
     metrics: Option<Arc<Metrics>>,
 }
@@ -275,6 +278,20 @@ impl Context {
 
     /// vCPU and MiB of a VM's class (VM's classRef, else its template's), without resolving
     /// the rest of the spec: this runs for every VM on every placement.
+    /// The VM's size now, or the last one seen if its class cannot be resolved any more.
+    fn remembered_size(&self, key: &str, vm: &ImpVM) -> (i64, i64) {
+        let Ok(mut sizes) = self.sizes.lock() else {
+            return self.size_of(vm).unwrap_or((0, 0));
+        };
+        match self.size_of(vm) {
+            Some(size) => {
+                sizes.insert(key.to_string(), size);
+                size
+            }
+            None => sizes.get(key).copied().unwrap_or((0, 0)),
+        }
+    }
+
     fn size_of(&self, vm: &ImpVM) -> Option<(i64, i64)> {
         let class = match &vm.spec.class_ref {
             Some(c) => c.name.clone(),
@@ -315,6 +332,9 @@ impl Context {
         let all = self.vms.state();
         let present: std::collections::HashSet<String> = all.iter().map(|v| key(v)).collect();
         ledger.retain(|k, _| present.contains(k));
+        if let Ok(mut sizes) = self.sizes.lock() {
+            sizes.retain(|k, _| present.contains(k));
+        }
         let mut usage: BTreeMap<String, NodeUsage> = BTreeMap::new();
         for vm in &all {
             let k = key(vm);
@@ -323,6 +343,9 @@ impl Context {
             {
                 ledger.remove(&k);
             }
+            // Resolve (and remember) every VM's size, the one being placed too, so it still
+            // counts once its class is gone.
+            let (vcpu, mem) = self.remembered_size(&k, vm);
             if k == skip {
                 continue;
             }
@@ -335,7 +358,6 @@ impl Context {
             if phase.is_terminal() {
                 continue;
             }
-            let (vcpu, mem) = self.size_of(vm).unwrap_or((0, 0));
             let suspended = phase == VmPhase::Suspended;
             usage.entry(node).or_default().add(vcpu, mem, suspended);
         }
@@ -801,10 +823,16 @@ async fn step(mut vm: ImpVM, ctx: &Context) -> Result<Action, Error> {
             "expireAfter elapsed since the VM first ran; deleting".into(),
         )
         .await;
-        ctx.api(&vm)
+        match ctx
+            .api(&vm)
             .delete(&vm.name_any(), &DeleteParams::default())
             .await
-            .map_err(kube_err("deleting the expired", &vm))?;
+        {
+            Ok(_) => {}
+            // Already gone (deleted by someone else or by an earlier attempt): done.
+            Err(kube::Error::Api(e)) if e.code == 404 => {}
+            Err(e) => return Err(kube_err("deleting the expired", &vm)(e)),
+        }
         return Ok(Action::requeue(s.requeue_active));
     }
     Ok(Action::requeue(requeue))
@@ -1260,6 +1288,7 @@ pub async fn run(
         profiles: profiles.clone(),
         recorder,
         ledger: Mutex::new(HashMap::new()),
+        sizes: std::sync::Mutex::new(HashMap::new()),
         settings,
         metrics: metrics.clone(),
     });

@@ -191,7 +191,10 @@ async fn run(args: Args) -> anyhow::Result<()> {
         let stop_tx = stop_tx.clone();
         tokio::spawn(async move {
             if let Err(e) = webhook::serve(config, client, done).await {
-                tracing::error!(error = %e, "admission webhook failed");
+                tracing::error!(
+                    error = format!("{:#}", anyhow::Error::new(e)),
+                    "admission webhook failed"
+                );
                 let _ = stop_tx.send(true);
             }
         });
@@ -210,13 +213,20 @@ async fn run(args: Args) -> anyhow::Result<()> {
         };
         let elector = LeaderElector::new(client.clone(), lease);
         let mut leading = elector.subscribe();
-        let election = tokio::spawn(elector.run(stopped(stop_rx.clone())));
+        // The lease is released only after the controllers have stopped, so the next leader
+        // never writes while this one still finishes a reconcile.
+        let (release_tx, release_rx) = watch::channel(false);
+        let election = tokio::spawn(elector.run(stopped(release_rx)));
         // Non-leaders are ready too: they stand by.
         health.set_ready();
         metrics.set_leader(false);
         tokio::select! {
             r = leading.wait_for(|l| *l) => { r.context("leader election ended before leading")?; }
-            _ = stopped(stop_rx.clone()) => { let _ = election.await; return Ok(()); }
+            _ = stopped(stop_rx.clone()) => {
+                let _ = release_tx.send(true);
+                let _ = election.await;
+                return Ok(());
+            }
         }
         tracing::info!(identity = %identity, "leading; starting controllers");
         metrics.set_leader(true);
@@ -236,6 +246,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
             _ = stopped(stop_rx.clone()) => {}
         }
         let _ = ctl.await;
+        let _ = release_tx.send(true);
         match election.await {
             Ok(Err(e)) => tracing::warn!(error = %e, "releasing the lease failed"),
             Err(e) => tracing::warn!(error = %e, "leader election task failed"),

@@ -758,3 +758,49 @@ async fn leader_election_failover_within_the_lease_duration() {
     assert_eq!(sample(&text, "imp_operator_is_leader"), Some(1.0), "{text}");
     eprintln!("takeover after kill -9: {took:?}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deleted_class_still_counts_against_its_node() {
+    let e = env().await;
+    let c = &e.client;
+    // 3 vCPU × 0.9 = 2.7 → room for two 1-vCPU VMs.
+    node(c, "only", "3", "16Gi", true, true).await;
+    class(c, "old", 1, 256).await;
+    let _op = Operator::start(&e, "solo", &[]).await;
+    vm(
+        c,
+        "first",
+        json!({"classRef": {"name": "old"}, "image": "busybox"}),
+    )
+    .await;
+    wait_vm(c, "first", "first Scheduled", |v| {
+        phase(v) == Some(VmPhase::Scheduled)
+    })
+    .await;
+    // The class of the placed VM goes away; its vCPU must stay booked on the node.
+    Api::<ImpVMClass>::all(c.clone())
+        .delete("old", &DeleteParams::default())
+        .await
+        .unwrap();
+    class(c, "new", 1, 256).await;
+    for name in ["second", "third"] {
+        vm(
+            c,
+            name,
+            json!({"classRef": {"name": "new"}, "image": "busybox"}),
+        )
+        .await;
+    }
+    wait_for("one of two placed", Duration::from_secs(20), || async {
+        let items = vms(c).list(&ListParams::default()).await.unwrap().items;
+        let placed = items.iter().filter(|v| v.spec.node_name.is_some()).count();
+        let refused = items
+            .iter()
+            .filter(|v| cond(v, "Scheduled").is_some_and(|c| c.reason == "NoNodeAvailable"))
+            .count();
+        (placed == 2 && refused == 1).then_some(())
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(placements(c).await.get("only"), Some(&2), "node overbooked");
+}
