@@ -25,9 +25,6 @@ use imp_proto::marker::{EXIT_PREFIX, SUCCESS_LINE, find_exit_code};
 /// How long one boot may take, kernel start to QEMU's exit.
 const BOOT_DEADLINE: Duration = Duration::from_secs(90);
 
-/// The TSC frequency when /proc/cpuinfo does not give one (microvm cannot calibrate it).
-const FALLBACK_TSC_KHZ: u64 = 2_000_000;
-
 fn workspace_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
 }
@@ -59,21 +56,6 @@ fn initramfs(guest: &Path, busybox: &Path, config: &GuestConfig) -> Vec<u8> {
     c.file("etc/group", 0o644, b"root:x:0:\nnogroup:x:65534:\n")
         .unwrap();
     c.finish().unwrap()
-}
-
-/// The host's TSC frequency in kHz, from /proc/cpuinfo's `cpu MHz`.
-fn tsc_khz() -> u64 {
-    fs::read_to_string("/proc/cpuinfo")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("cpu MHz"))
-                .and_then(|l| l.split(':').nth(1))
-                .and_then(|v| v.trim().parse::<f64>().ok())
-        })
-        .filter(|mhz| *mhz > 100.0)
-        .map(|mhz| (mhz * 1000.0) as u64)
-        .unwrap_or(FALLBACK_TSC_KHZ)
 }
 
 /// A QEMU process, killed when dropped.
@@ -170,7 +152,7 @@ fn boot(inputs: &Inputs, name: &str, config: &GuestConfig) -> Boot {
     let stderr = dir.join("qemu.stderr");
     let append = format!(
         "console=ttyS0 tsc_early_khz={} panic=-1 reboot=t",
-        tsc_khz()
+        imp_agent::vmm::qemu::host_tsc_khz()
     );
     let started = Instant::now();
     let child = Command::new(&inputs.qemu)
