@@ -323,9 +323,8 @@ async fn qemu_vm_refuses_snapshots_with_vsock_and_notices_its_vsock_backend_dyin
         .await
         .unwrap();
     eprintln!("vhost test: agent answered; trying a snapshot");
-    // QEMU 7.2 cannot migrate vhost-user-vsock: the snapshot is refused clearly, and the VM
-    // runs on after it.
-    vm.pause().await.unwrap();
+    // QEMU 7.2 cannot migrate vhost-user-vsock: the snapshot is refused clearly, before the
+    // VM is touched, and the VM runs on after it.
     let files = imp_agent::vmm::SnapshotFiles {
         state: dir.join("snap.state"),
         memory: dir.join("snap.mem"),
@@ -336,8 +335,8 @@ async fn qemu_vm_refuses_snapshots_with_vsock_and_notices_its_vsock_backend_dyin
             && err.to_string().contains("vhost-user-vsock"),
         "{err}"
     );
-    vm.resume().await.unwrap();
-    eprintln!("vhost test: snapshot refused ({err}); resumed");
+    assert_eq!(vm.state(), VmState::Running);
+    eprintln!("vhost test: snapshot refused ({err})");
     let mut c = client(&vm).await;
     tokio::task::spawn_blocking(move || c.health().unwrap())
         .await
