@@ -96,7 +96,7 @@ async fn main() {
         "base initramfs: {size} bytes, cold build {:.1} ms",
         ms(cold)
     );
-    summary("base initramfs cached lookup (hashes every input)", warm);
+    summary("base initramfs cached lookup (reads metadata only)", warm);
 
     // The workload (busybox sleep) must outlive the measurement, so it runs from a small ext4
     // disk built once here and copied per boot; the boot includes the guest's switch to it.

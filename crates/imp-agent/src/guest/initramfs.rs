@@ -1,7 +1,7 @@
 //! newc ("070701") cpio archives, the format the kernel unpacks as an initramfs.
 //!
 //! A VM's initramfs is two archives back to back: a [`BaseInitramfs`] (imp-guest as `/init`,
-//! the kernel modules, device nodes) cached by the content of what goes in it, and a small
+//! the kernel modules, device nodes) cached by the identity (path, size, mtime, inode) of what goes in it, and a small
 //! per-VM archive holding `/.imp/config.json` ([`build_for_vm`]). The kernel unpacks both in
 //! order, so only the few kilobytes of config are written per VM.
 
@@ -149,7 +149,7 @@ pub struct BaseInitramfs {
 
 impl BaseInitramfs {
     /// Builds (or reuses from `cache_dir`) the base for `guest` and the modules `wanted` from
-    /// `modules_dir`; the cache key is a digest of every byte that goes in.
+    /// `modules_dir`; the cache key covers each input file's path, size, mtime and inode.
     pub async fn cached(
         cache_dir: &Path,
         guest: &Path,
@@ -193,6 +193,24 @@ fn read(path: &Path) -> Result<Vec<u8>, InitramfsError> {
     })
 }
 
+/// What identifies a file's version without reading it: path, size, mtime and inode.
+fn identity(path: &Path) -> Result<String, InitramfsError> {
+    use std::os::unix::fs::MetadataExt;
+    let m = std::fs::metadata(path).map_err(|source| InitramfsError::Io {
+        what: "Reading",
+        path: path.to_path_buf(),
+        source,
+    })?;
+    Ok(format!(
+        "{}\0{}\0{}.{}\0{}\0",
+        path.display(),
+        m.len(),
+        m.mtime(),
+        m.mtime_nsec(),
+        m.ino()
+    ))
+}
+
 fn build_base(
     cache_dir: &Path,
     guest: &Path,
@@ -200,16 +218,14 @@ fn build_base(
     wanted: &[&str],
 ) -> Result<BaseInitramfs, InitramfsError> {
     let modules: Vec<Module> = kernel::load_order(modules_dir, wanted)?;
-    let guest_bytes = read(guest)?;
-    let mut contents = Vec::with_capacity(modules.len());
+    // The key covers each input's path, size, mtime and inode: a rebuilt guest or kernel gets
+    // a new base, and a lookup reads no file contents (imp run pays it on every start).
     let mut hash = Sha256::new();
     hash.update(FORMAT.as_bytes());
-    hash.update(Sha256::digest(&guest_bytes));
+    hash.update(identity(guest)?.as_bytes());
     for m in &modules {
-        let bytes = read(&m.host_path)?;
         hash.update(m.guest_path.as_bytes());
-        hash.update(Sha256::digest(&bytes));
-        contents.push((m.guest_path.clone(), bytes));
+        hash.update(identity(&m.host_path)?.as_bytes());
     }
     let key = format!("{:x}", hash.finalize());
     let path = cache_dir.join(format!("base-{}.cpio", &key[..32]));
@@ -220,6 +236,11 @@ fn build_base(
             modules: module_paths,
             cached: true,
         });
+    }
+    let guest_bytes = read(guest)?;
+    let mut contents = Vec::with_capacity(modules.len());
+    for m in &modules {
+        contents.push((m.guest_path.clone(), read(&m.host_path)?));
     }
     let mut c = Cpio::new();
     for d in [
@@ -372,7 +393,7 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn the_base_is_cached_by_content_and_the_vm_part_carries_the_config() {
+    async fn the_base_is_cached_by_file_identity_and_the_vm_part_carries_the_config() {
         let dir = std::env::temp_dir().join(format!("imp-initramfs-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         let modules = dir.join("modules");
