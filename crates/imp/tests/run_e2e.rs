@@ -338,3 +338,68 @@ async fn imp_run_refuses_an_image_whose_layer_escapes_the_rootfs() {
         "a refused image left a base in the cache"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_vm_whose_supervisor_was_killed_is_reported_and_its_vmm_reaped_by_stop() {
+    if ready().is_none() {
+        return;
+    }
+    let env = env_with("busybox", busybox_image()).await;
+    let out = imp(
+        &env,
+        &[
+            "run",
+            "-d",
+            "--name",
+            "e2e-orphan",
+            &env.image,
+            "--",
+            "sleep 600",
+        ],
+    );
+    assert!(out.status.success());
+    let record: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(env.state.join("vms/e2e-orphan/vm.json")).unwrap())
+            .unwrap();
+    let supervisor = record["supervisor_pid"].as_i64().unwrap();
+    let vmm = record["vmm_pid"].as_i64().unwrap();
+    let alive = |pid: i64| {
+        Path::new(&format!("/proc/{pid}")).exists()
+            && !std::fs::read_to_string(format!("/proc/{pid}/stat"))
+                .unwrap_or_default()
+                .contains(") Z ")
+    };
+    assert!(
+        Command::new("kill")
+            .args(["-KILL", &supervisor.to_string()])
+            .status()
+            .unwrap()
+            .success()
+    );
+    let deadline = Instant::now() + std::time::Duration::from_secs(5);
+    while alive(supervisor) && Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    assert!(
+        alive(vmm),
+        "the VMM died with its supervisor; this test needs it orphaned"
+    );
+    let ps = stdout(&imp(&env, &["ps", "-a"]));
+    let line = ps
+        .lines()
+        .find(|l| l.starts_with("e2e-orphan"))
+        .unwrap_or_else(|| panic!("{ps}"));
+    assert!(
+        line.contains("failed"),
+        "a dead supervisor reads as failed: {line}"
+    );
+    let out = imp(&env, &["stop", "e2e-orphan"]);
+    assert!(out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("orphaned VMM"));
+    let deadline = Instant::now() + std::time::Duration::from_secs(5);
+    while alive(vmm) && Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    assert!(!alive(vmm), "the orphaned VMM is still running");
+    assert!(imp(&env, &["rm", "e2e-orphan"]).status.success());
+}

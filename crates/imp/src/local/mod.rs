@@ -223,6 +223,7 @@ pub fn stop(args: StopArgs) -> anyhow::Result<()> {
 fn stop_one(state: &StateDir, name: &str, grace: Duration) -> anyhow::Result<()> {
     let record = state.load(name)?;
     if !record.supervisor_alive() {
+        kill_orphaned_vmm(state, &record);
         return Ok(());
     }
     // The supervisor turns SIGTERM into a graceful guest shutdown with a grace period it reads
@@ -246,6 +247,25 @@ fn stop_one(state: &StateDir, name: &str, grace: Duration) -> anyhow::Result<()>
     Ok(())
 }
 
+/// Kills a VMM whose supervisor died without stopping it (e.g. `kill -9`), so no VM is left
+/// running unseen. The pid is only trusted if its command line names the VM's directory.
+fn kill_orphaned_vmm(state: &StateDir, record: &state::VmRecord) {
+    let Some(pid) = record.vmm_pid else { return };
+    let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+    let dir = state.vm_dir(&record.name);
+    let ours = String::from_utf8_lossy(&cmdline).contains(&*dir.to_string_lossy());
+    if ours && let Ok(pid) = i32::try_from(pid) {
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(pid),
+            nix::sys::signal::Signal::SIGKILL,
+        );
+        eprintln!(
+            "imp: {}: its supervisor had died; killed the orphaned VMM (pid {pid})",
+            record.name
+        );
+    }
+}
+
 /// `imp rm VM…`: deletes ended VMs (or, with `--force`, stops them first).
 pub fn rm(args: RmArgs) -> anyhow::Result<()> {
     let state = StateDir::resolve(args.common.state_dir)?;
@@ -257,6 +277,8 @@ pub fn rm(args: RmArgs) -> anyhow::Result<()> {
                     bail!("it is still running: `imp stop {name}` first, or use --force");
                 }
                 stop_one(&state, name, Duration::from_secs(5))?;
+            } else {
+                kill_orphaned_vmm(&state, &record);
             }
             state.remove(name)
         });

@@ -195,11 +195,25 @@ pub fn pid_alive(pid: u32) -> bool {
     let Ok(pid) = i32::try_from(pid) else {
         return false;
     };
-    match nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), None) {
+    let exists = match nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), None) {
         Ok(()) => true,
         Err(nix::errno::Errno::EPERM) => true,
         Err(_) => false,
-    }
+    };
+    // A zombie (dead, not yet reaped: a killed detached supervisor whose new parent does not
+    // reap) still answers signal 0.
+    exists && !is_zombie(pid)
+}
+
+/// Whether /proc says `pid` is a zombie (state `Z` after the command name).
+fn is_zombie(pid: i32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|stat| {
+            stat.rsplit_once(')')
+                .map(|(_, rest)| rest.trim_start().starts_with('Z'))
+        })
+        .unwrap_or(false)
 }
 
 /// Refuses names that would not be a DNS label, as an ImpVM name must be.
@@ -314,5 +328,10 @@ mod tests {
         let pid = child.id();
         child.wait().unwrap();
         assert!(!pid_alive(pid));
+        // Dead but not reaped: a zombie is not alive either.
+        let mut zombie = std::process::Command::new("true").spawn().unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        assert!(!pid_alive(zombie.id()));
+        zombie.wait().unwrap();
     }
 }
