@@ -403,3 +403,72 @@ async fn a_vm_whose_supervisor_was_killed_is_reported_and_its_vmm_reaped_by_stop
     assert!(!alive(vmm), "the orphaned VMM is still running");
     assert!(imp(&env, &["rm", "e2e-orphan"]).status.success());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ctrl_c_stops_the_workload_gracefully() {
+    use std::io::{BufRead, BufReader};
+    use std::os::unix::process::CommandExt;
+    if ready().is_none() {
+        return;
+    }
+    let env = env_with("busybox", busybox_image()).await;
+    // Like a shell: imp gets its own process group, and Ctrl-C signals that whole group.
+    let mut child = Command::new(env!("CARGO_BIN_EXE_imp"))
+        .args(["run", "--rm", &env.image, "--"])
+        .arg("trap 'echo got-term; exit 0' TERM; echo started; while true; do sleep 1; done")
+        .env("IMP_STATE_DIR", &env.state)
+        .env(
+            "IMP_KERNEL",
+            workspace_root().join("target/guest-kernel/vmlinuz"),
+        )
+        .env(
+            "IMP_GUEST",
+            workspace_root().join("target/imp-guest/imp-guest"),
+        )
+        .stdout(std::process::Stdio::piped())
+        .process_group(0)
+        .spawn()
+        .unwrap();
+    let pgid = child.id();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let stdout = child.stdout.take().unwrap();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            let _ = tx.send(line);
+        }
+    });
+    let mut seen = Vec::new();
+    let deadline = Instant::now() + std::time::Duration::from_secs(120);
+    while !seen.iter().any(|l: &String| l == "started") {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match rx.recv_timeout(left) {
+            Ok(line) => seen.push(line),
+            Err(_) => {
+                let _ = child.kill();
+                panic!("the workload never started: {seen:?}");
+            }
+        }
+    }
+    nix::sys::signal::killpg(
+        nix::unistd::Pid::from_raw(i32::try_from(pgid).unwrap()),
+        nix::sys::signal::Signal::SIGINT,
+    )
+    .unwrap();
+    let deadline = Instant::now() + std::time::Duration::from_secs(60);
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("imp run did not end within 60 s of Ctrl-C: {seen:?}");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    };
+    seen.extend(rx.try_iter());
+    assert!(
+        seen.iter().any(|l| l == "got-term"),
+        "the workload got no SIGTERM: {seen:?}"
+    );
+    assert_eq!(status.code(), Some(0), "{seen:?}");
+}

@@ -397,9 +397,12 @@ impl Qemu {
         let log_path = run_dir.join(files::QEMU_LOG);
         let log = std::fs::File::create(&log_path).map_err(files_err("create", &log_path))?;
         let log2 = log.try_clone().map_err(files_err("reopen", &log_path))?;
+        // Its own process group: a Ctrl-C meant for the supervisor (or the agent) must not
+        // kill the VM before it is shut down gracefully.
         cmd.stdin(std::process::Stdio::null())
             .stdout(log)
             .stderr(log2)
+            .process_group(0)
             .kill_on_drop(true);
         let mut child = cmd.spawn().map_err(|source| Error::Spawn {
             binary: launcher.qemu.clone(),
@@ -481,6 +484,7 @@ impl Qemu {
             .stdin(std::process::Stdio::null())
             .stdout(log)
             .stderr(log2)
+            .process_group(0)
             .kill_on_drop(true)
             .spawn()
             .map_err(|source| Error::Spawn {
