@@ -24,6 +24,11 @@ use imp_proto::{Client, EnvVar, ExecEvent, ExecRequest, ExitStatus, Hello};
 
 const AGENT_PORT: u32 = imp_proto::DEFAULT_API_PORT;
 
+/// One guest at a time: concurrent TCG guests on the 2-core CI machine once left a guest's
+/// vsock (vhost-device-vsock) unanswering for the rest of a test; serialising keeps the load
+/// of each boot predictable.
+static ONE_VM_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 fn workspace_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
 }
@@ -231,6 +236,7 @@ async fn counter(vm: &Qemu) -> u64 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn qemu_vm_boots_from_its_disk_and_serves_exec_health_metrics_pause_and_graceful_stop() {
+    let _one = ONE_VM_AT_A_TIME.lock().await;
     let Some(inputs) = inputs() else { return };
     let dir = scratch("main");
     let script = "trap 'echo workload-terminated; exit 0' TERM; \
@@ -314,6 +320,7 @@ async fn qemu_vm_boots_from_its_disk_and_serves_exec_health_metrics_pause_and_gr
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn qemu_vm_refuses_snapshots_with_vsock_and_notices_its_vsock_backend_dying() {
+    let _one = ONE_VM_AT_A_TIME.lock().await;
     let Some(inputs) = inputs() else { return };
     let dir = scratch("vhost");
     let config = vm_config(&inputs, &dir, "qemu-vhost", 4, "sleep 1000").await;
@@ -374,6 +381,7 @@ async fn qemu_vm_refuses_snapshots_with_vsock_and_notices_its_vsock_backend_dyin
 /// the CI machines: `Rejected`, `Hangs` or `NoDevice`, so TCG), and the cached answer is the same.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kvm_probe_decides_by_booting_and_caches_the_answer() {
+    let _one = ONE_VM_AT_A_TIME.lock().await;
     let Some(inputs) = inputs() else { return };
     let cache = scratch("kvm");
     let deadline = Duration::from_secs(8);
