@@ -5,8 +5,10 @@ use crate::exec::{self, ExecDefaults};
 use crate::metrics;
 use crate::reaper::Reaper;
 use crate::transport::{Connection, Listener};
-use imp_proto::frame::{read_frame, write_frame};
+use imp_proto::frame::{FrameError, read_frame, write_frame};
+use imp_proto::handshake::HandshakeError;
 use imp_proto::{ErrorKind, HealthReport, Hello, Message, WorkloadState, handshake};
+use std::io;
 use std::path::PathBuf;
 use std::sync::mpsc::Sender;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -78,9 +80,15 @@ pub fn serve<L: Listener>(listener: L, ctx: Arc<Context>) {
 
 /// Serves one connection: handshake, then requests until it closes or becomes an exec.
 pub fn handle<C: Connection>(mut conn: C, ctx: &Context) {
-    if let Err(e) = handshake(&mut conn, &ctx.hello) {
-        eprintln!("imp-guest: refused a connection: {e}");
-        return;
+    match handshake(&mut conn, &ctx.hello) {
+        Ok(_) => {}
+        // A host that hung up before saying anything (an abandoned connection attempt) is
+        // not worth a console line.
+        Err(e) if hung_up_early(&e) => return,
+        Err(e) => {
+            eprintln!("imp-guest: refused a connection: {e}");
+            return;
+        }
     }
     let _ = conn.set_read_timeout(Some(IDLE_TIMEOUT));
     loop {
@@ -138,5 +146,42 @@ pub fn handle<C: Connection>(mut conn: C, ctx: &Context) {
         if write_frame(&mut conn, &reply).is_err() {
             return;
         }
+    }
+}
+
+/// Whether the handshake failed only because the peer closed the connection before its hello.
+fn hung_up_early(e: &HandshakeError) -> bool {
+    match e {
+        HandshakeError::Closed => true,
+        HandshakeError::Frame(FrameError::Io { source, .. }) => matches!(
+            source.kind(),
+            io::ErrorKind::BrokenPipe
+                | io::ErrorKind::ConnectionReset
+                | io::ErrorKind::NotConnected
+                | io::ErrorKind::UnexpectedEof
+        ),
+        HandshakeError::Frame(FrameError::Truncated { got: 0, .. }) => true,
+        _ => false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_a_peer_that_hung_up_before_its_hello_is_quiet() {
+        let io = |kind| {
+            HandshakeError::Frame(FrameError::Io {
+                action: "writing",
+                source: io::Error::from(kind),
+            })
+        };
+        assert!(hung_up_early(&HandshakeError::Closed));
+        assert!(hung_up_early(&io(io::ErrorKind::BrokenPipe)));
+        assert!(hung_up_early(&io(io::ErrorKind::ConnectionReset)));
+        assert!(!hung_up_early(&io(io::ErrorKind::PermissionDenied)));
+        assert!(!hung_up_early(&HandshakeError::NotHello("exec")));
+        assert!(!hung_up_early(&HandshakeError::Rejected("no".into())));
     }
 }

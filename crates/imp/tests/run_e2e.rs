@@ -12,9 +12,8 @@ use std::time::Instant;
 
 use imp_testkube::registry::{TestImage, TestLayer, TestRegistry, push, scratch_dir};
 
-/// One guest at a time: concurrent TCG guests on the 2-core CI machine once left a guest's
-/// vsock (vhost-device-vsock) unanswering for the rest of a test; serialising keeps the load
-/// of each boot predictable.
+/// One guest at a time: two TCG guests on the 2-core CI machine make each boot slow and its
+/// timing unpredictable.
 static ONE_VM_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 fn workspace_root() -> PathBuf {

@@ -60,27 +60,30 @@ pub fn host_listener_path(uds: &Path, port: u32) -> PathBuf {
 
 /// Connects to guest vsock `port` through the VMM's vsock Unix socket `uds`, retrying while the
 /// guest does not listen, for at most `timeout`.
+///
+/// An attempt whose `CONNECT` is still unanswered at the deadline is not closed: it is left to
+/// finish in the background (see [`linger`]), because vhost-device-vsock 0.3.0 panics its only
+/// worker thread when the guest's answer finds the host side already gone, and the guest's
+/// vsock is then dead for the rest of its life.
 pub async fn connect(uds: &Path, port: u32, timeout: Duration) -> Result<UnixStream> {
     let deadline = Instant::now() + timeout;
     let mut backoff = FIRST_BACKOFF;
     let mut attempts = 0u32;
     loop {
         attempts += 1;
-        let remaining = deadline.saturating_duration_since(Instant::now());
-        let last = match tokio::time::timeout(remaining, attempt(uds, port)).await {
-            Ok(Ok(stream)) => {
+        let last = match attempt(uds, port, deadline).await {
+            Ok(stream) => {
                 tracing::debug!(uds = %uds.display(), port, attempts, "vsock connected");
                 return Ok(stream);
             }
-            Ok(Err(Attempt::Fatal(reply))) => {
+            Err(Attempt::Fatal(reply)) => {
                 return Err(Error::Protocol {
                     uds: uds.to_owned(),
                     port,
                     reply,
                 });
             }
-            Ok(Err(Attempt::Retry(why))) => why,
-            Err(_) => "attempt still waiting at the deadline".to_owned(),
+            Err(Attempt::Retry(why)) => why,
         };
         let now = Instant::now();
         if now >= deadline {
@@ -97,32 +100,70 @@ pub async fn connect(uds: &Path, port: u32, timeout: Duration) -> Result<UnixStr
     }
 }
 
+/// How long an abandoned `CONNECT` is kept open waiting for the VMM's answer.
+const LINGER: Duration = Duration::from_secs(600);
+
 /// Outcome of one failed attempt.
 enum Attempt {
-    /// Worth another try (socket missing, refused, closed before `OK`).
+    /// Worth another try (socket missing, refused, closed before `OK`, no answer yet).
     Retry(String),
     /// The VMM spoke something we do not understand.
     Fatal(String),
 }
 
-/// One connect + handshake.
-async fn attempt(uds: &Path, port: u32) -> std::result::Result<UnixStream, Attempt> {
+/// One connect + handshake, answered by `deadline` or handed to [`linger`].
+async fn attempt(
+    uds: &Path,
+    port: u32,
+    deadline: Instant,
+) -> std::result::Result<UnixStream, Attempt> {
     let io_err = |what: &str, e: io::Error| Attempt::Retry(format!("{what}: {e}"));
-    let mut stream = UnixStream::connect(uds)
+    let late = || Attempt::Retry("attempt still waiting at the deadline".to_owned());
+    let deadline = tokio::time::Instant::from_std(deadline);
+    let mut stream = tokio::time::timeout_at(deadline, UnixStream::connect(uds))
         .await
+        .map_err(|_| late())?
         .map_err(|e| io_err("connect", e))?;
-    stream
-        .write_all(format!("CONNECT {port}\n").as_bytes())
-        .await
-        .map_err(|e| io_err("send CONNECT", e))?;
-    // Read byte by byte: whatever follows the newline already belongs to the guest's stream.
+    // Nothing is pending in the VMM until the whole line is sent: a timeout here may close.
+    tokio::time::timeout_at(
+        deadline,
+        stream.write_all(format!("CONNECT {port}\n").as_bytes()),
+    )
+    .await
+    .map_err(|_| late())?
+    .map_err(|e| io_err("send CONNECT", e))?;
+    match tokio::time::timeout_at(deadline, read_reply(&mut stream)).await {
+        Ok(Ok(())) => Ok(stream),
+        Ok(Err(e)) => Err(e),
+        Err(_) => {
+            linger(stream, uds, port);
+            Err(late())
+        }
+    }
+}
+
+/// Keeps an unanswered `CONNECT` open until the VMM answers it (then closes it cleanly), for
+/// at most [`LINGER`]: closing it first would let the guest's late answer crash
+/// vhost-device-vsock 0.3.0 (`write_all(..).unwrap()` on the closed stream).
+fn linger(mut stream: UnixStream, uds: &Path, port: u32) {
+    let uds = uds.to_owned();
+    tokio::spawn(async move {
+        let answered = tokio::time::timeout(LINGER, read_reply(&mut stream)).await;
+        tracing::debug!(uds = %uds.display(), port, answered = answered.is_ok(),
+            "abandoned vsock attempt closed");
+    });
+}
+
+/// Reads the VMM's `OK <port>` line, byte by byte: whatever follows the newline already
+/// belongs to the guest's stream.
+async fn read_reply(stream: &mut UnixStream) -> std::result::Result<(), Attempt> {
     let mut line = Vec::with_capacity(16);
     loop {
         let mut byte = [0u8; 1];
         let n = stream
             .read(&mut byte)
             .await
-            .map_err(|e| io_err("read reply", e))?;
+            .map_err(|e| Attempt::Retry(format!("read reply: {e}")))?;
         if n == 0 {
             return Err(Attempt::Retry(
                 "closed before OK (guest not listening)".to_owned(),
@@ -138,7 +179,7 @@ async fn attempt(uds: &Path, port: u32) -> std::result::Result<UnixStream, Attem
     }
     let reply = String::from_utf8_lossy(&line).into_owned();
     match reply.strip_prefix("OK ") {
-        Some(n) if n.trim().parse::<u32>().is_ok() => Ok(stream),
+        Some(n) if n.trim().parse::<u32>().is_ok() => Ok(()),
         _ => Err(Attempt::Fatal(reply)),
     }
 }
@@ -202,6 +243,43 @@ mod tests {
         s.read_exact(&mut buf).await.unwrap();
         assert_eq!(&buf, b"hello");
         server.await.unwrap();
+    }
+
+    /// An answer that comes after the caller gave up still finds the host side open (closing
+    /// it first crashes vhost-device-vsock), and the abandoned stream is closed after it.
+    #[tokio::test]
+    async fn a_late_answer_finds_the_abandoned_attempt_open() {
+        let dir = Scratch::new("late");
+        let uds = dir.0.join("v.sock");
+        let listener = UnixListener::bind(&uds).unwrap();
+        let server = tokio::spawn(async move {
+            let (stream, _) = listener.accept().await.unwrap();
+            let mut reader = BufReader::new(stream);
+            let mut line = String::new();
+            reader.read_line(&mut line).await.unwrap();
+            assert_eq!(line, "CONNECT 52\n");
+            tokio::time::sleep(Duration::from_millis(400)).await;
+            let mut stream = reader.into_inner();
+            let answered = stream.write_all(b"OK 7\n").await;
+            let mut rest = Vec::new();
+            let closed =
+                tokio::time::timeout(Duration::from_secs(5), stream.read_to_end(&mut rest)).await;
+            (answered.map_err(|e| e.kind()), closed.is_ok())
+        });
+        let err = connect(&uds, 52, Duration::from_millis(150))
+            .await
+            .unwrap_err();
+        assert!(matches!(err, Error::Timeout { .. }), "{err}");
+        let (answered, closed) = server.await.unwrap();
+        assert_eq!(
+            answered,
+            Ok(()),
+            "the abandoned attempt was closed before the answer"
+        );
+        assert!(
+            closed,
+            "the abandoned attempt was never closed after its answer"
+        );
     }
 
     #[tokio::test]

@@ -15,6 +15,17 @@
 //! run on with a dead vsock, so the driver marks the VM's vsock as failed, logs it, and every
 //! later vsock connection fails with [`Error::VsockBackendDied`] naming its log.
 //!
+//! Pausing a VM with vsock freezes the QEMU process (SIGSTOP) instead of QMP `stop`. A QMP
+//! `stop` stops the vhost-user rings, and vhost-device-vsock 0.3.0's worker thread exits on the
+//! first host-side event it sees while they are stopped (a connection attempt, or a connection
+//! closing just before the pause): its `process_tx` fails on the stopped queue and the error
+//! ends the thread, leaving the guest's vsock dead for good after `cont` while the daemon
+//! process lives on. Freezing QEMU leaves the rings running, so the daemon queues what
+//! arrives and the guest sees it on resume. The guest's clock jumps over the pause (TCG
+//! follows the host clock), so it still tells the right time afterwards; such guests boot with
+//! `nosoftlockup rcupdate.rcu_cpu_stall_suppress=1`, or a pause over 20 s would be reported as
+//! a soft lockup. VMs without vsock are paused with QMP `stop`.
+//!
 //! Snapshots use QEMU's migration stream: `stop`, `migrate` to `exec:cat > FILE`, and restore
 //! by a new QEMU started with `-incoming`. QEMU 7.2 refuses to migrate vhost-user-vsock, so a
 //! VM with vsock answers [`Error::Unsupported`] (QEMU's own reason included). The whole stream (devices and memory) goes to
@@ -36,6 +47,10 @@ use qmp::{Qmp, QmpError};
 /// Used when the host's TSC rate cannot be read (the guest kernel cannot calibrate it under
 /// microvm, which has no PIT or HPET).
 const FALLBACK_TSC_KHZ: u64 = 2_000_000;
+
+/// Kernel arguments for guests paused by freezing QEMU: a pause longer than 20 s is not a
+/// soft lockup or an RCU stall.
+const FROZEN_PAUSE_ARGS: &str = " nosoftlockup rcupdate.rcu_cpu_stall_suppress=1";
 
 /// Longest single vsock connection attempt inside [`Vmm::connect_vsock`]'s overall timeout.
 const CONNECT_SLICE: Duration = Duration::from_secs(5);
@@ -123,6 +138,19 @@ pub enum Error {
         id: String,
         /// Its state.
         state: VmState,
+    },
+    /// Freezing or thawing the QEMU process failed.
+    #[error("Failed to {what} the QEMU process {pid} of VM {id}")]
+    Signal {
+        /// What was being done.
+        what: &'static str,
+        /// The VM.
+        id: String,
+        /// QEMU's process id.
+        pid: u32,
+        /// The underlying error.
+        #[source]
+        source: nix::Error,
     },
     /// The config asks for something this driver cannot do.
     #[error("VM {id}: {reason}")]
@@ -266,6 +294,8 @@ pub struct Qemu {
     vhost_dead: Arc<AtomicBool>,
     qmp: Qmp,
     state: VmState,
+    /// Paused by SIGSTOP (VMs with vsock): QMP does not answer until SIGCONT.
+    frozen: bool,
     serial: PathBuf,
     launcher_agent_port: Option<u32>,
 }
@@ -359,6 +389,11 @@ impl Qemu {
         if !append.contains("tsc_early_khz=") {
             append.push(' ');
             append.push_str(&launcher.tsc_arg());
+        }
+        if config.vsock.is_some() {
+            // Such VMs are paused by freezing QEMU (module doc): the guest's clock then jumps
+            // over the pause, which its lockup and RCU stall detectors would report as hangs.
+            append.push_str(FROZEN_PAUSE_ARGS);
         }
         cmd.arg("-append").arg(append.trim());
         for d in &config.drives {
@@ -455,6 +490,7 @@ impl Qemu {
             vhost_dead,
             qmp,
             state,
+            frozen: false,
             serial,
             launcher_agent_port: launcher.agent_port,
         })
@@ -546,6 +582,51 @@ impl Qemu {
         })
         .await
         .map_err(|e| e.to_string())?
+    }
+
+    /// Sends `signal` to QEMU (only QEMU: it leads its own process group).
+    fn signal(&self, what: &'static str, signal: nix::sys::signal::Signal) -> Result<()> {
+        let err = |source| Error::Signal {
+            what,
+            id: self.id.clone(),
+            pid: self.child.id().unwrap_or(0),
+            source,
+        };
+        let pid = self.child.id().ok_or_else(|| err(nix::Error::ESRCH))?;
+        let pid = i32::try_from(pid).map_err(|_| err(nix::Error::EINVAL))?;
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), signal).map_err(err)
+    }
+
+    /// Stops QEMU with SIGSTOP and waits until the kernel reports it stopped, so no vCPU runs
+    /// once pause returns.
+    async fn freeze(&mut self) -> Result<()> {
+        self.signal("freeze", nix::sys::signal::Signal::SIGSTOP)?;
+        self.frozen = true;
+        let stat = PathBuf::from(format!("/proc/{}/stat", self.child.id().unwrap_or(0)));
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            // The state is the field after the parenthesised command name.
+            let state = std::fs::read_to_string(&stat)
+                .ok()
+                .and_then(|s| {
+                    s.rsplit_once(')')
+                        .map(|(_, rest)| rest.trim_start().to_owned())
+                })
+                .and_then(|rest| rest.chars().next());
+            match state {
+                Some('T' | 't') => return Ok(()),
+                None => return Ok(()), // gone: exited() will say so
+                Some(_) if Instant::now() >= deadline => {
+                    return Err(Error::Signal {
+                        what: "freeze (still not stopped after 5 s)",
+                        id: self.id.clone(),
+                        pid: self.child.id().unwrap_or(0),
+                        source: nix::Error::ETIMEDOUT,
+                    });
+                }
+                Some(_) => tokio::time::sleep(Duration::from_millis(1)).await,
+            }
+        }
     }
 
     fn require(&self, op: &'static str, allowed: &[VmState]) -> Result<()> {
@@ -685,14 +766,24 @@ impl Vmm for Qemu {
 
     async fn pause(&mut self) -> Result<()> {
         self.require("pause", &[VmState::Running])?;
-        self.qmp("stop", None).await?;
+        if self.vhost.is_some() {
+            // See the module doc: QMP `stop` would leave vhost-device-vsock's worker to die.
+            self.freeze().await?;
+        } else {
+            self.qmp("stop", None).await?;
+        }
         self.state = VmState::Paused;
         Ok(())
     }
 
     async fn resume(&mut self) -> Result<()> {
         self.require("resume", &[VmState::Paused])?;
-        self.qmp("cont", None).await?;
+        if self.frozen {
+            self.signal("thaw", nix::sys::signal::Signal::SIGCONT)?;
+            self.frozen = false;
+        } else {
+            self.qmp("cont", None).await?;
+        }
         self.state = VmState::Running;
         Ok(())
     }
@@ -764,7 +855,7 @@ impl Vmm for Qemu {
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
-        if outcome == StopOutcome::Killed {
+        if outcome == StopOutcome::Killed && !self.frozen {
             let _ = self.qmp.execute("quit", None).await;
             let _ = tokio::time::timeout(Duration::from_secs(2), self.child.wait()).await;
         }
@@ -785,8 +876,8 @@ impl Vmm for Qemu {
                 log: self.run_dir.join(files::VHOST_LOG),
             });
         }
-        // One attempt can hang when the daemon forwards CONNECT but the guest never answers
-        // (seen under heavy TCG load): retry in slices so a stuck attempt is abandoned.
+        // Attempt in slices, so the backend's death is noticed while the guest is slow to
+        // answer; an abandoned attempt stays open in the background until it is answered.
         let deadline = Instant::now() + timeout;
         loop {
             let remaining = deadline.saturating_duration_since(Instant::now());
