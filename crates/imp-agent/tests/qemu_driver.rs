@@ -377,6 +377,67 @@ async fn qemu_vm_refuses_snapshots_with_vsock_and_notices_its_vsock_backend_dyin
     let _ = fs::remove_dir_all(&dir);
 }
 
+/// A vsock backend that stops serving without exiting is noticed too: a host that closes a
+/// `CONNECT` before the (here: paused) guest answers makes vhost-device-vsock 0.3.0 panic its only worker
+/// thread (the process lives on). The driver must then fail fast, naming the log, instead of
+/// letting every caller wait out its timeout. Should a fixed daemon survive, vsock must
+/// simply keep working.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn qemu_vm_notices_a_vsock_backend_that_stops_serving() {
+    let _one = ONE_VM_AT_A_TIME.lock().await;
+    let Some(inputs) = inputs() else { return };
+    let dir = scratch("worker");
+    let config = vm_config(&inputs, &dir, "qemu-worker", 6, "sleep 1000").await;
+    let mut vm = Qemu::boot(&inputs.launcher, &config).await.unwrap();
+    let mut c = client(&vm).await;
+    tokio::task::spawn_blocking(move || c.health().unwrap())
+        .await
+        .unwrap();
+    // With the guest paused, a CONNECT is certain to be closed before its answer.
+    vm.pause().await.unwrap();
+    {
+        use std::io::Write;
+        let mut raw = std::os::unix::net::UnixStream::connect(vm.vsock_path().unwrap()).unwrap();
+        raw.write_all(format!("CONNECT {AGENT_PORT}\n").as_bytes())
+            .unwrap();
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    vm.resume().await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !vm.vsock_backend_died() && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let log = fs::read_to_string(config.run_dir.join("vhost-vsock.log")).unwrap_or_default();
+    if vm.vsock_backend_died() {
+        eprintln!("the backend's worker died, as vhost-device-vsock 0.3.0's does; noticed");
+        let t = Instant::now();
+        let err = vm
+            .connect_vsock(AGENT_PORT, Duration::from_secs(30))
+            .await
+            .unwrap_err();
+        assert!(matches!(err, qemu::Error::VsockBackendDied { .. }), "{err}");
+        assert!(err.to_string().contains("vhost-vsock.log"), "{err}");
+        assert!(
+            t.elapsed() < Duration::from_secs(1),
+            "took {:?}",
+            t.elapsed()
+        );
+    } else {
+        assert!(
+            !log.contains("panicked"),
+            "the backend's worker panicked and nobody noticed:\n{log}"
+        );
+        eprintln!("the backend survived an abandoned CONNECT; vsock must still work");
+        let mut c = client(&vm).await;
+        tokio::task::spawn_blocking(move || c.health().unwrap())
+            .await
+            .unwrap();
+    }
+    let _ = vm.stop(Duration::from_secs(2)).await;
+    let _ = fs::remove_dir_all(&dir);
+}
+
 /// The KVM probe boots the kernel for real: it decides within its deadline (on PVM hosts like
 /// the CI machines: `Rejected`, `Hangs` or `NoDevice`, so TCG), and the cached answer is the same.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -11,9 +11,10 @@
 //! `vhost-vsock.sock` (between QEMU and vhost-device-vsock), `serial.log`, `qemu.log` and
 //! `vhost-vsock.log`.
 //!
-//! vhost-device-vsock is started first and watched: if it dies while the VM runs, QEMU would
-//! run on with a dead vsock, so the driver marks the VM's vsock as failed, logs it, and every
-//! later vsock connection fails with [`Error::VsockBackendDied`] naming its log.
+//! vhost-device-vsock is started first and watched: if it dies while the VM runs, or its one
+//! vring worker thread ends (the process then lives on, serving nothing), QEMU would run on
+//! with a dead vsock, so the driver marks the VM's vsock as failed, logs it, and every later
+//! vsock connection fails with [`Error::VsockBackendDied`] naming its log.
 //!
 //! Pausing a VM with vsock freezes the QEMU process (SIGSTOP) instead of QMP `stop`. A QMP
 //! `stop` stops the vhost-user rings, and vhost-device-vsock 0.3.0's worker thread exits on the
@@ -692,8 +693,9 @@ fn shell_quote(p: &Path) -> String {
     format!("'{}'", p.display().to_string().replace('\'', r"'\''"))
 }
 
-/// Owns vhost-device-vsock for the VM's life: if it exits, flags the VM's vsock as dead and
-/// says so in the log (QEMU itself runs on with a dead vsock and would not tell anyone).
+/// Owns vhost-device-vsock for the VM's life: if it exits, or its vring worker thread ends
+/// (the process then lives on with a dead vsock), flags the VM's vsock as dead and says so in
+/// the log. QEMU itself runs on with a dead vsock and would not tell anyone.
 fn supervise_vhost(
     mut child: Child,
     id: String,
@@ -701,11 +703,46 @@ fn supervise_vhost(
     dead: Arc<AtomicBool>,
 ) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
-        let status = child.wait().await;
+        let pid = child.id();
+        let mut tick = tokio::time::interval(WORKER_CHECK);
+        let why = loop {
+            tokio::select! {
+                status = child.wait() => break format!("it exited ({status:?})"),
+                _ = tick.tick() => {
+                    if pid.and_then(vhost_worker_alive) == Some(false) {
+                        break format!("its {VHOST_WORKER} thread ended");
+                    }
+                }
+            }
+        };
         dead.store(true, Ordering::SeqCst);
-        tracing::error!(vm = %id, status = ?status, log = %log.display(),
-            "vhost-device-vsock died: the VM's vsock no longer works");
+        tracing::error!(vm = %id, why, log = %tail(&log),
+            "vhost-device-vsock failed: the VM's vsock no longer works");
+        // Keep a daemon whose worker died running until the VM stops (kill_on_drop), so its
+        // state can still be inspected; it can serve nothing more.
+        let _ = child.wait().await;
     })
+}
+
+/// The thread of vhost-device-vsock (vhost-user-backend) that moves every vsock packet.
+const VHOST_WORKER: &str = "vring_worker";
+
+/// How often the supervisor checks that [`VHOST_WORKER`] still runs.
+const WORKER_CHECK: Duration = Duration::from_millis(250);
+
+/// Whether process `pid` still has its [`VHOST_WORKER`] thread; `None` when its threads
+/// cannot be read (it is gone).
+fn vhost_worker_alive(pid: u32) -> Option<bool> {
+    let tasks = std::fs::read_dir(format!("/proc/{pid}/task")).ok()?;
+    let mut any = false;
+    for task in tasks.flatten() {
+        any = true;
+        let comm = std::fs::read_to_string(task.path().join("comm")).unwrap_or_default();
+        if comm.trim_end() == VHOST_WORKER {
+            return Some(true);
+        }
+    }
+    any.then_some(false)
 }
 
 impl Drop for Qemu {
