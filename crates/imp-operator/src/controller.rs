@@ -1086,6 +1086,8 @@ async fn restart(vm: ImpVM, r: Resolved, ctx: &Context) -> Result<Action, Error>
             status.restart_count = None;
             status.next_retry_after = None;
             status.exhausted_at = None;
+            status.exit_code = None;
+            status.started_at = None;
             let vm = ctx
                 .patch_status(&vm, &status, "ending the cool-down of")
                 .await?;

@@ -804,3 +804,197 @@ async fn a_deleted_class_still_counts_against_its_node() {
     tokio::time::sleep(Duration::from_secs(2)).await;
     assert_eq!(placements(c).await.get("only"), Some(&2), "node overbooked");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn expire_after_deletes_a_vm_that_has_run_that_long() {
+    use k8s_openapi::jiff::{SignedDuration, Timestamp};
+    let e = env().await;
+    let c = &e.client;
+    node(c, "a", "8", "16Gi", true, true).await;
+    class(c, "small", 1, 256).await;
+    let _op = Operator::start(&e, "solo", &[]).await;
+    vm(
+        c,
+        "short",
+        json!({"classRef": {"name": "small"}, "image": "busybox", "expireAfter": "60s"}),
+    )
+    .await;
+    wait_vm(c, "short", "short Scheduled", |v| {
+        phase(v) == Some(VmPhase::Scheduled)
+    })
+    .await;
+    // expireAfter must be at least 60s, so the VM "first ran" 55–56 s ago (whole seconds, as the
+    // API stores times): 4–5 s are left, room for a slow CI machine to look in between.
+    let running_at = Timestamp::from_second(Timestamp::now().as_second() - 55).unwrap();
+    agent_status(
+        c,
+        "short",
+        json!({"phase": "Running", "runningAt": running_at.to_string()}),
+    )
+    .await;
+    let expiring = wait_vm(c, "short", "expiresAt written", |v| {
+        v.status.as_ref().unwrap().expires_at.is_some()
+    })
+    .await;
+    let st = expiring.status.as_ref().unwrap();
+    assert_eq!(
+        st.running_at.as_ref().map(|t| t.0),
+        Some(running_at),
+        "the first runningAt was overwritten"
+    );
+    let expires_at = st.expires_at.as_ref().unwrap().0;
+    assert_eq!(expires_at, running_at + SignedDuration::from_secs(60));
+
+    // Not deleted before its time.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let early = vms(c).get("short").await.unwrap();
+    assert!(
+        Timestamp::now() < expires_at,
+        "too slow to check for an early deletion"
+    );
+    assert!(
+        early.metadata.deletion_timestamp.is_none(),
+        "deleted before expiresAt {expires_at}"
+    );
+    assert_eq!(phase(&early), Some(VmPhase::Running));
+
+    // Then deleted through the finalizer: Terminating until the agent has cleaned up.
+    let term = wait_vm(c, "short", "short Terminating after expiry", |v| {
+        phase(v) == Some(VmPhase::Terminating)
+    })
+    .await;
+    let late = Timestamp::now().duration_since(expires_at);
+    assert!(
+        late < SignedDuration::from_secs(3),
+        "deleted {late:?} after expiresAt"
+    );
+    let deleted_at = term.metadata.deletion_timestamp.as_ref().unwrap().0;
+    assert!(
+        deleted_at >= expires_at,
+        "deleted at {deleted_at}, before expiresAt {expires_at}"
+    );
+    let expired = events_for(c, "short")
+        .await
+        .into_iter()
+        .find(|e| e.reason.as_deref() == Some("Expired"))
+        .expect("no Expired event");
+    assert_eq!(expired.type_.as_deref(), Some("Normal"));
+    agent_clear_node(c, "short").await;
+    wait_for("short gone", Duration::from_secs(10), || async {
+        vms(c)
+            .get_opt("short")
+            .await
+            .unwrap()
+            .is_none()
+            .then_some(())
+    })
+    .await;
+    eprintln!("expired VM deleted {late:?} after expiresAt");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cool_down_after_exhausted_retries_runs_the_vm_again() {
+    use k8s_openapi::jiff::{SignedDuration, Timestamp};
+    let e = env().await;
+    let c = &e.client;
+    node(c, "a", "8", "16Gi", true, true).await;
+    class(c, "small", 1, 256).await;
+    let _op = Operator::start(&e, "solo", &[]).await;
+    // coolDownPeriod has no minimum; 3 s leaves room to see the VM wait.
+    vm(
+        c,
+        "flaky",
+        json!({"classRef": {"name": "small"}, "image": "busybox", "lifecycle": "persistent",
+               "restartPolicy": {"mode": "in-place", "onExhaustion": "cool-down", "coolDownPeriod": "3s",
+                                 "backoff": {"maxRetries": 1, "initialDelay": "1s", "maxDelay": "1s"}}}),
+    )
+    .await;
+    wait_vm(c, "flaky", "flaky Scheduled", |v| {
+        phase(v) == Some(VmPhase::Scheduled)
+    })
+    .await;
+    agent_status(c, "flaky", json!({"phase": "Failed", "exitCode": 3})).await;
+    wait_vm(c, "flaky", "flaky restarted", |v| {
+        phase(v) == Some(VmPhase::Scheduled) && v.status.as_ref().unwrap().restart_count == Some(1)
+    })
+    .await;
+    agent_status(c, "flaky", json!({"phase": "Failed", "exitCode": 3})).await;
+
+    // Retries used up: exhaustedAt is stamped and the VM stays Failed (not RetryExhausted, which
+    // waits for a manual reset) for the cool-down.
+    let ex = wait_vm(c, "flaky", "flaky exhaustedAt", |v| {
+        v.status.as_ref().unwrap().exhausted_at.is_some()
+    })
+    .await;
+    assert_eq!(phase(&ex), Some(VmPhase::Failed));
+    let exhausted_at = ex.status.as_ref().unwrap().exhausted_at.as_ref().unwrap().0;
+    let cool_end = exhausted_at + SignedDuration::from_secs(3);
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let cooling = vms(c).get("flaky").await.unwrap();
+    assert!(
+        Timestamp::now() < cool_end,
+        "too slow to check the cool-down"
+    );
+    let st = cooling.status.as_ref().unwrap();
+    assert_eq!(phase(&cooling), Some(VmPhase::Failed));
+    assert_eq!(st.restart_count, Some(1));
+    assert_eq!(st.exhausted_at.as_ref().map(|t| t.0), Some(exhausted_at));
+
+    // After the cool-down the counters are zeroed and the VM is really placed again.
+    let again = wait_vm(
+        c,
+        "flaky",
+        "flaky scheduled again after the cool-down",
+        |v| {
+            let st = v.status.as_ref().unwrap();
+            phase(v) == Some(VmPhase::Scheduled)
+                && st.restart_count.is_none()
+                && st.exhausted_at.is_none()
+        },
+    )
+    .await;
+    assert!(
+        Timestamp::now() >= cool_end,
+        "scheduled again before the cool-down ended at {cool_end}"
+    );
+    let st = again.status.as_ref().unwrap();
+    assert_eq!(again.spec.node_name.as_deref(), Some("a"));
+    assert_eq!(st.node_name.as_deref(), Some("a"));
+    assert_eq!(st.next_retry_after, None);
+    assert_eq!(st.exit_code, None, "the last run's exit code is kept");
+    let s = cond(&again, "Scheduled").unwrap();
+    assert_eq!(
+        (s.status.as_str(), s.reason.as_str()),
+        ("True", "NodeAssigned")
+    );
+
+    // It runs, and the next failure gets a fresh retry budget instead of exhausting at once.
+    agent_status(c, "flaky", json!({"phase": "Running"})).await;
+    wait_vm(c, "flaky", "flaky running again", |v| {
+        cond(v, "NodeHealthy").is_some_and(|c| c.status == "True")
+            && phase(v) == Some(VmPhase::Running)
+    })
+    .await;
+    agent_status(c, "flaky", json!({"phase": "Failed", "exitCode": 3})).await;
+    wait_vm(c, "flaky", "flaky restarted after the cool-down", |v| {
+        let st = v.status.as_ref().unwrap();
+        phase(v) == Some(VmPhase::Scheduled)
+            && st.restart_count == Some(1)
+            && st.exhausted_at.is_none()
+    })
+    .await;
+    let events = events_for(c, "flaky").await;
+    for (reason, type_) in [
+        ("Restarting", "Normal"),
+        ("CoolingDown", "Warning"),
+        ("CoolDownOver", "Normal"),
+    ] {
+        assert!(
+            events
+                .iter()
+                .any(|e| e.reason.as_deref() == Some(reason) && e.type_.as_deref() == Some(type_)),
+            "no {type_} {reason} event in {:?}",
+            events.iter().map(|e| &e.reason).collect::<Vec<_>>()
+        );
+    }
+}
