@@ -58,8 +58,8 @@ fn ready() -> Option<()> {
             "static /bin/busybox (apt-get install busybox-static)".into(),
         ),
         (
-            root.join("target/guest-kernel/vmlinuz").is_file(),
-            "target/guest-kernel/vmlinuz (scripts/fetch-guest-kernel.sh)".into(),
+            root.join("target/guest-kernel/vmlinux").is_file(),
+            "target/guest-kernel/vmlinux (scripts/fetch-guest-kernel.sh)".into(),
         ),
         (
             root.join("target/imp-guest/imp-guest").is_file(),
@@ -138,7 +138,7 @@ fn imp(env: &Env, args: &[&str]) -> Output {
         .env("IMP_STATE_DIR", &env.state)
         .env(
             "IMP_KERNEL",
-            workspace_root().join("target/guest-kernel/vmlinuz"),
+            workspace_root().join("target/guest-kernel/vmlinux"),
         )
         .env(
             "IMP_GUEST",
@@ -428,7 +428,7 @@ async fn ctrl_c_stops_the_workload_gracefully() {
         .env("IMP_STATE_DIR", &env.state)
         .env(
             "IMP_KERNEL",
-            workspace_root().join("target/guest-kernel/vmlinuz"),
+            workspace_root().join("target/guest-kernel/vmlinux"),
         )
         .env(
             "IMP_GUEST",
