@@ -29,7 +29,12 @@ pub fn connect(vsock: &Path, port: u32, timeout: Duration) -> anyhow::Result<Con
         let attempt = UnixStream::connect(vsock)
             .with_context(|| format!("connecting to {}", vsock.display()))
             .and_then(|mut s| {
+                // Bounded, so held signals cannot hold us forever on a guest that never answers.
+                let left = deadline.saturating_duration_since(Instant::now());
+                s.set_read_timeout(Some(left.max(Duration::from_secs(1))))?;
+                let held = HeldSignals::hold();
                 imp_proto::client::uds_connect(&mut s, port)?;
+                drop(held);
                 // The timeout guards the handshake only; execs may be silent for long.
                 s.set_read_timeout(Some(Duration::from_secs(10)))?;
                 let handle = s.try_clone()?;
@@ -51,6 +56,34 @@ pub fn connect(vsock: &Path, port: u32, timeout: Duration) -> anyhow::Result<Con
                 pause = (pause * 2).min(Duration::from_millis(250));
             }
         }
+    }
+}
+
+/// Holds SIGINT, SIGTERM and SIGHUP for as long as a `CONNECT` is unanswered, then lets them
+/// through. Dying in that window closes the socket before the guest's answer, and that makes
+/// vhost-device-vsock 0.3.0 (the QEMU runtime's vsock) panic its only worker: the VM's vsock
+/// would be dead for good because of one Ctrl-C. `imp exec` is single-threaded here, so the
+/// calling thread's mask is the process's.
+struct HeldSignals(nix::sys::signal::SigSet);
+
+impl HeldSignals {
+    fn hold() -> Self {
+        use nix::sys::signal::{SigSet, SigmaskHow, Signal, pthread_sigmask};
+        let mut set = SigSet::empty();
+        for s in [Signal::SIGINT, Signal::SIGTERM, Signal::SIGHUP] {
+            set.add(s);
+        }
+        let mut old = SigSet::empty();
+        // Cannot fail with a valid `how`; if it did, we would merely not hold them.
+        let _ = pthread_sigmask(SigmaskHow::SIG_BLOCK, Some(&set), Some(&mut old));
+        HeldSignals(old)
+    }
+}
+
+impl Drop for HeldSignals {
+    fn drop(&mut self) {
+        use nix::sys::signal::{SigmaskHow, pthread_sigmask};
+        let _ = pthread_sigmask(SigmaskHow::SIG_SETMASK, Some(&self.0), None);
     }
 }
 
@@ -173,5 +206,37 @@ impl Drop for RawTerminal {
     fn drop(&mut self) {
         use nix::sys::termios::{SetArg, tcsetattr};
         let _ = tcsetattr(std::io::stdin(), SetArg::TCSANOW, &self.saved);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use nix::sys::signal::{SigHandler, SigSet, Signal, raise, signal};
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    static HUP_SEEN: AtomicBool = AtomicBool::new(false);
+
+    extern "C" fn on_hup(_: nix::libc::c_int) {
+        HUP_SEEN.store(true, Ordering::SeqCst);
+    }
+
+    #[test]
+    #[allow(unsafe_code)]
+    fn held_signals_wait_until_the_connect_is_answered() {
+        // SAFETY: the handler only stores to an atomic.
+        let previous = unsafe { signal(Signal::SIGHUP, SigHandler::Handler(on_hup)) }.unwrap();
+        let held = HeldSignals::hold();
+        raise(Signal::SIGHUP).unwrap(); // to this thread, which holds it
+        assert!(!HUP_SEEN.load(Ordering::SeqCst), "delivered while held");
+        assert!(SigSet::thread_get_mask().unwrap().contains(Signal::SIGINT));
+        drop(held);
+        assert!(
+            HUP_SEEN.load(Ordering::SeqCst),
+            "not delivered once let through"
+        );
+        assert!(!SigSet::thread_get_mask().unwrap().contains(Signal::SIGINT));
+        // SAFETY: restores what was there.
+        unsafe { signal(Signal::SIGHUP, previous) }.unwrap();
     }
 }
