@@ -1,11 +1,12 @@
 //! The QEMU driver end to end: the real imp-guest as PID 1 under `qemu -M microvm` (TCG here),
 //! booted through the [`Vmm`] trait from a cached base initramfs plus a per-VM config archive,
 //! switching its root to an ext4 disk built here with `mkfs.ext4 -d`, and answering over vsock
-//! (vhost-device-vsock) with the imp-proto client.
+//! (vhost-device-vsock) with the imp-proto client. One VM has no vsock, so that it can be
+//! snapshotted and restored in a new QEMU.
 //!
 //! Inputs as in `qemu_guest.rs` (`IMP_GUEST_KERNEL_DIR`, `IMP_GUEST_BIN`, `IMP_BUSYBOX`) plus
 //! `vhost-device-vsock` (PATH or ~/.cargo/bin) and `mkfs.ext4`/`e2fsck`. Anything missing skips
-//! on a developer machine and fails under `CI=true`. Two TCG boots in all.
+//! on a developer machine and fails under `CI=true`. One TCG guest at a time.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // test helpers panic on failure
 
@@ -534,5 +535,116 @@ async fn qemu_vm_keeps_its_vsock_across_pauses_with_host_traffic() {
             "the guest logged {bad:?} around its pauses:\n{log}"
         );
     }
+    let _ = fs::remove_dir_all(&dir);
+}
+
+/// The complete `tick N` lines of a serial log, in order.
+fn ticks(log: &str) -> Vec<u64> {
+    let complete = log.rfind('\n').map_or("", |i| &log[..i]);
+    complete
+        .lines()
+        .filter_map(|l| l.trim_end_matches('\r').strip_prefix("tick "))
+        .filter_map(|n| n.parse().ok())
+        .collect()
+}
+
+/// Waits until the serial log holds a complete tick of at least `min`; returns the log.
+async fn wait_tick(log: &Path, min: u64, timeout: Duration) -> String {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let text = String::from_utf8_lossy(&fs::read(log).unwrap_or_default()).into_owned();
+        if ticks(&text).last().is_some_and(|t| *t >= min) {
+            return text;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the guest did not print tick {min} within {timeout:?}; serial log:\n{text}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Snapshot and restore of a VM without vsock (QEMU 7.2 cannot migrate vhost-user-vsock): a
+/// guest printing a counter on its console is paused, saved through QEMU's migration stream and
+/// killed; a new QEMU restores it and its counter goes on from where it stopped, instead of
+/// starting again at 1 as a fresh boot would.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn qemu_vm_without_vsock_snapshots_and_restores_in_a_new_process() {
+    let _one = ONE_VM_AT_A_TIME.lock().await;
+    let Some(inputs) = inputs() else { return };
+    let dir = scratch("snapshot");
+    let script = "i=0; while true; do i=$((i+1)); echo tick $i; sleep 0.2; done";
+    let mut config = vm_config(&inputs, &dir, "qemu-snapshot", 7, script).await;
+    config.vsock = None;
+    let log = config.run_dir.join("serial.log");
+    let mut vm = Qemu::boot(&inputs.launcher, &config).await.unwrap();
+    assert!(vm.vsock_path().is_none());
+    wait_tick(&log, 3, Duration::from_secs(60)).await;
+
+    vm.pause().await.unwrap();
+    assert_eq!(vm.state(), VmState::Paused);
+    let files = imp_agent::vmm::SnapshotFiles {
+        state: dir.join("snap.state"),
+        memory: dir.join("snap.mem"),
+    };
+    let t = Instant::now();
+    vm.snapshot(&files).await.unwrap();
+    let snapshot_took = t.elapsed();
+    let stream = fs::metadata(&files.memory).unwrap().len();
+    let state = fs::read_to_string(&files.state).unwrap();
+    assert!(
+        state.contains("qemu"),
+        "no QEMU version in the state: {state}"
+    );
+    let pid = vm.pid().unwrap();
+    vm.stop(Duration::from_secs(2)).await.unwrap();
+    assert!(
+        !Path::new(&format!("/proc/{pid}")).exists(),
+        "QEMU {pid} still runs after stop"
+    );
+    let saved = fs::read_to_string(&log).unwrap();
+    let last = *ticks(&saved).last().unwrap();
+    eprintln!(
+        "snapshot took {snapshot_took:?} ({} MiB stream), paused at tick {last}",
+        stream >> 20
+    );
+
+    let t = Instant::now();
+    let mut vm = Qemu::restore(&inputs.launcher, &config, &files, true)
+        .await
+        .unwrap();
+    let restore_took = t.elapsed();
+    assert_eq!(vm.state(), VmState::Running);
+    assert_ne!(vm.pid(), Some(pid));
+    let text = wait_tick(&log, last + 3, Duration::from_secs(20)).await;
+    let to_ticks = t.elapsed();
+    eprintln!(
+        "restore took {restore_took:?} (spawn, load, resume); tick {} {to_ticks:?} after it began",
+        last + 3
+    );
+    assert!(!vm.exited().unwrap(), "the restored QEMU exited");
+    assert!(
+        text.starts_with(&saved),
+        "the restore did not keep the serial log from before the snapshot:\n{text}"
+    );
+    // One boot, and a counter that went on from `last`: 1, 2, …, last, last + 1, … without a
+    // gap or a restart.
+    let all = ticks(&text);
+    assert_eq!(all.first(), Some(&1), "{text}");
+    assert!(
+        all.windows(2).all(|w| w[1] == w[0] + 1),
+        "the ticks do not go on from {last}: {all:?}"
+    );
+    assert_eq!(text.matches("Linux version").count(), 1, "{text}");
+    assert!(!text.contains("Kernel panic"), "{text}");
+
+    // Without vsock the guest agent cannot be asked; stop ends the VM (ACPI, else killed).
+    let pid = vm.pid().unwrap();
+    let outcome = vm.stop(Duration::from_secs(2)).await.unwrap();
+    eprintln!("restored VM stopped: {outcome:?}");
+    assert!(
+        !Path::new(&format!("/proc/{pid}")).exists(),
+        "QEMU {pid} still runs after stop"
+    );
     let _ = fs::remove_dir_all(&dir);
 }

@@ -31,6 +31,7 @@
 //! by a new QEMU started with `-incoming`. QEMU 7.2 refuses to migrate vhost-user-vsock, so a
 //! VM with vsock answers [`Error::Unsupported`] (QEMU's own reason included). The whole stream (devices and memory) goes to
 //! [`SnapshotFiles::memory`]; [`SnapshotFiles::state`] records the QEMU version it came from.
+//! A restored VM's console is appended to `serial.log`, after the output from before the snapshot.
 
 pub mod qmp;
 
@@ -373,9 +374,15 @@ impl Qemu {
             cmd.arg("-object")
                 .arg(format!("memory-backend-memfd,id=mem,size={mem}M,share=on"));
         }
+        // `append=on`: `-serial file:` truncates the log, so a restore would lose the console
+        // from before the snapshot (a boot has emptied it above).
         cmd.args(["-nographic", "-no-reboot", "-monitor", "none"])
-            .arg("-serial")
-            .arg(format!("file:{}", serial.display()))
+            .arg("-chardev")
+            .arg(format!(
+                "file,id=serial,path={},append=on",
+                serial.display().to_string().replace(',', ",,")
+            ))
+            .args(["-serial", "chardev:serial"])
             .arg("-qmp")
             .arg(format!(
                 "unix:{},server=on,wait=off",
