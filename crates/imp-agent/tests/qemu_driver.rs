@@ -310,6 +310,10 @@ async fn qemu_vm_boots_from_its_disk_and_serves_exec_health_metrics_pause_and_gr
     assert!(log.contains("IMP_EXIT 0"), "{log}");
     assert!(log.contains(imp_proto::marker::SUCCESS_LINE), "{log}");
     assert!(!log.contains("Kernel panic"), "{log}");
+    assert!(
+        !log.contains("Marking clocksource 'tsc' as unstable"),
+        "the guest dropped its TSC clocksource: {log}"
+    );
     let fsck = Command::new("e2fsck")
         .arg("-fn")
         .arg(&config.drives[0].path)

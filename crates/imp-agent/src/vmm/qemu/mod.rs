@@ -398,6 +398,11 @@ impl Qemu {
             append.push(' ');
             append.push_str(&launcher.tsc_arg());
         }
+        if launcher.accel == Accel::Tcg && !append.contains("tsc=") {
+            // Under TCG the guest's TSC is the host's; its timer interrupts are what run late
+            // under load, so the clocksource watchdog would wrongly drop the TSC for jiffies.
+            append.push_str(" tsc=reliable");
+        }
         if config.vsock.is_some() {
             // Such VMs are paused by freezing QEMU (module doc): the guest's clock then jumps
             // over the pause, which its lockup and RCU stall detectors would report as hangs.
