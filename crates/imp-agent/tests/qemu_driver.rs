@@ -113,7 +113,9 @@ fn make_disk(dir: &Path, busybox: &Path) -> PathBuf {
     }
     fs::set_permissions(tree.join("tmp"), fs::Permissions::from_mode(0o1777)).unwrap();
     fs::copy(busybox, tree.join("bin/busybox")).unwrap();
-    for tool in ["sh", "cat", "echo", "id", "pwd", "sleep", "true", "false"] {
+    for tool in [
+        "sh", "cat", "echo", "id", "pwd", "sleep", "true", "false", "kill",
+    ] {
         std::os::unix::fs::symlink("busybox", tree.join("bin").join(tool)).unwrap();
     }
     fs::write(
@@ -440,6 +442,78 @@ async fn qemu_vm_notices_a_vsock_backend_that_stops_serving() {
             .unwrap();
     }
     let _ = vm.stop(Duration::from_secs(2)).await;
+    let _ = fs::remove_dir_all(&dir);
+}
+
+/// Ctrl-Alt-Del (Firecracker's graceful stop, SendCtrlAltDel) reaches the init as SIGINT
+/// instead of restarting the kernel at once: the workload gets SIGTERM, its trap runs, the VM
+/// powers off by itself and the disk is clean. Sent here as root inside the guest (`kill -INT
+/// 1` is what the kernel does on Ctrl-Alt-Del once it is routed to the init).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn qemu_vm_shuts_down_gracefully_on_ctrl_alt_del() {
+    let _one = ONE_VM_AT_A_TIME.lock().await;
+    let Some(inputs) = inputs() else { return };
+    let dir = scratch("cad");
+    let script = "trap 'echo workload-terminated; exit 0' TERM; while true; do sleep 0.1; done";
+    let config = vm_config(&inputs, &dir, "qemu-cad", 7, script).await;
+    let mut vm = Qemu::boot(&inputs.launcher, &config).await.unwrap();
+    let as_root = |argv: &[&str]| ExecRequest {
+        argv: argv.iter().map(|s| s.to_string()).collect(),
+        user: Some("root".into()),
+        ..ExecRequest::default()
+    };
+    let c = client(&vm).await;
+    let routed = as_root(&["cat", "/proc/sys/kernel/ctrl-alt-del"]);
+    let out = tokio::task::spawn_blocking(move || {
+        let mut session = c.exec(&routed).unwrap();
+        let mut out = String::new();
+        loop {
+            match session.next_event().unwrap() {
+                ExecEvent::Stdout(b) => out.push_str(&String::from_utf8_lossy(&b)),
+                ExecEvent::Stderr(_) => {}
+                ExecEvent::Exit(_) => return out,
+            }
+        }
+    })
+    .await
+    .unwrap();
+    assert_eq!(out, "0\n", "Ctrl-Alt-Del is not routed to the init");
+    let c = client(&vm).await;
+    let cad = as_root(&["kill", "-INT", "1"]);
+    tokio::task::spawn_blocking(move || {
+        let mut session = c.exec(&cad).unwrap();
+        // The VM may go down before the exit arrives.
+        while let Ok(e) = session.next_event() {
+            if matches!(e, ExecEvent::Exit(_)) {
+                break;
+            }
+        }
+    })
+    .await
+    .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !vm.exited().unwrap() && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let log = serial(&vm);
+    assert!(
+        vm.exited().unwrap(),
+        "the VM did not power off after Ctrl-Alt-Del:\n{log}"
+    );
+    assert!(log.contains("imp-guest: Ctrl-Alt-Del: SIGTERM"), "{log}");
+    assert!(log.contains("workload-terminated"), "{log}");
+    assert!(log.contains("IMP_EXIT 0"), "{log}");
+    assert!(!log.contains("Kernel panic"), "{log}");
+    let fsck = Command::new("e2fsck")
+        .arg("-fn")
+        .arg(&config.drives[0].path)
+        .output()
+        .unwrap();
+    assert!(
+        fsck.status.success(),
+        "disk not clean after Ctrl-Alt-Del: {fsck:?}"
+    );
+    let _ = vm.stop(Duration::ZERO).await;
     let _ = fs::remove_dir_all(&dir);
 }
 

@@ -71,6 +71,9 @@ pub enum InitError {
 }
 
 /// What the init's main loop waits for.
+/// How long the workload gets after Ctrl-Alt-Del before it is killed.
+const CTRL_ALT_DEL_GRACE: Duration = Duration::from_secs(10);
+
 enum Event {
     Exited(ExitStatus),
     Shutdown(Duration),
@@ -126,6 +129,11 @@ pub fn run(opts: &Options) -> i32 {
         }
         if let Err(e) = system::attach_console() {
             log_error("attaching /dev/console failed", &e);
+        }
+        // Ctrl-Alt-Del becomes SIGINT to us (a graceful shutdown) instead of an immediate
+        // kernel restart that would skip the workload's exit and the disk's sync.
+        if let Err(e) = nix::sys::reboot::set_cad_enabled(false) {
+            log_error("routing Ctrl-Alt-Del to the init failed", &e);
         }
         console = Console::open_device();
         params = cmdline::parse(&std::fs::read_to_string("/proc/cmdline").unwrap_or_default());
@@ -350,23 +358,35 @@ fn run_workload(
             let _ = kill(Pid::from_raw(pid), sig);
         }
     };
+    let shut_down = |grace: Duration| {
+        send(Signal::SIGTERM);
+        let events = events.clone();
+        let _ = thread::Builder::new().name("grace".into()).spawn(move || {
+            thread::sleep(grace);
+            let _ = events.send(Event::KillNow);
+        });
+    };
     loop {
         match event_rx.recv() {
             Ok(Event::Exited(status)) => {
                 target.store(0, Ordering::SeqCst);
                 return status;
             }
+            // As PID 1 with Ctrl-Alt-Del routed to us (Firecracker's SendCtrlAltDel, see
+            // `run`), SIGINT asks the VM to shut down, as systemd reads it.
+            Ok(Event::Signal(Signal::SIGINT)) if opts.pid1 => {
+                let grace = CTRL_ALT_DEL_GRACE;
+                log(&format!(
+                    "Ctrl-Alt-Del: SIGTERM to the workload, SIGKILL after {grace:?}"
+                ));
+                shut_down(grace);
+            }
             Ok(Event::Signal(sig)) => send(sig),
             Ok(Event::Shutdown(grace)) => {
                 log(&format!(
                     "shutdown requested: SIGTERM to the workload, SIGKILL after {grace:?}"
                 ));
-                send(Signal::SIGTERM);
-                let events = events.clone();
-                let _ = thread::Builder::new().name("grace".into()).spawn(move || {
-                    thread::sleep(grace);
-                    let _ = events.send(Event::KillNow);
-                });
+                shut_down(grace);
             }
             Ok(Event::KillNow) => send(Signal::SIGKILL),
             // Every sender lives in this function's callers; unreachable in practice.
