@@ -630,6 +630,9 @@ impl Qemu {
                 Some('T' | 't') => return Ok(()),
                 None => return Ok(()), // gone: exited() will say so
                 Some(_) if Instant::now() >= deadline => {
+                    // Not paused after all: leave it running, as the error says.
+                    let _ = self.signal("thaw", nix::sys::signal::Signal::SIGCONT);
+                    self.frozen = false;
                     return Err(Error::Signal {
                         what: "freeze (still not stopped after 5 s)",
                         id: self.id.clone(),
