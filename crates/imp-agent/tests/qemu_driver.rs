@@ -724,5 +724,16 @@ async fn qemu_vm_without_vsock_snapshots_and_restores_in_a_new_process() {
         !Path::new(&format!("/proc/{pid}")).exists(),
         "QEMU {pid} still runs after stop"
     );
+
+    // A damaged snapshot is refused with QEMU's own reason, not a bare QMP error.
+    fs::write(&files.memory, b"not a migration stream").unwrap();
+    let err = Qemu::restore(&inputs.launcher, &config, &files, true)
+        .await
+        .unwrap_err();
+    eprintln!("damaged snapshot: {err}");
+    assert!(
+        matches!(err, qemu::Error::Exited { .. }) && err.to_string().contains("qemu.log"),
+        "{err}"
+    );
     let _ = fs::remove_dir_all(&dir);
 }

@@ -54,6 +54,9 @@ const FALLBACK_TSC_KHZ: u64 = 2_000_000;
 /// soft lockup or an RCU stall.
 const FROZEN_PAUSE_ARGS: &str = " nosoftlockup rcupdate.rcu_cpu_stall_suppress=1";
 
+/// Longest a snapshot may take to save or load (a 256 MiB guest takes under a second).
+const MIGRATION_TIMEOUT: Duration = Duration::from_secs(300);
+
 /// Longest single vsock connection attempt inside [`Vmm::connect_vsock`]'s overall timeout.
 const CONNECT_SLICE: Duration = Duration::from_secs(5);
 
@@ -678,6 +681,7 @@ impl Qemu {
 
     /// Waits for a running migration to finish.
     async fn wait_migration(&mut self) -> Result<()> {
+        let deadline = Instant::now() + MIGRATION_TIMEOUT;
         loop {
             let info = self.qmp("query-migrate", None).await?;
             let status = info
@@ -696,6 +700,15 @@ impl Qemu {
                     return Err(Error::Migration {
                         id: self.id.clone(),
                         status: format!("{status}: {why}"),
+                    });
+                }
+                _ if Instant::now() >= deadline => {
+                    return Err(Error::Migration {
+                        id: self.id.clone(),
+                        status: format!(
+                            "still {status} after {MIGRATION_TIMEOUT:?}; see {}",
+                            self.run_dir.join(files::QEMU_LOG).display()
+                        ),
                     });
                 }
                 _ => tokio::time::sleep(Duration::from_millis(20)).await,
@@ -791,11 +804,33 @@ impl Vmm for Qemu {
         let started = Instant::now();
         let mut vm = Self::start(launcher, config, Some(&snapshot.memory)).await?;
         // The incoming migration runs as soon as QEMU starts; wait until it has landed.
+        let deadline = Instant::now() + MIGRATION_TIMEOUT;
         loop {
-            let status = vm.qmp.status().await.map_err(|source| Error::Qmp {
-                id: vm.id.clone(),
-                source,
-            })?;
+            let status = match vm.qmp.status().await {
+                Ok(s) => s,
+                // A snapshot QEMU cannot load ends the process: say why, from its log.
+                Err(source) => {
+                    let log = vm.run_dir.join(files::QEMU_LOG);
+                    return Err(match vm.child.try_wait() {
+                        Ok(Some(status)) => Error::Exited {
+                            what: "QEMU loading a snapshot",
+                            id: vm.id.clone(),
+                            status: status.to_string(),
+                            log: tail(&log),
+                        },
+                        _ => Error::Qmp {
+                            id: vm.id.clone(),
+                            source,
+                        },
+                    });
+                }
+            };
+            if status == "inmigrate" && Instant::now() >= deadline {
+                return Err(Error::Migration {
+                    id: vm.id.clone(),
+                    status: format!("still loading after {MIGRATION_TIMEOUT:?}"),
+                });
+            }
             match status.as_str() {
                 "inmigrate" => tokio::time::sleep(Duration::from_millis(20)).await,
                 "paused" | "postmigrate" | "prelaunch" => break,
