@@ -371,6 +371,17 @@ async fn a_vm_whose_supervisor_was_killed_is_reported_and_its_vmm_reaped_by_stop
             .unwrap();
     let supervisor = record["supervisor_pid"].as_i64().unwrap();
     let vmm = record["vmm_pid"].as_i64().unwrap();
+    let helpers: Vec<i64> = record["helper_pids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p.as_i64().unwrap())
+        .collect();
+    assert_eq!(
+        helpers.len(),
+        1,
+        "QEMU's vsock backend is recorded: {record}"
+    );
     let alive = |pid: i64| {
         Path::new(&format!("/proc/{pid}")).exists()
             && !std::fs::read_to_string(format!("/proc/{pid}/stat"))
@@ -409,6 +420,16 @@ async fn a_vm_whose_supervisor_was_killed_is_reported_and_its_vmm_reaped_by_stop
         std::thread::sleep(std::time::Duration::from_millis(50));
     }
     assert!(!alive(vmm), "the orphaned VMM is still running");
+    for &helper in &helpers {
+        let deadline = Instant::now() + std::time::Duration::from_secs(5);
+        while alive(helper) && Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+        assert!(
+            !alive(helper),
+            "the orphaned vsock backend {helper} is still running"
+        );
+    }
     assert!(imp(&env, &["rm", "e2e-orphan"]).status.success());
 }
 

@@ -184,4 +184,10 @@ pub trait Vmm: Sized + Send {
 
     /// The host process id of the VMM, while it runs.
     fn pid(&self) -> Option<u32>;
+
+    /// Processes besides the VMM that serve this VM (QEMU's vsock backend), so whoever cleans
+    /// up after a dead supervisor can end them too.
+    fn helper_pids(&self) -> Vec<u32> {
+        Vec::new()
+    }
 }

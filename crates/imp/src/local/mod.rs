@@ -247,22 +247,26 @@ fn stop_one(state: &StateDir, name: &str, grace: Duration) -> anyhow::Result<()>
     Ok(())
 }
 
-/// Kills a VMM whose supervisor died without stopping it (e.g. `kill -9`), so no VM is left
-/// running unseen. The pid is only trusted if its command line names the VM's directory.
+/// Kills a VMM whose supervisor died without stopping it (e.g. `kill -9`), and its helper
+/// processes (vhost-device-vsock), so nothing of the VM is left running unseen. A pid is only
+/// trusted if its command line names the VM's directory.
 fn kill_orphaned_vmm(state: &StateDir, record: &state::VmRecord) {
-    let Some(pid) = record.vmm_pid else { return };
-    let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
     let dir = state.vm_dir(&record.name);
-    let ours = String::from_utf8_lossy(&cmdline).contains(&*dir.to_string_lossy());
-    if ours && let Ok(pid) = i32::try_from(pid) {
-        let _ = nix::sys::signal::kill(
-            nix::unistd::Pid::from_raw(pid),
-            nix::sys::signal::Signal::SIGKILL,
-        );
-        eprintln!(
-            "imp: {}: its supervisor had died; killed the orphaned VMM (pid {pid})",
-            record.name
-        );
+    let vmm = record.vmm_pid.map(|pid| (pid, "VMM"));
+    let helpers = record.helper_pids.iter().map(|&pid| (pid, "helper"));
+    for (pid, what) in vmm.into_iter().chain(helpers) {
+        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+        let ours = String::from_utf8_lossy(&cmdline).contains(&*dir.to_string_lossy());
+        if ours && let Ok(raw) = i32::try_from(pid) {
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(raw),
+                nix::sys::signal::Signal::SIGKILL,
+            );
+            eprintln!(
+                "imp: {}: its supervisor had died; killed the orphaned {what} (pid {pid})",
+                record.name
+            );
+        }
     }
 }
 

@@ -221,6 +221,7 @@ async fn supervise(
         runtime: format!("{:?}", args.runtime).to_lowercase(),
         supervisor_pid: std::process::id(),
         vmm_pid: None,
+        helper_pids: Vec::new(),
         vsock: files.dir.join("vsock.sock"),
         agent_port: imp_proto::DEFAULT_API_PORT,
         serial_log: files.dir.join("serial.log"),
@@ -407,6 +408,7 @@ async fn drive<V: Vmm>(
         .await
         .with_context(|| format!("booting {}", record.name))?;
     record.vmm_pid = vm.pid();
+    record.helper_pids = vm.helper_pids();
     record.serial_log = vm.serial_log_path().to_path_buf();
     record.vsock = vm
         .vsock_path()

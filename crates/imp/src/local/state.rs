@@ -157,6 +157,9 @@ pub struct VmRecord {
     pub supervisor_pid: u32,
     /// The VMM process's pid, once started.
     pub vmm_pid: Option<u32>,
+    /// Other processes of the VM (QEMU's vhost-device-vsock), killed with an orphaned VMM.
+    #[serde(default)]
+    pub helper_pids: Vec<u32>,
     /// The host Unix socket that reaches the guest's vsock (`CONNECT <port>`).
     pub vsock: PathBuf,
     /// The guest agent's vsock port.
@@ -293,6 +296,7 @@ mod tests {
                 runtime: "qemu".into(),
                 supervisor_pid: std::process::id(),
                 vmm_pid: None,
+                helper_pids: Vec::new(),
                 vsock: "/v".into(),
                 agent_port: 1024,
                 serial_log: "/s".into(),

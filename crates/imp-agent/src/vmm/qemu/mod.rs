@@ -1017,4 +1017,9 @@ impl Vmm for Qemu {
     fn pid(&self) -> Option<u32> {
         self.child.id()
     }
+
+    fn helper_pids(&self) -> Vec<u32> {
+        // Even with its worker dead the daemon process lives on: it still needs ending.
+        self.vhost_pid.into_iter().collect()
+    }
 }
