@@ -24,6 +24,9 @@ pub const ANNOTATION_RUNNER_DEMAND: &str = "imp.dev/runner-demand";
 pub const ANNOTATION_TRACE_CONTEXT: &str = "imp.dev/trace-context";
 /// Annotation carrying the W3C tracestate from the operator to the agent.
 pub const ANNOTATION_TRACE_STATE: &str = "imp.dev/trace-state";
+/// Annotation the operator writes with `spec.nodeName`: the [`PlacedSize`] the node was booked
+/// for, so the booking outlives a deleted ImpVMClass across operator restarts.
+pub const ANNOTATION_PLACED_RESOURCES: &str = "imp.dev/placed-resources";
 /// Finalizer the operator holds on every ImpVM until the agent has cleaned up.
 pub const FINALIZER_VM: &str = "imp/finalizer";
 /// Finalizer the operator holds on every ImpNetwork until its node state is torn down.
@@ -33,6 +36,34 @@ pub const FINALIZER_NETWORK: &str = "imp/network-finalizer";
 pub fn expire_after_rule() -> kube::core::Rule {
     kube::core::Rule::new("duration(self) == duration('0s') || duration(self) >= duration('60s')")
         .message("must be 0 or at least 60s")
+}
+
+/// vCPU and memory a VM was placed with: the JSON value of [`ANNOTATION_PLACED_RESOURCES`],
+/// e.g. `{"vcpu":2,"memoryMiB":1024}`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PlacedSize {
+    /// vCPUs booked on the node.
+    pub vcpu: i64,
+    /// Memory booked on the node, in MiB.
+    #[serde(rename = "memoryMiB")]
+    pub memory_mib: i64,
+}
+
+impl PlacedSize {
+    /// The annotation value.
+    pub fn to_annotation(&self) -> String {
+        format!(
+            "{{\"vcpu\":{},\"memoryMiB\":{}}}",
+            self.vcpu, self.memory_mib
+        )
+    }
+
+    /// Parses an annotation value; `None` when it is not the JSON above or holds a negative size.
+    pub fn from_annotation(value: &str) -> Option<Self> {
+        serde_json::from_str::<Self>(value)
+            .ok()
+            .filter(|s| s.vcpu >= 0 && s.memory_mib >= 0)
+    }
 }
 
 /// A reference to an object in the same namespace.
@@ -309,4 +340,24 @@ pub enum VmRuntime {
     Firecracker,
     /// QEMU `-M microvm`, with KVM or TCG.
     Qemu,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn placed_size_round_trips_through_its_annotation() {
+        let s = PlacedSize {
+            vcpu: 2,
+            memory_mib: 1024,
+        };
+        assert_eq!(s.to_annotation(), r#"{"vcpu":2,"memoryMiB":1024}"#);
+        assert_eq!(PlacedSize::from_annotation(&s.to_annotation()), Some(s));
+        assert_eq!(PlacedSize::from_annotation("2 vCPU"), None);
+        assert_eq!(
+            PlacedSize::from_annotation(r#"{"vcpu":-1,"memoryMiB":1}"#),
+            None
+        );
+    }
 }

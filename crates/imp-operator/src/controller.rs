@@ -13,14 +13,25 @@
 //! Status is written to the status subresource only. Reconciles are idempotent: each step
 //! checks whether its effect is already there.
 //!
+//! The finalizer is added in the same patch that writes `spec.nodeName` (an unplaced VM has
+//! nothing for an agent to clean up), and a placed VM without it (pinned by a user) gets it
+//! first thing.
+//!
+//! A reconcile handed a cached VM whose resourceVersion this process already wrote over (the
+//! watch has not caught up with its own write yet) stops without a request: every write would be
+//! refused with 409, and the watch event of the newer version reconciles the VM again.
+//!
 //! # No overbooking
-//! Placement happens under one scheduling lock. Usage per node is computed from the VM cache,
-//! overlaid with an in-memory ledger of the placements this process made that the cache may not
-//! show yet (entries drop once the cache agrees). `spec.nodeName` is written before anything else
-//! (then `status.nodeName`, phase `Scheduled`), so placement is durable: after an operator restart
-//! the ledger starts empty and the cache (listed in full before the first placement) holds every
-//! placement made before the crash. A VM whose `spec.nodeName` is set but whose status says
-//! otherwise (the operator died between the two writes, or a user pinned it) is completed to
+//! The choice of a node and its booking happen under one scheduling lock, over the per-node usage
+//! the [`Ledger`] keeps incrementally from the VM watch and this process's own `spec.nodeName`
+//! writes (a booking holds until the watch shows the write, and is taken back if the write
+//! fails); the write itself happens outside the lock. `spec.nodeName` is written before anything
+//! else, in one patch with the finalizer and annotation [`ANNOTATION_PLACED_RESOURCES`] (the size
+//! the node was booked for), then `status.nodeName` and phase `Scheduled`; so placement and the
+//! size it booked are durable together: after an operator restart the ledger is rebuilt from the
+//! VM list, which holds every placement made before the crash and, for VMs whose class has been
+//! deleted since, the size to keep counting. A VM whose `spec.nodeName` is set but whose status
+//! says otherwise (the operator died between the two writes, or a user pinned it) is completed to
 //! `Scheduled` on that node.
 //!
 //! # Contract with the node agent
@@ -45,16 +56,19 @@
 //!   why a VM cannot get going (`InvalidSpec`, `NoNodeAvailable`, `NodeNotReady`, start timeout);
 //!   the agent owns `Ready` from `Starting` on.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use futures::StreamExt;
+use futures::{StreamExt, TryStreamExt};
 use imp_api::class::ImpVMClass;
 use imp_api::cluster::{CLUSTER_CONFIG_NAME, ClusterImpConfig, ClusterImpNodeProfile};
 use imp_api::conditions::{self, ConditionReason, ConditionStatus, ConditionType};
 use imp_api::network::ImpNetwork;
-use imp_api::shared::{ANNOTATION_RESET_RETRIES, FINALIZER_VM, RestartMode, VmLifecycle};
+use imp_api::shared::{
+    ANNOTATION_PLACED_RESOURCES, ANNOTATION_RESET_RETRIES, FINALIZER_VM, PlacedSize, RestartMode,
+    VmLifecycle,
+};
 use imp_api::template::ImpVMTemplate;
 use imp_api::vm::{ImpVM, ImpVMSpec, ImpVMStatus, VmPhase};
 use k8s_openapi::api::core::v1::Node;
@@ -67,14 +81,14 @@ use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Resource, ResourceExt};
 use serde_json::{Value, json};
-use tokio::sync::Mutex;
 
+use crate::ledger::{Booking, Ledger, SizeRef};
 use crate::lifecycle::{self, RestartDecision, RestartState};
 use crate::metrics::{Health, Metrics};
 use crate::resolve::{self, MissingRef};
-use crate::schedule::{self, NodeUsage, NodeView, Policy, Request};
+use crate::schedule::{self, NodeView, Policy, Request};
 
-/// Finalizer the operator holds on every ImpVM until the agent has cleaned up.
+/// Finalizer the operator holds on every placed ImpVM until the agent has cleaned up.
 pub const FINALIZER: &str = "imp.dev/vm-cleanup";
 
 /// Field manager of every operator write.
@@ -176,7 +190,6 @@ pub enum ControllerError {
 /// The caches and shared state every reconcile reads.
 pub struct Context {
     client: kube::Client,
-    vms: Store<ImpVM>,
     nodes: Store<Node>,
     classes: Store<ImpVMClass>,
     templates: Store<ImpVMTemplate>,
@@ -184,16 +197,68 @@ pub struct Context {
     configs: Store<ClusterImpConfig>,
     profiles: Store<ClusterImpNodeProfile>,
     recorder: Recorder,
-    ledger: Mutex<HashMap<String, Option<String>>>,
-    /// The last size each placed VM resolved to, so a VM whose class or template was deleted
-    /// still counts against its node (counting it as zero would let the node be overbooked).
-    sizes: std::sync::Mutex<HashMap<String, (i64, i64)>>,
+    /// Per-node usage and this process's own writes; its lock is the scheduling lock.
+    ledger: Arc<std::sync::Mutex<Ledger>>,
     settings: Settings,
     metrics: Option<Arc<Metrics>>,
 }
 
 fn key(vm: &ImpVM) -> String {
     format!("{}/{}", vm.namespace().unwrap_or_default(), vm.name_any())
+}
+
+/// vCPU and MiB of a VM's live class (its classRef, else its template's), without resolving the
+/// rest of the spec.
+fn live_size(
+    classes: &Store<ImpVMClass>,
+    templates: &Store<ImpVMTemplate>,
+    r: &SizeRef,
+) -> Option<PlacedSize> {
+    let class = match &r.class {
+        Some(c) => c.clone(),
+        None => templates
+            .get(&ObjectRef::new(r.template.as_deref()?).within(&r.namespace))?
+            .spec
+            .class_ref
+            .name
+            .clone(),
+    };
+    let c = classes.get(&ObjectRef::new(&class))?;
+    Some(PlacedSize {
+        vcpu: i64::from(c.spec.vcpu),
+        memory_mib: i64::from(c.spec.memory_mib),
+    })
+}
+
+/// Feeds one event of the VM watch to the ledger.
+fn observe(
+    ledger: &std::sync::Mutex<Ledger>,
+    classes: &Store<ImpVMClass>,
+    templates: &Store<ImpVMTemplate>,
+    event: &watcher::Event<ImpVM>,
+) {
+    let mut ledger = ledger
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    match event {
+        watcher::Event::Apply(vm) | watcher::Event::InitApply(vm) => {
+            let live = live_size(classes, templates, &SizeRef::of(vm));
+            ledger.observe(&key(vm), vm, live);
+        }
+        watcher::Event::Delete(vm) => ledger.forget(&key(vm)),
+        watcher::Event::Init => ledger.relist_started(),
+        watcher::Event::InitDone => ledger.relist_done(),
+    }
+}
+
+/// Tells the ledger that sizes may have changed, for every item of a class or template stream.
+fn resized<T>(ledger: Arc<std::sync::Mutex<Ledger>>) -> impl FnMut(&T) {
+    move |_| {
+        ledger
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .classes_changed();
+    }
 }
 
 fn kube_err(doing: &'static str, vm: &ImpVM) -> impl FnOnce(kube::Error) -> Error {
@@ -276,38 +341,11 @@ impl Context {
         })
     }
 
-    /// vCPU and MiB of a VM's class (VM's classRef, else its template's), without resolving
-    /// the rest of the spec: this runs for every VM on every placement.
-    /// The VM's size now, or the last one seen if its class cannot be resolved any more.
-    fn remembered_size(&self, key: &str, vm: &ImpVM) -> (i64, i64) {
-        let Ok(mut sizes) = self.sizes.lock() else {
-            return self.size_of(vm).unwrap_or((0, 0));
-        };
-        match self.size_of(vm) {
-            Some(size) => {
-                sizes.insert(key.to_string(), size);
-                size
-            }
-            None => sizes.get(key).copied().unwrap_or((0, 0)),
-        }
-    }
-
-    fn size_of(&self, vm: &ImpVM) -> Option<(i64, i64)> {
-        let class = match &vm.spec.class_ref {
-            Some(c) => c.name.clone(),
-            None => {
-                let t = vm.spec.template_ref.as_ref()?;
-                let ns = vm.namespace().unwrap_or_default();
-                self.templates
-                    .get(&ObjectRef::new(&t.name).within(&ns))?
-                    .spec
-                    .class_ref
-                    .name
-                    .clone()
-            }
-        };
-        let c = self.classes.get(&ObjectRef::new(&class))?;
-        Some((i64::from(c.spec.vcpu), i64::from(c.spec.memory_mib)))
+    /// The scheduling lock: the ledger (never held across an await).
+    fn ledger(&self) -> std::sync::MutexGuard<'_, Ledger> {
+        self.ledger
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     fn policy(&self) -> Policy {
@@ -320,48 +358,6 @@ impl Context {
             default_fraction,
             overcommit_suspended: self.settings.overcommit_suspended,
         }
-    }
-
-    /// Usage per node from the cache overlaid with the ledger; prunes ledger entries the cache
-    /// now agrees with.
-    fn usage(
-        &self,
-        ledger: &mut HashMap<String, Option<String>>,
-        skip: &str,
-    ) -> BTreeMap<String, NodeUsage> {
-        let all = self.vms.state();
-        let present: std::collections::HashSet<String> = all.iter().map(|v| key(v)).collect();
-        ledger.retain(|k, _| present.contains(k));
-        if let Ok(mut sizes) = self.sizes.lock() {
-            sizes.retain(|k, _| present.contains(k));
-        }
-        let mut usage: BTreeMap<String, NodeUsage> = BTreeMap::new();
-        for vm in &all {
-            let k = key(vm);
-            if let Some(entry) = ledger.get(&k)
-                && *entry == vm.spec.node_name
-            {
-                ledger.remove(&k);
-            }
-            // Resolve (and remember) every VM's size, the one being placed too, so it still
-            // counts once its class is gone.
-            let (vcpu, mem) = self.remembered_size(&k, vm);
-            if k == skip {
-                continue;
-            }
-            let node = match ledger.get(&k) {
-                Some(n) => n.clone(),
-                None => vm.spec.node_name.clone(),
-            };
-            let Some(node) = node else { continue };
-            let phase = vm.status.as_ref().and_then(|s| s.phase).unwrap_or_default();
-            if phase.is_terminal() {
-                continue;
-            }
-            let suspended = phase == VmPhase::Suspended;
-            usage.entry(node).or_default().add(vcpu, mem, suspended);
-        }
-        usage
     }
 
     fn node_views(&self) -> Vec<NodeView> {
@@ -402,10 +398,26 @@ impl Context {
         doing: &'static str,
     ) -> Result<ImpVM, Error> {
         body["metadata"]["resourceVersion"] = json!(vm.resource_version());
-        self.api(vm)
+        let out = self
+            .api(vm)
             .patch(&vm.name_any(), &patch_params(), &Patch::Merge(&body))
-            .await
-            .map_err(kube_err(doing, vm))
+            .await;
+        self.note_write(vm, &out);
+        out.map_err(kube_err(doing, vm))
+    }
+
+    /// A write that succeeded, or was refused with 409, shows the version it was based on is
+    /// outdated.
+    fn note_write(&self, vm: &ImpVM, out: &Result<ImpVM, kube::Error>) {
+        let outdated = match out {
+            Ok(_) => true,
+            Err(kube::Error::Api(s)) => s.code == 409,
+            Err(_) => false,
+        };
+        if outdated {
+            self.ledger()
+                .outdated(&key(vm), vm.metadata.resource_version.as_deref());
+        }
     }
 
     /// Writes `status` (the whole desired status) as a diff against the VM's current status.
@@ -438,13 +450,19 @@ impl Context {
             "metadata": {"resourceVersion": vm.resource_version()},
             "status": Value::Object(diff),
         });
-        self.api(vm)
+        let out = self
+            .api(vm)
             .patch_status(&vm.name_any(), &patch_params(), &Patch::Merge(&body))
-            .await
-            .map_err(kube_err(doing, vm))
+            .await;
+        self.note_write(vm, &out);
+        out.map_err(kube_err(doing, vm))
     }
 
     /// Writes spec.nodeName and books the new value in the ledger until the cache shows it.
+    ///
+    /// The booking follows the write, so the VM still counts on its old node while the write is
+    /// in flight (over-counting briefly is the safe side). Placement books before the write
+    /// instead, under the scheduling lock: see [`Self::write_placement`].
     async fn set_node_name(&self, vm: &ImpVM, node: Option<&str>) -> Result<ImpVM, Error> {
         let out = self
             .patch_main(
@@ -453,11 +471,48 @@ impl Context {
                 "writing spec.nodeName of",
             )
             .await?;
-        self.ledger
-            .lock()
-            .await
-            .insert(key(vm), node.map(str::to_owned));
+        let k = key(vm);
+        let mut ledger = self.ledger();
+        let _booked = ledger.book(&k, node, None);
+        ledger.confirm(&k);
         Ok(out)
+    }
+
+    /// Writes a placement booked under the scheduling lock: spec.nodeName, the finalizer and
+    /// the booked size in one patch, so they are durable together. A failed write gives the
+    /// booking back.
+    async fn write_placement(
+        &self,
+        vm: &ImpVM,
+        node: &str,
+        size: PlacedSize,
+        booking: Booking,
+    ) -> Result<ImpVM, Error> {
+        let mut fins = vm.finalizers().to_vec();
+        if !fins.iter().any(|f| f == FINALIZER) {
+            fins.push(FINALIZER.to_owned());
+        }
+        let mut anns = serde_json::Map::new();
+        anns.insert(
+            ANNOTATION_PLACED_RESOURCES.to_owned(),
+            Value::String(size.to_annotation()),
+        );
+        let body = json!({
+            "metadata": {"finalizers": fins, "annotations": anns},
+            "spec": {"nodeName": node},
+        });
+        let out = self.patch_main(vm, body, "writing the placement of").await;
+        let k = key(vm);
+        match out {
+            Ok(placed) => {
+                self.ledger().confirm(&k);
+                Ok(placed)
+            }
+            Err(e) => {
+                self.ledger().abort(&k, booking);
+                Err(e)
+            }
+        }
     }
 }
 
@@ -511,6 +566,14 @@ async fn reconcile(vm: Arc<ImpVM>, ctx: Arc<Context>) -> Result<Action, Error> {
     if let Some(m) = &ctx.metrics {
         m.reconcile(CONTROLLER_NAME);
     }
+    if ctx
+        .ledger()
+        .is_stale(&key(&vm), vm.metadata.resource_version.as_deref())
+    {
+        // The watch has not shown this process's own last write yet; its event comes next.
+        tracing::debug!(vm = %key(&vm), "cached version is stale; waiting for the watch");
+        return Ok(Action::requeue(ctx.settings.requeue_active));
+    }
     let mut current = (*vm).clone();
     for attempt in 0..CONFLICT_ATTEMPTS {
         match step(current.clone(), &ctx).await {
@@ -552,17 +615,6 @@ async fn step(mut vm: ImpVM, ctx: &Context) -> Result<Action, Error> {
     let s = &ctx.settings;
     if vm.metadata.deletion_timestamp.is_some() {
         return finalize(vm, ctx).await;
-    }
-    if !vm.finalizers().iter().any(|f| f == FINALIZER) {
-        let mut fins = vm.finalizers().to_vec();
-        fins.push(FINALIZER.to_owned());
-        vm = ctx
-            .patch_main(
-                &vm,
-                json!({"metadata": {"finalizers": fins}}),
-                "adding the finalizer to",
-            )
-            .await?;
     }
     let generation = vm.metadata.generation;
     let mut status = vm.status.clone().unwrap_or_default();
@@ -607,6 +659,38 @@ async fn step(mut vm: ImpVM, ctx: &Context) -> Result<Action, Error> {
     }
 
     let resolved = ctx.resolve(&vm);
+
+    // A placed VM holds the finalizer and the size it was booked for; one written by the
+    // scheduler has both from its placement patch, one pinned by a user gets them here.
+    if vm.spec.node_name.is_some() {
+        let mut meta = serde_json::Map::new();
+        if !vm.finalizers().iter().any(|f| f == FINALIZER) {
+            let mut fins = vm.finalizers().to_vec();
+            fins.push(FINALIZER.to_owned());
+            meta.insert("finalizers".to_owned(), json!(fins));
+        }
+        if let Ok(r) = &resolved
+            && !vm.annotations().contains_key(ANNOTATION_PLACED_RESOURCES)
+        {
+            let size = PlacedSize {
+                vcpu: r.vcpu,
+                memory_mib: r.memory_mib,
+            };
+            meta.insert(
+                "annotations".to_owned(),
+                json!({ ANNOTATION_PLACED_RESOURCES: size.to_annotation() }),
+            );
+        }
+        if !meta.is_empty() {
+            vm = ctx
+                .patch_main(
+                    &vm,
+                    json!({ "metadata": meta }),
+                    "adding the finalizer and size to",
+                )
+                .await?;
+        }
+    }
 
     // Terminal phases: never scheduled again on their own.
     match phase {
@@ -872,7 +956,6 @@ async fn invalid_spec(vm: ImpVM, missing: MissingRef, ctx: &Context) -> Result<A
 
 /// Places an unplaced VM: under the scheduling lock, spec.nodeName first, then status.
 async fn place(vm: ImpVM, r: Resolved, ctx: &Context) -> Result<Action, Error> {
-    let generation = vm.metadata.generation;
     let req = Request {
         vcpu: r.vcpu,
         memory_mib: r.memory_mib,
@@ -880,30 +963,30 @@ async fn place(vm: ImpVM, r: Resolved, ctx: &Context) -> Result<Action, Error> {
         tolerations: r.spec.tolerations.clone(),
     };
     let k = key(&vm);
+    let size = PlacedSize {
+        vcpu: r.vcpu,
+        memory_mib: r.memory_mib,
+    };
+    let nodes = ctx.node_views();
+    let policy = ctx.policy();
     // The choice is booked in the ledger before the write, so the lock covers only the
     // decision; a failed write takes the booking back (over-counting briefly is the safe side).
-    let choice = {
-        let mut ledger = ctx.ledger.lock().await;
-        let usage = ctx.usage(&mut ledger, &k);
-        let choice = schedule::pick(&req, &ctx.node_views(), &usage, &ctx.policy());
-        if let Ok(node) = &choice {
-            ledger.insert(k.clone(), Some(node.clone()));
-        }
-        choice
+    let (choice, booking) = {
+        let mut ledger = ctx.ledger();
+        ledger.refresh_sizes(|s| live_size(&ctx.classes, &ctx.templates, s));
+        let choice = schedule::pick(&req, &nodes, ledger.usage(), &policy);
+        let booking = choice
+            .as_ref()
+            .ok()
+            .map(|node| ledger.book(&k, Some(node), Some(size)));
+        (choice, booking)
     };
-    let vm = match &choice {
-        Ok(node) => match ctx.set_node_name(&vm, Some(node)).await {
-            Ok(placed) => placed,
-            Err(e) => {
-                let mut ledger = ctx.ledger.lock().await;
-                if ledger.get(&k) == Some(&Some(node.clone())) {
-                    ledger.remove(&k);
-                }
-                return Err(e);
-            }
-        },
-        Err(_) => vm,
+    let vm = match (&choice, booking) {
+        (Ok(node), Some(booking)) => ctx.write_placement(&vm, node, size, booking).await?,
+        _ => vm,
     };
+    // The nodeName write raised the generation: conditions observe the new one.
+    let generation = vm.metadata.generation;
     let mut status = vm.status.clone().unwrap_or_default();
     match choice {
         Ok(node) => {
@@ -928,6 +1011,16 @@ async fn place(vm: ImpVM, r: Resolved, ctx: &Context) -> Result<Action, Error> {
                 false,
                 ConditionReason::Waiting,
                 format!("waiting for the agent on node {node}"),
+                generation,
+            );
+            // The node was Ready in the cache it was picked from: say so now, as the next
+            // reconcile would, so that one has nothing to write.
+            set_cond(
+                &mut status,
+                ConditionType::NodeHealthy,
+                true,
+                ConditionReason::NodeReady,
+                format!("node {node} is Ready"),
                 generation,
             );
             let vm = ctx
@@ -1269,8 +1362,25 @@ pub async fn run(
         Api::<ClusterImpNodeProfile>::all(client.clone())
     );
 
-    let controller = Controller::new(Api::<ImpVM>::all(client.clone()), wc.clone());
-    let vms = controller.store();
+    // The VM watch feeds the ledger as the cache takes each event in, so per-node usage never
+    // needs a scan of every VM; class and template changes make it look sizes up again.
+    let ledger = Arc::new(std::sync::Mutex::new(Ledger::default()));
+    let (vms, vm_writer) = reflector::store::<ImpVM>();
+    let vm_stream = {
+        let (ledger, classes, templates) = (ledger.clone(), classes.clone(), templates.clone());
+        reflector::reflector(
+            vm_writer,
+            watcher(Api::<ImpVM>::all(client.clone()), wc.clone()),
+        )
+        .map_ok(move |event| {
+            observe(&ledger, &classes, &templates, &event);
+            event
+        })
+        .applied_objects()
+    };
+    let class_stream = class_stream.inspect(resized(ledger.clone()));
+    let template_stream = template_stream.inspect(resized(ledger.clone()));
+    let controller = Controller::for_stream(vm_stream, vms.clone());
     let recorder = Recorder::new(
         client.clone(),
         Reporter {
@@ -1281,7 +1391,6 @@ pub async fn run(
     let concurrency = settings.concurrency;
     let ctx = Arc::new(Context {
         client: client.clone(),
-        vms: vms.clone(),
         nodes: nodes.clone(),
         classes: classes.clone(),
         templates: templates.clone(),
@@ -1289,8 +1398,7 @@ pub async fn run(
         configs: configs.clone(),
         profiles: profiles.clone(),
         recorder,
-        ledger: Mutex::new(HashMap::new()),
-        sizes: std::sync::Mutex::new(HashMap::new()),
+        ledger,
         settings,
         metrics: metrics.clone(),
     });

@@ -1,12 +1,14 @@
 //! The imp operator: decides where every ImpVM runs and keeps its status honest.
 //!
-//! [`resolve`] merges class ← template ← VM, [`schedule`] picks a node, [`lifecycle`] decides
-//! restarts, backoff and expiry, [`controller`] runs those against the API server, [`leader`]
-//! makes sure only one replica writes, [`metrics`] serves `/metrics`, `/healthz` and `/readyz`,
-//! and [`webhook`] validates and defaults ImpVMs at admission.
+//! [`resolve`] merges class ← template ← VM, [`schedule`] picks a node from the per-node usage
+//! [`ledger`] keeps, [`lifecycle`] decides restarts, backoff and expiry, [`controller`] runs
+//! those against the API server, [`leader`] makes sure only one replica writes, [`metrics`]
+//! serves `/metrics`, `/healthz` and `/readyz`, and [`webhook`] validates and defaults ImpVMs at
+//! admission.
 
 pub mod controller;
 pub mod leader;
+pub mod ledger;
 pub mod lifecycle;
 pub mod metrics;
 pub mod resolve;

@@ -1,8 +1,8 @@
 //! Node choice for one ImpVM: eligibility, taints and tolerations, capacity, tie-break.
 //!
-//! Pure logic: the controller builds a [`NodeView`] per Node and a [`NodeUsage`] per node from
-//! every VM it knows of (its cache plus the placements it made that the cache may not show yet),
-//! then calls [`pick`].
+//! Pure logic: the controller builds a [`NodeView`] per Node, takes the [`NodeUsage`] per node
+//! that [`crate::ledger`] keeps from every VM it knows of (its cache plus the placements it made
+//! that the cache may not show yet), then calls [`pick`].
 //!
 //! # Eligibility, in the order reasons are reported
 //! 1. the node carries label `imp/enabled=true`;
@@ -17,7 +17,8 @@
 //! that is set and non-zero wins over the derived value, so a profile with only vcpuCapacity still
 //! fits VMs by memory). Otherwise capacity is `status.allocatable × fraction`, where the fraction
 //! is the profile's `capacityFraction`, else ClusterImpConfig `cluster`'s `defaultFraction`, else
-//! 0.9. Usage is the sum of each VM's **own** class size (not the size of the VM being placed).
+//! 0.9. Usage is the sum of each VM's **own** size (not the size of the VM being placed): its
+//! live class, else the size it was placed with (see [`crate::ledger`]).
 //!
 //! Suspended VMs, per the Go project's overcommit rule: their vCPUs are free, and their memory is
 //! free too when [`Policy::overcommit_suspended`] is on (the Go behaviour and our default); when
@@ -129,6 +130,17 @@ impl NodeUsage {
         } else {
             self.vcpu += vcpu;
             self.memory_mib += memory_mib;
+        }
+    }
+
+    /// Takes back one VM added with the same arguments.
+    pub fn remove(&mut self, vcpu: i64, memory_mib: i64, suspended: bool) {
+        self.vms -= 1;
+        if suspended {
+            self.suspended_memory_mib -= memory_mib;
+        } else {
+            self.vcpu -= vcpu;
+            self.memory_mib -= memory_mib;
         }
     }
 }

@@ -482,6 +482,53 @@ async fn controllers_updates_are_never_blocked_but_moving_a_node_is() {
 }
 
 #[tokio::test]
+async fn the_placed_size_annotation_is_neither_rejected_nor_stripped() {
+    let f = fixture!();
+    let ann = json!({"imp.dev/placed-resources": r#"{"vcpu":1,"memoryMiB":256}"#});
+    // The operator's placement: nodeName, finalizer and the booked size in one update.
+    let old = vm(json!({"classRef": {"name": "small"}, "image": "registry.local/a:1"}));
+    let mut placed = old.clone();
+    placed["spec"]["nodeName"] = json!("node-a");
+    placed["metadata"]["finalizers"] = json!(["imp.dev/vm-cleanup"]);
+    placed["metadata"]["annotations"] = ann.clone();
+    let resp = f
+        .review("/validate", request("UPDATE", &placed, Some(&old)))
+        .await;
+    assert_eq!(resp["allowed"], true, "placement: {resp}");
+    // Added later to a VM a user pinned (metadata only).
+    let mut pinned = placed.clone();
+    pinned["metadata"]
+        .as_object_mut()
+        .unwrap()
+        .remove("annotations");
+    let resp = f
+        .review("/validate", request("UPDATE", &placed, Some(&pinned)))
+        .await;
+    assert_eq!(resp["allowed"], true, "backfill: {resp}");
+    // A VM created with it (restored from a backup) keeps it: mutation writes spec fields only.
+    let mut obj = vm(json!({"classRef": {"name": "small"}, "image": "registry.local/a:1"}));
+    obj["metadata"]["annotations"] = ann.clone();
+    let resp = f.review("/mutate", request("CREATE", &obj, None)).await;
+    assert_eq!(resp["allowed"], true, "{resp}");
+    let patch = decode_patch(&resp);
+    assert!(
+        patch
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|op| op["path"].as_str().unwrap().starts_with("/spec/")),
+        "{patch}"
+    );
+    let patched = apply_patch(obj, &patch);
+    assert_eq!(patched["metadata"]["annotations"], ann, "{patched}");
+    let resp = f
+        .review("/validate", request("CREATE", &patched, None))
+        .await;
+    assert_eq!(resp["allowed"], true, "{resp}");
+    f.shutdown().await;
+}
+
+#[tokio::test]
 async fn warnings_come_from_the_validation_module() {
     let f = fixture!();
     let resp = f

@@ -806,6 +806,100 @@ async fn a_deleted_class_still_counts_against_its_node() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deleted_class_still_counts_after_an_operator_restart() {
+    let e = env().await;
+    let c = &e.client;
+    // 3 vCPU × 0.9 = 2.7 → room for two 1-vCPU VMs.
+    node(c, "only", "3", "16Gi", true, true).await;
+    class(c, "old", 1, 256).await;
+    let mut op = Operator::start(&e, "first", &[]).await;
+    vm(
+        c,
+        "first",
+        json!({"classRef": {"name": "old"}, "image": "busybox"}),
+    )
+    .await;
+    wait_vm(c, "first", "first Scheduled", |v| {
+        phase(v) == Some(VmPhase::Scheduled)
+    })
+    .await;
+    // The class goes away, then the operator: the new one never saw the class, only the VM.
+    Api::<ImpVMClass>::all(c.clone())
+        .delete("old", &DeleteParams::default())
+        .await
+        .unwrap();
+    op.kill9().await;
+    class(c, "new", 1, 256).await;
+    for name in ["second", "third"] {
+        vm(
+            c,
+            name,
+            json!({"classRef": {"name": "new"}, "image": "busybox"}),
+        )
+        .await;
+    }
+    let _op = Operator::start(&e, "second", &[]).await;
+    wait_for(
+        "second and third each placed or refused",
+        Duration::from_secs(20),
+        || async {
+            let items = vms(c).list(&ListParams::default()).await.unwrap().items;
+            items
+                .iter()
+                .filter(|v| v.name_any() != "first")
+                .all(|v| {
+                    phase(v) == Some(VmPhase::Scheduled)
+                        || cond(v, "Scheduled").is_some_and(|c| c.reason == "NoNodeAvailable")
+                })
+                .then_some(())
+        },
+    )
+    .await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(
+        placements(c).await.get("only"),
+        Some(&2),
+        "node overbooked after the restart"
+    );
+    // The size the node was booked for is on the VM, written with its placement.
+    let first = vms(c).get("first").await.unwrap();
+    assert_eq!(
+        first
+            .annotations()
+            .get("imp.dev/placed-resources")
+            .map(String::as_str),
+        Some(r#"{"vcpu":1,"memoryMiB":256}"#)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_vm_pinned_by_a_user_gets_the_finalizer_and_its_booked_size() {
+    let e = env().await;
+    let c = &e.client;
+    node(c, "a", "8", "16Gi", true, true).await;
+    class(c, "small", 1, 256).await;
+    let _op = Operator::start(&e, "solo", &[]).await;
+    vm(
+        c,
+        "pinned",
+        json!({"classRef": {"name": "small"}, "image": "busybox", "nodeName": "a"}),
+    )
+    .await;
+    let v = wait_vm(c, "pinned", "pinned Scheduled", |v| {
+        phase(v) == Some(VmPhase::Scheduled)
+    })
+    .await;
+    assert_eq!(v.status.as_ref().unwrap().node_name.as_deref(), Some("a"));
+    assert!(v.finalizers().iter().any(|f| f == "imp.dev/vm-cleanup"));
+    assert_eq!(
+        v.annotations()
+            .get("imp.dev/placed-resources")
+            .map(String::as_str),
+        Some(r#"{"vcpu":1,"memoryMiB":256}"#)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn expire_after_deletes_a_vm_that_has_run_that_long() {
     use k8s_openapi::jiff::{SignedDuration, Timestamp};
     let e = env().await;
