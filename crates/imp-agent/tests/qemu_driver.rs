@@ -198,11 +198,16 @@ async fn client(vm: &Qemu) -> Client<std::os::unix::net::UnixStream> {
 
 /// Runs `argv` in the guest; returns the stdout chunks as they streamed and the exit status.
 async fn exec(vm: &Qemu, argv: &[&str]) -> (Vec<String>, ExitStatus) {
-    let c = client(vm).await;
     let request = ExecRequest {
         argv: argv.iter().map(|s| s.to_string()).collect(),
         ..ExecRequest::default()
     };
+    exec_request(vm, request).await
+}
+
+/// Runs `request` in the guest, as [`exec`] does.
+async fn exec_request(vm: &Qemu, request: ExecRequest) -> (Vec<String>, ExitStatus) {
+    let c = client(vm).await;
     tokio::task::spawn_blocking(move || {
         let mut session = c.exec(&request).unwrap();
         let mut chunks = Vec::new();
@@ -462,22 +467,12 @@ async fn qemu_vm_shuts_down_gracefully_on_ctrl_alt_del() {
         user: Some("root".into()),
         ..ExecRequest::default()
     };
-    let c = client(&vm).await;
-    let routed = as_root(&["cat", "/proc/sys/kernel/ctrl-alt-del"]);
-    let out = tokio::task::spawn_blocking(move || {
-        let mut session = c.exec(&routed).unwrap();
-        let mut out = String::new();
-        loop {
-            match session.next_event().unwrap() {
-                ExecEvent::Stdout(b) => out.push_str(&String::from_utf8_lossy(&b)),
-                ExecEvent::Stderr(_) => {}
-                ExecEvent::Exit(_) => return out,
-            }
-        }
-    })
-    .await
-    .unwrap();
-    assert_eq!(out, "0\n", "Ctrl-Alt-Del is not routed to the init");
+    let (out, _) = exec_request(&vm, as_root(&["cat", "/proc/sys/kernel/ctrl-alt-del"])).await;
+    assert_eq!(
+        out.concat(),
+        "0\n",
+        "Ctrl-Alt-Del is not routed to the init"
+    );
     let c = client(&vm).await;
     let cad = as_root(&["kill", "-INT", "1"]);
     tokio::task::spawn_blocking(move || {

@@ -131,11 +131,10 @@ async fn env_with(name: &str, image: TestImage) -> Env {
     }
 }
 
-fn imp(env: &Env, args: &[&str]) -> Output {
-    let started = Instant::now();
-    let out = Command::new(env!("CARGO_BIN_EXE_imp"))
-        .args(args)
-        .env("IMP_STATE_DIR", &env.state)
+/// The real `imp` binary, pointed at this test's state dir, kernel and guest.
+fn imp_command(env: &Env) -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_imp"));
+    cmd.env("IMP_STATE_DIR", &env.state)
         .env(
             "IMP_KERNEL",
             workspace_root().join("target/guest-kernel/vmlinux"),
@@ -143,9 +142,13 @@ fn imp(env: &Env, args: &[&str]) -> Output {
         .env(
             "IMP_GUEST",
             workspace_root().join("target/imp-guest/imp-guest"),
-        )
-        .output()
-        .unwrap();
+        );
+    cmd
+}
+
+fn imp(env: &Env, args: &[&str]) -> Output {
+    let started = Instant::now();
+    let out = imp_command(env).args(args).output().unwrap();
     eprintln!(
         "imp {args:?}: {:?} in {:.1}s\n--- stdout\n{}--- stderr\n{}",
         out.status,
@@ -443,18 +446,9 @@ async fn ctrl_c_stops_the_workload_gracefully() {
     }
     let env = env_with("busybox", busybox_image()).await;
     // Like a shell: imp gets its own process group, and Ctrl-C signals that whole group.
-    let mut child = Command::new(env!("CARGO_BIN_EXE_imp"))
+    let mut child = imp_command(&env)
         .args(["run", "--rm", &env.image, "--"])
         .arg("trap 'echo got-term; exit 0' TERM; echo started; while true; do sleep 1; done")
-        .env("IMP_STATE_DIR", &env.state)
-        .env(
-            "IMP_KERNEL",
-            workspace_root().join("target/guest-kernel/vmlinux"),
-        )
-        .env(
-            "IMP_GUEST",
-            workspace_root().join("target/imp-guest/imp-guest"),
-        )
         .stdout(std::process::Stdio::piped())
         .process_group(0)
         .spawn()
