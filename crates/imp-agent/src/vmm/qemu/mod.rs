@@ -811,8 +811,11 @@ impl Vmm for Qemu {
                 // A snapshot QEMU cannot load ends the process: say why, from its log.
                 Err(source) => {
                     let log = vm.run_dir.join(files::QEMU_LOG);
-                    return Err(match vm.child.try_wait() {
-                        Ok(Some(status)) => Error::Exited {
+                    // QMP closes as QEMU exits; give the exit a moment to be reaped.
+                    let exited =
+                        tokio::time::timeout(Duration::from_secs(2), vm.child.wait()).await;
+                    return Err(match exited {
+                        Ok(Ok(status)) => Error::Exited {
                             what: "QEMU loading a snapshot",
                             id: vm.id.clone(),
                             status: status.to_string(),
