@@ -331,8 +331,10 @@ fn run_workload(
         }
     };
     let mut command = workload::command(&spec);
+    // Like `docker run` without -i: the workload's stdin is empty, never the console, where
+    // a shell would wait forever for input nobody can type.
     command
-        .stdin(Stdio::inherit())
+        .stdin(Stdio::null())
         .stdout(Stdio::inherit())
         .stderr(Stdio::inherit());
     let (child, exit) = match reaper.spawn(|| command.spawn()) {

@@ -38,6 +38,19 @@ enum Command {
     Rm(local::RmArgs),
     /// Show a local VM's serial console.
     Console(local::ConsoleArgs),
+    /// The per-VM supervisor that `imp run` and `imp agent` start (not for direct use).
+    #[command(hide = true)]
+    Shim(ShimArgs),
+}
+
+/// `imp shim`: supervises one VM whose spec its starter wrote into the VM's directory.
+#[derive(clap::Args)]
+struct ShimArgs {
+    /// The state directory holding `vms/ID/`.
+    #[arg(long)]
+    state_dir: std::path::PathBuf,
+    /// The VM's id.
+    id: String,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -59,8 +72,28 @@ fn main() -> anyhow::Result<()> {
         Command::Stop(args) => local::stop(args)?,
         Command::Rm(args) => local::rm(args)?,
         Command::Console(args) => local::console(args)?,
+        Command::Shim(args) => shim(args)?,
     }
     Ok(())
+}
+
+/// Runs a VM's shim until the VM has ended and its record says how.
+fn shim(args: ShimArgs) -> anyhow::Result<()> {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(false)
+        .try_init();
+    let state = imp_agent::runtime::state::StateDir::new(args.state_dir);
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?
+        .block_on(imp_agent::runtime::supervisor::run(state, args.id.clone()))
+        .with_context(|| format!("supervising VM {}", args.id))
 }
 
 /// Local commands log warnings to stderr (more with RUST_LOG), keeping stdout for the workload.

@@ -47,8 +47,13 @@ pub async fn probe_boot(qemu: &Path, kernel: &Path, deadline: Duration) -> Probe
     if !device_usable() {
         return Probe::NoDevice;
     }
-    let dir = std::env::temp_dir().join(format!("imp-kvm-probe-{}", std::process::id()));
-    let _ = std::fs::create_dir_all(&dir);
+    // A private directory (mkdtemp: unpredictable name, mode 0700): a predictable path in a
+    // shared /tmp written as root could be planted by another user.
+    let template = std::env::temp_dir().join("imp-kvm-probe-XXXXXX");
+    let dir = match nix::unistd::mkdtemp(&template) {
+        Ok(d) => d,
+        Err(e) => return Probe::Failed(format!("creating a private directory for the probe: {e}")),
+    };
     let serial = dir.join("serial.log");
     let started = Instant::now();
     let child = tokio::process::Command::new(qemu)

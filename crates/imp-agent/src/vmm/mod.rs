@@ -17,6 +17,10 @@ pub mod kvm;
 pub mod qemu;
 pub mod vsock;
 
+/// What [`Vmm::stop`] waits beyond the grace period: the guest gives its workload the whole
+/// grace, then needs a moment to sync its disk and power off.
+pub const POWER_OFF_MARGIN: Duration = Duration::from_secs(3);
+
 /// How the VM should look: what every driver needs to boot it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct VmConfig {
@@ -156,7 +160,8 @@ pub trait Vmm: Sized + Send {
         files: &SnapshotFiles,
     ) -> impl Future<Output = Result<(), Self::Error>> + Send;
 
-    /// Asks the guest to shut down, waits up to `grace`, then kills the VMM process.
+    /// Asks the guest to shut down, giving its workload `grace`; waits that long plus
+    /// [`POWER_OFF_MARGIN`], then kills the VMM process. A zero grace kills at once.
     fn stop(self, grace: Duration)
     -> impl Future<Output = Result<StopOutcome, Self::Error>> + Send;
 

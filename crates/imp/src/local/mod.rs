@@ -1,15 +1,13 @@
 //! Local VMs, no cluster: `imp run IMAGE` boots one microVM on this machine, and
 //! `imp exec|ps|stop|rm|console` act on the VMs it started.
 //!
-//! The process that runs `imp run` is the VM's supervisor: it owns the VMM process, follows the
-//! serial console, receives the workload's exit report and writes the VM's record
-//! ([`state`]). `imp run -d` starts the same supervisor detached in its own process group and
-//! returns once the guest agent answers. The other commands find a VM through its record.
+//! Every VM is owned by its shim, the per-VM supervisor of `imp-agent`'s runtime
+//! ([`imp_agent::runtime`]): `imp run` starts it and follows the console (or, with `-d`, returns
+//! once the guest agent answers); the other commands find a VM through the record its shim
+//! writes and talk to the shim with signals.
 
-mod console;
-mod exec;
+pub mod exec;
 pub mod run;
-mod state;
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -17,8 +15,10 @@ use std::time::Duration;
 use anyhow::{Context, bail};
 use clap::Args;
 
+use imp_agent::runtime::console;
+use imp_agent::runtime::shim;
+use imp_agent::runtime::state::{self, StateDir, VmStatus};
 pub use run::RunArgs;
-use state::{StateDir, VmStatus};
 
 /// Flags every local command shares.
 #[derive(Args, Debug, Clone)]
@@ -226,47 +226,23 @@ fn stop_one(state: &StateDir, name: &str, grace: Duration) -> anyhow::Result<()>
         kill_orphaned_vmm(state, &record);
         return Ok(());
     }
-    // The supervisor turns SIGTERM into a graceful guest shutdown with a grace period it reads
-    // from the record's sibling file, then kills the VMM if the guest does not power off.
-    let grace_file = state.vm_dir(name).join("stop-grace-ms");
-    std::fs::write(&grace_file, grace.as_millis().to_string())
-        .with_context(|| format!("writing {}", grace_file.display()))?;
-    let pid = i32::try_from(record.supervisor_pid).context("supervisor pid out of range")?;
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(pid),
-        nix::sys::signal::Signal::SIGTERM,
-    )
-    .with_context(|| format!("signalling the supervisor (pid {pid})"))?;
-    let deadline = std::time::Instant::now() + grace + Duration::from_secs(15);
-    while record.supervisor_alive() {
-        if std::time::Instant::now() > deadline {
-            bail!("the supervisor (pid {pid}) did not finish within {grace:?} + 15s");
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    // The shim turns SIGTERM into a graceful guest shutdown with the grace written beside its
+    // record, then kills the VMM if the guest does not power off.
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?
+        .block_on(shim::stop(state, &record, grace))?;
     Ok(())
 }
 
-/// Kills a VMM whose supervisor died without stopping it (e.g. `kill -9`), and its helper
-/// processes (vhost-device-vsock), so nothing of the VM is left running unseen. A pid is only
-/// trusted if its command line names the VM's directory.
+/// Kills a VMM whose shim died without stopping it, and says so.
 fn kill_orphaned_vmm(state: &StateDir, record: &state::VmRecord) {
-    let dir = state.vm_dir(&record.name);
-    let vmm = record.vmm_pid.map(|pid| (pid, "VMM"));
-    let helpers = record.helper_pids.iter().map(|&pid| (pid, "helper"));
-    for (pid, what) in vmm.into_iter().chain(helpers) {
-        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-        let ours = String::from_utf8_lossy(&cmdline).contains(&*dir.to_string_lossy());
-        if ours && let Ok(raw) = i32::try_from(pid) {
-            let _ = nix::sys::signal::kill(
-                nix::unistd::Pid::from_raw(raw),
-                nix::sys::signal::Signal::SIGKILL,
-            );
-            eprintln!(
-                "imp: {}: its supervisor had died; killed the orphaned {what} (pid {pid})",
-                record.name
-            );
-        }
+    for (pid, what) in shim::kill_orphans(state, record) {
+        eprintln!(
+            "imp: {}: its supervisor had died; killed the orphaned {what} (pid {pid})",
+            record.name
+        );
     }
 }
 
@@ -275,7 +251,7 @@ pub fn rm(args: RmArgs) -> anyhow::Result<()> {
     let state = StateDir::resolve(args.common.state_dir)?;
     let mut failed = 0;
     for name in &args.vms {
-        let result = state.load(name).and_then(|record| {
+        let result = state.load(name).map_err(anyhow::Error::from).and_then(|record| {
             if record.supervisor_alive() {
                 if !args.force {
                     bail!("it is still running: `imp stop {name}` first, or use --force");
@@ -284,7 +260,7 @@ pub fn rm(args: RmArgs) -> anyhow::Result<()> {
             } else {
                 kill_orphaned_vmm(&state, &record);
             }
-            state.remove(name)
+            Ok(state.remove(name)?)
         });
         match result {
             Ok(()) => println!("{name}"),

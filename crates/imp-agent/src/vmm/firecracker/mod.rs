@@ -511,7 +511,8 @@ impl Vmm for Firecracker {
                 }
                 Err(error) => tracing::debug!(vm = %self.id, %error, "Ctrl+Alt+Del not built"),
             }
-            if tokio::time::timeout(grace, self.child.wait()).await.is_ok() {
+            let wait = grace + super::POWER_OFF_MARGIN;
+            if tokio::time::timeout(wait, self.child.wait()).await.is_ok() {
                 outcome = StopOutcome::Graceful;
             }
         }

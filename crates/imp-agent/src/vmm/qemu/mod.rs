@@ -921,7 +921,8 @@ impl Vmm for Qemu {
     }
 
     async fn stop(mut self, grace: Duration) -> Result<StopOutcome> {
-        let deadline = Instant::now() + grace;
+        // The guest gets `grace` for its workload, then a moment to sync and power off.
+        let deadline = Instant::now() + grace + super::POWER_OFF_MARGIN;
         let mut outcome = StopOutcome::Killed;
         if !grace.is_zero() && self.state == VmState::Running {
             let asked = match self.launcher_agent_port {

@@ -1,5 +1,5 @@
-//! Following a VM's serial console log: what `imp run` prints while the workload runs and what
-//! `imp console` shows.
+//! Following a VM's serial console log: what `imp run` prints while the workload runs, what
+//! `imp console` shows, and the tail a failure Event carries.
 //!
 //! The guest's workload writes to the serial console, which the VMM appends to a log file. The
 //! follower reads the file as it grows and hands complete lines on; [`Filter`] drops what is not
@@ -59,6 +59,34 @@ impl Follower {
         self.partial.clear();
         Some(s)
     }
+}
+
+/// The last `max` bytes of the log at `path`, starting at a line boundary (for failure Events
+/// and for the exit marker, without keeping the whole console in memory). A missing file
+/// reads as empty.
+pub fn tail(path: &Path, max: u64) -> std::io::Result<String> {
+    let mut file = match std::fs::File::open(path) {
+        Ok(f) => f,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(String::new()),
+        Err(e) => return Err(e),
+    };
+    let len = file.metadata()?.len();
+    let start = len.saturating_sub(max);
+    file.seek(SeekFrom::Start(start))?;
+    let mut buf = Vec::new();
+    file.take(max).read_to_end(&mut buf)?;
+    if start > 0
+        && let Some(pos) = buf.iter().position(|&b| b == b'\n')
+    {
+        buf.drain(..=pos);
+    }
+    Ok(String::from_utf8_lossy(&buf).into_owned())
+}
+
+/// The last `n` lines of `text`.
+pub fn last_lines(text: &str, n: usize) -> String {
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(n)..].join("\n")
 }
 
 /// Where a console line belongs.
@@ -166,6 +194,11 @@ mod tests {
         assert_eq!(f.poll().unwrap(), ["two\n"]);
         assert_eq!(f.rest().as_deref(), Some("three"));
         assert_eq!(f.rest(), None);
+        // The tail starts at a line boundary and holds at most the asked bytes.
+        assert_eq!(tail(&path, 9).unwrap(), "three");
+        assert_eq!(tail(&path, 1000).unwrap(), "one\ntwo\nthree");
+        assert_eq!(last_lines("a\nb\nc\n", 2), "b\nc");
         std::fs::remove_file(&path).unwrap();
+        assert_eq!(tail(&path, 10).unwrap(), "");
     }
 }

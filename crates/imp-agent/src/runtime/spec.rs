@@ -1,0 +1,148 @@
+//! What to boot: the spec a front end (`imp run`, `imp agent`) writes into a VM's directory
+//! and the VM's shim reads. Everything is resolved before it is written (absolute paths of the
+//! kernel, modules, guest init and VMM binaries), so the shim decides nothing about the host.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use imp_proto::message::EnvVar;
+use serde::{Deserialize, Serialize};
+
+use super::state::Owner;
+
+/// The spec file's name inside a VM directory.
+pub const SPEC_FILE: &str = "spec.json";
+
+/// Which VMM runs the VM.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Runtime {
+    /// QEMU `-M microvm` (TCG where KVM cannot boot Linux guests).
+    Qemu,
+    /// Firecracker (needs a KVM that boots Linux and an uncompressed vmlinux kernel).
+    Firecracker,
+}
+
+impl Runtime {
+    /// The name written in records and status.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Qemu => "qemu",
+            Self::Firecracker => "firecracker",
+        }
+    }
+}
+
+/// Host files the VM boots with.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BootFiles {
+    /// Guest kernel (ELF vmlinux, or a bzImage for QEMU).
+    pub kernel: PathBuf,
+    /// The kernel's modules directory.
+    pub modules: PathBuf,
+    /// The static guest init (`imp-guest`).
+    pub guest: PathBuf,
+    /// The Firecracker binary, for [`Runtime::Firecracker`].
+    #[serde(default)]
+    pub firecracker: Option<PathBuf>,
+    /// Kernel arguments added to imp's own.
+    #[serde(default)]
+    pub extra_kernel_args: Option<String>,
+}
+
+/// The cgroup a VM's processes run in (outside the front end's own).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CgroupSpec {
+    /// Path below each hierarchy's root, e.g. `imp/<uid>`.
+    pub path: String,
+    /// Memory limit for the VMM and its helpers, in bytes.
+    pub memory_limit_bytes: u64,
+}
+
+/// One VM to boot, as its shim reads it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VmSpec {
+    /// The image reference (`registry/repo:tag`, `oci:DIR[:TAG]`, `oci-archive:FILE`).
+    pub image: String,
+    /// A `.dockerconfigjson`-style file with registry credentials.
+    #[serde(default)]
+    pub auth_file: Option<PathBuf>,
+    /// Replaces the image's ENTRYPOINT.
+    #[serde(default)]
+    pub entrypoint: Option<String>,
+    /// Replaces the image's CMD (empty: keep it).
+    #[serde(default)]
+    pub command: Vec<String>,
+    /// The workload's environment (wins over the image's Env).
+    #[serde(default)]
+    pub env: Vec<EnvVar>,
+    /// Guest hostname.
+    pub hostname: String,
+    /// Virtual CPUs.
+    pub vcpus: u8,
+    /// Guest memory in MiB.
+    pub memory_mib: u32,
+    /// The VM's own disk in GiB.
+    pub disk_gib: u32,
+    /// The VMM.
+    pub runtime: Runtime,
+    /// Kernel, modules, guest init, VMM binary.
+    pub boot: BootFiles,
+    /// How long the guest may take until its agent answers, in milliseconds.
+    pub boot_timeout_ms: u64,
+    /// Delete the VM's directory when it ends.
+    #[serde(default)]
+    pub remove_on_exit: bool,
+    /// The cgroup of the VM's processes, if any.
+    #[serde(default)]
+    pub cgroup: Option<CgroupSpec>,
+    /// The ImpVM this VM belongs to (for `imp agent`).
+    #[serde(default)]
+    pub owner: Option<Owner>,
+}
+
+impl VmSpec {
+    /// The boot timeout as a duration.
+    pub fn boot_timeout(&self) -> Duration {
+        Duration::from_millis(self.boot_timeout_ms)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn spec_round_trips_through_json() {
+        let spec = VmSpec {
+            image: "127.0.0.1:5000/app:1".into(),
+            auth_file: None,
+            entrypoint: None,
+            command: vec!["sh".into()],
+            env: vec![EnvVar::new("A", "1")],
+            hostname: "web".into(),
+            vcpus: 1,
+            memory_mib: 256,
+            disk_gib: 1,
+            runtime: Runtime::Qemu,
+            boot: BootFiles {
+                kernel: "/k".into(),
+                modules: "/m".into(),
+                guest: "/g".into(),
+                firecracker: None,
+                extra_kernel_args: None,
+            },
+            boot_timeout_ms: 1000,
+            remove_on_exit: false,
+            cgroup: Some(CgroupSpec {
+                path: "imp/x".into(),
+                memory_limit_bytes: 1 << 30,
+            }),
+            owner: None,
+        };
+        let json = serde_json::to_string(&spec).unwrap();
+        assert!(json.contains("\"runtime\":\"qemu\""), "{json}");
+        assert_eq!(serde_json::from_str::<VmSpec>(&json).unwrap(), spec);
+        assert_eq!(spec.boot_timeout(), Duration::from_secs(1));
+    }
+}

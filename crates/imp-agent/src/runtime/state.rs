@@ -1,0 +1,506 @@
+//! The on-disk records of the VMs this machine runs, so that any process (`imp ps`, `imp exec`,
+//! a restarted `imp agent`) can find them again: nothing a VM needs lives only in memory.
+//!
+//! Layout under a state directory (`/var/lib/imp/local` for `imp run` as root, else
+//! `$XDG_STATE_HOME/imp` or `~/.local/state/imp`; `/var/lib/imp/agent` for `imp agent`):
+//! `cache/` holds pulled blobs, base root filesystems and initramfs bases, shared by all VMs;
+//! `vms/<id>/` holds one VM: `spec.json` (what to boot, [`super::spec::VmSpec`]), `vm.json`
+//! (this module's [`VmRecord`], written by the VM's shim), its own disk, its initramfs, the VMM's
+//! sockets, the serial log and the shim's log. A VM directory is removed by `--rm`, `imp rm` or
+//! the agent's cleanup; nothing else deletes it.
+
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+/// The record file's name inside a VM directory.
+const RECORD: &str = "vm.json";
+
+/// Failures of reading and writing VM records.
+#[derive(Debug, thiserror::Error)]
+pub enum StateError {
+    /// A file or directory operation failed.
+    #[error("{action} {}", path.display())]
+    Io {
+        /// What was being done ("reading", "creating" …).
+        action: &'static str,
+        /// The file or directory.
+        path: PathBuf,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A record or spec file is not valid JSON of the expected shape.
+    #[error("parsing {}", path.display())]
+    Parse {
+        /// The file.
+        path: PathBuf,
+        /// The cause.
+        #[source]
+        source: serde_json::Error,
+    },
+    /// No VM directory or record of that name exists.
+    #[error("no VM named {0:?} (see `imp ps -a`)")]
+    NoSuchVm(String),
+    /// A VM of that name already exists.
+    #[error("a VM named {name:?} already exists ({}); pick another --name or run `imp rm {name}`", dir.display())]
+    NameTaken {
+        /// The name.
+        name: String,
+        /// Its directory.
+        dir: PathBuf,
+    },
+    /// The name is not a DNS label.
+    #[error("VM name {0:?} is invalid: use 1-63 lowercase letters, digits and '-', starting and ending with a letter or digit")]
+    InvalidName(String),
+    /// Neither a flag, IMP_STATE_DIR nor HOME says where state lives.
+    #[error("cannot choose a state directory: set IMP_STATE_DIR or HOME")]
+    NoStateDir,
+    /// No free generated name was found.
+    #[error("could not find a free VM name under {}", .0.display())]
+    NoFreeName(PathBuf),
+}
+
+/// This module's result type.
+pub type Result<T, E = StateError> = std::result::Result<T, E>;
+
+fn io(action: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> StateError {
+    let path = path.to_path_buf();
+    move |source| StateError::Io {
+        action,
+        path,
+        source,
+    }
+}
+
+/// Where VMs and the image cache live.
+#[derive(Debug, Clone)]
+pub struct StateDir {
+    root: PathBuf,
+}
+
+impl StateDir {
+    /// A state directory at `root`.
+    pub fn new(root: impl Into<PathBuf>) -> Self {
+        Self { root: root.into() }
+    }
+
+    /// Picks the local state directory from `--state-dir`, `IMP_STATE_DIR`, or the user's
+    /// defaults.
+    pub fn resolve(flag: Option<PathBuf>) -> Result<Self> {
+        let root = match flag.or_else(|| std::env::var_os("IMP_STATE_DIR").map(PathBuf::from)) {
+            Some(dir) => dir,
+            None if nix::unistd::geteuid().is_root() => PathBuf::from("/var/lib/imp/local"),
+            None => match std::env::var_os("XDG_STATE_HOME") {
+                Some(state) => PathBuf::from(state).join("imp"),
+                None => match std::env::var_os("HOME") {
+                    Some(home) => PathBuf::from(home).join(".local/state/imp"),
+                    None => return Err(StateError::NoStateDir),
+                },
+            },
+        };
+        Ok(Self { root })
+    }
+
+    /// The root directory.
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    /// The image cache shared by every VM.
+    pub fn cache(&self) -> PathBuf {
+        self.root.join("cache")
+    }
+
+    /// The directory of VM `id`.
+    pub fn vm_dir(&self, id: &str) -> PathBuf {
+        self.root.join("vms").join(id)
+    }
+
+    /// Creates the directory of a new VM, refusing an id that is taken.
+    pub fn create_vm_dir(&self, id: &str) -> Result<PathBuf> {
+        validate_name(id)?;
+        let dir = self.vm_dir(id);
+        let vms = self.root.join("vms");
+        std::fs::create_dir_all(&vms).map_err(io("creating", &vms))?;
+        match std::fs::create_dir(&dir) {
+            Ok(()) => Ok(dir),
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Err(StateError::NameTaken {
+                name: id.to_owned(),
+                dir,
+            }),
+            Err(e) => Err(io("creating", &dir)(e)),
+        }
+    }
+
+    /// Reads the record of VM `id`.
+    pub fn load(&self, id: &str) -> Result<VmRecord> {
+        validate_name(id)?;
+        let path = self.vm_dir(id).join(RECORD);
+        match read_json(&path) {
+            Err(StateError::Io { source, .. }) if source.kind() == std::io::ErrorKind::NotFound => {
+                Err(StateError::NoSuchVm(id.to_owned()))
+            }
+            other => other,
+        }
+    }
+
+    /// Writes `record` atomically (temp file, fsync, rename) so readers never see half of it.
+    pub fn save(&self, record: &VmRecord) -> Result<()> {
+        write_json(&self.vm_dir(&record.name).join(RECORD), record)
+    }
+
+    /// Every VM with a readable record, sorted by name; unreadable ones are reported apart.
+    pub fn list(&self) -> Result<Listing> {
+        let vms = self.root.join("vms");
+        let entries = match std::fs::read_dir(&vms) {
+            Ok(e) => e,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Default::default()),
+            Err(e) => return Err(io("listing", &vms)(e)),
+        };
+        let (mut good, mut bad) = (Vec::new(), Vec::new());
+        for entry in entries {
+            let entry = entry.map_err(io("listing", &vms))?;
+            let name = entry.file_name().to_string_lossy().into_owned();
+            match self.load(&name) {
+                Ok(r) => good.push(r),
+                Err(e) => bad.push((entry.path(), e)),
+            }
+        }
+        good.sort_by(|a, b| a.name.cmp(&b.name));
+        Ok((good, bad))
+    }
+
+    /// Deletes VM `id`'s directory (disk, logs, record); a missing one is not an error.
+    pub fn remove(&self, id: &str) -> Result<()> {
+        validate_name(id)?;
+        let dir = self.vm_dir(id);
+        match std::fs::remove_dir_all(&dir) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(io("removing", &dir)(e)),
+            _ => Ok(()),
+        }
+    }
+}
+
+/// Reads a JSON file into `T`.
+pub fn read_json<T: serde::de::DeserializeOwned>(path: &Path) -> Result<T> {
+    let bytes = std::fs::read(path).map_err(io("reading", path))?;
+    serde_json::from_slice(&bytes).map_err(|source| StateError::Parse {
+        path: path.to_path_buf(),
+        source,
+    })
+}
+
+/// Writes `value` as JSON to `path` atomically (temp file beside it, fsync, rename).
+pub fn write_json<T: Serialize>(path: &Path, value: &T) -> Result<()> {
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let tmp = path.with_file_name(format!(".{name}.tmp"));
+    let bytes = serde_json::to_vec_pretty(value).map_err(|source| StateError::Parse {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    {
+        use std::io::Write;
+        let mut f = std::fs::File::create(&tmp).map_err(io("creating", &tmp))?;
+        f.write_all(&bytes)
+            .and_then(|()| f.sync_all())
+            .map_err(io("writing", &tmp))?;
+    }
+    std::fs::rename(&tmp, path).map_err(io("renaming into place", path))
+}
+
+/// Readable records, and the directories whose record could not be read (with why).
+pub type Listing = (Vec<VmRecord>, Vec<(PathBuf, StateError)>);
+
+/// What a VM is doing, as its shim last wrote it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum VmStatus {
+    /// Image pull, disk and VMM start are under way.
+    Starting,
+    /// The guest agent answered.
+    Running,
+    /// The workload ended (or the VM was stopped).
+    Exited,
+    /// The VM could not be started or died; `error` says why.
+    Failed,
+}
+
+impl VmStatus {
+    /// Whether the VM has ended for good.
+    pub fn is_final(self) -> bool {
+        matches!(self, Self::Exited | Self::Failed)
+    }
+}
+
+/// The step of a VM's start a failure happened in; the agent maps it to a condition reason.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Stage {
+    /// Reading the spec, finding binaries and the kernel.
+    Config,
+    /// Pulling the image.
+    Image,
+    /// Building the root filesystem or the VM's own disk.
+    Disk,
+    /// Building the guest initramfs.
+    Initramfs,
+    /// Starting the VMM.
+    Boot,
+    /// Waiting for the guest agent.
+    GuestReady,
+    /// While the VM ran (the VMM died, the shim was lost).
+    Run,
+}
+
+/// How long each step of a start took, in milliseconds (0: not reached or not measured).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Timings {
+    /// Image pull (or cache lookup).
+    pub image_ms: u64,
+    /// Base root filesystem and the VM's disk clone.
+    pub disk_ms: u64,
+    /// Initramfs and VMM start, until the VMM runs.
+    pub boot_ms: u64,
+    /// From the VMM's start until the guest agent answered.
+    pub ready_ms: u64,
+}
+
+/// Which cluster object a VM belongs to (none for `imp run` VMs).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Owner {
+    /// The ImpVM's namespace.
+    pub namespace: String,
+    /// The ImpVM's name.
+    pub name: String,
+    /// The ImpVM's uid (also the VM's id on the node).
+    pub uid: String,
+    /// The restart attempt (`status.restartCount`) this VM was started for.
+    #[serde(default)]
+    pub attempt: i32,
+}
+
+/// One VM, as written by its shim (the supervisor process that owns the VMM).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VmRecord {
+    /// The VM's id on this machine (a DNS label: the local name, or the ImpVM's uid).
+    pub name: String,
+    /// The image as the user gave it.
+    pub image: String,
+    /// The image's manifest digest, once pulled.
+    pub digest: Option<String>,
+    /// `qemu` or `firecracker`.
+    pub runtime: String,
+    /// The shim's pid: `imp stop` signals it, `imp ps` checks it is alive.
+    pub supervisor_pid: u32,
+    /// The VMM process's pid, once started.
+    pub vmm_pid: Option<u32>,
+    /// Other processes of the VM (QEMU's vhost-device-vsock), killed with an orphaned VMM.
+    #[serde(default)]
+    pub helper_pids: Vec<u32>,
+    /// The host Unix socket that reaches the guest's vsock (`CONNECT <port>`).
+    pub vsock: PathBuf,
+    /// The guest agent's vsock port.
+    pub agent_port: u32,
+    /// The serial console log.
+    pub serial_log: PathBuf,
+    /// Seconds since the Unix epoch when the VM was created.
+    pub created_unix: u64,
+    /// When the guest agent first answered.
+    #[serde(default)]
+    pub running_unix: Option<u64>,
+    /// When the VM ended.
+    #[serde(default)]
+    pub finished_unix: Option<u64>,
+    /// What it is doing.
+    pub status: VmStatus,
+    /// The workload's exit code, once it ended.
+    pub exit_code: Option<i32>,
+    /// Why it failed, if it did.
+    pub error: Option<String>,
+    /// The step it failed in.
+    #[serde(default)]
+    pub error_stage: Option<Stage>,
+    /// The last lines of the serial console when it failed (for the failure Event).
+    #[serde(default)]
+    pub console_tail: Option<String>,
+    /// Whether the VM's directory is deleted when it ends.
+    pub remove_on_exit: bool,
+    /// How long the start's steps took.
+    #[serde(default)]
+    pub timings: Timings,
+    /// The ImpVM this VM belongs to, for VMs of `imp agent`.
+    #[serde(default)]
+    pub owner: Option<Owner>,
+}
+
+impl VmRecord {
+    /// Whether the shim still runs, so the record's status can be trusted.
+    pub fn supervisor_alive(&self) -> bool {
+        pid_alive(self.supervisor_pid)
+    }
+
+    /// The status to show: a live status whose shim died reads as `Failed`.
+    pub fn effective_status(&self) -> VmStatus {
+        match self.status {
+            VmStatus::Starting | VmStatus::Running if !self.supervisor_alive() => VmStatus::Failed,
+            s => s,
+        }
+    }
+}
+
+/// Whether a process with this pid exists (signal 0 probes without sending anything).
+pub fn pid_alive(pid: u32) -> bool {
+    let Ok(pid) = i32::try_from(pid) else {
+        return false;
+    };
+    if pid <= 0 {
+        return false;
+    }
+    let exists = match nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), None) {
+        Ok(()) => true,
+        Err(nix::errno::Errno::EPERM) => true,
+        Err(_) => false,
+    };
+    // A zombie (dead, not yet reaped: a killed detached supervisor whose new parent does not
+    // reap) still answers signal 0.
+    exists && !is_zombie(pid)
+}
+
+/// Whether /proc says `pid` is a zombie (state `Z` after the command name).
+fn is_zombie(pid: i32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|stat| {
+            stat.rsplit_once(')')
+                .map(|(_, rest)| rest.trim_start().starts_with('Z'))
+        })
+        .unwrap_or(false)
+}
+
+/// Refuses names that would not be a DNS label, as an ImpVM name must be.
+pub fn validate_name(name: &str) -> Result<()> {
+    let ok = !name.is_empty()
+        && name.len() <= 63
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        && !name.starts_with('-')
+        && !name.ends_with('-');
+    if ok {
+        Ok(())
+    } else {
+        Err(StateError::InvalidName(name.to_owned()))
+    }
+}
+
+/// A fresh name like `imp-3fa9c1`, unique among the VMs under `state`.
+pub fn generate_name(state: &StateDir) -> Result<String> {
+    let mut bytes = [0u8; 3];
+    for _ in 0..16 {
+        getrandom(&mut bytes)?;
+        let name = format!("imp-{:02x}{:02x}{:02x}", bytes[0], bytes[1], bytes[2]);
+        if !state.vm_dir(&name).exists() {
+            return Ok(name);
+        }
+    }
+    Err(StateError::NoFreeName(state.root.clone()))
+}
+
+fn getrandom(buf: &mut [u8]) -> Result<()> {
+    use std::io::Read;
+    let path = Path::new("/dev/urandom");
+    std::fs::File::open(path)
+        .and_then(|mut f| f.read_exact(buf))
+        .map_err(io("reading", path))
+}
+
+/// Seconds since the Unix epoch.
+pub fn now_unix() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_must_be_dns_labels() {
+        for good in ["a", "web-1", "imp-3fa9c1"] {
+            assert!(validate_name(good).is_ok(), "{good}");
+        }
+        for bad in ["", "-a", "a-", "Web", "a_b", "../x", &"x".repeat(64)] {
+            let err = validate_name(bad).unwrap_err().to_string();
+            assert!(err.contains("is invalid"), "{bad}: {err}");
+        }
+    }
+
+    #[test]
+    fn records_round_trip_and_list_sorted() {
+        let dir = std::env::temp_dir().join(format!("imp-state-test-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let state = StateDir::resolve(Some(dir.clone())).unwrap();
+        for name in ["b", "a"] {
+            state.create_vm_dir(name).unwrap();
+            let record = VmRecord {
+                name: name.into(),
+                image: "oci:/x:latest".into(),
+                digest: None,
+                runtime: "qemu".into(),
+                supervisor_pid: std::process::id(),
+                vmm_pid: None,
+                helper_pids: Vec::new(),
+                vsock: "/v".into(),
+                agent_port: 1024,
+                serial_log: "/s".into(),
+                created_unix: now_unix(),
+                running_unix: None,
+                finished_unix: None,
+                status: VmStatus::Running,
+                exit_code: None,
+                error: None,
+                error_stage: None,
+                console_tail: None,
+                remove_on_exit: false,
+                timings: Timings::default(),
+                owner: None,
+            };
+            state.save(&record).unwrap();
+            assert_eq!(state.load(name).unwrap(), record);
+        }
+        let err = state.create_vm_dir("a").unwrap_err().to_string();
+        assert!(err.contains("already exists"), "{err}");
+        std::fs::create_dir_all(state.vm_dir("zz")).unwrap();
+        std::fs::write(state.vm_dir("zz").join(RECORD), b"{not json").unwrap();
+        let (good, bad) = state.list().unwrap();
+        assert_eq!(
+            good.iter().map(|r| r.name.as_str()).collect::<Vec<_>>(),
+            ["a", "b"]
+        );
+        assert_eq!(bad.len(), 1);
+        assert!(good[0].supervisor_alive());
+        assert_eq!(good[0].effective_status(), VmStatus::Running);
+        let missing = state.load("nope").unwrap_err().to_string();
+        assert!(missing.contains("imp ps"), "{missing}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_dead_supervisor_reads_as_failed() {
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let pid = child.id();
+        child.wait().unwrap();
+        assert!(!pid_alive(pid));
+        // Dead but not reaped: a zombie is not alive either.
+        let mut zombie = std::process::Command::new("true").spawn().unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        assert!(!pid_alive(zombie.id()));
+        zombie.wait().unwrap();
+    }
+}

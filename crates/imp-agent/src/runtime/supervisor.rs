@@ -1,0 +1,499 @@
+//! The shim: one process per VM that owns its VMM from image to exit.
+//!
+//! Steps, each failure tagged with its [`Stage`]: move into the VM's cgroup, pull the image
+//! into the shared cache, build (or reuse) its ext4 base, give the VM its own disk clone, write
+//! the guest config into a per-VM initramfs on top of the cached guest initramfs, boot the VMM,
+//! wait until the guest agent answers (status `running`), then wait for the VM to end and record
+//! the workload's exit code from the guest's exit report over vsock or, failing that, the
+//! `IMP_EXIT` marker at the end of the console. SIGTERM or SIGINT, at any step (the handlers
+//! are the first thing installed), ask for a stop: before the VMM runs the start is abandoned,
+//! after it the guest is asked once to shut down (the driver's graceful stop, with the grace
+//! the front end wrote into `stop-grace-ms`), then the VMM is killed.
+//!
+//! The shim writes everything it learns into the VM's record; front ends and the node agent
+//! read the record and never hold the VMM themselves, so they may come and go.
+
+use std::error::Error as StdError;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use imp_proto::config::{GuestConfig, RootDisk};
+use imp_proto::message::ExitStatus;
+use tokio::signal::unix::{Signal, SignalKind, signal};
+
+use super::cgroup::VmCgroup;
+use super::console;
+use super::guest_agent;
+use super::spec::{Runtime, SPEC_FILE, VmSpec};
+use super::state::{self, Stage, StateDir, VmRecord, VmStatus};
+use crate::guest;
+use crate::image::{self, ImageSource, ImageStore, RegistryAuth};
+use crate::vmm::{self, DriveConfig, StopOutcome, VmConfig, Vmm, VsockConfig};
+
+/// The guest port the workload's exit report is sent to (CID 2).
+pub const EXIT_REPORT_PORT: u32 = 10001;
+/// The guest's vsock context id; each VM has its own vsock device, so one value serves all.
+pub const GUEST_CID: u32 = 3;
+/// The file a front end writes the stop grace period into (milliseconds) before SIGTERM.
+pub const STOP_GRACE_FILE: &str = "stop-grace-ms";
+/// Exit code recorded for a VM stopped before its workload reported one (128 + SIGTERM).
+pub const STOPPED_EXIT_CODE: i32 = 143;
+/// How much of the console's end is read for the exit marker and the failure tail.
+const CONSOLE_TAIL_BYTES: u64 = 64 * 1024;
+/// Console lines kept in the record of a failed VM.
+const FAILURE_TAIL_LINES: usize = 20;
+
+/// A failed step of the VM's life: which step and why.
+#[derive(Debug, thiserror::Error)]
+#[error("{what}")]
+pub struct Failure {
+    /// The step.
+    pub stage: Stage,
+    /// What was being done, naming the object.
+    pub what: String,
+    /// The cause.
+    #[source]
+    pub source: Option<Box<dyn StdError + Send + Sync>>,
+}
+
+impl Failure {
+    fn new(stage: Stage, what: impl Into<String>) -> Self {
+        Self {
+            stage,
+            what: what.into(),
+            source: None,
+        }
+    }
+
+    /// The message with its whole cause chain, as written into the record.
+    pub fn chain(&self) -> String {
+        let mut out = self.what.clone();
+        let mut cur: Option<&(dyn StdError + 'static)> = self.source.as_deref().map(|e| e as _);
+        while let Some(e) = cur {
+            out.push_str(": ");
+            out.push_str(&e.to_string());
+            cur = e.source();
+        }
+        out
+    }
+}
+
+/// Tags an error with the stage it happened in and what was being done.
+fn at<E: StdError + Send + Sync + 'static>(
+    stage: Stage,
+    what: impl Into<String>,
+) -> impl FnOnce(E) -> Failure {
+    let what = what.into();
+    move |e| Failure {
+        stage,
+        what,
+        source: Some(Box::new(e)),
+    }
+}
+
+/// SIGTERM and SIGINT, installed before anything else so no stop request is lost.
+struct StopSignals {
+    term: Signal,
+    int: Signal,
+}
+
+impl StopSignals {
+    fn install() -> std::io::Result<Self> {
+        Ok(Self {
+            term: signal(SignalKind::terminate())?,
+            int: signal(SignalKind::interrupt())?,
+        })
+    }
+
+    async fn requested(&mut self) {
+        tokio::select! {
+            _ = self.term.recv() => {}
+            _ = self.int.recv() => {}
+        }
+    }
+}
+
+/// How the VM's run ended, before it is written into the record.
+enum Ended {
+    /// The workload's exit code (or [`STOPPED_EXIT_CODE`]).
+    Exited(i32),
+    /// A step failed.
+    Failed(Failure),
+}
+
+/// The shim's main: supervises VM `id` of `state` from its `spec.json` until it ends.
+/// Returns once the record holds the end; the shim process then exits 0.
+pub async fn run(state: StateDir, id: String) -> Result<(), state::StateError> {
+    let dir = state.vm_dir(&id);
+    // Signals first: a Ctrl-C during the image pull or the boot must not leave a VMM behind.
+    let mut stop = StopSignals::install().map_err(|source| state::StateError::Io {
+        action: "installing signal handlers for",
+        path: dir.clone(),
+        source,
+    })?;
+    let spec: VmSpec = state::read_json(&dir.join(SPEC_FILE))?;
+    let mut record = initial_record(&id, &dir, &spec);
+    state.save(&record)?;
+    tracing::info!(vm = %id, image = %spec.image, "shim started");
+    let ended = match join_cgroup(&spec) {
+        Ok(()) => supervise(&state, &dir, &spec, &mut record, &mut stop).await,
+        Err(f) => Ended::Failed(f),
+    };
+    finish(&mut record, ended).await;
+    if spec.remove_on_exit {
+        state.remove(&id)
+    } else {
+        state.save(&record)
+    }
+}
+
+fn initial_record(id: &str, dir: &Path, spec: &VmSpec) -> VmRecord {
+    VmRecord {
+        name: id.to_owned(),
+        image: spec.image.clone(),
+        digest: None,
+        runtime: spec.runtime.as_str().to_owned(),
+        supervisor_pid: std::process::id(),
+        vmm_pid: None,
+        helper_pids: Vec::new(),
+        vsock: dir.join("vsock.sock"),
+        agent_port: imp_proto::DEFAULT_API_PORT,
+        serial_log: dir.join("serial.log"),
+        created_unix: state::now_unix(),
+        running_unix: None,
+        finished_unix: None,
+        status: VmStatus::Starting,
+        exit_code: None,
+        error: None,
+        error_stage: None,
+        console_tail: None,
+        remove_on_exit: spec.remove_on_exit,
+        timings: Default::default(),
+        owner: spec.owner.clone(),
+    }
+}
+
+/// Moves the shim (and so the VMM it starts) into the VM's own cgroup.
+fn join_cgroup(spec: &VmSpec) -> Result<(), Failure> {
+    let Some(cg) = &spec.cgroup else {
+        return Ok(());
+    };
+    VmCgroup::create(&cg.path, cg.memory_limit_bytes)
+        .and_then(|c| c.add(std::process::id()))
+        .map_err(at(Stage::Config, format!("joining cgroup {}", cg.path)))
+}
+
+/// Writes how the VM ended into its record, with the console's tail for failures.
+async fn finish(record: &mut VmRecord, ended: Ended) {
+    record.finished_unix = Some(state::now_unix());
+    match ended {
+        Ended::Exited(code) => {
+            record.status = VmStatus::Exited;
+            record.exit_code = Some(code);
+        }
+        Ended::Failed(f) => {
+            tracing::warn!(vm = %record.name, stage = ?f.stage, error = %f.chain(), "VM failed");
+            record.status = VmStatus::Failed;
+            record.error = Some(f.chain());
+            record.error_stage = Some(f.stage);
+            let tail = read_console_tail(&record.serial_log).await;
+            if !tail.trim().is_empty() {
+                record.console_tail = Some(console::last_lines(&tail, FAILURE_TAIL_LINES));
+            }
+        }
+    }
+}
+
+async fn read_console_tail(path: &Path) -> String {
+    let path = path.to_path_buf();
+    tokio::task::spawn_blocking(move || console::tail(&path, CONSOLE_TAIL_BYTES))
+        .await
+        .ok()
+        .and_then(Result::ok)
+        .unwrap_or_default()
+}
+
+async fn supervise(
+    state: &StateDir,
+    dir: &Path,
+    spec: &VmSpec,
+    record: &mut VmRecord,
+    stop: &mut StopSignals,
+) -> Ended {
+    let prepared = tokio::select! {
+        r = prepare(state, dir, spec, record) => r,
+        () = stop.requested() => return Ended::Exited(STOPPED_EXIT_CODE),
+    };
+    let config = match prepared {
+        Ok(c) => c,
+        Err(f) => return Ended::Failed(f),
+    };
+    if let Err(e) = state.save(record) {
+        return Ended::Failed(at(Stage::Config, "saving the VM record")(e));
+    }
+    match spec.runtime {
+        Runtime::Qemu => {
+            let launcher = match vmm::qemu::Launcher::detect() {
+                Ok(l) => l.probe_accel(&config.kernel, &state.cache()).await,
+                Err(e) => return Ended::Failed(at(Stage::Boot, "finding QEMU")(e)),
+            };
+            drive::<vmm::qemu::Qemu>(&launcher, &config, state, dir, spec, record, stop).await
+        }
+        Runtime::Firecracker => {
+            let Some(fc) = &spec.boot.firecracker else {
+                return Ended::Failed(Failure::new(Stage::Config, "no Firecracker binary given"));
+            };
+            let launcher = vmm::firecracker::Launcher::new(fc.clone());
+            drive::<vmm::firecracker::Firecracker>(
+                &launcher, &config, state, dir, spec, record, stop,
+            )
+            .await
+        }
+    }
+}
+
+/// Image → disk → initramfs: everything the VMM needs, as a [`VmConfig`].
+async fn prepare(
+    state: &StateDir,
+    dir: &Path,
+    spec: &VmSpec,
+    record: &mut VmRecord,
+) -> Result<VmConfig, Failure> {
+    let t = Instant::now();
+    let source: ImageSource = spec
+        .image
+        .parse()
+        .map_err(at(Stage::Image, format!("image {:?}", spec.image)))?;
+    let auth = registry_auth(spec, &source).await?;
+    let store = ImageStore::new(state.cache().join("images"), image::Limits::default());
+    let pulled = store
+        .pull(&source, &auth)
+        .await
+        .map_err(at(Stage::Image, format!("pulling {}", spec.image)))?;
+    record.digest = Some(pulled.manifest_digest.clone());
+    record.timings.image_ms = ms(t.elapsed());
+
+    let t = Instant::now();
+    let base = store.rootfs(&pulled, &[]).await.map_err(at(
+        Stage::Disk,
+        format!("building the root filesystem of {}", spec.image),
+    ))?;
+    let disk = dir.join("disk.ext4");
+    image::clone_disk(&base.path, &disk, u64::from(spec.disk_gib) << 30)
+        .await
+        .map_err(at(
+            Stage::Disk,
+            format!("giving the VM its own {} GiB disk", spec.disk_gib),
+        ))?;
+    record.timings.disk_ms = ms(t.elapsed());
+    tracing::info!(vm = %record.name, digest = %pulled.manifest_digest, cached = base.cached, "root disk ready");
+
+    let mut config = GuestConfig {
+        hostname: Some(spec.hostname.clone()),
+        image: pulled.config.clone(),
+        env: spec.env.clone(),
+        ..GuestConfig::default()
+    };
+    if let Some(entrypoint) = &spec.entrypoint {
+        config.command = Some(vec![entrypoint.clone()]);
+        config.args = Some(spec.command.clone());
+    } else if !spec.command.is_empty() {
+        config.args = Some(spec.command.clone());
+    }
+    config.agent.exit_report_port = Some(EXIT_REPORT_PORT);
+    config.root = Some(RootDisk::ext4("/dev/vda"));
+    let base_initrd = guest::initramfs::BaseInitramfs::cached(
+        &state.cache().join("initramfs"),
+        &spec.boot.guest,
+        &spec.boot.modules,
+        guest::kernel::VM_MODULES,
+    )
+    .await
+    .map_err(at(Stage::Initramfs, "building the guest initramfs"))?;
+    config.modules = base_initrd.module_paths().to_vec();
+    let initrd = dir.join("initramfs.cpio");
+    guest::initramfs::build_for_vm(&base_initrd, &config, &initrd)
+        .await
+        .map_err(at(Stage::Initramfs, "writing the VM's initramfs"))?;
+
+    let mut kernel_args = format!(
+        "console=ttyS0 quiet loglevel=1 panic=-1 reboot=t tsc_early_khz={}",
+        vmm::qemu::host_tsc_khz()
+    );
+    if let Some(extra) = &spec.boot.extra_kernel_args {
+        kernel_args.push(' ');
+        kernel_args.push_str(extra);
+    }
+    Ok(VmConfig {
+        id: record.name.clone(),
+        run_dir: dir.to_path_buf(),
+        vcpus: spec.vcpus,
+        memory_mib: spec.memory_mib,
+        kernel: spec.boot.kernel.clone(),
+        initrd: Some(initrd),
+        kernel_args,
+        drives: vec![DriveConfig {
+            id: "root".into(),
+            path: disk,
+            read_only: false,
+            root: true,
+        }],
+        net: None,
+        vsock: Some(VsockConfig {
+            guest_cid: GUEST_CID,
+        }),
+        netns: None,
+    })
+}
+
+async fn registry_auth(spec: &VmSpec, source: &ImageSource) -> Result<RegistryAuth, Failure> {
+    let Some(path) = &spec.auth_file else {
+        return Ok(RegistryAuth::Anonymous);
+    };
+    let ImageSource::Registry(r) = source else {
+        return Ok(RegistryAuth::Anonymous);
+    };
+    let json = tokio::fs::read(path)
+        .await
+        .map_err(at(Stage::Image, format!("reading {}", path.display())))?;
+    image::auth_from_docker_config(&json, r.resolve_registry())
+        .map_err(at(Stage::Image, format!("credentials in {}", path.display())))
+}
+
+fn ms(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
+/// Boots the VMM and supervises it until it ends.
+async fn drive<V: Vmm>(
+    launcher: &V::Launcher,
+    config: &VmConfig,
+    state: &StateDir,
+    dir: &Path,
+    spec: &VmSpec,
+    record: &mut VmRecord,
+    stop: &mut StopSignals,
+) -> Ended {
+    let t = Instant::now();
+    // A stop during the boot drops the boot future, and with it the VMM's process handle,
+    // which kills the VMM: nothing is left running.
+    let booted = tokio::select! {
+        r = V::boot(launcher, config) => r,
+        () = stop.requested() => return Ended::Exited(STOPPED_EXIT_CODE),
+    };
+    let mut vm = match booted {
+        Ok(vm) => vm,
+        Err(e) => return Ended::Failed(at(Stage::Boot, format!("booting {}", record.name))(e)),
+    };
+    record.timings.boot_ms = ms(t.elapsed()) + record.timings.boot_ms;
+    record.vmm_pid = vm.pid();
+    record.helper_pids = vm.helper_pids();
+    record.serial_log = vm.serial_log_path().to_path_buf();
+    let Some(vsock) = vm.vsock_path() else {
+        let _ = vm.stop(Duration::ZERO).await;
+        return Ended::Failed(Failure::new(Stage::Boot, "the VMM gave the VM no vsock socket"));
+    };
+    record.vsock = vsock;
+    if let Err(e) = state.save(record) {
+        let _ = vm.stop(Duration::ZERO).await;
+        return Ended::Failed(at(Stage::Boot, "saving the VM record")(e));
+    }
+    let mut reports = match guest_agent::listen_for_exit_reports(&record.vsock, EXIT_REPORT_PORT) {
+        Ok(rx) => rx,
+        Err(e) => {
+            let _ = vm.stop(Duration::ZERO).await;
+            return Ended::Failed(at(Stage::Boot, "receiving exit reports")(e));
+        }
+    };
+    let ready_started = Instant::now();
+    let health = guest_agent::wait_healthy(&record.vsock, record.agent_port, spec.boot_timeout());
+    tokio::pin!(health);
+    let mut healthy = false;
+    let mut reported: Option<ExitStatus> = None;
+    let mut tick = tokio::time::interval(Duration::from_millis(100));
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            () = stop.requested() => {
+                let grace = stop_grace(dir).await;
+                match vm.stop(grace).await {
+                    Ok(StopOutcome::Killed) => tracing::warn!(vm = %record.name, ?grace, "did not power off within the grace period; killed"),
+                    Ok(StopOutcome::Graceful) => tracing::info!(vm = %record.name, "stopped"),
+                    Err(e) => tracing::warn!(vm = %record.name, error = %e, "stopping the VMM failed"),
+                }
+                break;
+            }
+            Some(status) = reports.recv() => reported = Some(status),
+            r = &mut health, if !healthy => {
+                healthy = true;
+                match r {
+                    Ok(_) => {
+                        record.status = VmStatus::Running;
+                        record.running_unix = Some(state::now_unix());
+                        record.timings.ready_ms = ms(ready_started.elapsed());
+                        tracing::info!(vm = %record.name, ready_ms = record.timings.ready_ms, "guest agent answered");
+                        if let Err(e) = state.save(record) {
+                            tracing::warn!(vm = %record.name, error = %e, "saving the VM record");
+                        }
+                    }
+                    Err(e) if reported.is_none() && !vm.exited().unwrap_or(true) => {
+                        let _ = vm.stop(Duration::ZERO).await;
+                        return Ended::Failed(at(Stage::GuestReady, format!(
+                            "the guest did not come up within {:?}; console: {}",
+                            spec.boot_timeout(),
+                            record.serial_log.display()
+                        ))(e));
+                    }
+                    Err(_) => {}
+                }
+            }
+        }
+        match vm.exited() {
+            Ok(false) => {}
+            Ok(true) => break,
+            Err(e) => return Ended::Failed(at(Stage::Run, "checking the VMM")(e)),
+        }
+    }
+    if reported.is_none() {
+        reported = tokio::time::timeout(Duration::from_millis(300), reports.recv())
+            .await
+            .ok()
+            .flatten();
+    }
+    if let Some(status) = reported {
+        return Ended::Exited(status.code());
+    }
+    let tail = read_console_tail(&record.serial_log).await;
+    match imp_proto::marker::find_exit_code(&tail) {
+        Some(code) => Ended::Exited(code),
+        None if record.status == VmStatus::Running && stopped_by_request(dir) => {
+            Ended::Exited(STOPPED_EXIT_CODE)
+        }
+        None => Ended::Failed(Failure::new(
+            Stage::Run,
+            format!(
+                "the VM ended without reporting its workload's exit; console: {}",
+                record.serial_log.display()
+            ),
+        )),
+    }
+}
+
+/// Whether a front end asked for this stop (it writes the grace file first).
+fn stopped_by_request(dir: &Path) -> bool {
+    dir.join(STOP_GRACE_FILE).exists()
+}
+
+async fn stop_grace(dir: &Path) -> Duration {
+    tokio::fs::read_to_string(dir.join(STOP_GRACE_FILE))
+        .await
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+        .map(Duration::from_millis)
+        .unwrap_or(Duration::from_secs(10))
+}
+
+/// Where the shim's own log goes inside the VM directory.
+pub fn shim_log(dir: &Path) -> PathBuf {
+    dir.join("shim.log")
+}
