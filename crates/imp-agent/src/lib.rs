@@ -11,5 +11,6 @@
 
 pub mod guest;
 pub mod image;
+pub mod node;
 pub mod runtime;
 pub mod vmm;

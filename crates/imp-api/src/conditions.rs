@@ -91,6 +91,23 @@ string_enum! {
         Reconciled,
         /// The VM is suspended to a snapshot.
         Suspended,
+        /// The node agent is pulling the image and booting the VM.
+        Starting,
+        /// The node cannot run VMs as configured (a missing VMM binary or kernel); the message
+        /// names the path and the agent flag or variable that sets it.
+        RuntimeStartFailed,
+        /// The image could not be pulled or unpacked.
+        ImagePullFailed,
+        /// The VM's root filesystem or disk could not be built (e.g. the class's disk is too
+        /// small for the image).
+        DiskSetupFailed,
+        /// The guest booted but its agent never answered within the boot timeout.
+        GuestAgentTimeout,
+        /// The VMM ended without the workload's exit report.
+        VmmExited,
+        /// The node agent has no trace of a VM it had started (its state was lost), or the
+        /// VM's supervisor died.
+        VmLost,
     }
 }
 

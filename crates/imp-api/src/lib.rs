@@ -14,6 +14,7 @@ pub mod crd;
 pub mod duration;
 pub mod network;
 pub mod pools;
+pub mod resolve;
 pub mod shared;
 pub mod snapshot;
 pub mod template;

@@ -233,6 +233,12 @@ pub struct ImpVMStatus {
     /// When the restart policy ran out of attempts.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub exhausted_at: Option<Time>,
+    /// When the VM ended: the workload exited or the VM failed (imp extension).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub finished_at: Option<Time>,
+    /// The VMM the node agent runs the VM with, `qemu` or `firecracker` (imp extension).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub runtime: Option<String>,
     /// Exit code of the workload, once it exited (imp extension).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub exit_code: Option<i32>,

@@ -11,6 +11,7 @@ pub mod leader;
 pub mod ledger;
 pub mod lifecycle;
 pub mod metrics;
-pub mod resolve;
+/// Resolution of class ← template ← VM (shared with the node agent, so it lives in imp-api).
+pub use imp_api::resolve;
 pub mod schedule;
 pub mod webhook;

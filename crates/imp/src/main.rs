@@ -1,11 +1,12 @@
-//! The imp host binary: one command per component (`imp operator`, `imp crds`, and the local
-//! VM commands `imp run|exec|ps|stop|console`).
+//! The imp host binary: one command per component (`imp operator`, `imp agent`, `imp crds`, and
+//! the local VM commands `imp run|exec|ps|stop|console`).
 
 use std::io::Write;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
 
+mod agent;
 mod local;
 mod operator;
 
@@ -26,6 +27,8 @@ enum Command {
     Crds,
     /// Run the operator (controller-manager): scheduling, lifecycle, webhook, metrics.
     Operator(Box<operator::Args>),
+    /// Run the node agent: boots the ImpVMs placed on this node and reports their status.
+    Agent(Box<agent::Args>),
     /// Boot IMAGE as a microVM on this machine (no cluster) and run its workload.
     Run(Box<local::RunArgs>),
     /// Run a command in a local VM.
@@ -63,6 +66,7 @@ fn main() -> anyhow::Result<()> {
                 .context("writing CRDs to stdout")?;
         }
         Command::Operator(args) => operator::main(*args)?,
+        Command::Agent(args) => agent::main(*args)?,
         Command::Run(args) => {
             local_logs();
             std::process::exit(local::run::main(*args)?)

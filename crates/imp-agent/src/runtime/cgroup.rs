@@ -138,7 +138,9 @@ fn io(action: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> Cgrou
 fn check_path(path: &str) -> Result<()> {
     let bad = path.is_empty()
         || path.starts_with('/')
-        || path.split('/').any(|c| c.is_empty() || c == "." || c == "..");
+        || path
+            .split('/')
+            .any(|c| c.is_empty() || c == "." || c == "..");
     if bad {
         return Err(CgroupError::BadPath(path.to_owned()));
     }
@@ -168,7 +170,10 @@ impl VmCgroup {
         for (h, dir) in &cg.dirs {
             create_dirs(h, dir)?;
             if h.has("memory") {
-                write(&dir.join("memory.limit_in_bytes"), &memory_limit_bytes.to_string())?;
+                write(
+                    &dir.join("memory.limit_in_bytes"),
+                    &memory_limit_bytes.to_string(),
+                )?;
             } else if h.is_v2() && dir.join("memory.max").exists() {
                 write(&dir.join("memory.max"), &memory_limit_bytes.to_string())?;
             }

@@ -74,12 +74,11 @@ pub fn listen_for_exit_reports(
 ) -> Result<mpsc::Receiver<ExitStatus>, GuestAgentError> {
     let path = vmm::vsock::host_listener_path(vsock, port);
     let _ = std::fs::remove_file(&path);
-    let listener = tokio::net::UnixListener::bind(&path).map_err(|source| {
-        GuestAgentError::Listen {
+    let listener =
+        tokio::net::UnixListener::bind(&path).map_err(|source| GuestAgentError::Listen {
             path: path.clone(),
             source,
-        }
-    })?;
+        })?;
     let (tx, rx) = mpsc::channel(4);
     tokio::spawn(async move {
         loop {

@@ -96,12 +96,20 @@ pub struct VmSpec {
     /// The cgroup of the VM's processes, if any.
     #[serde(default)]
     pub cgroup: Option<CgroupSpec>,
+    /// The image and initramfs cache (default: `cache/` of the state directory).
+    #[serde(default)]
+    pub cache_dir: Option<PathBuf>,
     /// The ImpVM this VM belongs to (for `imp agent`).
     #[serde(default)]
     pub owner: Option<Owner>,
 }
 
 impl VmSpec {
+    /// The cache directory of this VM's images and initramfs.
+    pub fn cache(&self, state: &super::state::StateDir) -> PathBuf {
+        self.cache_dir.clone().unwrap_or_else(|| state.cache())
+    }
+
     /// The boot timeout as a duration.
     pub fn boot_timeout(&self) -> Duration {
         Duration::from_millis(self.boot_timeout_ms)
@@ -138,6 +146,7 @@ mod tests {
                 path: "imp/x".into(),
                 memory_limit_bytes: 1 << 30,
             }),
+            cache_dir: None,
             owner: None,
         };
         let json = serde_json::to_string(&spec).unwrap();

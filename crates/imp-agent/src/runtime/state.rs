@@ -51,7 +51,9 @@ pub enum StateError {
         dir: PathBuf,
     },
     /// The name is not a DNS label.
-    #[error("VM name {0:?} is invalid: use 1-63 lowercase letters, digits and '-', starting and ending with a letter or digit")]
+    #[error(
+        "VM name {0:?} is invalid: use 1-63 lowercase letters, digits and '-', starting and ending with a letter or digit"
+    )]
     InvalidName(String),
     /// Neither a flag, IMP_STATE_DIR nor HOME says where state lives.
     #[error("cannot choose a state directory: set IMP_STATE_DIR or HOME")]

@@ -234,7 +234,7 @@ async fn supervise(
     match spec.runtime {
         Runtime::Qemu => {
             let launcher = match vmm::qemu::Launcher::detect() {
-                Ok(l) => l.probe_accel(&config.kernel, &state.cache()).await,
+                Ok(l) => l.probe_accel(&config.kernel, &spec.cache(state)).await,
                 Err(e) => return Ended::Failed(at(Stage::Boot, "finding QEMU")(e)),
             };
             drive::<vmm::qemu::Qemu>(&launcher, &config, state, dir, spec, record, stop).await
@@ -265,7 +265,7 @@ async fn prepare(
         .parse()
         .map_err(at(Stage::Image, format!("image {:?}", spec.image)))?;
     let auth = registry_auth(spec, &source).await?;
-    let store = ImageStore::new(state.cache().join("images"), image::Limits::default());
+    let store = ImageStore::new(spec.cache(state).join("images"), image::Limits::default());
     let pulled = store
         .pull(&source, &auth)
         .await
@@ -303,7 +303,7 @@ async fn prepare(
     config.agent.exit_report_port = Some(EXIT_REPORT_PORT);
     config.root = Some(RootDisk::ext4("/dev/vda"));
     let base_initrd = guest::initramfs::BaseInitramfs::cached(
-        &state.cache().join("initramfs"),
+        &spec.cache(state).join("initramfs"),
         &spec.boot.guest,
         &spec.boot.modules,
         guest::kernel::VM_MODULES,
@@ -356,8 +356,10 @@ async fn registry_auth(spec: &VmSpec, source: &ImageSource) -> Result<RegistryAu
     let json = tokio::fs::read(path)
         .await
         .map_err(at(Stage::Image, format!("reading {}", path.display())))?;
-    image::auth_from_docker_config(&json, r.resolve_registry())
-        .map_err(at(Stage::Image, format!("credentials in {}", path.display())))
+    image::auth_from_docker_config(&json, r.resolve_registry()).map_err(at(
+        Stage::Image,
+        format!("credentials in {}", path.display()),
+    ))
 }
 
 fn ms(d: Duration) -> u64 {
@@ -391,7 +393,10 @@ async fn drive<V: Vmm>(
     record.serial_log = vm.serial_log_path().to_path_buf();
     let Some(vsock) = vm.vsock_path() else {
         let _ = vm.stop(Duration::ZERO).await;
-        return Ended::Failed(Failure::new(Stage::Boot, "the VMM gave the VM no vsock socket"));
+        return Ended::Failed(Failure::new(
+            Stage::Boot,
+            "the VMM gave the VM no vsock socket",
+        ));
     };
     record.vsock = vsock;
     if let Err(e) = state.save(record) {

@@ -251,17 +251,20 @@ pub fn rm(args: RmArgs) -> anyhow::Result<()> {
     let state = StateDir::resolve(args.common.state_dir)?;
     let mut failed = 0;
     for name in &args.vms {
-        let result = state.load(name).map_err(anyhow::Error::from).and_then(|record| {
-            if record.supervisor_alive() {
-                if !args.force {
-                    bail!("it is still running: `imp stop {name}` first, or use --force");
+        let result = state
+            .load(name)
+            .map_err(anyhow::Error::from)
+            .and_then(|record| {
+                if record.supervisor_alive() {
+                    if !args.force {
+                        bail!("it is still running: `imp stop {name}` first, or use --force");
+                    }
+                    stop_one(&state, name, Duration::from_secs(5))?;
+                } else {
+                    kill_orphaned_vmm(&state, &record);
                 }
-                stop_one(&state, name, Duration::from_secs(5))?;
-            } else {
-                kill_orphaned_vmm(&state, &record);
-            }
-            Ok(state.remove(name)?)
-        });
+                Ok(state.remove(name)?)
+            });
         match result {
             Ok(()) => println!("{name}"),
             Err(e) => {

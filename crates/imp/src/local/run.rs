@@ -172,9 +172,9 @@ fn spec_for(args: &RunArgs, name: &str) -> anyhow::Result<VmSpec> {
         bail!("--auth-file is for registry images, not {}", args.image);
     }
     let auth_file = match &args.auth_file {
-        Some(p) => Some(
-            std::fs::canonicalize(p).with_context(|| format!("reading {}", p.display()))?,
-        ),
+        Some(p) => {
+            Some(std::fs::canonicalize(p).with_context(|| format!("reading {}", p.display()))?)
+        }
         None => None,
     };
     Ok(VmSpec {
@@ -199,6 +199,7 @@ fn spec_for(args: &RunArgs, name: &str) -> anyhow::Result<VmSpec> {
         // In the foreground this process removes the VM once it has read how it ended.
         remove_on_exit: args.rm && args.detach,
         cgroup: None,
+        cache_dir: None,
         owner: None,
     })
 }

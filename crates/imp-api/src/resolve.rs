@@ -16,9 +16,9 @@
 
 use std::collections::BTreeMap;
 
-use imp_api::class::ImpVMClassSpec;
-use imp_api::template::ImpVMTemplateSpec;
-use imp_api::vm::ImpVMSpec;
+use crate::class::ImpVMClassSpec;
+use crate::template::ImpVMTemplateSpec;
+use crate::vm::ImpVMSpec;
 use k8s_openapi::api::core::v1::Toleration;
 
 /// Fills every field the VM leaves unset from its template; the VM's own values win.
@@ -143,8 +143,8 @@ fn union_tolerations(target: &mut Vec<Toleration>, source: &[Toleration]) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use imp_api::duration::GoDuration;
-    use imp_api::shared::{
+    use crate::duration::GoDuration;
+    use crate::shared::{
         ClusterObjectRef, GuestAgentConfig, LocalObjectRef, RestartMode, RestartPolicy,
     };
 

@@ -1,0 +1,240 @@
+//! What to boot for an ImpVM: the runtime's [`VmSpec`] from the VM's resolved spec, its class
+//! and the agent's settings. Pure, so every mapping is tested without a cluster.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use imp_api::class::ImpVMClassSpec;
+use imp_api::shared::VmRuntime;
+use imp_api::vm::ImpVMSpec;
+
+use crate::runtime::spec::{BootFiles, CgroupSpec, Runtime, VmSpec};
+use crate::runtime::state::Owner;
+
+use super::capabilities::{Capabilities, HostFiles};
+
+/// Memory the VMM itself needs beyond the guest's, in MiB: QEMU's TCG translation cache and
+/// device state, vhost-device-vsock, the shim. The cgroup limit is guest + this + a quarter.
+pub const VMM_OVERHEAD_MIB: u64 = 384;
+
+/// The agent settings a spec needs.
+#[derive(Debug, Clone)]
+pub struct BootSettings {
+    /// Kernel, modules, guest init, Firecracker.
+    pub files: HostFiles,
+    /// Kernel arguments added to imp's own (`FC_KERNEL_ARGS`).
+    pub extra_kernel_args: Option<String>,
+    /// How long a guest may take until its agent answers.
+    pub boot_timeout: Duration,
+    /// Parent of every VM's cgroup below each hierarchy's root (e.g. `imp`).
+    pub cgroup_parent: Option<String>,
+    /// The image cache, shared by every VM of the node.
+    pub cache_dir: PathBuf,
+}
+
+/// Why a spec cannot be built; the message names the field.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct SpecError(pub String);
+
+/// The runtime a VM of `class` runs on here.
+pub fn runtime_for(class: &ImpVMClassSpec, caps: &Capabilities) -> Runtime {
+    match class.runtime {
+        Some(VmRuntime::Qemu) => Runtime::Qemu,
+        Some(VmRuntime::Firecracker) => Runtime::Firecracker,
+        None => caps.default_runtime,
+    }
+}
+
+/// Builds the spec of the VM `owner` whose resolved spec is `vm`.
+pub fn vm_spec(
+    owner: Owner,
+    vm: &ImpVMSpec,
+    class: &ImpVMClassSpec,
+    runtime: Runtime,
+    settings: &BootSettings,
+    auth_file: Option<PathBuf>,
+) -> Result<VmSpec, SpecError> {
+    let image = vm
+        .image
+        .clone()
+        .filter(|i| !i.is_empty())
+        .ok_or_else(|| SpecError("spec.image is empty (and no template gives one)".into()))?;
+    let vcpus = u8::try_from(class.vcpu)
+        .ok()
+        .filter(|&v| v >= 1)
+        .ok_or_else(|| SpecError(format!("class vcpu {} is out of range 1-255", class.vcpu)))?;
+    let memory_mib = u32::try_from(class.memory_mib)
+        .ok()
+        .filter(|&m| m >= 128)
+        .ok_or_else(|| SpecError(format!("class memoryMiB {} is below 128", class.memory_mib)))?;
+    let disk_gib = u32::try_from(class.disk_gib)
+        .ok()
+        .filter(|&d| d >= 1)
+        .ok_or_else(|| SpecError(format!("class diskGiB {} is below 1", class.disk_gib)))?;
+    let mut env = Vec::new();
+    for (i, e) in vm.env.iter().enumerate() {
+        match (&e.value, &e.value_from) {
+            (_, Some(_)) => {
+                return Err(SpecError(format!(
+                    "spec.env[{i}] ({}): valueFrom is not supported by this agent yet; use value",
+                    e.name
+                )));
+            }
+            (value, None) => env.push(imp_proto::message::EnvVar::new(
+                &e.name,
+                value.as_deref().unwrap_or(""),
+            )),
+        }
+    }
+    if !vm.env_from.is_empty() {
+        return Err(SpecError(
+            "spec.envFrom is not supported by this agent yet; use env with values".into(),
+        ));
+    }
+    let memory_limit_bytes =
+        (u64::from(memory_mib) + VMM_OVERHEAD_MIB + u64::from(memory_mib) / 4) << 20;
+    let cgroup = settings.cgroup_parent.as_ref().map(|parent| CgroupSpec {
+        path: format!("{parent}/{}", owner.uid),
+        memory_limit_bytes,
+    });
+    Ok(VmSpec {
+        image,
+        auth_file,
+        entrypoint: None,
+        command: Vec::new(),
+        env,
+        hostname: owner.name.clone(),
+        vcpus,
+        memory_mib,
+        disk_gib,
+        runtime,
+        boot: BootFiles {
+            kernel: settings.files.kernel.clone(),
+            modules: settings.files.modules.clone(),
+            guest: settings.files.guest.clone(),
+            firecracker: (runtime == Runtime::Firecracker)
+                .then(|| settings.files.firecracker.clone()),
+            extra_kernel_args: settings.extra_kernel_args.clone(),
+        },
+        boot_timeout_ms: u64::try_from(settings.boot_timeout.as_millis()).unwrap_or(u64::MAX),
+        remove_on_exit: false,
+        cgroup,
+        cache_dir: Some(settings.cache_dir.clone()),
+        owner: Some(owner),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use k8s_openapi::api::core::v1::{EnvVar, EnvVarSource, SecretKeySelector};
+
+    fn settings() -> BootSettings {
+        BootSettings {
+            files: HostFiles {
+                kernel: "/k/vmlinux".into(),
+                modules: "/k/modules".into(),
+                guest: "/g".into(),
+                firecracker: "/fc".into(),
+            },
+            extra_kernel_args: Some("quiet".into()),
+            boot_timeout: Duration::from_secs(60),
+            cgroup_parent: Some("imp".into()),
+            cache_dir: "/cache".into(),
+        }
+    }
+
+    fn class() -> ImpVMClassSpec {
+        ImpVMClassSpec {
+            vcpu: 2,
+            memory_mib: 512,
+            disk_gib: 3,
+            ..Default::default()
+        }
+    }
+
+    fn owner() -> Owner {
+        Owner {
+            namespace: "ns".into(),
+            name: "web".into(),
+            uid: "0a-uid".into(),
+            attempt: 2,
+        }
+    }
+
+    #[test]
+    fn the_class_sizes_the_vm_and_its_cgroup() {
+        let vm = ImpVMSpec {
+            image: Some("127.0.0.1:5000/app:1".into()),
+            env: vec![EnvVar {
+                name: "A".into(),
+                value: Some("1".into()),
+                value_from: None,
+            }],
+            ..Default::default()
+        };
+        let s = vm_spec(owner(), &vm, &class(), Runtime::Qemu, &settings(), None).unwrap();
+        assert_eq!((s.vcpus, s.memory_mib, s.disk_gib), (2, 512, 3));
+        assert_eq!(s.hostname, "web");
+        assert_eq!(s.env, vec![imp_proto::message::EnvVar::new("A", "1")]);
+        let cg = s.cgroup.unwrap();
+        assert_eq!(cg.path, "imp/0a-uid");
+        assert_eq!(cg.memory_limit_bytes, (512 + 384 + 128) << 20);
+        assert_eq!(s.boot.firecracker, None);
+        assert_eq!(s.owner.unwrap().attempt, 2);
+        let fc = vm_spec(
+            owner(),
+            &vm,
+            &class(),
+            Runtime::Firecracker,
+            &settings(),
+            None,
+        )
+        .unwrap();
+        assert_eq!(fc.boot.firecracker, Some("/fc".into()));
+    }
+
+    #[test]
+    fn what_cannot_be_booted_is_refused_naming_the_field() {
+        let no_image = ImpVMSpec::default();
+        let e = vm_spec(
+            owner(),
+            &no_image,
+            &class(),
+            Runtime::Qemu,
+            &settings(),
+            None,
+        );
+        assert!(e.unwrap_err().0.contains("spec.image"));
+        let vm = ImpVMSpec {
+            image: Some("x".into()),
+            env: vec![EnvVar {
+                name: "TOKEN".into(),
+                value: None,
+                value_from: Some(EnvVarSource {
+                    secret_key_ref: Some(SecretKeySelector {
+                        name: "s".into(),
+                        key: "k".into(),
+                        optional: None,
+                    }),
+                    ..Default::default()
+                }),
+            }],
+            ..Default::default()
+        };
+        let e = vm_spec(owner(), &vm, &class(), Runtime::Qemu, &settings(), None).unwrap_err();
+        assert!(e.0.contains("spec.env[0] (TOKEN)"), "{e}");
+        let tiny = ImpVMClassSpec {
+            memory_mib: 64,
+            ..class()
+        };
+        let vm = ImpVMSpec {
+            image: Some("x".into()),
+            ..Default::default()
+        };
+        let e = vm_spec(owner(), &vm, &tiny, Runtime::Qemu, &settings(), None).unwrap_err();
+        assert!(e.0.contains("memoryMiB 64"), "{e}");
+    }
+}

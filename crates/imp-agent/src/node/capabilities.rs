@@ -1,0 +1,168 @@
+//! What this node can run, probed once when the agent starts: the guest kernel, its modules and
+//! the guest init must exist, and each runtime needs its VMM (QEMU from the system, Firecracker
+//! from `--firecracker`/`FC_BIN`) and, for Firecracker, a KVM that really boots Linux (a boot
+//! probe, never a `stat` of `/dev/kvm`).
+//!
+//! A problem is not a crash: the agent keeps serving, `/readyz` fails with the problem, and each
+//! VM that would need the missing piece gets `Ready=False, reason=RuntimeStartFailed` naming the
+//! path and the flag or variable that sets it.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use crate::runtime::spec::Runtime;
+use crate::vmm;
+
+/// The host files and binaries the agent was configured with.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HostFiles {
+    /// Guest kernel (`--kernel`, `FC_KERNEL`).
+    pub kernel: PathBuf,
+    /// The kernel's modules directory (`--modules`; default `modules` beside the kernel).
+    pub modules: PathBuf,
+    /// The static guest init (`--guest`, `IMP_GUEST`).
+    pub guest: PathBuf,
+    /// The Firecracker binary (`--firecracker`, `FC_BIN`).
+    pub firecracker: PathBuf,
+}
+
+/// The runtime an agent uses for VMs whose class names none.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DefaultRuntime {
+    /// Firecracker where KVM boots Linux and the binary exists, else QEMU.
+    Auto,
+    /// Always this one.
+    Fixed(Runtime),
+}
+
+/// The probe's findings.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Capabilities {
+    /// A problem with the kernel, modules or guest init (every VM needs them).
+    pub files: Option<String>,
+    /// QEMU's binary, or why there is none.
+    pub qemu: Result<PathBuf, String>,
+    /// Firecracker's binary, or why it cannot run VMs here.
+    pub firecracker: Result<PathBuf, String>,
+    /// The runtime for VMs whose class names none.
+    pub default_runtime: Runtime,
+}
+
+impl Capabilities {
+    /// Why a VM on `runtime` cannot start here, if it cannot.
+    pub fn problem(&self, runtime: Runtime) -> Option<String> {
+        if let Some(p) = &self.files {
+            return Some(p.clone());
+        }
+        match runtime {
+            Runtime::Qemu => self.qemu.as_ref().err().cloned(),
+            Runtime::Firecracker => self.firecracker.as_ref().err().cloned(),
+        }
+    }
+
+    /// Why the node is not ready (the default runtime cannot start VMs), if so.
+    pub fn not_ready(&self) -> Option<String> {
+        self.problem(self.default_runtime)
+    }
+}
+
+/// Checks that a file exists, naming it and how to set it otherwise.
+pub fn check_file(what: &str, path: &Path, how: &str) -> Option<String> {
+    match std::fs::metadata(path) {
+        Ok(m) if m.is_file() => None,
+        Ok(_) => Some(format!(
+            "{what} {} is not a file: set {how}",
+            path.display()
+        )),
+        Err(e) => Some(format!(
+            "{what} {} cannot be used ({e}): set {how}",
+            path.display()
+        )),
+    }
+}
+
+/// Probes the node. `cache_dir` remembers the KVM boot probe's answer per kernel.
+pub async fn probe(files: &HostFiles, default: DefaultRuntime, cache_dir: &Path) -> Capabilities {
+    let file_problem = check_file("guest kernel", &files.kernel, "--kernel or FC_KERNEL")
+        .or_else(|| check_file("guest init", &files.guest, "--guest or IMP_GUEST"))
+        .or_else(|| {
+            (!files.modules.is_dir()).then(|| {
+                format!(
+                    "kernel modules directory {} does not exist: set --modules",
+                    files.modules.display()
+                )
+            })
+        });
+    let qemu = match vmm::qemu::Launcher::detect() {
+        Ok(l) if l.vhost_vsock.is_none() => Err(
+            "vhost-device-vsock (the QEMU runtime's vsock backend) is not on PATH: \
+             cargo install vhost-device-vsock@0.3.0"
+                .to_owned(),
+        ),
+        Ok(l) => Ok(l.qemu),
+        Err(e) => Err(e.to_string()),
+    };
+    let fc_file = check_file(
+        "Firecracker binary",
+        &files.firecracker,
+        "--firecracker or FC_BIN",
+    );
+    let kvm_boots = match (&qemu, &file_problem) {
+        (Ok(q), None) if vmm::kvm::device_usable() => {
+            vmm::kvm::probe_boot_cached(q, &files.kernel, Duration::from_secs(10), cache_dir).await
+        }
+        _ => false,
+    };
+    let firecracker = match fc_file {
+        Some(p) => Err(p),
+        None if !kvm_boots => Err(format!(
+            "Firecracker {} needs a KVM that boots Linux guests, and this node's does not \
+             (a real boot probe under /dev/kvm failed); use runtime qemu",
+            files.firecracker.display()
+        )),
+        None => Ok(files.firecracker.clone()),
+    };
+    let default_runtime = match default {
+        DefaultRuntime::Fixed(r) => r,
+        DefaultRuntime::Auto if firecracker.is_ok() => Runtime::Firecracker,
+        DefaultRuntime::Auto => Runtime::Qemu,
+    };
+    Capabilities {
+        files: file_problem,
+        qemu,
+        firecracker,
+        default_runtime,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_missing_file_names_its_path_and_the_setting() {
+        let p = check_file(
+            "guest kernel",
+            Path::new("/no/such/vmlinux"),
+            "--kernel or FC_KERNEL",
+        )
+        .unwrap_or_default();
+        assert!(p.contains("/no/such/vmlinux"), "{p}");
+        assert!(p.contains("FC_KERNEL"), "{p}");
+        let caps = Capabilities {
+            files: None,
+            qemu: Ok("/usr/bin/qemu".into()),
+            firecracker: Err("Firecracker /x missing: set FC_BIN".into()),
+            default_runtime: Runtime::Qemu,
+        };
+        assert_eq!(caps.problem(Runtime::Qemu), None);
+        assert!(caps.problem(Runtime::Firecracker).is_some());
+        assert_eq!(caps.not_ready(), None);
+        let broken = Capabilities {
+            files: Some(p.clone()),
+            ..caps
+        };
+        assert_eq!(broken.problem(Runtime::Qemu), Some(p.clone()));
+        assert_eq!(broken.not_ready(), Some(p));
+    }
+}

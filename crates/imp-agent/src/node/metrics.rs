@@ -1,0 +1,300 @@
+//! The agent's Prometheus metrics and its liveness and readiness, served on its ops address:
+//! `/metrics` (OpenMetrics text), `/healthz`, `/readyz` (200, or 503 with a one-line reason).
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use axum::Router;
+use axum::extract::State;
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use imp_api::vm::VmPhase;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::{Registry, Unit};
+use tokio::net::TcpListener;
+
+use crate::runtime::state::Timings;
+
+/// Failures of the ops server.
+#[derive(Debug, thiserror::Error)]
+pub enum OpsError {
+    /// The address could not be bound.
+    #[error("binding the agent's metrics and health server to {addr}")]
+    Bind {
+        /// The address.
+        addr: SocketAddr,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Serving failed.
+    #[error("serving the agent's metrics and health")]
+    Serve(#[source] std::io::Error),
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct PhaseLabels {
+    phase: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct StepLabels {
+    step: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ReasonLabels {
+    reason: String,
+}
+
+/// The agent's metrics.
+pub struct Metrics {
+    registry: Registry,
+    vms: Family<PhaseLabels, Gauge>,
+    phases: Mutex<BTreeMap<String, VmPhase>>,
+    start_steps: Family<StepLabels, Histogram>,
+    exec_sessions: Counter,
+    failures: Family<ReasonLabels, Counter>,
+}
+
+impl std::fmt::Debug for Metrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Metrics").finish_non_exhaustive()
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+impl Metrics {
+    /// A registry with every agent metric.
+    pub fn new() -> Self {
+        let mut registry = Registry::default();
+        let vms = Family::<PhaseLabels, Gauge>::default();
+        registry.register("imp_agent_vms", "ImpVMs on this node by phase", vms.clone());
+        let start_steps = Family::<StepLabels, Histogram>::new_with_constructor(|| {
+            Histogram::new(exponential_buckets(0.05, 2.0, 14))
+        });
+        registry.register_with_unit(
+            "imp_agent_start_duration",
+            "Time of each step of a VM's start (image, disk, boot, guest_ready) and in all",
+            Unit::Seconds,
+            start_steps.clone(),
+        );
+        let exec_sessions = Counter::default();
+        registry.register(
+            "imp_agent_exec_sessions",
+            "Exec sessions served by the agent API",
+            exec_sessions.clone(),
+        );
+        let failures = Family::<ReasonLabels, Counter>::default();
+        registry.register(
+            "imp_agent_vm_failures",
+            "VMs that failed on this node, by reason",
+            failures.clone(),
+        );
+        Self {
+            registry,
+            vms,
+            phases: Mutex::new(BTreeMap::new()),
+            start_steps,
+            exec_sessions,
+            failures,
+        }
+    }
+
+    /// Records VM `uid`'s phase (`None`: the VM left the node).
+    pub fn set_phase(&self, uid: &str, phase: Option<VmPhase>) {
+        let mut phases = lock(&self.phases);
+        match phase {
+            Some(p) => phases.insert(uid.to_owned(), p),
+            None => phases.remove(uid),
+        };
+        let mut counts: BTreeMap<&'static str, i64> = BTreeMap::new();
+        for p in phases.values() {
+            *counts.entry(p.as_str()).or_default() += 1;
+        }
+        self.vms.clear();
+        for (phase, n) in counts {
+            self.vms
+                .get_or_create(&PhaseLabels {
+                    phase: phase.to_owned(),
+                })
+                .set(n);
+        }
+    }
+
+    /// Records how long a VM's start took, step by step.
+    pub fn observe_start(&self, t: &Timings) {
+        let steps = [
+            ("image", t.image_ms),
+            ("disk", t.disk_ms),
+            ("boot", t.boot_ms),
+            ("guest_ready", t.ready_ms),
+            ("total", t.image_ms + t.disk_ms + t.boot_ms + t.ready_ms),
+        ];
+        for (step, ms) in steps {
+            self.start_steps
+                .get_or_create(&StepLabels {
+                    step: step.to_owned(),
+                })
+                .observe(ms as f64 / 1000.0);
+        }
+    }
+
+    /// Counts an exec session.
+    pub fn exec_session(&self) {
+        self.exec_sessions.inc();
+    }
+
+    /// Counts a failed VM.
+    pub fn failure(&self, reason: &str) {
+        self.failures
+            .get_or_create(&ReasonLabels {
+                reason: reason.to_owned(),
+            })
+            .inc();
+    }
+
+    /// The registry as OpenMetrics text.
+    pub fn encode(&self) -> String {
+        let mut out = String::new();
+        // Writing into a String cannot fail.
+        let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
+        out
+    }
+}
+
+/// Liveness and readiness with a reason.
+#[derive(Debug)]
+pub struct Health {
+    ready: Mutex<Option<String>>,
+}
+
+impl Default for Health {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Health {
+    /// Not ready yet ("starting").
+    pub fn new() -> Self {
+        Self {
+            ready: Mutex::new(Some("starting".to_owned())),
+        }
+    }
+
+    /// Ready (`None`) or not, with why.
+    pub fn set_ready(&self, problem: Option<String>) {
+        *lock(&self.ready) =
+            problem.map(|s| s.lines().map(str::trim).collect::<Vec<_>>().join(" "));
+    }
+
+    /// `Ok` when ready, else the reason.
+    pub fn readiness(&self) -> Result<(), String> {
+        lock(&self.ready).clone().map_or(Ok(()), Err)
+    }
+}
+
+#[derive(Clone)]
+struct Ops {
+    metrics: Arc<Metrics>,
+    health: Arc<Health>,
+}
+
+/// Serves `/metrics`, `/healthz` and `/readyz` on `listener` until `shutdown`.
+pub async fn serve(
+    listener: TcpListener,
+    metrics: Arc<Metrics>,
+    health: Arc<Health>,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> Result<(), OpsError> {
+    let app = Router::new()
+        .route("/metrics", get(metrics_handler))
+        .route("/healthz", get(|| async { (StatusCode::OK, "ok\n") }))
+        .route("/readyz", get(readyz))
+        .with_state(Ops { metrics, health });
+    axum::serve(listener, app)
+        .with_graceful_shutdown(shutdown)
+        .await
+        .map_err(OpsError::Serve)
+}
+
+/// Binds the ops address.
+pub async fn bind(addr: SocketAddr) -> Result<TcpListener, OpsError> {
+    TcpListener::bind(addr)
+        .await
+        .map_err(|source| OpsError::Bind { addr, source })
+}
+
+async fn metrics_handler(State(ops): State<Ops>) -> Response {
+    (
+        [(
+            header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        ops.metrics.encode(),
+    )
+        .into_response()
+}
+
+async fn readyz(State(ops): State<Ops>) -> Response {
+    match ops.health.readiness() {
+        Ok(()) => (StatusCode::OK, "ok\n").into_response(),
+        Err(reason) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("not ready: {reason}\n"),
+        )
+            .into_response(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn phases_are_counted_per_vm_and_steps_observed() {
+        let m = Metrics::new();
+        m.set_phase("a", Some(VmPhase::Running));
+        m.set_phase("b", Some(VmPhase::Running));
+        m.set_phase("c", Some(VmPhase::Starting));
+        m.set_phase("c", Some(VmPhase::Running));
+        m.set_phase("b", None);
+        m.observe_start(&Timings {
+            image_ms: 100,
+            disk_ms: 200,
+            boot_ms: 300,
+            ready_ms: 400,
+        });
+        m.failure("ImagePullFailed");
+        let text = m.encode();
+        assert!(
+            text.contains("imp_agent_vms{phase=\"Running\"} 2"),
+            "{text}"
+        );
+        assert!(!text.contains("phase=\"Starting\""), "{text}");
+        assert!(
+            text.contains("imp_agent_start_duration_seconds_sum{step=\"total\"} 1.0"),
+            "{text}"
+        );
+        assert!(
+            text.contains("imp_agent_vm_failures_total{reason=\"ImagePullFailed\"} 1"),
+            "{text}"
+        );
+    }
+}

@@ -1,0 +1,13 @@
+//! The node agent: what `imp agent` runs on every node.
+//!
+//! [`capabilities`] probes what the node can run; [`reconciler`] watches the ImpVMs placed on
+//! this node and applies [`decide`]'s decisions through the VM runtime
+//! ([`crate::runtime`]: one shim per VM, outside the agent's process tree and cgroups);
+//! [`boot`] maps an ImpVM and its class to the runtime's spec; [`metrics`] serves `/metrics`,
+//! `/healthz` and `/readyz`.
+
+pub mod boot;
+pub mod capabilities;
+pub mod decide;
+pub mod metrics;
+pub mod reconciler;

@@ -1,0 +1,767 @@
+//! The per-node reconciler: watches the ImpVMs placed on this node (a field selector on
+//! `spec.nodeName`, so the agent never sees another node's VMs), decides with
+//! [`super::decide::decide`] and applies the decision: starts shims, writes status and Events,
+//! tears down and releases deleted VMs.
+//!
+//! Reconciles of different VMs run concurrently, and a start only writes the VM's spec and
+//! spawns its shim (the shim pulls and boots), so a slow image pull for one VM delays no other.
+//! A poller reads the VMs' records every [`Settings::poll`] and asks for a reconcile of every
+//! VM whose record changed, so a VM that ends is reported at once, not on the next unrelated
+//! event. On start nothing is assumed: records on disk are the truth, live shims are simply
+//! re-adopted (a VM is never started twice), and records whose ImpVM no longer belongs here
+//! are torn down once the watch has listed the node's VMs.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures::StreamExt;
+use imp_api::class::ImpVMClass;
+use imp_api::conditions::{self, ConditionReason, ConditionStatus, ConditionType};
+use imp_api::shared::VmLifecycle;
+use imp_api::template::ImpVMTemplate;
+use imp_api::vm::{ImpVM, ImpVMSpec, ImpVMStatus, VmPhase};
+use k8s_openapi::api::core::v1::Secret;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use k8s_openapi::jiff::Timestamp;
+use kube::api::{Api, Patch, PatchParams};
+use kube::runtime::controller::{Action, Controller};
+use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use kube::runtime::reflector::{ObjectRef, Store};
+use kube::runtime::watcher;
+use kube::{Resource, ResourceExt};
+use serde_json::{Value, json};
+use tokio::sync::mpsc;
+
+use super::boot::{self, BootSettings};
+use super::capabilities::Capabilities;
+use super::decide::{self, Decision, Local, Observed, Report};
+use super::metrics::Metrics;
+use crate::runtime::shim::{self, ShimCommand};
+use crate::runtime::state::{Owner, StateDir, VmRecord, VmStatus};
+
+/// Field manager of every agent write.
+pub const FIELD_MANAGER: &str = "imp-agent";
+
+/// How the agent runs.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    /// This node's name.
+    pub node: String,
+    /// Where VM directories live.
+    pub state: StateDir,
+    /// How to start a shim.
+    pub shim: ShimCommand,
+    /// Kernel, guest, cgroups, boot timeout.
+    pub boot: BootSettings,
+    /// How long a deleted VM's workload gets to exit before the VM is killed.
+    pub stop_grace: Duration,
+    /// How often records are read for changes.
+    pub poll: Duration,
+}
+
+/// Failures of one reconcile; all are retried.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A Kubernetes request failed.
+    #[error("{doing} {vm}")]
+    Kube {
+        /// What was being done.
+        doing: &'static str,
+        /// `namespace/name`.
+        vm: String,
+        /// The cause.
+        #[source]
+        source: kube::Error,
+    },
+    /// A local operation on the VM failed.
+    #[error("{doing} {vm}")]
+    Local {
+        /// What was being done.
+        doing: &'static str,
+        /// `namespace/name`.
+        vm: String,
+        /// The cause.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+    /// The object has no uid (never seen from a real API server).
+    #[error("ImpVM {0} has no uid")]
+    NoUid(String),
+}
+
+/// What every reconcile shares.
+pub struct Context {
+    client: kube::Client,
+    settings: Settings,
+    caps: Capabilities,
+    metrics: Arc<Metrics>,
+    recorder: Recorder,
+    /// The `Ready` message last published as an Event per VM, so repeats are not re-sent.
+    announced: Mutex<HashMap<String, String>>,
+}
+
+fn key(vm: &ImpVM) -> String {
+    format!("{}/{}", vm.namespace().unwrap_or_default(), vm.name_any())
+}
+
+impl Context {
+    /// A context for the controller.
+    pub fn new(
+        client: kube::Client,
+        settings: Settings,
+        caps: Capabilities,
+        metrics: Arc<Metrics>,
+    ) -> Self {
+        let recorder = Recorder::new(
+            client.clone(),
+            Reporter {
+                controller: FIELD_MANAGER.into(),
+                instance: Some(settings.node.clone()),
+            },
+        );
+        Self {
+            client,
+            settings,
+            caps,
+            metrics,
+            recorder,
+            announced: Mutex::new(HashMap::new()),
+        }
+    }
+
+    fn api(&self, vm: &ImpVM) -> Api<ImpVM> {
+        Api::namespaced(self.client.clone(), &vm.namespace().unwrap_or_default())
+    }
+
+    async fn event(&self, vm: &ImpVM, type_: EventType, reason: &str, note: String) {
+        let ev = Event {
+            type_,
+            reason: reason.to_owned(),
+            note: Some(note),
+            action: reason.to_owned(),
+            secondary: None,
+        };
+        if let Err(e) = self.recorder.publish(&ev, &vm.object_ref(&())).await {
+            tracing::warn!(vm = %key(vm), node = %self.settings.node, reason, error = %e, "publishing event failed");
+        }
+    }
+
+    /// Writes the fields of `status` that differ from the VM's, with a resourceVersion
+    /// precondition (409 on a stale read: the reconcile is retried on the newer version).
+    async fn patch_status(&self, vm: &ImpVM, status: &ImpVMStatus) -> Result<(), Error> {
+        let old =
+            serde_json::to_value(vm.status.clone().unwrap_or_default()).unwrap_or(Value::Null);
+        let new = serde_json::to_value(status).unwrap_or(Value::Null);
+        let mut diff = serde_json::Map::new();
+        if let (Value::Object(o), Value::Object(n)) = (&old, &new) {
+            for (k, v) in n {
+                if o.get(k) != Some(v) {
+                    diff.insert(k.clone(), v.clone());
+                }
+            }
+            for k in o.keys().filter(|k| !n.contains_key(*k)) {
+                diff.insert(k.clone(), Value::Null);
+            }
+        }
+        if diff.is_empty() {
+            return Ok(());
+        }
+        let body = json!({
+            "metadata": {"resourceVersion": vm.resource_version()},
+            "status": Value::Object(diff),
+        });
+        self.api(vm)
+            .patch_status(
+                &vm.name_any(),
+                &PatchParams::apply(FIELD_MANAGER),
+                &Patch::Merge(&body),
+            )
+            .await
+            .map(|_| ())
+            .map_err(|source| Error::Kube {
+                doing: "writing the status of",
+                vm: key(vm),
+                source,
+            })
+    }
+
+    /// Clears `spec.nodeName`: the marker that the node has nothing left of the VM.
+    async fn release(&self, vm: &ImpVM) -> Result<(), Error> {
+        let body = json!({"spec": {"nodeName": null}});
+        self.api(vm)
+            .patch(
+                &vm.name_any(),
+                &PatchParams::apply(FIELD_MANAGER),
+                &Patch::Merge(&body),
+            )
+            .await
+            .map(|_| ())
+            .map_err(|source| Error::Kube {
+                doing: "releasing",
+                vm: key(vm),
+                source,
+            })
+    }
+}
+
+/// The VM's local record and whether its shim lives, read off the async runtime.
+async fn local_state(state: &StateDir, uid: &str) -> Option<(VmRecord, bool)> {
+    let (state, uid) = (state.clone(), uid.to_owned());
+    tokio::task::spawn_blocking(move || {
+        state.load(&uid).ok().map(|r| {
+            let alive = r.supervisor_alive();
+            (r, alive)
+        })
+    })
+    .await
+    .ok()
+    .flatten()
+}
+
+fn observed(vm: &ImpVM) -> Observed {
+    let status = vm.status.clone().unwrap_or_default();
+    Observed {
+        phase: status.phase.unwrap_or_default(),
+        deleting: vm.meta().deletion_timestamp.is_some(),
+        started: status.started_at.is_some(),
+        attempt: status.restart_count.unwrap_or(0),
+        ephemeral: vm.spec.lifecycle == VmLifecycle::Ephemeral,
+    }
+}
+
+/// Reconciles one VM.
+pub async fn reconcile(vm: Arc<ImpVM>, ctx: Arc<Context>) -> Result<Action, Error> {
+    let uid = vm.uid().ok_or_else(|| Error::NoUid(key(&vm)))?;
+    let local = local_state(&ctx.settings.state, &uid).await;
+    let decision = decide::decide(
+        &observed(&vm),
+        local.as_ref().map(|(record, alive)| Local {
+            record,
+            shim_alive: *alive,
+        }),
+    );
+    tracing::debug!(vm = %key(&vm), node = %ctx.settings.node, ?decision, "reconcile");
+    let phase_now = observed(&vm).phase;
+    ctx.metrics.set_phase(&uid, Some(phase_now));
+    match decision {
+        Decision::Wait => Ok(Action::requeue(Duration::from_secs(300))),
+        Decision::Start { clear_previous } => {
+            if clear_previous {
+                teardown(&ctx, &vm, &uid, local.as_ref().map(|(r, _)| r)).await?;
+            }
+            start(&ctx, &vm, &uid).await
+        }
+        Decision::Report(report) => {
+            let record = local.as_ref().map(|(r, _)| r);
+            write_report(&ctx, &vm, report, record).await?;
+            Ok(Action::requeue(Duration::from_secs(300)))
+        }
+        Decision::Teardown { release } => {
+            teardown(&ctx, &vm, &uid, local.as_ref().map(|(r, _)| r)).await?;
+            if release {
+                ctx.release(&vm).await?;
+                ctx.metrics.set_phase(&uid, None);
+                tracing::info!(vm = %key(&vm), node = %ctx.settings.node, "VM removed from the node; released");
+            }
+            Ok(Action::await_change())
+        }
+        Decision::Release => {
+            ctx.release(&vm).await?;
+            ctx.metrics.set_phase(&uid, None);
+            Ok(Action::await_change())
+        }
+    }
+}
+
+/// Stops the VM if its shim runs, then removes its cgroup and directory.
+async fn teardown(
+    ctx: &Context,
+    vm: &ImpVM,
+    uid: &str,
+    record: Option<&VmRecord>,
+) -> Result<(), Error> {
+    let local_err = |doing: &'static str| {
+        let vm = key(vm);
+        move |e: shim::ShimError| Error::Local {
+            doing,
+            vm,
+            source: Box::new(e),
+        }
+    };
+    if let Some(r) = record {
+        shim::stop(&ctx.settings.state, r, ctx.settings.stop_grace)
+            .await
+            .map_err(local_err("stopping"))?;
+    }
+    let cgroup = shim::read_spec(&ctx.settings.state, uid)
+        .ok()
+        .and_then(|s| s.cgroup.map(|c| c.path));
+    shim::remove(&ctx.settings.state, uid, cgroup.as_deref())
+        .await
+        .map_err(local_err("removing"))?;
+    tracing::info!(vm = %key(vm), node = %ctx.settings.node, "VM stopped and its files removed");
+    Ok(())
+}
+
+/// The resolved spec and class of a VM, or why they cannot be had yet.
+async fn resolve(
+    ctx: &Context,
+    vm: &ImpVM,
+) -> Result<(ImpVMSpec, imp_api::class::ImpVMClassSpec), String> {
+    let ns = vm.namespace().unwrap_or_default();
+    let template = match &vm.spec.template_ref {
+        Some(t) => {
+            let api: Api<ImpVMTemplate> = Api::namespaced(ctx.client.clone(), &ns);
+            match api.get_opt(&t.name).await {
+                Ok(Some(t)) => Some(t.spec),
+                Ok(None) => return Err(format!("ImpVMTemplate {ns}/{} does not exist", t.name)),
+                Err(e) => return Err(format!("reading ImpVMTemplate {ns}/{}: {e}", t.name)),
+            }
+        }
+        None => None,
+    };
+    let class_name = vm
+        .spec
+        .class_ref
+        .as_ref()
+        .map(|c| c.name.clone())
+        .or_else(|| template.as_ref().map(|t| t.class_ref.name.clone()))
+        .ok_or_else(|| "spec.classRef is not set (and no template gives one)".to_owned())?;
+    let classes: Api<ImpVMClass> = Api::all(ctx.client.clone());
+    let class = match classes.get_opt(&class_name).await {
+        Ok(Some(c)) => c.spec,
+        Ok(None) => return Err(format!("ImpVMClass {class_name} does not exist")),
+        Err(e) => return Err(format!("reading ImpVMClass {class_name}: {e}")),
+    };
+    let spec = imp_api::resolve::resolve(&vm.spec, template.as_ref(), &class);
+    Ok((spec, class))
+}
+
+/// Merges the `.dockerconfigjson` of the VM's pull secrets into one credentials file.
+async fn pull_credentials(
+    ctx: &Context,
+    vm: &ImpVM,
+    spec: &ImpVMSpec,
+) -> Result<Option<Value>, String> {
+    if spec.image_pull_secrets.is_empty() {
+        return Ok(None);
+    }
+    let ns = vm.namespace().unwrap_or_default();
+    let api: Api<Secret> = Api::namespaced(ctx.client.clone(), &ns);
+    let mut auths = serde_json::Map::new();
+    for s in &spec.image_pull_secrets {
+        let secret = api
+            .get(&s.name)
+            .await
+            .map_err(|e| format!("reading pull secret {ns}/{}: {e}", s.name))?;
+        let data = secret
+            .data
+            .as_ref()
+            .and_then(|d| d.get(".dockerconfigjson"))
+            .ok_or_else(|| format!("pull secret {ns}/{} has no .dockerconfigjson", s.name))?;
+        let parsed: Value = serde_json::from_slice(&data.0)
+            .map_err(|e| format!("pull secret {ns}/{}: .dockerconfigjson: {e}", s.name))?;
+        if let Some(Value::Object(a)) = parsed.get("auths") {
+            for (k, v) in a {
+                auths.entry(k.clone()).or_insert_with(|| v.clone());
+            }
+        }
+    }
+    Ok(Some(json!({ "auths": auths })))
+}
+
+/// Says on the VM why it cannot start yet (phase unchanged), once per distinct message.
+async fn not_startable(
+    ctx: &Context,
+    vm: &ImpVM,
+    reason: ConditionReason,
+    message: String,
+) -> Result<Action, Error> {
+    let mut status = vm.status.clone().unwrap_or_default();
+    conditions::set(
+        &mut status.conditions,
+        ConditionType::Ready,
+        ConditionStatus::False,
+        reason,
+        &message,
+        vm.meta().generation,
+        now(),
+    );
+    ctx.patch_status(vm, &status).await?;
+    let uid = vm.uid().unwrap_or_default();
+    let first = {
+        let mut announced = ctx
+            .announced
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        announced.insert(uid, message.clone()).as_deref() != Some(message.as_str())
+    };
+    if first {
+        tracing::warn!(vm = %key(vm), node = %ctx.settings.node, %reason, %message, "cannot start the VM");
+        ctx.event(vm, EventType::Warning, reason.as_str(), message)
+            .await;
+        ctx.metrics.failure(reason.as_str());
+    }
+    Ok(Action::requeue(Duration::from_secs(30)))
+}
+
+/// Starts the VM's shim and records phase `Starting`.
+async fn start(ctx: &Context, vm: &ImpVM, uid: &str) -> Result<Action, Error> {
+    let (spec, class) = match resolve(ctx, vm).await {
+        Ok(r) => r,
+        // The operator reports missing references (InvalidSpec); try again later.
+        Err(why) => {
+            tracing::info!(vm = %key(vm), node = %ctx.settings.node, why, "not starting yet");
+            return Ok(Action::requeue(Duration::from_secs(10)));
+        }
+    };
+    let runtime = boot::runtime_for(&class, &ctx.caps);
+    if let Some(problem) = ctx.caps.problem(runtime) {
+        return not_startable(ctx, vm, ConditionReason::RuntimeStartFailed, problem).await;
+    }
+    let credentials = match pull_credentials(ctx, vm, &spec).await {
+        Ok(c) => c,
+        Err(why) => return not_startable(ctx, vm, ConditionReason::ImagePullFailed, why).await,
+    };
+    let state = &ctx.settings.state;
+    let auth_file = credentials.as_ref().map(|_| auth_file(state, uid));
+    let owner = Owner {
+        namespace: vm.namespace().unwrap_or_default(),
+        name: vm.name_any(),
+        uid: uid.to_owned(),
+        attempt: observed(vm).attempt,
+    };
+    let vm_spec = match boot::vm_spec(
+        owner,
+        &spec,
+        &class,
+        runtime,
+        &ctx.settings.boot,
+        auth_file.clone(),
+    ) {
+        Ok(s) => s,
+        Err(e) => return end_invalid(ctx, vm, e.0).await,
+    };
+    let (st, id, cmd) = (state.clone(), uid.to_owned(), ctx.settings.shim.clone());
+    let started = tokio::task::spawn_blocking(
+        move || -> Result<u32, Box<dyn std::error::Error + Send + Sync>> {
+            st.create_vm_dir(&id)?;
+            if let (Some(path), Some(creds)) = (auth_file, credentials) {
+                write_private(&path, &creds)?;
+            }
+            Ok(shim::start(&cmd, &st, &id, &vm_spec)?)
+        },
+    )
+    .await;
+    let pid = match started {
+        Ok(Ok(pid)) => pid,
+        Ok(Err(source)) => {
+            return Err(Error::Local {
+                doing: "starting the shim of",
+                vm: key(vm),
+                source,
+            });
+        }
+        Err(e) => {
+            return Err(Error::Local {
+                doing: "starting the shim of",
+                vm: key(vm),
+                source: Box::new(e),
+            });
+        }
+    };
+    tracing::info!(vm = %key(vm), node = %ctx.settings.node, shim = pid, runtime = runtime.as_str(), image = spec.image.as_deref().unwrap_or(""), "starting");
+    let mut status = vm.status.clone().unwrap_or_default();
+    status.phase = Some(VmPhase::Starting);
+    status.started_at = Some(now());
+    status.running_at = None;
+    status.finished_at = None;
+    status.exit_code = None;
+    status.runtime_pid = None;
+    status.node_name = Some(ctx.settings.node.clone());
+    status.runtime = Some(runtime.as_str().to_owned());
+    let msg = format!(
+        "pulling {} and booting under {}",
+        spec.image.as_deref().unwrap_or(""),
+        runtime.as_str()
+    );
+    conditions::set(
+        &mut status.conditions,
+        ConditionType::Ready,
+        ConditionStatus::False,
+        ConditionReason::Starting,
+        &msg,
+        vm.meta().generation,
+        now(),
+    );
+    ctx.patch_status(vm, &status).await?;
+    ctx.event(
+        vm,
+        EventType::Normal,
+        "Starting",
+        format!("{msg} on node {}", ctx.settings.node),
+    )
+    .await;
+    Ok(Action::requeue(Duration::from_secs(60)))
+}
+
+/// Writes `value` as JSON readable by root only (registry credentials).
+fn write_private(path: &std::path::Path, value: &Value) -> std::io::Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(path)?;
+    f.write_all(value.to_string().as_bytes())?;
+    f.sync_all()
+}
+
+/// A VM that can never boot as specified: Failed with InvalidSpec.
+async fn end_invalid(ctx: &Context, vm: &ImpVM, message: String) -> Result<Action, Error> {
+    let report = Report::Ended {
+        phase: VmPhase::Failed,
+        exit_code: None,
+        reason: ConditionReason::InvalidSpec,
+        message,
+    };
+    write_report(ctx, vm, report, None).await?;
+    Ok(Action::await_change())
+}
+
+fn now() -> Time {
+    Time(Timestamp::now())
+}
+
+fn unix_time(secs: Option<u64>) -> Time {
+    secs.and_then(|s| i64::try_from(s).ok())
+        .and_then(|s| Timestamp::from_second(s).ok())
+        .map_or_else(now, Time)
+}
+
+/// Makes the status say what `report` says, with an Event on each transition.
+async fn write_report(
+    ctx: &Context,
+    vm: &ImpVM,
+    report: Report,
+    record: Option<&VmRecord>,
+) -> Result<(), Error> {
+    let old = vm.status.clone().unwrap_or_default();
+    let mut status = old.clone();
+    let generation = vm.meta().generation;
+    status.node_name = Some(ctx.settings.node.clone());
+    if let Some(r) = record {
+        status.runtime = Some(r.runtime.clone());
+    }
+    match &report {
+        Report::Starting => {
+            status.phase = Some(VmPhase::Starting);
+            status.started_at.get_or_insert_with(now);
+        }
+        Report::Running => {
+            status.phase = Some(VmPhase::Running);
+            status
+                .running_at
+                .get_or_insert_with(|| unix_time(record.and_then(|r| r.running_unix)));
+            status.runtime_pid = record.and_then(|r| r.vmm_pid).map(i64::from);
+            conditions::set(
+                &mut status.conditions,
+                ConditionType::Ready,
+                ConditionStatus::True,
+                ConditionReason::Running,
+                "the guest agent answers",
+                generation,
+                now(),
+            );
+        }
+        Report::Ended {
+            phase,
+            exit_code,
+            reason,
+            message,
+        } => {
+            status.phase = Some(*phase);
+            status.exit_code = *exit_code;
+            status.runtime_pid = None;
+            status
+                .finished_at
+                .get_or_insert_with(|| unix_time(record.and_then(|r| r.finished_unix)));
+            conditions::set(
+                &mut status.conditions,
+                ConditionType::Ready,
+                ConditionStatus::False,
+                *reason,
+                message,
+                generation,
+                now(),
+            );
+        }
+    }
+    if status == old {
+        return Ok(());
+    }
+    ctx.patch_status(vm, &status).await?;
+    if old.phase != status.phase {
+        announce(ctx, vm, &report, record).await;
+    }
+    Ok(())
+}
+
+/// The Event (and metrics) of a phase transition.
+async fn announce(ctx: &Context, vm: &ImpVM, report: &Report, record: Option<&VmRecord>) {
+    match report {
+        Report::Starting => {}
+        Report::Running => {
+            let t = record.map(|r| r.timings).unwrap_or_default();
+            ctx.metrics.observe_start(&t);
+            tracing::info!(vm = %key(vm), node = %ctx.settings.node, phase = "Running", image_ms = t.image_ms, disk_ms = t.disk_ms, boot_ms = t.boot_ms, ready_ms = t.ready_ms, "VM running");
+            ctx.event(
+                vm,
+                EventType::Normal,
+                "Running",
+                format!(
+                    "the guest agent answered (image {} ms, disk {} ms, boot {} ms, guest ready {} ms)",
+                    t.image_ms, t.disk_ms, t.boot_ms, t.ready_ms
+                ),
+            )
+            .await;
+        }
+        Report::Ended {
+            phase,
+            reason,
+            message,
+            ..
+        } => {
+            tracing::info!(vm = %key(vm), node = %ctx.settings.node, phase = phase.as_str(), %reason, message, "VM ended");
+            if *phase == VmPhase::Succeeded {
+                ctx.event(vm, EventType::Normal, reason.as_str(), message.clone())
+                    .await;
+                return;
+            }
+            ctx.metrics.failure(reason.as_str());
+            let mut note = message.clone();
+            if let Some(tail) = record.and_then(|r| r.console_tail.as_deref()) {
+                note.push_str("\nlast console lines:\n");
+                note.push_str(tail);
+            }
+            ctx.event(vm, EventType::Warning, reason.as_str(), note)
+                .await;
+        }
+    }
+}
+
+/// Retries a failed reconcile after a short pause.
+pub fn error_policy(vm: Arc<ImpVM>, error: &Error, ctx: Arc<Context>) -> Action {
+    tracing::warn!(vm = %key(&vm), node = %ctx.settings.node, error = %error_chain(error), "reconcile failed");
+    Action::requeue(Duration::from_secs(2))
+}
+
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut cur = e.source();
+    while let Some(s) = cur {
+        out.push_str(": ");
+        out.push_str(&s.to_string());
+        cur = s.source();
+    }
+    out
+}
+
+/// A record's fingerprint: a change of any part asks for a reconcile.
+fn fingerprint(r: &VmRecord, alive: bool) -> (VmStatus, bool, Option<u32>) {
+    (r.status, alive, r.vmm_pid)
+}
+
+/// Reads every record each `poll` and sends the VMs whose record changed; once the store has
+/// listed the node's VMs, tears down records whose ImpVM is gone from this node.
+async fn watch_records(ctx: Arc<Context>, store: Store<ImpVM>, tx: mpsc::Sender<ObjectRef<ImpVM>>) {
+    let mut seen: BTreeMap<String, (VmStatus, bool, Option<u32>)> = BTreeMap::new();
+    let mut ticks = 0u64;
+    let store_ready = store.wait_until_ready();
+    tokio::pin!(store_ready);
+    let mut ready = false;
+    loop {
+        tokio::select! {
+            () = tokio::time::sleep(ctx.settings.poll) => {}
+            r = &mut store_ready, if !ready => { ready = r.is_ok(); }
+        }
+        ticks += 1;
+        let state = ctx.settings.state.clone();
+        let Ok(Ok((records, _))) = tokio::task::spawn_blocking(move || state.list()).await else {
+            continue;
+        };
+        for r in &records {
+            let alive = r.supervisor_alive();
+            let fp = fingerprint(r, alive);
+            let Some(owner) = &r.owner else { continue };
+            if seen.get(&r.name) != Some(&fp) {
+                seen.insert(r.name.clone(), fp);
+                let _ = tx
+                    .send(ObjectRef::new(&owner.name).within(&owner.namespace))
+                    .await;
+            }
+        }
+        seen.retain(|name, _| records.iter().any(|r| &r.name == name));
+        if ready && ticks % 40 == 0 {
+            collect_orphans(&ctx, &store, &records).await;
+        }
+    }
+}
+
+/// Tears down records whose ImpVM (by uid) is no longer on this node.
+async fn collect_orphans(ctx: &Context, store: &Store<ImpVM>, records: &[VmRecord]) {
+    for r in records {
+        let Some(owner) = &r.owner else { continue };
+        let key = ObjectRef::new(&owner.name).within(&owner.namespace);
+        let here = store
+            .get(&key)
+            .is_some_and(|vm| vm.uid().as_deref() == Some(owner.uid.as_str()));
+        if here {
+            continue;
+        }
+        tracing::info!(vm = %format!("{}/{}", owner.namespace, owner.name), node = %ctx.settings.node, uid = %owner.uid, "the ImpVM left this node; removing its VM");
+        if let Err(e) = shim::stop(&ctx.settings.state, r, ctx.settings.stop_grace).await {
+            tracing::warn!(uid = %owner.uid, error = %error_chain(&e), "stopping an orphaned VM failed");
+            continue;
+        }
+        let cgroup = shim::read_spec(&ctx.settings.state, &r.name)
+            .ok()
+            .and_then(|s| s.cgroup.map(|c| c.path));
+        if let Err(e) = shim::remove(&ctx.settings.state, &r.name, cgroup.as_deref()).await {
+            tracing::warn!(uid = %owner.uid, error = %error_chain(&e), "removing an orphaned VM failed");
+        }
+        ctx.metrics.set_phase(&owner.uid, None);
+    }
+}
+
+/// Runs the reconciler until `shutdown` completes.
+pub async fn run(
+    ctx: Arc<Context>,
+    shutdown: impl std::future::Future<Output = ()> + Send + Sync + 'static,
+) {
+    let vms: Api<ImpVM> = Api::all(ctx.client.clone());
+    let selector = format!("spec.nodeName={}", ctx.settings.node);
+    let config = watcher::Config::default().fields(&selector);
+    let (tx, rx) = mpsc::channel(256);
+    let controller = Controller::new(vms, config);
+    let store = controller.store();
+    let poller = tokio::spawn(watch_records(ctx.clone(), store, tx));
+    let changes =
+        futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|r| (r, rx)) });
+    tracing::info!(node = %ctx.settings.node, selector, state = %ctx.settings.state.root().display(), "watching the node's ImpVMs");
+    controller
+        .reconcile_on(changes)
+        .graceful_shutdown_on(shutdown)
+        .run(reconcile, error_policy, ctx)
+        .for_each(|_| async {})
+        .await;
+    poller.abort();
+}
+
+/// Where a VM's registry credentials are written (root-only), merged from its pull secrets.
+pub fn auth_file(state: &StateDir, uid: &str) -> PathBuf {
+    state.vm_dir(uid).join("auth.json")
+}

@@ -1,0 +1,231 @@
+//! `imp agent`: the node agent, the DaemonSet's process on every node.
+//!
+//! Flags have environment fallbacks, and the Go agent's variable names are accepted too
+//! (`NODE_NAME`, `NODE_IP`, `FC_BIN`, `FC_KERNEL`, `FC_KERNEL_ARGS`, `IMP_IMAGE_CACHE`), so the
+//! same chart wiring works. The agent probes what the node can run, serves `/metrics`,
+//! `/healthz` and `/readyz`, and reconciles the ImpVMs placed on its node until SIGTERM; VMs
+//! run under their own shims and keep running when the agent stops.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use imp_agent::node::boot::BootSettings;
+use imp_agent::node::capabilities::{self, DefaultRuntime, HostFiles};
+use imp_agent::node::metrics::{self, Health, Metrics};
+use imp_agent::node::reconciler::{self, Context, Settings};
+use imp_agent::runtime::shim::ShimCommand;
+use imp_agent::runtime::spec::Runtime;
+use imp_agent::runtime::state::StateDir;
+
+use crate::local::parse_duration;
+
+/// The VMM for VMs whose class names none.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum RuntimeChoice {
+    /// Firecracker where KVM boots Linux guests and the binary exists, else QEMU.
+    Auto,
+    /// QEMU `-M microvm` (TCG where KVM cannot boot Linux).
+    Qemu,
+    /// Firecracker.
+    Firecracker,
+}
+
+/// `imp agent`.
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// This node's name, as the Node object has it.
+    #[arg(long, env = "NODE_NAME")]
+    node_name: String,
+    /// This node's address, where the agent API is reached.
+    #[arg(long, env = "NODE_IP")]
+    node_ip: Option<String>,
+    /// Where VM directories and records live.
+    #[arg(
+        long,
+        env = "IMP_AGENT_STATE_DIR",
+        default_value = "/var/lib/imp/agent"
+    )]
+    state_dir: PathBuf,
+    /// The image cache (default: `cache/` in the state directory).
+    #[arg(long, env = "IMP_IMAGE_CACHE")]
+    image_cache: Option<PathBuf>,
+    /// The guest kernel (also IMP_KERNEL; default: target/guest-kernel/vmlinux beside the
+    /// binary, else /var/lib/imp/kernel/vmlinux).
+    #[arg(long, env = "FC_KERNEL")]
+    kernel: Option<PathBuf>,
+    /// Kernel arguments added to imp's own.
+    #[arg(long, env = "FC_KERNEL_ARGS")]
+    kernel_args: Option<String>,
+    /// The kernel's modules directory (default: `modules` beside the kernel).
+    #[arg(long)]
+    modules: Option<PathBuf>,
+    /// The static guest init (default: target/imp-guest/imp-guest beside the binary, else
+    /// /var/lib/imp/imp-guest).
+    #[arg(long, env = "IMP_GUEST")]
+    guest: Option<PathBuf>,
+    /// The Firecracker binary.
+    #[arg(long, env = "FC_BIN", default_value = "/usr/local/bin/firecracker")]
+    firecracker: PathBuf,
+    /// The VMM for VMs whose class names none.
+    #[arg(long, env = "IMP_RUNTIME", value_enum, default_value_t = RuntimeChoice::Auto)]
+    runtime: RuntimeChoice,
+    /// Parent of every VM's cgroup below each hierarchy's root; empty: VMs get no cgroup of
+    /// their own (then a restart of the agent's container kills them).
+    #[arg(long, default_value = "imp")]
+    cgroup_parent: String,
+    /// Address of /metrics, /healthz and /readyz.
+    #[arg(long, default_value = "0.0.0.0:9090")]
+    metrics_addr: SocketAddr,
+    /// How long a guest may take until its agent answers.
+    #[arg(long, default_value = "180s", value_parser = parse_duration)]
+    boot_timeout: Duration,
+    /// How long a deleted VM's workload gets to exit before the VM is killed.
+    #[arg(long, default_value = "10s", value_parser = parse_duration)]
+    stop_grace: Duration,
+    /// Log as JSON lines.
+    #[arg(long)]
+    log_json: bool,
+}
+
+/// Runs the agent until SIGTERM or Ctrl-C.
+pub fn main(args: Args) -> anyhow::Result<()> {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let fmt = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    if args.log_json {
+        fmt.json().init();
+    } else {
+        fmt.compact().init();
+    }
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the tokio runtime")?
+        .block_on(run(args))
+}
+
+/// A host file from its flag, else beside the binary (a build tree), else its standard place.
+fn host_file(flag: Option<PathBuf>, env: &str, in_target: &str, standard: &str) -> PathBuf {
+    if let Some(p) = flag.or_else(|| std::env::var_os(env).map(PathBuf::from)) {
+        return p;
+    }
+    if let Ok(exe) = std::env::current_exe() {
+        for dir in exe.ancestors().skip(1).take(3) {
+            let c = dir.join(in_target);
+            if c.is_file() {
+                return c;
+            }
+        }
+    }
+    PathBuf::from(standard)
+}
+
+async fn run(args: Args) -> anyhow::Result<()> {
+    let kernel = host_file(
+        args.kernel,
+        "IMP_KERNEL",
+        "guest-kernel/vmlinux",
+        "/var/lib/imp/kernel/vmlinux",
+    );
+    let modules = args.modules.unwrap_or_else(|| {
+        kernel
+            .parent()
+            .map(|d| d.join("modules"))
+            .unwrap_or_default()
+    });
+    let guest = host_file(
+        args.guest,
+        "IMP_GUEST",
+        "imp-guest/imp-guest",
+        "/var/lib/imp/imp-guest",
+    );
+    let state = StateDir::new(args.state_dir);
+    let cache_dir = args.image_cache.unwrap_or_else(|| state.cache());
+    let files = HostFiles {
+        kernel,
+        modules,
+        guest,
+        firecracker: args.firecracker,
+    };
+    let default_runtime = match args.runtime {
+        RuntimeChoice::Auto => DefaultRuntime::Auto,
+        RuntimeChoice::Qemu => DefaultRuntime::Fixed(Runtime::Qemu),
+        RuntimeChoice::Firecracker => DefaultRuntime::Fixed(Runtime::Firecracker),
+    };
+    let caps = capabilities::probe(&files, default_runtime, &cache_dir).await;
+    let node = args.node_name.clone();
+    match caps.not_ready() {
+        None => tracing::info!(
+            node,
+            runtime = caps.default_runtime.as_str(),
+            "node can run VMs"
+        ),
+        Some(ref p) => tracing::error!(node, problem = %p, "node cannot run VMs as configured"),
+    }
+    let health = Arc::new(Health::new());
+    let metrics = Arc::new(Metrics::new());
+    let listener = metrics::bind(args.metrics_addr).await?;
+    tracing::info!(addr = %listener.local_addr().context("reading the ops address")?, "serving /metrics, /healthz and /readyz");
+
+    let mut config = kube::Config::infer()
+        .await
+        .context("loading the Kubernetes client config (KUBECONFIG or in-cluster)")?;
+    config.headers.push((
+        http::header::USER_AGENT,
+        http::HeaderValue::from_static(concat!("imp-agent/", env!("CARGO_PKG_VERSION"))),
+    ));
+    let client = kube::Client::try_from(config).context("building the Kubernetes client")?;
+    let cgroup_parent = Some(args.cgroup_parent).filter(|p| !p.is_empty());
+    let settings = Settings {
+        node: node.clone(),
+        state,
+        shim: ShimCommand::current_exe().context("finding the imp binary")?,
+        boot: BootSettings {
+            files,
+            extra_kernel_args: args.kernel_args,
+            boot_timeout: args.boot_timeout,
+            cgroup_parent,
+            cache_dir,
+        },
+        stop_grace: args.stop_grace,
+        poll: Duration::from_millis(250),
+    };
+    health.set_ready(caps.not_ready());
+    let ctx = Arc::new(Context::new(client, settings, caps, metrics.clone()));
+
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    tokio::spawn(async move {
+        let mut term =
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(s) => s,
+                Err(e) => {
+                    tracing::error!(error = %e, "cannot listen for SIGTERM");
+                    return;
+                }
+            };
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {}
+            _ = term.recv() => {}
+        }
+        tracing::info!("shutting down; VMs keep running under their shims");
+        let _ = stop_tx.send(true);
+    });
+    let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
+        let _ = rx.wait_for(|s| *s).await;
+    };
+    let ops = tokio::spawn(metrics::serve(
+        listener,
+        metrics,
+        health,
+        stopped(stop_rx.clone()),
+    ));
+    reconciler::run(ctx, stopped(stop_rx)).await;
+    ops.abort();
+    Ok(())
+}
