@@ -122,6 +122,9 @@ pub fn start(
     std::thread::spawn(move || {
         let _ = child.wait();
     });
+    // The record exists from now on, so a starter that looks again at once (a retried
+    // reconcile) finds the VM started and never starts a second shim.
+    state.save(&super::supervisor::initial_record(id, &dir, spec, pid))?;
     tracing::debug!(vm = %id, pid, "shim started");
     Ok(pid)
 }

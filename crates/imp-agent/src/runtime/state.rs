@@ -199,7 +199,8 @@ pub fn write_json<T: Serialize>(path: &Path, value: &T) -> Result<()> {
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default();
-    let tmp = path.with_file_name(format!(".{name}.tmp"));
+    // Per-process temp names: a starter and its shim may write the same record at once.
+    let tmp = path.with_file_name(format!(".{name}.{}.tmp", std::process::id()));
     let bytes = serde_json::to_vec_pretty(value).map_err(|source| StateError::Parse {
         path: path.to_path_buf(),
         source,

@@ -132,7 +132,7 @@ pub async fn run(state: StateDir, id: String) -> Result<(), state::StateError> {
         source,
     })?;
     let spec: VmSpec = state::read_json(&dir.join(SPEC_FILE))?;
-    let mut record = initial_record(&id, &dir, &spec);
+    let mut record = initial_record(&id, &dir, &spec, std::process::id());
     state.save(&record)?;
     tracing::info!(vm = %id, image = %spec.image, "shim started");
     let ended = match join_cgroup(&spec) {
@@ -147,13 +147,14 @@ pub async fn run(state: StateDir, id: String) -> Result<(), state::StateError> {
     }
 }
 
-fn initial_record(id: &str, dir: &Path, spec: &VmSpec) -> VmRecord {
+/// The record of a VM whose shim `shim_pid` has just started.
+pub fn initial_record(id: &str, dir: &Path, spec: &VmSpec, shim_pid: u32) -> VmRecord {
     VmRecord {
         name: id.to_owned(),
         image: spec.image.clone(),
         digest: None,
         runtime: spec.runtime.as_str().to_owned(),
-        supervisor_pid: std::process::id(),
+        supervisor_pid: shim_pid,
         vmm_pid: None,
         helper_pids: Vec::new(),
         vsock: dir.join("vsock.sock"),
@@ -190,17 +191,25 @@ async fn finish(record: &mut VmRecord, ended: Ended) {
         Ended::Exited(code) => {
             record.status = VmStatus::Exited;
             record.exit_code = Some(code);
+            if code != 0 {
+                keep_console_tail(record).await;
+            }
         }
         Ended::Failed(f) => {
             tracing::warn!(vm = %record.name, stage = ?f.stage, error = %f.chain(), "VM failed");
             record.status = VmStatus::Failed;
             record.error = Some(f.chain());
             record.error_stage = Some(f.stage);
-            let tail = read_console_tail(&record.serial_log).await;
-            if !tail.trim().is_empty() {
-                record.console_tail = Some(console::last_lines(&tail, FAILURE_TAIL_LINES));
-            }
+            keep_console_tail(record).await;
         }
+    }
+}
+
+/// Keeps the console's last lines in the record of a VM that failed, for its failure Event.
+async fn keep_console_tail(record: &mut VmRecord) {
+    let tail = read_console_tail(&record.serial_log).await;
+    if !tail.trim().is_empty() {
+        record.console_tail = Some(console::last_lines(&tail, FAILURE_TAIL_LINES));
     }
 }
 
@@ -274,10 +283,19 @@ async fn prepare(
     record.timings.image_ms = ms(t.elapsed());
 
     let t = Instant::now();
-    let base = store.rootfs(&pulled, &[]).await.map_err(at(
-        Stage::Disk,
-        format!("building the root filesystem of {}", spec.image),
-    ))?;
+    let base = store.rootfs(&pulled, &[]).await.map_err(|e| {
+        // A layer that cannot be applied is the image's fault, not the disk's.
+        let stage = match e {
+            image::ImageError::Layer(_) | image::ImageError::UnsupportedMediaType { .. } => {
+                Stage::Image
+            }
+            _ => Stage::Disk,
+        };
+        at(
+            stage,
+            format!("building the root filesystem of {}", spec.image),
+        )(e)
+    })?;
     let disk = dir.join("disk.ext4");
     image::clone_disk(&base.path, &disk, u64::from(spec.disk_gib) << 30)
         .await

@@ -1,0 +1,698 @@
+//! End-to-end: the real `imp operator` and two real `imp agent` processes (standing for two
+//! nodes) against imp-testkube, booting real Linux guests under QEMU/TCG from an image the test
+//! pushed to a real registry. The agents run in cgroups the test made, so a container restart
+//! can be played by killing every process in an agent's cgroup.
+//!
+//! Needs root, QEMU, vhost-device-vsock, docker-registry, skopeo, e2fsprogs, a static busybox,
+//! Debian's cloud kernel and the built guest (`scripts/setup`): without them it skips on a
+//! developer machine and fails under `CI=true`.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use imp_agent::runtime::cgroup::VmCgroup;
+use imp_api::vm::{ImpVM, VmPhase};
+use imp_testkube::TestKube;
+use imp_testkube::registry::{TestImage, TestLayer, TestRegistry, push, scratch_dir};
+use k8s_openapi::api::core::v1::{Event, Namespace, Node};
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
+use kube::{Client, ResourceExt};
+use serde_json::{Value, json};
+use tokio::process::{Child, Command};
+
+const NS: &str = "default";
+
+fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .ancestors()
+        .nth(2)
+        .unwrap()
+        .to_path_buf()
+}
+
+fn kernel() -> PathBuf {
+    workspace_root().join("target/guest-kernel/vmlinux")
+}
+
+fn guest() -> PathBuf {
+    workspace_root().join("target/imp-guest/imp-guest")
+}
+
+/// Everything the test needs, or `None` when it must skip (the guard already said why).
+fn ready() -> Option<()> {
+    let vhost = imp_testkube::guard::which("vhost-device-vsock").is_some()
+        || std::env::var_os("HOME")
+            .map(|h| PathBuf::from(h).join(".cargo/bin/vhost-device-vsock"))
+            .is_some_and(|p| p.is_file());
+    let checks = [
+        (imp_testkube::guard::is_root(), "root"),
+        (
+            imp_testkube::guard::which("qemu-system-x86_64").is_some(),
+            "qemu-system-x86_64 (scripts/setup)",
+        ),
+        (
+            vhost,
+            "vhost-device-vsock (cargo install vhost-device-vsock)",
+        ),
+        (
+            imp_testkube::guard::which("docker-registry").is_some(),
+            "docker-registry (apt-get install docker-registry)",
+        ),
+        (
+            imp_testkube::guard::which("skopeo").is_some(),
+            "skopeo (apt-get install skopeo)",
+        ),
+        (
+            imp_testkube::guard::which("mkfs.ext4").is_some(),
+            "mkfs.ext4 (apt-get install e2fsprogs)",
+        ),
+        (
+            Path::new("/bin/busybox").is_file(),
+            "static /bin/busybox (apt-get install busybox-static)",
+        ),
+        (
+            kernel().is_file(),
+            "target/guest-kernel/vmlinux (scripts/setup)",
+        ),
+        (
+            guest().is_file(),
+            "target/imp-guest/imp-guest (scripts/setup)",
+        ),
+        (
+            Path::new("/sys/fs/cgroup/memory").is_dir()
+                || Path::new("/sys/fs/cgroup/cgroup.procs").is_file(),
+            "a mounted cgroup hierarchy",
+        ),
+    ];
+    for (ok, what) in checks {
+        if !imp_testkube::guard::require(ok, what) {
+            return None;
+        }
+    }
+    Some(())
+}
+
+/// A busybox image whose workload is whatever `$SCRIPT` says, so one image serves every VM.
+fn script_image() -> TestImage {
+    let mut layer = TestLayer::new()
+        .dir("bin", 0o755)
+        .file("bin/busybox", std::fs::read("/bin/busybox").unwrap(), 0o755)
+        .dir("etc", 0o755)
+        .file("etc/passwd", "root:x:0:0:root:/root:/bin/sh\n", 0o644)
+        .file("etc/group", "root:x:0:\n", 0o644)
+        .dir("tmp", 0o1777)
+        .dir("root", 0o700);
+    for applet in ["sh", "echo", "cat", "sleep", "ls", "touch"] {
+        layer = layer.symlink(&format!("bin/{applet}"), "busybox");
+    }
+    TestImage::new()
+        .layer(layer)
+        .entrypoint(&["/bin/sh", "-c"])
+        .cmd(&["eval \"$SCRIPT\""])
+        .env("PATH=/bin")
+}
+
+/// The file a hostile layer tries to write outside the root filesystem.
+fn escape_target() -> PathBuf {
+    std::env::temp_dir().join(format!("imp-agent-e2e-escaped-{}", std::process::id()))
+}
+
+/// An image whose second layer climbs out of the root filesystem.
+fn hostile_image() -> TestImage {
+    let escape = TestLayer::new().dir("etc", 0o755).file(
+        &format!(
+            "etc/../../../../../../../../..{}",
+            escape_target().display()
+        ),
+        "escaped",
+        0o644,
+    );
+    script_image().layer(escape)
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn logs() -> Stdio {
+    if std::env::var_os("IMP_TEST_LOGS").is_some() {
+        Stdio::inherit()
+    } else {
+        Stdio::null()
+    }
+}
+
+/// One `imp agent` process in a cgroup of its own, like a container.
+struct Agent {
+    node: String,
+    state: PathBuf,
+    cgroup_parent: String,
+    cgroup: VmCgroup,
+    metrics_port: u16,
+    child: Option<Child>,
+}
+
+impl Agent {
+    fn new(node: &str, tag: &str) -> Self {
+        let id = format!("imp-e2e-{}-{tag}", std::process::id());
+        Self {
+            node: node.to_owned(),
+            state: scratch_dir(&format!("imp-agent-e2e-{tag}")).unwrap(),
+            cgroup_parent: format!("{id}-vms"),
+            cgroup: VmCgroup::create(&format!("{id}-agent"), 1 << 30).unwrap(),
+            metrics_port: free_port(),
+            child: None,
+        }
+    }
+
+    fn start(&mut self, kube: &TestKube, kernel: &Path) {
+        let child = Command::new(env!("CARGO_BIN_EXE_imp"))
+            .arg("agent")
+            .env("NODE_NAME", &self.node)
+            .env("FC_KERNEL", kernel)
+            .env("IMP_GUEST", guest())
+            .env("KUBECONFIG", kube.kubeconfig())
+            .env(
+                "RUST_LOG",
+                std::env::var("IMP_TEST_RUST_LOG").unwrap_or_else(|_| "info,kube=warn".into()),
+            )
+            .args(["--state-dir", self.state.to_str().unwrap()])
+            .args(["--runtime", "qemu"])
+            .args(["--cgroup-parent", &self.cgroup_parent])
+            .args([
+                "--metrics-addr",
+                &format!("127.0.0.1:{}", self.metrics_port),
+            ])
+            .args(["--stop-grace", "3s"])
+            .stdout(Stdio::null())
+            .stderr(logs())
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap();
+        self.cgroup.add(child.id().unwrap()).unwrap();
+        self.child = Some(child);
+    }
+
+    /// Kills every process in the agent's cgroup, as a container runtime does on restart.
+    async fn kill_container(&mut self) {
+        let cg = self.cgroup.clone();
+        tokio::task::spawn_blocking(move || cg.kill_all(Duration::from_secs(5)))
+            .await
+            .unwrap()
+            .unwrap();
+        if let Some(mut c) = self.child.take() {
+            let _ = c.wait().await;
+        }
+    }
+
+    async fn get(&self, path: &str) -> (u16, String) {
+        let mut s = tokio::net::TcpStream::connect(("127.0.0.1", self.metrics_port))
+            .await
+            .unwrap();
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        s.write_all(
+            format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes(),
+        )
+        .await
+        .unwrap();
+        let mut out = String::new();
+        s.read_to_string(&mut out).await.unwrap();
+        let code = out
+            .split_whitespace()
+            .nth(1)
+            .and_then(|c| c.parse().ok())
+            .unwrap_or(0);
+        (code, out)
+    }
+
+    /// `(uid, vm dir)` of every VM directory this agent has.
+    fn vm_dirs(&self) -> Vec<String> {
+        std::fs::read_dir(self.state.join("vms"))
+            .into_iter()
+            .flatten()
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .collect()
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        let _ = self.cgroup.destroy();
+        for dir in std::fs::read_dir(self.state.join("vms"))
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
+            let uid = dir.file_name().to_string_lossy().into_owned();
+            if let Ok(cg) = VmCgroup::at(&format!("{}/{uid}", self.cgroup_parent)) {
+                let _ = cg.destroy();
+            }
+        }
+        if let Ok(cg) = VmCgroup::at(&self.cgroup_parent) {
+            let _ = cg.destroy();
+        }
+        let _ = std::fs::remove_dir_all(&self.state);
+    }
+}
+
+async fn wait_for<T, F, Fut>(what: &str, timeout: Duration, mut f: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Option<T>>,
+{
+    let start = Instant::now();
+    loop {
+        if let Some(v) = f().await {
+            return v;
+        }
+        assert!(
+            start.elapsed() < timeout,
+            "timed out after {timeout:?} waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+fn phase(v: &ImpVM) -> Option<VmPhase> {
+    v.status.as_ref().and_then(|s| s.phase)
+}
+
+fn ready_reason(v: &ImpVM) -> Option<(String, String, String)> {
+    let c = v
+        .status
+        .as_ref()?
+        .conditions
+        .iter()
+        .find(|c| c.type_ == "Ready")?;
+    Some((c.status.clone(), c.reason.clone(), c.message.clone()))
+}
+
+async fn wait_vm(
+    api: &Api<ImpVM>,
+    name: &str,
+    what: &str,
+    secs: u64,
+    pred: impl Fn(&ImpVM) -> bool,
+) -> ImpVM {
+    wait_for(
+        &format!("{name}: {what}"),
+        Duration::from_secs(secs),
+        || {
+            let api = api.clone();
+            let pred = &pred;
+            async move { api.get_opt(name).await.unwrap().filter(|v| pred(v)) }
+        },
+    )
+    .await
+}
+
+async fn create_vm(api: &Api<ImpVM>, name: &str, spec: Value) -> ImpVM {
+    let obj: ImpVM = serde_json::from_value(json!({
+        "apiVersion": "imp.dev/v1alpha1", "kind": "ImpVM",
+        "metadata": {"name": name, "namespace": NS}, "spec": spec
+    }))
+    .unwrap();
+    api.create(&PostParams::default(), &obj).await.unwrap()
+}
+
+async fn events_of(c: &Client, name: &str) -> Vec<(String, String)> {
+    let api: Api<Event> = Api::namespaced(c.clone(), NS);
+    api.list(&ListParams::default())
+        .await
+        .unwrap()
+        .items
+        .into_iter()
+        .filter(|e| e.involved_object.name.as_deref() == Some(name))
+        .map(|e| (e.reason.unwrap_or_default(), e.message.unwrap_or_default()))
+        .collect()
+}
+
+/// Pids of processes whose command line names `needle` (a VM's directory).
+fn processes_naming(needle: &str) -> Vec<u32> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+        if String::from_utf8_lossy(&cmdline).contains(needle) {
+            out.push(pid);
+        }
+    }
+    out
+}
+
+fn qemu_of(agent: &Agent, uid: &str) -> Vec<u32> {
+    let dir = agent.state.join("vms").join(uid);
+    processes_naming(dir.to_str().unwrap())
+        .into_iter()
+        .filter(|p| {
+            std::fs::read_to_string(format!("/proc/{p}/comm"))
+                .unwrap_or_default()
+                .starts_with("qemu")
+        })
+        .collect()
+}
+
+async fn node(c: &Client, name: &str) {
+    let api: Api<Node> = Api::all(c.clone());
+    let n: Node = serde_json::from_value(
+        json!({"metadata": {"name": name, "labels": {"imp/enabled": "true"}}}),
+    )
+    .unwrap();
+    api.create(&PostParams::default(), &n).await.unwrap();
+    let status = json!({"status": {
+        "allocatable": {"cpu": "8", "memory": "16Gi"},
+        "capacity": {"cpu": "8", "memory": "16Gi"},
+        "conditions": [{"type": "Ready", "status": "True", "reason": "Test",
+                        "lastTransitionTime": k8s_openapi::jiff::Timestamp::now().to_string()}]
+    }});
+    api.patch_status(name, &PatchParams::default(), &Patch::Merge(&status))
+        .await
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn impvms_boot_end_survive_an_agent_restart_and_clean_up_on_their_nodes() {
+    if ready().is_none() {
+        return;
+    }
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let kube = TestKube::start().await.unwrap();
+    let c = kube.client().await.unwrap();
+    let crds: Api<CustomResourceDefinition> = Api::all(c.clone());
+    for crd in imp_api::crd::all() {
+        crds.create(&PostParams::default(), &crd).await.unwrap();
+    }
+    let nss: Api<Namespace> = Api::all(c.clone());
+    for n in [NS, "imp-system"] {
+        let obj: Namespace = serde_json::from_value(json!({"metadata": {"name": n}})).unwrap();
+        let _ = nss.create(&PostParams::default(), &obj).await;
+    }
+    node(&c, "node-a").await;
+    node(&c, "node-b").await;
+    let classes: Api<imp_api::class::ImpVMClass> = Api::all(c.clone());
+    let small: imp_api::class::ImpVMClass = serde_json::from_value(json!({
+        "apiVersion": "imp.dev/v1alpha1", "kind": "ImpVMClass",
+        "metadata": {"name": "small"}, "spec": {"vcpu": 1, "memoryMiB": 256, "diskGiB": 1}
+    }))
+    .unwrap();
+    classes
+        .create(&PostParams::default(), &small)
+        .await
+        .unwrap();
+
+    let registry = TestRegistry::start().await.unwrap();
+    let image = format!("{}/script:1", registry.host());
+    let hostile = format!("{}/hostile:1", registry.host());
+    for (img, dest) in [(script_image(), &image), (hostile_image(), &hostile)] {
+        let layout = scratch_dir("imp-agent-e2e-layout").unwrap();
+        img.write_layout(&layout, "1").unwrap();
+        push(&layout, "1", dest, None).await.unwrap();
+        std::fs::remove_dir_all(&layout).unwrap();
+    }
+
+    let mut operator = Command::new(env!("CARGO_BIN_EXE_imp"))
+        .arg("operator")
+        .args(["--metrics-addr", &format!("127.0.0.1:{}", free_port())])
+        .args(["--requeue-pending", "2", "--requeue-active", "1"])
+        .env("KUBECONFIG", kube.kubeconfig())
+        .env("RUST_LOG", "info,kube=warn")
+        .stdout(Stdio::null())
+        .stderr(logs())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut a = Agent::new("node-a", "a");
+    let mut b = Agent::new("node-b", "b");
+    a.start(&kube, &kernel());
+    // Node b's agent starts with a kernel path that does not exist.
+    let missing_kernel = PathBuf::from("/nonexistent/imp-e2e/vmlinux");
+    b.start(&kube, &missing_kernel);
+    let vms: Api<ImpVM> = Api::namespaced(c.clone(), NS);
+    let spec = |node: &str, lifecycle: &str, script: &str| {
+        json!({"classRef": {"name": "small"}, "image": image, "nodeName": node,
+               "lifecycle": lifecycle, "env": [{"name": "SCRIPT", "value": script}]})
+    };
+
+    // A persistent service on node a: Starting, then Running once the guest agent answers.
+    let svc = create_vm(
+        &vms,
+        "svc",
+        spec("node-a", "persistent", "echo svc up; sleep 3600"),
+    )
+    .await;
+    let svc_uid = svc.uid().unwrap();
+    let starting = wait_vm(&vms, "svc", "Starting", 30, |v| {
+        phase(v).is_some() && phase(v) != Some(VmPhase::Scheduled)
+    })
+    .await;
+    assert_eq!(
+        phase(&starting),
+        Some(VmPhase::Starting),
+        "the phase before the guest answers"
+    );
+    let running = wait_vm(&vms, "svc", "Running", 180, |v| {
+        phase(v) == Some(VmPhase::Running)
+    })
+    .await;
+    let st = running.status.clone().unwrap();
+    assert_eq!(st.node_name.as_deref(), Some("node-a"));
+    assert_eq!(st.runtime.as_deref(), Some("qemu"));
+    assert!(st.started_at.is_some() && st.running_at.is_some(), "{st:?}");
+    assert_eq!(ready_reason(&running).unwrap().0, "True");
+    let vmm_pid = u32::try_from(st.runtime_pid.unwrap()).unwrap();
+    assert_eq!(
+        qemu_of(&a, &svc_uid),
+        vec![vmm_pid],
+        "exactly one VMM, the one in status"
+    );
+    assert!(
+        b.vm_dirs().is_empty(),
+        "node b's agent touched a VM of node a: {:?}",
+        b.vm_dirs()
+    );
+    let reasons: Vec<String> = events_of(&c, "svc")
+        .await
+        .into_iter()
+        .map(|e| e.0)
+        .collect();
+    assert!(
+        reasons.contains(&"Starting".into()) && reasons.contains(&"Running".into()),
+        "{reasons:?}"
+    );
+    // The VM runs in its own cgroup, not in the agent's.
+    let vm_cgroup = VmCgroup::at(&format!("{}/{svc_uid}", a.cgroup_parent)).unwrap();
+    assert!(
+        vm_cgroup.pids().contains(&vmm_pid),
+        "VMM {vmm_pid} not in its VM's cgroup"
+    );
+    assert!(!a.cgroup.pids().contains(&vmm_pid));
+
+    // Node b cannot run VMs: its VM says why, naming the path and the setting, and /readyz fails.
+    create_vm(
+        &vms,
+        "job-ok",
+        spec("node-b", "ephemeral", "echo job done; exit 0"),
+    )
+    .await;
+    let blocked = wait_vm(&vms, "job-ok", "RuntimeStartFailed", 30, |v| {
+        ready_reason(v).is_some_and(|r| r.1 == "RuntimeStartFailed")
+    })
+    .await;
+    let msg = ready_reason(&blocked).unwrap().2;
+    assert!(
+        msg.contains("/nonexistent/imp-e2e/vmlinux") && msg.contains("FC_KERNEL"),
+        "{msg}"
+    );
+    let (code, body) = b.get("/readyz").await;
+    assert_eq!(code, 503, "{body}");
+    assert!(body.contains("/nonexistent/imp-e2e/vmlinux"), "{body}");
+    assert!(
+        events_of(&c, "job-ok")
+            .await
+            .iter()
+            .any(|e| e.0 == "RuntimeStartFailed")
+    );
+
+    // A job that fails, on node a, while svc keeps running.
+    create_vm(
+        &vms,
+        "job-bad",
+        spec("node-a", "ephemeral", "echo about to fail; exit 7"),
+    )
+    .await;
+    let bad = wait_vm(&vms, "job-bad", "Failed", 180, |v| {
+        phase(v) == Some(VmPhase::Failed)
+    })
+    .await;
+    assert_eq!(bad.status.as_ref().unwrap().exit_code, Some(7));
+    let (_, reason, _) = ready_reason(&bad).unwrap();
+    assert_eq!(reason, "Failed");
+    let failed_event = events_of(&c, "job-bad")
+        .await
+        .into_iter()
+        .find(|e| e.0 == "Failed");
+    let note = failed_event.expect("a Failed event").1;
+    assert!(
+        note.contains("exited with code 7") && note.contains("about to fail"),
+        "{note}"
+    );
+    assert!(bad.status.as_ref().unwrap().finished_at.is_some());
+
+    // Fixing node b's configuration (a restart with the right kernel) recovers its VM as is.
+    b.kill_container().await;
+    b.start(&kube, &kernel());
+    let ok = wait_vm(&vms, "job-ok", "Succeeded", 180, |v| {
+        phase(v) == Some(VmPhase::Succeeded)
+    })
+    .await;
+    assert_eq!(ok.status.as_ref().unwrap().exit_code, Some(0));
+    assert_eq!(ok.uid(), blocked.uid(), "the same object recovered");
+    let (code, body) = b.get("/readyz").await;
+    assert_eq!(code, 200, "{body}");
+
+    // Bad input: an image that cannot be pulled, a hostile layer. Each says why; svc runs on.
+    create_vm(
+        &vms,
+        "no-image",
+        json!({"classRef": {"name": "small"}, "nodeName": "node-a",
+        "image": format!("{}/nope:1", registry.host())}),
+    )
+    .await;
+    create_vm(
+        &vms,
+        "evil",
+        json!({"classRef": {"name": "small"}, "nodeName": "node-a",
+        "image": hostile}),
+    )
+    .await;
+    let escaped_name = escape_target()
+        .file_name()
+        .unwrap()
+        .to_str()
+        .unwrap()
+        .to_owned();
+    for (name, needle) in [("no-image", "nope"), ("evil", escaped_name.as_str())] {
+        let v = wait_vm(&vms, name, "Failed", 60, |v| {
+            phase(v) == Some(VmPhase::Failed)
+        })
+        .await;
+        let (_, r, m) = ready_reason(&v).unwrap();
+        assert_eq!(r, "ImagePullFailed", "{name}: {m}");
+        assert!(m.contains(needle), "{name}: {m}");
+        assert!(
+            events_of(&c, name).await.iter().any(|e| e.0 == r),
+            "{name}: no {r} event"
+        );
+    }
+    assert!(
+        !escape_target().exists(),
+        "a hostile layer wrote outside the rootfs"
+    );
+    assert_eq!(
+        phase(&vms.get("svc").await.unwrap()),
+        Some(VmPhase::Running)
+    );
+    let (code, metrics) = a.get("/metrics").await;
+    assert_eq!(code, 200);
+    let started: f64 = metrics
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix("imp_agent_start_duration_seconds_count{step=\"guest_ready\"} ")
+        })
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0.0);
+    assert!(started >= 1.0, "no start observed in\n{metrics}");
+    for needle in [
+        "imp_agent_vm_failures_total{reason=\"ImagePullFailed\"} 2",
+        "imp_agent_vms{phase=\"Running\"} 1",
+    ] {
+        assert!(metrics.contains(needle), "no {needle} in\n{metrics}");
+    }
+
+    // A second service, then a container restart of agent a: every process in its cgroup dies.
+    let svc2 = create_vm(&vms, "svc2", spec("node-a", "persistent", "sleep 3600")).await;
+    let svc2_uid = svc2.uid().unwrap();
+    let r2 = wait_vm(&vms, "svc2", "Running", 180, |v| {
+        phase(v) == Some(VmPhase::Running)
+    })
+    .await;
+    let vmm2 = u32::try_from(r2.status.unwrap().runtime_pid.unwrap()).unwrap();
+    a.kill_container().await;
+    assert!(a.cgroup.pids().is_empty());
+    assert_eq!(
+        qemu_of(&a, &svc_uid),
+        vec![vmm_pid],
+        "svc's VMM survived the agent"
+    );
+    assert_eq!(
+        qemu_of(&a, &svc2_uid),
+        vec![vmm2],
+        "svc2's VMM survived the agent"
+    );
+    // While the agent is down, svc2's VMM dies.
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(vmm2 as i32),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    a.start(&kube, &kernel());
+    let lost = wait_vm(&vms, "svc2", "Failed after its VMM died", 60, |v| {
+        phase(v) == Some(VmPhase::Failed)
+    })
+    .await;
+    let (_, reason, message) = ready_reason(&lost).unwrap();
+    assert_eq!(reason, "VmmExited", "{message}");
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let svc_now = vms.get("svc").await.unwrap();
+    assert_eq!(phase(&svc_now), Some(VmPhase::Running));
+    assert_eq!(
+        svc_now.status.unwrap().runtime_pid,
+        Some(i64::from(vmm_pid)),
+        "same VMM after re-adoption"
+    );
+    assert_eq!(
+        qemu_of(&a, &svc_uid),
+        vec![vmm_pid],
+        "no second VMM was started"
+    );
+
+    // Deleting leaves no process, socket, disk, cgroup or file behind, and the finalizer goes.
+    let svc_dir = a.state.join("vms").join(&svc_uid);
+    assert!(svc_dir.join("disk.ext4").exists());
+    for name in ["svc", "svc2", "job-bad", "job-ok", "no-image", "evil"] {
+        vms.delete(name, &DeleteParams::default()).await.unwrap();
+    }
+    for name in ["svc", "svc2", "job-bad", "job-ok", "no-image", "evil"] {
+        wait_for(&format!("{name} deleted"), Duration::from_secs(60), || {
+            let vms = vms.clone();
+            async move { vms.get_opt(name).await.unwrap().is_none().then_some(()) }
+        })
+        .await;
+    }
+    assert!(
+        processes_naming(svc_dir.to_str().unwrap()).is_empty(),
+        "processes of svc remain"
+    );
+    assert!(!svc_dir.exists(), "{} remains", svc_dir.display());
+    assert!(!vm_cgroup.exists(), "svc's cgroup remains");
+    wait_for(
+        "every VM directory removed",
+        Duration::from_secs(10),
+        || {
+            let (da, db) = (a.vm_dirs(), b.vm_dirs());
+            async move { (da.is_empty() && db.is_empty()).then_some(()) }
+        },
+    )
+    .await;
+    let _ = operator.start_kill();
+}
