@@ -100,7 +100,9 @@ pub fn decide(vm: &Observed, local: Option<Local<'_>>) -> Decision {
             None => Decision::Wait,
         };
     }
-    let fresh_request = matches!(vm.phase, VmPhase::Scheduled | VmPhase::Pending) && !vm.started;
+    // Only once the operator has finished placing it (Scheduled): acting on the placement's
+    // first write would race the operator's own status write.
+    let fresh_request = vm.phase == VmPhase::Scheduled && !vm.started;
     match local {
         Some(l) if fresh_request && l.attempt() != vm.attempt => Decision::Start {
             clear_previous: true,
@@ -246,7 +248,7 @@ mod tests {
     }
 
     #[test]
-    fn a_scheduled_vm_starts() {
+    fn a_scheduled_vm_starts_and_a_half_placed_one_waits() {
         let v = vm(VmPhase::Scheduled, false);
         assert_eq!(
             decide(&v, None),
@@ -254,6 +256,7 @@ mod tests {
                 clear_previous: false
             }
         );
+        assert_eq!(decide(&vm(VmPhase::Pending, false), None), Decision::Wait);
     }
 
     #[test]

@@ -655,6 +655,13 @@ async fn announce(ctx: &Context, vm: &ImpVM, report: &Report, record: Option<&Vm
 
 /// Retries a failed reconcile after a short pause.
 pub fn error_policy(vm: Arc<ImpVM>, error: &Error, ctx: Arc<Context>) -> Action {
+    let conflict =
+        matches!(error, Error::Kube { source: kube::Error::Api(s), .. } if s.code == 409);
+    if conflict {
+        // Someone wrote the VM since we read it: decide again on the newer version, at once.
+        tracing::debug!(vm = %key(&vm), node = %ctx.settings.node, "conflict; reconciling the newer version");
+        return Action::requeue(Duration::from_millis(50));
+    }
     tracing::warn!(vm = %key(&vm), node = %ctx.settings.node, error = %error_chain(error), "reconcile failed");
     Action::requeue(Duration::from_secs(2))
 }

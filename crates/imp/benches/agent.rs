@@ -1,0 +1,346 @@
+//! Node agent benchmark: an ImpVM from create to Running through the real `imp operator` and
+//! `imp agent` (against an in-process imp-testkube), split into scheduling, image, disk, boot
+//! and guest-ready, for a cached image; the same VM through `imp run -d` in the same run,
+//! interleaved, and the ratio of the two; the agent's RSS with no VM and with three running.
+//!
+//! `cargo bench -p imp --bench agent`, or `cargo test -p imp --bench agent` for a debug build.
+//! `IMP_BENCH_ROUNDS` changes the number of interleaved rounds (default 3). Needs what the
+//! agent's end-to-end test needs (root, QEMU, vhost-device-vsock, docker-registry, skopeo, the
+//! guest kernel and init); without it, it skips on a developer machine and fails under CI=true.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use imp_agent::runtime::state::{StateDir, VmRecord};
+use imp_api::vm::{ImpVM, VmPhase};
+use imp_testkube::TestKube;
+use imp_testkube::registry::{TestImage, TestLayer, TestRegistry, push, scratch_dir};
+use k8s_openapi::api::core::v1::Node;
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
+use kube::{Client, ResourceExt};
+use serde_json::json;
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .ancestors()
+        .nth(2)
+        .unwrap()
+        .to_path_buf()
+}
+
+fn ready() -> bool {
+    let vhost = imp_testkube::guard::which("vhost-device-vsock").is_some()
+        || std::env::var_os("HOME")
+            .map(|h| PathBuf::from(h).join(".cargo/bin/vhost-device-vsock"))
+            .is_some_and(|p| p.is_file());
+    [
+        (imp_testkube::guard::is_root(), "root"),
+        (
+            imp_testkube::guard::which("qemu-system-x86_64").is_some(),
+            "qemu-system-x86_64",
+        ),
+        (vhost, "vhost-device-vsock"),
+        (
+            imp_testkube::guard::which("docker-registry").is_some(),
+            "docker-registry",
+        ),
+        (imp_testkube::guard::which("skopeo").is_some(), "skopeo"),
+        (Path::new("/bin/busybox").is_file(), "static /bin/busybox"),
+        (
+            root().join("target/guest-kernel/vmlinux").is_file(),
+            "target/guest-kernel/vmlinux",
+        ),
+        (
+            root().join("target/imp-guest/imp-guest").is_file(),
+            "target/imp-guest/imp-guest",
+        ),
+    ]
+    .into_iter()
+    .all(|(ok, what)| imp_testkube::guard::require(ok, what))
+}
+
+fn image() -> TestImage {
+    let layer = TestLayer::new()
+        .dir("bin", 0o755)
+        .file("bin/busybox", std::fs::read("/bin/busybox").unwrap(), 0o755)
+        .symlink("bin/sh", "busybox")
+        .symlink("bin/sleep", "busybox")
+        .dir("tmp", 0o1777);
+    TestImage::new()
+        .layer(layer)
+        .entrypoint(&["/bin/sh", "-c"])
+        .cmd(&["sleep 3600"])
+        .env("PATH=/bin")
+}
+
+fn rss_kib(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmRSS:"))?
+                .split_whitespace()
+                .nth(1)?
+                .parse()
+                .ok()
+        })
+        .unwrap_or(0)
+}
+
+fn median(mut v: Vec<Duration>) -> Duration {
+    v.sort();
+    v.get(v.len() / 2).copied().unwrap_or_default()
+}
+
+fn ms(d: Duration) -> u128 {
+    d.as_millis()
+}
+
+async fn setup(c: &Client) {
+    let crds: Api<CustomResourceDefinition> = Api::all(c.clone());
+    for crd in imp_api::crd::all() {
+        crds.create(&PostParams::default(), &crd).await.unwrap();
+    }
+    let nodes: Api<Node> = Api::all(c.clone());
+    let n: Node = serde_json::from_value(
+        json!({"metadata": {"name": "bench-node", "labels": {"imp/enabled": "true"}}}),
+    )
+    .unwrap();
+    nodes.create(&PostParams::default(), &n).await.unwrap();
+    let status = json!({"status": {
+        "allocatable": {"cpu": "8", "memory": "16Gi"},
+        "conditions": [{"type": "Ready", "status": "True", "reason": "Bench",
+                        "lastTransitionTime": k8s_openapi::jiff::Timestamp::now().to_string()}]
+    }});
+    nodes
+        .patch_status(
+            "bench-node",
+            &PatchParams::default(),
+            &Patch::Merge(&status),
+        )
+        .await
+        .unwrap();
+    let classes: Api<imp_api::class::ImpVMClass> = Api::all(c.clone());
+    let class = serde_json::from_value(json!({
+        "apiVersion": "imp.dev/v1alpha1", "kind": "ImpVMClass",
+        "metadata": {"name": "bench"}, "spec": {"vcpu": 1, "memoryMiB": 256, "diskGiB": 1}
+    }))
+    .unwrap();
+    classes
+        .create(&PostParams::default(), &class)
+        .await
+        .unwrap();
+}
+
+/// One ImpVM from create to Running: (total, scheduling, the shim's step timings).
+async fn cluster_round(
+    vms: &Api<ImpVM>,
+    image: &str,
+    state: &StateDir,
+    name: &str,
+) -> (Duration, Duration, VmRecord) {
+    let obj: ImpVM = serde_json::from_value(json!({
+        "apiVersion": "imp.dev/v1alpha1", "kind": "ImpVM",
+        "metadata": {"name": name, "namespace": "default"},
+        "spec": {"classRef": {"name": "bench"}, "image": image, "lifecycle": "persistent"}
+    }))
+    .unwrap();
+    let t0 = Instant::now();
+    let created = vms.create(&PostParams::default(), &obj).await.unwrap();
+    let mut scheduled = None;
+    loop {
+        let vm = vms.get(name).await.unwrap();
+        let phase = vm.status.as_ref().and_then(|s| s.phase);
+        if scheduled.is_none() && phase.is_some_and(|p| p != VmPhase::Pending) {
+            scheduled = Some(t0.elapsed());
+        }
+        if phase == Some(VmPhase::Running) {
+            break;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(300),
+            "{name} never ran: {:?}",
+            vm.status
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let total = t0.elapsed();
+    let record = state.load(&created.uid().unwrap()).unwrap();
+    (total, scheduled.unwrap_or_default(), record)
+}
+
+async fn delete_and_wait(vms: &Api<ImpVM>, name: &str) {
+    vms.delete(name, &DeleteParams::default()).await.unwrap();
+    while vms.get_opt(name).await.unwrap().is_some() {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// The same VM through `imp run -d`: until it prints the name (the guest agent answered).
+fn local_round(image: &str, local_state: &Path, name: &str) -> Duration {
+    let imp = |args: &[&str]| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_imp"))
+            .args(args)
+            .env("IMP_STATE_DIR", local_state)
+            .env("IMP_KERNEL", root().join("target/guest-kernel/vmlinux"))
+            .env("IMP_GUEST", root().join("target/imp-guest/imp-guest"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .status()
+            .unwrap()
+    };
+    let t0 = Instant::now();
+    assert!(imp(&["run", "-d", "--name", name, "--memory", "256", image]).success());
+    let took = t0.elapsed();
+    assert!(imp(&["rm", "-f", name]).success());
+    took
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() {
+    // `cargo test --benches` passes libtest flags; the benchmark ignores them.
+    if !ready() {
+        return;
+    }
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let rounds: usize = std::env::var("IMP_BENCH_ROUNDS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(3);
+    let kube = TestKube::start().await.unwrap();
+    let c = kube.client().await.unwrap();
+    setup(&c).await;
+    let registry = TestRegistry::start().await.unwrap();
+    let image_ref = format!("{}/bench:1", registry.host());
+    let layout = scratch_dir("imp-bench-layout").unwrap();
+    image().write_layout(&layout, "1").unwrap();
+    push(&layout, "1", &image_ref, None).await.unwrap();
+    std::fs::remove_dir_all(&layout).unwrap();
+
+    let agent_state = scratch_dir("imp-bench-agent").unwrap();
+    let local_state = scratch_dir("imp-bench-local").unwrap();
+    let free_port = || {
+        std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port()
+    };
+    let _operator = tokio::process::Command::new(env!("CARGO_BIN_EXE_imp"))
+        .arg("operator")
+        .args(["--metrics-addr", &format!("127.0.0.1:{}", free_port())])
+        .args(["--requeue-pending", "1", "--requeue-active", "1"])
+        .env("KUBECONFIG", kube.kubeconfig())
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let agent = tokio::process::Command::new(env!("CARGO_BIN_EXE_imp"))
+        .arg("agent")
+        .env("NODE_NAME", "bench-node")
+        .env("KUBECONFIG", kube.kubeconfig())
+        .env("FC_KERNEL", root().join("target/guest-kernel/vmlinux"))
+        .env("IMP_GUEST", root().join("target/imp-guest/imp-guest"))
+        .env("RUST_LOG", "warn")
+        .args(["--state-dir", agent_state.to_str().unwrap()])
+        .args(["--runtime", "qemu", "--stop-grace", "2s"])
+        .args([
+            "--cgroup-parent",
+            &format!("imp-bench-{}", std::process::id()),
+        ])
+        .args(["--metrics-addr", &format!("127.0.0.1:{}", free_port())])
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let agent_pid = agent.id().unwrap();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let rss_idle = rss_kib(agent_pid);
+    let vms: Api<ImpVM> = Api::namespaced(c.clone(), "default");
+    let state = StateDir::new(&agent_state);
+
+    // Warm the image, base and initramfs caches of both paths first.
+    cluster_round(&vms, &image_ref, &state, "warm").await;
+    delete_and_wait(&vms, "warm").await;
+    local_round(&image_ref, &local_state, "warm");
+
+    let (mut cluster, mut local, mut sched) = (Vec::new(), Vec::new(), Vec::new());
+    let mut steps = [Vec::new(), Vec::new(), Vec::new(), Vec::new()];
+    for i in 0..rounds {
+        let name = format!("bench-{i}");
+        let (total, scheduling, record) = cluster_round(&vms, &image_ref, &state, &name).await;
+        delete_and_wait(&vms, &name).await;
+        let t = record.timings;
+        for (v, ms) in steps
+            .iter_mut()
+            .zip([t.image_ms, t.disk_ms, t.boot_ms, t.ready_ms])
+        {
+            v.push(Duration::from_millis(ms));
+        }
+        cluster.push(total);
+        sched.push(scheduling);
+        local.push(local_round(&image_ref, &local_state, &name));
+    }
+    let (cm, lm) = (median(cluster), median(local));
+    let [image_s, disk_s, boot_s, ready_s] = steps.map(median);
+    println!("agent bench ({rounds} interleaved rounds, medians, cached image, QEMU/TCG here):");
+    println!(
+        "  ImpVM create -> Running: {} ms = scheduling {} ms + image {} ms + disk {} ms + boot {} ms + guest ready {} ms (+ agent and API overhead)",
+        ms(cm),
+        ms(median(sched)),
+        ms(image_s),
+        ms(disk_s),
+        ms(boot_s),
+        ms(ready_s)
+    );
+    println!("  imp run -d -> running:   {} ms", ms(lm));
+    println!(
+        "  ratio cluster / local:   {:.2}",
+        cm.as_secs_f64() / lm.as_secs_f64().max(1e-9)
+    );
+
+    for i in 0..3 {
+        let obj: ImpVM = serde_json::from_value(json!({
+            "apiVersion": "imp.dev/v1alpha1", "kind": "ImpVM",
+            "metadata": {"name": format!("rss-{i}"), "namespace": "default"},
+            "spec": {"classRef": {"name": "bench"}, "image": image_ref, "lifecycle": "persistent"}
+        }))
+        .unwrap();
+        vms.create(&PostParams::default(), &obj).await.unwrap();
+    }
+    let t0 = Instant::now();
+    loop {
+        let running = vms
+            .list(&Default::default())
+            .await
+            .unwrap()
+            .items
+            .iter()
+            .filter(|v| v.status.as_ref().and_then(|s| s.phase) == Some(VmPhase::Running))
+            .count();
+        if running == 3 {
+            break;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(300), "3 VMs never ran");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let rss_busy = rss_kib(agent_pid);
+    println!(
+        "  agent RSS: {:.1} MiB with 0 VMs, {:.1} MiB with 3 running VMs",
+        rss_idle as f64 / 1024.0,
+        rss_busy as f64 / 1024.0
+    );
+    for i in 0..3 {
+        delete_and_wait(&vms, &format!("rss-{i}")).await;
+    }
+    let _ = std::fs::remove_dir_all(&agent_state);
+    let _ = std::fs::remove_dir_all(&local_state);
+    let parent = format!("imp-bench-{}", std::process::id());
+    let _ = imp_agent::runtime::cgroup::VmCgroup::at(&parent).and_then(|cg| cg.destroy());
+}
