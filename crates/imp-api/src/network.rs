@@ -37,7 +37,7 @@ pub const IPV4_CIDR_PATTERN: &str = r"^((25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-
     derive = "PartialEq"
 )]
 #[x_kube(validation = kube::core::Rule::new("!has(self.ipam) || self.ipam.provider != 'cilium' || (has(self.ipam.cilium) && has(self.ipam.cilium.poolRef) && self.ipam.cilium.poolRef != '')").message("spec.ipam.cilium.poolRef is required when spec.ipam.provider is cilium"))]
-#[serde(rename_all = "camelCase")]
+#[serde(rename_all = "camelCase", remote = "Self")]
 pub struct ImpNetworkSpec {
     /// IPv4 subnet of the network, e.g. 10.44.0.0/24.
     #[schemars(regex(pattern = IPV4_CIDR_PATTERN))]
@@ -62,6 +62,8 @@ pub struct ImpNetworkSpec {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub groups: Vec<NetworkGroup>,
 }
+
+spec_may_be_absent!(ImpNetworkSpec);
 
 /// NAT settings.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
@@ -158,10 +160,14 @@ pub enum GroupConnectivity {
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct ImpNetworkStatus {
-    /// Address → VM (namespace/name) of every allocated IP.
-    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    /// Every allocated IP, as the Go project lists them (kept equal to the keys of
+    /// `allocations`; see [`ImpNetworkStatus::set_allocations`]).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[serde(rename = "allocatedIPs")]
-    pub allocated_ips: BTreeMap<String, String>,
+    pub allocated_ips: Vec<String>,
+    /// Address → VM (namespace/name) of every allocated IP (imp extension).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub allocations: BTreeMap<String, String>,
     /// VXLAN endpoints: which node hosts which VM address.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["vmIP"]))]
@@ -173,8 +179,17 @@ pub struct ImpNetworkStatus {
     pub group_cidrs: Vec<GroupCidr>,
     /// Ready condition.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]))]
+    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]), transform = crate::schema::conditions)]
     pub conditions: Vec<Condition>,
+}
+
+impl ImpNetworkStatus {
+    /// Records the address → VM map and the Go-shaped address list derived from it, so the
+    /// two never disagree.
+    pub fn set_allocations(&mut self, allocations: BTreeMap<String, String>) {
+        self.allocated_ips = allocations.keys().cloned().collect();
+        self.allocations = allocations;
+    }
 }
 
 /// One VXLAN endpoint entry.
@@ -198,4 +213,27 @@ pub struct GroupCidr {
     pub name: String,
     /// CIDR of the group.
     pub cidr: String,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn allocated_ips_follow_the_allocation_map() {
+        let mut s = ImpNetworkStatus::default();
+        s.set_allocations(BTreeMap::from([
+            ("10.0.0.3".to_owned(), "ns/b".to_owned()),
+            ("10.0.0.2".to_owned(), "ns/a".to_owned()),
+        ]));
+        assert_eq!(s.allocated_ips, ["10.0.0.2", "10.0.0.3"]);
+        let json = serde_json::to_value(&s).unwrap();
+        assert_eq!(
+            json["allocatedIPs"],
+            serde_json::json!(["10.0.0.2", "10.0.0.3"])
+        );
+        assert_eq!(json["allocations"]["10.0.0.3"], "ns/b");
+        s.set_allocations(BTreeMap::new());
+        assert!(s.allocated_ips.is_empty());
+    }
 }

@@ -74,6 +74,15 @@ pub struct LocalObjectRef {
     pub name: String,
 }
 
+/// A core/v1 LocalObjectReference: as in Kubernetes (and the Go project), `name` may be left
+/// out and is then empty.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct CoreLocalObjectRef {
+    /// Name of the referenced object.
+    #[serde(default)]
+    pub name: String,
+}
+
 /// A reference to a cluster-scoped object.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 pub struct ClusterObjectRef {
@@ -144,16 +153,11 @@ pub struct ExecAction {
 /// An HTTP GET for an http probe.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 pub struct HttpGetAction {
-    /// Request path.
-    #[serde(default = "default_probe_path")]
+    /// Request path (required, as in the Go project).
     pub path: String,
     /// TCP port in the guest.
     #[schemars(range(min = 1, max = 65535))]
     pub port: i32,
-}
-
-fn default_probe_path() -> String {
-    "/".to_owned()
 }
 
 /// The operator-side HTTP health check of a VM.
@@ -162,13 +166,15 @@ fn default_probe_path() -> String {
 pub struct HttpCheckSpec {
     /// Turns the check on; a present but disabled check switches the cluster default off.
     #[serde(default)]
+    #[schemars(transform = crate::schema::no_default)]
     pub enabled: bool,
     /// Request path.
     #[serde(default = "default_http_check_path")]
     pub path: String,
-    /// TCP port on the VM's IP.
+    /// TCP port on the VM's IP; without it the check cannot succeed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1, max = 65535))]
-    pub port: i32,
+    pub port: Option<i32>,
     /// Seconds between checks.
     #[serde(default = "default_period_seconds")]
     #[schemars(range(min = 1))]

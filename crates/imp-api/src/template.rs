@@ -36,7 +36,7 @@ use crate::shared::{ClusterObjectRef, GuestAgentConfig, LocalObjectRef, ProbeSpe
     derive = "Default",
     derive = "PartialEq"
 )]
-#[serde(rename_all = "camelCase")]
+#[serde(rename_all = "camelCase", remote = "Self")]
 pub struct ImpVMTemplateSpec {
     /// Machine class of VMs made from this template.
     pub class_ref: ClusterObjectRef,
@@ -75,3 +75,5 @@ pub struct ImpVMTemplateSpec {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub tolerations: Vec<Toleration>,
 }
+
+spec_may_be_absent!(ImpVMTemplateSpec);
