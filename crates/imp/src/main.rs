@@ -44,10 +44,7 @@ fn main() -> anyhow::Result<()> {
     match Cli::parse().command {
         Command::Crds => {
             let yaml = imp_api::crd::yaml_stream().context("generating CRDs")?;
-            std::io::stdout()
-                .lock()
-                .write_all(yaml.as_bytes())
-                .context("writing CRDs to stdout")?;
+            write_stdout(yaml.as_bytes()).context("writing CRDs to stdout")?;
         }
         Command::Operator(args) => operator::main(*args)?,
         Command::Run(args) => {
@@ -61,6 +58,16 @@ fn main() -> anyhow::Result<()> {
         Command::Console(args) => local::console(args)?,
     }
     Ok(())
+}
+
+/// Writes `bytes` to stdout; a reader that closed the pipe early (`imp crds | head -1`) ends
+/// the output quietly, as with other command-line tools, instead of failing.
+fn write_stdout(bytes: &[u8]) -> std::io::Result<()> {
+    let mut out = std::io::stdout().lock();
+    match out.write_all(bytes).and_then(|()| out.flush()) {
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(()),
+        r => r,
+    }
 }
 
 /// Local commands log warnings to stderr (more with RUST_LOG), keeping stdout for the workload.
