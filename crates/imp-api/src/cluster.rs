@@ -153,7 +153,6 @@ pub struct MetricsConfig {
     pub enabled: bool,
     /// Port of /metrics.
     #[serde(default = "default_metrics_port")]
-    #[schemars(range(min = 1, max = 65535))]
     pub port: i32,
 }
 

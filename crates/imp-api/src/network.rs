@@ -7,10 +7,8 @@ use kube::CustomResource;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-/// An IPv4 address.
-pub const IPV4_PATTERN: &str = r"^((25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])\.){3}(25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])$";
-/// An IPv4 CIDR.
-pub const IPV4_CIDR_PATTERN: &str = r"^((25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])\.){3}(25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])/([0-9]|[12][0-9]|3[0-2])$";
+/// An IPv4 CIDR as the Go project's CRD spells it (the webhook checks the octets and prefix).
+pub const GO_CIDR_PATTERN: &str = r"^([0-9]{1,3}\.){3}[0-9]{1,3}/[0-9]{1,2}$";
 
 /// The network a VM attaches to.
 #[derive(
@@ -40,11 +38,10 @@ pub const IPV4_CIDR_PATTERN: &str = r"^((25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-
 #[serde(rename_all = "camelCase", remote = "Self")]
 pub struct ImpNetworkSpec {
     /// IPv4 subnet of the network, e.g. 10.44.0.0/24.
-    #[schemars(regex(pattern = IPV4_CIDR_PATTERN))]
+    #[schemars(regex(pattern = GO_CIDR_PATTERN))]
     pub subnet: String,
     /// Gateway (bridge) address; default is the subnet's first address.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(regex(pattern = IPV4_PATTERN))]
     pub gateway: Option<String>,
     /// Masquerading egress to outside the network.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -120,7 +117,7 @@ pub struct CiliumIpamSpec {
     pub pool_ref: Option<String>,
     /// CIDR override; default is the subnet.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(regex(pattern = IPV4_CIDR_PATTERN))]
+    #[schemars(regex(pattern = GO_CIDR_PATTERN))]
     pub cidr: Option<String>,
 }
 
@@ -129,14 +126,12 @@ pub struct CiliumIpamSpec {
 #[serde(rename_all = "camelCase")]
 pub struct NetworkGroup {
     /// Group name, referenced by spec.networkGroup of a VM.
-    #[schemars(length(min = 1))]
     pub name: String,
     /// Connectivity model of the group.
     #[serde(default)]
     pub connectivity: GroupConnectivity,
     /// Expected member count; sizes the group's CIDR.
     #[serde(default = "default_expected_size")]
-    #[schemars(range(min = 1))]
     pub expected_size: i32,
 }
 

@@ -35,18 +35,16 @@ use crate::duration::GoDuration;
 #[serde(rename_all = "camelCase", remote = "Self")]
 pub struct ImpWarmPoolSpec {
     /// Parent ImpVMSnapshot whose elected base members restore from.
-    #[schemars(length(min = 1))]
     pub snapshot_ref: String,
     /// Members to keep.
     #[serde(default = "default_pool_size")]
-    #[schemars(range(min = 0))]
     pub size: i32,
     /// Template members are made from.
-    #[schemars(length(min = 1))]
     pub template_name: String,
     /// Expiry of members; 0 or at least 60s.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[x_kube(validation = crate::shared::expire_after_rule())]
+    #[schemars(transform = crate::schema::no_pattern)]
     pub expire_after: Option<GoDuration>,
 }
 
@@ -108,7 +106,6 @@ pub struct ImpWarmPoolStatus {
 #[serde(rename_all = "camelCase", remote = "Self")]
 pub struct ImpVMRunnerPoolSpec {
     /// Template runner VMs are made from.
-    #[schemars(length(min = 1))]
     pub template_name: String,
     /// CI platform and credentials.
     pub platform: RunnerPlatform,
@@ -127,6 +124,7 @@ pub struct ImpVMRunnerPoolSpec {
     /// Expiry of runner VMs; 0 or at least 60s.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[x_kube(validation = crate::shared::expire_after_rule())]
+    #[schemars(transform = crate::schema::no_pattern)]
     pub expire_after: Option<GoDuration>,
 }
 

@@ -11,6 +11,20 @@ pub fn no_default(schema: &mut Schema) {
     schema.remove("default");
 }
 
+/// The pattern the Go project's CRDs put on restart-policy durations.
+pub const GO_DURATION_PATTERN: &str = r"^([0-9]+(\.[0-9]+)?(ns|us|ms|s|m|h))+$";
+
+/// A duration field that carries the Go project's duration pattern instead of ours.
+pub fn go_duration_pattern(schema: &mut Schema) {
+    schema.insert("pattern".to_owned(), json!(GO_DURATION_PATTERN));
+}
+
+/// A duration field the Go schema leaves a free string: its CEL rule (`duration(self)`, which
+/// refuses what Go's time.ParseDuration cannot read) is the check, as in the Go project.
+pub fn no_pattern(schema: &mut Schema) {
+    schema.remove("pattern");
+}
+
 /// A `status.conditions` list: metav1.Condition, with `status` limited to True, False and
 /// Unknown as in the Go project (k8s-openapi's schema leaves it a free string).
 pub fn conditions(schema: &mut Schema) {

@@ -70,7 +70,6 @@ impl PlacedSize {
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 pub struct LocalObjectRef {
     /// Name of the referenced object.
-    #[schemars(length(min = 1))]
     pub name: String,
 }
 
@@ -87,7 +86,6 @@ pub struct CoreLocalObjectRef {
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 pub struct ClusterObjectRef {
     /// Name of the referenced object.
-    #[schemars(length(min = 1))]
     pub name: String,
 }
 
@@ -122,15 +120,12 @@ pub struct Probe {
     pub http: Option<HttpGetAction>,
     /// Seconds to wait after start before the first probe.
     #[serde(default)]
-    #[schemars(range(min = 0))]
     pub initial_delay_seconds: i32,
     /// Seconds between probes.
     #[serde(default = "default_period_seconds")]
-    #[schemars(range(min = 1))]
     pub period_seconds: i32,
     /// Consecutive failures before the probe counts as failed.
     #[serde(default = "default_failure_threshold")]
-    #[schemars(range(min = 1))]
     pub failure_threshold: i32,
 }
 
@@ -177,11 +172,9 @@ pub struct HttpCheckSpec {
     pub port: Option<i32>,
     /// Seconds between checks.
     #[serde(default = "default_period_seconds")]
-    #[schemars(range(min = 1))]
     pub interval_seconds: i32,
     /// Consecutive failures before Ready turns False.
     #[serde(default = "default_failure_threshold")]
-    #[schemars(range(min = 1))]
     pub failure_threshold: i32,
 }
 
@@ -219,6 +212,7 @@ pub struct RestartPolicy {
     pub on_exhaustion: OnExhaustion,
     /// How long to wait before retrying again when onExhaustion is cool-down.
     #[serde(default = "default_cool_down")]
+    #[schemars(transform = crate::schema::go_duration_pattern)]
     pub cool_down_period: GoDuration,
 }
 
@@ -270,13 +264,14 @@ pub enum OnExhaustion {
 pub struct BackoffPolicy {
     /// Attempts before onExhaustion applies; 0 means the default of 5.
     #[serde(default = "default_max_retries")]
-    #[schemars(range(min = 0))]
     pub max_retries: i32,
     /// Delay before the first retry.
     #[serde(default = "default_initial_delay")]
+    #[schemars(transform = crate::schema::go_duration_pattern)]
     pub initial_delay: GoDuration,
     /// Upper bound of the delay.
     #[serde(default = "default_max_delay")]
+    #[schemars(transform = crate::schema::go_duration_pattern)]
     pub max_delay: GoDuration,
 }
 

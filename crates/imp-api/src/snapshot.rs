@@ -7,9 +7,6 @@ use serde::{Deserialize, Serialize};
 
 use crate::shared::CoreLocalObjectRef;
 
-/// A five-field cron expression (minute hour day-of-month month day-of-week).
-pub const CRON_PATTERN: &str = r"^\s*\S+\s+\S+\s+\S+\s+\S+\s+\S+\s*$";
-
 /// A snapshot of a VM, once or on a schedule.
 #[derive(CustomResource, Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[kube(
@@ -37,15 +34,12 @@ pub const CRON_PATTERN: &str = r"^\s*\S+\s+\S+\s+\S+\s+\S+\s+\S+\s*$";
 pub struct ImpVMSnapshotSpec {
     /// VM to snapshot.
     #[serde(rename = "sourceVMName")]
-    #[schemars(length(min = 1))]
     pub source_vm_name: String,
     /// Namespace of that VM.
     #[serde(rename = "sourceVMNamespace")]
-    #[schemars(length(min = 1))]
     pub source_vm_namespace: String,
     /// Cron schedule; absent means one execution.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(regex(pattern = CRON_PATTERN))]
     pub schedule: Option<String>,
     /// Executions to keep.
     #[serde(default = "default_retention")]
@@ -109,7 +103,6 @@ fn default_snapshot_path() -> String {
 #[serde(rename_all = "camelCase")]
 pub struct OciRegistryStorage {
     /// Repository to push to.
-    #[schemars(length(min = 1))]
     pub repository: String,
     /// Secret with registry credentials.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -191,11 +184,9 @@ pub struct ImpVMSnapshotStatus {
 pub struct ImpVMMigrationSpec {
     /// VM to move.
     #[serde(rename = "sourceVMName")]
-    #[schemars(length(min = 1))]
     pub source_vm_name: String,
     /// Namespace of that VM.
     #[serde(rename = "sourceVMNamespace")]
-    #[schemars(length(min = 1))]
     pub source_vm_namespace: String,
     /// Node to move to; absent means any CPU-compatible node.
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -67,6 +67,7 @@ pub struct ImpVMTemplateSpec {
     /// Expiry of VMs made from it; 0 or at least 60s.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[x_kube(validation = crate::shared::expire_after_rule())]
+    #[schemars(transform = crate::schema::no_pattern)]
     pub expire_after: Option<GoDuration>,
     /// Node labels VMs from this template require (imp extension).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]

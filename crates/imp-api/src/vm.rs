@@ -108,6 +108,7 @@ pub struct ImpVMSpec {
     /// Delete the VM this long after it first ran; 0 means never, else at least 60s.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[x_kube(validation = crate::shared::expire_after_rule())]
+    #[schemars(transform = crate::schema::no_pattern)]
     pub expire_after: Option<GoDuration>,
     /// For persistent VMs: move to another node when the node is lost.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
@@ -118,6 +119,7 @@ pub struct ImpVMSpec {
     /// Idle time before a ScaleToZero VM suspends; at least 10s, default 5m.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[x_kube(validation = kube::core::Rule::new("duration(self) >= duration('10s')").message("must be at least 10s"))]
+    #[schemars(transform = crate::schema::no_pattern)]
     pub idle_timeout: Option<GoDuration>,
 }
 

@@ -2,7 +2,8 @@
 //! (`../shared/reference/go-crds/`, next to the checkout): for every kind and every version Go
 //! serves, each field path of Go's openAPIV3Schema exists in ours with the same JSON type
 //! (int-or-string included), enum values, default and preserve-unknown-fields, list type and map
-//! values, and nothing is required here that is optional there. The status subresource is
+//! values, no narrower bound (minimum, maximum, length, items, pattern), and nothing is required
+//! here that is optional there. The status subresource is
 //! compared too; printer columns are not (tests/crds.rs checks those).
 //!
 //! Two explicit lists keep the differences honest: the Go admission-webhook rules that refuse the
@@ -143,6 +144,7 @@ impl Walk<'_> {
                 ),
             );
         }
+        self.bounds(path, go, ours);
         let (gl, ol) = (list_type(go), list_type(ours));
         if gl != ol && ol != "atomic" {
             self.diff(
@@ -201,6 +203,41 @@ impl Walk<'_> {
                 self.diff(path, "map values refused here")
             }
             _ => {}
+        }
+    }
+}
+
+impl Walk<'_> {
+    /// Reports each bound that makes ours refuse a value Go's accepts: a higher minimum, a
+    /// lower maximum, or a pattern Go's does not have.
+    fn bounds(&mut self, path: &str, go: &Value, ours: &Value) {
+        let num = |s: &Value, k: &str| s.get(k).and_then(Value::as_f64);
+        for key in ["minimum", "minLength", "minItems", "minProperties"] {
+            if let Some(o) = num(ours, key)
+                && num(go, key).is_none_or(|g| o > g)
+            {
+                self.diff(path, format!("{key} {o} here, {} in Go", show(go.get(key))));
+            }
+        }
+        for key in ["maximum", "maxLength", "maxItems", "maxProperties"] {
+            if let Some(o) = num(ours, key)
+                && num(go, key).is_none_or(|g| o < g)
+            {
+                self.diff(path, format!("{key} {o} here, {} in Go", show(go.get(key))));
+            }
+        }
+        for key in ["exclusiveMinimum", "exclusiveMaximum"] {
+            if flag(ours, key) && !flag(go, key) {
+                self.diff(path, format!("{key} here, not in Go"));
+            }
+        }
+        if let Some(o) = ours.get("pattern")
+            && go.get("pattern") != Some(o)
+        {
+            self.diff(
+                path,
+                format!("pattern {o} here, {} in Go", show(go.get("pattern"))),
+            );
         }
     }
 }
@@ -375,6 +412,8 @@ fn the_comparison_reports_each_kind_of_difference_at_once() {
             "d": {"type": "integer", "default": 3},
             "e": {"type": "object", "properties": {"n": {"type": "string"}}},
             "f": {"type": "object", "x-kubernetes-preserve-unknown-fields": true},
+            "g": {"type": "integer", "minimum": 0},
+            "h": {"type": "string"},
             "gone": {"type": "string"}
         }}),
     );
@@ -387,6 +426,8 @@ fn the_comparison_reports_each_kind_of_difference_at_once() {
             "d": {"type": "integer", "default": 4},
             "e": {"type": "object", "required": ["n"], "properties": {"n": {"type": "string"}}},
             "f": {"type": "object"},
+            "g": {"type": "integer", "minimum": 1},
+            "h": {"type": "string", "pattern": "^a$"},
             "new": {"type": "string"}
         }}),
     );
@@ -402,7 +443,9 @@ fn the_comparison_reports_each_kind_of_difference_at_once() {
             "K .d: default 4 here, 3 in Go",
             "K .e.n: required here, optional in Go",
             "K .f: x-kubernetes-preserve-unknown-fields lost",
+            "K .g: minimum 1 here, 0 in Go",
             "K .gone: missing here",
+            "K .h: pattern \"^a$\" here, none in Go",
         ]
     );
     assert_eq!(added, [".new"]);
