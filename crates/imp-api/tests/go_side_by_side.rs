@@ -2,8 +2,9 @@
 //! (`../shared/reference/go-crds/`), another serves ours, and every manifest of
 //! `tests/fixtures/valid` and `tests/fixtures/go` is created on both. Whatever the Go CRDs
 //! accept, ours must accept; what our server stores must hold every field that was written and
-//! deserialise into our types, so the operator can read it. Every difference is printed, not
-//! only the first.
+//! deserialise into our types, so the operator can read it, and pass our admission webhook's
+//! rules unless the Go project's webhook refuses it too. Every difference is printed, not only
+//! the first.
 #![allow(clippy::unwrap_used, clippy::expect_used)] // Test code: a failed unwrap is a failed test.
 
 use std::collections::BTreeSet;
@@ -140,6 +141,39 @@ fn typed(stored: &Value) -> Result<(), String> {
     }
 }
 
+/// Runs our admission webhook's rules (validation.rs) on a stored object.
+fn admitted(stored: &Value) -> Result<(), String> {
+    use imp_api::validation as v;
+    fn run<T: serde::de::DeserializeOwned>(
+        stored: &Value,
+        check: impl Fn(&T) -> Result<(), v::ValidationErrors>,
+    ) -> Result<(), String> {
+        let obj: T = serde_json::from_value(stored.clone()).map_err(|e| e.to_string())?;
+        check(&obj).map_err(|e| e.to_string())
+    }
+    match stored["kind"].as_str().unwrap_or_default() {
+        "ImpVM" => run(stored, |o: &ImpVM| v::vm(&o.spec)),
+        "ImpVMClass" => run(stored, |o: &ImpVMClass| v::class(&o.spec)),
+        "ImpVMTemplate" => run(stored, |o: &ImpVMTemplate| v::template(&o.spec)),
+        "ImpNetwork" => run(stored, |o: &ImpNetwork| v::network(&o.spec)),
+        "ImpVMSnapshot" => run(stored, |o: &ImpVMSnapshot| v::snapshot(&o.spec)),
+        "ImpWarmPool" => run(stored, |o: &ImpWarmPool| v::warm_pool(&o.spec)),
+        "ImpVMRunnerPool" => run(stored, |o: &ImpVMRunnerPool| v::runner_pool(&o.spec)),
+        "ClusterImpConfig" => run(stored, v::cluster_config),
+        "ClusterImpNodeProfile" => {
+            run(stored, |o: &ClusterImpNodeProfile| v::node_profile(&o.spec))
+        }
+        _ => Ok(()),
+    }
+}
+
+/// Manifests the Go CRDs store but the Go admission webhook (internal/webhook/v1alpha1)
+/// refuses, so our webhook may refuse them too: (name, the Go rule).
+const GO_WEBHOOK_REFUSES: &[(&str, &str)] = &[(
+    "impvm-sample",
+    "validateImpVM: exactly one of classRef or templateRef must be set",
+)];
+
 fn cluster_scoped(kind: &str) -> bool {
     matches!(
         kind,
@@ -217,6 +251,17 @@ async fn whatever_the_go_crds_accept_ours_accept_and_store_unchanged() {
                 problems.extend(dropped.into_iter().map(|d| format!("{what}: {d}")));
                 if let Err(e) = typed(&stored) {
                     problems.push(format!("{what}: stored, but our types cannot read it: {e}"));
+                }
+                let name = doc["metadata"]["name"].as_str().unwrap_or_default();
+                let go_webhook_refuses = GO_WEBHOOK_REFUSES.iter().any(|(n, _)| *n == name);
+                match admitted(&stored) {
+                    Err(e) if !go_webhook_refuses => {
+                        problems.push(format!("{what}: refused by our admission webhook: {e}"))
+                    }
+                    Ok(()) if go_webhook_refuses => problems.push(format!(
+                        "{what}: listed in GO_WEBHOOK_REFUSES but our webhook admits it"
+                    )),
+                    _ => {}
                 }
             }
         }
