@@ -24,7 +24,7 @@ use crate::shared::{Arch, GuestAgentConfig, ProbeSpec, RestartPolicy, VmRuntime}
     derive = "Default",
     derive = "PartialEq"
 )]
-#[serde(rename_all = "camelCase")]
+#[serde(rename_all = "camelCase", remote = "Self")]
 pub struct ImpVMClassSpec {
     /// Virtual CPUs per VM.
     #[schemars(range(min = 1))]
@@ -56,3 +56,5 @@ pub struct ImpVMClassSpec {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub tolerations: Vec<Toleration>,
 }
+
+spec_may_be_absent!(ImpVMClassSpec);

@@ -27,7 +27,7 @@ pub const CLUSTER_CONFIG_NAME: &str = "cluster";
     derive = "Default",
     derive = "PartialEq"
 )]
-#[serde(rename_all = "camelCase")]
+#[serde(rename_all = "camelCase", remote = "Self")]
 pub struct ClusterImpConfigSpec {
     /// CNI and IPAM settings.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -42,6 +42,8 @@ pub struct ClusterImpConfigSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub default_http_check: Option<HttpCheckSpec>,
 }
+
+spec_may_be_absent!(ClusterImpConfigSpec);
 
 /// Networking settings.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
@@ -151,7 +153,6 @@ pub struct MetricsConfig {
     pub enabled: bool,
     /// Port of /metrics.
     #[serde(default = "default_metrics_port")]
-    #[schemars(range(min = 1, max = 65535))]
     pub port: i32,
 }
 
@@ -164,9 +165,11 @@ fn default_metrics_port() -> i32 {
 pub struct TracingConfig {
     /// Export spans.
     #[serde(default)]
+    #[schemars(transform = crate::schema::no_default)]
     pub enabled: bool,
     /// OTLP endpoint.
     #[serde(default)]
+    #[schemars(transform = crate::schema::no_default)]
     pub endpoint: String,
 }
 
@@ -189,7 +192,7 @@ pub struct TracingConfig {
     derive = "Default",
     derive = "PartialEq"
 )]
-#[serde(rename_all = "camelCase")]
+#[serde(rename_all = "camelCase", remote = "Self")]
 pub struct ClusterImpNodeProfileSpec {
     /// Share of the node's allocatable imp may use; overrides the cluster default.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -213,3 +216,5 @@ pub struct ClusterImpNodeProfileSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cpu_model: Option<String>,
 }
+
+spec_may_be_absent!(ClusterImpNodeProfileSpec);

@@ -1,6 +1,8 @@
 //! CRD generation: every kind's CustomResourceDefinition, as objects or one YAML stream.
 
-use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::{
+    CustomResourceDefinition, JSONSchemaProps,
+};
 use kube::CustomResourceExt;
 
 use crate::{
@@ -19,7 +21,7 @@ pub struct RenderError {
 
 /// All ten CRDs, in a stable order.
 pub fn all() -> Vec<CustomResourceDefinition> {
-    vec![
+    let mut crds = vec![
         ImpVM::crd(),
         ImpVMClass::crd(),
         ImpVMTemplate::crd(),
@@ -30,7 +32,52 @@ pub fn all() -> Vec<CustomResourceDefinition> {
         ImpVMRunnerPool::crd(),
         ClusterImpConfig::crd(),
         ClusterImpNodeProfile::crd(),
-    ]
+    ];
+    for crd in &mut crds {
+        for v in &mut crd.spec.versions {
+            if let Some(root) = v
+                .schema
+                .as_mut()
+                .and_then(|s| s.open_api_v3_schema.as_mut())
+            {
+                go_shaped_root(root);
+            }
+        }
+    }
+    crds
+}
+
+/// Gives the root schema the shape of the Go project's: `apiVersion`, `kind` and `metadata`
+/// declared (kube-derive leaves them implicit), and `spec` optional, since every spec type
+/// deserialises an absent spec as its default.
+fn go_shaped_root(root: &mut JSONSchemaProps) {
+    let string = |description: &str| JSONSchemaProps {
+        description: Some(description.to_owned()),
+        type_: Some("string".to_owned()),
+        ..Default::default()
+    };
+    let props = root.properties.get_or_insert_with(Default::default);
+    props.insert(
+        "apiVersion".to_owned(),
+        string("APIVersion defines the versioned schema of this representation of an object."),
+    );
+    props.insert(
+        "kind".to_owned(),
+        string("Kind is a string value representing the REST resource this object represents."),
+    );
+    props.insert(
+        "metadata".to_owned(),
+        JSONSchemaProps {
+            type_: Some("object".to_owned()),
+            ..Default::default()
+        },
+    );
+    if let Some(required) = root.required.as_mut() {
+        required.retain(|r| r != "spec");
+    }
+    if root.required.as_ref().is_some_and(Vec::is_empty) {
+        root.required = None;
+    }
 }
 
 /// All CRDs as one multi-document YAML stream, as `imp crds` prints it.

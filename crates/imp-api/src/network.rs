@@ -7,10 +7,8 @@ use kube::CustomResource;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-/// An IPv4 address.
-pub const IPV4_PATTERN: &str = r"^((25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])\.){3}(25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])$";
-/// An IPv4 CIDR.
-pub const IPV4_CIDR_PATTERN: &str = r"^((25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])\.){3}(25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])/([0-9]|[12][0-9]|3[0-2])$";
+/// An IPv4 CIDR as the Go project's CRD spells it (the webhook checks the octets and prefix).
+pub const GO_CIDR_PATTERN: &str = r"^([0-9]{1,3}\.){3}[0-9]{1,3}/[0-9]{1,2}$";
 
 /// The network a VM attaches to.
 #[derive(
@@ -37,14 +35,13 @@ pub const IPV4_CIDR_PATTERN: &str = r"^((25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-
     derive = "PartialEq"
 )]
 #[x_kube(validation = kube::core::Rule::new("!has(self.ipam) || self.ipam.provider != 'cilium' || (has(self.ipam.cilium) && has(self.ipam.cilium.poolRef) && self.ipam.cilium.poolRef != '')").message("spec.ipam.cilium.poolRef is required when spec.ipam.provider is cilium"))]
-#[serde(rename_all = "camelCase")]
+#[serde(rename_all = "camelCase", remote = "Self")]
 pub struct ImpNetworkSpec {
     /// IPv4 subnet of the network, e.g. 10.44.0.0/24.
-    #[schemars(regex(pattern = IPV4_CIDR_PATTERN))]
+    #[schemars(regex(pattern = GO_CIDR_PATTERN))]
     pub subnet: String,
     /// Gateway (bridge) address; default is the subnet's first address.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(regex(pattern = IPV4_PATTERN))]
     pub gateway: Option<String>,
     /// Masquerading egress to outside the network.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -62,6 +59,8 @@ pub struct ImpNetworkSpec {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub groups: Vec<NetworkGroup>,
 }
+
+spec_may_be_absent!(ImpNetworkSpec);
 
 /// NAT settings.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
@@ -118,7 +117,7 @@ pub struct CiliumIpamSpec {
     pub pool_ref: Option<String>,
     /// CIDR override; default is the subnet.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(regex(pattern = IPV4_CIDR_PATTERN))]
+    #[schemars(regex(pattern = GO_CIDR_PATTERN))]
     pub cidr: Option<String>,
 }
 
@@ -127,14 +126,12 @@ pub struct CiliumIpamSpec {
 #[serde(rename_all = "camelCase")]
 pub struct NetworkGroup {
     /// Group name, referenced by spec.networkGroup of a VM.
-    #[schemars(length(min = 1))]
     pub name: String,
     /// Connectivity model of the group.
     #[serde(default)]
     pub connectivity: GroupConnectivity,
     /// Expected member count; sizes the group's CIDR.
     #[serde(default = "default_expected_size")]
-    #[schemars(range(min = 1))]
     pub expected_size: i32,
 }
 
@@ -158,10 +155,14 @@ pub enum GroupConnectivity {
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct ImpNetworkStatus {
-    /// Address → VM (namespace/name) of every allocated IP.
-    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    /// Every allocated IP, as the Go project lists them (kept equal to the keys of
+    /// `allocations`; see [`ImpNetworkStatus::set_allocations`]).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[serde(rename = "allocatedIPs")]
-    pub allocated_ips: BTreeMap<String, String>,
+    pub allocated_ips: Vec<String>,
+    /// Address → VM (namespace/name) of every allocated IP (imp extension).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub allocations: BTreeMap<String, String>,
     /// VXLAN endpoints: which node hosts which VM address.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["vmIP"]))]
@@ -173,8 +174,17 @@ pub struct ImpNetworkStatus {
     pub group_cidrs: Vec<GroupCidr>,
     /// Ready condition.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]))]
+    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]), transform = crate::schema::conditions)]
     pub conditions: Vec<Condition>,
+}
+
+impl ImpNetworkStatus {
+    /// Records the address → VM map and the Go-shaped address list derived from it, so the
+    /// two never disagree.
+    pub fn set_allocations(&mut self, allocations: BTreeMap<String, String>) {
+        self.allocated_ips = allocations.keys().cloned().collect();
+        self.allocations = allocations;
+    }
 }
 
 /// One VXLAN endpoint entry.
@@ -198,4 +208,27 @@ pub struct GroupCidr {
     pub name: String,
     /// CIDR of the group.
     pub cidr: String,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn allocated_ips_follow_the_allocation_map() {
+        let mut s = ImpNetworkStatus::default();
+        s.set_allocations(BTreeMap::from([
+            ("10.0.0.3".to_owned(), "ns/b".to_owned()),
+            ("10.0.0.2".to_owned(), "ns/a".to_owned()),
+        ]));
+        assert_eq!(s.allocated_ips, ["10.0.0.2", "10.0.0.3"]);
+        let json = serde_json::to_value(&s).unwrap();
+        assert_eq!(
+            json["allocatedIPs"],
+            serde_json::json!(["10.0.0.2", "10.0.0.3"])
+        );
+        assert_eq!(json["allocations"]["10.0.0.3"], "ns/b");
+        s.set_allocations(BTreeMap::new());
+        assert!(s.allocated_ips.is_empty());
+    }
 }

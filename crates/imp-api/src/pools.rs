@@ -6,7 +6,6 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 use crate::duration::GoDuration;
-use crate::shared::LocalObjectRef;
 
 /// A pool of VMs restored from an elected snapshot, kept at `size`.
 #[derive(
@@ -33,23 +32,23 @@ use crate::shared::LocalObjectRef;
     derive = "Default",
     derive = "PartialEq"
 )]
-#[serde(rename_all = "camelCase")]
+#[serde(rename_all = "camelCase", remote = "Self")]
 pub struct ImpWarmPoolSpec {
     /// Parent ImpVMSnapshot whose elected base members restore from.
-    #[schemars(length(min = 1))]
     pub snapshot_ref: String,
     /// Members to keep.
     #[serde(default = "default_pool_size")]
-    #[schemars(range(min = 0))]
     pub size: i32,
     /// Template members are made from.
-    #[schemars(length(min = 1))]
     pub template_name: String,
     /// Expiry of members; 0 or at least 60s.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[x_kube(validation = crate::shared::expire_after_rule())]
+    #[schemars(transform = crate::schema::no_pattern)]
     pub expire_after: Option<GoDuration>,
 }
+
+spec_may_be_absent!(ImpWarmPoolSpec);
 
 fn default_pool_size() -> i32 {
     2
@@ -61,10 +60,11 @@ fn default_pool_size() -> i32 {
 pub struct ImpWarmPoolStatus {
     /// Members Running.
     #[serde(default)]
+    #[schemars(transform = crate::schema::no_default)]
     pub ready_count: i32,
     /// Conditions.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]))]
+    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]), transform = crate::schema::conditions)]
     pub conditions: Vec<Condition>,
 }
 
@@ -98,14 +98,14 @@ pub struct ImpWarmPoolStatus {
     validation = kube::core::Rule::new("self.platform.type != 'github-actions' || has(self.scaling)").message("spec.scaling is required for github-actions"),
     validation = kube::core::Rule::new("self.platform.type != 'github-actions' || !has(self.scaling) || has(self.scaling.mode)").message("spec.scaling.mode is required for github-actions"),
     validation = kube::core::Rule::new("self.platform.type != 'github-actions' || !has(self.scaling) || (has(self.scaling.minIdle) && has(self.scaling.maxConcurrent) && has(self.scaling.scaleUpStep) && has(self.scaling.cooldownSeconds))").message("spec.scaling.minIdle, maxConcurrent, scaleUpStep and cooldownSeconds must all be set for github-actions"),
-    validation = kube::core::Rule::new("!has(self.scaling) || !has(self.scaling.minIdle) || !has(self.scaling.maxConcurrent) || self.scaling.minIdle <= self.scaling.maxConcurrent").message("spec.scaling.minIdle must not exceed spec.scaling.maxConcurrent"),
-    validation = kube::core::Rule::new("!has(self.scaling) || !has(self.scaling.mode) || self.scaling.mode == 'webhook' || has(self.scaling.polling)").message("spec.scaling.polling is required for polling and hybrid modes"),
-    validation = kube::core::Rule::new("!has(self.scaling) || !has(self.scaling.mode) || self.scaling.mode == 'polling' || (has(self.scaling.webhook) && has(self.scaling.webhook.secretRef))").message("spec.scaling.webhook.secretRef is required for webhook and hybrid modes"),
+    validation = kube::core::Rule::new("self.platform.type != 'github-actions' || !has(self.scaling) || !has(self.scaling.minIdle) || !has(self.scaling.maxConcurrent) || self.scaling.minIdle <= self.scaling.maxConcurrent").message("spec.scaling.minIdle must not exceed spec.scaling.maxConcurrent"),
+    validation = kube::core::Rule::new("self.platform.type != 'github-actions' || !has(self.scaling) || !has(self.scaling.mode) || self.scaling.mode == 'webhook' || has(self.scaling.polling)").message("spec.scaling.polling is required for polling and hybrid modes"),
+    validation = kube::core::Rule::new("self.platform.type != 'github-actions' || !has(self.scaling) || !has(self.scaling.mode) || self.scaling.mode == 'polling' || (has(self.scaling.webhook) && has(self.scaling.webhook.secretRef) && size(self.scaling.webhook.secretRef) > 0)").message("spec.scaling.webhook.secretRef is required for webhook and hybrid modes"),
 )]
-#[serde(rename_all = "camelCase")]
+// The scaling rules apply to github-actions pools only, as in the Go project's CRD.
+#[serde(rename_all = "camelCase", remote = "Self")]
 pub struct ImpVMRunnerPoolSpec {
     /// Template runner VMs are made from.
-    #[schemars(length(min = 1))]
     pub template_name: String,
     /// CI platform and credentials.
     pub platform: RunnerPlatform,
@@ -124,8 +124,11 @@ pub struct ImpVMRunnerPoolSpec {
     /// Expiry of runner VMs; 0 or at least 60s.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[x_kube(validation = crate::shared::expire_after_rule())]
+    #[schemars(transform = crate::schema::no_pattern)]
     pub expire_after: Option<GoDuration>,
 }
+
+spec_may_be_absent!(ImpVMRunnerPoolSpec);
 
 /// The CI platform.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
@@ -138,10 +141,11 @@ pub struct RunnerPlatform {
     #[serde(default, rename = "serverURL", skip_serializing_if = "Option::is_none")]
     pub server_url: Option<String>,
     /// Organisation or repository the runners serve.
-    pub scope: RunnerScope,
-    /// Secret holding the platform token.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub credentials_secret: Option<LocalObjectRef>,
+    pub scope: Option<RunnerScope>,
+    /// Name of the Secret holding the registration token or PAT.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub credentials_secret: Option<String>,
 }
 
 /// Platform kinds.
@@ -186,7 +190,7 @@ pub struct RunnerScaling {
     pub min_idle: Option<i32>,
     /// Upper bound of runners (default 10).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(range(min = 1, max = 100))]
+    #[schemars(range(min = 1))]
     pub max_concurrent: Option<i32>,
     /// Runners added per step (default 10).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -222,10 +226,11 @@ pub enum ScalingMode {
 pub struct WebhookDetection {
     /// On.
     #[serde(default)]
+    #[schemars(transform = crate::schema::no_default)]
     pub enabled: bool,
-    /// Secret with the webhook HMAC key.
+    /// Name of the Secret with the webhook HMAC key.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub secret_ref: Option<LocalObjectRef>,
+    pub secret_ref: Option<String>,
 }
 
 /// Polling detection.
@@ -234,6 +239,7 @@ pub struct WebhookDetection {
 pub struct PollingDetection {
     /// On.
     #[serde(default)]
+    #[schemars(transform = crate::schema::no_default)]
     pub enabled: bool,
     /// Seconds between polls.
     #[serde(default = "default_poll_interval")]
@@ -262,12 +268,14 @@ pub struct JobDetection {
 pub struct ImpVMRunnerPoolStatus {
     /// Runners waiting for a job.
     #[serde(default)]
+    #[schemars(transform = crate::schema::no_default)]
     pub idle_count: i32,
     /// Runners not terminal.
     #[serde(default)]
+    #[schemars(transform = crate::schema::no_default)]
     pub active_count: i32,
     /// Conditions.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]))]
+    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]), transform = crate::schema::conditions)]
     pub conditions: Vec<Condition>,
 }

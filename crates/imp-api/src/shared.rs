@@ -70,7 +70,15 @@ impl PlacedSize {
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 pub struct LocalObjectRef {
     /// Name of the referenced object.
-    #[schemars(length(min = 1))]
+    pub name: String,
+}
+
+/// A core/v1 LocalObjectReference: as in Kubernetes (and the Go project), `name` may be left
+/// out and is then empty.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct CoreLocalObjectRef {
+    /// Name of the referenced object.
+    #[serde(default)]
     pub name: String,
 }
 
@@ -78,7 +86,6 @@ pub struct LocalObjectRef {
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 pub struct ClusterObjectRef {
     /// Name of the referenced object.
-    #[schemars(length(min = 1))]
     pub name: String,
 }
 
@@ -113,15 +120,12 @@ pub struct Probe {
     pub http: Option<HttpGetAction>,
     /// Seconds to wait after start before the first probe.
     #[serde(default)]
-    #[schemars(range(min = 0))]
     pub initial_delay_seconds: i32,
     /// Seconds between probes.
     #[serde(default = "default_period_seconds")]
-    #[schemars(range(min = 1))]
     pub period_seconds: i32,
     /// Consecutive failures before the probe counts as failed.
     #[serde(default = "default_failure_threshold")]
-    #[schemars(range(min = 1))]
     pub failure_threshold: i32,
 }
 
@@ -144,16 +148,11 @@ pub struct ExecAction {
 /// An HTTP GET for an http probe.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 pub struct HttpGetAction {
-    /// Request path.
-    #[serde(default = "default_probe_path")]
+    /// Request path (required, as in the Go project).
     pub path: String,
     /// TCP port in the guest.
     #[schemars(range(min = 1, max = 65535))]
     pub port: i32,
-}
-
-fn default_probe_path() -> String {
-    "/".to_owned()
 }
 
 /// The operator-side HTTP health check of a VM.
@@ -162,20 +161,20 @@ fn default_probe_path() -> String {
 pub struct HttpCheckSpec {
     /// Turns the check on; a present but disabled check switches the cluster default off.
     #[serde(default)]
+    #[schemars(transform = crate::schema::no_default)]
     pub enabled: bool,
     /// Request path.
     #[serde(default = "default_http_check_path")]
     pub path: String,
-    /// TCP port on the VM's IP.
+    /// TCP port on the VM's IP; without it the check cannot succeed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1, max = 65535))]
-    pub port: i32,
+    pub port: Option<i32>,
     /// Seconds between checks.
     #[serde(default = "default_period_seconds")]
-    #[schemars(range(min = 1))]
     pub interval_seconds: i32,
     /// Consecutive failures before Ready turns False.
     #[serde(default = "default_failure_threshold")]
-    #[schemars(range(min = 1))]
     pub failure_threshold: i32,
 }
 
@@ -213,6 +212,7 @@ pub struct RestartPolicy {
     pub on_exhaustion: OnExhaustion,
     /// How long to wait before retrying again when onExhaustion is cool-down.
     #[serde(default = "default_cool_down")]
+    #[schemars(transform = crate::schema::go_duration_pattern)]
     pub cool_down_period: GoDuration,
 }
 
@@ -264,13 +264,14 @@ pub enum OnExhaustion {
 pub struct BackoffPolicy {
     /// Attempts before onExhaustion applies; 0 means the default of 5.
     #[serde(default = "default_max_retries")]
-    #[schemars(range(min = 0))]
     pub max_retries: i32,
     /// Delay before the first retry.
     #[serde(default = "default_initial_delay")]
+    #[schemars(transform = crate::schema::go_duration_pattern)]
     pub initial_delay: GoDuration,
     /// Upper bound of the delay.
     #[serde(default = "default_max_delay")]
+    #[schemars(transform = crate::schema::go_duration_pattern)]
     pub max_delay: GoDuration,
 }
 

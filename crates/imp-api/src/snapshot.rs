@@ -5,10 +5,7 @@ use kube::CustomResource;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use crate::shared::LocalObjectRef;
-
-/// A five-field cron expression (minute hour day-of-month month day-of-week).
-pub const CRON_PATTERN: &str = r"^\s*\S+\s+\S+\s+\S+\s+\S+\s+\S+\s*$";
+use crate::shared::CoreLocalObjectRef;
 
 /// A snapshot of a VM, once or on a schedule.
 #[derive(CustomResource, Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
@@ -33,19 +30,16 @@ pub const CRON_PATTERN: &str = r"^\s*\S+\s+\S+\s+\S+\s+\S+\s+\S+\s*$";
     derive = "Default",
     derive = "PartialEq"
 )]
-#[serde(rename_all = "camelCase")]
+#[serde(rename_all = "camelCase", remote = "Self")]
 pub struct ImpVMSnapshotSpec {
     /// VM to snapshot.
     #[serde(rename = "sourceVMName")]
-    #[schemars(length(min = 1))]
     pub source_vm_name: String,
     /// Namespace of that VM.
     #[serde(rename = "sourceVMNamespace")]
-    #[schemars(length(min = 1))]
     pub source_vm_namespace: String,
     /// Cron schedule; absent means one execution.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(regex(pattern = CRON_PATTERN))]
     pub schedule: Option<String>,
     /// Executions to keep.
     #[serde(default = "default_retention")]
@@ -57,6 +51,8 @@ pub struct ImpVMSnapshotSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub base_snapshot: Option<String>,
 }
+
+spec_may_be_absent!(ImpVMSnapshotSpec);
 
 fn default_retention() -> i32 {
     3
@@ -107,11 +103,10 @@ fn default_snapshot_path() -> String {
 #[serde(rename_all = "camelCase")]
 pub struct OciRegistryStorage {
     /// Repository to push to.
-    #[schemars(length(min = 1))]
     pub repository: String,
     /// Secret with registry credentials.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub pull_secret_ref: Option<LocalObjectRef>,
+    pub pull_secret_ref: Option<CoreLocalObjectRef>,
 }
 
 /// Phase of a snapshot parent or execution.
@@ -131,8 +126,9 @@ pub enum SnapshotPhase {
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct ImpVMSnapshotStatus {
-    /// Phase.
+    /// Phase (a free string in the Go schema, so no enum here either).
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(with = "Option<String>")]
     pub phase: Option<SnapshotPhase>,
     /// Digest of the pushed OCI artifact.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -148,7 +144,7 @@ pub struct ImpVMSnapshotStatus {
     pub next_scheduled_at: Option<Time>,
     /// Latest execution.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub last_execution_ref: Option<LocalObjectRef>,
+    pub last_execution_ref: Option<CoreLocalObjectRef>,
     /// Elected base execution, once Succeeded.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub base_snapshot: Option<String>,
@@ -157,7 +153,7 @@ pub struct ImpVMSnapshotStatus {
     pub terminated_at: Option<Time>,
     /// Conditions.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]))]
+    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]), transform = crate::schema::conditions)]
     pub conditions: Vec<Condition>,
 }
 
@@ -184,20 +180,20 @@ pub struct ImpVMSnapshotStatus {
     derive = "Default",
     derive = "PartialEq"
 )]
-#[serde(rename_all = "camelCase")]
+#[serde(rename_all = "camelCase", remote = "Self")]
 pub struct ImpVMMigrationSpec {
     /// VM to move.
     #[serde(rename = "sourceVMName")]
-    #[schemars(length(min = 1))]
     pub source_vm_name: String,
     /// Namespace of that VM.
     #[serde(rename = "sourceVMNamespace")]
-    #[schemars(length(min = 1))]
     pub source_vm_namespace: String,
     /// Node to move to; absent means any CPU-compatible node.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub target_node: Option<String>,
 }
+
+spec_may_be_absent!(ImpVMMigrationSpec);
 
 /// Phase of a migration.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
@@ -218,8 +214,9 @@ pub enum MigrationPhase {
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct ImpVMMigrationStatus {
-    /// Phase.
+    /// Phase (a free string in the Go schema, so no enum here either).
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(with = "Option<String>")]
     pub phase: Option<MigrationPhase>,
     /// Human-readable detail.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -239,6 +236,6 @@ pub struct ImpVMMigrationStatus {
     pub completed_at: Option<Time>,
     /// Conditions.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]))]
+    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]), transform = crate::schema::conditions)]
     pub conditions: Vec<Condition>,
 }

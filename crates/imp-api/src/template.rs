@@ -36,7 +36,7 @@ use crate::shared::{ClusterObjectRef, GuestAgentConfig, LocalObjectRef, ProbeSpe
     derive = "Default",
     derive = "PartialEq"
 )]
-#[serde(rename_all = "camelCase")]
+#[serde(rename_all = "camelCase", remote = "Self")]
 pub struct ImpVMTemplateSpec {
     /// Machine class of VMs made from this template.
     pub class_ref: ClusterObjectRef,
@@ -67,6 +67,7 @@ pub struct ImpVMTemplateSpec {
     /// Expiry of VMs made from it; 0 or at least 60s.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[x_kube(validation = crate::shared::expire_after_rule())]
+    #[schemars(transform = crate::schema::no_pattern)]
     pub expire_after: Option<GoDuration>,
     /// Node labels VMs from this template require (imp extension).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
@@ -75,3 +76,5 @@ pub struct ImpVMTemplateSpec {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub tolerations: Vec<Toleration>,
 }
+
+spec_may_be_absent!(ImpVMTemplateSpec);

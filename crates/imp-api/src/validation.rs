@@ -378,13 +378,21 @@ pub fn warm_pool(spec: &ImpWarmPoolSpec) -> Result<(), ValidationErrors> {
 pub fn runner_pool(spec: &ImpVMRunnerPoolSpec) -> Result<(), ValidationErrors> {
     let mut e = ValidationErrors::default();
     non_empty(&mut e, "spec.templateName", &spec.template_name);
-    let scope = &spec.platform.scope;
-    match (&scope.org, &scope.repo) {
+    // scope is optional, as in the Go project; when given it names exactly one of org or repo.
+    let (org, repo) = spec
+        .platform
+        .scope
+        .as_ref()
+        .map_or((None, None), |s| (s.org.as_ref(), s.repo.as_ref()));
+    match (org, repo) {
         (Some(_), Some(_)) => e.push(
             "spec.platform.scope",
             "exactly one of org or repo may be set, got both",
         ),
-        (None, None) => e.push("spec.platform.scope", "one of org or repo is required"),
+        (None, None) if spec.platform.scope.is_some() => {
+            e.push("spec.platform.scope", "one of org or repo is required")
+        }
+        (None, None) => {}
         (Some(o), None) => non_empty(&mut e, "spec.platform.scope.org", o),
         (None, Some(r)) => {
             non_empty(&mut e, "spec.platform.scope.repo", r);
@@ -436,7 +444,7 @@ pub fn runner_pool(spec: &ImpVMRunnerPoolSpec) -> Result<(), ValidationErrors> {
                 "spec.scaling.maxConcurrent",
                 s.max_concurrent,
                 1,
-                100,
+                i32::MAX,
             );
             range(
                 &mut e,
@@ -452,7 +460,8 @@ pub fn runner_pool(spec: &ImpVMRunnerPoolSpec) -> Result<(), ValidationErrors> {
                 10,
                 i32::MAX,
             );
-            if let (Some(min), Some(max)) = (s.min_idle, s.max_concurrent)
+            // The cross-field scaling rules bind github-actions pools only, as in the Go CRD.
+            if let (true, Some(min), Some(max)) = (github, s.min_idle, s.max_concurrent)
                 && min > max
             {
                 e.push(
@@ -460,7 +469,8 @@ pub fn runner_pool(spec: &ImpVMRunnerPoolSpec) -> Result<(), ValidationErrors> {
                     format!("must not exceed spec.scaling.maxConcurrent ({max}), got {min}"),
                 );
             }
-            if matches!(s.mode, Some(ScalingMode::Polling | ScalingMode::Hybrid))
+            if github
+                && matches!(s.mode, Some(ScalingMode::Polling | ScalingMode::Hybrid))
                 && s.polling.is_none()
             {
                 e.push(
@@ -468,11 +478,12 @@ pub fn runner_pool(spec: &ImpVMRunnerPoolSpec) -> Result<(), ValidationErrors> {
                     "is required for polling and hybrid modes",
                 );
             }
-            if matches!(s.mode, Some(ScalingMode::Webhook | ScalingMode::Hybrid))
+            if github
+                && matches!(s.mode, Some(ScalingMode::Webhook | ScalingMode::Hybrid))
                 && s.webhook
                     .as_ref()
-                    .and_then(|w| w.secret_ref.as_ref())
-                    .is_none()
+                    .and_then(|w| w.secret_ref.as_deref())
+                    .is_none_or(str::is_empty)
             {
                 e.push(
                     "spec.scaling.webhook.secretRef",
@@ -613,7 +624,7 @@ fn probes(e: &mut ValidationErrors, path: &str, p: &ProbeSpec) {
         }
     }
     if let Some(h) = &p.http_check {
-        range(e, &format!("{path}.httpCheck.port"), Some(h.port), 1, 65535);
+        range(e, &format!("{path}.httpCheck.port"), h.port, 1, 65535);
         range(
             e,
             &format!("{path}.httpCheck.intervalSeconds"),
@@ -965,6 +976,49 @@ mod tests {
             ..Default::default()
         };
         assert_eq!(vm(&t), Ok(()));
+    }
+
+    #[test]
+    fn runner_scaling_rules_bind_github_actions_only_as_in_go() {
+        use crate::pools::{
+            PlatformType, RunnerPlatform, RunnerScaling, ScalingMode, WebhookDetection,
+        };
+        let pool = |type_, secret: Option<&str>| ImpVMRunnerPoolSpec {
+            template_name: "runner".into(),
+            platform: RunnerPlatform {
+                type_,
+                credentials_secret: Some("token".into()),
+                ..Default::default()
+            },
+            scaling: Some(RunnerScaling {
+                mode: Some(ScalingMode::Webhook),
+                min_idle: Some(5),
+                max_concurrent: Some(200),
+                scale_up_step: Some(1),
+                cooldown_seconds: Some(30),
+                webhook: Some(WebhookDetection {
+                    enabled: true,
+                    secret_ref: secret.map(str::to_owned),
+                }),
+                polling: None,
+            }),
+            ..Default::default()
+        };
+        // No scope, minIdle over maxConcurrent, no webhook secret: Go's CRD takes all three
+        // from a gitlab or forgejo pool.
+        for t in [PlatformType::Gitlab, PlatformType::Forgejo] {
+            assert_eq!(runner_pool(&pool(t, None)), Ok(()));
+        }
+        let github = msg(runner_pool(&pool(PlatformType::GithubActions, Some(""))));
+        assert!(
+            github.contains("spec.scaling.webhook.secretRef: is required"),
+            "{github}"
+        );
+        let mut fixed = pool(PlatformType::GithubActions, Some("hmac"));
+        if let Some(s) = fixed.scaling.as_mut() {
+            s.min_idle = Some(1);
+        }
+        assert_eq!(runner_pool(&fixed), Ok(()));
     }
 
     #[test]

@@ -44,7 +44,7 @@ use crate::shared::{
     validation = kube::core::Rule::new("has(self.classRef) != has(self.templateRef)").message("exactly one of spec.classRef or spec.templateRef must be set"),
     validation = kube::core::Rule::new("has(self.templateRef) || (has(self.image) && self.image != '')").message("spec.image is required when spec.classRef is used without a template"),
 )]
-#[serde(rename_all = "camelCase")]
+#[serde(rename_all = "camelCase", remote = "Self")]
 pub struct ImpVMSpec {
     /// Template to inherit image, class, network and policies from.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -78,9 +78,11 @@ pub struct ImpVMSpec {
     pub tolerations: Vec<Toleration>,
     /// Environment of the workload.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(transform = crate::schema::core_env)]
     pub env: Vec<EnvVar>,
     /// Environment taken from ConfigMaps and Secrets.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(transform = crate::schema::core_env)]
     pub env_from: Vec<EnvFromSource>,
     /// cloud-init style user data (off by default).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -106,6 +108,7 @@ pub struct ImpVMSpec {
     /// Delete the VM this long after it first ran; 0 means never, else at least 60s.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[x_kube(validation = crate::shared::expire_after_rule())]
+    #[schemars(transform = crate::schema::no_pattern)]
     pub expire_after: Option<GoDuration>,
     /// For persistent VMs: move to another node when the node is lost.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
@@ -116,8 +119,11 @@ pub struct ImpVMSpec {
     /// Idle time before a ScaleToZero VM suspends; at least 10s, default 5m.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[x_kube(validation = kube::core::Rule::new("duration(self) >= duration('10s')").message("must be at least 10s"))]
+    #[schemars(transform = crate::schema::no_pattern)]
     pub idle_timeout: Option<GoDuration>,
 }
+
+spec_may_be_absent!(ImpVMSpec);
 
 /// Where user data comes from.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
@@ -251,6 +257,6 @@ pub struct ImpVMStatus {
     pub observed_generation: Option<i64>,
     /// Scheduled, Ready, NodeHealthy and probe conditions.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]))]
+    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]), transform = crate::schema::conditions)]
     pub conditions: Vec<Condition>,
 }

@@ -60,10 +60,7 @@ fn main() -> anyhow::Result<()> {
     match Cli::parse().command {
         Command::Crds => {
             let yaml = imp_api::crd::yaml_stream().context("generating CRDs")?;
-            std::io::stdout()
-                .lock()
-                .write_all(yaml.as_bytes())
-                .context("writing CRDs to stdout")?;
+            write_stdout(yaml.as_bytes()).context("writing CRDs to stdout")?;
         }
         Command::Operator(args) => operator::main(*args)?,
         Command::Agent(args) => agent::main(*args)?,
@@ -98,6 +95,16 @@ fn shim(args: ShimArgs) -> anyhow::Result<()> {
         .context("starting the async runtime")?
         .block_on(imp_agent::runtime::supervisor::run(state, args.id.clone()))
         .with_context(|| format!("supervising VM {}", args.id))
+}
+
+/// Writes `bytes` to stdout; a reader that closed the pipe early (`imp crds | head -1`) ends
+/// the output quietly, as with other command-line tools, instead of failing.
+fn write_stdout(bytes: &[u8]) -> std::io::Result<()> {
+    let mut out = std::io::stdout().lock();
+    match out.write_all(bytes).and_then(|()| out.flush()) {
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(()),
+        r => r,
+    }
 }
 
 /// Local commands log warnings to stderr (more with RUST_LOG), keeping stdout for the workload.
