@@ -388,8 +388,10 @@ pub fn v3_group_version(reg: &Registry, group: &str, version: &str) -> Option<Va
     let mut pending = Vec::new();
     for rt in &types {
         let name = definition_name(&rt.group, &rt.version, &rt.kind);
-        let mut d = if rt.schema.is_some() {
-            crd_definition(rt, false, V3_REF)
+        let d = if rt.schema.is_some() {
+            let mut d = crd_definition(rt, false, V3_REF);
+            rewrite_refs(&mut d, V3_REF, V3_REF, &mut pending);
+            d
         } else if let Some(d) = b.definitions.get(&name) {
             let mut d = d.clone();
             rewrite_refs(&mut d, V2_REF, V3_REF, &mut pending);
@@ -400,7 +402,6 @@ pub fn v3_group_version(reg: &Registry, group: &str, version: &str) -> Option<Va
         } else {
             continue;
         };
-        rewrite_refs(&mut d, V3_REF, V3_REF, &mut pending);
         schemas.insert(name, d);
     }
     while let Some(name) = pending.pop() {
