@@ -603,6 +603,18 @@ mod tests {
     }
 
     #[test]
+    fn the_v2_document_encodes_as_protobuf_with_its_gvks_as_yaml() {
+        let b = proto::document(&v2(&Registry::with_builtins())).unwrap_or_else(|e| panic!("{e}"));
+        let text = String::from_utf8_lossy(&b);
+        assert!(text.contains("io.k8s.api.core.v1.ConfigMap"));
+        assert!(
+            text.contains("- group: ''\n  kind: ConfigMap\n  version: v1\n"),
+            "kubectl reads the gvk extension as YAML"
+        );
+        assert!(text.contains(GVK_EXTENSION));
+    }
+
+    #[test]
     fn v3_documents_are_per_group_version_and_self_contained() {
         let mut reg = Registry::with_builtins();
         reg.insert(widget(json!({"type": "object", "properties": {
