@@ -6,10 +6,13 @@ use serde_json::{Value, json};
 
 use crate::resource::Registry;
 
+/// The Kubernetes version this server imitates, as `/version` and the OpenAPI documents say it.
+pub const GIT_VERSION: &str = "v1.34.0-imp-testkube";
+
 /// `/version`: the Kubernetes version this server imitates.
 pub fn version() -> Value {
     json!({
-        "major": "1", "minor": "34", "gitVersion": "v1.34.0-imp-testkube",
+        "major": "1", "minor": "34", "gitVersion": GIT_VERSION,
         "gitCommit": "0000000000000000000000000000000000000000", "gitTreeState": "clean",
         "buildDate": "2026-01-01T00:00:00Z", "goVersion": "go1.24", "compiler": "gc",
         "platform": "linux/amd64"

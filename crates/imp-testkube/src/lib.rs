@@ -5,9 +5,11 @@
 //! resourceVersion and 409 on stale writes, watches with bookmarks and `410 Gone`, the status
 //! subresource, generation, finalizers, ownerReference garbage collection, label and field
 //! selectors, merge/JSON/strategic/server-side-apply patches, CRD registration with structural
-//! schema and CEL validation, discovery and Table output for kubectl. It is not a full API server:
-//! there is no persistence, no admission webhooks, no aggregation, no protobuf and no RBAC
-//! enforcement (SubjectAccessReview answers from simple rules).
+//! schema and CEL validation, discovery, OpenAPI v2/v3 documents (so kubectl validates and
+//! explains) and Table output for kubectl. It is not a full API server: there is no persistence,
+//! no admission webhooks, no aggregation, no protobuf objects (only the OpenAPI v2 document is
+//! served as protobuf), no server-side field validation and no RBAC enforcement
+//! (SubjectAccessReview answers from simple rules).
 //!
 //! It also holds the guard that decides whether a test whose environment is missing (root, a
 //! tool, a binary) skips or fails: it skips on a developer machine and fails when `CI=true`, so
@@ -21,6 +23,7 @@ pub mod error;
 pub mod events;
 pub mod guard;
 pub mod meta;
+pub mod openapi;
 pub mod patch;
 pub mod registry;
 pub mod resource;

@@ -13,6 +13,7 @@ use serde_json::{Value, json};
 use crate::auth::{Auth, Identity};
 use crate::discovery;
 use crate::error::{ApiError, Result};
+use crate::openapi;
 use crate::patch::PatchKind;
 use crate::resource::ResourceType;
 use crate::selector::{FieldSelector, LabelSelector, Selectors};
@@ -146,6 +147,7 @@ async fn route(s: &Arc<Server>, req: Request) -> Result<Response> {
     let reg = || s.store.registry();
     let (group, version, rest): (&str, &str, &[&str]) = match segs.as_slice() {
         ["version"] => return Ok(json_response(StatusCode::OK, &discovery::version())),
+        ["openapi", ..] => return openapi_response(&reg(), &method, &headers, &segs[1..]),
         ["api"] => {
             return Ok(json_response(
                 StatusCode::OK,
@@ -211,6 +213,47 @@ async fn route(s: &Arc<Server>, req: Request) -> Result<Response> {
     }
     let body = parse_body(&headers, &bytes)?;
     serve(s, &method, &headers, &query, t, body)
+}
+
+/// `/openapi/v2` (protobuf when asked for, else JSON), `/openapi/v3` and its group versions.
+fn openapi_response(
+    reg: &crate::resource::Registry,
+    method: &Method,
+    headers: &HeaderMap,
+    segs: &[&str],
+) -> Result<Response> {
+    if *method != Method::GET {
+        return Err(ApiError::method_not_allowed());
+    }
+    let not_found = || ApiError::no_route(&format!("/openapi/{}", segs.join("/")));
+    match segs {
+        ["v2"] => {
+            let doc = openapi::v2(reg);
+            let accept = headers
+                .get(header::ACCEPT)
+                .and_then(|v| v.to_str().ok())
+                .unwrap_or("");
+            if !accept.contains("protobuf") {
+                return Ok(json_response(StatusCode::OK, &doc));
+            }
+            let body = openapi::proto::document(&doc)
+                .map_err(|e| ApiError::internal(format!("encoding /openapi/v2: {e}")))?;
+            Ok((
+                StatusCode::OK,
+                [(header::CONTENT_TYPE, openapi::V2_PROTOBUF)],
+                body,
+            )
+                .into_response())
+        }
+        ["v3"] => Ok(json_response(StatusCode::OK, &openapi::v3_root(reg))),
+        ["v3", "api", v] => openapi::v3_group_version(reg, "", v)
+            .map(|d| json_response(StatusCode::OK, &d))
+            .ok_or_else(not_found),
+        ["v3", "apis", g, v] => openapi::v3_group_version(reg, g, v)
+            .map(|d| json_response(StatusCode::OK, &d))
+            .ok_or_else(not_found),
+        _ => Err(not_found()),
+    }
 }
 
 /// Rejects a request the user's rules do not allow, with the real server's 403 message.

@@ -1,5 +1,6 @@
-//! kubectl against the test server: apply, get with printer columns, get -o yaml, describe,
-//! patch, delete. Skips without kubectl locally; fails under CI=true.
+//! kubectl against the test server as a user types it (no `--validate=false`: it validates on
+//! the client from the served OpenAPI): apply, create, replace, explain, get with printer
+//! columns, get -o yaml, describe, patch, delete. Skips without kubectl locally; fails under CI=true.
 #![allow(clippy::unwrap_used, clippy::expect_used)] // Test code: a failed unwrap is a failed test.
 
 mod common;
@@ -71,10 +72,7 @@ async fn kubectl_apply_get_describe_patch_delete_crs() {
     let k = TestKube::start().await.unwrap();
     let crd = kubectl(bin.clone(), &k, "crd");
     let out = crd
-        .ok(
-            &["apply", "--validate=false", "-f", "-"],
-            Some(common::WIDGET_CRD),
-        )
+        .ok(&["apply", "-f", "-"], Some(common::WIDGET_CRD))
         .await;
     assert!(
         out.contains("customresourcedefinition.apiextensions.k8s.io/widgets.test.imp.dev created"),
@@ -82,9 +80,7 @@ async fn kubectl_apply_get_describe_patch_delete_crs() {
     );
     // A fresh cache, so discovery sees the new resource.
     let kc = kubectl(bin, &k, "cr");
-    let out = kc
-        .ok(&["apply", "--validate=false", "-f", "-"], Some(WIDGET))
-        .await;
+    let out = kc.ok(&["apply", "-f", "-"], Some(WIDGET)).await;
     assert!(out.contains("widget.test.imp.dev/w1 created"), "{out}");
 
     let out = kc.ok(&["get", "widgets"], None).await;
@@ -156,9 +152,7 @@ async fn kubectl_apply_get_describe_patch_delete_crs() {
         )
         .await;
     assert_eq!(out.trim(), "4 2");
-    let out = kc
-        .ok(&["apply", "--validate=false", "-f", "-"], Some(WIDGET))
-        .await;
+    let out = kc.ok(&["apply", "-f", "-"], Some(WIDGET)).await;
     assert!(out.contains("configured"), "{out}");
 
     let (ok, _, err) = kc
@@ -199,8 +193,7 @@ async fn kubectl_builtins() {
     let k = TestKube::start().await.unwrap();
     let kc = kubectl(bin, &k, "builtins");
     let cm = "apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: c1\n  labels:\n    app: imp\ndata:\n  a: b\n";
-    kc.ok(&["apply", "--validate=false", "-f", "-"], Some(cm))
-        .await;
+    kc.ok(&["apply", "-f", "-"], Some(cm)).await;
     let out = kc.ok(&["get", "configmaps", "-l", "app=imp"], None).await;
     assert!(out.contains("c1"), "{out}");
     let out = kc.ok(&["get", "namespaces"], None).await;
@@ -213,4 +206,169 @@ async fn kubectl_builtins() {
         .await;
     assert_eq!(out.trim(), "configmap/c1");
     kc.ok(&["delete", "cm", "c1"], None).await;
+}
+
+/// Runs kubectl with `stdin` and returns its stderr, asserting that it failed.
+async fn refused(kc: &Kubectl<'_>, args: &[&str], stdin: &str) -> String {
+    let (ok, out, err) = kc.run(args, Some(stdin)).await;
+    assert!(!ok, "kubectl {args:?} should have failed:\n{out}\n{err}");
+    err
+}
+
+#[tokio::test]
+async fn kubectl_validates_custom_resources_on_the_client() {
+    let bin = imp_testkube::require_tool!("kubectl");
+    let k = TestKube::start().await.unwrap();
+    kubectl(bin.clone(), &k, "crd")
+        .ok(&["apply", "-f", "-"], Some(common::WIDGET_CRD))
+        .await;
+    // The CRD was created at run time; a fresh cache sees it in discovery and OpenAPI.
+    let kc = kubectl(bin, &k, "cr");
+    let out = kc.ok(&["create", "-f", "-"], Some(WIDGET)).await;
+    assert!(out.contains("widget.test.imp.dev/w1 created"), "{out}");
+    let bigger = WIDGET.replace("size: 3", "size: 5");
+    let out = kc.ok(&["replace", "-f", "-"], Some(&bigger)).await;
+    assert!(out.contains("widget.test.imp.dev/w1 replaced"), "{out}");
+    let out = kc
+        .ok(
+            &["get", "widget", "w1", "-o", "jsonpath={.spec.size}"],
+            None,
+        )
+        .await;
+    assert_eq!(out.trim(), "5");
+    let out = kc.ok(&["apply", "-f", "-"], Some(WIDGET)).await;
+    assert!(out.contains("configured"), "{out}");
+
+    // An unknown field is refused by kubectl itself, before anything reaches the server.
+    let typo = WIDGET.replace("size: 3", "size: 3\n  sise: 4");
+    for verb in ["apply", "create", "replace"] {
+        let err = refused(&kc, &[verb, "-f", "-"], &typo).await;
+        assert!(
+            err.contains("error validating data: ValidationError(Widget.spec): unknown field \"sise\" in dev.imp.test.v1.Widget.spec"),
+            "{verb}: {err}"
+        );
+        assert!(err.contains("--validate=false"), "{err}");
+    }
+    // A wrong type too.
+    let wrong = WIDGET.replace("size: 3", "size: three");
+    let err = refused(&kc, &["apply", "-f", "-"], &wrong).await;
+    assert!(err.contains("ValidationError(Widget.spec.size)"), "{err}");
+    let out = kc
+        .ok(
+            &["get", "widget", "w1", "-o", "jsonpath={.spec.size}"],
+            None,
+        )
+        .await;
+    assert_eq!(out.trim(), "3", "the refused manifests changed nothing");
+
+    let out = kc.ok(&["explain", "widget.spec"], None).await;
+    assert!(out.contains("Widget"), "{out}");
+    assert!(
+        out.contains("image") && out.contains("<string>") && out.contains("-required-"),
+        "{out}"
+    );
+    let out = kc.ok(&["explain", "wd.spec.tags"], None).await;
+    assert!(out.contains("tags <[]string>"), "{out}");
+}
+
+#[tokio::test]
+async fn kubectl_validates_and_explains_builtins() {
+    let bin = imp_testkube::require_tool!("kubectl");
+    let k = TestKube::start().await.unwrap();
+    let kc = kubectl(bin, &k, "builtin-validation");
+    let cm = "apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: c1\ndata:\n  a: b\n";
+    let out = kc.ok(&["create", "-f", "-"], Some(cm)).await;
+    assert!(out.contains("configmap/c1 created"), "{out}");
+    let out = kc
+        .ok(&["replace", "-f", "-"], Some(&cm.replace("a: b", "a: c")))
+        .await;
+    assert!(out.contains("configmap/c1 replaced"), "{out}");
+    let out = kc.ok(&["apply", "-f", "-"], Some(cm)).await;
+    assert!(out.contains("configmap/c1 configured"), "{out}");
+    let typo = cm.replace("\ndata:", "\ndta:");
+    let err = refused(&kc, &["apply", "-f", "-"], &typo).await;
+    assert!(
+        err.contains("error validating data: ValidationError(ConfigMap): unknown field \"dta\" in io.k8s.api.core.v1.ConfigMap"),
+        "{err}"
+    );
+    let pod = "apiVersion: v1\nkind: Pod\nmetadata:\n  name: p1\nspec:\n  containers:\n  - name: c\n    image: busybox\n    imagePullPolicy: Always\n";
+    kc.ok(&["create", "-f", "-"], Some(pod)).await;
+    let err = refused(
+        &kc,
+        &["create", "-f", "-"],
+        &pod.replace("p1", "p2")
+            .replace("imagePullPolicy", "imagePullPolice"),
+    )
+    .await;
+    assert!(
+        err.contains("unknown field \"imagePullPolice\" in io.k8s.api.core.v1.Container"),
+        "{err}"
+    );
+
+    let out = kc.ok(&["explain", "configmap.data"], None).await;
+    assert!(out.contains("ConfigMap"), "{out}");
+    assert!(out.contains("data <map[string]string>"), "{out}");
+    let out = kc.ok(&["explain", "pods.spec.containers"], None).await;
+    assert!(out.contains("image") && out.contains("<string>"), "{out}");
+}
+
+/// The imp CRDs as the chart ships them.
+const IMP_CRDS: &str = include_str!("../../../charts/imp/crds/imp.dev.yaml");
+
+const IMPVM: &str = "apiVersion: imp.dev/v1alpha1
+kind: ImpVM
+metadata:
+  name: vm1
+spec:
+  classRef:
+    name: small
+  image: docker.io/library/nginx:1.27.4-alpine
+  lifecycle: persistent
+";
+
+#[tokio::test]
+async fn kubectl_applies_and_explains_impvms() {
+    let bin = imp_testkube::require_tool!("kubectl");
+    let k = TestKube::start().await.unwrap();
+    let out = kubectl(bin.clone(), &k, "imp-crds")
+        .ok(&["apply", "-f", "-"], Some(IMP_CRDS))
+        .await;
+    assert!(
+        out.contains("customresourcedefinition.apiextensions.k8s.io/impvms.imp.dev created"),
+        "{out}"
+    );
+    let kc = kubectl(bin, &k, "impvm");
+    let out = kc.ok(&["explain", "impvm.spec"], None).await;
+    assert!(out.contains("classRef") && out.contains("image"), "{out}");
+    // The field's own description, as the chart's CRD has it.
+    let crd = serde_yaml_ng::Deserializer::from_str(IMP_CRDS)
+        .map(|d| <serde_json::Value as serde::Deserialize>::deserialize(d).unwrap())
+        .find(|c| c["metadata"]["name"] == "impvms.imp.dev")
+        .unwrap();
+    let class_ref = crd
+        .pointer("/spec/versions/0/schema/openAPIV3Schema/properties/spec/properties/classRef/description")
+        .and_then(serde_json::Value::as_str)
+        .unwrap();
+    let out = kc.ok(&["explain", "impvm.spec.classRef"], None).await;
+    assert!(out.contains("ImpVM"), "{out}");
+    // kubectl wraps long descriptions: compare word by word.
+    let words = |t: &str| t.split_whitespace().collect::<Vec<_>>().join(" ");
+    assert!(
+        words(&out).contains(&words(class_ref)),
+        "{class_ref:?} in {out}"
+    );
+    let out = kc.ok(&["apply", "-f", "-"], Some(IMPVM)).await;
+    assert!(out.contains("impvm.imp.dev/vm1 created"), "{out}");
+    let err = refused(
+        &kc,
+        &["apply", "-f", "-"],
+        &IMPVM.replace("lifecycle:", "lifecylce:"),
+    )
+    .await;
+    assert!(
+        err.contains(
+            "ValidationError(ImpVM.spec): unknown field \"lifecylce\" in dev.imp.v1alpha1.ImpVM.spec"
+        ),
+        "{err}"
+    );
 }
