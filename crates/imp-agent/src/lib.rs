@@ -3,11 +3,13 @@
 //! Today it holds [`vmm`], the [`vmm::Vmm`] trait and the Firecracker driver that boots, pauses,
 //! snapshots, restores and stops microVMs and connects to their guest vsock ports, and
 //! [`image`], which pulls OCI images (registry, layout, archive) into a verified blob
-//! cache, builds cached ext4 bases and gives every VM its own disk. Node networking, node
+//! cache, builds cached ext4 bases and gives every VM its own disk, and [`api`], the
+//! authenticated HTTPS API through which people exec in a VM and read its console. Node networking, node
 //! state and the per-node reconciler will live here too. It is not the binary
 //! (that is the `imp` crate), not the operator, and not the in-guest agent (`imp-guest`); it
 //! holds no Kubernetes types of its own beyond those of `imp-api`.
 
+pub mod api;
 pub mod guest;
 pub mod image;
 pub mod vmm;
