@@ -66,6 +66,16 @@ pub enum ClientError {
         #[source]
         source: std::io::Error,
     },
+    /// The agent's certificate is not the one its Node's annotation pins.
+    #[error(
+        "The node agent at {endpoint} presented another certificate than its Node pins: {detail}"
+    )]
+    Pin {
+        /// The endpoint.
+        endpoint: String,
+        /// Both fingerprints.
+        detail: String,
+    },
     /// HTTP failed.
     #[error("HTTP with the node agent failed")]
     Http(#[from] hyper::Error),
@@ -141,10 +151,7 @@ async fn send(
     let tls = TlsConnector::from(config)
         .connect(server_name, tcp)
         .await
-        .map_err(|source| ClientError::Handshake {
-            endpoint: endpoint.clone(),
-            source,
-        })?;
+        .map_err(|source| handshake_error(endpoint, source))?;
     let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tls)).await?;
     tokio::spawn(async move {
         if let Err(e) = conn.with_upgrades().await {
@@ -165,6 +172,29 @@ async fn send(
         .body(Empty::<Bytes>::new())
         .map_err(|_| ClientError::Endpoint(endpoint.clone()))?;
     Ok(sender.send_request(req).await?)
+}
+
+/// A pin mismatch said plainly; any other handshake failure as it is.
+fn handshake_error(endpoint: &str, source: std::io::Error) -> ClientError {
+    let pin = source
+        .get_ref()
+        .and_then(|e| e.downcast_ref::<rustls::Error>())
+        .and_then(|e| match e {
+            rustls::Error::InvalidCertificate(rustls::CertificateError::Other(other)) => {
+                Some(other.0.to_string())
+            }
+            _ => None,
+        });
+    match pin {
+        Some(detail) => ClientError::Pin {
+            endpoint: endpoint.to_owned(),
+            detail,
+        },
+        None => ClientError::Handshake {
+            endpoint: endpoint.to_owned(),
+            source,
+        },
+    }
 }
 
 /// Reads a refusal's `Status` message (or its text), bounded.
