@@ -440,6 +440,27 @@ async fn cluster_exec_and_console_through_the_authenticated_agent_api() {
     assert_eq!(out.status.code(), Some(0), "stderr: {}", text(&out.stderr));
     assert_eq!(text(&out.stdout), "HELLO\nWORLD\ndone\n");
 
+    // exec -t: the command gets a terminal (whose line discipline turns \n into \r\n).
+    let out = env
+        .imp(
+            "alice-token",
+            &[
+                "exec",
+                "-t",
+                "-n",
+                NS,
+                "vm1",
+                "--",
+                "sh",
+                "-c",
+                "test -t 1 && echo tty",
+            ],
+            None,
+        )
+        .await;
+    assert_eq!(out.status.code(), Some(0), "stderr: {}", text(&out.stderr));
+    assert_eq!(text(&out.stdout), "tty\r\n");
+
     // console without follow: what the log has.
     let log = env.guest.endpoint(true).serial_log;
     std::fs::write(&log, "[    0.1] Linux booting\nworkload says hi\n").unwrap();
