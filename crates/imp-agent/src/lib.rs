@@ -5,10 +5,13 @@
 //! [`image`], which pulls OCI images (registry, layout, archive) into a verified blob
 //! cache, builds cached ext4 bases and gives every VM its own disk, and [`runtime`], one VM's
 //! life from image to exit under its own supervisor process (the shim), shared by `imp run`
-//! and `imp agent`. Node networking will live here too. It is not the binary
+//! and `imp agent`, [`node`], the node agent's reconciler, and [`api`], the authenticated
+//! HTTPS API through which people exec in a VM and read its console. Node networking will live
+//! here too. It is not the binary
 //! (that is the `imp` crate), not the operator, and not the in-guest agent (`imp-guest`); it
 //! holds no Kubernetes types of its own beyond those of `imp-api`.
 
+pub mod api;
 pub mod guest;
 pub mod image;
 pub mod node;

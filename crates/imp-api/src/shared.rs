@@ -27,6 +27,11 @@ pub const ANNOTATION_TRACE_STATE: &str = "imp.dev/trace-state";
 /// Annotation the operator writes with `spec.nodeName`: the [`PlacedSize`] the node was booked
 /// for, so the booking outlives a deleted ImpVMClass across operator restarts.
 pub const ANNOTATION_PLACED_RESOURCES: &str = "imp.dev/placed-resources";
+/// Node annotation the agent publishes: `host:port` of its authenticated exec/console API.
+pub const ANNOTATION_AGENT_ENDPOINT: &str = "imp.dev/agent-endpoint";
+/// Node annotation the agent publishes: the lowercase hex SHA-256 of its API's TLS certificate,
+/// which clients pin (the API server vouches for it, so no CA is needed).
+pub const ANNOTATION_AGENT_CERT_SHA256: &str = "imp.dev/agent-cert-sha256";
 /// Finalizer the operator holds on every ImpVM until the agent has cleaned up.
 pub const FINALIZER_VM: &str = "imp/finalizer";
 /// Finalizer the operator holds on every ImpNetwork until its node state is torn down.

@@ -1,5 +1,6 @@
-//! The imp host binary: one command per component (`imp operator`, `imp agent`, `imp crds`, and
-//! the local VM commands `imp run|exec|ps|stop|console`).
+//! The imp host binary: one command per component (`imp operator`, `imp agent`, `imp crds`, the
+//! local VM commands `imp run|exec|ps|stop|console`, and `imp exec|console` against a cluster,
+//! also as the kubectl plugin `kubectl-imp`).
 
 use std::io::Write;
 
@@ -7,6 +8,7 @@ use anyhow::Context;
 use clap::{Parser, Subcommand};
 
 mod agent;
+mod cluster;
 mod local;
 mod operator;
 
@@ -31,7 +33,7 @@ enum Command {
     Agent(Box<agent::Args>),
     /// Boot IMAGE as a microVM on this machine (no cluster) and run its workload.
     Run(Box<local::RunArgs>),
-    /// Run a command in a local VM.
+    /// Run a command in a VM: a local one, or an ImpVM with -n/--kubeconfig/--context.
     Exec(local::ExecArgs),
     /// List local VMs.
     Ps(local::PsArgs),
@@ -39,7 +41,7 @@ enum Command {
     Stop(local::StopArgs),
     /// Remove local VMs that have ended (their disk, logs and record).
     Rm(local::RmArgs),
-    /// Show a local VM's serial console.
+    /// Show a VM's serial console: a local one, or an ImpVM with -n/--kubeconfig/--context.
     Console(local::ConsoleArgs),
     /// The per-VM supervisor that `imp run` and `imp agent` start (not for direct use).
     #[command(hide = true)]
@@ -68,10 +70,14 @@ fn main() -> anyhow::Result<()> {
             local_logs();
             std::process::exit(local::run::main(*args)?)
         }
+        Command::Exec(args) if cluster::wanted(&args.cluster) => {
+            std::process::exit(cluster::exec(args)?)
+        }
         Command::Exec(args) => std::process::exit(local::exec(args)?),
         Command::Ps(args) => local::ps(args)?,
         Command::Stop(args) => local::stop(args)?,
         Command::Rm(args) => local::rm(args)?,
+        Command::Console(args) if cluster::wanted(&args.cluster) => cluster::console(args)?,
         Command::Console(args) => local::console(args)?,
         Command::Shim(args) => shim(args)?,
     }

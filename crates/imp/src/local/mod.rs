@@ -31,8 +31,9 @@ pub struct Common {
 
 /// `imp exec`.
 #[derive(Args, Debug)]
+#[command(after_help = crate::cluster::MODE_HELP)]
 pub struct ExecArgs {
-    /// The local VM (see `imp ps`).
+    /// The VM: a local VM (see `imp ps`), or an ImpVM in cluster mode.
     pub vm: String,
     /// Allocate a terminal in the guest (for shells).
     #[arg(short = 't', long)]
@@ -57,6 +58,8 @@ pub struct ExecArgs {
     pub command: Vec<String>,
     #[command(flatten)]
     common: Common,
+    #[command(flatten)]
+    pub cluster: crate::cluster::ClusterArgs,
 }
 
 /// `imp stop`.
@@ -97,14 +100,17 @@ pub struct PsArgs {
 
 /// `imp console`.
 #[derive(Args, Debug)]
+#[command(after_help = crate::cluster::MODE_HELP)]
 pub struct ConsoleArgs {
-    /// The local VM.
+    /// The VM: a local VM, or an ImpVM in cluster mode.
     pub vm: String,
     /// Print what the console has so far and exit instead of following it.
     #[arg(long)]
     pub no_follow: bool,
     #[command(flatten)]
     common: Common,
+    #[command(flatten)]
+    pub cluster: crate::cluster::ClusterArgs,
 }
 
 /// Parses `10s`, `500ms`, `2m` or a bare number of seconds.

@@ -1,0 +1,238 @@
+//! The caller's side of the agent API (what `imp exec` and `imp console` use against a
+//! cluster): TLS to `host:port` pinned to the Node's published fingerprint, the caller's
+//! bearer token, and either the upgraded exec connection or the console's byte stream.
+
+use bytes::Bytes;
+use http::header::{AUTHORIZATION, CONNECTION, HOST, UPGRADE};
+use http::{HeaderValue, Method, Request, Response, StatusCode};
+use http_body_util::{BodyExt, Empty};
+use hyper::body::Incoming;
+use hyper_util::rt::TokioIo;
+use rustls::pki_types::ServerName;
+use tokio::net::TcpStream;
+use tokio_rustls::TlsConnector;
+
+use super::EXEC_UPGRADE;
+use super::tls::{TlsError, pinned_client_config};
+
+/// Where the agent is and who is asking.
+#[derive(Clone)]
+pub struct Target {
+    /// `host:port` (the Node's `imp.dev/agent-endpoint`).
+    pub endpoint: String,
+    /// The certificate's SHA-256 (the Node's `imp.dev/agent-cert-sha256`).
+    pub fingerprint: String,
+    /// The caller's bearer token.
+    pub token: String,
+}
+
+impl std::fmt::Debug for Target {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Target")
+            .field("endpoint", &self.endpoint)
+            .field("fingerprint", &self.fingerprint)
+            .field("token", &"<redacted>")
+            .finish()
+    }
+}
+
+/// Why a request to the agent failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    /// The endpoint is not `host:port`.
+    #[error("Invalid agent endpoint {0:?}: expected host:port")]
+    Endpoint(String),
+    /// The fingerprint is unusable.
+    #[error("Invalid agent certificate fingerprint")]
+    Tls(#[from] TlsError),
+    /// The token cannot be sent as a header.
+    #[error("The bearer token contains characters that cannot be sent in a header")]
+    Token,
+    /// No TCP connection.
+    #[error("Connecting to the node agent at {endpoint} failed")]
+    Connect {
+        /// The endpoint.
+        endpoint: String,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The TLS handshake failed (e.g. the certificate is not the pinned one).
+    #[error("TLS with the node agent at {endpoint} failed")]
+    Handshake {
+        /// The endpoint.
+        endpoint: String,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The agent's certificate is not the one its Node's annotation pins.
+    #[error(
+        "The node agent at {endpoint} presented another certificate than its Node pins: {detail}"
+    )]
+    Pin {
+        /// The endpoint.
+        endpoint: String,
+        /// Both fingerprints.
+        detail: String,
+    },
+    /// HTTP failed.
+    #[error("HTTP with the node agent failed")]
+    Http(#[from] hyper::Error),
+    /// The agent refused the request.
+    #[error("The node agent refused the request ({status}): {message}")]
+    Refused {
+        /// The status.
+        status: StatusCode,
+        /// The agent's message.
+        message: String,
+    },
+}
+
+/// The upgraded exec connection: speak imp-proto on it (hello, exec, stream).
+pub type ExecStream = TokioIo<hyper::upgrade::Upgraded>;
+
+/// Asks for an exec in `namespace/name`; on success the stream carries the guest protocol.
+pub async fn exec(target: &Target, namespace: &str, name: &str) -> Result<ExecStream, ClientError> {
+    let path = format!("/v1/namespaces/{namespace}/impvms/{name}/exec");
+    let mut resp = send(target, Method::POST, &path, true).await?;
+    if resp.status() != StatusCode::SWITCHING_PROTOCOLS {
+        return Err(refusal(resp).await);
+    }
+    let upgraded = hyper::upgrade::on(&mut resp).await?;
+    Ok(TokioIo::new(upgraded))
+}
+
+/// Asks for the console log of `namespace/name`; the body streams it.
+pub async fn console(
+    target: &Target,
+    namespace: &str,
+    name: &str,
+    follow: bool,
+) -> Result<Incoming, ClientError> {
+    let path = format!("/v1/namespaces/{namespace}/impvms/{name}/console?follow={follow}");
+    let resp = send(target, Method::GET, &path, false).await?;
+    if !resp.status().is_success() {
+        return Err(refusal(resp).await);
+    }
+    Ok(resp.into_body())
+}
+
+/// The host part of `host:port` (without brackets for IPv6).
+fn host_of(endpoint: &str) -> Option<&str> {
+    let (host, port) = endpoint.rsplit_once(':')?;
+    port.parse::<u16>().ok()?;
+    let host = host
+        .strip_prefix('[')
+        .and_then(|h| h.strip_suffix(']'))
+        .unwrap_or(host);
+    (!host.is_empty()).then_some(host)
+}
+
+async fn send(
+    target: &Target,
+    method: Method,
+    path: &str,
+    upgrade: bool,
+) -> Result<Response<Incoming>, ClientError> {
+    let endpoint = &target.endpoint;
+    let host = host_of(endpoint).ok_or_else(|| ClientError::Endpoint(endpoint.clone()))?;
+    let server_name = ServerName::try_from(host.to_owned())
+        .map_err(|_| ClientError::Endpoint(endpoint.clone()))?;
+    let config = pinned_client_config(&target.fingerprint)?;
+    let auth = HeaderValue::from_str(&format!("Bearer {}", target.token))
+        .map_err(|_| ClientError::Token)?;
+    let tcp = TcpStream::connect(endpoint.as_str())
+        .await
+        .map_err(|source| ClientError::Connect {
+            endpoint: endpoint.clone(),
+            source,
+        })?;
+    let tls = TlsConnector::from(config)
+        .connect(server_name, tcp)
+        .await
+        .map_err(|source| handshake_error(endpoint, source))?;
+    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tls)).await?;
+    tokio::spawn(async move {
+        if let Err(e) = conn.with_upgrades().await {
+            tracing::debug!(error = %e, "agent API connection ended with an error");
+        }
+    });
+    let mut req = Request::builder()
+        .method(method)
+        .uri(path)
+        .header(HOST, endpoint.as_str())
+        .header(AUTHORIZATION, auth);
+    if upgrade {
+        req = req
+            .header(CONNECTION, "upgrade")
+            .header(UPGRADE, EXEC_UPGRADE);
+    }
+    let req = req
+        .body(Empty::<Bytes>::new())
+        .map_err(|_| ClientError::Endpoint(endpoint.clone()))?;
+    Ok(sender.send_request(req).await?)
+}
+
+/// A pin mismatch said plainly; any other handshake failure as it is.
+fn handshake_error(endpoint: &str, source: std::io::Error) -> ClientError {
+    let pin = source
+        .get_ref()
+        .and_then(|e| e.downcast_ref::<rustls::Error>())
+        .and_then(|e| match e {
+            rustls::Error::InvalidCertificate(rustls::CertificateError::Other(other)) => {
+                Some(other.0.to_string())
+            }
+            _ => None,
+        });
+    match pin {
+        Some(detail) => ClientError::Pin {
+            endpoint: endpoint.to_owned(),
+            detail,
+        },
+        None => ClientError::Handshake {
+            endpoint: endpoint.to_owned(),
+            source,
+        },
+    }
+}
+
+/// Reads a refusal's `Status` message (or its text), bounded.
+async fn refusal(resp: Response<Incoming>) -> ClientError {
+    let status = resp.status();
+    let body = http_body_util::Limited::new(resp.into_body(), 64 * 1024)
+        .collect()
+        .await
+        .map(|b| b.to_bytes())
+        .unwrap_or_default();
+    let message = serde_json::from_slice::<serde_json::Value>(&body)
+        .ok()
+        .and_then(|v| v["message"].as_str().map(str::to_owned))
+        .unwrap_or_else(|| String::from_utf8_lossy(&body).trim().to_owned());
+    ClientError::Refused { status, message }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn endpoints_split_into_host_and_port() {
+        assert_eq!(host_of("10.0.0.5:10250"), Some("10.0.0.5"));
+        assert_eq!(host_of("node-1.example:443"), Some("node-1.example"));
+        assert_eq!(host_of("[fd00::1]:443"), Some("fd00::1"));
+        assert_eq!(host_of("node-1"), None);
+        assert_eq!(host_of(":443"), None);
+        assert_eq!(host_of("node:http"), None);
+    }
+
+    #[test]
+    fn the_token_never_shows_in_debug_output() {
+        let t = Target {
+            endpoint: "h:1".into(),
+            fingerprint: "f".into(),
+            token: "s3cret".into(),
+        };
+        assert!(!format!("{t:?}").contains("s3cret"));
+    }
+}

@@ -1,0 +1,464 @@
+//! Exec: the caller's upgraded connection carries the host↔guest protocol to the guest agent.
+//!
+//! After `101 Switching Protocols` the caller speaks `imp-proto` as if it were on the VM's
+//! vsock: its hello, then one [`Message::Exec`] and that exec's stream. [`relay`] reads the two
+//! opening frames with imp-proto's framing (bounded by [`imp_proto::MAX_FRAME_LEN`]), refuses
+//! anything but a hello followed by an exec (so an authorised `impvms/exec` cannot become a
+//! `Shutdown` of the VM), forwards them, passes the guest's hello back, and then splices the two
+//! streams until the guest ends the exec. Stdin, resizes, signals and the exit travel as the
+//! protocol already defines them; the caller hanging up hangs up on the guest, which kills the
+//! command.
+
+use std::io;
+use std::time::Duration;
+
+use http::header::{CONNECTION, UPGRADE};
+use http::{HeaderMap, StatusCode};
+use imp_proto::frame::{FrameError, check_len, decode, encode};
+use imp_proto::message::{ErrorKind, Message};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+
+use super::EXEC_UPGRADE;
+
+/// Why an exec request cannot be upgraded.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum UpgradeError {
+    /// The request does not ask for an upgrade at all.
+    #[error("Exec needs an upgrade: send Connection: Upgrade and Upgrade: {EXEC_UPGRADE}")]
+    Missing,
+    /// It asks for another protocol.
+    #[error("Unsupported upgrade {0:?}: this agent speaks {EXEC_UPGRADE}")]
+    Protocol(String),
+}
+
+impl UpgradeError {
+    /// The HTTP status that answers this error.
+    pub fn status(&self) -> StatusCode {
+        match self {
+            UpgradeError::Missing => StatusCode::UPGRADE_REQUIRED,
+            UpgradeError::Protocol(_) => StatusCode::BAD_REQUEST,
+        }
+    }
+}
+
+/// Checks that a request asks to upgrade to [`EXEC_UPGRADE`].
+pub fn check_upgrade(headers: &HeaderMap) -> Result<(), UpgradeError> {
+    let connection_upgrade = headers.get_all(CONNECTION).iter().any(|v| {
+        v.to_str().is_ok_and(|s| {
+            s.split(',')
+                .any(|t| t.trim().eq_ignore_ascii_case("upgrade"))
+        })
+    });
+    let Some(upgrade) = headers.get(UPGRADE) else {
+        return Err(UpgradeError::Missing);
+    };
+    if !connection_upgrade {
+        return Err(UpgradeError::Missing);
+    }
+    let upgrade = upgrade.to_str().unwrap_or("");
+    if upgrade
+        .split(',')
+        .any(|p| p.trim().eq_ignore_ascii_case(EXEC_UPGRADE))
+    {
+        Ok(())
+    } else {
+        Err(UpgradeError::Protocol(upgrade.to_owned()))
+    }
+}
+
+/// Why a relayed exec ended abnormally.
+#[derive(Debug, thiserror::Error)]
+pub enum RelayError {
+    /// Reading or writing either side failed.
+    #[error("Relaying the exec failed")]
+    Io(#[from] io::Error),
+    /// A frame was malformed or too large.
+    #[error("Invalid frame from the caller or the guest")]
+    Frame(#[from] FrameError),
+    /// One side closed before the exec began.
+    #[error("The {side} closed the connection before {what}")]
+    Closed {
+        /// "caller" or "guest".
+        side: &'static str,
+        /// What was awaited.
+        what: &'static str,
+    },
+    /// The caller's first message was not a hello.
+    #[error("Expected a hello from the caller, got a {0} message")]
+    NotHello(&'static str),
+    /// The caller's request after the hello was not an exec.
+    #[error("Only exec is allowed on this endpoint, got a {0} message")]
+    NotExec(&'static str),
+    /// The caller sent no hello and exec in time.
+    #[error("The caller sent no hello and exec within {0:?}")]
+    Timeout(Duration),
+}
+
+/// Relays one exec between `caller` (the upgraded connection) and `guest` (the guest agent's
+/// vsock stream): the opening must arrive within `opening`; then until the guest ends it.
+pub async fn relay<C, G>(mut caller: C, mut guest: G, opening: Duration) -> Result<(), RelayError>
+where
+    C: AsyncRead + AsyncWrite + Unpin,
+    G: AsyncRead + AsyncWrite + Unpin,
+{
+    let opened = tokio::time::timeout(opening, open(&mut caller, &mut guest))
+        .await
+        .unwrap_or(Err(RelayError::Timeout(opening)));
+    if let Err(e) = opened {
+        if matches!(
+            e,
+            RelayError::NotHello(_) | RelayError::NotExec(_) | RelayError::Timeout(_)
+        ) {
+            // Tell the caller why, in its own protocol (best effort: it may be gone).
+            if let Ok(frame) = encode(&Message::error(ErrorKind::BadRequest, e.to_string())) {
+                let _ = caller.write_all(&frame).await;
+                let _ = caller.shutdown().await;
+            }
+        }
+        return Err(e);
+    }
+    splice(caller, guest).await
+}
+
+/// Passes the caller's hello, the guest's hello and the caller's exec, checking the caller's.
+async fn open<C, G>(caller: &mut C, guest: &mut G) -> Result<(), RelayError>
+where
+    C: AsyncRead + AsyncWrite + Unpin,
+    G: AsyncRead + AsyncWrite + Unpin,
+{
+    let (raw, hello) = read_frame(caller).await?.ok_or(RelayError::Closed {
+        side: "caller",
+        what: "its hello",
+    })?;
+    if !matches!(hello, Message::Hello(_)) {
+        return Err(RelayError::NotHello(hello.name()));
+    }
+    guest.write_all(&raw).await?;
+    // The guest's hello, or its refusal of ours: the caller decides what to make of it.
+    let (raw, _) = read_frame(guest).await?.ok_or(RelayError::Closed {
+        side: "guest",
+        what: "its hello",
+    })?;
+    caller.write_all(&raw).await?;
+    caller.flush().await?;
+    let (raw, request) = read_frame(caller).await?.ok_or(RelayError::Closed {
+        side: "caller",
+        what: "its exec request",
+    })?;
+    if !matches!(request, Message::Exec(_)) {
+        return Err(RelayError::NotExec(request.name()));
+    }
+    guest.write_all(&raw).await?;
+    guest.flush().await?;
+    Ok(())
+}
+
+/// Copies both ways; done when the guest's side ends (the exec is over or the guest is gone).
+/// When the caller stops sending, the guest's write side is shut so it sees the hang-up.
+async fn splice<C, G>(caller: C, guest: G) -> Result<(), RelayError>
+where
+    C: AsyncRead + AsyncWrite + Unpin,
+    G: AsyncRead + AsyncWrite + Unpin,
+{
+    let (mut caller_rx, mut caller_tx) = tokio::io::split(caller);
+    let (mut guest_rx, mut guest_tx) = tokio::io::split(guest);
+    let down = async {
+        let copied = tokio::io::copy(&mut guest_rx, &mut caller_tx).await;
+        let _ = caller_tx.shutdown().await;
+        copied
+    };
+    let up = async {
+        let copied = tokio::io::copy(&mut caller_rx, &mut guest_tx).await;
+        let _ = guest_tx.shutdown().await;
+        copied
+    };
+    tokio::pin!(down, up);
+    tokio::select! {
+        copied = &mut down => {
+            copied?;
+        }
+        copied = &mut up => {
+            copied?;
+            down.await?;
+        }
+    }
+    Ok(())
+}
+
+/// Reads one whole frame without reading past it: its raw bytes (to forward unchanged) and
+/// the decoded message; `None` on a clean end of stream before the frame.
+async fn read_frame<R: AsyncRead + Unpin>(
+    reader: &mut R,
+) -> Result<Option<(Vec<u8>, Message)>, RelayError> {
+    let mut len = [0u8; 4];
+    if reader.read(&mut len[..1]).await? == 0 {
+        return Ok(None);
+    }
+    reader
+        .read_exact(&mut len[1..])
+        .await
+        .map_err(|e| truncated(e, "length", 4))?;
+    let body_len = check_len(u32::from_be_bytes(len))?;
+    let mut raw = vec![0u8; 4 + body_len];
+    raw[..4].copy_from_slice(&len);
+    reader
+        .read_exact(&mut raw[4..])
+        .await
+        .map_err(|e| truncated(e, "body", body_len))?;
+    let message = decode(&raw[4..])?;
+    Ok(Some((raw, message)))
+}
+
+fn truncated(e: io::Error, part: &'static str, expected: usize) -> RelayError {
+    if e.kind() == io::ErrorKind::UnexpectedEof {
+        RelayError::Frame(FrameError::Truncated {
+            part,
+            expected,
+            got: 0,
+        })
+    } else {
+        RelayError::Io(e)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http::HeaderValue;
+    use imp_proto::message::{ExecRequest, ExitStatus, Hello};
+    use imp_proto::{MAX_FRAME_LEN, read_frame as read_sync};
+    use tokio::io::{DuplexStream, duplex};
+
+    #[test]
+    fn only_an_upgrade_to_imp_exec_is_accepted() {
+        let headers = |pairs: &[(&'static str, &'static str)]| {
+            let mut h = HeaderMap::new();
+            for (k, v) in pairs {
+                h.append(*k, HeaderValue::from_static(v));
+            }
+            h
+        };
+        assert_eq!(
+            check_upgrade(&headers(&[
+                ("connection", "Upgrade"),
+                ("upgrade", "imp-exec/1")
+            ])),
+            Ok(())
+        );
+        assert_eq!(
+            check_upgrade(&headers(&[
+                ("connection", "keep-alive, upgrade"),
+                ("upgrade", "IMP-EXEC/1")
+            ])),
+            Ok(())
+        );
+        let missing = check_upgrade(&headers(&[])).unwrap_err();
+        assert_eq!(missing, UpgradeError::Missing);
+        assert_eq!(missing.status(), StatusCode::UPGRADE_REQUIRED);
+        assert_eq!(
+            check_upgrade(&headers(&[("upgrade", "imp-exec/1")])),
+            Err(UpgradeError::Missing),
+            "Upgrade without Connection: upgrade"
+        );
+        let other = check_upgrade(&headers(&[
+            ("connection", "upgrade"),
+            ("upgrade", "websocket"),
+        ]))
+        .unwrap_err();
+        assert_eq!(other, UpgradeError::Protocol("websocket".into()));
+        assert_eq!(other.status(), StatusCode::BAD_REQUEST);
+    }
+
+    fn frame(m: &Message) -> Vec<u8> {
+        encode(m).unwrap()
+    }
+
+    /// Runs `relay` between an in-memory caller and guest; returns both far ends.
+    fn start(
+        opening: Duration,
+    ) -> (
+        DuplexStream,
+        DuplexStream,
+        tokio::task::JoinHandle<Result<(), RelayError>>,
+    ) {
+        let (caller_far, caller_near) = duplex(1 << 21);
+        let (guest_near, guest_far) = duplex(1 << 21);
+        let task = tokio::spawn(relay(caller_near, guest_near, opening));
+        (caller_far, guest_far, task)
+    }
+
+    async fn read_all(mut s: DuplexStream) -> Vec<Message> {
+        let mut bytes = Vec::new();
+        s.read_to_end(&mut bytes).await.unwrap();
+        let mut cursor = std::io::Cursor::new(bytes);
+        let mut out = Vec::new();
+        while let Some(m) = read_sync(&mut cursor).unwrap() {
+            out.push(m);
+        }
+        out
+    }
+
+    #[tokio::test]
+    async fn hello_and_exec_pass_then_the_streams_are_spliced_until_the_guest_ends() {
+        let (mut caller, mut guest, task) = start(Duration::from_secs(5));
+        let exec = Message::Exec(ExecRequest {
+            argv: vec!["cat".into()],
+            stdin: true,
+            ..Default::default()
+        });
+        caller
+            .write_all(&frame(&Message::Hello(Hello::new("cli"))))
+            .await
+            .unwrap();
+        guest
+            .write_all(&frame(&Message::Hello(Hello::new("guest"))))
+            .await
+            .unwrap();
+        // The exec and the first stdin arrive in one write: nothing after the exec may be lost.
+        let mut burst = frame(&exec);
+        burst.extend(frame(&Message::Stdin(b"hi".to_vec())));
+        caller.write_all(&burst).await.unwrap();
+        let mut got = Vec::new();
+        let mut buf = vec![0u8; 1 << 16];
+        let want = frame(&Message::Hello(Hello::new("cli"))).len() + burst.len();
+        while got.len() < want {
+            let n = guest.read(&mut buf).await.unwrap();
+            got.extend_from_slice(&buf[..n]);
+        }
+        let mut cursor = std::io::Cursor::new(got);
+        assert!(matches!(
+            read_sync(&mut cursor).unwrap(),
+            Some(Message::Hello(_))
+        ));
+        assert_eq!(read_sync(&mut cursor).unwrap(), Some(exec));
+        assert_eq!(
+            read_sync(&mut cursor).unwrap(),
+            Some(Message::Stdin(b"hi".to_vec()))
+        );
+        guest
+            .write_all(&frame(&Message::Stdout(b"hi".to_vec())))
+            .await
+            .unwrap();
+        guest
+            .write_all(&frame(&Message::Exit {
+                status: ExitStatus::Code(3),
+            }))
+            .await
+            .unwrap();
+        drop(guest);
+        let seen = read_all(caller).await;
+        assert!(matches!(seen[0], Message::Hello(ref h) if h.software == "guest"));
+        assert_eq!(seen[1], Message::Stdout(b"hi".to_vec()));
+        assert_eq!(
+            seen[2],
+            Message::Exit {
+                status: ExitStatus::Code(3)
+            }
+        );
+        task.await.unwrap().unwrap();
+    }
+
+    #[tokio::test]
+    async fn anything_but_exec_after_the_hello_is_refused_and_never_reaches_the_guest() {
+        let (mut caller, mut guest, task) = start(Duration::from_secs(5));
+        caller
+            .write_all(&frame(&Message::Hello(Hello::new("cli"))))
+            .await
+            .unwrap();
+        guest
+            .write_all(&frame(&Message::Hello(Hello::new("guest"))))
+            .await
+            .unwrap();
+        caller
+            .write_all(&frame(&Message::Shutdown { grace_ms: 0 }))
+            .await
+            .unwrap();
+        let err = task.await.unwrap().unwrap_err();
+        assert!(matches!(err, RelayError::NotExec("shutdown")), "{err}");
+        let seen = read_all(caller).await;
+        assert!(matches!(seen[0], Message::Hello(_)));
+        match &seen[1] {
+            Message::Error(e) => assert!(e.message.contains("Only exec"), "{}", e.message),
+            other => panic!("expected an error, got {other:?}"),
+        }
+        // The guest got the hello and nothing else.
+        let to_guest = read_all(guest).await;
+        assert_eq!(to_guest.len(), 1, "{to_guest:?}");
+        assert!(matches!(to_guest[0], Message::Hello(_)));
+    }
+
+    #[tokio::test]
+    async fn a_caller_that_skips_the_hello_is_refused() {
+        let (mut caller, guest, task) = start(Duration::from_secs(5));
+        caller
+            .write_all(&frame(&Message::Exec(ExecRequest::default())))
+            .await
+            .unwrap();
+        let err = task.await.unwrap().unwrap_err();
+        assert!(matches!(err, RelayError::NotHello("exec")), "{err}");
+        assert!(
+            read_all(guest).await.is_empty(),
+            "nothing reached the guest"
+        );
+    }
+
+    #[tokio::test]
+    async fn an_oversize_frame_is_refused_before_it_is_read() {
+        let (mut caller, guest, task) = start(Duration::from_secs(5));
+        caller
+            .write_all(&(MAX_FRAME_LEN + 1).to_be_bytes())
+            .await
+            .unwrap();
+        let err = task.await.unwrap().unwrap_err();
+        assert!(
+            matches!(err, RelayError::Frame(FrameError::TooLarge { .. })),
+            "{err}"
+        );
+        assert!(read_all(guest).await.is_empty());
+    }
+
+    #[tokio::test]
+    async fn a_silent_caller_is_dropped_after_the_opening_timeout() {
+        let (caller, _guest, task) = start(Duration::from_millis(100));
+        let err = task.await.unwrap().unwrap_err();
+        assert!(matches!(err, RelayError::Timeout(_)), "{err}");
+        let seen = read_all(caller).await;
+        assert!(matches!(&seen[0], Message::Error(e) if e.kind == ErrorKind::BadRequest));
+    }
+
+    #[tokio::test]
+    async fn the_caller_hanging_up_hangs_up_on_the_guest() {
+        let (mut caller, mut guest, task) = start(Duration::from_secs(5));
+        caller
+            .write_all(&frame(&Message::Hello(Hello::new("cli"))))
+            .await
+            .unwrap();
+        guest
+            .write_all(&frame(&Message::Hello(Hello::new("guest"))))
+            .await
+            .unwrap();
+        // As a real caller does: the guest's hello first, then the exec.
+        let hello_len = frame(&Message::Hello(Hello::new("guest"))).len();
+        let mut hello = vec![0u8; hello_len];
+        caller.read_exact(&mut hello).await.unwrap();
+        caller
+            .write_all(&frame(&Message::Exec(ExecRequest::default())))
+            .await
+            .unwrap();
+        drop(caller);
+        // The guest sees end of stream after the exec, then ends its side.
+        let mut got = Vec::new();
+        guest.read_to_end(&mut got).await.unwrap();
+        let mut cursor = std::io::Cursor::new(got);
+        assert!(matches!(
+            read_sync(&mut cursor).unwrap(),
+            Some(Message::Hello(_))
+        ));
+        assert!(matches!(
+            read_sync(&mut cursor).unwrap(),
+            Some(Message::Exec(_))
+        ));
+        drop(guest);
+        let _ = task.await.unwrap();
+    }
+}

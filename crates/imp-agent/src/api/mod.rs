@@ -1,0 +1,50 @@
+//! The node agent's API for people: a command in a VM (`exec`) and its serial console, over
+//! HTTPS, for callers whose Kubernetes bearer token the API server vouches for.
+//!
+//! It works as the kubelet's own API does for `pods/exec`: every request carries
+//! `Authorization: Bearer <token>`, the agent asks the API server who that is (TokenReview) and
+//! whether they may `create` the `impvms/exec` or `impvms/console` subresource of that VM
+//! (SubjectAccessReview), and refuses with 401 or 403 before anything runs. The certificate is
+//! self-signed (or given by files); the agent publishes its SHA-256 on its Node (annotation
+//! `imp.dev/agent-cert-sha256`, next to `imp.dev/agent-endpoint`), and clients pin it, so the
+//! API server vouches for the agent as it vouches for the caller.
+//!
+//! Rooms: [`route`] parses request paths, [`auth`] decides who may do what, [`tls`] holds the
+//! certificate and the clients' pinning verifier, [`exec`] relays an exec between the caller and
+//! the guest agent, [`console`] streams the serial log, [`server`] accepts connections and ties
+//! them together, and [`client`] is the caller's side that the CLI uses. How VMs are found is
+//! not this module's business: the agent's runtime implements [`VmLookup`].
+
+pub mod auth;
+pub mod client;
+pub mod console;
+pub mod exec;
+pub mod route;
+pub mod server;
+pub mod tls;
+
+pub use auth::{Authorizer, KubeReviewer, Reviewer};
+pub use server::{AgentApi, ApiConfig};
+pub use tls::Identity;
+
+/// What the agent API needs to reach one VM's guest agent.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GuestEndpoint {
+    /// Host Unix socket of the guest's vsock (Firecracker's `CONNECT <port>` protocol).
+    pub vsock: std::path::PathBuf,
+    /// The guest agent's vsock port.
+    pub agent_port: u32,
+    /// The serial console log file (appended to while the VM runs).
+    pub serial_log: std::path::PathBuf,
+    /// Whether the VM runs now (exec is refused with 409 otherwise; console still works).
+    pub running: bool,
+}
+
+/// How the API finds a VM of this node; the agent's runtime implements it.
+pub trait VmLookup: Send + Sync + 'static {
+    /// The VM `namespace/name` if it is on this node.
+    fn find(&self, namespace: &str, name: &str) -> Option<GuestEndpoint>;
+}
+
+/// The value of the `Upgrade` header that turns an exec request into the guest protocol.
+pub const EXEC_UPGRADE: &str = "imp-exec/1";

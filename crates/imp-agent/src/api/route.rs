@@ -1,0 +1,263 @@
+//! Which endpoint a request is for: a pure parse of method, path and query.
+//!
+//! `POST /v1/namespaces/{ns}/impvms/{name}/exec` and
+//! `GET /v1/namespaces/{ns}/impvms/{name}/console?follow=true|false`. Namespace and name must be
+//! Kubernetes names (lowercase RFC 1123), so nothing that reaches a lookup or a log line can be
+//! a path trick.
+
+use http::{Method, StatusCode};
+
+use super::auth::Subresource;
+
+/// One request the API serves.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Route {
+    /// The VM's namespace.
+    pub namespace: String,
+    /// The VM's name.
+    pub name: String,
+    /// What is asked of it.
+    pub action: Action,
+}
+
+/// What a request asks of a VM.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Action {
+    /// Run a command (the connection is upgraded to the guest protocol).
+    Exec,
+    /// Stream the serial console log.
+    Console {
+        /// Keep streaming what is appended while the VM runs.
+        follow: bool,
+    },
+}
+
+impl Route {
+    /// The subresource authorization is asked for.
+    pub fn subresource(&self) -> Subresource {
+        match self.action {
+            Action::Exec => Subresource::Exec,
+            Action::Console { .. } => Subresource::Console,
+        }
+    }
+}
+
+/// Why a request matches no endpoint.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RouteError {
+    /// No endpoint has this path.
+    #[error("No endpoint at {0}")]
+    NoRoute(String),
+    /// The endpoint exists but not for this method.
+    #[error("{path} takes {allowed}, not {method}")]
+    Method {
+        /// The path asked for.
+        path: String,
+        /// The method used.
+        method: String,
+        /// The method the endpoint takes.
+        allowed: &'static str,
+    },
+    /// A namespace or name is not a Kubernetes name.
+    #[error("Invalid {what} {value:?}: not a lowercase RFC 1123 name")]
+    InvalidName {
+        /// "namespace" or "name".
+        what: &'static str,
+        /// The value given.
+        value: String,
+    },
+    /// A query parameter has a value we do not understand.
+    #[error("Invalid query parameter {param}={value:?}: expected true or false")]
+    Query {
+        /// The parameter.
+        param: &'static str,
+        /// The value given.
+        value: String,
+    },
+}
+
+impl RouteError {
+    /// The HTTP status that answers this error.
+    pub fn status(&self) -> StatusCode {
+        match self {
+            RouteError::NoRoute(_) => StatusCode::NOT_FOUND,
+            RouteError::Method { .. } => StatusCode::METHOD_NOT_ALLOWED,
+            RouteError::InvalidName { .. } | RouteError::Query { .. } => StatusCode::BAD_REQUEST,
+        }
+    }
+}
+
+/// Parses a request's method, path and query into a [`Route`].
+pub fn parse(method: &Method, path: &str, query: Option<&str>) -> Result<Route, RouteError> {
+    let segments: Vec<&str> = path.split('/').collect();
+    let ["", "v1", "namespaces", ns, "impvms", name, endpoint] = segments.as_slice() else {
+        return Err(RouteError::NoRoute(path.to_owned()));
+    };
+    let (action, allowed) = match *endpoint {
+        "exec" => (Action::Exec, Method::POST),
+        "console" => (
+            Action::Console {
+                follow: follow(query)?,
+            },
+            Method::GET,
+        ),
+        _ => return Err(RouteError::NoRoute(path.to_owned())),
+    };
+    if *method != allowed {
+        return Err(RouteError::Method {
+            path: path.to_owned(),
+            method: method.to_string(),
+            allowed: if allowed == Method::POST {
+                "POST"
+            } else {
+                "GET"
+            },
+        });
+    }
+    check_name("namespace", ns, 63, false)?;
+    check_name("name", name, 253, true)?;
+    Ok(Route {
+        namespace: (*ns).to_owned(),
+        name: (*name).to_owned(),
+        action,
+    })
+}
+
+/// `follow=true|false` (also `1|0`); absent means false, as for `kubectl logs`.
+fn follow(query: Option<&str>) -> Result<bool, RouteError> {
+    let mut follow = false;
+    for pair in query.unwrap_or("").split('&').filter(|p| !p.is_empty()) {
+        let (key, value) = pair.split_once('=').unwrap_or((pair, "true"));
+        if key != "follow" {
+            continue;
+        }
+        follow = match value {
+            "true" | "1" => true,
+            "false" | "0" => false,
+            other => {
+                return Err(RouteError::Query {
+                    param: "follow",
+                    value: other.to_owned(),
+                });
+            }
+        };
+    }
+    Ok(follow)
+}
+
+/// A lowercase RFC 1123 name: alphanumerics, '-' (and '.' where `dots`: a subdomain rather
+/// than a label), starting and ending alphanumeric.
+fn check_name(what: &'static str, value: &str, max: usize, dots: bool) -> Result<(), RouteError> {
+    let alnum = |b: u8| b.is_ascii_lowercase() || b.is_ascii_digit();
+    let bytes = value.as_bytes();
+    let ok = !bytes.is_empty()
+        && bytes.len() <= max
+        && bytes.first().copied().is_some_and(alnum)
+        && bytes.last().copied().is_some_and(alnum)
+        && bytes
+            .iter()
+            .all(|&b| alnum(b) || b == b'-' || (dots && b == b'.'));
+    if ok {
+        Ok(())
+    } else {
+        Err(RouteError::InvalidName {
+            what,
+            value: value.to_owned(),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exec_and_console_paths_name_the_vm() {
+        let r = parse(
+            &Method::POST,
+            "/v1/namespaces/team-a/impvms/web.1/exec",
+            None,
+        )
+        .unwrap();
+        assert_eq!(r.namespace, "team-a");
+        assert_eq!(r.name, "web.1");
+        assert_eq!(r.action, Action::Exec);
+        assert_eq!(r.subresource(), Subresource::Exec);
+        let r = parse(
+            &Method::GET,
+            "/v1/namespaces/default/impvms/vm/console",
+            Some("follow=true"),
+        )
+        .unwrap();
+        assert_eq!(r.action, Action::Console { follow: true });
+        assert_eq!(r.subresource(), Subresource::Console);
+    }
+
+    #[test]
+    fn follow_defaults_to_false_and_rejects_nonsense() {
+        let console = |q| parse(&Method::GET, "/v1/namespaces/d/impvms/v/console", q);
+        assert_eq!(
+            console(None).unwrap().action,
+            Action::Console { follow: false }
+        );
+        assert_eq!(
+            console(Some("x=1&follow=1")).unwrap().action,
+            Action::Console { follow: true }
+        );
+        assert_eq!(
+            console(Some("follow=false")).unwrap().action,
+            Action::Console { follow: false }
+        );
+        let err = console(Some("follow=yes")).unwrap_err();
+        assert_eq!(err.status(), StatusCode::BAD_REQUEST);
+        assert!(err.to_string().contains("follow=\"yes\""), "{err}");
+    }
+
+    #[test]
+    fn unknown_paths_are_404_and_wrong_methods_405() {
+        for path in [
+            "/",
+            "/v1/namespaces/d/impvms/v",
+            "/v1/namespaces/d/impvms/v/attach",
+            "/v1/namespaces/d/pods/v/exec",
+            "/v1/namespaces/d/impvms/v/exec/extra",
+            "/v2/namespaces/d/impvms/v/exec",
+        ] {
+            let err = parse(&Method::POST, path, None).unwrap_err();
+            assert_eq!(err, RouteError::NoRoute(path.to_owned()));
+            assert_eq!(err.status(), StatusCode::NOT_FOUND);
+        }
+        let err = parse(&Method::GET, "/v1/namespaces/d/impvms/v/exec", None).unwrap_err();
+        assert_eq!(err.status(), StatusCode::METHOD_NOT_ALLOWED);
+        assert!(err.to_string().contains("takes POST, not GET"), "{err}");
+        let err = parse(&Method::POST, "/v1/namespaces/d/impvms/v/console", None).unwrap_err();
+        assert!(err.to_string().contains("takes GET, not POST"), "{err}");
+    }
+
+    #[test]
+    fn names_that_are_not_kubernetes_names_are_refused() {
+        for (ns, name, bad) in [
+            ("..", "v", "namespace"),
+            ("d", "..", "name"),
+            ("D", "v", "namespace"),
+            ("d", "v%2F..", "name"),
+            ("d", "-v", "name"),
+            ("d", "v-", "name"),
+            ("", "v", "namespace"),
+            ("a.b", "v", "namespace"), // a namespace is a label: no dots
+        ] {
+            let path = format!("/v1/namespaces/{ns}/impvms/{name}/exec");
+            let err = parse(&Method::POST, &path, None).unwrap_err();
+            assert!(
+                matches!(&err, RouteError::InvalidName { what, .. } if *what == bad),
+                "{path}: {err:?}"
+            );
+            assert_eq!(err.status(), StatusCode::BAD_REQUEST);
+        }
+        let long = "a".repeat(64);
+        let path = format!("/v1/namespaces/{long}/impvms/v/exec");
+        assert!(parse(&Method::POST, &path, None).is_err());
+        let path = format!("/v1/namespaces/d/impvms/{long}/exec");
+        assert!(parse(&Method::POST, &path, None).is_ok());
+    }
+}

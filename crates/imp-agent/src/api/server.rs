@@ -1,0 +1,372 @@
+//! The HTTPS server: accepts TLS connections, routes each request, authorizes it, then hands
+//! it to [`super::exec`] or [`super::console`].
+//!
+//! Order per request: route ([`super::route::parse`]; 404/405/400), authorization (401/403, or
+//! 503 when the API server cannot be asked), and only then the VM lookup (404 naming
+//! namespace/name), so an unauthenticated caller learns nothing about which VMs exist. Refusals
+//! are Kubernetes `Status` objects (JSON) whose `message` says why.
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures::TryStreamExt;
+use http::header::{CONNECTION, CONTENT_TYPE, UPGRADE, WWW_AUTHENTICATE};
+use http::{HeaderValue, Request, Response, StatusCode};
+use http_body_util::combinators::UnsyncBoxBody;
+use http_body_util::{BodyExt, Full, StreamBody};
+use hyper::body::Frame;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use tokio::net::TcpListener;
+use tokio_rustls::TlsAcceptor;
+
+use super::auth::{Attributes, Authorizer, Denial, Reviewer};
+use super::console::Tail;
+use super::route::{self, Action, Route};
+use super::{EXEC_UPGRADE, VmLookup, exec};
+
+/// The body of every response.
+pub type Body = UnsyncBoxBody<Bytes, std::io::Error>;
+
+/// Timeouts and intervals; the defaults suit production.
+#[derive(Debug, Clone)]
+pub struct ApiConfig {
+    /// How long to try reaching the guest agent over vsock.
+    pub guest_connect_timeout: Duration,
+    /// How long a caller has, after the upgrade, to send its hello and exec.
+    pub exec_opening_timeout: Duration,
+    /// How long a TLS handshake and a request's headers may take.
+    pub handshake_timeout: Duration,
+    /// Pause between looks at the end of a followed console log.
+    pub console_poll: Duration,
+    /// How long an allowed (token, VM, subresource) is remembered; zero disables the cache.
+    pub auth_cache_ttl: Duration,
+}
+
+impl Default for ApiConfig {
+    fn default() -> Self {
+        Self {
+            guest_connect_timeout: Duration::from_secs(10),
+            exec_opening_timeout: Duration::from_secs(30),
+            handshake_timeout: Duration::from_secs(10),
+            console_poll: Duration::from_millis(200),
+            auth_cache_ttl: Duration::from_secs(10),
+        }
+    }
+}
+
+/// The agent's exec and console API.
+pub struct AgentApi {
+    lookup: Arc<dyn VmLookup>,
+    auth: Authorizer,
+    config: ApiConfig,
+    exec_sessions: Arc<AtomicUsize>,
+    console_streams: Arc<AtomicUsize>,
+}
+
+impl AgentApi {
+    /// An API that finds VMs with `lookup` and checks callers with `reviewer`.
+    pub fn new(
+        lookup: Arc<dyn VmLookup>,
+        reviewer: Arc<dyn Reviewer>,
+        config: ApiConfig,
+    ) -> Arc<Self> {
+        Arc::new(Self {
+            lookup,
+            auth: Authorizer::new(reviewer, config.auth_cache_ttl),
+            config,
+            exec_sessions: Arc::default(),
+            console_streams: Arc::default(),
+        })
+    }
+
+    /// Exec sessions relaying now.
+    pub fn exec_sessions(&self) -> usize {
+        self.exec_sessions.load(Ordering::SeqCst)
+    }
+
+    /// Console streams open now.
+    pub fn console_streams(&self) -> usize {
+        self.console_streams.load(Ordering::SeqCst)
+    }
+
+    /// Serves HTTPS on `listener` until `shutdown` completes (sessions in flight go on).
+    pub async fn serve(
+        self: Arc<Self>,
+        listener: TcpListener,
+        tls: Arc<rustls::ServerConfig>,
+        shutdown: impl Future<Output = ()>,
+    ) {
+        let acceptor = TlsAcceptor::from(tls);
+        let mut shutdown = std::pin::pin!(shutdown);
+        loop {
+            let (tcp, peer) = tokio::select! {
+                accepted = listener.accept() => match accepted {
+                    Ok(a) => a,
+                    Err(e) => {
+                        // Out of descriptors and the like: wait instead of spinning.
+                        tracing::warn!(error = %e, "agent API accept failed");
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                        continue;
+                    }
+                },
+                () = &mut shutdown => return,
+            };
+            let api = self.clone();
+            let acceptor = acceptor.clone();
+            tokio::spawn(async move {
+                let limit = api.config.handshake_timeout;
+                let tls = match tokio::time::timeout(limit, acceptor.accept(tcp)).await {
+                    Ok(Ok(tls)) => tls,
+                    Ok(Err(e)) => {
+                        tracing::debug!(%peer, error = %e, "agent API TLS handshake failed");
+                        return;
+                    }
+                    Err(_) => {
+                        tracing::debug!(%peer, "agent API TLS handshake timed out");
+                        return;
+                    }
+                };
+                let service = hyper::service::service_fn(move |req| {
+                    let api = api.clone();
+                    async move { Ok::<_, Infallible>(api.handle(req).await) }
+                });
+                let served = hyper::server::conn::http1::Builder::new()
+                    .timer(TokioTimer::new())
+                    .header_read_timeout(limit)
+                    .serve_connection(TokioIo::new(tls), service)
+                    .with_upgrades()
+                    .await;
+                if let Err(e) = served {
+                    tracing::debug!(%peer, error = %e, "agent API connection ended with an error");
+                }
+            });
+        }
+    }
+
+    /// Answers one request.
+    pub async fn handle<B: Send + 'static>(self: Arc<Self>, mut req: Request<B>) -> Response<Body> {
+        let route = match route::parse(req.method(), req.uri().path(), req.uri().query()) {
+            Ok(r) => r,
+            Err(e) => return status(e.status(), &e.to_string()),
+        };
+        let attrs = Attributes {
+            namespace: route.namespace.clone(),
+            name: route.name.clone(),
+            subresource: route.subresource(),
+        };
+        let user = match self
+            .auth
+            .authorize(req.headers().get(http::header::AUTHORIZATION), &attrs)
+            .await
+        {
+            Ok(u) => u,
+            Err(denial) => {
+                let user = match &denial {
+                    Denial::Forbidden { user, .. } => user.as_str(),
+                    _ => "",
+                };
+                tracing::warn!(vm = %route.name, namespace = %route.namespace, user,
+                    subresource = attrs.subresource.as_str(), reason = %denial,
+                    "agent API request refused");
+                let mut resp = status(denial.status(), &denial.to_string());
+                if denial.status() == StatusCode::UNAUTHORIZED {
+                    resp.headers_mut().insert(
+                        WWW_AUTHENTICATE,
+                        HeaderValue::from_static("Bearer realm=\"imp-agent\""),
+                    );
+                }
+                return resp;
+            }
+        };
+        let Some(vm) = self.lookup.find(&route.namespace, &route.name) else {
+            return status(
+                StatusCode::NOT_FOUND,
+                &format!(
+                    "ImpVM {}/{} is not on this node",
+                    route.namespace, route.name
+                ),
+            );
+        };
+        let user = user.username;
+        match route.action {
+            Action::Exec => {
+                if let Err(e) = exec::check_upgrade(req.headers()) {
+                    return status(e.status(), &e.to_string());
+                }
+                if !vm.running {
+                    return status(
+                        StatusCode::CONFLICT,
+                        &format!(
+                            "ImpVM {}/{} is not running; exec needs a running VM",
+                            route.namespace, route.name
+                        ),
+                    );
+                }
+                let on_upgrade = hyper::upgrade::on(&mut req);
+                self.start_exec(route, user, vm, on_upgrade).await
+            }
+            Action::Console { follow } => self.start_console(route, user, vm, follow).await,
+        }
+    }
+
+    async fn start_exec(
+        self: Arc<Self>,
+        route: Route,
+        user: String,
+        vm: super::GuestEndpoint,
+        on_upgrade: hyper::upgrade::OnUpgrade,
+    ) -> Response<Body> {
+        let guest = match crate::vmm::vsock::connect(
+            &vm.vsock,
+            vm.agent_port,
+            self.config.guest_connect_timeout,
+        )
+        .await
+        {
+            Ok(g) => g,
+            Err(e) => {
+                tracing::warn!(vm = %route.name, namespace = %route.namespace, user = %user,
+                    error = %e, "exec: the guest agent cannot be reached");
+                return status(
+                    StatusCode::BAD_GATEWAY,
+                    &format!(
+                        "The guest agent of ImpVM {}/{} cannot be reached: {e}",
+                        route.namespace, route.name
+                    ),
+                );
+            }
+        };
+        let sessions = Counted::new(self.exec_sessions.clone());
+        let opening = self.config.exec_opening_timeout;
+        tokio::spawn(async move {
+            let _sessions = sessions;
+            let caller = match on_upgrade.await {
+                Ok(up) => TokioIo::new(up),
+                Err(e) => {
+                    tracing::warn!(vm = %route.name, namespace = %route.namespace, user = %user,
+                        error = %e, "exec: the upgrade failed");
+                    return;
+                }
+            };
+            tracing::info!(vm = %route.name, namespace = %route.namespace, user = %user,
+                "exec session started");
+            match exec::relay(caller, guest, opening).await {
+                Ok(()) => tracing::info!(vm = %route.name, namespace = %route.namespace,
+                    user = %user, "exec session ended"),
+                Err(e) => tracing::warn!(vm = %route.name, namespace = %route.namespace,
+                    user = %user, error = %e, "exec session ended abnormally"),
+            }
+        });
+        let mut resp = Response::new(empty());
+        *resp.status_mut() = StatusCode::SWITCHING_PROTOCOLS;
+        resp.headers_mut()
+            .insert(CONNECTION, HeaderValue::from_static("upgrade"));
+        resp.headers_mut()
+            .insert(UPGRADE, HeaderValue::from_static(EXEC_UPGRADE));
+        resp
+    }
+
+    async fn start_console(
+        self: Arc<Self>,
+        route: Route,
+        user: String,
+        vm: super::GuestEndpoint,
+        follow: bool,
+    ) -> Response<Body> {
+        let exists = tokio::fs::try_exists(&vm.serial_log).await.unwrap_or(false);
+        if !exists && !vm.running {
+            tracing::info!(vm = %route.name, namespace = %route.namespace, user = %user,
+                log = %vm.serial_log.display(), "console: no serial log");
+            return status(
+                StatusCode::NOT_FOUND,
+                &format!(
+                    "ImpVM {}/{} has no console log",
+                    route.namespace, route.name
+                ),
+            );
+        }
+        tracing::info!(vm = %route.name, namespace = %route.namespace, user = %user, follow,
+            "console stream started");
+        let counted = Counted::new(self.console_streams.clone());
+        let chunks = Tail {
+            path: vm.serial_log,
+            follow,
+            namespace: route.namespace,
+            name: route.name,
+            lookup: self.lookup.clone(),
+            poll: self.config.console_poll,
+        }
+        .stream()
+        .map_ok(move |chunk| {
+            let _alive = &counted;
+            Frame::data(chunk)
+        });
+        let mut resp = Response::new(BodyExt::boxed_unsync(StreamBody::new(chunks)));
+        resp.headers_mut().insert(
+            CONTENT_TYPE,
+            HeaderValue::from_static("application/octet-stream"),
+        );
+        resp
+    }
+}
+
+/// Counts a live session: one more while it exists.
+struct Counted(Arc<AtomicUsize>);
+
+impl Counted {
+    fn new(counter: Arc<AtomicUsize>) -> Self {
+        counter.fetch_add(1, Ordering::SeqCst);
+        Self(counter)
+    }
+}
+
+impl Drop for Counted {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+fn empty() -> Body {
+    Full::new(Bytes::new())
+        .map_err(|never| match never {})
+        .boxed_unsync()
+}
+
+/// A Kubernetes `Status` answering a failed request.
+fn status(code: StatusCode, message: &str) -> Response<Body> {
+    let reason = match code {
+        StatusCode::UNAUTHORIZED => "Unauthorized",
+        StatusCode::FORBIDDEN => "Forbidden",
+        StatusCode::NOT_FOUND => "NotFound",
+        StatusCode::CONFLICT => "Conflict",
+        StatusCode::METHOD_NOT_ALLOWED => "MethodNotAllowed",
+        StatusCode::SERVICE_UNAVAILABLE => "ServiceUnavailable",
+        StatusCode::BAD_REQUEST | StatusCode::UPGRADE_REQUIRED => "BadRequest",
+        _ => "InternalError",
+    };
+    let body = serde_json::json!({
+        "kind": "Status",
+        "apiVersion": "v1",
+        "status": "Failure",
+        "message": message,
+        "reason": reason,
+        "code": code.as_u16(),
+    });
+    let mut resp = Response::new(
+        Full::new(Bytes::from(body.to_string()))
+            .map_err(|never| match never {})
+            .boxed_unsync(),
+    );
+    *resp.status_mut() = code;
+    resp.headers_mut()
+        .insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    if code == StatusCode::UPGRADE_REQUIRED {
+        resp.headers_mut()
+            .insert(UPGRADE, HeaderValue::from_static(EXEC_UPGRADE));
+    }
+    resp
+}

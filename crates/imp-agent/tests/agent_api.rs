@@ -1,0 +1,372 @@
+//! The agent API served for real (TLS on loopback) with a scripted guest agent behind a
+//! `CONNECT <port>` socket and a scripted reviewer: what the protocol relay, the sessions and
+//! the console follower do over the wire, and every refusal's status.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::net::UnixListener;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use futures::future::BoxFuture;
+use http::{Request, StatusCode};
+use http_body_util::BodyExt;
+use imp_agent::api::auth::{ReviewError, Reviewer};
+use imp_agent::api::client::{self, ClientError, Target};
+use imp_agent::api::{AgentApi, ApiConfig, GuestEndpoint, Identity, VmLookup};
+use imp_proto::frame::{check_len, decode, encode};
+use imp_proto::message::{ExecRequest, ExitStatus, Hello, Message, WindowSize};
+use imp_proto::{handshake, read_frame, write_frame};
+use k8s_openapi::api::authentication::v1::{TokenReview, TokenReviewStatus, UserInfo};
+use k8s_openapi::api::authorization::v1::{SubjectAccessReview, SubjectAccessReviewStatus};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+const PORT: u32 = 10000;
+
+/// Tokens: "good" is alice (allowed everything), "bob" is bob (allowed nothing).
+struct Reviews;
+
+impl Reviewer for Reviews {
+    fn review_token(
+        &self,
+        mut review: TokenReview,
+    ) -> BoxFuture<'_, Result<TokenReview, ReviewError>> {
+        let user = match review.spec.token.as_deref() {
+            Some("good") => Some("alice"),
+            Some("bob") => Some("bob"),
+            _ => None,
+        };
+        review.status = Some(TokenReviewStatus {
+            authenticated: Some(user.is_some()),
+            user: user.map(|u| UserInfo {
+                username: Some(u.into()),
+                ..Default::default()
+            }),
+            ..Default::default()
+        });
+        Box::pin(async move { Ok(review) })
+    }
+
+    fn review_access(
+        &self,
+        mut review: SubjectAccessReview,
+    ) -> BoxFuture<'_, Result<SubjectAccessReview, ReviewError>> {
+        review.status = Some(SubjectAccessReviewStatus {
+            allowed: review.spec.user.as_deref() == Some("alice"),
+            reason: Some("scripted".into()),
+            ..Default::default()
+        });
+        Box::pin(async move { Ok(review) })
+    }
+}
+
+#[derive(Default)]
+struct Vms(Mutex<HashMap<String, GuestEndpoint>>);
+
+impl VmLookup for Vms {
+    fn find(&self, namespace: &str, name: &str) -> Option<GuestEndpoint> {
+        (namespace == "ns")
+            .then(|| self.0.lock().unwrap().get(name).cloned())
+            .flatten()
+    }
+}
+
+/// A scripted guest agent behind a `CONNECT` socket: handshake, then records every message;
+/// answers an exec with `Started`, echoes stdin to stdout, and on `StdinEof` exits with 7.
+fn scripted_guest(vsock: PathBuf) -> Arc<Mutex<Vec<Message>>> {
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let listener = UnixListener::bind(&vsock).unwrap();
+    let record = seen.clone();
+    std::thread::spawn(move || {
+        for stream in listener.incoming() {
+            let mut stream = stream.unwrap();
+            let record = record.clone();
+            std::thread::spawn(move || {
+                let mut line = String::new();
+                BufReader::new(&mut stream).read_line(&mut line).unwrap();
+                assert_eq!(line, format!("CONNECT {PORT}\n"));
+                stream.write_all(b"OK 1\n").unwrap();
+                handshake(&mut stream, &Hello::new("scripted-guest")).unwrap();
+                while let Ok(Some(m)) = read_frame(&mut stream) {
+                    record.lock().unwrap().push(m.clone());
+                    let reply = match m {
+                        Message::Exec(_) => vec![Message::Started { pid: 1 }],
+                        Message::Stdin(d) => vec![Message::Stdout(d)],
+                        Message::StdinEof => vec![Message::Exit {
+                            status: ExitStatus::Code(7),
+                        }],
+                        _ => vec![],
+                    };
+                    for r in reply {
+                        write_frame(&mut stream, &r).unwrap();
+                    }
+                }
+            });
+        }
+    });
+    seen
+}
+
+struct Env {
+    api: Arc<AgentApi>,
+    vms: Arc<Vms>,
+    target: Target,
+    dir: PathBuf,
+    seen: Arc<Mutex<Vec<Message>>>,
+}
+
+impl Drop for Env {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+async fn env(tag: &str) -> Env {
+    let dir = std::env::temp_dir().join(format!("imp-agent-api-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let seen = scripted_guest(dir.join("vsock.sock"));
+    let vms = Arc::new(Vms::default());
+    let endpoint = |running| GuestEndpoint {
+        vsock: dir.join("vsock.sock"),
+        agent_port: PORT,
+        serial_log: dir.join("serial.log"),
+        running,
+    };
+    vms.0.lock().unwrap().insert("vm".into(), endpoint(true));
+    let mut gone = endpoint(true);
+    gone.vsock = dir.join("nothing-here.sock");
+    vms.0.lock().unwrap().insert("unreachable".into(), gone);
+    let api = AgentApi::new(
+        vms.clone(),
+        Arc::new(Reviews),
+        ApiConfig {
+            guest_connect_timeout: Duration::from_millis(300),
+            console_poll: Duration::from_millis(20),
+            ..Default::default()
+        },
+    );
+    let identity = Identity::self_signed(&["localhost".into()]).unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let target = Target {
+        endpoint: listener.local_addr().unwrap().to_string(),
+        fingerprint: identity.fingerprint().to_owned(),
+        token: "good".into(),
+    };
+    tokio::spawn(api.clone().serve(
+        listener,
+        identity.server_config().unwrap(),
+        std::future::pending(),
+    ));
+    Env {
+        api,
+        vms,
+        target,
+        dir,
+        seen,
+    }
+}
+
+async fn send(s: &mut client::ExecStream, m: &Message) {
+    s.write_all(&encode(m).unwrap()).await.unwrap();
+}
+
+async fn recv(s: &mut client::ExecStream) -> Option<Message> {
+    let mut len = [0u8; 4];
+    if s.read_exact(&mut len).await.is_err() {
+        return None;
+    }
+    let n = check_len(u32::from_be_bytes(len)).unwrap();
+    let mut body = vec![0u8; n];
+    s.read_exact(&mut body).await.unwrap();
+    Some(decode(&body).unwrap())
+}
+
+async fn wait_until(what: &str, f: impl Fn() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !f() {
+        assert!(Instant::now() < deadline, "timed out waiting until {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test]
+async fn a_tty_exec_relays_window_stdin_resize_and_exit_and_ends_its_session() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let env = env("tty").await;
+    let mut s = client::exec(&env.target, "ns", "vm").await.unwrap();
+    send(&mut s, &Message::Hello(Hello::new("test"))).await;
+    assert!(
+        matches!(recv(&mut s).await, Some(Message::Hello(h)) if h.software == "scripted-guest")
+    );
+    let request = ExecRequest {
+        argv: vec!["sh".into()],
+        tty: true,
+        window: Some(WindowSize {
+            rows: 33,
+            cols: 101,
+        }),
+        stdin: true,
+        ..Default::default()
+    };
+    send(&mut s, &Message::Exec(request.clone())).await;
+    assert_eq!(recv(&mut s).await, Some(Message::Started { pid: 1 }));
+    assert_eq!(env.api.exec_sessions(), 1);
+    send(
+        &mut s,
+        &Message::Resize(WindowSize {
+            rows: 50,
+            cols: 132,
+        }),
+    )
+    .await;
+    send(&mut s, &Message::Stdin(b"echo hi\n".to_vec())).await;
+    assert_eq!(
+        recv(&mut s).await,
+        Some(Message::Stdout(b"echo hi\n".to_vec()))
+    );
+    send(&mut s, &Message::StdinEof).await;
+    assert_eq!(
+        recv(&mut s).await,
+        Some(Message::Exit {
+            status: ExitStatus::Code(7)
+        })
+    );
+    drop(s);
+    let seen = env.seen.lock().unwrap().clone();
+    assert_eq!(
+        seen,
+        vec![
+            Message::Exec(request),
+            Message::Resize(WindowSize {
+                rows: 50,
+                cols: 132
+            }),
+            Message::Stdin(b"echo hi\n".to_vec()),
+            Message::StdinEof,
+        ]
+    );
+    wait_until("the exec session is released", || {
+        env.api.exec_sessions() == 0
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_request_other_than_exec_gets_an_error_frame_and_never_reaches_the_guest() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let env = env("notexec").await;
+    let mut s = client::exec(&env.target, "ns", "vm").await.unwrap();
+    send(&mut s, &Message::Hello(Hello::new("test"))).await;
+    assert!(matches!(recv(&mut s).await, Some(Message::Hello(_))));
+    send(&mut s, &Message::Shutdown { grace_ms: 0 }).await;
+    match recv(&mut s).await {
+        Some(Message::Error(e)) => assert!(e.message.contains("Only exec"), "{}", e.message),
+        other => panic!("expected an error frame, got {other:?}"),
+    }
+    assert_eq!(recv(&mut s).await, None, "the connection is closed");
+    assert!(
+        env.seen.lock().unwrap().is_empty(),
+        "the guest saw a request"
+    );
+}
+
+#[tokio::test]
+async fn a_followed_console_ends_when_the_caller_goes_away() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let env = env("console").await;
+    std::fs::write(env.dir.join("serial.log"), b"line one\n").unwrap();
+    let mut body = client::console(&env.target, "ns", "vm", true)
+        .await
+        .unwrap();
+    let first = body.frame().await.unwrap().unwrap().into_data().unwrap();
+    assert_eq!(&first[..], b"line one\n");
+    assert_eq!(env.api.console_streams(), 1);
+    {
+        let mut log = std::fs::OpenOptions::new()
+            .append(true)
+            .open(env.dir.join("serial.log"))
+            .unwrap();
+        log.write_all(b"line two\n").unwrap();
+    }
+    let second = body.frame().await.unwrap().unwrap().into_data().unwrap();
+    assert_eq!(&second[..], b"line two\n");
+    drop(body);
+    // The VM still runs and the log is quiet: only the caller's leaving ends the stream.
+    wait_until("the console stream is released", || {
+        env.api.console_streams() == 0
+    })
+    .await;
+    assert!(env.vms.find("ns", "vm").unwrap().running);
+}
+
+#[tokio::test]
+async fn refusals_have_their_status_and_a_message_naming_the_vm() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let env = env("refusals").await;
+    let refused = |r: Result<client::ExecStream, ClientError>| match r {
+        Err(ClientError::Refused { status, message }) => (status, message),
+        Err(e) => panic!("unexpected error {e}"),
+        Ok(_) => panic!("the request was accepted"),
+    };
+    let mut t = env.target.clone();
+    t.token = "nope".into();
+    let (status, _) = refused(client::exec(&t, "ns", "vm").await);
+    assert_eq!(status, StatusCode::UNAUTHORIZED);
+    t.token = "bob".into();
+    let (status, message) = refused(client::exec(&t, "ns", "vm").await);
+    assert_eq!(status, StatusCode::FORBIDDEN);
+    assert!(
+        message.contains("ns/vm") && message.contains("scripted"),
+        "{message}"
+    );
+    let (status, message) = refused(client::exec(&env.target, "ns", "missing").await);
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    assert!(message.contains("ns/missing"), "{message}");
+    let (status, message) = refused(client::exec(&env.target, "ns", "unreachable").await);
+    assert_eq!(status, StatusCode::BAD_GATEWAY);
+    assert!(message.contains("ns/unreachable"), "{message}");
+    assert_eq!(env.api.exec_sessions(), 0);
+
+    // Straight into the handler: no upgrade asked, wrong method, unknown path.
+    let call = |method: &str, path: &str, token: Option<&str>| {
+        let mut req = Request::builder().method(method).uri(path);
+        if let Some(t) = token {
+            req = req.header("authorization", format!("Bearer {t}"));
+        }
+        env.api.clone().handle(req.body(()).unwrap())
+    };
+    let resp = call("POST", "/v1/namespaces/ns/impvms/vm/exec", Some("good")).await;
+    assert_eq!(resp.status(), StatusCode::UPGRADE_REQUIRED);
+    let resp = call("POST", "/v1/namespaces/ns/impvms/vm/exec", None).await;
+    assert_eq!(resp.status(), StatusCode::UNAUTHORIZED);
+    assert!(resp.headers().contains_key("www-authenticate"));
+    let resp = call("GET", "/v1/namespaces/ns/impvms/vm/exec", Some("good")).await;
+    assert_eq!(resp.status(), StatusCode::METHOD_NOT_ALLOWED);
+    let resp = call("GET", "/healthz", None).await;
+    assert_eq!(resp.status(), StatusCode::NOT_FOUND);
+    let resp = call(
+        "GET",
+        "/v1/namespaces/ns/impvms/missing/console",
+        Some("bob"),
+    )
+    .await;
+    assert_eq!(
+        resp.status(),
+        StatusCode::FORBIDDEN,
+        "authorization comes before the lookup"
+    );
+
+    // A wrong pin never gets as far as HTTP.
+    let mut t = env.target.clone();
+    t.fingerprint = "00".repeat(32);
+    match client::exec(&t, "ns", "vm").await {
+        Err(ClientError::Pin { detail, .. }) => {
+            assert!(detail.contains(&env.target.fingerprint), "{detail}")
+        }
+        Err(e) => panic!("unexpected error {e}"),
+        Ok(_) => panic!("a wrong pin was accepted"),
+    }
+}

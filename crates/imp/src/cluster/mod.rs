@@ -1,0 +1,370 @@
+//! `imp exec` and `imp console` against a cluster: find the ImpVM's node, reach that node's
+//! agent over TLS pinned to the certificate the Node publishes, as the kubeconfig's user.
+//!
+//! Cluster mode is chosen when `-n/--namespace`, `--kubeconfig` or `--context` is given, or
+//! when the binary runs as `kubectl-imp` (so `kubectl imp exec …` works as a kubectl plugin);
+//! otherwise the commands act on the local VMs of `imp run`. The ImpVM's `status.nodeName`
+//! (or `spec.nodeName`) names the node; its annotations `imp.dev/agent-endpoint` and
+//! `imp.dev/agent-cert-sha256` say where the agent listens and which certificate it has. The
+//! API server vouches for both, so no certificate authority is involved and nothing is
+//! trusted that the API server did not publish.
+//!
+//! The exec reuses the local exec's terminal, stdin and output handling unchanged: the
+//! upgraded TLS connection is spliced onto one end of a Unix socket pair, and the local code
+//! speaks imp-proto on the other end as it does on a VM's vsock.
+
+use std::ffi::OsStr;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use clap::Args;
+use imp_agent::api::client::{self, Target};
+use imp_api::shared::{ANNOTATION_AGENT_CERT_SHA256, ANNOTATION_AGENT_ENDPOINT};
+use imp_api::vm::ImpVM;
+use imp_proto::message::Hello;
+use k8s_openapi::api::core::v1::Node;
+use kube::config::{AuthInfo, KubeConfigOptions, Kubeconfig};
+use secrecy::ExposeSecret;
+
+use crate::local::{self, ConsoleArgs, ExecArgs};
+
+/// How the commands' help tells local and cluster mode apart.
+pub const MODE_HELP: &str = "Local or cluster: with -n/--namespace, --kubeconfig or --context, or \
+when run as kubectl-imp (`kubectl imp ...`), VM is an ImpVM in the cluster, reached through its \
+node's agent with the kubeconfig user's bearer token; otherwise VM is a local VM of `imp run`.";
+
+/// The file name under which kubectl finds imp as its `imp` plugin.
+pub const PLUGIN_NAME: &str = "kubectl-imp";
+
+/// Flags that point `imp exec` and `imp console` at a cluster instead of a local VM.
+#[derive(Args, Debug, Clone, Default)]
+pub struct ClusterArgs {
+    /// The ImpVM's namespace; selects cluster mode (default: the kubeconfig context's).
+    #[arg(short = 'n', long)]
+    pub namespace: Option<String>,
+    /// Kubeconfig file; selects cluster mode (default: KUBECONFIG, then ~/.kube/config).
+    #[arg(long)]
+    pub kubeconfig: Option<PathBuf>,
+    /// Kubeconfig context; selects cluster mode (default: the current context).
+    #[arg(long)]
+    pub context: Option<String>,
+}
+
+/// Whether a command acts on the cluster rather than on a local VM.
+pub fn wanted(args: &ClusterArgs) -> bool {
+    let argv0 = std::env::args_os().next();
+    selects_cluster(args, argv0.as_deref())
+}
+
+/// Cluster mode: any cluster flag, or the binary invoked as `kubectl-imp`.
+fn selects_cluster(args: &ClusterArgs, argv0: Option<&OsStr>) -> bool {
+    args.namespace.is_some()
+        || args.kubeconfig.is_some()
+        || args.context.is_some()
+        || argv0
+            .and_then(|a| Path::new(a).file_name())
+            .is_some_and(|name| name == PLUGIN_NAME)
+}
+
+/// `imp exec -n NS VM -- CMD…` against the cluster: the remote command's exit code.
+pub fn exec(args: ExecArgs) -> anyhow::Result<i32> {
+    let opts = local::exec::ExecOptions {
+        argv: args.command,
+        env: local::parse_env(&args.env)?,
+        cwd: args.workdir,
+        user: args.user,
+        tty: args.tty,
+        stdin: args.interactive || args.tty,
+    };
+    let rt = runtime()?;
+    let (target, namespace) = rt.block_on(resolve(&args.cluster, &args.vm, args.timeout))?;
+    let upgraded = rt
+        .block_on(client::exec(&target, &namespace, &args.vm))
+        .with_context(|| format!("starting an exec in ImpVM {namespace}/{}", args.vm))?;
+    // The local exec speaks imp-proto on a blocking Unix socket; give it one whose other end
+    // is spliced onto the upgraded connection.
+    let (ours, theirs) =
+        std::os::unix::net::UnixStream::pair().context("creating a socket pair")?;
+    theirs
+        .set_nonblocking(true)
+        .context("making the socket pair non-blocking")?;
+    let mut theirs = {
+        let _guard = rt.enter();
+        tokio::net::UnixStream::from_std(theirs).context("registering the socket pair")?
+    };
+    rt.spawn(async move {
+        let mut upgraded = upgraded;
+        let _ = tokio::io::copy_bidirectional(&mut theirs, &mut upgraded).await;
+    });
+    ours.set_read_timeout(Some(args.timeout))
+        .context("setting the handshake timeout")?;
+    let handle = ours.try_clone().context("cloning the socket")?;
+    let hello = Hello::new(concat!("imp/", env!("CARGO_PKG_VERSION")));
+    let client = imp_proto::Client::handshake(ours, &hello).with_context(|| {
+        format!(
+            "the guest agent of ImpVM {namespace}/{} did not answer",
+            args.vm
+        )
+    })?;
+    // Execs may be silent for long: no timeout from here on.
+    handle
+        .set_read_timeout(None)
+        .context("clearing the handshake timeout")?;
+    let status = local::exec::exec(local::exec::Connection { client, handle }, &opts)?;
+    Ok(status.code())
+}
+
+/// `imp console -n NS VM` against the cluster: the serial log to stdout, following it unless
+/// `--no-follow`.
+pub fn console(args: ConsoleArgs) -> anyhow::Result<()> {
+    use http_body_util::BodyExt;
+    let rt = runtime()?;
+    rt.block_on(async {
+        let (target, namespace) = resolve(&args.cluster, &args.vm, Duration::from_secs(30)).await?;
+        let mut body = client::console(&target, &namespace, &args.vm, !args.no_follow)
+            .await
+            .with_context(|| format!("reading the console of ImpVM {namespace}/{}", args.vm))?;
+        let mut out = std::io::stdout().lock();
+        while let Some(frame) = body.frame().await {
+            let frame = frame.context("reading the console stream")?;
+            if let Some(data) = frame.data_ref() {
+                out.write_all(data)
+                    .and_then(|()| out.flush())
+                    .context("writing to stdout")?;
+            }
+        }
+        Ok(())
+    })
+}
+
+fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .context("starting the async runtime")
+}
+
+/// Finds the agent of the node that runs `vm`; returns it and the VM's namespace.
+async fn resolve(
+    args: &ClusterArgs,
+    vm: &str,
+    timeout: Duration,
+) -> anyhow::Result<(Target, String)> {
+    let kubeconfig = match &args.kubeconfig {
+        Some(path) => Kubeconfig::read_from(path)
+            .with_context(|| format!("reading the kubeconfig {}", path.display()))?,
+        None => {
+            Kubeconfig::read().context("reading the kubeconfig (KUBECONFIG or ~/.kube/config)")?
+        }
+    };
+    let options = KubeConfigOptions {
+        context: args.context.clone(),
+        ..Default::default()
+    };
+    let config = kube::Config::from_custom_kubeconfig(kubeconfig, &options)
+        .await
+        .context("loading the kubeconfig")?;
+    let token = bearer_token(&config.auth_info)?;
+    let namespace = args
+        .namespace
+        .clone()
+        .unwrap_or_else(|| config.default_namespace.clone());
+    let mut config = config;
+    config.connect_timeout = Some(timeout);
+    let kube = kube::Client::try_from(config).context("building the Kubernetes client")?;
+    let found = kube::Api::<ImpVM>::namespaced(kube.clone(), &namespace)
+        .get_opt(vm)
+        .await
+        .with_context(|| format!("reading ImpVM {namespace}/{vm}"))?
+        .with_context(|| format!("ImpVM {namespace}/{vm} not found"))?;
+    let node_name = node_of(&found)
+        .with_context(|| format!("ImpVM {namespace}/{vm} is not placed on a node yet"))?;
+    let node = kube::Api::<Node>::all(kube)
+        .get(&node_name)
+        .await
+        .with_context(|| format!("reading Node {node_name}, where ImpVM {namespace}/{vm} runs"))?;
+    let (endpoint, fingerprint) = agent_of(&node)?;
+    Ok((
+        Target {
+            endpoint,
+            fingerprint,
+            token,
+        },
+        namespace,
+    ))
+}
+
+/// The node an ImpVM runs on: `status.nodeName`, else `spec.nodeName`.
+fn node_of(vm: &ImpVM) -> Option<String> {
+    vm.status
+        .as_ref()
+        .and_then(|s| s.node_name.clone())
+        .or_else(|| vm.spec.node_name.clone())
+        .filter(|n| !n.is_empty())
+}
+
+/// The agent endpoint and certificate fingerprint a Node publishes.
+fn agent_of(node: &Node) -> anyhow::Result<(String, String)> {
+    let name = node.metadata.name.as_deref().unwrap_or("");
+    let annotations = node.metadata.annotations.as_ref();
+    let get = |key: &str| {
+        annotations
+            .and_then(|a| a.get(key))
+            .map(|v| v.trim().to_owned())
+            .filter(|v| !v.is_empty())
+            .with_context(|| {
+                format!("Node {name} has no annotation {key}: is the imp agent running there?")
+            })
+    };
+    Ok((
+        get(ANNOTATION_AGENT_ENDPOINT)?,
+        get(ANNOTATION_AGENT_CERT_SHA256)?,
+    ))
+}
+
+/// The bearer token of the kubeconfig's user (`token`, or the file `tokenFile` names).
+fn bearer_token(auth: &AuthInfo) -> anyhow::Result<String> {
+    if let Some(token) = auth.token.as_ref() {
+        return Ok(token.expose_secret().trim().to_owned());
+    }
+    if let Some(file) = auth.token_file.as_deref() {
+        let token = std::fs::read_to_string(file)
+            .with_context(|| format!("reading the kubeconfig user's tokenFile {file}"))?;
+        let token = token.trim();
+        if token.is_empty() {
+            bail!("the kubeconfig user's tokenFile {file} is empty");
+        }
+        return Ok(token.to_owned());
+    }
+    let method = if auth.client_certificate.is_some() || auth.client_certificate_data.is_some() {
+        "client certificates"
+    } else if auth.exec.is_some() {
+        "an exec credential plugin"
+    } else if auth.auth_provider.is_some() {
+        "an auth provider"
+    } else if auth.username.is_some() {
+        "a username and password"
+    } else {
+        "no credentials"
+    };
+    bail!(
+        "the kubeconfig user authenticates with {method}; imp exec and imp console need a bearer \
+         token (users[].user.token or tokenFile) to present to the node agent"
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::BTreeMap;
+
+    #[test]
+    fn cluster_mode_needs_a_cluster_flag_or_the_plugin_name() {
+        let none = ClusterArgs::default();
+        assert!(!selects_cluster(&none, Some(OsStr::new("/usr/bin/imp"))));
+        assert!(!selects_cluster(&none, None));
+        assert!(selects_cluster(
+            &none,
+            Some(OsStr::new("/usr/local/bin/kubectl-imp"))
+        ));
+        assert!(selects_cluster(&none, Some(OsStr::new("kubectl-imp"))));
+        assert!(!selects_cluster(&none, Some(OsStr::new("kubectl-impx"))));
+        for args in [
+            ClusterArgs {
+                namespace: Some("d".into()),
+                ..Default::default()
+            },
+            ClusterArgs {
+                kubeconfig: Some("k".into()),
+                ..Default::default()
+            },
+            ClusterArgs {
+                context: Some("c".into()),
+                ..Default::default()
+            },
+        ] {
+            assert!(selects_cluster(&args, Some(OsStr::new("imp"))), "{args:?}");
+        }
+    }
+
+    #[test]
+    fn the_node_comes_from_status_then_spec() {
+        let vm = |spec: Option<&str>, status: Option<&str>| -> ImpVM {
+            serde_json::from_value(serde_json::json!({
+                "apiVersion": "imp.dev/v1alpha1", "kind": "ImpVM",
+                "metadata": {"name": "v", "namespace": "d"},
+                "spec": {"image": "x", "nodeName": spec},
+                "status": {"nodeName": status},
+            }))
+            .unwrap()
+        };
+        assert_eq!(node_of(&vm(Some("a"), Some("b"))).as_deref(), Some("b"));
+        assert_eq!(node_of(&vm(Some("a"), None)).as_deref(), Some("a"));
+        assert_eq!(node_of(&vm(None, None)), None);
+        assert_eq!(node_of(&vm(Some(""), None)), None);
+    }
+
+    #[test]
+    fn the_agent_is_read_from_the_node_annotations_or_named_missing() {
+        let node = |annotations: BTreeMap<String, String>| -> Node {
+            let mut n = Node::default();
+            n.metadata.name = Some("n1".into());
+            n.metadata.annotations = Some(annotations);
+            n
+        };
+        let both = BTreeMap::from([
+            (
+                ANNOTATION_AGENT_ENDPOINT.to_owned(),
+                "10.0.0.1:10251".into(),
+            ),
+            (ANNOTATION_AGENT_CERT_SHA256.to_owned(), "ab".repeat(32)),
+        ]);
+        assert_eq!(
+            agent_of(&node(both.clone())).unwrap(),
+            ("10.0.0.1:10251".into(), "ab".repeat(32))
+        );
+        let mut no_fp = both;
+        no_fp.remove(ANNOTATION_AGENT_CERT_SHA256);
+        let err = agent_of(&node(no_fp)).unwrap_err().to_string();
+        assert!(
+            err.contains("n1") && err.contains(ANNOTATION_AGENT_CERT_SHA256),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn only_token_users_are_accepted_and_others_are_told_why() {
+        let mut auth = AuthInfo {
+            token: Some(" abc \n".to_owned().into()),
+            ..Default::default()
+        };
+        assert_eq!(bearer_token(&auth).unwrap(), "abc");
+        let dir = std::env::temp_dir().join(format!("imp-cluster-token-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("token");
+        std::fs::write(&file, "from-file\n").unwrap();
+        auth.token = None;
+        auth.token_file = Some(file.display().to_string());
+        assert_eq!(bearer_token(&auth).unwrap(), "from-file");
+        auth.token_file = Some(dir.join("missing").display().to_string());
+        let err = format!("{:#}", bearer_token(&auth).unwrap_err());
+        assert!(
+            err.contains("tokenFile") && err.contains("missing"),
+            "{err}"
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+        let certs = AuthInfo {
+            client_certificate: Some("c.pem".into()),
+            ..Default::default()
+        };
+        let err = bearer_token(&certs).unwrap_err().to_string();
+        assert!(
+            err.contains("client certificates") && err.contains("bearer token"),
+            "{err}"
+        );
+    }
+}

@@ -1,0 +1,625 @@
+//! End-to-end: the real `imp exec` / `imp console` binary against the node agent's API.
+//!
+//! imp-testkube answers TokenReviews and SubjectAccessReviews from its token table and rules;
+//! the agent API is served in-process (TLS, self-signed) with a `VmLookup` whose VM is a real
+//! `imp-guest` in dev mode behind a small `CONNECT <port>` shim, as a VMM's vsock socket would
+//! be. The Node carries the agent's endpoint and certificate fingerprint; the ImpVM names the
+//! Node in `status.nodeName`. The CLI reads both with the kubeconfig's token and streams.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+use std::process::{Output, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use imp_agent::api::tls::pinned_client_config;
+use imp_agent::api::{AgentApi, ApiConfig, GuestEndpoint, Identity, KubeReviewer, VmLookup};
+use imp_api::shared::{ANNOTATION_AGENT_CERT_SHA256, ANNOTATION_AGENT_ENDPOINT};
+use imp_api::vm::ImpVM;
+use imp_proto::config::{GuestConfig, ImageConfig};
+use imp_proto::message::{ExecRequest, Hello, Message};
+use imp_testkube::{Auth, Rule, TestKube, User};
+use k8s_openapi::api::core::v1::{Namespace, Node};
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use kube::Client;
+use kube::api::{Api, Patch, PatchParams, PostParams};
+use serde_json::json;
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::net::{TcpStream, UnixListener, UnixStream};
+use tokio::process::Command;
+
+const NS: &str = "team";
+const NODE: &str = "node-a";
+const PORT: u32 = imp_proto::DEFAULT_API_PORT;
+
+fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .ancestors()
+        .nth(2)
+        .unwrap()
+        .to_path_buf()
+}
+
+/// The guest binary: the static build of scripts/build-guest.sh, else a plain debug build.
+fn guest_binary() -> Option<PathBuf> {
+    let root = workspace_root();
+    let found = [
+        root.join("target/imp-guest/imp-guest"),
+        root.join("target/debug/imp-guest"),
+    ]
+    .into_iter()
+    .find(|p| p.is_file());
+    if !imp_testkube::guard::require(
+        found.is_some(),
+        "target/imp-guest/imp-guest (scripts/build-guest.sh) or `cargo build -p imp-guest`",
+    ) {
+        return None;
+    }
+    found
+}
+
+/// The VMs of this "node", as the agent's runtime would report them.
+#[derive(Default)]
+struct Vms(Mutex<HashMap<(String, String), GuestEndpoint>>);
+
+impl Vms {
+    fn put(&self, name: &str, endpoint: GuestEndpoint) {
+        self.0
+            .lock()
+            .unwrap()
+            .insert((NS.to_owned(), name.to_owned()), endpoint);
+    }
+
+    fn set_running(&self, name: &str, running: bool) {
+        if let Some(e) = self
+            .0
+            .lock()
+            .unwrap()
+            .get_mut(&(NS.to_owned(), name.to_owned()))
+        {
+            e.running = running;
+        }
+    }
+}
+
+impl VmLookup for Vms {
+    fn find(&self, namespace: &str, name: &str) -> Option<GuestEndpoint> {
+        self.0
+            .lock()
+            .unwrap()
+            .get(&(namespace.to_owned(), name.to_owned()))
+            .cloned()
+    }
+}
+
+/// A real imp-guest in dev mode, reachable through a `CONNECT <port>` shim like a VMM's vsock.
+struct Guest {
+    dir: PathBuf,
+    child: tokio::process::Child,
+}
+
+impl Guest {
+    async fn start(binary: &Path, dir: &Path) -> Guest {
+        std::fs::create_dir_all(dir).unwrap();
+        let config = GuestConfig {
+            image: ImageConfig {
+                cmd: vec!["sleep".into(), "600".into()],
+                ..Default::default()
+            },
+            ..Default::default()
+        };
+        std::fs::write(dir.join("config.json"), config.to_json().unwrap()).unwrap();
+        // The guest reports its workload's end here; this one never ends during the test.
+        let report = std::os::unix::net::UnixListener::bind(dir.join("report.sock")).unwrap();
+        std::mem::forget(report);
+        let child = Command::new(binary)
+            .arg("--no-pid1")
+            .arg("--config")
+            .arg(dir.join("config.json"))
+            .arg("--listen-unix")
+            .arg(dir.join("api.sock"))
+            .arg("--report-unix")
+            .arg(dir.join("report.sock"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap();
+        let shim = UnixListener::bind(dir.join("vsock.sock")).unwrap();
+        let api = dir.join("api.sock");
+        tokio::spawn(async move {
+            loop {
+                let (stream, _) = shim.accept().await.unwrap();
+                tokio::spawn(connect_shim(stream, api.clone()));
+            }
+        });
+        Guest {
+            dir: dir.to_owned(),
+            child,
+        }
+    }
+
+    fn endpoint(&self, running: bool) -> GuestEndpoint {
+        GuestEndpoint {
+            vsock: self.dir.join("vsock.sock"),
+            agent_port: PORT,
+            serial_log: self.dir.join("serial.log"),
+            running,
+        }
+    }
+}
+
+/// One `CONNECT <port>` connection: to the guest's API socket when the port is the agent's
+/// and the guest listens, else closed without an answer (as the VMM does).
+async fn connect_shim(stream: UnixStream, api: PathBuf) {
+    let mut reader = BufReader::new(stream);
+    let mut line = String::new();
+    if reader.read_line(&mut line).await.is_err() || line != format!("CONNECT {PORT}\n") {
+        return;
+    }
+    let Ok(mut guest) = UnixStream::connect(&api).await else {
+        return;
+    };
+    let mut host = reader.into_inner();
+    if host.write_all(b"OK 1073741824\n").await.is_err() {
+        return;
+    }
+    let _ = tokio::io::copy_bidirectional(&mut host, &mut guest).await;
+}
+
+struct Env {
+    _kube: TestKube,
+    client: Client,
+    url: String,
+    dir: PathBuf,
+    vms: Arc<Vms>,
+    guest: Guest,
+    endpoint: String,
+    fingerprint: String,
+}
+
+impl Env {
+    async fn start(binary: &Path, tag: &str) -> Env {
+        let dir =
+            std::env::temp_dir().join(format!("imp-agent-api-e2e-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let user = |name: &str, groups: &[&str]| User {
+            name: name.to_owned(),
+            groups: groups.iter().map(|g| g.to_string()).collect(),
+        };
+        let auth = Auth {
+            tokens: HashMap::from([
+                ("admin-token".to_owned(), user("admin", &["system:masters"])),
+                ("alice-token".to_owned(), user("alice", &["dev"])),
+                ("bob-token".to_owned(), user("bob", &["dev"])),
+            ]),
+            rules: vec![Rule {
+                subject: "alice".into(),
+                verbs: vec!["create".into()],
+                groups: vec!["imp.dev".into()],
+                resources: vec!["impvms/exec".into(), "impvms/console".into()],
+            }],
+            enforce: false,
+        };
+        let kube = TestKube::start_with(imp_testkube::Config {
+            auth,
+            kubeconfig_token: Some("admin-token".into()),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+        let client = kube.client().await.unwrap();
+        let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
+        for crd in imp_api::crd::all() {
+            crds.create(&PostParams::default(), &crd).await.unwrap();
+        }
+        let ns: Namespace = serde_json::from_value(json!({"metadata": {"name": NS}})).unwrap();
+        Api::<Namespace>::all(client.clone())
+            .create(&PostParams::default(), &ns)
+            .await
+            .unwrap();
+
+        let guest = Guest::start(binary, &dir.join("vm1")).await;
+        let vms = Arc::new(Vms::default());
+        vms.put("vm1", guest.endpoint(true));
+        vms.put("stopped", guest.endpoint(false));
+
+        let identity = Identity::self_signed(&["127.0.0.1".into()]).unwrap();
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let endpoint = listener.local_addr().unwrap().to_string();
+        let api = AgentApi::new(
+            vms.clone(),
+            Arc::new(KubeReviewer::new(client.clone())),
+            ApiConfig {
+                console_poll: Duration::from_millis(50),
+                ..Default::default()
+            },
+        );
+        tokio::spawn(api.serve(
+            listener,
+            identity.server_config().unwrap(),
+            std::future::pending(),
+        ));
+
+        let env = Env {
+            url: kube.url().to_owned(),
+            _kube: kube,
+            client,
+            dir,
+            vms,
+            guest,
+            endpoint,
+            fingerprint: identity.fingerprint().to_owned(),
+        };
+        env.node(&env.fingerprint.clone()).await;
+        for name in ["vm1", "stopped", "ghost"] {
+            env.vm(name).await;
+        }
+        env
+    }
+
+    /// Creates or updates the Node with the agent's annotations.
+    async fn node(&self, fingerprint: &str) {
+        let nodes: Api<Node> = Api::all(self.client.clone());
+        let annotations = BTreeMap::from([
+            (ANNOTATION_AGENT_ENDPOINT.to_owned(), self.endpoint.clone()),
+            (
+                ANNOTATION_AGENT_CERT_SHA256.to_owned(),
+                fingerprint.to_owned(),
+            ),
+        ]);
+        let patch = json!({"metadata": {"annotations": annotations}});
+        if nodes.get_opt(NODE).await.unwrap().is_none() {
+            let n: Node = serde_json::from_value(json!({"metadata": {"name": NODE}})).unwrap();
+            nodes.create(&PostParams::default(), &n).await.unwrap();
+        }
+        nodes
+            .patch(NODE, &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+            .unwrap();
+    }
+
+    /// An ImpVM placed on the node (status.nodeName, as the operator writes it).
+    async fn vm(&self, name: &str) {
+        let api: Api<ImpVM> = Api::namespaced(self.client.clone(), NS);
+        let vm: ImpVM = serde_json::from_value(json!({
+            "apiVersion": "imp.dev/v1alpha1", "kind": "ImpVM",
+            "metadata": {"name": name, "namespace": NS},
+            "spec": {"image": "busybox:latest", "classRef": {"name": "small"}}
+        }))
+        .unwrap();
+        api.create(&PostParams::default(), &vm).await.unwrap();
+        api.patch_status(
+            name,
+            &PatchParams::default(),
+            &Patch::Merge(&json!({"status": {"nodeName": NODE}})),
+        )
+        .await
+        .unwrap();
+    }
+
+    /// A kubeconfig for `token`.
+    fn kubeconfig(&self, token: &str) -> PathBuf {
+        let path = self.dir.join(format!("kubeconfig-{token}"));
+        std::fs::write(&path, imp_testkube::kubeconfig_yaml(&self.url, Some(token))).unwrap();
+        path
+    }
+
+    /// Runs the real `imp` with a kubeconfig for `token`.
+    async fn imp(&self, token: &str, args: &[&str], stdin: Option<&[u8]>) -> Output {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_imp"));
+        cmd.args(args)
+            .env("KUBECONFIG", self.kubeconfig(token))
+            .env_remove("IMP_STATE_DIR")
+            .stdin(if stdin.is_some() {
+                Stdio::piped()
+            } else {
+                Stdio::null()
+            })
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .kill_on_drop(true);
+        let mut child = cmd.spawn().unwrap();
+        if let Some(input) = stdin {
+            let mut pipe = child.stdin.take().unwrap();
+            pipe.write_all(input).await.unwrap();
+            drop(pipe);
+        }
+        tokio::time::timeout(Duration::from_secs(60), child.wait_with_output())
+            .await
+            .expect("imp did not finish within 60 s")
+            .unwrap()
+    }
+
+    fn marker(&self, name: &str) -> PathBuf {
+        self.dir.join(format!("ran-{name}"))
+    }
+}
+
+impl Drop for Env {
+    fn drop(&mut self) {
+        let _ = self.guest.child.start_kill();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+/// Sends an exec request by hand (optionally without a token), with a hello and an exec that
+/// would create `marker` pipelined behind it, so an upgrade that should not happen would run
+/// it. Returns the status line.
+///
+/// The control (a good token) proves the pipelined exec really runs when allowed.
+async fn raw_exec(env: &Env, token: Option<&str>, marker: &Path) -> String {
+    let tcp = TcpStream::connect(&env.endpoint).await.unwrap();
+    let tls = tokio_rustls::TlsConnector::from(pinned_client_config(&env.fingerprint).unwrap())
+        .connect("127.0.0.1".try_into().unwrap(), tcp)
+        .await
+        .unwrap();
+    let (mut rx, mut tx) = tokio::io::split(tls);
+    let mut request = format!(
+        "POST /v1/namespaces/{NS}/impvms/vm1/exec HTTP/1.1\r\nHost: {}\r\n\
+         Connection: Upgrade\r\nUpgrade: imp-exec/1\r\n",
+        env.endpoint
+    )
+    .into_bytes();
+    if let Some(t) = token {
+        request.extend_from_slice(format!("Authorization: Bearer {t}\r\n").as_bytes());
+    }
+    request.extend_from_slice(b"\r\n");
+    request.extend(imp_proto::frame::encode(&Message::Hello(Hello::new("raw"))).unwrap());
+    let exec = ExecRequest {
+        argv: vec![
+            "sh".into(),
+            "-c".into(),
+            format!("touch {}", marker.display()),
+        ],
+        ..Default::default()
+    };
+    request.extend(imp_proto::frame::encode(&Message::Exec(exec)).unwrap());
+    tx.write_all(&request).await.unwrap();
+    // Keep the connection open (a hang-up would kill an exec that wrongly started) until the
+    // agent closes it or for two seconds, then return the status line.
+    let mut answer = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(2), rx.read_to_end(&mut answer)).await;
+    let answer = text(&answer);
+    answer.lines().next().unwrap_or("").to_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_exec_and_console_through_the_authenticated_agent_api() {
+    let Some(binary) = guest_binary() else {
+        return;
+    };
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let env = Env::start(&binary, "stream").await;
+
+    // exec: output, exit code.
+    let out = env
+        .imp(
+            "alice-token",
+            &[
+                "exec",
+                "-n",
+                NS,
+                "vm1",
+                "--",
+                "sh",
+                "-c",
+                "echo hi; echo oops >&2; exit 3",
+            ],
+            None,
+        )
+        .await;
+    assert_eq!(out.status.code(), Some(3), "stderr: {}", text(&out.stderr));
+    assert_eq!(text(&out.stdout), "hi\n");
+    assert!(text(&out.stderr).contains("oops"), "{}", text(&out.stderr));
+
+    // exec -i: stdin reaches the command and its end closes the command's stdin.
+    let out = env
+        .imp(
+            "alice-token",
+            &[
+                "exec",
+                "-i",
+                "-n",
+                NS,
+                "vm1",
+                "--",
+                "sh",
+                "-c",
+                "tr a-z A-Z; echo done",
+            ],
+            Some(b"hello\nworld\n"),
+        )
+        .await;
+    assert_eq!(out.status.code(), Some(0), "stderr: {}", text(&out.stderr));
+    assert_eq!(text(&out.stdout), "HELLO\nWORLD\ndone\n");
+
+    // exec -t: the command gets a terminal (whose line discipline turns \n into \r\n).
+    let out = env
+        .imp(
+            "alice-token",
+            &[
+                "exec",
+                "-t",
+                "-n",
+                NS,
+                "vm1",
+                "--",
+                "sh",
+                "-c",
+                "test -t 1 && echo tty",
+            ],
+            None,
+        )
+        .await;
+    assert_eq!(out.status.code(), Some(0), "stderr: {}", text(&out.stderr));
+    assert_eq!(text(&out.stdout), "tty\r\n");
+
+    // console without follow: what the log has.
+    let log = env.guest.endpoint(true).serial_log;
+    std::fs::write(&log, "[    0.1] Linux booting\nworkload says hi\n").unwrap();
+    let out = env
+        .imp(
+            "alice-token",
+            &["console", "-n", NS, "vm1", "--no-follow"],
+            None,
+        )
+        .await;
+    assert_eq!(out.status.code(), Some(0), "stderr: {}", text(&out.stderr));
+    assert_eq!(
+        text(&out.stdout),
+        "[    0.1] Linux booting\nworkload says hi\n"
+    );
+
+    // console following: appended bytes arrive, and the stream ends when the VM stops.
+    let follower = {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_imp"));
+        cmd.args(["console", "-n", NS, "vm1"])
+            .env("KUBECONFIG", env.kubeconfig("alice-token"))
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .kill_on_drop(true);
+        cmd.spawn().unwrap()
+    };
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    {
+        use std::io::Write;
+        let mut f = std::fs::OpenOptions::new().append(true).open(&log).unwrap();
+        f.write_all(b"appended later\n").unwrap();
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    env.vms.set_running("vm1", false);
+    let out = tokio::time::timeout(Duration::from_secs(20), follower.wait_with_output())
+        .await
+        .expect("a followed console did not end when the VM stopped")
+        .unwrap();
+    env.vms.set_running("vm1", true);
+    assert_eq!(out.status.code(), Some(0), "stderr: {}", text(&out.stderr));
+    assert!(
+        text(&out.stdout).ends_with("workload says hi\nappended later\n"),
+        "{}",
+        text(&out.stdout)
+    );
+
+    // A VM that does not run: exec is refused with 409, console still works.
+    let out = env
+        .imp(
+            "alice-token",
+            &["exec", "-n", NS, "stopped", "--", "true"],
+            None,
+        )
+        .await;
+    assert_ne!(out.status.code(), Some(0));
+    let err = text(&out.stderr);
+    assert!(err.contains("409") && err.contains("not running"), "{err}");
+    let out = env
+        .imp(
+            "alice-token",
+            &["console", "-n", NS, "stopped", "--no-follow"],
+            None,
+        )
+        .await;
+    assert_eq!(out.status.code(), Some(0), "stderr: {}", text(&out.stderr));
+    assert!(text(&out.stdout).contains("workload says hi"));
+
+    // An ImpVM the agent does not have: 404 naming it.
+    let out = env
+        .imp(
+            "alice-token",
+            &["exec", "-n", NS, "ghost", "--", "true"],
+            None,
+        )
+        .await;
+    let err = text(&out.stderr);
+    assert!(
+        out.status.code() != Some(0) && err.contains("404") && err.contains("team/ghost"),
+        "{err}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_token_a_wrong_token_a_denied_user_or_a_wrong_certificate_run_nothing() {
+    let Some(binary) = guest_binary() else {
+        return;
+    };
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let env = Env::start(&binary, "refuse").await;
+
+    // The control: the same raw request with alice's token does run (so the markers below
+    // would appear if the checks let the requests through).
+    let control = env.marker("control");
+    let status = raw_exec(&env, Some("alice-token"), &control).await;
+    assert!(status.contains(" 101 "), "{status}");
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while !control.exists() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the control exec never ran"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+
+    let no_token = env.marker("no-token");
+    let status = raw_exec(&env, None, &no_token).await;
+    assert!(status.contains(" 401 "), "{status}");
+    let wrong = env.marker("wrong-token");
+    let status = raw_exec(&env, Some("not-a-token"), &wrong).await;
+    assert!(status.contains(" 401 "), "{status}");
+    let denied_raw = env.marker("denied-raw");
+    let status = raw_exec(&env, Some("bob-token"), &denied_raw).await;
+    assert!(status.contains(" 403 "), "{status}");
+
+    // bob is a valid user without the rule: the real CLI is refused with 403.
+    let denied = env.marker("denied-cli");
+    let touch = format!("touch {}", denied.display());
+    let out = env
+        .imp(
+            "bob-token",
+            &["exec", "-n", NS, "vm1", "--", "sh", "-c", &touch],
+            None,
+        )
+        .await;
+    assert_ne!(out.status.code(), Some(0));
+    let err = text(&out.stderr);
+    assert!(err.contains("403") && err.contains("bob"), "{err}");
+    let out = env
+        .imp(
+            "bob-token",
+            &["console", "-n", NS, "vm1", "--no-follow"],
+            None,
+        )
+        .await;
+    assert_ne!(out.status.code(), Some(0));
+    assert!(text(&out.stderr).contains("403"), "{}", text(&out.stderr));
+
+    // A Node that pins another certificate: the CLI refuses the agent's.
+    let other = Identity::self_signed(&["elsewhere".into()]).unwrap();
+    env.node(other.fingerprint()).await;
+    let pinned = env.marker("wrong-cert");
+    let touch = format!("touch {}", pinned.display());
+    let out = env
+        .imp(
+            "alice-token",
+            &["exec", "-n", NS, "vm1", "--", "sh", "-c", &touch],
+            None,
+        )
+        .await;
+    assert_ne!(out.status.code(), Some(0));
+    let err = text(&out.stderr);
+    assert!(
+        err.contains("another certificate") && err.contains(other.fingerprint()),
+        "{err}"
+    );
+
+    // Give anything wrongly started time to show, then prove nothing ran.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    for m in [&no_token, &wrong, &denied_raw, &denied, &pinned] {
+        assert!(!m.exists(), "{} exists: a refused request ran", m.display());
+    }
+}
