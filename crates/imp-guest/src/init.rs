@@ -206,7 +206,11 @@ pub fn run(opts: &Options) -> i32 {
         start_api(opts, &config, Arc::clone(&ctx));
     }
 
-    let status = run_workload(opts, &config, &ctx, &reaper, &events, &event_rx);
+    let status = if config.attach {
+        hold(&ctx, &event_rx)
+    } else {
+        run_workload(opts, &config, &ctx, &reaper, &events, &event_rx)
+    };
     ctx.set_workload(WorkloadState::Exited { status });
     finish(opts, &mut console, &config, status, started)
 }
@@ -392,6 +396,22 @@ fn run_workload(
             }
             Ok(Event::KillNow) => send(Signal::SIGKILL),
             // Every sender lives in this function's callers; unreachable in practice.
+            Err(_) => return ExitStatus::Code(255),
+        }
+    }
+}
+
+/// Attached mode: the host runs the workload as an exec session; the VM runs until it is
+/// asked to shut down (or, as PID 1, until Ctrl-Alt-Del).
+fn hold(ctx: &Context, event_rx: &mpsc::Receiver<Event>) -> ExitStatus {
+    log("workload attached: the host runs it as an exec session");
+    ctx.set_workload(WorkloadState::Running { pid: 0 });
+    loop {
+        match event_rx.recv() {
+            Ok(Event::Shutdown(_)) | Ok(Event::Signal(Signal::SIGINT | Signal::SIGTERM)) => {
+                return ExitStatus::Code(0);
+            }
+            Ok(_) => {}
             Err(_) => return ExitStatus::Code(255),
         }
     }

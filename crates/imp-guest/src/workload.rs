@@ -99,31 +99,9 @@ pub struct ProcessSpec {
     pub identity: Identity,
 }
 
-/// The workload's argv: `command` replaces ENTRYPOINT (and CMD unless `args` is set); `args`
-/// replaces CMD; the same rules as a Pod's command/args over an image.
+/// The workload's argv ([`GuestConfig::argv`]), or why there is none.
 pub fn argv(config: &GuestConfig) -> Result<Vec<String>, WorkloadError> {
-    let argv: Vec<String> = match (&config.command, &config.args) {
-        (Some(cmd), args) => cmd.iter().chain(args.iter().flatten()).cloned().collect(),
-        (None, Some(args)) => config
-            .image
-            .entrypoint
-            .iter()
-            .chain(args)
-            .cloned()
-            .collect(),
-        (None, None) => config
-            .image
-            .entrypoint
-            .iter()
-            .chain(&config.image.cmd)
-            .cloned()
-            .collect(),
-    };
-    if argv.is_empty() {
-        Err(WorkloadError::NoCommand)
-    } else {
-        Ok(argv)
-    }
+    config.argv().ok_or(WorkloadError::NoCommand)
 }
 
 /// The workload's environment: image `Env`, then the VM's env, then defaults for what is

@@ -53,6 +53,29 @@ pub struct GuestConfig {
     /// The image's disk, made the guest's `/` before the workload starts; none keeps the
     /// initramfs (or the kernel's root device) as `/`.
     pub root: Option<RootDisk>,
+    /// The init starts no workload of its own: the host runs it as an exec session with the
+    /// user's terminal attached (`imp run -i/-t`), and the VM runs until asked to shut down.
+    pub attach: bool,
+}
+
+impl GuestConfig {
+    /// The workload's argv: `command` replaces ENTRYPOINT (and CMD unless `args` is set);
+    /// `args` replaces CMD; the same rules as a Pod's command/args over an image. `None` when
+    /// that leaves nothing to run.
+    pub fn argv(&self) -> Option<Vec<String>> {
+        let argv: Vec<String> = match (&self.command, &self.args) {
+            (Some(cmd), args) => cmd.iter().chain(args.iter().flatten()).cloned().collect(),
+            (None, Some(args)) => self.image.entrypoint.iter().chain(args).cloned().collect(),
+            (None, None) => self
+                .image
+                .entrypoint
+                .iter()
+                .chain(&self.image.cmd)
+                .cloned()
+                .collect(),
+        };
+        (!argv.is_empty()).then_some(argv)
+    }
 }
 
 /// The block device that holds the image's root filesystem.
@@ -294,9 +317,13 @@ mod tests {
             },
             on_exit: PowerAction::Reboot,
             root: Some(RootDisk::ext4("/dev/vda")),
+            attach: true,
         };
         let json = c.to_json().unwrap();
         assert_eq!(GuestConfig::from_json(&json).unwrap(), c);
+        assert_eq!(c.argv().unwrap(), ["/bin/app", "--once"]);
+        let none = GuestConfig::default();
+        assert_eq!(none.argv(), None);
     }
 
     #[test]

@@ -496,3 +496,50 @@ async fn ctrl_c_stops_the_workload_gracefully() {
     );
     assert_eq!(status.code(), Some(0), "{seen:?}");
 }
+
+/// Like `docker run`: without -i the workload's stdin is empty (a `cat` ends at once instead of
+/// waiting forever on the console), and with -i our stdin reaches it, its output comes back and
+/// its exit code is ours.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stdin_is_empty_without_dash_i_and_attached_with_it() {
+    let _one = ONE_VM_AT_A_TIME.lock().await;
+    if ready().is_none() {
+        return;
+    }
+    let env = env_with("stdin", busybox_image()).await;
+    let started = Instant::now();
+    let out = imp(
+        &env,
+        &["run", "--rm", &env.image, "--", "cat; echo cat-ended"],
+    );
+    assert_eq!(out.status.code(), Some(0));
+    assert!(stdout(&out).contains("cat-ended"), "{}", stdout(&out));
+    assert!(started.elapsed() < std::time::Duration::from_secs(120));
+
+    use std::io::Write;
+    let mut child = imp_command(&env)
+        .args(["run", "--rm", "-i", &env.image, "--"])
+        .arg("read line; echo \"got $line from $(pwd)\"; exit 4")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    child.stdin.take().unwrap().write_all(b"hello\n").unwrap();
+    let out = child.wait_with_output().unwrap();
+    let text = stdout(&out);
+    eprintln!("{text}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(
+        out.status.code(),
+        Some(4),
+        "the attached workload's exit code"
+    );
+    assert!(text.contains("got hello from /srv/app"), "{text}");
+    assert!(
+        std::fs::read_dir(env.state.join("vms"))
+            .unwrap()
+            .next()
+            .is_none(),
+        "--rm left a VM directory"
+    );
+}

@@ -119,6 +119,7 @@ pub fn vm_spec(
         },
         boot_timeout_ms: u64::try_from(settings.boot_timeout.as_millis()).unwrap_or(u64::MAX),
         remove_on_exit: false,
+        attach: false,
         cgroup,
         cache_dir: Some(settings.cache_dir.clone()),
         owner: Some(owner),

@@ -230,6 +230,7 @@ mod tests {
             error_stage: None,
             console_tail: None,
             remove_on_exit: false,
+            attach_argv: None,
             timings: Default::default(),
             owner: Some(Owner {
                 namespace: "ns".into(),

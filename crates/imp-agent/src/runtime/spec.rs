@@ -93,6 +93,10 @@ pub struct VmSpec {
     /// Delete the VM's directory when it ends.
     #[serde(default)]
     pub remove_on_exit: bool,
+    /// The guest starts no workload: the front end runs it as an exec session with the user's
+    /// terminal attached (`imp run -i/-t`), from the record's `attach_argv`.
+    #[serde(default)]
+    pub attach: bool,
     /// The cgroup of the VM's processes, if any.
     #[serde(default)]
     pub cgroup: Option<CgroupSpec>,
@@ -142,6 +146,7 @@ mod tests {
             },
             boot_timeout_ms: 1000,
             remove_on_exit: false,
+            attach: false,
             cgroup: Some(CgroupSpec {
                 path: "imp/x".into(),
                 memory_limit_bytes: 1 << 30,

@@ -332,6 +332,9 @@ pub struct VmRecord {
     pub console_tail: Option<String>,
     /// Whether the VM's directory is deleted when it ends.
     pub remove_on_exit: bool,
+    /// For an attached VM (`imp run -i/-t`): the workload's argv, which the front end runs.
+    #[serde(default)]
+    pub attach_argv: Option<Vec<String>>,
     /// How long the start's steps took.
     #[serde(default)]
     pub timings: Timings,
@@ -471,6 +474,7 @@ mod tests {
                 error_stage: None,
                 console_tail: None,
                 remove_on_exit: false,
+                attach_argv: None,
                 timings: Timings::default(),
                 owner: None,
             };

@@ -169,6 +169,7 @@ pub fn initial_record(id: &str, dir: &Path, spec: &VmSpec, shim_pid: u32) -> VmR
         error_stage: None,
         console_tail: None,
         remove_on_exit: spec.remove_on_exit,
+        attach_argv: None,
         timings: Default::default(),
         owner: spec.owner.clone(),
     }
@@ -320,6 +321,18 @@ async fn prepare(
     }
     config.agent.exit_report_port = Some(EXIT_REPORT_PORT);
     config.root = Some(RootDisk::ext4("/dev/vda"));
+    if spec.attach {
+        config.attach = true;
+        record.attach_argv = Some(config.argv().ok_or_else(|| {
+            Failure::new(
+                Stage::Config,
+                format!(
+                    "image {} has no ENTRYPOINT or CMD and no command was given",
+                    spec.image
+                ),
+            )
+        })?);
+    }
     let base_initrd = guest::initramfs::BaseInitramfs::cached(
         &spec.cache(state).join("initramfs"),
         &spec.boot.guest,

@@ -60,8 +60,15 @@ pub struct RunArgs {
     #[arg(long)]
     pub rm: bool,
     /// Keep the VM running in the background and print its name once the guest agent answers.
-    #[arg(short = 'd', long)]
+    #[arg(short = 'd', long, conflicts_with_all = ["interactive", "tty"])]
     pub detach: bool,
+    /// Keep stdin open and connect it to the workload (without it, the workload's stdin is
+    /// empty, as with `docker run`).
+    #[arg(short = 'i', long)]
+    pub interactive: bool,
+    /// Give the workload a terminal (with -i: an interactive shell session).
+    #[arg(short = 't', long)]
+    pub tty: bool,
     /// Guest memory in MiB.
     #[arg(long, default_value_t = 256)]
     pub memory: u32,
@@ -124,10 +131,14 @@ pub fn main(args: RunArgs) -> anyhow::Result<i32> {
     if args.detach {
         return runtime.block_on(wait_running(&state, &name, args.boot_timeout));
     }
-    let filter = Filter {
-        raw: args.raw_console,
+    let result = if spec.attach {
+        runtime.block_on(attached(&state, &name, &args))
+    } else {
+        let filter = Filter {
+            raw: args.raw_console,
+        };
+        runtime.block_on(follow(&state, &name, filter))
     };
-    let result = runtime.block_on(follow(&state, &name, filter));
     if args.rm {
         runtime
             .block_on(shim::remove(&state, &name, None))
@@ -198,6 +209,7 @@ fn spec_for(args: &RunArgs, name: &str) -> anyhow::Result<VmSpec> {
         boot_timeout_ms: u64::try_from(args.boot_timeout.as_millis()).unwrap_or(u64::MAX),
         // In the foreground this process removes the VM once it has read how it ended.
         remove_on_exit: args.rm && args.detach,
+        attach: args.interactive || args.tty,
         cgroup: None,
         cache_dir: None,
         owner: None,
@@ -231,40 +243,84 @@ fn absolute_image(image: &str) -> anyhow::Result<String> {
 
 /// `imp run -d`: waits until the guest agent answers, then prints the VM's name.
 async fn wait_running(state: &StateDir, name: &str, boot_timeout: Duration) -> anyhow::Result<i32> {
-    let deadline = Instant::now() + boot_timeout + Duration::from_secs(600);
+    let record = until_running(state, name, boot_timeout).await?;
+    println!("{name}");
+    if record.status == VmStatus::Exited {
+        eprintln!(
+            "imp: {name} already ended (exit code {})",
+            record.exit_code.unwrap_or(-1)
+        );
+    }
+    Ok(0)
+}
+
+/// Waits until VM `name` runs (or has already ended); fails if it could not start.
+async fn until_running(
+    state: &StateDir,
+    name: &str,
+    boot_timeout: Duration,
+) -> anyhow::Result<VmRecord> {
+    let waited = boot_timeout + Duration::from_secs(600);
+    let deadline = Instant::now() + waited;
     let shim_log = imp_agent::runtime::supervisor::shim_log(&state.vm_dir(name));
     loop {
-        let record = load(state, name).await;
-        match record.as_ref().map(|r| (r.effective_status(), r)) {
-            Some((VmStatus::Running, _)) => {
-                println!("{name}");
-                return Ok(0);
+        if let Some(r) = load(state, name).await {
+            match r.effective_status() {
+                VmStatus::Running | VmStatus::Exited => return Ok(r),
+                VmStatus::Failed => bail!(
+                    "VM {name} did not start: {}",
+                    r.error
+                        .clone()
+                        .unwrap_or_else(|| format!("its shim died; see {}", shim_log.display()))
+                ),
+                VmStatus::Starting => {}
             }
-            Some((VmStatus::Exited, r)) => {
-                println!("{name}");
-                eprintln!(
-                    "imp: {name} already ended (exit code {})",
-                    r.exit_code.unwrap_or(-1)
-                );
-                return Ok(0);
-            }
-            Some((VmStatus::Failed, r)) => bail!(
-                "VM {name} did not start: {}",
-                r.error
-                    .clone()
-                    .unwrap_or_else(|| format!("its shim died; see {}", shim_log.display()))
-            ),
-            _ => {}
         }
         if Instant::now() > deadline {
             bail!(
-                "VM {name} is still starting after {:?}; see {}",
-                boot_timeout + Duration::from_secs(600),
+                "VM {name} is still starting after {waited:?}; see {}",
                 shim_log.display()
             );
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+}
+
+/// `imp run -i/-t`: runs the workload as an exec session with our terminal attached, then
+/// stops the VM; returns the workload's exit code. Ctrl-C (without -t, where it is a key the
+/// workload reads) stops the VM.
+async fn attached(state: &StateDir, name: &str, args: &RunArgs) -> anyhow::Result<i32> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut sigint = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
+    let mut sigterm = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
+    let record = until_running(state, name, args.boot_timeout).await?;
+    let argv = record
+        .attach_argv
+        .clone()
+        .context("the VM's record holds no workload to attach to")?;
+    let opts = super::exec::ExecOptions {
+        argv,
+        env: Vec::new(),
+        cwd: None,
+        user: None,
+        tty: args.tty,
+        stdin: args.interactive,
+    };
+    let (vsock, port) = (record.vsock.clone(), record.agent_port);
+    let session = tokio::task::spawn_blocking(move || {
+        let conn = super::exec::connect(&vsock, port, Duration::from_secs(30))?;
+        super::exec::exec(conn, &opts)
+    });
+    let code = tokio::select! {
+        r = session => r.context("the terminal session task failed")??.code(),
+        _ = sigint.recv() => 130,
+        _ = sigterm.recv() => 143,
+    };
+    let record = load(state, name).await.unwrap_or(record);
+    shim::stop(state, &record, Duration::from_secs(2))
+        .await
+        .with_context(|| format!("stopping {name}"))?;
+    Ok(code)
 }
 
 async fn load(state: &StateDir, name: &str) -> Option<VmRecord> {
