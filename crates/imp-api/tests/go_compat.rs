@@ -75,6 +75,9 @@ const ADDED: &[(&str, &str)] = &[
     // The workload's exit code and the generation the status describes.
     ("ImpVM", ".status.exitCode"),
     ("ImpVM", ".status.observedGeneration"),
+    // When the VM ended, and the VMM the node agent runs it with (written by the agent).
+    ("ImpVM", ".status.finishedAt"),
+    ("ImpVM", ".status.runtime"),
     // firecracker or qemu per class.
     ("ImpVMClass", ".spec.runtime"),
     // Placement inherited from a template, unioned with class and VM.

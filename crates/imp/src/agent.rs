@@ -12,6 +12,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context as _;
+use imp_agent::api::auth::KubeReviewer;
+use imp_agent::api::server::{AgentApi, ApiConfig};
+use imp_agent::api::tls::Identity;
 use imp_agent::node::boot::BootSettings;
 use imp_agent::node::capabilities::{self, DefaultRuntime, HostFiles};
 use imp_agent::node::metrics::{self, Health, Metrics};
@@ -79,6 +82,19 @@ pub struct Args {
     /// Address of /metrics, /healthz and /readyz.
     #[arg(long, default_value = "0.0.0.0:9090")]
     metrics_addr: SocketAddr,
+    /// Address of the authenticated exec and console API (HTTPS).
+    #[arg(long, default_value = "0.0.0.0:10251")]
+    api_addr: SocketAddr,
+    /// `host:port` under which clients reach the API, published on the Node (default: NODE_IP
+    /// and the API's port, or the bound address).
+    #[arg(long)]
+    api_advertise: Option<String>,
+    /// The API's TLS certificate (PEM); without it a self-signed one is made at start.
+    #[arg(long, requires = "tls_key")]
+    tls_cert: Option<PathBuf>,
+    /// The API's TLS key (PEM).
+    #[arg(long, requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
     /// How long a guest may take until its agent answers.
     #[arg(long, default_value = "180s", value_parser = parse_duration)]
     boot_timeout: Duration,
@@ -197,7 +213,40 @@ async fn run(args: Args) -> anyhow::Result<()> {
         poll: Duration::from_millis(250),
     };
     health.set_ready(caps.not_ready());
-    let ctx = Arc::new(Context::new(client, settings, caps, metrics.clone()));
+    let ctx = Arc::new(Context::new(
+        client.clone(),
+        settings,
+        caps,
+        metrics.clone(),
+    ));
+    let api_listener = tokio::net::TcpListener::bind(args.api_addr)
+        .await
+        .with_context(|| format!("binding the agent API to {}", args.api_addr))?;
+    let bound = api_listener
+        .local_addr()
+        .context("reading the API address")?;
+    let identity = match (&args.tls_cert, &args.tls_key) {
+        (Some(cert), Some(key)) => Identity::from_pem_files(cert, key)?,
+        _ => {
+            let mut names = vec![node.clone()];
+            names.extend(args.node_ip.clone());
+            Identity::self_signed(&names)?
+        }
+    };
+    let advertise = args
+        .api_advertise
+        .clone()
+        .unwrap_or_else(|| match &args.node_ip {
+            Some(ip) if bound.ip().is_unspecified() => format!("{ip}:{}", bound.port()),
+            _ => bound.to_string(),
+        });
+    publish_endpoint(&client, &node, &advertise, identity.fingerprint()).await?;
+    let api = AgentApi::new(
+        ctx.vms(),
+        Arc::new(KubeReviewer::new(client)),
+        ApiConfig::default(),
+    );
+    tracing::info!(addr = %bound, advertise, "serving the authenticated exec and console API");
 
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     tokio::spawn(async move {
@@ -221,11 +270,49 @@ async fn run(args: Args) -> anyhow::Result<()> {
     };
     let ops = tokio::spawn(metrics::serve(
         listener,
-        metrics,
+        metrics.clone(),
         health,
         stopped(stop_rx.clone()),
     ));
+    let server = tokio::spawn(api.clone().serve(
+        api_listener,
+        identity.server_config()?,
+        stopped(stop_rx.clone()),
+    ));
+    let gauges = tokio::spawn(async move {
+        loop {
+            metrics.set_api_sessions(api.exec_sessions(), api.console_streams());
+            tokio::time::sleep(Duration::from_secs(1)).await;
+        }
+    });
     reconciler::run(ctx, stopped(stop_rx)).await;
     ops.abort();
+    server.abort();
+    gauges.abort();
+    Ok(())
+}
+
+/// Writes where the agent API is and its certificate's fingerprint on this node's Node object,
+/// where `imp exec` and `imp console` read them.
+async fn publish_endpoint(
+    client: &kube::Client,
+    node: &str,
+    endpoint: &str,
+    fingerprint: &str,
+) -> anyhow::Result<()> {
+    use imp_api::shared::{ANNOTATION_AGENT_CERT_SHA256, ANNOTATION_AGENT_ENDPOINT};
+    let nodes: kube::Api<k8s_openapi::api::core::v1::Node> = kube::Api::all(client.clone());
+    let patch = serde_json::json!({"metadata": {"annotations": {
+        ANNOTATION_AGENT_ENDPOINT: endpoint,
+        ANNOTATION_AGENT_CERT_SHA256: fingerprint,
+    }}});
+    nodes
+        .patch(
+            node,
+            &kube::api::PatchParams::apply(reconciler::FIELD_MANAGER),
+            &kube::api::Patch::Merge(&patch),
+        )
+        .await
+        .with_context(|| format!("publishing the agent API's address on Node {node}"))?;
     Ok(())
 }

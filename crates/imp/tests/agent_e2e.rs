@@ -8,14 +8,15 @@
 //! developer machine and fails under `CI=true`.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use imp_agent::runtime::cgroup::VmCgroup;
 use imp_api::vm::{ImpVM, VmPhase};
-use imp_testkube::TestKube;
 use imp_testkube::registry::{TestImage, TestLayer, TestRegistry, push, scratch_dir};
+use imp_testkube::{Auth, Rule, TestKube, User};
 use k8s_openapi::api::core::v1::{Event, Namespace, Node};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
@@ -386,7 +387,52 @@ async fn impvms_boot_end_survive_an_agent_restart_and_clean_up_on_their_nodes() 
         return;
     }
     let _ = rustls::crypto::ring::default_provider().install_default();
-    let kube = TestKube::start().await.unwrap();
+    // The operator and agents use admin's token; alice may exec and read consoles, bob not.
+    let user = |name: &str, groups: &[&str]| User {
+        name: name.to_owned(),
+        groups: groups.iter().map(|g| g.to_string()).collect(),
+    };
+    let auth = Auth {
+        tokens: HashMap::from([
+            ("admin-token".to_owned(), user("admin", &["system:masters"])),
+            ("alice-token".to_owned(), user("alice", &["dev"])),
+            ("bob-token".to_owned(), user("bob", &["dev"])),
+        ]),
+        rules: vec![Rule {
+            subject: "alice".into(),
+            verbs: vec!["create".into()],
+            groups: vec!["imp.dev".into()],
+            resources: vec!["impvms/exec".into(), "impvms/console".into()],
+        }],
+        enforce: false,
+    };
+    let kube = TestKube::start_with(imp_testkube::Config {
+        auth,
+        kubeconfig_token: Some("admin-token".into()),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let kubeconfigs = scratch_dir("imp-agent-e2e-kubeconfigs").unwrap();
+    for token in ["alice-token", "bob-token"] {
+        let yaml = imp_testkube::kubeconfig_yaml(kube.url(), Some(token));
+        std::fs::write(kubeconfigs.join(token), yaml).unwrap();
+    }
+    let imp_as = |token: &str, args: &[&str]| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_imp"))
+            .args(args)
+            .env("KUBECONFIG", kubeconfigs.join(token))
+            .stdin(Stdio::null())
+            .output()
+            .unwrap();
+        eprintln!(
+            "imp {args:?} as {token}: {:?}\n{}{}",
+            out.status,
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        out
+    };
     let c = kube.client().await.unwrap();
     let crds: Api<CustomResourceDefinition> = Api::all(c.clone());
     for crd in imp_api::crd::all() {
@@ -496,6 +542,30 @@ async fn impvms_boot_end_survive_an_agent_restart_and_clean_up_on_their_nodes() 
         "VMM {vmm_pid} not in its VM's cgroup"
     );
     assert!(!a.cgroup.pids().contains(&vmm_pid));
+
+    // Exec and console through node a's agent API, as alice; bob is refused and runs nothing.
+    let script = "echo hi from $(cat /proc/sys/kernel/hostname); exit 5";
+    let out = imp_as(
+        "alice-token",
+        &["exec", "-n", NS, "svc", "--", "sh", "-c", script],
+    );
+    assert_eq!(out.status.code(), Some(5));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("hi from svc"));
+    let touch = ["exec", "-n", NS, "svc", "--", "touch", "/tmp/bob-was-here"];
+    let out = imp_as("bob-token", &touch);
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("403"),
+        "bob's refusal says 403"
+    );
+    let out = imp_as(
+        "alice-token",
+        &["exec", "-n", NS, "svc", "--", "ls", "/tmp/bob-was-here"],
+    );
+    assert_ne!(out.status.code(), Some(0), "bob's command ran");
+    let out = imp_as("alice-token", &["console", "-n", NS, "svc", "--no-follow"]);
+    assert!(out.status.success());
+    assert!(String::from_utf8_lossy(&out.stdout).contains("svc up"));
 
     // Node b cannot run VMs: its VM says why, naming the path and the setting, and /readyz fails.
     create_vm(
@@ -665,6 +735,12 @@ async fn impvms_boot_end_survive_an_agent_restart_and_clean_up_on_their_nodes() 
         vec![vmm_pid],
         "no second VMM was started"
     );
+    let out = imp_as(
+        "alice-token",
+        &["exec", "-n", NS, "svc", "--", "echo", "still here"],
+    );
+    assert_eq!(out.status.code(), Some(0), "exec after the agent's restart");
+    assert!(String::from_utf8_lossy(&out.stdout).contains("still here"));
 
     // Deleting leaves no process, socket, disk, cgroup or file behind, and the finalizer goes.
     let svc_dir = a.state.join("vms").join(&svc_uid);
@@ -695,4 +771,5 @@ async fn impvms_boot_end_survive_an_agent_restart_and_clean_up_on_their_nodes() 
     )
     .await;
     let _ = operator.start_kill();
+    let _ = std::fs::remove_dir_all(&kubeconfigs);
 }

@@ -59,7 +59,8 @@ pub struct Metrics {
     vms: Family<PhaseLabels, Gauge>,
     phases: Mutex<BTreeMap<String, VmPhase>>,
     start_steps: Family<StepLabels, Histogram>,
-    exec_sessions: Counter,
+    exec_sessions: Gauge,
+    console_streams: Gauge,
     failures: Family<ReasonLabels, Counter>,
 }
 
@@ -94,11 +95,17 @@ impl Metrics {
             Unit::Seconds,
             start_steps.clone(),
         );
-        let exec_sessions = Counter::default();
+        let exec_sessions = Gauge::default();
         registry.register(
             "imp_agent_exec_sessions",
-            "Exec sessions served by the agent API",
+            "Exec sessions the agent API relays now",
             exec_sessions.clone(),
+        );
+        let console_streams = Gauge::default();
+        registry.register(
+            "imp_agent_console_streams",
+            "Console streams the agent API serves now",
+            console_streams.clone(),
         );
         let failures = Family::<ReasonLabels, Counter>::default();
         registry.register(
@@ -112,6 +119,7 @@ impl Metrics {
             phases: Mutex::new(BTreeMap::new()),
             start_steps,
             exec_sessions,
+            console_streams,
             failures,
         }
     }
@@ -155,9 +163,12 @@ impl Metrics {
         }
     }
 
-    /// Counts an exec session.
-    pub fn exec_session(&self) {
-        self.exec_sessions.inc();
+    /// Records the agent API's open exec sessions and console streams.
+    pub fn set_api_sessions(&self, exec: usize, console: usize) {
+        self.exec_sessions
+            .set(i64::try_from(exec).unwrap_or(i64::MAX));
+        self.console_streams
+            .set(i64::try_from(console).unwrap_or(i64::MAX));
     }
 
     /// Counts a failed VM.

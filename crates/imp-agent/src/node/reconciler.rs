@@ -91,6 +91,45 @@ pub enum Error {
     NoUid(String),
 }
 
+/// The guest endpoints of this node's VMs by `(namespace, name)`, refreshed from the records
+/// every poll, so the agent API finds a VM without touching the disk.
+#[derive(Debug, Default)]
+pub struct NodeVms {
+    map: std::sync::RwLock<HashMap<(String, String), crate::api::GuestEndpoint>>,
+}
+
+impl NodeVms {
+    fn refresh(&self, records: &[(VmRecord, bool)]) {
+        let map = records
+            .iter()
+            .filter_map(|(r, alive)| {
+                let o = r.owner.as_ref()?;
+                let endpoint = crate::api::GuestEndpoint {
+                    vsock: r.vsock.clone(),
+                    agent_port: r.agent_port,
+                    serial_log: r.serial_log.clone(),
+                    running: *alive && r.status == VmStatus::Running,
+                };
+                Some(((o.namespace.clone(), o.name.clone()), endpoint))
+            })
+            .collect();
+        *self
+            .map
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = map;
+    }
+}
+
+impl crate::api::VmLookup for NodeVms {
+    fn find(&self, namespace: &str, name: &str) -> Option<crate::api::GuestEndpoint> {
+        self.map
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .get(&(namespace.to_owned(), name.to_owned()))
+            .cloned()
+    }
+}
+
 /// What every reconcile shares.
 pub struct Context {
     client: kube::Client,
@@ -100,6 +139,8 @@ pub struct Context {
     recorder: Recorder,
     /// The `Ready` message last published as an Event per VM, so repeats are not re-sent.
     announced: Mutex<HashMap<String, String>>,
+    /// This node's VMs for the agent API.
+    vms: Arc<NodeVms>,
 }
 
 fn key(vm: &ImpVM) -> String {
@@ -128,7 +169,13 @@ impl Context {
             metrics,
             recorder,
             announced: Mutex::new(HashMap::new()),
+            vms: Arc::default(),
         }
+    }
+
+    /// This node's VMs, as the agent API looks them up.
+    pub fn vms(&self) -> Arc<NodeVms> {
+        self.vms.clone()
     }
 
     fn api(&self, vm: &ImpVM) -> Api<ImpVM> {
@@ -697,12 +744,25 @@ async fn watch_records(ctx: Arc<Context>, store: Store<ImpVM>, tx: mpsc::Sender<
         }
         ticks += 1;
         let state = ctx.settings.state.clone();
-        let Ok(Ok((records, _))) = tokio::task::spawn_blocking(move || state.list()).await else {
+        let listed = tokio::task::spawn_blocking(move || {
+            state.list().map(|(records, _)| {
+                records
+                    .into_iter()
+                    .map(|r| {
+                        let alive = r.supervisor_alive();
+                        (r, alive)
+                    })
+                    .collect::<Vec<_>>()
+            })
+        })
+        .await;
+        let Ok(Ok(listed)) = listed else {
             continue;
         };
-        for r in &records {
-            let alive = r.supervisor_alive();
-            let fp = fingerprint(r, alive);
+        ctx.vms.refresh(&listed);
+        let records: Vec<VmRecord> = listed.iter().map(|(r, _)| r.clone()).collect();
+        for (r, alive) in &listed {
+            let fp = fingerprint(r, *alive);
             let Some(owner) = &r.owner else { continue };
             if seen.get(&r.name) != Some(&fp) {
                 seen.insert(r.name.clone(), fp);
