@@ -134,6 +134,11 @@ fn hostile_image() -> TestImage {
     script_image().layer(escape)
 }
 
+/// The image cache the test's agents share.
+fn shared_cache() -> PathBuf {
+    std::env::temp_dir().join(format!("imp-agent-e2e-cache-{}", std::process::id()))
+}
+
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
@@ -191,7 +196,11 @@ impl Agent {
                 "--metrics-addr",
                 &format!("127.0.0.1:{}", self.metrics_port),
             ])
-            .args(["--stop-grace", "3s"])
+            .args(["--stop-grace", "3s", "--api-addr", "127.0.0.1:0"])
+            // One image cache for both "nodes" of this host: images, bases and the KVM boot
+            // probe's verdict are shared, as they would be by the agents of one machine.
+            .arg("--image-cache")
+            .arg(shared_cache())
             .stdout(Stdio::null())
             .stderr(logs())
             .kill_on_drop(true)
@@ -772,4 +781,5 @@ async fn impvms_boot_end_survive_an_agent_restart_and_clean_up_on_their_nodes() 
     .await;
     let _ = operator.start_kill();
     let _ = std::fs::remove_dir_all(&kubeconfigs);
+    let _ = std::fs::remove_dir_all(shared_cache());
 }
