@@ -17,7 +17,7 @@ use imp_agent::runtime::cgroup::VmCgroup;
 use imp_api::vm::{ImpVM, VmPhase};
 use imp_testkube::registry::{TestImage, TestLayer, TestRegistry, push, scratch_dir};
 use imp_testkube::{Auth, Rule, TestKube, User};
-use k8s_openapi::api::core::v1::{Event, Namespace, Node};
+use k8s_openapi::api::core::v1::{Event, Namespace, Node, Secret};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
@@ -499,12 +499,23 @@ async fn impvms_boot_end_survive_an_agent_restart_and_clean_up_on_their_nodes() 
     };
 
     // A persistent service on node a: Starting, then Running once the guest agent answers.
-    let svc = create_vm(
-        &vms,
-        "svc",
-        spec("node-a", "persistent", "echo svc up; sleep 3600"),
-    )
-    .await;
+    // Its greeting comes from a Secret through env valueFrom.
+    let secrets: Api<Secret> = Api::namespaced(c.clone(), NS);
+    let secret: Secret = serde_json::from_value(json!({
+        "metadata": {"name": "svc-secret"}, "stringData": {"greeting": "svc up"}
+    }))
+    .unwrap();
+    secrets
+        .create(&PostParams::default(), &secret)
+        .await
+        .unwrap();
+    let mut svc_spec = spec("node-a", "persistent", "echo $GREETING; sleep 3600");
+    svc_spec["env"]
+        .as_array_mut()
+        .unwrap()
+        .push(json!({"name": "GREETING",
+        "valueFrom": {"secretKeyRef": {"name": "svc-secret", "key": "greeting"}}}));
+    let svc = create_vm(&vms, "svc", svc_spec).await;
     let svc_uid = svc.uid().unwrap();
     let starting = wait_vm(&vms, "svc", "Starting", 30, |v| {
         phase(v).is_some() && phase(v) != Some(VmPhase::Scheduled)

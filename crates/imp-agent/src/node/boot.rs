@@ -46,15 +46,30 @@ pub fn runtime_for(class: &ImpVMClassSpec, caps: &Capabilities) -> Runtime {
     }
 }
 
+/// The runtime choices of a VM besides its resolved spec and class.
+#[derive(Debug, Clone)]
+pub struct Choices {
+    /// The VMM.
+    pub runtime: Runtime,
+    /// The workload's environment ([`super::env::resolve`]).
+    pub env: Vec<imp_proto::message::EnvVar>,
+    /// The credentials file merged from the pull secrets.
+    pub auth_file: Option<PathBuf>,
+}
+
 /// Builds the spec of the VM `owner` whose resolved spec is `vm`.
 pub fn vm_spec(
     owner: Owner,
     vm: &ImpVMSpec,
     class: &ImpVMClassSpec,
-    runtime: Runtime,
+    choices: Choices,
     settings: &BootSettings,
-    auth_file: Option<PathBuf>,
 ) -> Result<VmSpec, SpecError> {
+    let Choices {
+        runtime,
+        env,
+        auth_file,
+    } = choices;
     let image = vm
         .image
         .clone()
@@ -72,26 +87,6 @@ pub fn vm_spec(
         .ok()
         .filter(|&d| d >= 1)
         .ok_or_else(|| SpecError(format!("class diskGiB {} is below 1", class.disk_gib)))?;
-    let mut env = Vec::new();
-    for (i, e) in vm.env.iter().enumerate() {
-        match (&e.value, &e.value_from) {
-            (_, Some(_)) => {
-                return Err(SpecError(format!(
-                    "spec.env[{i}] ({}): valueFrom is not supported by this agent yet; use value",
-                    e.name
-                )));
-            }
-            (value, None) => env.push(imp_proto::message::EnvVar::new(
-                &e.name,
-                value.as_deref().unwrap_or(""),
-            )),
-        }
-    }
-    if !vm.env_from.is_empty() {
-        return Err(SpecError(
-            "spec.envFrom is not supported by this agent yet; use env with values".into(),
-        ));
-    }
     let memory_limit_bytes =
         (u64::from(memory_mib) + VMM_OVERHEAD_MIB + u64::from(memory_mib) / 4) << 20;
     let cgroup = settings.cgroup_parent.as_ref().map(|parent| CgroupSpec {
@@ -130,7 +125,6 @@ pub fn vm_spec(
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
-    use k8s_openapi::api::core::v1::{EnvVar, EnvVarSource, SecretKeySelector};
 
     fn settings() -> BootSettings {
         BootSettings {
@@ -165,18 +159,21 @@ mod tests {
         }
     }
 
+    fn choices(runtime: Runtime) -> Choices {
+        Choices {
+            runtime,
+            env: vec![imp_proto::message::EnvVar::new("A", "1")],
+            auth_file: None,
+        }
+    }
+
     #[test]
     fn the_class_sizes_the_vm_and_its_cgroup() {
         let vm = ImpVMSpec {
             image: Some("127.0.0.1:5000/app:1".into()),
-            env: vec![EnvVar {
-                name: "A".into(),
-                value: Some("1".into()),
-                value_from: None,
-            }],
             ..Default::default()
         };
-        let s = vm_spec(owner(), &vm, &class(), Runtime::Qemu, &settings(), None).unwrap();
+        let s = vm_spec(owner(), &vm, &class(), choices(Runtime::Qemu), &settings()).unwrap();
         assert_eq!((s.vcpus, s.memory_mib, s.disk_gib), (2, 512, 3));
         assert_eq!(s.hostname, "web");
         assert_eq!(s.env, vec![imp_proto::message::EnvVar::new("A", "1")]);
@@ -189,12 +186,10 @@ mod tests {
             owner(),
             &vm,
             &class(),
-            Runtime::Firecracker,
+            choices(Runtime::Firecracker),
             &settings(),
-            None,
-        )
-        .unwrap();
-        assert_eq!(fc.boot.firecracker, Some("/fc".into()));
+        );
+        assert_eq!(fc.unwrap().boot.firecracker, Some("/fc".into()));
     }
 
     #[test]
@@ -204,29 +199,10 @@ mod tests {
             owner(),
             &no_image,
             &class(),
-            Runtime::Qemu,
+            choices(Runtime::Qemu),
             &settings(),
-            None,
         );
         assert!(e.unwrap_err().0.contains("spec.image"));
-        let vm = ImpVMSpec {
-            image: Some("x".into()),
-            env: vec![EnvVar {
-                name: "TOKEN".into(),
-                value: None,
-                value_from: Some(EnvVarSource {
-                    secret_key_ref: Some(SecretKeySelector {
-                        name: "s".into(),
-                        key: "k".into(),
-                        optional: None,
-                    }),
-                    ..Default::default()
-                }),
-            }],
-            ..Default::default()
-        };
-        let e = vm_spec(owner(), &vm, &class(), Runtime::Qemu, &settings(), None).unwrap_err();
-        assert!(e.0.contains("spec.env[0] (TOKEN)"), "{e}");
         let tiny = ImpVMClassSpec {
             memory_mib: 64,
             ..class()
@@ -235,7 +211,7 @@ mod tests {
             image: Some("x".into()),
             ..Default::default()
         };
-        let e = vm_spec(owner(), &vm, &tiny, Runtime::Qemu, &settings(), None).unwrap_err();
+        let e = vm_spec(owner(), &vm, &tiny, choices(Runtime::Qemu), &settings()).unwrap_err();
         assert!(e.0.contains("memoryMiB 64"), "{e}");
     }
 }

@@ -3,11 +3,13 @@
 //! [`capabilities`] probes what the node can run; [`reconciler`] watches the ImpVMs placed on
 //! this node and applies [`decide`]'s decisions through the VM runtime
 //! ([`crate::runtime`]: one shim per VM, outside the agent's process tree and cgroups);
-//! [`boot`] maps an ImpVM and its class to the runtime's spec; [`metrics`] serves `/metrics`,
+//! [`boot`] maps an ImpVM and its class to the runtime's spec, with the workload's environment
+//! from [`env`]; [`metrics`] serves `/metrics`,
 //! `/healthz` and `/readyz`.
 
 pub mod boot;
 pub mod capabilities;
 pub mod decide;
+pub mod env;
 pub mod metrics;
 pub mod reconciler;

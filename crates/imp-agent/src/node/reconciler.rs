@@ -22,7 +22,7 @@ use imp_api::conditions::{self, ConditionReason, ConditionStatus, ConditionType}
 use imp_api::shared::VmLifecycle;
 use imp_api::template::ImpVMTemplate;
 use imp_api::vm::{ImpVM, ImpVMSpec, ImpVMStatus, VmPhase};
-use k8s_openapi::api::core::v1::Secret;
+use k8s_openapi::api::core::v1::{ConfigMap, Secret};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, Patch, PatchParams};
@@ -37,6 +37,7 @@ use tokio::sync::mpsc;
 use super::boot::{self, BootSettings};
 use super::capabilities::Capabilities;
 use super::decide::{self, Decision, Local, Observed, Report};
+use super::env;
 use super::metrics::Metrics;
 use crate::runtime::shim::{self, ShimCommand};
 use crate::runtime::state::{Owner, StateDir, VmRecord, VmStatus};
@@ -386,6 +387,43 @@ async fn resolve(
     Ok((spec, class))
 }
 
+/// The workload's environment, reading the Secrets and ConfigMaps `env` and `envFrom` name.
+async fn environment(
+    ctx: &Context,
+    vm: &ImpVM,
+    spec: &ImpVMSpec,
+) -> Result<Vec<imp_proto::message::EnvVar>, String> {
+    let ns = vm.namespace().unwrap_or_default();
+    let (secret_names, map_names) = env::references(spec);
+    let mut sources = env::Sources::default();
+    let secrets: Api<Secret> = Api::namespaced(ctx.client.clone(), &ns);
+    for name in secret_names {
+        match secrets.get_opt(&name).await {
+            Ok(Some(s)) => {
+                let data = s
+                    .data
+                    .unwrap_or_default()
+                    .into_iter()
+                    .map(|(k, v)| (k, String::from_utf8_lossy(&v.0).into_owned()));
+                sources.secrets.insert(name, data.collect());
+            }
+            Ok(None) => {}
+            Err(e) => return Err(format!("reading Secret {ns}/{name}: {e}")),
+        }
+    }
+    let maps: Api<ConfigMap> = Api::namespaced(ctx.client.clone(), &ns);
+    for name in map_names {
+        match maps.get_opt(&name).await {
+            Ok(Some(m)) => {
+                sources.config_maps.insert(name, m.data.unwrap_or_default());
+            }
+            Ok(None) => {}
+            Err(e) => return Err(format!("reading ConfigMap {ns}/{name}: {e}")),
+        }
+    }
+    env::resolve(spec, &sources)
+}
+
 /// Merges the `.dockerconfigjson` of the VM's pull secrets into one credentials file.
 async fn pull_credentials(
     ctx: &Context,
@@ -468,6 +506,10 @@ async fn start(ctx: &Context, vm: &ImpVM, uid: &str) -> Result<Action, Error> {
     if let Some(problem) = ctx.caps.problem(runtime) {
         return not_startable(ctx, vm, ConditionReason::RuntimeStartFailed, problem).await;
     }
+    let env = match environment(ctx, vm, &spec).await {
+        Ok(env) => env,
+        Err(why) => return not_startable(ctx, vm, ConditionReason::InvalidSpec, why).await,
+    };
     let credentials = match pull_credentials(ctx, vm, &spec).await {
         Ok(c) => c,
         Err(why) => return not_startable(ctx, vm, ConditionReason::ImagePullFailed, why).await,
@@ -480,14 +522,12 @@ async fn start(ctx: &Context, vm: &ImpVM, uid: &str) -> Result<Action, Error> {
         uid: uid.to_owned(),
         attempt: observed(vm).attempt,
     };
-    let vm_spec = match boot::vm_spec(
-        owner,
-        &spec,
-        &class,
+    let choices = boot::Choices {
         runtime,
-        &ctx.settings.boot,
-        auth_file.clone(),
-    ) {
+        env,
+        auth_file: auth_file.clone(),
+    };
+    let vm_spec = match boot::vm_spec(owner, &spec, &class, choices, &ctx.settings.boot) {
         Ok(s) => s,
         Err(e) => return end_invalid(ctx, vm, e.0).await,
     };
@@ -772,7 +812,7 @@ async fn watch_records(ctx: Arc<Context>, store: Store<ImpVM>, tx: mpsc::Sender<
             }
         }
         seen.retain(|name, _| records.iter().any(|r| &r.name == name));
-        if ready && ticks % 40 == 0 {
+        if ready && ticks.is_multiple_of(40) {
             collect_orphans(&ctx, &store, &records).await;
         }
     }

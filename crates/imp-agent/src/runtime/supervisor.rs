@@ -307,6 +307,8 @@ async fn prepare(
     record.timings.disk_ms = ms(t.elapsed());
     tracing::info!(vm = %record.name, digest = %pulled.manifest_digest, cached = base.cached, "root disk ready");
 
+    // The initramfs counts toward the boot step.
+    let t = Instant::now();
     let mut config = GuestConfig {
         hostname: Some(spec.hostname.clone()),
         image: pulled.config.clone(),
@@ -346,6 +348,7 @@ async fn prepare(
     guest::initramfs::build_for_vm(&base_initrd, &config, &initrd)
         .await
         .map_err(at(Stage::Initramfs, "writing the VM's initramfs"))?;
+    record.timings.boot_ms = ms(t.elapsed());
 
     let mut kernel_args = format!(
         "console=ttyS0 quiet loglevel=1 panic=-1 reboot=t tsc_early_khz={}",
@@ -418,7 +421,7 @@ async fn drive<V: Vmm>(
         Ok(vm) => vm,
         Err(e) => return Ended::Failed(at(Stage::Boot, format!("booting {}", record.name))(e)),
     };
-    record.timings.boot_ms = ms(t.elapsed()) + record.timings.boot_ms;
+    record.timings.boot_ms += ms(t.elapsed());
     record.vmm_pid = vm.pid();
     record.helper_pids = vm.helper_pids();
     record.serial_log = vm.serial_log_path().to_path_buf();
