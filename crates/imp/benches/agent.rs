@@ -9,7 +9,10 @@
 //! guest kernel and init); without it, it skips on a developer machine and fails under CI=true.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::path::{Path, PathBuf};
+#[path = "../tests/common/mod.rs"]
+mod common;
+
+use std::path::Path;
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
@@ -22,45 +25,6 @@ use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomRe
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
 use serde_json::json;
-
-fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .ancestors()
-        .nth(2)
-        .unwrap()
-        .to_path_buf()
-}
-
-fn ready() -> bool {
-    let vhost = imp_testkube::guard::which("vhost-device-vsock").is_some()
-        || std::env::var_os("HOME")
-            .map(|h| PathBuf::from(h).join(".cargo/bin/vhost-device-vsock"))
-            .is_some_and(|p| p.is_file());
-    [
-        (imp_testkube::guard::is_root(), "root"),
-        (
-            imp_testkube::guard::which("qemu-system-x86_64").is_some(),
-            "qemu-system-x86_64",
-        ),
-        (vhost, "vhost-device-vsock"),
-        (
-            imp_testkube::guard::which("docker-registry").is_some(),
-            "docker-registry",
-        ),
-        (imp_testkube::guard::which("skopeo").is_some(), "skopeo"),
-        (Path::new("/bin/busybox").is_file(), "static /bin/busybox"),
-        (
-            root().join("target/guest-kernel/vmlinux").is_file(),
-            "target/guest-kernel/vmlinux",
-        ),
-        (
-            root().join("target/imp-guest/imp-guest").is_file(),
-            "target/imp-guest/imp-guest",
-        ),
-    ]
-    .into_iter()
-    .all(|(ok, what)| imp_testkube::guard::require(ok, what))
-}
 
 fn image() -> TestImage {
     let layer = TestLayer::new()
@@ -185,8 +149,8 @@ fn local_round(image: &str, local_state: &Path, name: &str) -> Duration {
         std::process::Command::new(env!("CARGO_BIN_EXE_imp"))
             .args(args)
             .env("IMP_STATE_DIR", local_state)
-            .env("IMP_KERNEL", root().join("target/guest-kernel/vmlinux"))
-            .env("IMP_GUEST", root().join("target/imp-guest/imp-guest"))
+            .env("IMP_KERNEL", common::kernel())
+            .env("IMP_GUEST", common::guest())
             .stdout(Stdio::null())
             .stderr(Stdio::inherit())
             .status()
@@ -202,7 +166,7 @@ fn local_round(image: &str, local_state: &Path, name: &str) -> Duration {
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
     // `cargo test --benches` passes libtest flags; the benchmark ignores them.
-    if !ready() {
+    if common::guest_boot_ready().is_none() {
         return;
     }
     let _ = rustls::crypto::ring::default_provider().install_default();
@@ -244,8 +208,8 @@ async fn main() {
         .arg("agent")
         .env("NODE_NAME", "bench-node")
         .env("KUBECONFIG", kube.kubeconfig())
-        .env("FC_KERNEL", root().join("target/guest-kernel/vmlinux"))
-        .env("IMP_GUEST", root().join("target/imp-guest/imp-guest"))
+        .env("FC_KERNEL", common::kernel())
+        .env("IMP_GUEST", common::guest())
         .env("RUST_LOG", "warn")
         .args(["--state-dir", agent_state.to_str().unwrap()])
         .args(["--runtime", "qemu", "--stop-grace", "2s"])

@@ -7,6 +7,8 @@
 //! Node in `status.nodeName`. The CLI reads both with the kubeconfig's token and streams.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod common;
+
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::process::{Output, Stdio};
@@ -19,7 +21,7 @@ use imp_api::shared::{ANNOTATION_AGENT_CERT_SHA256, ANNOTATION_AGENT_ENDPOINT};
 use imp_api::vm::ImpVM;
 use imp_proto::config::{GuestConfig, ImageConfig};
 use imp_proto::message::{ExecRequest, Hello, Message};
-use imp_testkube::{Auth, Rule, TestKube, User};
+use imp_testkube::TestKube;
 use k8s_openapi::api::core::v1::{Namespace, Node};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::Client;
@@ -33,17 +35,9 @@ const NS: &str = "team";
 const NODE: &str = "node-a";
 const PORT: u32 = imp_proto::DEFAULT_API_PORT;
 
-fn workspace_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .ancestors()
-        .nth(2)
-        .unwrap()
-        .to_path_buf()
-}
-
 /// The guest binary: the static build of scripts/build-guest.sh, else a plain debug build.
 fn guest_binary() -> Option<PathBuf> {
-    let root = workspace_root();
+    let root = common::workspace_root();
     let found = [
         root.join("target/imp-guest/imp-guest"),
         root.join("target/debug/imp-guest"),
@@ -185,24 +179,7 @@ impl Env {
             std::env::temp_dir().join(format!("imp-agent-api-e2e-{tag}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
-        let user = |name: &str, groups: &[&str]| User {
-            name: name.to_owned(),
-            groups: groups.iter().map(|g| g.to_string()).collect(),
-        };
-        let auth = Auth {
-            tokens: HashMap::from([
-                ("admin-token".to_owned(), user("admin", &["system:masters"])),
-                ("alice-token".to_owned(), user("alice", &["dev"])),
-                ("bob-token".to_owned(), user("bob", &["dev"])),
-            ]),
-            rules: vec![Rule {
-                subject: "alice".into(),
-                verbs: vec!["create".into()],
-                groups: vec!["imp.dev".into()],
-                resources: vec!["impvms/exec".into(), "impvms/console".into()],
-            }],
-            enforce: false,
-        };
+        let auth = common::exec_users();
         let kube = TestKube::start_with(imp_testkube::Config {
             auth,
             kubeconfig_token: Some("admin-token".into()),

@@ -8,15 +8,16 @@
 //! developer machine and fails under `CI=true`.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::collections::HashMap;
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use imp_agent::runtime::cgroup::VmCgroup;
 use imp_api::vm::{ImpVM, VmPhase};
+use imp_testkube::TestKube;
 use imp_testkube::registry::{TestImage, TestLayer, TestRegistry, push, scratch_dir};
-use imp_testkube::{Auth, Rule, TestKube, User};
 use k8s_openapi::api::core::v1::{Event, Namespace, Node, Secret};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
@@ -26,74 +27,12 @@ use tokio::process::{Child, Command};
 
 const NS: &str = "default";
 
-fn workspace_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .ancestors()
-        .nth(2)
-        .unwrap()
-        .to_path_buf()
-}
-
-fn kernel() -> PathBuf {
-    workspace_root().join("target/guest-kernel/vmlinux")
-}
-
-fn guest() -> PathBuf {
-    workspace_root().join("target/imp-guest/imp-guest")
-}
-
 /// Everything the test needs, or `None` when it must skip (the guard already said why).
 fn ready() -> Option<()> {
-    let vhost = imp_testkube::guard::which("vhost-device-vsock").is_some()
-        || std::env::var_os("HOME")
-            .map(|h| PathBuf::from(h).join(".cargo/bin/vhost-device-vsock"))
-            .is_some_and(|p| p.is_file());
-    let checks = [
-        (imp_testkube::guard::is_root(), "root"),
-        (
-            imp_testkube::guard::which("qemu-system-x86_64").is_some(),
-            "qemu-system-x86_64 (scripts/setup)",
-        ),
-        (
-            vhost,
-            "vhost-device-vsock (cargo install vhost-device-vsock)",
-        ),
-        (
-            imp_testkube::guard::which("docker-registry").is_some(),
-            "docker-registry (apt-get install docker-registry)",
-        ),
-        (
-            imp_testkube::guard::which("skopeo").is_some(),
-            "skopeo (apt-get install skopeo)",
-        ),
-        (
-            imp_testkube::guard::which("mkfs.ext4").is_some(),
-            "mkfs.ext4 (apt-get install e2fsprogs)",
-        ),
-        (
-            Path::new("/bin/busybox").is_file(),
-            "static /bin/busybox (apt-get install busybox-static)",
-        ),
-        (
-            kernel().is_file(),
-            "target/guest-kernel/vmlinux (scripts/setup)",
-        ),
-        (
-            guest().is_file(),
-            "target/imp-guest/imp-guest (scripts/setup)",
-        ),
-        (
-            Path::new("/sys/fs/cgroup/memory").is_dir()
-                || Path::new("/sys/fs/cgroup/cgroup.procs").is_file(),
-            "a mounted cgroup hierarchy",
-        ),
-    ];
-    for (ok, what) in checks {
-        if !imp_testkube::guard::require(ok, what) {
-            return None;
-        }
-    }
-    Some(())
+    common::guest_boot_ready()?;
+    let cgroups = Path::new("/sys/fs/cgroup/memory").is_dir()
+        || Path::new("/sys/fs/cgroup/cgroup.procs").is_file();
+    imp_testkube::guard::require(cgroups, "a mounted cgroup hierarchy").then_some(())
 }
 
 /// A busybox image whose workload is whatever `$SCRIPT` says, so one image serves every VM.
@@ -139,14 +78,6 @@ fn shared_cache() -> PathBuf {
     std::env::temp_dir().join(format!("imp-agent-e2e-cache-{}", std::process::id()))
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 fn logs() -> Stdio {
     if std::env::var_os("IMP_TEST_LOGS").is_some() {
         Stdio::inherit()
@@ -173,7 +104,7 @@ impl Agent {
             state: scratch_dir(&format!("imp-agent-e2e-{tag}")).unwrap(),
             cgroup_parent: format!("{id}-vms"),
             cgroup: VmCgroup::create(&format!("{id}-agent"), 1 << 30).unwrap(),
-            metrics_port: free_port(),
+            metrics_port: common::free_port(),
             child: None,
         }
     }
@@ -183,7 +114,7 @@ impl Agent {
             .arg("agent")
             .env("NODE_NAME", &self.node)
             .env("FC_KERNEL", kernel)
-            .env("IMP_GUEST", guest())
+            .env("IMP_GUEST", common::guest())
             .env("KUBECONFIG", kube.kubeconfig())
             .env(
                 "RUST_LOG",
@@ -273,24 +204,6 @@ impl Drop for Agent {
     }
 }
 
-async fn wait_for<T, F, Fut>(what: &str, timeout: Duration, mut f: F) -> T
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = Option<T>>,
-{
-    let start = Instant::now();
-    loop {
-        if let Some(v) = f().await {
-            return v;
-        }
-        assert!(
-            start.elapsed() < timeout,
-            "timed out after {timeout:?} waiting for {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
-
 fn phase(v: &ImpVM) -> Option<VmPhase> {
     v.status.as_ref().and_then(|s| s.phase)
 }
@@ -312,7 +225,7 @@ async fn wait_vm(
     secs: u64,
     pred: impl Fn(&ImpVM) -> bool,
 ) -> ImpVM {
-    wait_for(
+    common::wait_for(
         &format!("{name}: {what}"),
         Duration::from_secs(secs),
         || {
@@ -397,24 +310,7 @@ async fn impvms_boot_end_survive_an_agent_restart_and_clean_up_on_their_nodes() 
     }
     let _ = rustls::crypto::ring::default_provider().install_default();
     // The operator and agents use admin's token; alice may exec and read consoles, bob not.
-    let user = |name: &str, groups: &[&str]| User {
-        name: name.to_owned(),
-        groups: groups.iter().map(|g| g.to_string()).collect(),
-    };
-    let auth = Auth {
-        tokens: HashMap::from([
-            ("admin-token".to_owned(), user("admin", &["system:masters"])),
-            ("alice-token".to_owned(), user("alice", &["dev"])),
-            ("bob-token".to_owned(), user("bob", &["dev"])),
-        ]),
-        rules: vec![Rule {
-            subject: "alice".into(),
-            verbs: vec!["create".into()],
-            groups: vec!["imp.dev".into()],
-            resources: vec!["impvms/exec".into(), "impvms/console".into()],
-        }],
-        enforce: false,
-    };
+    let auth = common::exec_users();
     let kube = TestKube::start_with(imp_testkube::Config {
         auth,
         kubeconfig_token: Some("admin-token".into()),
@@ -477,7 +373,10 @@ async fn impvms_boot_end_survive_an_agent_restart_and_clean_up_on_their_nodes() 
 
     let mut operator = Command::new(env!("CARGO_BIN_EXE_imp"))
         .arg("operator")
-        .args(["--metrics-addr", &format!("127.0.0.1:{}", free_port())])
+        .args([
+            "--metrics-addr",
+            &format!("127.0.0.1:{}", common::free_port()),
+        ])
         .args(["--requeue-pending", "2", "--requeue-active", "1"])
         .env("KUBECONFIG", kube.kubeconfig())
         .env("RUST_LOG", "info,kube=warn")
@@ -488,7 +387,7 @@ async fn impvms_boot_end_survive_an_agent_restart_and_clean_up_on_their_nodes() 
         .unwrap();
     let mut a = Agent::new("node-a", "a");
     let mut b = Agent::new("node-b", "b");
-    a.start(&kube, &kernel());
+    a.start(&kube, &common::kernel());
     // Node b's agent starts with a kernel path that does not exist.
     let missing_kernel = PathBuf::from("/nonexistent/imp-e2e/vmlinux");
     b.start(&kube, &missing_kernel);
@@ -640,7 +539,7 @@ async fn impvms_boot_end_survive_an_agent_restart_and_clean_up_on_their_nodes() 
 
     // Fixing node b's configuration (a restart with the right kernel) recovers its VM as is.
     b.kill_container().await;
-    b.start(&kube, &kernel());
+    b.start(&kube, &common::kernel());
     let ok = wait_vm(&vms, "job-ok", "Succeeded", 180, |v| {
         phase(v) == Some(VmPhase::Succeeded)
     })
@@ -735,7 +634,7 @@ async fn impvms_boot_end_survive_an_agent_restart_and_clean_up_on_their_nodes() 
         nix::sys::signal::Signal::SIGKILL,
     )
     .unwrap();
-    a.start(&kube, &kernel());
+    a.start(&kube, &common::kernel());
     let lost = wait_vm(&vms, "svc2", "Failed after its VMM died", 60, |v| {
         phase(v) == Some(VmPhase::Failed)
     })
@@ -769,7 +668,7 @@ async fn impvms_boot_end_survive_an_agent_restart_and_clean_up_on_their_nodes() 
         vms.delete(name, &DeleteParams::default()).await.unwrap();
     }
     for name in ["svc", "svc2", "job-bad", "job-ok", "no-image", "evil"] {
-        wait_for(&format!("{name} deleted"), Duration::from_secs(60), || {
+        common::wait_for(&format!("{name} deleted"), Duration::from_secs(60), || {
             let vms = vms.clone();
             async move { vms.get_opt(name).await.unwrap().is_none().then_some(()) }
         })
@@ -781,7 +680,7 @@ async fn impvms_boot_end_survive_an_agent_restart_and_clean_up_on_their_nodes() 
     );
     assert!(!svc_dir.exists(), "{} remains", svc_dir.display());
     assert!(!vm_cgroup.exists(), "svc's cgroup remains");
-    wait_for(
+    common::wait_for(
         "every VM directory removed",
         Duration::from_secs(10),
         || {

@@ -6,6 +6,8 @@
 //! they skip on a developer machine and fail under `CI=true`.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::time::Instant;
@@ -15,64 +17,6 @@ use imp_testkube::registry::{TestImage, TestLayer, TestRegistry, push, scratch_d
 /// One guest at a time: two TCG guests on the 2-core CI machine make each boot slow and its
 /// timing unpredictable.
 static ONE_VM_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
-
-fn workspace_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .ancestors()
-        .nth(2)
-        .unwrap()
-        .to_path_buf()
-}
-
-/// Everything a boot needs, or `None` when the test must skip (the guard already said why).
-fn ready() -> Option<()> {
-    let root = workspace_root();
-    let vhost = imp_testkube::guard::which("vhost-device-vsock").is_some()
-        || std::env::var_os("HOME")
-            .map(|h| PathBuf::from(h).join(".cargo/bin/vhost-device-vsock"))
-            .is_some_and(|p| p.is_file());
-    let checks = [
-        (imp_testkube::guard::is_root(), "root".to_string()),
-        (
-            imp_testkube::guard::which("qemu-system-x86_64").is_some(),
-            "qemu-system-x86_64 (scripts/setup)".into(),
-        ),
-        (
-            vhost,
-            "vhost-device-vsock (cargo install vhost-device-vsock)".into(),
-        ),
-        (
-            imp_testkube::guard::which("docker-registry").is_some(),
-            "docker-registry (apt-get install docker-registry)".into(),
-        ),
-        (
-            imp_testkube::guard::which("skopeo").is_some(),
-            "skopeo (apt-get install skopeo)".into(),
-        ),
-        (
-            imp_testkube::guard::which("mkfs.ext4").is_some(),
-            "mkfs.ext4 (apt-get install e2fsprogs)".into(),
-        ),
-        (
-            Path::new("/bin/busybox").is_file(),
-            "static /bin/busybox (apt-get install busybox-static)".into(),
-        ),
-        (
-            root.join("target/guest-kernel/vmlinux").is_file(),
-            "target/guest-kernel/vmlinux (scripts/fetch-guest-kernel.sh)".into(),
-        ),
-        (
-            root.join("target/imp-guest/imp-guest").is_file(),
-            "target/imp-guest/imp-guest (scripts/build-guest.sh)".into(),
-        ),
-    ];
-    for (ok, what) in checks {
-        if !imp_testkube::guard::require(ok, &what) {
-            return None;
-        }
-    }
-    Some(())
-}
 
 /// A busybox image whose config exercises ENTRYPOINT, CMD, Env and WorkingDir.
 fn busybox_image() -> TestImage {
@@ -137,11 +81,11 @@ fn imp_command(env: &Env) -> Command {
     cmd.env("IMP_STATE_DIR", &env.state)
         .env(
             "IMP_KERNEL",
-            workspace_root().join("target/guest-kernel/vmlinux"),
+            common::workspace_root().join("target/guest-kernel/vmlinux"),
         )
         .env(
             "IMP_GUEST",
-            workspace_root().join("target/imp-guest/imp-guest"),
+            common::workspace_root().join("target/imp-guest/imp-guest"),
         );
     cmd
 }
@@ -186,7 +130,7 @@ fn cached_bases(state: &Path) -> Vec<(PathBuf, std::time::SystemTime, u64)> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn imp_run_prints_the_workload_output_and_returns_its_exit_code() {
     let _one = ONE_VM_AT_A_TIME.lock().await;
-    if ready().is_none() {
+    if common::guest_boot_ready().is_none() {
         return;
     }
     let env = env_with("busybox", busybox_image()).await;
@@ -241,7 +185,7 @@ async fn imp_run_prints_the_workload_output_and_returns_its_exit_code() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn imp_run_detached_then_exec_ps_stop_and_rm() {
     let _one = ONE_VM_AT_A_TIME.lock().await;
-    if ready().is_none() {
+    if common::guest_boot_ready().is_none() {
         return;
     }
     let env = env_with("busybox", busybox_image()).await;
@@ -323,7 +267,7 @@ async fn imp_run_detached_then_exec_ps_stop_and_rm() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn imp_run_refuses_an_image_whose_layer_escapes_the_rootfs() {
     let _one = ONE_VM_AT_A_TIME.lock().await;
-    if ready().is_none() {
+    if common::guest_boot_ready().is_none() {
         return;
     }
     let outside = std::env::temp_dir().join(format!("imp-e2e-escaped-{}", std::process::id()));
@@ -352,7 +296,7 @@ async fn imp_run_refuses_an_image_whose_layer_escapes_the_rootfs() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_vm_whose_supervisor_was_killed_is_reported_and_its_vmm_reaped_by_stop() {
     let _one = ONE_VM_AT_A_TIME.lock().await;
-    if ready().is_none() {
+    if common::guest_boot_ready().is_none() {
         return;
     }
     let env = env_with("busybox", busybox_image()).await;
@@ -441,7 +385,7 @@ async fn ctrl_c_stops_the_workload_gracefully() {
     use std::io::{BufRead, BufReader};
     use std::os::unix::process::CommandExt;
     let _one = ONE_VM_AT_A_TIME.lock().await;
-    if ready().is_none() {
+    if common::guest_boot_ready().is_none() {
         return;
     }
     let env = env_with("busybox", busybox_image()).await;
@@ -503,7 +447,7 @@ async fn ctrl_c_stops_the_workload_gracefully() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stdin_is_empty_without_dash_i_and_attached_with_it() {
     let _one = ONE_VM_AT_A_TIME.lock().await;
-    if ready().is_none() {
+    if common::guest_boot_ready().is_none() {
         return;
     }
     let env = env_with("stdin", busybox_image()).await;

@@ -1,0 +1,130 @@
+//! What the `imp` binary's end-to-end tests and benchmarks share: where the build tree is,
+//! the check that a real guest can boot here, polling with a deadline, free ports, and the
+//! test API server's users for the agent API.
+#![allow(dead_code)] // each test binary uses its own part of this module
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use imp_testkube::{Auth, Rule, User};
+
+/// The workspace's root (the checkout).
+pub fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .ancestors()
+        .nth(2)
+        .expect("crates/imp sits two levels below the workspace root")
+        .to_path_buf()
+}
+
+/// The guest kernel `scripts/setup` fetched.
+pub fn kernel() -> PathBuf {
+    workspace_root().join("target/guest-kernel/vmlinux")
+}
+
+/// The static guest init `scripts/build-guest.sh` built.
+pub fn guest() -> PathBuf {
+    workspace_root().join("target/imp-guest/imp-guest")
+}
+
+/// Everything a real guest boot from a local registry needs, or `None` when the caller must
+/// skip (the guard has said why; under CI=true it fails instead).
+pub fn guest_boot_ready() -> Option<()> {
+    let vhost = imp_testkube::guard::which("vhost-device-vsock").is_some()
+        || std::env::var_os("HOME")
+            .map(|h| PathBuf::from(h).join(".cargo/bin/vhost-device-vsock"))
+            .is_some_and(|p| p.is_file());
+    let checks = [
+        (imp_testkube::guard::is_root(), "root"),
+        (
+            imp_testkube::guard::which("qemu-system-x86_64").is_some(),
+            "qemu-system-x86_64 (scripts/setup)",
+        ),
+        (
+            vhost,
+            "vhost-device-vsock (cargo install vhost-device-vsock)",
+        ),
+        (
+            imp_testkube::guard::which("docker-registry").is_some(),
+            "docker-registry (apt-get install docker-registry)",
+        ),
+        (
+            imp_testkube::guard::which("skopeo").is_some(),
+            "skopeo (apt-get install skopeo)",
+        ),
+        (
+            imp_testkube::guard::which("mkfs.ext4").is_some(),
+            "mkfs.ext4 (apt-get install e2fsprogs)",
+        ),
+        (
+            Path::new("/bin/busybox").is_file(),
+            "static /bin/busybox (apt-get install busybox-static)",
+        ),
+        (
+            kernel().is_file(),
+            "target/guest-kernel/vmlinux (scripts/fetch-guest-kernel.sh)",
+        ),
+        (
+            guest().is_file(),
+            "target/imp-guest/imp-guest (scripts/build-guest.sh)",
+        ),
+    ];
+    for (ok, what) in checks {
+        if !imp_testkube::guard::require(ok, what) {
+            return None;
+        }
+    }
+    Some(())
+}
+
+/// Polls `f` until it returns Some, or panics after `timeout` naming `what`.
+pub async fn wait_for<T, F, Fut>(what: &str, timeout: Duration, mut f: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Option<T>>,
+{
+    let start = Instant::now();
+    loop {
+        if let Some(v) = f().await {
+            return v;
+        }
+        assert!(
+            start.elapsed() < timeout,
+            "timed out after {timeout:?} waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// A loopback port nothing listens on now.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("binding 127.0.0.1:0")
+}
+
+/// The test API server's users: `admin-token` (system:masters, for the operator and the
+/// agents), `alice-token` (may `create` impvms/exec and impvms/console) and `bob-token`
+/// (authenticated, allowed nothing).
+pub fn exec_users() -> Auth {
+    let user = |name: &str, groups: &[&str]| User {
+        name: name.to_owned(),
+        groups: groups.iter().map(|g| g.to_string()).collect(),
+    };
+    Auth {
+        tokens: HashMap::from([
+            ("admin-token".to_owned(), user("admin", &["system:masters"])),
+            ("alice-token".to_owned(), user("alice", &["dev"])),
+            ("bob-token".to_owned(), user("bob", &["dev"])),
+        ]),
+        rules: vec![Rule {
+            subject: "alice".into(),
+            verbs: vec!["create".into()],
+            groups: vec!["imp.dev".into()],
+            resources: vec!["impvms/exec".into(), "impvms/console".into()],
+        }],
+        enforce: false,
+    }
+}
