@@ -240,7 +240,23 @@ async fn run(args: Args) -> anyhow::Result<()> {
             Some(ip) if bound.ip().is_unspecified() => format!("{ip}:{}", bound.port()),
             _ => bound.to_string(),
         });
-    publish_endpoint(&client, &node, &advertise, identity.fingerprint()).await?;
+    // Published in the background: a Node that is not there yet (or a missing RBAC rule) must
+    // not keep the agent from running its VMs; it is retried until it works.
+    let publisher = {
+        let (client, node, advertise) = (client.clone(), node.clone(), advertise.clone());
+        let fingerprint = identity.fingerprint().to_owned();
+        tokio::spawn(async move {
+            while let Err(e) = publish_endpoint(&client, &node, &advertise, &fingerprint).await {
+                tracing::warn!(node, error = %format!("{e:#}"), "cannot publish the agent API's address yet; retrying in 10 s");
+                tokio::time::sleep(Duration::from_secs(10)).await;
+            }
+            tracing::info!(
+                node,
+                endpoint = advertise,
+                "published the agent API's address on the Node"
+            );
+        })
+    };
     let api = AgentApi::new(
         ctx.vms(),
         Arc::new(KubeReviewer::new(client)),
@@ -289,6 +305,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
     ops.abort();
     server.abort();
     gauges.abort();
+    publisher.abort();
     Ok(())
 }
 
