@@ -139,7 +139,8 @@ fn report(vm: &Observed, l: Local<'_>) -> Report {
             exit_code: None,
             reason: ConditionReason::VmLost,
             message: format!(
-                "the VM's supervisor (pid {}) died; its VMM was ended with it",
+                "the VM's supervisor (pid {}) died before recording the VM's end; the VM is \
+                 stopped and its files removed",
                 r.supervisor_pid
             ),
         },
@@ -216,6 +217,7 @@ mod tests {
             digest: None,
             runtime: "qemu".into(),
             supervisor_pid: 42,
+            supervisor_started: None,
             vmm_pid: Some(43),
             helper_pids: vec![],
             vsock: "/v".into(),

@@ -40,7 +40,7 @@ use super::decide::{self, Decision, Local, Observed, Report};
 use super::env;
 use super::metrics::Metrics;
 use crate::runtime::shim::{self, ShimCommand};
-use crate::runtime::state::{Owner, StateDir, VmRecord, VmStatus};
+use crate::runtime::state::{Owner, StateDir, StateError, VmRecord, VmStatus};
 
 /// Field manager of every agent write.
 pub const FIELD_MANAGER: &str = "imp-agent";
@@ -101,8 +101,12 @@ pub struct NodeVms {
 
 impl NodeVms {
     fn refresh(&self, records: &[(VmRecord, bool)]) {
-        let map = records
-            .iter()
+        // Oldest first, so that when a recreated VM's record sits beside its predecessor's
+        // (still being torn down), the newest one is kept.
+        let mut sorted: Vec<&(VmRecord, bool)> = records.iter().collect();
+        sorted.sort_by_key(|(r, _)| r.created_unix);
+        let map = sorted
+            .into_iter()
             .filter_map(|(r, alive)| {
                 let o = r.owner.as_ref()?;
                 let endpoint = crate::api::GuestEndpoint {
@@ -254,18 +258,37 @@ impl Context {
     }
 }
 
-/// The VM's local record and whether its shim lives, read off the async runtime.
-async fn local_state(state: &StateDir, uid: &str) -> Option<(VmRecord, bool)> {
-    let (state, uid) = (state.clone(), uid.to_owned());
-    tokio::task::spawn_blocking(move || {
-        state.load(&uid).ok().map(|r| {
-            let alive = r.supervisor_alive();
-            (r, alive)
-        })
+/// The VM's local record and whether its shim lives, read off the async runtime. No record is
+/// `None`; a record that cannot be read is an error (retried), never taken for a lost VM.
+/// Liveness is checked before the record is trusted: a shim seen dead is read again, since it
+/// writes the VM's end just before it exits.
+async fn local_state(state: &StateDir, uid: &str) -> Result<Option<(VmRecord, bool)>, Error> {
+    let (state, id) = (state.clone(), uid.to_owned());
+    let read = tokio::task::spawn_blocking(move || -> Result<_, StateError> {
+        let load = || match state.load(&id) {
+            Ok(r) => Ok(Some(r)),
+            Err(StateError::NoSuchVm(_)) => Ok(None),
+            Err(e) => Err(e),
+        };
+        let Some(first) = load()? else {
+            return Ok(None);
+        };
+        if first.supervisor_alive() {
+            return Ok(Some((first, true)));
+        }
+        Ok(load()?.map(|r| (r, false)))
     })
-    .await
-    .ok()
-    .flatten()
+    .await;
+    let local = |source: Box<dyn std::error::Error + Send + Sync>| Error::Local {
+        doing: "reading the record of",
+        vm: uid.to_owned(),
+        source,
+    };
+    match read {
+        Ok(Ok(v)) => Ok(v),
+        Ok(Err(e)) => Err(local(Box::new(e))),
+        Err(e) => Err(local(Box::new(e))),
+    }
 }
 
 fn observed(vm: &ImpVM) -> Observed {
@@ -282,7 +305,7 @@ fn observed(vm: &ImpVM) -> Observed {
 /// Reconciles one VM.
 pub async fn reconcile(vm: Arc<ImpVM>, ctx: Arc<Context>) -> Result<Action, Error> {
     let uid = vm.uid().ok_or_else(|| Error::NoUid(key(&vm)))?;
-    let local = local_state(&ctx.settings.state, &uid).await;
+    let local = local_state(&ctx.settings.state, &uid).await?;
     let decision = decide::decide(
         &observed(&vm),
         local.as_ref().map(|(record, alive)| Local {
@@ -330,27 +353,41 @@ async fn teardown(
     uid: &str,
     record: Option<&VmRecord>,
 ) -> Result<(), Error> {
-    let local_err = |doing: &'static str| {
-        let vm = key(vm);
-        move |e: shim::ShimError| Error::Local {
-            doing,
-            vm,
-            source: Box::new(e),
-        }
-    };
-    if let Some(r) = record {
-        shim::stop(&ctx.settings.state, r, ctx.settings.stop_grace)
-            .await
-            .map_err(local_err("stopping"))?;
-    }
-    let cgroup = shim::read_spec(&ctx.settings.state, uid)
-        .ok()
-        .and_then(|s| s.cgroup.map(|c| c.path));
-    shim::remove(&ctx.settings.state, uid, cgroup.as_deref())
+    remove_vm(ctx, uid, record)
         .await
-        .map_err(local_err("removing"))?;
+        .map_err(|e| Error::Local {
+            doing: "removing",
+            vm: key(vm),
+            source: Box::new(e),
+        })?;
     tracing::info!(vm = %key(vm), node = %ctx.settings.node, "VM stopped and its files removed");
     Ok(())
+}
+
+/// Stops VM `uid` (gracefully, then by force: a shim that does not end in time is killed with
+/// everything in the VM's cgroup, or with its recorded VMM where it has no cgroup) and removes
+/// its cgroup and directory.
+async fn remove_vm(
+    ctx: &Context,
+    uid: &str,
+    record: Option<&VmRecord>,
+) -> Result<(), shim::ShimError> {
+    let state = &ctx.settings.state;
+    if let Some(r) = record
+        && let Err(e) = shim::stop(state, r, ctx.settings.stop_grace).await
+    {
+        tracing::warn!(uid, node = %ctx.settings.node, error = %error_chain(&e), "the shim did not stop; killing the VM");
+        let _ = shim::signal(r, nix::sys::signal::Signal::SIGKILL);
+    }
+    let cgroup = shim::read_spec(state, uid)
+        .ok()
+        .and_then(|s| s.cgroup.map(|c| c.path));
+    if cgroup.is_none()
+        && let Some(r) = record
+    {
+        shim::kill_orphans(state, r);
+    }
+    shim::remove(state, uid, cgroup.as_deref()).await
 }
 
 /// The resolved spec and class of a VM, or why they cannot be had yet.
@@ -534,11 +571,20 @@ async fn start(ctx: &Context, vm: &ImpVM, uid: &str) -> Result<Action, Error> {
     let (st, id, cmd) = (state.clone(), uid.to_owned(), ctx.settings.shim.clone());
     let started = tokio::task::spawn_blocking(
         move || -> Result<u32, Box<dyn std::error::Error + Send + Sync>> {
+            // Only a start cut short (an agent killed mid-way) leaves a directory without a
+            // record, and nothing runs there: it is removed so the start can proceed.
+            st.remove(&id)?;
             st.create_vm_dir(&id)?;
-            if let (Some(path), Some(creds)) = (auth_file, credentials) {
-                write_private(&path, &creds)?;
+            let launched = (|| -> Result<u32, Box<dyn std::error::Error + Send + Sync>> {
+                if let (Some(path), Some(creds)) = (auth_file, credentials) {
+                    write_private(&path, &creds)?;
+                }
+                Ok(shim::start(&cmd, &st, &id, &vm_spec)?)
+            })();
+            if launched.is_err() {
+                let _ = st.remove(&id);
             }
-            Ok(shim::start(&cmd, &st, &id, &vm_spec)?)
+            launched
         },
     )
     .await;
@@ -777,6 +823,7 @@ async fn watch_records(ctx: Arc<Context>, store: Store<ImpVM>, tx: mpsc::Sender<
     let store_ready = store.wait_until_ready();
     tokio::pin!(store_ready);
     let mut ready = false;
+    let mut collecting: Option<tokio::task::JoinHandle<()>> = None;
     loop {
         tokio::select! {
             () = tokio::time::sleep(ctx.settings.poll) => {}
@@ -812,15 +859,24 @@ async fn watch_records(ctx: Arc<Context>, store: Store<ImpVM>, tx: mpsc::Sender<
             }
         }
         seen.retain(|name, _| records.iter().any(|r| &r.name == name));
-        if ready && ticks.is_multiple_of(40) {
-            collect_orphans(&ctx, &store, &records).await;
+        let idle = collecting.as_ref().is_none_or(|t| t.is_finished());
+        if ready && idle && ticks.is_multiple_of(40) {
+            // Its own task: stopping orphans takes seconds, and status must keep flowing.
+            collecting = Some(tokio::spawn(collect_orphans(
+                ctx.clone(),
+                store.clone(),
+                records,
+            )));
         }
     }
 }
 
-/// Tears down records whose ImpVM (by uid) is no longer on this node.
-async fn collect_orphans(ctx: &Context, store: &Store<ImpVM>, records: &[VmRecord]) {
-    for r in records {
+/// Tears down records whose ImpVM (by uid) is no longer on this node, and sweeps what
+/// interrupted removals left.
+async fn collect_orphans(ctx: Arc<Context>, store: Store<ImpVM>, records: Vec<VmRecord>) {
+    let state = ctx.settings.state.clone();
+    let _ = tokio::task::spawn_blocking(move || state.sweep_trash()).await;
+    for r in &records {
         let Some(owner) = &r.owner else { continue };
         let key = ObjectRef::new(&owner.name).within(&owner.namespace);
         let here = store
@@ -830,14 +886,8 @@ async fn collect_orphans(ctx: &Context, store: &Store<ImpVM>, records: &[VmRecor
             continue;
         }
         tracing::info!(vm = %format!("{}/{}", owner.namespace, owner.name), node = %ctx.settings.node, uid = %owner.uid, "the ImpVM left this node; removing its VM");
-        if let Err(e) = shim::stop(&ctx.settings.state, r, ctx.settings.stop_grace).await {
-            tracing::warn!(uid = %owner.uid, error = %error_chain(&e), "stopping an orphaned VM failed");
-            continue;
-        }
-        let cgroup = shim::read_spec(&ctx.settings.state, &r.name)
-            .ok()
-            .and_then(|s| s.cgroup.map(|c| c.path));
-        if let Err(e) = shim::remove(&ctx.settings.state, &r.name, cgroup.as_deref()).await {
+        let alive = r.supervisor_alive();
+        if let Err(e) = remove_vm(&ctx, &r.name, alive.then_some(r)).await {
             tracing::warn!(uid = %owner.uid, error = %error_chain(&e), "removing an orphaned VM failed");
         }
         ctx.metrics.set_phase(&owner.uid, None);

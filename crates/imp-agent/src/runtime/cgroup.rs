@@ -30,6 +30,12 @@ pub enum CgroupError {
     /// The path would leave the hierarchy.
     #[error("cgroup path {0:?} must be relative, without '..'")]
     BadPath(String),
+    /// No cgroup hierarchy is mounted with its root visible (e.g. a container without its
+    /// own cgroup namespace sees only its subtree): the VM could not leave our cgroup.
+    #[error(
+        "no cgroup hierarchy is mounted at its root here (see /proc/self/mountinfo); the agent needs the host's /sys/fs/cgroup"
+    )]
+    NoHierarchy,
     /// Processes were still in the cgroup after being killed.
     #[error("processes {pids:?} in cgroup {path} survived SIGKILL")]
     Survivors {
@@ -167,6 +173,9 @@ impl VmCgroup {
     /// Creates the cgroup in every hierarchy and limits its memory to `memory_limit_bytes`.
     pub fn create(path: &str, memory_limit_bytes: u64) -> Result<Self> {
         let cg = Self::at(path)?;
+        if cg.dirs.is_empty() {
+            return Err(CgroupError::NoHierarchy);
+        }
         for (h, dir) in &cg.dirs {
             create_dirs(h, dir)?;
             if h.has("memory") {

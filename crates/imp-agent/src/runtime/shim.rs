@@ -124,7 +124,8 @@ pub fn start(
     });
     // The record exists from now on, so a starter that looks again at once (a retried
     // reconcile) finds the VM started and never starts a second shim.
-    state.save(&super::supervisor::initial_record(id, &dir, spec, pid))?;
+    // Only if the shim has not written its own (it may already have ended, e.g. failed).
+    state.save_new(&super::supervisor::initial_record(id, &dir, spec, pid))?;
     tracing::debug!(vm = %id, pid, "shim started");
     Ok(pid)
 }

@@ -152,6 +152,33 @@ impl StateDir {
         write_json(&self.vm_dir(&record.name).join(RECORD), record)
     }
 
+    /// Writes `record` only if the VM has no record yet (the shim's own first write wins);
+    /// returns whether it was written. A VM directory already removed is not an error.
+    pub fn save_new(&self, record: &VmRecord) -> Result<bool> {
+        let path = self.vm_dir(&record.name).join(RECORD);
+        let tmp = path.with_file_name(format!(".{RECORD}.{}.new", std::process::id()));
+        match write_json(&tmp, record) {
+            Err(StateError::Io { source, .. }) if source.kind() == std::io::ErrorKind::NotFound => {
+                return Ok(false);
+            }
+            r => r?,
+        }
+        let linked = std::fs::hard_link(&tmp, &path);
+        let _ = std::fs::remove_file(&tmp);
+        match linked {
+            Ok(()) => Ok(true),
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::AlreadyExists | std::io::ErrorKind::NotFound
+                ) =>
+            {
+                Ok(false)
+            }
+            Err(e) => Err(io("linking into place", &path)(e)),
+        }
+    }
+
     /// Every VM with a readable record, sorted by name; unreadable ones are reported apart.
     pub fn list(&self) -> Result<Listing> {
         let vms = self.root.join("vms");
@@ -164,6 +191,9 @@ impl StateDir {
         for entry in entries {
             let entry = entry.map_err(io("listing", &vms))?;
             let name = entry.file_name().to_string_lossy().into_owned();
+            if name.starts_with('.') {
+                continue; // a directory on its way out (see `remove`)
+            }
             match self.load(&name) {
                 Ok(r) => good.push(r),
                 Err(e) => bad.push((entry.path(), e)),
@@ -173,13 +203,31 @@ impl StateDir {
         Ok((good, bad))
     }
 
-    /// Deletes VM `id`'s directory (disk, logs, record); a missing one is not an error.
+    /// Deletes VM `id`'s directory (disk, logs, record); a missing one is not an error. The
+    /// directory is first renamed out of the VMs' namespace, so a removal cut short leaves
+    /// trash ([`Self::sweep_trash`]) rather than a VM without a record.
     pub fn remove(&self, id: &str) -> Result<()> {
         validate_name(id)?;
         let dir = self.vm_dir(id);
-        match std::fs::remove_dir_all(&dir) {
-            Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(io("removing", &dir)(e)),
-            _ => Ok(()),
+        let trash = self
+            .root
+            .join("vms")
+            .join(format!(".trash-{id}-{}", std::process::id()));
+        match std::fs::rename(&dir, &trash) {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+            Err(e) => return Err(io("moving aside", &dir)(e)),
+            Ok(()) => {}
+        }
+        std::fs::remove_dir_all(&trash).map_err(io("removing", &trash))
+    }
+
+    /// Removes what interrupted removals left (`vms/.trash-*`).
+    pub fn sweep_trash(&self) {
+        let vms = self.root.join("vms");
+        for entry in std::fs::read_dir(&vms).into_iter().flatten().flatten() {
+            if entry.file_name().to_string_lossy().starts_with(".trash-") {
+                let _ = std::fs::remove_dir_all(entry.path());
+            }
         }
     }
 }
@@ -299,6 +347,10 @@ pub struct VmRecord {
     pub runtime: String,
     /// The shim's pid: `imp stop` signals it, `imp ps` checks it is alive.
     pub supervisor_pid: u32,
+    /// The shim's start time (clock ticks since boot, `/proc/PID/stat` field 22), so that a pid
+    /// reused by another process after the shim died (or after a reboot) is not taken for it.
+    #[serde(default)]
+    pub supervisor_started: Option<u64>,
     /// The VMM process's pid, once started.
     pub vmm_pid: Option<u32>,
     /// Other processes of the VM (QEMU's vhost-device-vsock), killed with an orphaned VMM.
@@ -347,6 +399,9 @@ impl VmRecord {
     /// Whether the shim still runs, so the record's status can be trusted.
     pub fn supervisor_alive(&self) -> bool {
         pid_alive(self.supervisor_pid)
+            && self
+                .supervisor_started
+                .is_none_or(|t| process_start_time(self.supervisor_pid) == Some(t))
     }
 
     /// The status to show: a live status whose shim died reads as `Failed`.
@@ -374,6 +429,15 @@ pub fn pid_alive(pid: u32) -> bool {
     // A zombie (dead, not yet reaped: a killed detached supervisor whose new parent does not
     // reap) still answers signal 0.
     exists && !is_zombie(pid)
+}
+
+/// When process `pid` started, in clock ticks since boot (`/proc/PID/stat` field 22): with
+/// the pid, it names one process for the machine's uptime.
+pub fn process_start_time(pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // Fields after the command name (which may hold spaces) start at field 3 (state).
+    let (_, rest) = stat.rsplit_once(')')?;
+    rest.split_whitespace().nth(19)?.parse().ok()
 }
 
 /// Whether /proc says `pid` is a zombie (state `Z` after the command name).
@@ -460,6 +524,7 @@ mod tests {
                 digest: None,
                 runtime: "qemu".into(),
                 supervisor_pid: std::process::id(),
+                supervisor_started: process_start_time(std::process::id()),
                 vmm_pid: None,
                 helper_pids: Vec::new(),
                 vsock: "/v".into(),
@@ -496,6 +561,96 @@ mod tests {
         let missing = state.load("nope").unwrap_err().to_string();
         assert!(missing.contains("imp ps"), "{missing}");
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_live_pid_with_another_start_time_is_not_the_supervisor() {
+        let me = std::process::id();
+        let started = process_start_time(me);
+        assert!(started.is_some());
+        let mut r = VmRecord {
+            name: "x".into(),
+            image: "i".into(),
+            digest: None,
+            runtime: "qemu".into(),
+            supervisor_pid: me,
+            supervisor_started: started,
+            vmm_pid: None,
+            helper_pids: Vec::new(),
+            vsock: "/v".into(),
+            agent_port: 1,
+            serial_log: "/s".into(),
+            created_unix: 0,
+            running_unix: None,
+            finished_unix: None,
+            status: VmStatus::Running,
+            exit_code: None,
+            error: None,
+            error_stage: None,
+            console_tail: None,
+            remove_on_exit: false,
+            attach_argv: None,
+            timings: Timings::default(),
+            owner: None,
+        };
+        assert!(r.supervisor_alive());
+        r.supervisor_started = started.map(|t| t + 1);
+        assert!(!r.supervisor_alive(), "a reused pid passed for the shim");
+        assert_eq!(r.effective_status(), VmStatus::Failed);
+    }
+
+    #[test]
+    fn the_first_record_is_written_once_and_removal_leaves_no_vm_behind() {
+        let dir = std::env::temp_dir().join(format!("imp-state-new-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let state = StateDir::new(&dir);
+        state.create_vm_dir("v").unwrap();
+        let mut r = state_record("v");
+        assert!(state.save_new(&r).unwrap());
+        r.status = VmStatus::Failed;
+        assert!(
+            !state.save_new(&r).unwrap(),
+            "a second first record was written"
+        );
+        assert_eq!(state.load("v").unwrap().status, VmStatus::Running);
+        state.remove("v").unwrap();
+        assert!(!state.save_new(&r).unwrap(), "a removed VM got a record");
+        std::fs::create_dir_all(dir.join("vms/.trash-old-1/sub")).unwrap();
+        assert!(
+            state.list().unwrap().1.is_empty(),
+            "trash listed as a broken VM"
+        );
+        state.sweep_trash();
+        assert!(std::fs::read_dir(dir.join("vms")).unwrap().next().is_none());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    fn state_record(name: &str) -> VmRecord {
+        VmRecord {
+            name: name.into(),
+            image: "i".into(),
+            digest: None,
+            runtime: "qemu".into(),
+            supervisor_pid: 1,
+            supervisor_started: None,
+            vmm_pid: None,
+            helper_pids: Vec::new(),
+            vsock: "/v".into(),
+            agent_port: 1,
+            serial_log: "/s".into(),
+            created_unix: 0,
+            running_unix: None,
+            finished_unix: None,
+            status: VmStatus::Running,
+            exit_code: None,
+            error: None,
+            error_stage: None,
+            console_tail: None,
+            remove_on_exit: false,
+            attach_argv: None,
+            timings: Timings::default(),
+            owner: None,
+        }
     }
 
     #[test]

@@ -155,6 +155,7 @@ pub fn initial_record(id: &str, dir: &Path, spec: &VmSpec, shim_pid: u32) -> VmR
         digest: None,
         runtime: spec.runtime.as_str().to_owned(),
         supervisor_pid: shim_pid,
+        supervisor_started: state::process_start_time(shim_pid),
         vmm_pid: None,
         helper_pids: Vec::new(),
         vsock: dir.join("vsock.sock"),
@@ -448,12 +449,14 @@ async fn drive<V: Vmm>(
     let health = guest_agent::wait_healthy(&record.vsock, record.agent_port, spec.boot_timeout());
     tokio::pin!(health);
     let mut healthy = false;
+    let mut stopped = false;
     let mut reported: Option<ExitStatus> = None;
     let mut tick = tokio::time::interval(Duration::from_millis(100));
     loop {
         tokio::select! {
             _ = tick.tick() => {}
             () = stop.requested() => {
+                stopped = true;
                 let grace = stop_grace(dir).await;
                 match vm.stop(grace).await {
                     Ok(StopOutcome::Killed) => tracing::warn!(vm = %record.name, ?grace, "did not power off within the grace period; killed"),
@@ -505,9 +508,8 @@ async fn drive<V: Vmm>(
     let tail = read_console_tail(&record.serial_log).await;
     match imp_proto::marker::find_exit_code(&tail) {
         Some(code) => Ended::Exited(code),
-        None if record.status == VmStatus::Running && stopped_by_request(dir) => {
-            Ended::Exited(STOPPED_EXIT_CODE)
-        }
+        // Stopped on request before the workload reported (also while the guest booted).
+        None if stopped => Ended::Exited(STOPPED_EXIT_CODE),
         None => Ended::Failed(Failure::new(
             Stage::Run,
             format!(
@@ -516,11 +518,6 @@ async fn drive<V: Vmm>(
             ),
         )),
     }
-}
-
-/// Whether a front end asked for this stop (it writes the grace file first).
-fn stopped_by_request(dir: &Path) -> bool {
-    dir.join(STOP_GRACE_FILE).exists()
 }
 
 async fn stop_grace(dir: &Path) -> Duration {

@@ -290,37 +290,42 @@ async fn until_running(
 /// stops the VM; returns the workload's exit code. Ctrl-C (without -t, where it is a key the
 /// workload reads) stops the VM.
 async fn attached(state: &StateDir, name: &str, args: &RunArgs) -> anyhow::Result<i32> {
-    use tokio::signal::unix::{SignalKind, signal};
-    let mut sigint = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
-    let mut sigterm = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
-    let record = until_running(state, name, args.boot_timeout).await?;
-    let argv = record
-        .attach_argv
-        .clone()
-        .context("the VM's record holds no workload to attach to")?;
-    let opts = super::exec::ExecOptions {
-        argv,
-        env: Vec::new(),
-        cwd: None,
-        user: None,
-        tty: args.tty,
-        stdin: args.interactive,
-    };
-    let (vsock, port) = (record.vsock.clone(), record.agent_port);
-    let session = tokio::task::spawn_blocking(move || {
-        let conn = super::exec::connect(&vsock, port, Duration::from_secs(30))?;
-        super::exec::exec(conn, &opts)
-    });
-    let code = tokio::select! {
-        r = session => r.context("the terminal session task failed")??.code(),
-        _ = sigint.recv() => 130,
-        _ = sigterm.recv() => 143,
-    };
-    let record = load(state, name).await.unwrap_or(record);
-    shim::stop(state, &record, Duration::from_secs(2))
-        .await
-        .with_context(|| format!("stopping {name}"))?;
-    Ok(code)
+    let mut stop = StopSignals::install()?;
+    let session = async {
+        let record = tokio::select! {
+            r = until_running(state, name, args.boot_timeout) => r?,
+            () = stop.requested() => return Ok(130),
+        };
+        let argv = record
+            .attach_argv
+            .clone()
+            .context("the VM's record holds no workload to attach to")?;
+        let opts = super::exec::ExecOptions {
+            argv,
+            env: Vec::new(),
+            cwd: None,
+            user: None,
+            tty: args.tty,
+            stdin: args.interactive,
+        };
+        let (vsock, port) = (record.vsock.clone(), record.agent_port);
+        let exec = tokio::task::spawn_blocking(move || {
+            let conn = super::exec::connect(&vsock, port, Duration::from_secs(30))?;
+            super::exec::exec(conn, &opts)
+        });
+        tokio::select! {
+            r = exec => Ok(r.context("the terminal session task failed")??.code()),
+            () = stop.requested() => Ok(130),
+        }
+    }
+    .await;
+    // Whatever happened, the VM goes with the session.
+    if let Some(record) = load(state, name).await {
+        shim::stop(state, &record, Duration::from_secs(2))
+            .await
+            .with_context(|| format!("stopping {name}"))?;
+    }
+    session
 }
 
 async fn load(state: &StateDir, name: &str) -> Option<VmRecord> {
@@ -334,22 +339,24 @@ async fn load(state: &StateDir, name: &str) -> Option<VmRecord> {
 /// The foreground: prints the workload's console lines until the shim has recorded the end,
 /// and turns Ctrl-C and SIGTERM into a graceful stop.
 async fn follow(state: &StateDir, name: &str, filter: Filter) -> anyhow::Result<i32> {
-    use tokio::signal::unix::{SignalKind, signal};
-    let mut sigint = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
-    let mut sigterm = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
+    let mut stop = StopSignals::install()?;
     // The console is followed from the path the shim records once the VMM runs.
     let mut follower: Option<Follower> = None;
     let mut stopping: Option<tokio::task::JoinHandle<()>> = None;
+    let mut seen = false;
     let mut tick = tokio::time::interval(Duration::from_millis(50));
     loop {
         let interrupted = tokio::select! {
             _ = tick.tick() => false,
-            _ = sigint.recv() => true,
-            _ = sigterm.recv() => true,
+            () = stop.requested() => true,
         };
-        let Some(record) = load(state, name).await else {
+        let Some(mut record) = load(state, name).await else {
+            if seen {
+                bail!("VM {name}'s record disappeared (was it removed with `imp rm -f`?)");
+            }
             continue;
         };
+        seen = true;
         if interrupted && stopping.is_none() {
             let (state, r) = (state.clone(), record.clone());
             stopping = Some(tokio::spawn(async move {
@@ -362,11 +369,42 @@ async fn follow(state: &StateDir, name: &str, filter: Filter) -> anyhow::Result<
             follower = Some(Follower::new(&record.serial_log));
         }
         let ended = !record.supervisor_alive();
+        if ended {
+            // The shim writes the end just before it exits: read the record once more.
+            record = load(state, name).await.unwrap_or(record);
+        }
         if let Some(f) = follower.take() {
             follower = Some(print_console(f, filter, ended).await);
         }
         if ended {
             return outcome(state, &record);
+        }
+    }
+}
+
+/// SIGINT, SIGTERM and SIGHUP (a closed terminal): each asks the front end to stop the VM.
+struct StopSignals {
+    int: tokio::signal::unix::Signal,
+    term: tokio::signal::unix::Signal,
+    hup: tokio::signal::unix::Signal,
+}
+
+impl StopSignals {
+    fn install() -> anyhow::Result<Self> {
+        use tokio::signal::unix::{SignalKind, signal};
+        let handler = |kind| signal(kind).context("installing a signal handler");
+        Ok(Self {
+            int: handler(SignalKind::interrupt())?,
+            term: handler(SignalKind::terminate())?,
+            hup: handler(SignalKind::hangup())?,
+        })
+    }
+
+    async fn requested(&mut self) {
+        tokio::select! {
+            _ = self.int.recv() => {}
+            _ = self.term.recv() => {}
+            _ = self.hup.recv() => {}
         }
     }
 }
