@@ -414,6 +414,27 @@ async fn impvms_boot_end_survive_an_agent_restart_and_clean_up_on_their_nodes() 
         .unwrap()
         .push(json!({"name": "GREETING",
         "valueFrom": {"secretKeyRef": {"name": "svc-secret", "key": "greeting"}}}));
+    // A VM whose registry accepts connections and never answers: its pull hangs, and must
+    // delay neither the start of svc nor exec into it.
+    let stalled = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let stalled_addr = stalled.local_addr().unwrap();
+    let holder = tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((conn, _)) = stalled.accept().await {
+            held.push(conn);
+        }
+    });
+    let slow = create_vm(
+        &vms,
+        "slow",
+        json!({"classRef": {"name": "small"}, "nodeName": "node-a",
+        "image": format!("{stalled_addr}/slow:1")}),
+    )
+    .await;
+    wait_vm(&vms, "slow", "Starting", 30, |v| {
+        phase(v) == Some(VmPhase::Starting)
+    })
+    .await;
     let svc = create_vm(&vms, "svc", svc_spec).await;
     let svc_uid = svc.uid().unwrap();
     let starting = wait_vm(&vms, "svc", "Starting", 30, |v| {
@@ -429,6 +450,12 @@ async fn impvms_boot_end_survive_an_agent_restart_and_clean_up_on_their_nodes() 
         phase(v) == Some(VmPhase::Running)
     })
     .await;
+    let slow_now = vms.get("slow").await.unwrap();
+    assert_eq!(
+        phase(&slow_now),
+        Some(VmPhase::Starting),
+        "the stalled pull ended?"
+    );
     let st = running.status.clone().unwrap();
     assert_eq!(st.node_name.as_deref(), Some("node-a"));
     assert_eq!(st.runtime.as_deref(), Some("qemu"));
@@ -485,6 +512,19 @@ async fn impvms_boot_end_survive_an_agent_restart_and_clean_up_on_their_nodes() 
     let out = imp_as("alice-token", &["console", "-n", NS, "svc", "--no-follow"]);
     assert!(out.status.success());
     assert!(String::from_utf8_lossy(&out.stdout).contains("svc up"));
+
+    // The stalled VM is deleted while its pull hangs: its shim abandons the start at once.
+    let slow_dir = a.state.join("vms").join(slow.uid().unwrap());
+    assert!(slow_dir.exists());
+    vms.delete("slow", &DeleteParams::default()).await.unwrap();
+    common::wait_for("slow deleted", Duration::from_secs(30), || {
+        let vms = vms.clone();
+        async move { vms.get_opt("slow").await.unwrap().is_none().then_some(()) }
+    })
+    .await;
+    assert!(!slow_dir.exists(), "{} remains", slow_dir.display());
+    assert!(processes_naming(slow_dir.to_str().unwrap()).is_empty());
+    holder.abort();
 
     // Node b cannot run VMs: its VM says why, naming the path and the setting, and /readyz fails.
     create_vm(
