@@ -178,7 +178,12 @@ where
             copied?;
         }
         copied = &mut up => {
-            copied?;
+            // The caller's last bytes (stdin's EOF, say) may reach a guest that has already
+            // sent the exit and closed: that write fails, but what the guest sent is still on
+            // its way to the caller, so the guest's side is always drained to its end.
+            if let Err(e) = copied {
+                tracing::debug!(error = %e, "caller to guest copy ended with an error");
+            }
             down.await?;
         }
     }
@@ -385,6 +390,56 @@ mod tests {
         let to_guest = read_all(guest).await;
         assert_eq!(to_guest.len(), 1, "{to_guest:?}");
         assert!(matches!(to_guest[0], Message::Hello(_)));
+    }
+
+    /// A guest stream whose writes fail, as a socket the guest has closed.
+    struct ClosedForWrites;
+
+    impl tokio::io::AsyncWrite for ClosedForWrites {
+        fn poll_write(
+            self: std::pin::Pin<&mut Self>,
+            _: &mut std::task::Context<'_>,
+            _: &[u8],
+        ) -> std::task::Poll<std::io::Result<usize>> {
+            std::task::Poll::Ready(Err(std::io::ErrorKind::BrokenPipe.into()))
+        }
+        fn poll_flush(
+            self: std::pin::Pin<&mut Self>,
+            _: &mut std::task::Context<'_>,
+        ) -> std::task::Poll<std::io::Result<()>> {
+            std::task::Poll::Ready(Ok(()))
+        }
+        fn poll_shutdown(
+            self: std::pin::Pin<&mut Self>,
+            _: &mut std::task::Context<'_>,
+        ) -> std::task::Poll<std::io::Result<()>> {
+            std::task::Poll::Ready(Ok(()))
+        }
+    }
+
+    #[tokio::test]
+    async fn what_the_guest_sent_reaches_the_caller_even_when_the_callers_last_write_fails() {
+        let (mut caller, caller_near) = duplex(1 << 16);
+        let (mut guest_far, guest_rx) = duplex(1 << 16);
+        let guest = tokio::io::join(guest_rx, ClosedForWrites);
+        let task = tokio::spawn(splice(caller_near, guest));
+        // The caller's stdin EOF goes out first and fails at the closed guest...
+        caller
+            .write_all(&encode(&Message::StdinEof).unwrap())
+            .await
+            .unwrap();
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        // ...while the guest's exit is still on its way.
+        let exit = encode(&Message::Exit {
+            status: ExitStatus::Code(0),
+        })
+        .unwrap();
+        guest_far.write_all(&exit).await.unwrap();
+        drop(guest_far);
+        let mut got = Vec::new();
+        caller.read_to_end(&mut got).await.unwrap();
+        assert_eq!(got, exit, "the exit was lost");
+        task.await.unwrap().unwrap();
     }
 
     #[tokio::test]
