@@ -431,7 +431,7 @@ async fn impvms_boot_end_survive_an_agent_restart_and_clean_up_on_their_nodes() 
         "image": format!("{stalled_addr}/slow:1")}),
     )
     .await;
-    wait_vm(&vms, "slow", "Starting", 30, |v| {
+    wait_vm(&vms, "slow", "Starting", 90, |v| {
         phase(v) == Some(VmPhase::Starting)
     })
     .await;

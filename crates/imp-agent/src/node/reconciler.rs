@@ -746,7 +746,13 @@ async fn write_report(
 /// The Event (and metrics) of a phase transition.
 async fn announce(ctx: &Context, vm: &ImpVM, report: &Report, record: Option<&VmRecord>) {
     match report {
-        Report::Starting => {}
+        // The start's own Event is sent with its status write; this one is for a start whose
+        // write was refused (409) and is now reported from the record.
+        Report::Starting => {
+            let image = record.map(|r| r.image.as_str()).unwrap_or_default();
+            let note = format!("pulling {image} and booting on node {}", ctx.settings.node);
+            ctx.event(vm, EventType::Normal, "Starting", note).await;
+        }
         Report::Running => {
             let t = record.map(|r| r.timings).unwrap_or_default();
             ctx.metrics.observe_start(&t);
