@@ -24,6 +24,7 @@ use imp_agent::runtime::spec::Runtime;
 use imp_agent::runtime::state::StateDir;
 
 use crate::local::parse_duration;
+use crate::shutdown;
 
 /// The VMM for VMs whose class names none.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -264,26 +265,9 @@ async fn run(args: Args) -> anyhow::Result<()> {
     );
     tracing::info!(addr = %bound, advertise, "serving the authenticated exec and console API");
 
-    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    tokio::spawn(async move {
-        let mut term =
-            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-                Ok(s) => s,
-                Err(e) => {
-                    tracing::error!(error = %e, "cannot listen for SIGTERM");
-                    return;
-                }
-            };
-        tokio::select! {
-            _ = tokio::signal::ctrl_c() => {}
-            _ = term.recv() => {}
-        }
-        tracing::info!("shutting down; VMs keep running under their shims");
-        let _ = stop_tx.send(true);
-    });
-    let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
-        let _ = rx.wait_for(|s| *s).await;
-    };
+    let (_stop_tx, stop_rx) =
+        shutdown::on_signals("shutting down; VMs keep running under their shims");
+    let stopped = shutdown::stopped;
     let ops = tokio::spawn(metrics::serve(
         listener,
         metrics.clone(),

@@ -11,6 +11,7 @@ mod agent;
 mod cluster;
 mod local;
 mod operator;
+mod shutdown;
 
 #[derive(Parser)]
 #[command(

@@ -17,6 +17,8 @@ use imp_operator::metrics::{self, Health, Metrics};
 use imp_operator::webhook::{self, WebhookConfig};
 use tokio::sync::watch;
 
+use crate::shutdown;
+
 /// Flags of `imp operator`.
 #[derive(clap::Args)]
 pub struct Args {
@@ -140,29 +142,8 @@ async fn run(args: Args) -> anyhow::Result<()> {
         ..Settings::default()
     };
 
-    let (stop_tx, stop_rx) = watch::channel(false);
-    let stopped = move |mut rx: watch::Receiver<bool>| async move {
-        let _ = rx.wait_for(|s| *s).await;
-    };
-    tokio::spawn({
-        let stop_tx = stop_tx.clone();
-        async move {
-            let mut term =
-                match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-                    Ok(s) => s,
-                    Err(e) => {
-                        tracing::error!(error = %e, "cannot listen for SIGTERM");
-                        return;
-                    }
-                };
-            tokio::select! {
-                _ = tokio::signal::ctrl_c() => {}
-                _ = term.recv() => {}
-            }
-            tracing::info!("shutting down");
-            let _ = stop_tx.send(true);
-        }
-    });
+    let (stop_tx, stop_rx) = shutdown::on_signals("shutting down");
+    let stopped = shutdown::stopped;
 
     let metrics = Arc::new(Metrics::new());
     let health = Arc::new(Health::new());

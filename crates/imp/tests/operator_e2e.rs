@@ -4,6 +4,8 @@
 //! contract in `imp_operator::controller` says (phases, clearing `spec.nodeName` on cleanup).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod common;
+
 use std::collections::BTreeMap;
 use std::process::Stdio;
 use std::time::{Duration, Instant};
@@ -42,14 +44,6 @@ async fn env() -> Env {
     Env { kube, client }
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 struct Operator {
     child: Child,
     metrics_port: u16,
@@ -58,7 +52,7 @@ struct Operator {
 
 impl Operator {
     async fn start(env: &Env, identity: &str, extra: &[&str]) -> Self {
-        let metrics_port = free_port();
+        let metrics_port = common::free_port();
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_imp"));
         cmd.arg("operator")
             .args(["--metrics-addr", &format!("127.0.0.1:{metrics_port}")])
@@ -172,28 +166,9 @@ fn cond<'a>(
     v.status.as_ref()?.conditions.iter().find(|c| c.type_ == t)
 }
 
-/// Polls `f` until it returns Some, or panics after `timeout` naming `what`.
-async fn wait_for<T, F, Fut>(what: &str, timeout: Duration, mut f: F) -> T
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = Option<T>>,
-{
-    let start = Instant::now();
-    loop {
-        if let Some(v) = f().await {
-            return v;
-        }
-        assert!(
-            start.elapsed() < timeout,
-            "timed out after {timeout:?} waiting for {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
-
 async fn wait_vm(c: &Client, name: &str, what: &str, pred: impl Fn(&ImpVM) -> bool) -> ImpVM {
     let api = vms(c);
-    wait_for(what, Duration::from_secs(20), || {
+    common::wait_for(what, Duration::from_secs(20), || {
         let api = api.clone();
         let pred = &pred;
         async move { api.get_opt(name).await.unwrap().filter(|v| pred(v)) }
@@ -281,7 +256,7 @@ async fn missing_references_wait_in_pending_and_recover_when_created() {
             .message
             .contains("ImpVMTemplate default/tmpl")
     );
-    let evs = wait_for(
+    let evs = common::wait_for(
         "a Warning InvalidSpec event",
         Duration::from_secs(10),
         || async {
@@ -350,7 +325,7 @@ async fn concurrent_creation_never_overbooks_and_metrics_count_phases() {
     });
     futures::future::join_all(creates).await;
 
-    let list = wait_for(
+    let list = common::wait_for(
         "8 Scheduled and 16 NoNodeAvailable",
         Duration::from_secs(30),
         || async {
@@ -385,7 +360,7 @@ async fn concurrent_creation_never_overbooks_and_metrics_count_phases() {
     tokio::time::sleep(Duration::from_secs(3)).await;
     assert_eq!(placements(c).await.values().sum::<usize>(), 8);
 
-    let text = wait_for("phase gauges", Duration::from_secs(10), || async {
+    let text = common::wait_for("phase gauges", Duration::from_secs(10), || async {
         let t = op.scrape().await?;
         (sample(&t, "imp_operator_vms{phase=\"Scheduled\"}") == Some(8.0)).then_some(t)
     })
@@ -415,7 +390,7 @@ async fn operator_killed_mid_scheduling_neither_loses_nor_double_places() {
         .await;
     }
     let mut op = Operator::start(&e, "first", &[]).await;
-    wait_for("the first placements", Duration::from_secs(20), || async {
+    common::wait_for("the first placements", Duration::from_secs(20), || async {
         let n: usize = placements(c).await.values().sum();
         (n >= 1).then_some(())
     })
@@ -424,7 +399,7 @@ async fn operator_killed_mid_scheduling_neither_loses_nor_double_places() {
     let at_kill: usize = placements(c).await.values().sum();
     eprintln!("operator killed with {at_kill} of 20 placements made");
     let _op2 = Operator::start(&e, "second", &[]).await;
-    wait_for(
+    common::wait_for(
         "20 placed after the restart",
         Duration::from_secs(30),
         || async {
@@ -645,7 +620,7 @@ async fn lifecycle_terminal_restart_reset_node_loss_and_deletion() {
         "finalizer removed before cleanup"
     );
     agent_clear_node(c, "mover").await;
-    wait_for("mover gone", Duration::from_secs(10), || async {
+    common::wait_for("mover gone", Duration::from_secs(10), || async {
         vms(c)
             .get_opt("mover")
             .await
@@ -664,7 +639,7 @@ async fn lifecycle_terminal_restart_reset_node_loss_and_deletion() {
         .delete("stayer", &DeleteParams::default())
         .await
         .unwrap();
-    wait_for("stayer gone", Duration::from_secs(15), || async {
+    common::wait_for("stayer gone", Duration::from_secs(15), || async {
         vms(c)
             .get_opt("stayer")
             .await
@@ -693,7 +668,7 @@ async fn leader_election_failover_within_the_lease_duration() {
     let mut one = Operator::start(&e, "one", &flags).await;
     let mut two = Operator::start(&e, "two", &flags).await;
     let leases: Api<Lease> = Api::namespaced(c.clone(), "imp-system");
-    let holder = wait_for("a leader", Duration::from_secs(15), || async {
+    let holder = common::wait_for("a leader", Duration::from_secs(15), || async {
         leases
             .get_opt("imp-operator")
             .await
@@ -791,7 +766,7 @@ async fn a_deleted_class_still_counts_against_its_node() {
         )
         .await;
     }
-    wait_for("one of two placed", Duration::from_secs(20), || async {
+    common::wait_for("one of two placed", Duration::from_secs(20), || async {
         let items = vms(c).list(&ListParams::default()).await.unwrap().items;
         let placed = items.iter().filter(|v| v.spec.node_name.is_some()).count();
         let refused = items
@@ -839,7 +814,7 @@ async fn a_deleted_class_still_counts_after_an_operator_restart() {
         .await;
     }
     let _op = Operator::start(&e, "second", &[]).await;
-    wait_for(
+    common::wait_for(
         "second and third each placed or refused",
         Duration::from_secs(20),
         || async {
@@ -974,7 +949,7 @@ async fn expire_after_deletes_a_vm_that_has_run_that_long() {
         .expect("no Expired event");
     assert_eq!(expired.type_.as_deref(), Some("Normal"));
     agent_clear_node(c, "short").await;
-    wait_for("short gone", Duration::from_secs(10), || async {
+    common::wait_for("short gone", Duration::from_secs(10), || async {
         vms(c)
             .get_opt("short")
             .await

@@ -568,31 +568,9 @@ mod tests {
         let me = std::process::id();
         let started = process_start_time(me);
         assert!(started.is_some());
-        let mut r = VmRecord {
-            name: "x".into(),
-            image: "i".into(),
-            digest: None,
-            runtime: "qemu".into(),
-            supervisor_pid: me,
-            supervisor_started: started,
-            vmm_pid: None,
-            helper_pids: Vec::new(),
-            vsock: "/v".into(),
-            agent_port: 1,
-            serial_log: "/s".into(),
-            created_unix: 0,
-            running_unix: None,
-            finished_unix: None,
-            status: VmStatus::Running,
-            exit_code: None,
-            error: None,
-            error_stage: None,
-            console_tail: None,
-            remove_on_exit: false,
-            attach_argv: None,
-            timings: Timings::default(),
-            owner: None,
-        };
+        let mut r = state_record("x");
+        r.supervisor_pid = me;
+        r.supervisor_started = started;
         assert!(r.supervisor_alive());
         r.supervisor_started = started.map(|t| t + 1);
         assert!(!r.supervisor_alive(), "a reused pid passed for the shim");
