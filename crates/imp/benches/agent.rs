@@ -21,7 +21,6 @@ use imp_api::vm::{ImpVM, VmPhase};
 use imp_testkube::TestKube;
 use imp_testkube::registry::{TestImage, TestLayer, TestRegistry, push, scratch_dir};
 use k8s_openapi::api::core::v1::Node;
-use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
 use serde_json::json;
@@ -64,10 +63,7 @@ fn ms(d: Duration) -> u128 {
 }
 
 async fn setup(c: &Client) {
-    let crds: Api<CustomResourceDefinition> = Api::all(c.clone());
-    for crd in imp_api::crd::all() {
-        crds.create(&PostParams::default(), &crd).await.unwrap();
-    }
+    common::install_crds(c, &[]).await;
     let nodes: Api<Node> = Api::all(c.clone());
     let n: Node = serde_json::from_value(
         json!({"metadata": {"name": "bench-node", "labels": {"imp/enabled": "true"}}}),

@@ -22,8 +22,7 @@ use imp_api::vm::ImpVM;
 use imp_proto::config::{GuestConfig, ImageConfig};
 use imp_proto::message::{ExecRequest, Hello, Message};
 use imp_testkube::TestKube;
-use k8s_openapi::api::core::v1::{Namespace, Node};
-use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use k8s_openapi::api::core::v1::Node;
 use kube::Client;
 use kube::api::{Api, Patch, PatchParams, PostParams};
 use serde_json::json;
@@ -188,15 +187,7 @@ impl Env {
         .await
         .unwrap();
         let client = kube.client().await.unwrap();
-        let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
-        for crd in imp_api::crd::all() {
-            crds.create(&PostParams::default(), &crd).await.unwrap();
-        }
-        let ns: Namespace = serde_json::from_value(json!({"metadata": {"name": NS}})).unwrap();
-        Api::<Namespace>::all(client.clone())
-            .create(&PostParams::default(), &ns)
-            .await
-            .unwrap();
+        common::install_crds(&client, &[NS]).await;
 
         let guest = Guest::start(binary, &dir.join("vm1")).await;
         let vms = Arc::new(Vms::default());

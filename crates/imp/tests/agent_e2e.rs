@@ -18,8 +18,7 @@ use imp_agent::runtime::cgroup::VmCgroup;
 use imp_api::vm::{ImpVM, VmPhase};
 use imp_testkube::TestKube;
 use imp_testkube::registry::{TestImage, TestLayer, TestRegistry, push, scratch_dir};
-use k8s_openapi::api::core::v1::{Event, Namespace, Node, Secret};
-use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use k8s_openapi::api::core::v1::{Event, Node, Secret};
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
 use serde_json::{Value, json};
@@ -339,15 +338,7 @@ async fn impvms_boot_end_survive_an_agent_restart_and_clean_up_on_their_nodes() 
         out
     };
     let c = kube.client().await.unwrap();
-    let crds: Api<CustomResourceDefinition> = Api::all(c.clone());
-    for crd in imp_api::crd::all() {
-        crds.create(&PostParams::default(), &crd).await.unwrap();
-    }
-    let nss: Api<Namespace> = Api::all(c.clone());
-    for n in [NS, "imp-system"] {
-        let obj: Namespace = serde_json::from_value(json!({"metadata": {"name": n}})).unwrap();
-        let _ = nss.create(&PostParams::default(), &obj).await;
-    }
+    common::install_crds(&c, &[NS, "imp-system"]).await;
     node(&c, "node-a").await;
     node(&c, "node-b").await;
     let classes: Api<imp_api::class::ImpVMClass> = Api::all(c.clone());

@@ -15,8 +15,7 @@ use imp_api::template::ImpVMTemplate;
 use imp_api::vm::{ImpVM, VmPhase};
 use imp_testkube::TestKube;
 use k8s_openapi::api::coordination::v1::Lease;
-use k8s_openapi::api::core::v1::{Event, Namespace, Node};
-use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use k8s_openapi::api::core::v1::{Event, Node};
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
 use serde_json::{Value, json};
@@ -32,15 +31,7 @@ struct Env {
 async fn env() -> Env {
     let kube = TestKube::start().await.unwrap();
     let client = kube.client().await.unwrap();
-    let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
-    for crd in imp_api::crd::all() {
-        crds.create(&PostParams::default(), &crd).await.unwrap();
-    }
-    let ns: Api<Namespace> = Api::all(client.clone());
-    for n in [NS, "imp-system"] {
-        let obj: Namespace = serde_json::from_value(json!({"metadata": {"name": n}})).unwrap();
-        let _ = ns.create(&PostParams::default(), &obj).await;
-    }
+    common::install_crds(&client, &[NS, "imp-system"]).await;
     Env { kube, client }
 }
 

@@ -518,31 +518,10 @@ mod tests {
         let state = StateDir::resolve(Some(dir.clone())).unwrap();
         for name in ["b", "a"] {
             state.create_vm_dir(name).unwrap();
-            let record = VmRecord {
-                name: name.into(),
-                image: "oci:/x:latest".into(),
-                digest: None,
-                runtime: "qemu".into(),
-                supervisor_pid: std::process::id(),
-                supervisor_started: process_start_time(std::process::id()),
-                vmm_pid: None,
-                helper_pids: Vec::new(),
-                vsock: "/v".into(),
-                agent_port: 1024,
-                serial_log: "/s".into(),
-                created_unix: now_unix(),
-                running_unix: None,
-                finished_unix: None,
-                status: VmStatus::Running,
-                exit_code: None,
-                error: None,
-                error_stage: None,
-                console_tail: None,
-                remove_on_exit: false,
-                attach_argv: None,
-                timings: Timings::default(),
-                owner: None,
-            };
+            let mut record = state_record(name);
+            record.supervisor_pid = std::process::id();
+            record.supervisor_started = process_start_time(std::process::id());
+            record.created_unix = now_unix();
             state.save(&record).unwrap();
             assert_eq!(state.load(name).unwrap(), record);
         }

@@ -8,6 +8,9 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use imp_testkube::{Auth, Rule, User};
+use k8s_openapi::api::core::v1::Namespace;
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use kube::api::{Api, PostParams};
 
 /// The workspace's root (the checkout).
 pub fn workspace_root() -> PathBuf {
@@ -126,5 +129,27 @@ pub fn exec_users() -> Auth {
             resources: vec!["impvms/exec".into(), "impvms/console".into()],
         }],
         enforce: false,
+    }
+}
+
+/// Installs imp's CRDs on a fresh test API server and makes sure `namespaces` exist.
+pub async fn install_crds(client: &kube::Client, namespaces: &[&str]) {
+    let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
+    for crd in imp_api::crd::all() {
+        crds.create(&PostParams::default(), &crd)
+            .await
+            .expect("creating an imp CRD");
+    }
+    let api: Api<Namespace> = Api::all(client.clone());
+    for name in namespaces {
+        let mut ns = Namespace::default();
+        ns.metadata.name = Some((*name).to_owned());
+        // The server may have some already ("default").
+        match api.create(&PostParams::default(), &ns).await {
+            Err(kube::Error::Api(e)) if e.code == 409 => {}
+            other => {
+                other.expect("creating a namespace");
+            }
+        }
     }
 }
