@@ -108,6 +108,14 @@ string_enum! {
         /// The node agent has no trace of a VM it had started (its state was lost), or the
         /// VM's supervisor died.
         VmLost,
+        /// The VM's network could not be set up: its ImpNetwork is missing, not Ready, full, or
+        /// the node could not wire it; the message names the network and the cause.
+        NetworkSetupFailed,
+        /// (ImpNetwork) the subnet overlaps another ImpNetwork's or the node's own network; the
+        /// message names both.
+        SubnetOverlap,
+        /// (ImpNetwork) two networks derive the same VXLAN identifier; the message names both.
+        VniConflict,
     }
 }
 

@@ -1,11 +1,15 @@
 //! ImpNetwork: an L2 network with IPAM, NAT and groups, spanning nodes over VXLAN.
 
 use std::collections::BTreeMap;
+use std::net::Ipv4Addr;
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use kube::CustomResource;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+use crate::ipv4::{CidrError, Ipv4Cidr};
 
 /// An IPv4 CIDR as the Go project's CRD spells it (the webhook checks the octets and prefix).
 pub const GO_CIDR_PATTERN: &str = r"^([0-9]{1,3}\.){3}[0-9]{1,3}/[0-9]{1,2}$";
@@ -61,6 +65,51 @@ pub struct ImpNetworkSpec {
 }
 
 spec_may_be_absent!(ImpNetworkSpec);
+
+impl ImpNetworkSpec {
+    /// The subnet, parsed.
+    pub fn subnet_cidr(&self) -> Result<Ipv4Cidr, CidrError> {
+        self.subnet.parse()
+    }
+
+    /// The gateway (the bridge's address on every node): `spec.gateway`, else the subnet's
+    /// first host address. `None` when neither parses (admission refuses such a spec).
+    pub fn gateway_addr(&self) -> Option<Ipv4Addr> {
+        match &self.gateway {
+            Some(g) => g.parse().ok(),
+            None => self.subnet_cidr().ok()?.first_host(),
+        }
+    }
+
+    /// Whether guests masquerade out of the node.
+    pub fn nat_enabled(&self) -> bool {
+        self.nat.as_ref().is_some_and(|n| n.enabled)
+    }
+}
+
+fn digest(namespace: &str, name: &str) -> [u8; 32] {
+    Sha256::digest(format!("{namespace}/{name}").as_bytes()).into()
+}
+
+/// The MAC address of a VM's interface: locally administered unicast (`02:`) followed by five
+/// bytes of SHA-256 of `namespace/name`, so the operator (for the VTEP table) and the agent
+/// (for the TAP and the guest) derive the same one, and it never changes with the VM's node.
+pub fn vm_mac(namespace: &str, name: &str) -> String {
+    let d = digest(namespace, name);
+    format!(
+        "02:{:02x}:{:02x}:{:02x}:{:02x}:{:02x}",
+        d[0], d[1], d[2], d[3], d[4]
+    )
+}
+
+/// The VXLAN network identifier of a network: 24 bits of SHA-256 of `namespace/name` (0 is
+/// not a valid VNI and becomes 1). Every node derives the same one without coordination; two
+/// networks whose VNIs collide are reported by the operator instead of being joined.
+pub fn vni(namespace: &str, name: &str) -> u32 {
+    let d = digest(namespace, name);
+    let v = u32::from_be_bytes([0, d[0], d[1], d[2]]);
+    v.max(1)
+}
 
 /// NAT settings.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
@@ -230,5 +279,29 @@ mod tests {
         assert_eq!(json["allocations"]["10.0.0.3"], "ns/b");
         s.set_allocations(BTreeMap::new());
         assert!(s.allocated_ips.is_empty());
+    }
+
+    #[test]
+    fn identities_are_stable_and_distinct() {
+        assert_eq!(vm_mac("ns", "a"), vm_mac("ns", "a"));
+        assert_ne!(vm_mac("ns", "a"), vm_mac("ns", "b"));
+        let mac = vm_mac("default", "web");
+        assert!(mac.starts_with("02:") && mac.len() == 17, "{mac}");
+        let v = vni("default", "net");
+        assert!((1..1 << 24).contains(&v));
+        assert_eq!(v, vni("default", "net"));
+        assert_ne!(v, vni("other", "net"));
+    }
+
+    #[test]
+    fn gateway_defaults_to_the_first_host() {
+        let mut spec = ImpNetworkSpec {
+            subnet: "10.9.0.0/24".into(),
+            ..Default::default()
+        };
+        assert_eq!(spec.gateway_addr(), Some(Ipv4Addr::new(10, 9, 0, 1)));
+        spec.gateway = Some("10.9.0.254".into());
+        assert_eq!(spec.gateway_addr(), Some(Ipv4Addr::new(10, 9, 0, 254)));
+        assert!(!spec.nat_enabled());
     }
 }

@@ -29,6 +29,9 @@ pub const ANNOTATION_TRACE_STATE: &str = "imp.dev/trace-state";
 pub const ANNOTATION_PLACED_RESOURCES: &str = "imp.dev/placed-resources";
 /// Node annotation the agent publishes: `host:port` of its authenticated exec/console API.
 pub const ANNOTATION_AGENT_ENDPOINT: &str = "imp.dev/agent-endpoint";
+/// Node annotation the agent publishes: the IPv4 address other nodes send its VXLAN traffic to
+/// (the agent's `--node-ip`); the operator copies it into each network's VTEP table.
+pub const ANNOTATION_VTEP_ADDRESS: &str = "imp.dev/vtep-address";
 /// Node annotation the agent publishes: the lowercase hex SHA-256 of its API's TLS certificate,
 /// which clients pin (the API server vouches for it, so no CA is needed).
 pub const ANNOTATION_AGENT_CERT_SHA256: &str = "imp.dev/agent-cert-sha256";

@@ -12,6 +12,7 @@ use std::time::Duration;
 use k8s_openapi::api::core::v1::{EnvVar, Toleration};
 
 use crate::duration::GoDuration;
+use crate::ipv4::Ipv4Cidr;
 use crate::network::ImpNetworkSpec;
 use crate::pools::{ImpVMRunnerPoolSpec, ImpWarmPoolSpec, PlatformType, ScalingMode};
 use crate::shared::{Probe, ProbeSpec, RestartPolicy};
@@ -216,7 +217,8 @@ pub fn network(spec: &ImpNetworkSpec) -> Result<(), ValidationErrors> {
             None
         }
     };
-    if let Some((net, prefix)) = subnet {
+    if let Some(net) = subnet {
+        let prefix = net.prefix();
         if prefix > 30 {
             e.push(
                 "spec.subnet",
@@ -227,11 +229,11 @@ pub fn network(spec: &ImpNetworkSpec) -> Result<(), ValidationErrors> {
         }
         if let Some(gw) = &spec.gateway {
             match gw.parse::<Ipv4Addr>() {
-                Ok(g) if !contains(net, prefix, g) => e.push(
+                Ok(g) if !net.contains(g) => e.push(
                     "spec.gateway",
                     format!("{gw} is outside spec.subnet {}", spec.subnet),
                 ),
-                Ok(g) if g == net || g == broadcast(net, prefix) => e.push(
+                Ok(g) if net.is_reserved(g) => e.push(
                     "spec.gateway",
                     format!(
                         "{gw} is the network or broadcast address of {}",
@@ -252,7 +254,7 @@ pub fn network(spec: &ImpNetworkSpec) -> Result<(), ValidationErrors> {
             .and_then(|c| c.cidr.as_ref())
         {
             match parse_cidr(cidr) {
-                Ok((n, p)) if p < prefix || !contains(net, prefix, n) => e.push(
+                Ok(inner) if !net.covers(&inner) => e.push(
                     "spec.ipam.cilium.cidr",
                     format!("{cidr} must lie inside spec.subnet {}", spec.subnet),
                 ),
@@ -279,7 +281,7 @@ pub fn network(spec: &ImpNetworkSpec) -> Result<(), ValidationErrors> {
             }
             needed += group_block(g.expected_size.max(1));
         }
-        let available = 1u64 << (32 - u32::from(prefix));
+        let available = net.size();
         if needed > available {
             e.push(
                 "spec.groups",
@@ -833,43 +835,8 @@ fn dns_subdomain(e: &mut ValidationErrors, path: &str, v: &str) {
 }
 
 /// Parses `a.b.c.d/p` and requires it to be a network address (no host bits set).
-pub fn parse_cidr(s: &str) -> Result<(Ipv4Addr, u8), String> {
-    let err = || format!("must be an IPv4 CIDR such as 10.44.0.0/24, got {s:?}");
-    let (addr, prefix) = s.split_once('/').ok_or_else(err)?;
-    let addr: Ipv4Addr = addr.parse().map_err(|_| err())?;
-    let prefix: u8 = prefix.parse().map_err(|_| err())?;
-    if prefix > 32 {
-        return Err(err());
-    }
-    let net = mask(addr, prefix);
-    if net != addr {
-        return Err(format!(
-            "{s} has host bits set; the network address is {net}/{prefix}"
-        ));
-    }
-    Ok((net, prefix))
-}
-
-fn mask(a: Ipv4Addr, prefix: u8) -> Ipv4Addr {
-    let m = if prefix == 0 {
-        0
-    } else {
-        u32::MAX << (32 - u32::from(prefix))
-    };
-    Ipv4Addr::from(u32::from(a) & m)
-}
-
-fn contains(net: Ipv4Addr, prefix: u8, a: Ipv4Addr) -> bool {
-    mask(a, prefix) == net
-}
-
-fn broadcast(net: Ipv4Addr, prefix: u8) -> Ipv4Addr {
-    let host = if prefix == 32 {
-        0
-    } else {
-        u32::MAX >> u32::from(prefix)
-    };
-    Ipv4Addr::from(u32::from(net) | host)
+pub fn parse_cidr(s: &str) -> Result<Ipv4Cidr, String> {
+    s.parse().map_err(|e: crate::ipv4::CidrError| e.to_string())
 }
 
 /// Checks a five-field cron expression field by field (numbers, ranges, steps, lists, `*`,
@@ -1148,7 +1115,7 @@ mod tests {
     #[test]
     fn cidrs_and_groups() {
         assert_eq!(
-            parse_cidr("10.0.0.0/8"),
+            parse_cidr("10.0.0.0/8").map(|c| (c.network(), c.prefix())),
             Ok((Ipv4Addr::new(10, 0, 0, 0), 8))
         );
         assert!(parse_cidr("10.0.0.0/33").is_err());
