@@ -1,7 +1,7 @@
 //! Test infrastructure for imp: never shipped, only a dev-dependency.
 //!
 //! It holds a Kubernetes API server subset that runs in-process (or as the `imp-testkube`
-//! binary) on 127.0.0.1 over plain HTTP, with the semantics controllers depend on:
+//! binary) on 127.0.0.1 (or a given address) over plain HTTP, with the semantics controllers depend on:
 //! resourceVersion and 409 on stale writes, watches with bookmarks and `410 Gone`, the status
 //! subresource, generation, finalizers, ownerReference garbage collection, label and field
 //! selectors, merge/JSON/strategic/server-side-apply patches, CRD registration with structural
@@ -59,8 +59,10 @@ pub enum ClientError {
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
     /// Binding the listening socket failed.
-    #[error("binding 127.0.0.1:{port}")]
+    #[error("binding {host}:{port}")]
     Bind {
+        /// Requested address.
+        host: std::net::IpAddr,
         /// Requested port.
         port: u16,
         /// The cause.
@@ -81,7 +83,10 @@ pub enum StartError {
 /// How to run the server; the default suits most tests.
 #[derive(Debug, Clone)]
 pub struct Config {
-    /// Port on 127.0.0.1; 0 picks a free one.
+    /// Address to listen on: 127.0.0.1 by default; an address inside a test's own network
+    /// namespaces when processes in them must reach the server.
+    pub host: std::net::IpAddr,
+    /// Port; 0 picks a free one.
     pub port: u16,
     /// How many events watches can resume from; older versions get `410 Gone`.
     pub history: usize,
@@ -98,6 +103,7 @@ pub struct Config {
 impl Default for Config {
     fn default() -> Self {
         Self {
+            host: std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST),
             port: 0,
             history: 10_000,
             bookmark_interval: Duration::from_secs(5),
@@ -143,16 +149,15 @@ impl TestKube {
 
     /// Starts a server with `config`.
     pub async fn start_with(config: Config) -> Result<Self, StartError> {
-        let listener = tokio::net::TcpListener::bind(("127.0.0.1", config.port))
-            .await
-            .map_err(|source| StartError::Bind {
-                port: config.port,
-                source,
-            })?;
-        let addr = listener.local_addr().map_err(|source| StartError::Bind {
+        let bind_err = |source| StartError::Bind {
+            host: config.host,
             port: config.port,
             source,
-        })?;
+        };
+        let listener = tokio::net::TcpListener::bind((config.host, config.port))
+            .await
+            .map_err(bind_err)?;
+        let addr = listener.local_addr().map_err(bind_err)?;
         let url = format!("http://{addr}");
         let (kubeconfig, temp_dir) = match &config.kubeconfig {
             Some(p) => (p.clone(), None),

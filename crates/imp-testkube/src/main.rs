@@ -16,8 +16,11 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
-    /// Serve on 127.0.0.1 until killed, printing the address on stdout.
+    /// Serve until killed, printing the address on stdout.
     Serve {
+        /// Address to listen on.
+        #[arg(long, default_value = "127.0.0.1")]
+        host: std::net::IpAddr,
         /// Port; 0 picks a free one.
         #[arg(long, default_value_t = 0)]
         port: u16,
@@ -39,6 +42,7 @@ enum Cmd {
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> anyhow::Result<()> {
     let Cmd::Serve {
+        host,
         port,
         kubeconfig,
         history,
@@ -66,6 +70,7 @@ async fn main() -> anyhow::Result<()> {
         first.get_or_insert_with(|| tok.to_string());
     }
     let kube = TestKube::start_with(Config {
+        host,
         port,
         history,
         bookmark_interval: std::time::Duration::from_secs(bookmark_seconds.max(1)),

@@ -15,9 +15,11 @@ use anyhow::Context as _;
 use imp_agent::api::auth::KubeReviewer;
 use imp_agent::api::server::{AgentApi, ApiConfig};
 use imp_agent::api::tls::Identity;
+use imp_agent::net::{NetSettings, NodeNet};
 use imp_agent::node::boot::BootSettings;
 use imp_agent::node::capabilities::{self, DefaultRuntime, HostFiles};
 use imp_agent::node::metrics::{self, Health, Metrics};
+use imp_agent::node::network;
 use imp_agent::node::reconciler::{self, Context, Settings};
 use imp_agent::runtime::shim::ShimCommand;
 use imp_agent::runtime::spec::Runtime;
@@ -105,6 +107,15 @@ pub struct Args {
     /// Log as JSON lines.
     #[arg(long)]
     log_json: bool,
+    /// UDP port of the VXLAN overlay between nodes (the same on every node).
+    #[arg(long, env = "IMP_VXLAN_PORT", default_value_t = 4789)]
+    vxlan_port: u16,
+    /// The nftables program that loads imp's NAT and isolation rules.
+    #[arg(long, env = "IMP_NFT", default_value = "nft")]
+    nft: String,
+    /// Do not wire VM networks on this node (VMs with a networkRef are refused here).
+    #[arg(long)]
+    no_network: bool,
 }
 
 /// Runs the agent until SIGTERM or Ctrl-C.
@@ -214,12 +225,34 @@ async fn run(args: Args) -> anyhow::Result<()> {
         poll: Duration::from_millis(250),
     };
     health.set_ready(caps.not_ready());
-    let ctx = Arc::new(Context::new(
-        client.clone(),
-        settings,
-        caps,
-        metrics.clone(),
-    ));
+    let vtep: Option<std::net::Ipv4Addr> = match &args.node_ip {
+        Some(ip) => Some(
+            ip.parse()
+                .with_context(|| format!("--node-ip (NODE_IP) {ip:?} is not an IPv4 address"))?,
+        ),
+        None => None,
+    };
+    let state_dir = settings.state.clone();
+    let mut ctx = Context::new(client.clone(), settings, caps, metrics.clone());
+    let mut network_watch = None;
+    if !args.no_network {
+        let net = Arc::new(
+            NodeNet::new(NetSettings {
+                vtep,
+                vxlan_port: args.vxlan_port,
+                nft: args.nft.clone(),
+            })
+            .context("opening the node's netlink socket")?,
+        );
+        network::adopt(&net, &state_dir).await;
+        if let Err(e) = net.sync().await {
+            tracing::warn!(error = %imp_agent::net::chain(&e), "first sync of the node's networks");
+        }
+        network_watch = Some(tokio::spawn(network::watch(client.clone(), net.clone())));
+        ctx = ctx.with_network(net);
+        tracing::info!(node, vtep = ?vtep, vxlan_port = args.vxlan_port, "wiring VM networks on this node");
+    }
+    let ctx = Arc::new(ctx);
     let api_listener = tokio::net::TcpListener::bind(args.api_addr)
         .await
         .with_context(|| format!("binding the agent API to {}", args.api_addr))?;
@@ -246,8 +279,11 @@ async fn run(args: Args) -> anyhow::Result<()> {
     let publisher = {
         let (client, node, advertise) = (client.clone(), node.clone(), advertise.clone());
         let fingerprint = identity.fingerprint().to_owned();
+        let vtep = vtep.map(|v| v.to_string());
         tokio::spawn(async move {
-            while let Err(e) = publish_endpoint(&client, &node, &advertise, &fingerprint).await {
+            while let Err(e) =
+                publish_endpoint(&client, &node, &advertise, &fingerprint, vtep.as_deref()).await
+            {
                 tracing::warn!(node, error = %format!("{e:#}"), "cannot publish the agent API's address yet; retrying in 10 s");
                 tokio::time::sleep(Duration::from_secs(10)).await;
             }
@@ -290,22 +326,30 @@ async fn run(args: Args) -> anyhow::Result<()> {
     server.abort();
     gauges.abort();
     publisher.abort();
+    if let Some(w) = network_watch {
+        w.abort();
+    }
     Ok(())
 }
 
 /// Writes where the agent API is and its certificate's fingerprint on this node's Node object,
-/// where `imp exec` and `imp console` read them.
+/// where `imp exec` and `imp console` read them, and the node's VXLAN address, which the
+/// operator copies into the VTEP tables.
 async fn publish_endpoint(
     client: &kube::Client,
     node: &str,
     endpoint: &str,
     fingerprint: &str,
+    vtep: Option<&str>,
 ) -> anyhow::Result<()> {
-    use imp_api::shared::{ANNOTATION_AGENT_CERT_SHA256, ANNOTATION_AGENT_ENDPOINT};
+    use imp_api::shared::{
+        ANNOTATION_AGENT_CERT_SHA256, ANNOTATION_AGENT_ENDPOINT, ANNOTATION_VTEP_ADDRESS,
+    };
     let nodes: kube::Api<k8s_openapi::api::core::v1::Node> = kube::Api::all(client.clone());
     let patch = serde_json::json!({"metadata": {"annotations": {
         ANNOTATION_AGENT_ENDPOINT: endpoint,
         ANNOTATION_AGENT_CERT_SHA256: fingerprint,
+        ANNOTATION_VTEP_ADDRESS: vtep,
     }}});
     nodes
         .patch(

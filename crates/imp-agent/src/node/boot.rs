@@ -118,6 +118,7 @@ pub fn vm_spec(
         cgroup,
         cache_dir: Some(settings.cache_dir.clone()),
         owner: Some(owner),
+        network: None,
     })
 }
 

@@ -4,7 +4,7 @@
 //! this node and applies [`decide`]'s decisions through the VM runtime
 //! ([`crate::runtime`]: one shim per VM, outside the agent's process tree and cgroups);
 //! [`boot`] maps an ImpVM and its class to the runtime's spec, with the workload's environment
-//! from [`env`]; [`metrics`] serves `/metrics`,
+//! from [`env`] and its network wired by [`network`]; [`metrics`] serves `/metrics`,
 //! `/healthz` and `/readyz`.
 
 pub mod boot;
@@ -12,4 +12,5 @@ pub mod capabilities;
 pub mod decide;
 pub mod env;
 pub mod metrics;
+pub mod network;
 pub mod reconciler;

@@ -39,6 +39,8 @@ use super::capabilities::Capabilities;
 use super::decide::{self, Decision, Local, Observed, Report};
 use super::env;
 use super::metrics::Metrics;
+use super::network::{self, NotWired};
+use crate::net::NodeNet;
 use crate::runtime::shim::{self, ShimCommand};
 use crate::runtime::state::{Owner, StateDir, StateError, VmRecord, VmStatus};
 
@@ -146,6 +148,8 @@ pub struct Context {
     announced: Mutex<HashMap<String, String>>,
     /// This node's VMs for the agent API.
     vms: Arc<NodeVms>,
+    /// The node's networking, when the agent wires VM networks.
+    net: Option<Arc<NodeNet>>,
 }
 
 fn key(vm: &ImpVM) -> String {
@@ -175,6 +179,19 @@ impl Context {
             recorder,
             announced: Mutex::new(HashMap::new()),
             vms: Arc::default(),
+            net: None,
+        }
+    }
+
+    /// Wires VM networks on this node with `net` (without it, VMs with a networkRef wait).
+    pub fn with_network(mut self, net: Arc<NodeNet>) -> Self {
+        self.net = Some(net);
+        self
+    }
+
+    async fn unwire(&self, uid: &str) {
+        if let Some(net) = &self.net {
+            net.detach(uid).await;
         }
     }
 
@@ -387,7 +404,9 @@ async fn remove_vm(
     {
         shim::kill_orphans(state, r);
     }
-    shim::remove(state, uid, cgroup.as_deref()).await
+    shim::remove(state, uid, cgroup.as_deref()).await?;
+    ctx.unwire(uid).await;
+    Ok(())
 }
 
 /// The resolved spec and class of a VM, or why they cannot be had yet.
@@ -551,6 +570,16 @@ async fn start(ctx: &Context, vm: &ImpVM, uid: &str) -> Result<Action, Error> {
         Ok(c) => c,
         Err(why) => return not_startable(ctx, vm, ConditionReason::ImagePullFailed, why).await,
     };
+    let network = match wire(ctx, vm, uid, &spec).await {
+        Ok(n) => n,
+        Err(NotWired::Waiting(why)) => {
+            tracing::info!(vm = %key(vm), node = %ctx.settings.node, why, "not starting yet");
+            return Ok(Action::requeue(Duration::from_secs(2)));
+        }
+        Err(NotWired::Refused(why)) => {
+            return not_startable(ctx, vm, ConditionReason::NetworkSetupFailed, why).await;
+        }
+    };
     let state = &ctx.settings.state;
     let auth_file = credentials.as_ref().map(|_| auth_file(state, uid));
     let owner = Owner {
@@ -564,10 +593,14 @@ async fn start(ctx: &Context, vm: &ImpVM, uid: &str) -> Result<Action, Error> {
         env,
         auth_file: auth_file.clone(),
     };
-    let vm_spec = match boot::vm_spec(owner, &spec, &class, choices, &ctx.settings.boot) {
+    let mut vm_spec = match boot::vm_spec(owner, &spec, &class, choices, &ctx.settings.boot) {
         Ok(s) => s,
-        Err(e) => return end_invalid(ctx, vm, e.0).await,
+        Err(e) => {
+            ctx.unwire(uid).await;
+            return end_invalid(ctx, vm, e.0).await;
+        }
     };
+    vm_spec.network = network;
     let (st, id, cmd) = (state.clone(), uid.to_owned(), ctx.settings.shim.clone());
     let started = tokio::task::spawn_blocking(
         move || -> Result<u32, Box<dyn std::error::Error + Send + Sync>> {
@@ -588,6 +621,9 @@ async fn start(ctx: &Context, vm: &ImpVM, uid: &str) -> Result<Action, Error> {
         },
     )
     .await;
+    if !matches!(started, Ok(Ok(_))) {
+        ctx.unwire(uid).await;
+    }
     let pid = match started {
         Ok(Ok(pid)) => pid,
         Ok(Err(source)) => {
@@ -638,6 +674,23 @@ async fn start(ctx: &Context, vm: &ImpVM, uid: &str) -> Result<Action, Error> {
     )
     .await;
     Ok(Action::requeue(Duration::from_secs(60)))
+}
+
+/// Wires the VM's network, or says why not (a VM with a networkRef on an agent without
+/// networking waits, naming why).
+async fn wire(
+    ctx: &Context,
+    vm: &ImpVM,
+    uid: &str,
+    spec: &ImpVMSpec,
+) -> Result<Option<crate::net::NetAttachment>, NotWired> {
+    match &ctx.net {
+        Some(net) => network::attach(&ctx.client, net, vm, uid, spec).await,
+        None if spec.network_ref.is_some() => Err(NotWired::Refused(
+            "this node's agent runs without networking (--no-network)".to_owned(),
+        )),
+        None => Ok(None),
+    }
 }
 
 /// Writes `value` as JSON readable by root only (registry credentials).

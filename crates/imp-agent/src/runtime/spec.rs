@@ -5,6 +5,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
+use imp_proto::config::NetworkConfig;
 use imp_proto::message::EnvVar;
 use serde::{Deserialize, Serialize};
 
@@ -106,6 +107,25 @@ pub struct VmSpec {
     /// The ImpVM this VM belongs to (for `imp agent`).
     #[serde(default)]
     pub owner: Option<Owner>,
+    /// The VM's network interface, wired by the agent before the shim starts.
+    #[serde(default)]
+    pub network: Option<NetAttachment>,
+}
+
+/// A VM's place on an ImpNetwork: the TAP the VMM opens, on the network's bridge, and the
+/// address setup the guest applies to its `eth0`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NetAttachment {
+    /// The network's `namespace/name`.
+    pub network: String,
+    /// The network's bridge on the node.
+    pub bridge: String,
+    /// The VM's TAP device.
+    pub tap: String,
+    /// The guest interface's MAC.
+    pub mac: String,
+    /// The guest's address, prefix, gateway, DNS and MTU.
+    pub config: NetworkConfig,
 }
 
 impl VmSpec {
@@ -153,6 +173,7 @@ mod tests {
             }),
             cache_dir: None,
             owner: None,
+            network: None,
         };
         let json = serde_json::to_string(&spec).unwrap();
         assert!(json.contains("\"runtime\":\"qemu\""), "{json}");

@@ -28,7 +28,7 @@ use super::spec::{Runtime, SPEC_FILE, VmSpec};
 use super::state::{self, Stage, StateDir, VmRecord, VmStatus};
 use crate::guest;
 use crate::image::{self, ImageSource, ImageStore, RegistryAuth};
-use crate::vmm::{self, DriveConfig, StopOutcome, VmConfig, Vmm, VsockConfig};
+use crate::vmm::{self, DriveConfig, NetConfig, StopOutcome, VmConfig, Vmm, VsockConfig};
 
 /// The guest port the workload's exit report is sent to (CID 2).
 pub const EXIT_REPORT_PORT: u32 = 10001;
@@ -314,6 +314,7 @@ async fn prepare(
         hostname: Some(spec.hostname.clone()),
         image: pulled.config.clone(),
         env: spec.env.clone(),
+        network: spec.network.as_ref().map(|n| n.config.clone()),
         ..GuestConfig::default()
     };
     if let Some(entrypoint) = &spec.entrypoint {
@@ -373,7 +374,11 @@ async fn prepare(
             read_only: false,
             root: true,
         }],
-        net: None,
+        net: spec.network.as_ref().map(|n| NetConfig {
+            id: "eth0".into(),
+            tap: n.tap.clone(),
+            mac: Some(n.mac.clone()),
+        }),
         vsock: Some(VsockConfig {
             guest_cid: GUEST_CID,
         }),

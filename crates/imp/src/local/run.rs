@@ -213,6 +213,7 @@ fn spec_for(args: &RunArgs, name: &str) -> anyhow::Result<VmSpec> {
         cgroup: None,
         cache_dir: None,
         owner: None,
+        network: None,
     })
 }
 
