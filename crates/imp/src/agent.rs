@@ -56,6 +56,9 @@ pub struct Args {
     /// The image cache (default: `cache/` in the state directory).
     #[arg(long, env = "IMP_IMAGE_CACHE")]
     image_cache: Option<PathBuf>,
+    /// The most bytes one image may unpack to on this node (a VM's disk size caps it too).
+    #[arg(long, env = "IMP_IMAGE_MAX_BYTES")]
+    image_max_bytes: Option<u64>,
     /// The guest kernel (also IMP_KERNEL; default: target/guest-kernel/vmlinux beside the
     /// binary, else /var/lib/imp/kernel/vmlinux).
     #[arg(long, env = "FC_KERNEL")]
@@ -209,6 +212,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
             boot_timeout: args.boot_timeout,
             cgroup_parent,
             cache_dir,
+            image_max_bytes: args.image_max_bytes,
         },
         stop_grace: args.stop_grace,
         poll: Duration::from_millis(250),

@@ -276,7 +276,8 @@ async fn prepare(
         .parse()
         .map_err(at(Stage::Image, format!("image {:?}", spec.image)))?;
     let auth = registry_auth(spec, &source).await?;
-    let store = ImageStore::new(spec.cache(state).join("images"), image::Limits::default());
+    let limits = image::Limits::for_disk(u64::from(spec.disk_gib) << 30, spec.image_max_bytes);
+    let store = ImageStore::new(spec.cache(state).join("images"), limits);
     let pulled = store
         .pull(&source, &auth)
         .await

@@ -75,9 +75,13 @@ pub struct RunArgs {
     /// Virtual CPUs.
     #[arg(long, default_value_t = 1)]
     pub cpus: u8,
-    /// The VM's own disk in GiB (a clone of the cached image, grown to this size).
+    /// The VM's own disk in GiB (a clone of the cached image, grown to this size; the image
+    /// may not unpack to more).
     #[arg(long, default_value_t = 1)]
     pub disk: u32,
+    /// The most bytes an image may unpack to, whatever the disk size.
+    #[arg(long, env = "IMP_IMAGE_MAX_BYTES")]
+    pub image_max_bytes: Option<u64>,
     /// Environment for the workload, NAME=value (repeatable; wins over the image's Env).
     #[arg(short = 'e', long = "env", value_name = "NAME=VALUE")]
     pub env: Vec<String>,
@@ -212,6 +216,7 @@ fn spec_for(args: &RunArgs, name: &str) -> anyhow::Result<VmSpec> {
         attach: args.interactive || args.tty,
         cgroup: None,
         cache_dir: None,
+        image_max_bytes: args.image_max_bytes,
         owner: None,
     })
 }
