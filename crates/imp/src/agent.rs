@@ -167,6 +167,14 @@ async fn run(args: Args) -> anyhow::Result<()> {
     );
     let state = StateDir::new(args.state_dir);
     let cache_dir = args.image_cache.unwrap_or_else(|| state.cache());
+    // What unpacks killed half-way (an agent or shim stopped mid-pull) left behind.
+    let images = imp_agent::image::ImageStore::new(
+        cache_dir.join("images"),
+        imp_agent::image::Limits::default(),
+    );
+    if let Err(e) = images.remove_stale().await {
+        tracing::warn!(error = %format!("{e:#}"), "removing stale image temporaries");
+    }
     let files = HostFiles {
         kernel,
         modules,

@@ -65,7 +65,9 @@ impl Failure {
         }
     }
 
-    /// The message with its whole cause chain, as written into the record.
+    /// The message with its whole cause chain on one line, as written into the record;
+    /// control characters (from names in an image) are shown escaped, so printing it cannot
+    /// drive the reader's terminal.
     pub fn chain(&self) -> String {
         let mut out = self.what.clone();
         let mut cur: Option<&(dyn StdError + 'static)> = self.source.as_deref().map(|e| e as _);
@@ -74,7 +76,7 @@ impl Failure {
             out.push_str(&e.to_string());
             cur = e.source();
         }
-        out
+        crate::image::layers::escape_controls(&out)
     }
 }
 
