@@ -493,3 +493,321 @@ async fn zstd_layers_unpack() {
     let base = f.store.rootfs(&pulled, &[]).await.unwrap();
     assert_eq!(debugfs(&base.path, "cat /z/data", false).0, "zstd layer\n");
 }
+
+/// A hostile layer's tar, header by header: names, types, modes and device numbers as given.
+fn raw_tar(entries: &[(tar::EntryType, &[u8], u32, Vec<u8>)]) -> Vec<u8> {
+    let mut b = tar::Builder::new(Vec::new());
+    for (kind, name, mode, data) in entries {
+        let mut h = tar::Header::new_gnu();
+        h.as_old_mut().name[..name.len()].copy_from_slice(name);
+        h.set_entry_type(*kind);
+        h.set_mode(*mode);
+        h.set_uid(0);
+        h.set_gid(0);
+        h.set_mtime(1_700_000_000);
+        h.set_size(data.len() as u64);
+        if let (tar::EntryType::Block, Some(gnu)) = (kind, h.as_gnu_mut()) {
+            gnu.dev_major = *b"0000010\0"; // 8:0, a host disk
+        }
+        if let (tar::EntryType::Char, Some(gnu)) = (kind, h.as_gnu_mut()) {
+            gnu.dev_major = *b"0000001\0"; // 1:3, /dev/null
+            gnu.dev_minor = *b"0000003\0";
+        }
+        h.set_cksum();
+        b.append(&h, data.as_slice()).unwrap();
+    }
+    b.into_inner().unwrap()
+}
+
+fn gzip(data: &[u8]) -> Vec<u8> {
+    use std::io::Write;
+    let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+    gz.write_all(data).unwrap();
+    gz.finish().unwrap()
+}
+
+fn sha256(data: &[u8]) -> String {
+    use sha2::Digest;
+    format!("sha256:{:x}", sha2::Sha256::digest(data))
+}
+
+/// Writes an OCI layout of gzip `blobs` whose config claims `diff_ids`, tagged `v1`, without
+/// any of the checks a well-behaved image builder makes.
+fn raw_layout(dir: &Path, blobs: &[Vec<u8>], diff_ids: &[String]) -> ImageSource {
+    let put = |bytes: &[u8]| {
+        let d = sha256(bytes);
+        std::fs::create_dir_all(dir.join("blobs/sha256")).unwrap();
+        std::fs::write(dir.join("blobs/sha256").join(&d[7..]), bytes).unwrap();
+        d
+    };
+    let layers: Vec<_> = blobs
+        .iter()
+        .map(|b| {
+            serde_json::json!({"mediaType": "application/vnd.oci.image.layer.v1.tar+gzip",
+                               "digest": put(b), "size": b.len()})
+        })
+        .collect();
+    let config = serde_json::json!({"architecture": "amd64", "os": "linux",
+        "config": {"Cmd": ["/bin/id"]}, "rootfs": {"type": "layers", "diff_ids": diff_ids}})
+    .to_string();
+    let manifest = serde_json::json!({"schemaVersion": 2,
+        "mediaType": "application/vnd.oci.image.manifest.v1+json",
+        "config": {"mediaType": "application/vnd.oci.image.config.v1+json",
+                   "digest": put(config.as_bytes()), "size": config.len()},
+        "layers": layers})
+    .to_string();
+    let index = serde_json::json!({"schemaVersion": 2, "manifests": [{
+        "mediaType": "application/vnd.oci.image.manifest.v1+json",
+        "digest": put(manifest.as_bytes()), "size": manifest.len(),
+        "annotations": {"org.opencontainers.image.ref.name": "v1"}}]});
+    std::fs::write(dir.join("index.json"), index.to_string()).unwrap();
+    std::fs::write(dir.join("oci-layout"), r#"{"imageLayoutVersion":"1.0.0"}"#).unwrap();
+    format!("oci:{}:v1", dir.display()).parse().unwrap()
+}
+
+/// Finding 1 and 8 of issue 14: device nodes and setuid files of a layer exist in the ext4
+/// image only; the cache is private; a FIFO with NUL-filled device fields is accepted.
+#[tokio::test]
+async fn special_files_exist_only_in_the_image_and_the_cache_is_private() {
+    use std::os::unix::fs::PermissionsExt;
+    use tar::EntryType::{Block, Char, Fifo, Regular};
+    if !tools() {
+        return;
+    }
+    let f = Fixture::new();
+    let tar = raw_tar(&[
+        (Regular, b"bin/id", 0o4755, b"#!/bin/sh\n".to_vec()),
+        (Regular, b"bin/wall", 0o2755, b"w".to_vec()),
+        (Block, b"dev/sda", 0o666, vec![]),
+        (Char, b"dev/null", 0o666, vec![]),
+        (Fifo, b"run/initctl", 0o600, vec![]),
+    ]);
+    let src = raw_layout(&f.dir.join("special"), &[gzip(&tar)], &[sha256(&tar)]);
+    let pulled = f.store.pull(&src, &RegistryAuth::Anonymous).await.unwrap();
+    let base = f.store.rootfs(&pulled, &[]).await.unwrap();
+    let stat = |p: &str| debugfs(&base.path, &format!("stat {p}"), false).0;
+    let id = stat("/bin/id");
+    assert!(
+        id.contains("Type: regular") && id.contains("Mode:  04755"),
+        "{id}"
+    );
+    assert!(stat("/bin/wall").contains("Mode:  02755"));
+    let sda = stat("/dev/sda");
+    assert!(
+        sda.contains("Type: block special") && sda.contains("Mode:  0666"),
+        "{sda}"
+    );
+    assert!(
+        sda.contains("major: 8") || sda.contains("Device major/minor number: 08:00"),
+        "{sda}"
+    );
+    let null = stat("/dev/null");
+    assert!(null.contains("Type: character special"), "{null}");
+    assert!(stat("/run/initctl").contains("Type: FIFO"));
+    let fsck = Command::new("e2fsck")
+        .arg("-fn")
+        .arg(&base.path)
+        .output()
+        .unwrap();
+    assert!(
+        fsck.status.success(),
+        "{}",
+        String::from_utf8_lossy(&fsck.stdout)
+    );
+    for dir in ["cache", "cache/tmp"] {
+        let mode = std::fs::metadata(f.dir.join(dir))
+            .unwrap()
+            .permissions()
+            .mode();
+        assert_eq!(mode & 0o777, 0o700, "{dir}");
+    }
+}
+
+/// Finding 2: the unpack limit follows the VM's disk, refused from the header before any data
+/// is written; zeros are kept as holes, so a big zero file costs little in the cache.
+#[tokio::test]
+async fn unpack_limit_follows_the_disk_and_zeros_stay_sparse() {
+    use std::os::unix::fs::MetadataExt;
+    if !tools() {
+        return;
+    }
+    let f = Fixture::new();
+    let zeros = raw_tar(&[(
+        tar::EntryType::Regular,
+        b"zeros",
+        0o644,
+        vec![0u8; 256 << 20],
+    )]);
+    let src = raw_layout(&f.dir.join("zeros"), &[gzip(&zeros)], &[sha256(&zeros)]);
+    let small = ImageStore::new(f.dir.join("small"), Limits::for_disk(128 << 20, None));
+    let pulled = small.pull(&src, &RegistryAuth::Anonymous).await.unwrap();
+    let e = small.rootfs(&pulled, &[]).await.unwrap_err();
+    let src_err = std::error::Error::source(&e).unwrap().to_string();
+    assert!(
+        src_err.contains("entry \"zeros\"")
+            && src_err.contains(&format!("limit of {} bytes", 128 << 20)),
+        "{src_err}"
+    );
+    assert_eq!(
+        std::fs::read_dir(f.dir.join("small/tmp")).unwrap().count(),
+        0
+    );
+    let capped = ImageStore::new(
+        f.dir.join("capped"),
+        Limits::for_disk(1 << 30, Some(1 << 20)),
+    );
+    let pulled = capped.pull(&src, &RegistryAuth::Anonymous).await.unwrap();
+    assert!(
+        capped.rootfs(&pulled, &[]).await.is_err(),
+        "the node cap wins"
+    );
+
+    let pulled = f.store.pull(&src, &RegistryAuth::Anonymous).await.unwrap();
+    let base = f.store.rootfs(&pulled, &[]).await.unwrap();
+    let allocated = std::fs::metadata(&base.path).unwrap().blocks() * 512;
+    assert!(
+        allocated < 64 << 20,
+        "the base holds {allocated} bytes for a 256 MiB zero file"
+    );
+    assert!(
+        debugfs(&base.path, "stat /zeros", false)
+            .0
+            .contains("Size: 268435456")
+    );
+}
+
+/// Finding 2: a layer of more entries than allowed is refused from its headers, before the
+/// first file is created.
+#[tokio::test]
+async fn too_many_entries_refused_before_any_file_is_written() {
+    if !tools() {
+        return;
+    }
+    let f = Fixture::new();
+    let names: Vec<String> = (0..5000).map(|i| format!("f/{i}")).collect();
+    let entries: Vec<_> = names
+        .iter()
+        .map(|n| (tar::EntryType::Regular, n.as_bytes(), 0o644, vec![]))
+        .collect();
+    let tar = raw_tar(&entries);
+    let src = raw_layout(&f.dir.join("many"), &[gzip(&tar)], &[sha256(&tar)]);
+    let store = ImageStore::new(
+        f.dir.join("few"),
+        Limits {
+            max_bytes: 1 << 30,
+            max_entries: 1000,
+        },
+    );
+    let pulled = store.pull(&src, &RegistryAuth::Anonymous).await.unwrap();
+    let e = store.rootfs(&pulled, &[]).await.unwrap_err();
+    let msg = std::error::Error::source(&e).unwrap().to_string();
+    assert!(
+        msg.contains("entry \"f/1000\"") && msg.contains("limit of 1000 entries"),
+        "{msg}"
+    );
+    assert_eq!(std::fs::read_dir(f.dir.join("few/tmp")).unwrap().count(), 0);
+}
+
+/// Finding 4: a gzip trailer whose CRC and length are zeroed, and a config whose diff_ids do
+/// not match the layers, are refused, naming the layer.
+#[tokio::test]
+async fn bad_gzip_trailer_and_wrong_diff_ids_are_refused() {
+    if !tools() {
+        return;
+    }
+    let f = Fixture::new();
+    let ok = raw_tar(&[(tar::EntryType::Regular, b"ok", 0o644, b"ok".to_vec())]);
+    let other = raw_tar(&[(tar::EntryType::Regular, b"other", 0o644, b"x".to_vec())]);
+    let mut zeroed = gzip(&other);
+    let n = zeroed.len();
+    zeroed[n - 8..].fill(0);
+    let src = raw_layout(
+        &f.dir.join("trailer"),
+        &[gzip(&ok), zeroed.clone()],
+        &[sha256(&ok), sha256(&other)],
+    );
+    let pulled = f.store.pull(&src, &RegistryAuth::Anonymous).await.unwrap();
+    let e = f.store.rootfs(&pulled, &[]).await.unwrap_err();
+    assert!(matches!(e, ImageError::Decompress { index: 1, .. }), "{e}");
+    assert!(
+        e.to_string()
+            .starts_with(&format!("Layer 1 ({})", sha256(&zeroed))),
+        "{e}"
+    );
+
+    let src = raw_layout(
+        &f.dir.join("diffids"),
+        &[gzip(&ok), gzip(&other)],
+        &[sha256(&ok), sha256(&ok)],
+    );
+    let pulled = f.store.pull(&src, &RegistryAuth::Anonymous).await.unwrap();
+    let e = f.store.rootfs(&pulled, &[]).await.unwrap_err();
+    assert!(
+        matches!(e, ImageError::DiffIdMismatch { index: 1, .. }),
+        "{e}"
+    );
+    assert!(e.to_string().contains(&sha256(&other)), "{e}");
+
+    let src = raw_layout(&f.dir.join("count"), &[gzip(&ok)], &[]);
+    let e = f
+        .store
+        .pull(&src, &RegistryAuth::Anonymous)
+        .await
+        .unwrap_err();
+    assert!(
+        e.to_string().contains("rootfs.diff_ids names 0 layers"),
+        "{e}"
+    );
+    assert!(cached(&f.dir.join("cache")).is_empty());
+}
+
+fn cached(cache: &Path) -> Vec<PathBuf> {
+    std::fs::read_dir(cache.join("rootfs"))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|e| e == "ext4"))
+        .collect()
+}
+
+/// Finding 3: temporaries of a dead process (an unpack killed half-way) are removed; those of
+/// a live one are kept; prune also drops the cached bases.
+#[tokio::test]
+async fn stale_temporaries_removed_and_prune_drops_bases() {
+    if !tools() {
+        return;
+    }
+    let f = Fixture::new();
+    let layout = f.layout("base", &base_image(), "v1");
+    let pulled = f
+        .store
+        .pull(
+            &format!("oci:{}:v1", layout.display()).parse().unwrap(),
+            &RegistryAuth::Anonymous,
+        )
+        .await
+        .unwrap();
+    f.store.rootfs(&pulled, &[]).await.unwrap();
+    let mut dead = Command::new("true").spawn().unwrap();
+    let dead_pid = dead.id();
+    dead.wait().unwrap();
+    let tmp = f.dir.join("cache/tmp");
+    let stale = tmp.join(format!(".unpack-abc.{dead_pid}.0.tmp"));
+    std::fs::create_dir_all(stale.join("usr/bin")).unwrap();
+    std::fs::write(stale.join("usr/bin/big"), vec![1u8; 1 << 20]).unwrap();
+    let live = tmp.join(format!(".unpack-def.{}.0.tmp", std::process::id()));
+    std::fs::create_dir_all(&live).unwrap();
+    let pruned = f.store.remove_stale().await.unwrap();
+    assert_eq!(pruned.entries, 1);
+    assert!(pruned.bytes >= 1 << 20, "{pruned:?}");
+    assert!(!stale.exists() && live.exists());
+    assert_eq!(cached(&f.dir.join("cache")).len(), 1);
+    let pruned = f.store.prune(false).await.unwrap();
+    assert_eq!(pruned.entries, 1, "the base");
+    assert!(cached(&f.dir.join("cache")).is_empty());
+    assert!(
+        f.store.rootfs(&pulled, &[]).await.is_ok(),
+        "rebuilt from the blobs"
+    );
+}

@@ -58,6 +58,9 @@ pub struct Args {
     /// The image cache (default: `cache/` in the state directory).
     #[arg(long, env = "IMP_IMAGE_CACHE")]
     image_cache: Option<PathBuf>,
+    /// The most bytes one image may unpack to on this node (a VM's disk size caps it too).
+    #[arg(long, env = "IMP_IMAGE_MAX_BYTES")]
+    image_max_bytes: Option<u64>,
     /// The guest kernel (also IMP_KERNEL; default: target/guest-kernel/vmlinux beside the
     /// binary, else /var/lib/imp/kernel/vmlinux).
     #[arg(long, env = "FC_KERNEL")]
@@ -175,6 +178,14 @@ async fn run(args: Args) -> anyhow::Result<()> {
     );
     let state = StateDir::new(args.state_dir);
     let cache_dir = args.image_cache.unwrap_or_else(|| state.cache());
+    // What unpacks killed half-way (an agent or shim stopped mid-pull) left behind.
+    let images = imp_agent::image::ImageStore::new(
+        cache_dir.join("images"),
+        imp_agent::image::Limits::default(),
+    );
+    if let Err(e) = images.remove_stale().await {
+        tracing::warn!(error = %format!("{e:#}"), "removing stale image temporaries");
+    }
     let files = HostFiles {
         kernel,
         modules,
@@ -220,6 +231,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
             boot_timeout: args.boot_timeout,
             cgroup_parent,
             cache_dir,
+            image_max_bytes: args.image_max_bytes,
         },
         stop_grace: args.stop_grace,
         poll: Duration::from_millis(250),

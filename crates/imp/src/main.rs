@@ -42,11 +42,21 @@ enum Command {
     Stop(local::StopArgs),
     /// Remove local VMs that have ended (their disk, logs and record).
     Rm(local::RmArgs),
+    /// Manage the local image cache.
+    #[command(subcommand)]
+    Image(ImageCommand),
     /// Show a VM's serial console: a local one, or an ImpVM with -n/--kubeconfig/--context.
     Console(local::ConsoleArgs),
     /// The per-VM supervisor that `imp run` and `imp agent` start (not for direct use).
     #[command(hide = true)]
     Shim(ShimArgs),
+}
+
+/// `imp image …`.
+#[derive(Subcommand)]
+enum ImageCommand {
+    /// Remove stale unpack directories and the cached root filesystems (`--all`: blobs too).
+    Prune(local::ImagePruneArgs),
 }
 
 /// `imp shim`: supervises one VM whose spec its starter wrote into the VM's directory.
@@ -78,6 +88,7 @@ fn main() -> anyhow::Result<()> {
         Command::Ps(args) => local::ps(args)?,
         Command::Stop(args) => local::stop(args)?,
         Command::Rm(args) => local::rm(args)?,
+        Command::Image(ImageCommand::Prune(args)) => local::image_prune(args)?,
         Command::Console(args) if cluster::wanted(&args.cluster) => cluster::console(args)?,
         Command::Console(args) => local::console(args)?,
         Command::Shim(args) => shim(args)?,

@@ -291,6 +291,69 @@ async fn imp_run_refuses_an_image_whose_layer_escapes_the_rootfs() {
         cached_bases(&env.state).is_empty(),
         "a refused image left a base in the cache"
     );
+    assert!(
+        !err.chars().any(|c| c.is_control() && c != '\n'),
+        "raw control characters reached the terminal: {err:?}"
+    );
+    let vms: Vec<_> = std::fs::read_dir(env.state.join("vms"))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.file_name())
+        .collect();
+    assert!(vms.is_empty(), "a failed `imp run --rm` left {vms:?}");
+}
+
+/// `imp run … | head -1`: once the reader has gone, imp stops the VM quietly (no panic, no
+/// waiting for the workload's end) and `--rm` removes it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_closed_stdout_stops_the_vm_quietly() {
+    use std::io::{BufRead, BufReader};
+    let _one = ONE_VM_AT_A_TIME.lock().await;
+    if common::guest_boot_ready().is_none() {
+        return;
+    }
+    let env = env_with("busybox", busybox_image()).await;
+    let mut child = imp_command(&env)
+        .args(["run", "--rm", &env.image, "--"])
+        .arg("i=0; while true; do echo line $i; i=$((i+1)); sleep 0.2; done")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut first = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut first)
+        .unwrap();
+    assert!(first.starts_with("line"), "{first:?}");
+    // The reader goes away, as `head -1` does.
+    let closed = Instant::now();
+    let deadline = closed + std::time::Duration::from_secs(90);
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("imp run went on for 90 s after its stdout was closed");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    };
+    let mut err = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err).unwrap();
+    eprintln!(
+        "ended {status:?} {:.1}s after the close: {err}",
+        closed.elapsed().as_secs_f64()
+    );
+    assert_ne!(status.code(), Some(101), "panicked: {err}");
+    assert!(!err.contains("panicked"), "{err}");
+    let vms: Vec<_> = std::fs::read_dir(env.state.join("vms"))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.file_name())
+        .collect();
+    assert!(vms.is_empty(), "--rm left {vms:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

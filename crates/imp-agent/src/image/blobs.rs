@@ -21,6 +21,16 @@ pub(crate) fn temp_path(dir: &Path, stem: &str) -> PathBuf {
     dir.join(format!(".{stem}.{}.{n}.tmp", std::process::id()))
 }
 
+/// The process that made the temporary name `name` with [`temp_path`] (`.STEM.PID.N.tmp`).
+pub(crate) fn temp_owner(name: &str) -> Option<i32> {
+    let inner = name.strip_prefix('.')?.strip_suffix(".tmp")?;
+    let mut parts = inner.rsplitn(3, '.');
+    let _n: u64 = parts.next()?.parse().ok()?;
+    let pid = parts.next()?.parse().ok()?;
+    parts.next().filter(|stem| !stem.is_empty())?;
+    Some(pid)
+}
+
 /// Fsyncs directory `dir`, so a rename into it survives a crash.
 pub(crate) fn sync_dir(dir: &Path) -> Result<()> {
     std::fs::File::open(dir)
@@ -283,5 +293,27 @@ impl<R: Read> Read for HashingReader<R> {
         self.hasher.update(&buf[..n]);
         self.len += n as u64;
         Ok(n)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn temp_names_carry_their_owner() {
+        let p = temp_path(Path::new("/c/tmp"), "unpack-ab.cd");
+        let name = p.file_name().unwrap().to_str().unwrap();
+        assert_eq!(temp_owner(name), Some(std::process::id() as i32));
+        for other in [
+            "ab.ext4",
+            ".x.tmp",
+            ".x.12.tmp",
+            "..12.3.tmp",
+            ".x.a.3.tmp",
+            ".x.1.2",
+        ] {
+            assert_eq!(temp_owner(other), None, "{other}");
+        }
     }
 }

@@ -6,6 +6,12 @@
 //! (including setuid, setgid and sticky), owner and mtime; `.wh.NAME` removes `NAME` of lower
 //! layers and `.wh..wh..opq` makes its directory opaque.
 //!
+//! Nothing from an image is made usable on the host: the staging directory never holds a
+//! device node or a setuid/setgid file. A character or block device is staged as an empty
+//! 0600 placeholder file, and a setuid/setgid file is staged without those bits; both are
+//! recorded as [`Special`]s ([`Applier::specials`]) and applied only inside the finished ext4
+//! image (see [`super::ext4`]). FIFOs are staged as FIFOs (they grant nothing).
+//!
 //! Nothing is ever written outside the rootfs: entry paths with a `..` component are rejected,
 //! absolute entry paths are taken relative to the rootfs, and every path is resolved here one
 //! component at a time with `lstat`, so an entry is never written *through* a symlink: a symlink
@@ -18,11 +24,11 @@
 //! layers are applied. An error can leave the rootfs half-built (never anything outside it), so
 //! the caller builds into a fresh temporary directory and discards it on error.
 
-use std::collections::HashSet;
+use std::collections::{BTreeMap, HashSet};
 use std::ffi::{OsStr, OsString};
 use std::fmt;
 use std::fs;
-use std::io::{self, Read};
+use std::io::{self, Read, Seek, SeekFrom, Write};
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
@@ -58,6 +64,140 @@ impl Default for Limits {
             max_bytes: 32 << 30,
             max_entries: 1 << 20,
         }
+    }
+}
+
+/// What kind of inode a [`Special`] becomes inside the image.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SpecialKind {
+    /// A regular file with setuid or setgid (staged without them).
+    File,
+    /// A character device (staged as an empty placeholder file).
+    Char {
+        /// Major number.
+        major: u32,
+        /// Minor number.
+        minor: u32,
+    },
+    /// A block device (staged as an empty placeholder file).
+    Block {
+        /// Major number.
+        major: u32,
+        /// Minor number.
+        minor: u32,
+    },
+}
+
+/// An inode the staging directory holds only in a harmless form, to be made real in the ext4
+/// image: the full mode (permission bits with setuid/setgid/sticky), owner and mtime.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Special {
+    /// What it becomes.
+    pub kind: SpecialKind,
+    /// Permission bits (`0o7777` mask) as the layer says.
+    pub mode: u32,
+    /// Owner as the layer says.
+    pub uid: u32,
+    /// Group as the layer says.
+    pub gid: u32,
+    /// Modification time (seconds since the epoch).
+    pub mtime: i64,
+}
+
+/// Setuid and setgid: bits that never reach a file on the host.
+const SET_ID_BITS: u32 = 0o6000;
+
+/// Makes text that may carry names from an image safe for a terminal: control characters
+/// (escape sequences, newlines) are shown escaped (`\u{1b}`, `\n`), everything else as is.
+pub fn escape_controls(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for c in text.chars() {
+        if c.is_control() {
+            out.extend(c.escape_debug());
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
+/// An I/O error whose message (the tar crate puts entry names in it) is safe to print.
+fn escaped(e: io::Error) -> io::Error {
+    let text = e.to_string();
+    if text.chars().any(char::is_control) {
+        io::Error::new(e.kind(), escape_controls(&text))
+    } else {
+        e
+    }
+}
+
+impl Limits {
+    /// The limits for a VM whose disk holds `disk_bytes`: no image may unpack to more than
+    /// fits on it, nor to more than the node-wide `cap` when one is set.
+    pub fn for_disk(disk_bytes: u64, cap: Option<u64>) -> Self {
+        Self {
+            max_bytes: disk_bytes.min(cap.unwrap_or(u64::MAX)),
+            ..Self::default()
+        }
+    }
+}
+
+/// Counts what layers would write from their tar headers alone, before anything is written,
+/// so a layer over the [`Limits`] is refused after its headers are read, not after its files
+/// are created.
+#[derive(Debug, Default)]
+pub struct Census {
+    next_layer: usize,
+    entries: u64,
+    bytes: u64,
+}
+
+impl Census {
+    /// Reads the next layer's headers (skipping file data) and adds them to the counts,
+    /// failing as soon as a count passes its limit. Blocking.
+    pub fn count(&mut self, digest: &str, layer: impl Read, limits: Limits) -> Result<()> {
+        let index = self.next_layer;
+        self.next_layer += 1;
+        let locate = |entry: &str| Location {
+            layer: index,
+            digest: digest.to_owned(),
+            entry: entry.to_owned(),
+        };
+        let mut archive = tar::Archive::new(layer);
+        let mut last = String::new();
+        let stream = |after: &str, source| Error::Stream {
+            layer: index,
+            digest: digest.to_owned(),
+            after: after.to_owned(),
+            source: escaped(source),
+        };
+        for entry in archive.entries().map_err(|e| stream("", e))? {
+            let entry = entry.map_err(|e| stream(&last, e))?;
+            let name = String::from_utf8_lossy(&entry.path_bytes()).into_owned();
+            self.entries += 1;
+            if self.entries > limits.max_entries {
+                let limit = limits.max_entries;
+                return Err(Error::TooManyEntries {
+                    at: locate(&name),
+                    limit,
+                });
+            }
+            if matches!(
+                entry.header().entry_type(),
+                EntryType::Regular | EntryType::Continuous | EntryType::GNUSparse
+            ) {
+                self.bytes = self.bytes.saturating_add(entry.size());
+                if self.bytes > limits.max_bytes {
+                    let limit = limits.max_bytes;
+                    return Err(Error::TooManyBytes {
+                        at: locate(&name),
+                        limit,
+                    });
+                }
+            }
+            last = name;
+        }
+        Ok(())
     }
 }
 
@@ -246,7 +386,7 @@ impl Fail {
 
 /// Shorthand to tag an `io::Error` with the operation that failed.
 fn io(op: &'static str) -> impl FnOnce(io::Error) -> Fail {
-    move |e| Fail::Io(op, e)
+    move |e| Fail::Io(op, escaped(e))
 }
 
 /// Applies layers in order onto one rootfs, keeping the [`Limits`] across layers.
@@ -258,6 +398,8 @@ pub struct Applier {
     bytes: u64,
     entries: u64,
     privileged: bool,
+    /// Inodes to make real in the image, by resolved path relative to the root.
+    specials: BTreeMap<PathBuf, Special>,
 }
 
 /// What one layer has written so far: the state whiteouts and directory mtimes need.
@@ -308,6 +450,7 @@ impl Applier {
             bytes: 0,
             entries: 0,
             privileged: nix::unistd::geteuid().is_root(),
+            specials: BTreeMap::new(),
         })
     }
 
@@ -319,6 +462,25 @@ impl Applier {
     /// Entries applied so far, over all layers.
     pub fn entries_applied(&self) -> u64 {
         self.entries
+    }
+
+    /// Device nodes and setuid/setgid files staged in a harmless form, by path relative to
+    /// the root: the ext4 image gets them real ([`super::ext4::apply_specials`]).
+    pub fn specials(&self) -> &BTreeMap<PathBuf, Special> {
+        &self.specials
+    }
+
+    /// Drops the records of `rel` and everything below it (it was removed or replaced).
+    fn forget(&mut self, rel: &Path) {
+        let below: Vec<PathBuf> = self
+            .specials
+            .range(rel.to_path_buf()..)
+            .take_while(|(p, _)| p.starts_with(rel))
+            .map(|(p, _)| p.clone())
+            .collect();
+        for p in below {
+            self.specials.remove(&p);
+        }
     }
 
     /// Applies the next layer, identified in errors by its index and `digest`. Blocking.
@@ -334,7 +496,7 @@ impl Applier {
             layer: index,
             digest: digest.to_owned(),
             after: after.to_owned(),
-            source,
+            source: escaped(source),
         };
         let mut state = LayerState::default();
         let mut archive = tar::Archive::new(layer);
@@ -402,7 +564,8 @@ impl Applier {
             let rel = parent.join(OsStr::from_bytes(hidden));
             // A whiteout hides lower layers only, never this layer's own entries.
             if !state.touched.contains(&rel) {
-                remove_any(&self.root.join(rel))?;
+                remove_any(&self.root.join(&rel))?;
+                self.forget(&rel);
             }
             return Ok(());
         }
@@ -410,12 +573,17 @@ impl Applier {
         let rel = self.resolve_dir(parents, true)?.join(name);
         let path = self.root.join(&rel);
         let header = entry.header();
+        if !kind.is_dir() {
+            // Whatever was at the path is replaced: its record goes with it.
+            self.forget(&rel);
+        }
         match kind {
             EntryType::Directory => {
                 match fs::symlink_metadata(&path) {
                     Ok(md) if md.is_dir() => {}
                     Ok(_) => {
                         remove_any(&path)?;
+                        self.forget(&rel);
                         mkdir(&path)?;
                     }
                     Err(e) if e.kind() == io::ErrorKind::NotFound => mkdir(&path)?,
@@ -445,7 +613,7 @@ impl Applier {
                     .open(&path)
                     .map_err(io("creating the file"))?;
                 let remaining = limit - self.bytes;
-                let copied = io::copy(&mut entry.take(remaining.saturating_add(1)), &mut file)
+                let copied = copy_sparse(&mut entry.take(remaining.saturating_add(1)), &mut file)
                     .map_err(io("writing the file"))?;
                 if copied > remaining {
                     return Err(Fail::TooManyBytes(limit));
@@ -456,10 +624,23 @@ impl Applier {
                     std::os::unix::fs::fchown(&file, Some(uid), Some(gid))
                         .map_err(io("setting the owner"))?;
                 }
-                file.set_permissions(fs::Permissions::from_mode(mode))
+                // Setuid/setgid never reach the host; the image gets them from the record.
+                file.set_permissions(fs::Permissions::from_mode(mode & !SET_ID_BITS))
                     .map_err(io("setting the mode"))?;
                 file.set_modified(system_time(mtime))
                     .map_err(io("setting the mtime"))?;
+                if mode & SET_ID_BITS != 0 {
+                    let (uid, gid) = owner;
+                    let kind = SpecialKind::File;
+                    let special = Special {
+                        kind,
+                        mode,
+                        uid,
+                        gid,
+                        mtime,
+                    };
+                    self.specials.insert(rel.clone(), special);
+                }
             }
             EntryType::Symlink => {
                 let target = entry.link_name_bytes().ok_or(Fail::MissingLinkName)?;
@@ -501,27 +682,43 @@ impl Applier {
                     remove_any(&path)?;
                     // linkat(2) without AT_SYMLINK_FOLLOW: a symlink target is linked itself.
                     fs::hard_link(&target_path, &path).map_err(io("creating the hardlink"))?;
+                    if let Some(special) = self.specials.get(&target_rel).copied() {
+                        self.specials.insert(rel.clone(), special);
+                    }
                 }
             }
-            EntryType::Char | EntryType::Block | EntryType::Fifo => {
-                let sflag = match kind {
-                    EntryType::Char => SFlag::S_IFCHR,
-                    EntryType::Block => SFlag::S_IFBLK,
-                    _ => SFlag::S_IFIFO,
+            EntryType::Char | EntryType::Block => {
+                let (major, minor) = device_numbers(header)?;
+                let kind = if kind == EntryType::Char {
+                    SpecialKind::Char { major, minor }
+                } else {
+                    SpecialKind::Block { major, minor }
                 };
-                if !self.privileged && kind != EntryType::Fifo {
-                    tracing::debug!(path = %path.display(), "not root: skipping device node");
-                    return Ok(());
-                }
-                let major = header.device_major().map_err(io("reading the header"))?;
-                let minor = header.device_minor().map_err(io("reading the header"))?;
-                let dev = nix::sys::stat::makedev(
-                    u64::from(major.unwrap_or(0)),
-                    u64::from(minor.unwrap_or(0)),
-                );
+                let (uid, gid) = owner(header)?;
+                let (mode, mtime) = (mode(header)?, mtime(header)?);
+                // An empty root-only placeholder: the device itself exists only in the image.
                 remove_any(&path)?;
-                nix::sys::stat::mknod(&path, sflag, Mode::from_bits_truncate(0o600), dev)
-                    .map_err(|e| Fail::Io("creating the node", e.into()))?;
+                fs::OpenOptions::new()
+                    .write(true)
+                    .create_new(true)
+                    .mode(0o600)
+                    .custom_flags(nix::libc::O_NOFOLLOW)
+                    .open(&path)
+                    .map_err(io("creating the placeholder of a device node"))?;
+                let special = Special {
+                    kind,
+                    mode,
+                    uid,
+                    gid,
+                    mtime,
+                };
+                self.specials.insert(rel.clone(), special);
+            }
+            EntryType::Fifo => {
+                // A FIFO needs no device numbers (GNU tar leaves those fields NUL-filled).
+                remove_any(&path)?;
+                nix::sys::stat::mknod(&path, SFlag::S_IFIFO, Mode::from_bits_truncate(0o600), 0)
+                    .map_err(|e| Fail::Io("creating the FIFO", e.into()))?;
                 self.set_owner_mode(&path, header)?;
                 set_mtime(&path, mtime(header)?).map_err(io("setting the mtime"))?;
             }
@@ -542,8 +739,11 @@ impl Applier {
             std::os::unix::fs::lchown(path, Some(uid), Some(gid))
                 .map_err(io("setting the owner"))?;
         }
-        fs::set_permissions(path, fs::Permissions::from_mode(mode(header)?))
-            .map_err(io("setting the mode"))
+        fs::set_permissions(
+            path,
+            fs::Permissions::from_mode(mode(header)? & !SET_ID_BITS),
+        )
+        .map_err(io("setting the mode"))
     }
 
     /// Resolves directory components below the root, one at a time with `lstat`, following
@@ -604,7 +804,7 @@ impl Applier {
     }
 
     /// Removes everything below `dir` (relative, resolved) that this layer did not write.
-    fn make_opaque(&self, state: &LayerState, dir: &Path) -> Result<(), Fail> {
+    fn make_opaque(&mut self, state: &LayerState, dir: &Path) -> Result<(), Fail> {
         let mut stack = vec![dir.to_path_buf()];
         while let Some(dir) = stack.pop() {
             let listing =
@@ -614,6 +814,7 @@ impl Applier {
                 let rel = dir.join(child.file_name());
                 if !state.touched.contains(&rel) {
                     remove_any(&self.root.join(&rel))?;
+                    self.forget(&rel);
                 } else if child
                     .file_type()
                     .map_err(io("listing the directory"))?
@@ -660,6 +861,85 @@ fn mkdir(path: &Path) -> Result<(), Fail> {
 
 fn mode(header: &tar::Header) -> Result<u32, Fail> {
     Ok(header.mode().map_err(io("reading the header"))? & 0o7777)
+}
+
+/// A device's numbers; empty or NUL-filled fields (as GNU tar writes them) count as 0.
+fn device_numbers(header: &tar::Header) -> Result<(u32, u32), Fail> {
+    let fields = header
+        .as_ustar()
+        .map(|h| (h.dev_major, h.dev_minor))
+        .or_else(|| header.as_gnu().map(|h| (h.dev_major, h.dev_minor)));
+    let Some((major, minor)) = fields else {
+        return Ok((0, 0));
+    };
+    let bad = |_| {
+        Fail::Io(
+            "reading the header",
+            io::Error::new(io::ErrorKind::InvalidData, "device number is not octal"),
+        )
+    };
+    Ok((
+        octal_field(&major).map_err(bad)?,
+        octal_field(&minor).map_err(bad)?,
+    ))
+}
+
+/// An octal header field up to its first NUL, spaces trimmed; empty is 0.
+fn octal_field(raw: &[u8]) -> Result<u32, std::num::ParseIntError> {
+    let end = raw.iter().position(|b| *b == 0).unwrap_or(raw.len());
+    let text = String::from_utf8_lossy(&raw[..end]);
+    let text = text.trim_matches(' ');
+    if text.is_empty() {
+        return Ok(0);
+    }
+    u32::from_str_radix(text, 8)
+}
+
+/// Copies `src` into the new file `dst`, leaving blocks of zeros as holes; returns the length.
+fn copy_sparse(src: &mut impl Read, dst: &mut fs::File) -> io::Result<u64> {
+    let mut buf = vec![0u8; SPARSE_BLOCK];
+    let mut len = 0u64;
+    let mut hole = false;
+    loop {
+        let n = read_full(src, &mut buf)?;
+        if n == 0 {
+            break;
+        }
+        if is_zero(&buf[..n]) {
+            dst.seek(SeekFrom::Current(n as i64))?;
+            hole = true;
+        } else {
+            dst.write_all(&buf[..n])?;
+            hole = false;
+        }
+        len += n as u64;
+    }
+    if hole {
+        // A trailing hole needs the length set, or the file would end before it.
+        dst.set_len(len)?;
+    }
+    Ok(len)
+}
+
+/// Size of the blocks [`copy_sparse`] looks at (a multiple of every filesystem block size).
+const SPARSE_BLOCK: usize = 64 << 10;
+
+/// Reads until `buf` is full or the stream ends; returns the bytes read.
+fn read_full(src: &mut impl Read, buf: &mut [u8]) -> io::Result<usize> {
+    let mut n = 0;
+    while n < buf.len() {
+        match src.read(&mut buf[n..]) {
+            Ok(0) => break,
+            Ok(k) => n += k,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(n)
+}
+
+fn is_zero(buf: &[u8]) -> bool {
+    buf.iter().all(|b| *b == 0)
 }
 
 fn owner(header: &tar::Header) -> Result<(u32, u32), Fail> {
@@ -817,9 +1097,14 @@ mod tests {
             .dir("tmp/", 0o1777)
             .file("usr/bin/su", b"su", 0o4755)
             .file("/etc/shadow", b"x", 0o640);
-        apply_one(&s.root(), layer).unwrap();
+        let mut applier = Applier::new(s.root(), Limits::default()).unwrap();
+        applier
+            .apply("sha256:00", io::Cursor::new(layer.build()))
+            .unwrap();
         let md = |p: &str| fs::symlink_metadata(s.root().join(p)).unwrap();
-        assert_eq!(md("usr/bin/su").mode() & 0o7777, 0o4755);
+        // Staged without setuid; the record carries it to the image.
+        assert_eq!(md("usr/bin/su").mode() & 0o7777, 0o755);
+        assert_eq!(applier.specials()[Path::new("usr/bin/su")].mode, 0o4755);
         assert_eq!(md("tmp").mode() & 0o7777, 0o1777);
         assert_eq!(md("etc/shadow").mode() & 0o7777, 0o640);
         assert_eq!(md("usr/bin/su").mtime(), 1_000_000);
@@ -1047,5 +1332,188 @@ mod tests {
             err.to_string(),
             r#"layer 0 (sha256:00): entry "l/passwd": path escapes the rootfs"#
         );
+    }
+
+    /// A layer of raw headers (device numbers, odd names) and their data.
+    fn raw_layer(entries: Vec<(tar::Header, Vec<u8>)>) -> Vec<u8> {
+        let mut b = tar::Builder::new(Vec::new());
+        for (mut h, data) in entries {
+            h.set_size(data.len() as u64);
+            h.set_cksum();
+            b.append(&h, data.as_slice()).unwrap();
+        }
+        b.into_inner().unwrap()
+    }
+
+    fn gnu_header(kind: EntryType, path: &[u8], mode: u32) -> tar::Header {
+        let mut h = tar::Header::new_gnu();
+        h.as_old_mut().name[..path.len()].copy_from_slice(path);
+        h.set_entry_type(kind);
+        h.set_mode(mode);
+        h.set_uid(0);
+        h.set_gid(0);
+        h.set_mtime(1_000_000);
+        h
+    }
+
+    fn device(kind: EntryType, path: &str, mode: u32, major: u32, minor: u32) -> tar::Header {
+        let mut h = gnu_header(kind, path.as_bytes(), mode);
+        h.set_device_major(major).unwrap();
+        h.set_device_minor(minor).unwrap();
+        h
+    }
+
+    /// Every inode under `dir` that would be dangerous on the host: device nodes and
+    /// setuid/setgid files.
+    fn dangerous(dir: &Path) -> Vec<PathBuf> {
+        use std::os::unix::fs::FileTypeExt;
+        let mut found = Vec::new();
+        let mut stack = vec![dir.to_path_buf()];
+        while let Some(d) = stack.pop() {
+            for e in fs::read_dir(&d).unwrap() {
+                let e = e.unwrap();
+                let md = fs::symlink_metadata(e.path()).unwrap();
+                let ft = md.file_type();
+                if ft.is_dir() {
+                    stack.push(e.path());
+                } else if ft.is_char_device()
+                    || ft.is_block_device()
+                    || (ft.is_file() && md.mode() & 0o6000 != 0)
+                {
+                    found.push(e.path());
+                }
+            }
+        }
+        found
+    }
+
+    #[test]
+    fn devices_and_setuid_never_reach_the_staging_dir() {
+        let s = Scratch::new();
+        let mut applier = Applier::new(s.root(), Limits::default()).unwrap();
+        let lower = raw_layer(vec![
+            (
+                gnu_header(EntryType::Regular, b"bin/id", 0o4755),
+                b"id".to_vec(),
+            ),
+            (
+                gnu_header(EntryType::Regular, b"bin/wall", 0o2755),
+                b"w".to_vec(),
+            ),
+            (
+                gnu_header(EntryType::Regular, b"bin/gone", 0o4711),
+                b"g".to_vec(),
+            ),
+            (gnu_header(EntryType::Link, b"bin/id2", 0o644), vec![]),
+            (device(EntryType::Block, "dev/sda", 0o666, 8, 0), vec![]),
+            (device(EntryType::Char, "dev/null", 0o666, 1, 3), vec![]),
+        ]);
+        // The hardlink's target.
+        let mut lower = lower;
+        let link = 3 * 512 * 2; // fourth header: after three one-block files
+        lower[link + 157..link + 163].copy_from_slice(b"bin/id");
+        let mut h = tar::Header::from_byte_slice(&lower[link..link + 512]).clone();
+        h.set_cksum();
+        lower[link..link + 512].copy_from_slice(h.as_bytes());
+        applier.apply("sha256:00", io::Cursor::new(lower)).unwrap();
+        let upper = Tar::default().file("bin/.wh.gone", b"", 0o644).build();
+        applier.apply("sha256:01", io::Cursor::new(upper)).unwrap();
+
+        assert_eq!(dangerous(&s.root()), Vec::<PathBuf>::new());
+        let md = |p: &str| fs::symlink_metadata(s.root().join(p)).unwrap();
+        assert_eq!(md("bin/id").mode() & 0o7777, 0o755);
+        assert_eq!(md("bin/wall").mode() & 0o7777, 0o755);
+        assert!(md("dev/sda").is_file() && md("dev/sda").len() == 0);
+        assert_eq!(md("dev/sda").mode() & 0o777, 0o600);
+
+        let specials = applier.specials();
+        let get = |p: &str| *specials.get(Path::new(p)).unwrap();
+        assert_eq!(get("bin/id").mode, 0o4755);
+        assert_eq!(get("bin/id").kind, SpecialKind::File);
+        assert_eq!(get("bin/id2").mode, 0o4755, "a hardlink keeps the bits");
+        assert_eq!(get("bin/wall").mode, 0o2755);
+        assert_eq!(
+            get("dev/sda").kind,
+            SpecialKind::Block { major: 8, minor: 0 }
+        );
+        assert_eq!(
+            get("dev/null").kind,
+            SpecialKind::Char { major: 1, minor: 3 }
+        );
+        assert_eq!(get("dev/null").mode, 0o666);
+        assert!(!specials.contains_key(Path::new("bin/gone")), "whited out");
+        assert_eq!(specials.len(), 5);
+
+        // Replacing a recorded path (or the directory above it) drops the record.
+        let over = Tar::default()
+            .file("bin/id", b"plain", 0o755)
+            .file("dev", b"", 0o644);
+        applier
+            .apply("sha256:02", io::Cursor::new(over.build()))
+            .unwrap();
+        let left: Vec<_> = applier.specials().keys().cloned().collect();
+        assert_eq!(
+            left,
+            vec![PathBuf::from("bin/id2"), PathBuf::from("bin/wall")]
+        );
+    }
+
+    #[test]
+    fn fifo_with_nul_device_fields_is_accepted() {
+        use std::os::unix::fs::FileTypeExt;
+        let s = Scratch::new();
+        // GNU tar's default format leaves the device fields of a FIFO all NUL.
+        let h = gnu_header(EntryType::Fifo, b"run/initctl", 0o600);
+        assert!(h.as_gnu().unwrap().dev_major.iter().all(|b| *b == 0));
+        apply(
+            &s.root(),
+            vec![raw_layer(vec![(h, vec![])])],
+            Limits::default(),
+        )
+        .unwrap();
+        let md = fs::symlink_metadata(s.root().join("run/initctl")).unwrap();
+        assert!(md.file_type().is_fifo());
+        assert_eq!(octal_field(b"\0\0\0\0\0\0\0\0"), Ok(0));
+        assert_eq!(octal_field(b"0000010\0"), Ok(8));
+        assert_eq!(octal_field(b"     7 \0"), Ok(7));
+        assert!(octal_field(b"zz\0").is_err());
+    }
+
+    #[test]
+    fn zeros_are_written_as_holes() {
+        let s = Scratch::new();
+        let mut data = vec![0u8; 8 << 20];
+        data[4 << 20] = 1;
+        let layer = Tar::default().file("zeros", &data, 0o644).build();
+        apply(&s.root(), vec![layer], Limits::default()).unwrap();
+        let md = fs::metadata(s.root().join("zeros")).unwrap();
+        assert_eq!(md.len(), 8 << 20);
+        assert!(md.blocks() * 512 <= 256 << 10, "{} blocks", md.blocks());
+        assert_eq!(fs::read(s.root().join("zeros")).unwrap(), data);
+    }
+
+    #[test]
+    fn names_with_control_characters_are_printed_escaped() {
+        let s = Scratch::new();
+        let name = b"\x1b]0;pwned\x07\x1b[2Jx";
+        let mut h = gnu_header(EntryType::Regular, name, 0o644);
+        // A mode field that is not a number: the tar crate's error names the entry.
+        h.as_old_mut().mode = *b"zzzzzzz\0";
+        let err = apply(
+            &s.root(),
+            vec![raw_layer(vec![(h, vec![])])],
+            Limits::default(),
+        )
+        .unwrap_err();
+        let mut chain = err.to_string();
+        let mut cur = std::error::Error::source(&err);
+        while let Some(e) = cur {
+            chain.push_str(&e.to_string());
+            cur = e.source();
+        }
+        assert!(!chain.chars().any(char::is_control), "{chain:?}");
+        assert!(chain.starts_with("layer 0 (sha256:00): entry"), "{chain}");
+        assert!(chain.contains(r"\u{1b}]0;pwned"), "{chain}");
+        assert_eq!(escape_controls("a\nb\u{1b}c"), r"a\nb\u{1b}c");
     }
 }

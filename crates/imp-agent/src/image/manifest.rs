@@ -313,6 +313,37 @@ pub fn parse_config(
     Ok((image, platform))
 }
 
+#[derive(Deserialize)]
+struct RawRootfs {
+    rootfs: Option<RawDiffIds>,
+}
+
+#[derive(Deserialize)]
+struct RawDiffIds {
+    #[serde(default)]
+    diff_ids: Vec<String>,
+}
+
+/// The config's `rootfs.diff_ids`: the sha256 of each layer's uncompressed tar, lowest first,
+/// which the unpack checks (the OCI image spec requires them).
+pub fn parse_diff_ids(bytes: &[u8], what: &str) -> Result<Vec<Digest>, ImageError> {
+    let raw: RawRootfs = serde_json::from_slice(bytes).map_err(|e| ImageError::Manifest {
+        what: what.to_owned(),
+        reason: e.to_string(),
+    })?;
+    let Some(rootfs) = raw.rootfs else {
+        return Err(ImageError::Manifest {
+            what: what.to_owned(),
+            reason: "it has no rootfs.diff_ids".into(),
+        });
+    };
+    rootfs
+        .diff_ids
+        .iter()
+        .map(|d| Digest::parse(d, &format!("rootfs.diff_ids of {what}")))
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used)]

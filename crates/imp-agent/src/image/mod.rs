@@ -27,7 +27,7 @@ pub use disk::clone_disk;
 pub use layers::Limits;
 pub use manifest::Platform;
 pub use reference::ImageSource;
-pub use store::{BaseRootfs, ImageStore, LayerDescriptor, PulledImage};
+pub use store::{BaseRootfs, ImageStore, LayerDescriptor, Pruned, PulledImage};
 
 /// The result type of the image pipeline.
 pub type Result<T, E = ImageError> = std::result::Result<T, E>;
@@ -138,6 +138,32 @@ pub enum ImageError {
     /// Applying a layer failed (the message names the layer and entry).
     #[error("Unpacking the image layers")]
     Layer(#[source] layers::Error),
+    /// A layer's compressed stream is damaged (e.g. a gzip trailer whose CRC or length is
+    /// wrong).
+    #[error("Layer {index} ({digest}): decompressing")]
+    Decompress {
+        /// Index of the layer, from 0.
+        index: usize,
+        /// Digest of the compressed blob.
+        digest: String,
+        /// What the decoder found.
+        #[source]
+        source: io::Error,
+    },
+    /// A layer's uncompressed content is not what the config's `rootfs.diff_ids` says.
+    #[error(
+        "Layer {index} ({digest}): uncompressed content is {actual}, the config's rootfs.diff_ids says {expected}"
+    )]
+    DiffIdMismatch {
+        /// Index of the layer, from 0.
+        index: usize,
+        /// Digest of the compressed blob.
+        digest: String,
+        /// The diff_id from the config.
+        expected: String,
+        /// The sha256 of the uncompressed tar.
+        actual: String,
+    },
     /// A file operation failed.
     #[error("{op} {path:?}")]
     Io {

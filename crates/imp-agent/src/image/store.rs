@@ -4,17 +4,25 @@
 //! Layout of the cache root: `blobs/sha256/<hex>` (content-addressed blobs),
 //! `rootfs/<key>.ext4` (bases keyed by manifest digests and [`FORMAT_VERSION`]) and `tmp/`
 //! (unpack directories and extracted archives, removed after use).
+//!
+//! The cache root and `tmp/` are private to their owner (0700): a layer's files are staged
+//! there, and no other user may reach them while it is unpacked. Temporaries carry the id of
+//! the process that made them; [`ImageStore::remove_stale`] removes those whose process is
+//! gone (an unpack killed half-way), and [`ImageStore::prune`] also drops cached bases.
 
 use std::io::{BufReader, Read};
+use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
 use sha2::{Digest as _, Sha256};
 
 use super::auth::RegistryAuth;
-use super::blobs::{BlobStore, HashingReader, check, sync_dir, temp_path};
-use super::layers::{Applier, Limits};
+use super::blobs::{BlobStore, HashingReader, check, sync_dir, temp_owner, temp_path};
+use super::layers::{Applier, Census, Limits};
 use super::layout::{LayoutFetcher, extract_archive};
-use super::manifest::{Descriptor, Digest, Document, Platform, parse_config, select_platform};
+use super::manifest::{
+    Descriptor, Digest, Document, Platform, parse_config, parse_diff_ids, select_platform,
+};
 use super::reference::ImageSource;
 use super::registry::RegistryFetcher;
 use super::{ImageError, Result, blocking, ext4};
@@ -33,6 +41,8 @@ pub struct LayerDescriptor {
     pub size: u64,
     /// Media type (tar, tar+gzip).
     pub media_type: String,
+    /// `sha256:…` of the uncompressed tar, from the config's `rootfs.diff_ids`.
+    pub diff_id: String,
 }
 
 /// An image whose manifest, config and layers are all in the blob cache.
@@ -131,6 +141,66 @@ impl ImageStore {
         self.root.join("tmp")
     }
 
+    /// Creates the cache root and `tmp/` mode 0700, or makes them so.
+    async fn private_dirs(&self) -> Result<()> {
+        let root = self.root.clone();
+        blocking(move || {
+            for d in [root.clone(), root.join("tmp")] {
+                std::fs::DirBuilder::new()
+                    .recursive(true)
+                    .mode(0o700)
+                    .create(&d)
+                    .map_err(ImageError::io("Creating directory", &d))?;
+                std::fs::set_permissions(&d, std::fs::Permissions::from_mode(0o700))
+                    .map_err(ImageError::io("Making private", &d))?;
+            }
+            Ok(())
+        })
+        .await
+    }
+
+    /// Removes temporaries (unpack directories, extracted archives, half-written blobs and
+    /// bases) whose process is gone: what an unpack killed half-way leaves. Those of running
+    /// processes (another `imp run` unpacking now) are kept.
+    pub async fn remove_stale(&self) -> Result<Pruned> {
+        let root = self.root.clone();
+        let pruned = blocking(move || {
+            let mut pruned = Pruned::default();
+            for dir in ["tmp", "rootfs", "blobs/sha256"] {
+                prune_dir(&root.join(dir), &mut pruned, |name| {
+                    temp_owner(name).is_some_and(|pid| !process_alive(pid))
+                })?;
+            }
+            Ok(pruned)
+        })
+        .await?;
+        if pruned.entries > 0 {
+            tracing::info!(cache = %self.root.display(), entries = pruned.entries, bytes = pruned.bytes, "removed stale image temporaries");
+        }
+        Ok(pruned)
+    }
+
+    /// [`Self::remove_stale`], then every cached base (rebuilt from the blobs when next
+    /// needed) and, with `blobs`, every blob (fetched again when next pulled). A VM being
+    /// created at that moment may fail and can be started again.
+    pub async fn prune(&self, blobs: bool) -> Result<Pruned> {
+        let mut pruned = self.remove_stale().await?;
+        let root = self.root.clone();
+        let more = blocking(move || {
+            let mut more = Pruned::default();
+            prune_dir(&root.join("rootfs"), &mut more, |n| n.ends_with(".ext4"))?;
+            if blobs {
+                prune_dir(&root.join("blobs/sha256"), &mut more, |_| true)?;
+            }
+            Ok(more)
+        })
+        .await?;
+        pruned.entries += more.entries;
+        pruned.bytes += more.bytes;
+        tracing::info!(cache = %self.root.display(), entries = pruned.entries, bytes = pruned.bytes, "pruned the image cache");
+        Ok(pruned)
+    }
+
     /// Resolves `source` to this store's platform and brings its config and layers into the blob
     /// cache, verifying every digest and size. A cached blob is not fetched again.
     pub async fn pull(&self, source: &ImageSource, auth: &RegistryAuth) -> Result<PulledImage> {
@@ -145,10 +215,8 @@ impl ImageStore {
                 self.pull_with(&f, &name).await
             }
             ImageSource::OciArchive { file, tag } => {
+                self.private_dirs().await?;
                 let tmp = self.tmp_dir();
-                tokio::fs::create_dir_all(&tmp)
-                    .await
-                    .map_err(ImageError::io("Creating directory", &tmp))?;
                 let dir = temp_path(&tmp, "archive");
                 let result = async {
                     extract_archive(file, &dir).await?;
@@ -189,6 +257,17 @@ impl ImageStore {
         fetched += usize::from(f.blob(&self.blobs, &config, &what).await?);
         let config_bytes = self.blobs.read_verified(&config, &what).await?;
         let (image_config, platform) = parse_config(&config_bytes, &what)?;
+        let diff_ids = parse_diff_ids(&config_bytes, &what)?;
+        if diff_ids.len() != layers.len() {
+            return Err(ImageError::Manifest {
+                what,
+                reason: format!(
+                    "rootfs.diff_ids names {} layers, the manifest has {}",
+                    diff_ids.len(),
+                    layers.len()
+                ),
+            });
+        }
         if let Some(p) = platform
             && (p.os != self.platform.os || p.architecture != self.platform.architecture)
         {
@@ -210,10 +289,12 @@ impl ImageStore {
             config: image_config,
             layers: layers
                 .into_iter()
-                .map(|l| LayerDescriptor {
+                .zip(diff_ids)
+                .map(|(l, diff_id)| LayerDescriptor {
                     digest: l.digest.to_string(),
                     size: l.size,
                     media_type: l.media_type,
+                    diff_id: diff_id.to_string(),
                 })
                 .collect(),
             blobs_fetched: fetched,
@@ -247,19 +328,22 @@ impl ImageStore {
                 cached: true,
             });
         }
-        for d in [&dir, &self.tmp_dir()] {
-            tokio::fs::create_dir_all(d)
-                .await
-                .map_err(ImageError::io("Creating directory", d))?;
-        }
+        self.private_dirs().await?;
+        tokio::fs::create_dir_all(&dir)
+            .await
+            .map_err(ImageError::io("Creating directory", &dir))?;
         let mut layers = Vec::new();
         for img in std::iter::once(image).chain(extra) {
             for l in &img.layers {
-                layers.push(Descriptor {
-                    media_type: l.media_type.clone(),
-                    digest: Digest::parse(&l.digest, &format!("layer of {}", img.source))?,
-                    size: l.size,
-                });
+                let what = format!("layer of {}", img.source);
+                layers.push((
+                    Descriptor {
+                        media_type: l.media_type.clone(),
+                        digest: Digest::parse(&l.digest, &what)?,
+                        size: l.size,
+                    },
+                    Digest::parse(&l.diff_id, &what)?,
+                ));
             }
         }
         let unpack = temp_path(&self.tmp_dir(), &format!("unpack-{key}"));
@@ -268,12 +352,21 @@ impl ImageStore {
         let (u, t, p, d) = (unpack.clone(), image_tmp.clone(), path.clone(), dir.clone());
         let started = std::time::Instant::now();
         let result = blocking(move || {
-            std::fs::create_dir(&u).map_err(ImageError::io("Creating the unpack directory", &u))?;
+            // Every layer is checked whole (digests, gzip trailers, diff_ids, counts from the
+            // headers) before the first file is written.
+            let mut census = Census::default();
+            for (i, (layer, diff_id)) in layers.iter().enumerate() {
+                verify_layer(&blobs, &mut census, limits, layer, diff_id, i)?;
+            }
+            std::fs::DirBuilder::new()
+                .mode(0o700)
+                .create(&u)
+                .map_err(ImageError::io("Creating the unpack directory", &u))?;
             let mut applier = Applier::new(&u, limits).map_err(ImageError::Layer)?;
-            for (i, layer) in layers.iter().enumerate() {
+            for (i, (layer, _)) in layers.iter().enumerate() {
                 apply_layer(&blobs, &mut applier, layer, i)?;
             }
-            let size = ext4::build_blocking(&u, &t)?;
+            let size = ext4::build_blocking(&u, &t, applier.specials())?;
             std::fs::rename(&t, &p)
                 .map_err(ImageError::io("Renaming the rootfs into the cache", &p))?;
             sync_dir(&d)?;
@@ -303,6 +396,73 @@ impl ImageStore {
     }
 }
 
+/// What a cleanup removed.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Pruned {
+    /// Files and directories removed (each directory counts once).
+    pub entries: u64,
+    /// Disk space they held, in bytes (allocated blocks).
+    pub bytes: u64,
+}
+
+/// True while process `pid` exists (a process of another user counts).
+fn process_alive(pid: i32) -> bool {
+    use nix::errno::Errno;
+    match nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), None) {
+        Ok(()) | Err(Errno::EPERM) => true,
+        Err(_) => false,
+    }
+}
+
+/// Removes the children of `dir` (missing: nothing) whose name `doomed` picks. Blocking.
+fn prune_dir(dir: &Path, pruned: &mut Pruned, doomed: impl Fn(&str) -> bool) -> Result<()> {
+    let listing = match std::fs::read_dir(dir) {
+        Ok(l) => l,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(ImageError::io("Listing", dir)(e)),
+    };
+    for entry in listing {
+        let entry = entry.map_err(ImageError::io("Listing", dir))?;
+        let name = entry.file_name();
+        if !name.to_str().is_some_and(&doomed) {
+            continue;
+        }
+        let path = entry.path();
+        let bytes = disk_usage(&path);
+        let removed = match entry.file_type() {
+            Ok(t) if t.is_dir() => std::fs::remove_dir_all(&path),
+            _ => std::fs::remove_file(&path),
+        };
+        removed.map_err(ImageError::io("Removing", &path))?;
+        pruned.entries += 1;
+        pruned.bytes += bytes;
+    }
+    Ok(())
+}
+
+/// Allocated bytes under `path` (links not followed); unreadable parts count as 0.
+fn disk_usage(path: &Path) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    let mut total = 0;
+    let mut stack = vec![path.to_path_buf()];
+    while let Some(p) = stack.pop() {
+        let Ok(md) = std::fs::symlink_metadata(&p) else {
+            continue;
+        };
+        total += md.blocks() * 512;
+        if md.is_dir() {
+            stack.extend(
+                std::fs::read_dir(&p)
+                    .into_iter()
+                    .flatten()
+                    .flatten()
+                    .map(|e| e.path()),
+            );
+        }
+    }
+    total
+}
+
 /// How a layer blob is compressed.
 #[derive(Debug, Clone, Copy)]
 enum Codec {
@@ -327,41 +487,112 @@ fn layer_codec(layer: &Descriptor) -> Result<Codec> {
     }
 }
 
-/// Applies one cached layer blob, hashing it on the way: a blob changed in the cache since it
-/// was fetched fails the build (the unpack directory is discarded). Blocking.
+/// A cached layer blob, read through a hasher (of the compressed bytes).
+type BlobReader = HashingReader<std::io::Take<BufReader<std::fs::File>>>;
+
+fn open_blob(blobs: &BlobStore, layer: &Descriptor) -> Result<(PathBuf, BlobReader)> {
+    let path = blobs.path(&layer.digest);
+    let file = std::fs::File::open(&path).map_err(ImageError::io("Opening layer blob", &path))?;
+    Ok((
+        path,
+        HashingReader::new(BufReader::new(file).take(layer.size + 1)),
+    ))
+}
+
+/// The uncompressed tar stream of a layer.
+fn decoder<'a>(
+    codec: Codec,
+    raw: &'a mut BlobReader,
+    layer: &Descriptor,
+    index: usize,
+) -> Result<Box<dyn Read + 'a>> {
+    Ok(match codec {
+        Codec::Plain => Box::new(raw),
+        Codec::Gzip => Box::new(flate2::read::MultiGzDecoder::new(raw)),
+        Codec::Zstd => match ruzstd::decoding::StreamingDecoder::new(raw) {
+            Ok(d) => Box::new(d),
+            Err(e) => {
+                return Err(ImageError::Decompress {
+                    index,
+                    digest: layer.digest.to_string(),
+                    source: std::io::Error::new(std::io::ErrorKind::InvalidData, e.to_string()),
+                });
+            }
+        },
+    })
+}
+
+/// Reads the rest of the blob and checks its digest; a blob changed in the cache since it was
+/// fetched is removed (the next pull fetches it again) and fails the build.
+fn check_blob(mut raw: BlobReader, path: &Path, layer: &Descriptor, index: usize) -> Result<()> {
+    raw.drain()
+        .map_err(ImageError::io("Reading layer blob", path))?;
+    let (hasher, len) = raw.finish();
+    if let Err(e) = check(layer, hasher, len, &format!("layer {index}")) {
+        let _ = std::fs::remove_file(path);
+        tracing::warn!(digest = %layer.digest, path = %path.display(), "cached layer blob corrupt; removed");
+        return Err(e);
+    }
+    Ok(())
+}
+
+/// Reads one cached layer whole without writing anything: counts its headers into `census`
+/// (refusing past `limits`), lets the decoder check the stream to its end (a gzip trailer's
+/// CRC and length), and compares the uncompressed sha256 with the config's `diff_id`. Blocking.
+fn verify_layer(
+    blobs: &BlobStore,
+    census: &mut Census,
+    limits: Limits,
+    layer: &Descriptor,
+    diff_id: &Digest,
+    index: usize,
+) -> Result<()> {
+    let (path, mut raw) = open_blob(blobs, layer)?;
+    let digest = layer.digest.to_string();
+    let (counted, drained, actual) = {
+        let mut plain = HashingReader::new(decoder(layer_codec(layer)?, &mut raw, layer, index)?);
+        let counted = census.count(&digest, &mut plain, limits);
+        // Past the tar's end: padding, then the compressed stream's own trailer.
+        let drained = if counted.is_ok() {
+            plain.drain()
+        } else {
+            Ok(())
+        };
+        (counted, drained, Digest::from_hasher(plain.finish().0))
+    };
+    // A tampered blob is reported as such, not as what it decodes to.
+    check_blob(raw, &path, layer, index)?;
+    counted.map_err(ImageError::Layer)?;
+    drained.map_err(|source| ImageError::Decompress {
+        index,
+        digest: digest.clone(),
+        source,
+    })?;
+    if &actual != diff_id {
+        return Err(ImageError::DiffIdMismatch {
+            index,
+            digest,
+            expected: diff_id.to_string(),
+            actual: actual.to_string(),
+        });
+    }
+    Ok(())
+}
+
+/// Applies one cached layer blob (already verified by [`verify_layer`]), hashing it again on
+/// the way: a blob changed since fails the build (the unpack directory is discarded). Blocking.
 fn apply_layer(
     blobs: &BlobStore,
     applier: &mut Applier,
     layer: &Descriptor,
     index: usize,
 ) -> Result<()> {
-    let path = blobs.path(&layer.digest);
-    let file = std::fs::File::open(&path).map_err(ImageError::io("Opening layer blob", &path))?;
-    let mut reader = HashingReader::new(BufReader::new(file).take(layer.size + 1));
+    let (path, mut raw) = open_blob(blobs, layer)?;
     let digest = layer.digest.to_string();
-    let applied = match layer_codec(layer)? {
-        Codec::Plain => applier.apply(&digest, &mut reader),
-        Codec::Gzip => applier.apply(&digest, flate2::read::GzDecoder::new(&mut reader)),
-        Codec::Zstd => match ruzstd::decoding::StreamingDecoder::new(&mut reader) {
-            Ok(decoder) => applier.apply(&digest, decoder),
-            Err(e) => Err(super::layers::Error::Stream {
-                layer: index,
-                digest: digest.clone(),
-                after: String::new(),
-                source: std::io::Error::new(std::io::ErrorKind::InvalidData, e.to_string()),
-            }),
-        },
+    let applied = {
+        let plain = decoder(layer_codec(layer)?, &mut raw, layer, index)?;
+        applier.apply(&digest, plain)
     };
-    // Check the digest first: a tampered blob is reported as such, not as a tar error.
-    reader
-        .drain()
-        .map_err(ImageError::io("Reading layer blob", &path))?;
-    let (hasher, len) = reader.finish();
-    if let Err(e) = check(layer, hasher, len, &format!("layer {index}")) {
-        // Drop the bad copy so the next pull fetches the blob again.
-        let _ = std::fs::remove_file(&path);
-        tracing::warn!(digest = %layer.digest, path = %path.display(), "cached layer blob corrupt; removed");
-        return Err(e);
-    }
+    check_blob(raw, &path, layer, index)?;
     applied.map_err(ImageError::Layer)
 }

@@ -30,6 +30,8 @@ pub struct BootSettings {
     pub cgroup_parent: Option<String>,
     /// The image cache, shared by every VM of the node.
     pub cache_dir: PathBuf,
+    /// The node-wide cap on what one image may unpack to, in bytes.
+    pub image_max_bytes: Option<u64>,
 }
 
 /// Why a spec cannot be built; the message names the field.
@@ -117,6 +119,7 @@ pub fn vm_spec(
         attach: false,
         cgroup,
         cache_dir: Some(settings.cache_dir.clone()),
+        image_max_bytes: settings.image_max_bytes,
         owner: Some(owner),
         network: None,
     })
@@ -139,6 +142,7 @@ mod tests {
             boot_timeout: Duration::from_secs(60),
             cgroup_parent: Some("imp".into()),
             cache_dir: "/cache".into(),
+            image_max_bytes: None,
         }
     }
 

@@ -104,6 +104,9 @@ pub struct VmSpec {
     /// The image and initramfs cache (default: `cache/` of the state directory).
     #[serde(default)]
     pub cache_dir: Option<PathBuf>,
+    /// The node-wide cap on the bytes an image may unpack to (the VM's disk size caps it too).
+    #[serde(default)]
+    pub image_max_bytes: Option<u64>,
     /// The ImpVM this VM belongs to (for `imp agent`).
     #[serde(default)]
     pub owner: Option<Owner>,
@@ -172,6 +175,7 @@ mod tests {
                 memory_limit_bytes: 1 << 30,
             }),
             cache_dir: None,
+            image_max_bytes: None,
             owner: None,
             network: None,
         };

@@ -65,7 +65,9 @@ impl Failure {
         }
     }
 
-    /// The message with its whole cause chain, as written into the record.
+    /// The message with its whole cause chain on one line, as written into the record;
+    /// control characters (from names in an image) are shown escaped, so printing it cannot
+    /// drive the reader's terminal.
     pub fn chain(&self) -> String {
         let mut out = self.what.clone();
         let mut cur: Option<&(dyn StdError + 'static)> = self.source.as_deref().map(|e| e as _);
@@ -74,7 +76,7 @@ impl Failure {
             out.push_str(&e.to_string());
             cur = e.source();
         }
-        out
+        crate::image::layers::escape_controls(&out)
     }
 }
 
@@ -276,7 +278,8 @@ async fn prepare(
         .parse()
         .map_err(at(Stage::Image, format!("image {:?}", spec.image)))?;
     let auth = registry_auth(spec, &source).await?;
-    let store = ImageStore::new(spec.cache(state).join("images"), image::Limits::default());
+    let limits = image::Limits::for_disk(u64::from(spec.disk_gib) << 30, spec.image_max_bytes);
+    let store = ImageStore::new(spec.cache(state).join("images"), limits);
     let pulled = store
         .pull(&source, &auth)
         .await

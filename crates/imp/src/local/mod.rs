@@ -88,6 +88,37 @@ pub struct RmArgs {
     common: Common,
 }
 
+/// `imp image prune`.
+#[derive(Args, Debug)]
+pub struct ImagePruneArgs {
+    /// Also remove the pulled blobs (fetched again when next needed), not only temporaries
+    /// and the built bases.
+    #[arg(long)]
+    pub all: bool,
+    #[command(flatten)]
+    common: Common,
+}
+
+/// `imp image prune`: removes what unpacks killed half-way left and the cached bases (rebuilt
+/// from the blobs when next needed), and with `--all` the blobs too; prints what it freed.
+pub fn image_prune(args: ImagePruneArgs) -> anyhow::Result<()> {
+    let state = StateDir::resolve(args.common.state_dir)?;
+    let store = run::image_store(&state);
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    let pruned = runtime
+        .block_on(store.prune(args.all))
+        .with_context(|| format!("pruning the image cache {}", store.root().display()))?;
+    println!(
+        "removed {} entries, {:.1} MiB",
+        pruned.entries,
+        pruned.bytes as f64 / f64::from(1u32 << 20)
+    );
+    Ok(())
+}
+
 /// `imp ps`.
 #[derive(Args, Debug)]
 pub struct PsArgs {

@@ -75,9 +75,13 @@ pub struct RunArgs {
     /// Virtual CPUs.
     #[arg(long, default_value_t = 1)]
     pub cpus: u8,
-    /// The VM's own disk in GiB (a clone of the cached image, grown to this size).
+    /// The VM's own disk in GiB (a clone of the cached image, grown to this size; the image
+    /// may not unpack to more).
     #[arg(long, default_value_t = 1)]
     pub disk: u32,
+    /// The most bytes an image may unpack to, whatever the disk size.
+    #[arg(long, env = "IMP_IMAGE_MAX_BYTES")]
+    pub image_max_bytes: Option<u64>,
     /// Environment for the workload, NAME=value (repeatable; wins over the image's Env).
     #[arg(short = 'e', long = "env", value_name = "NAME=VALUE")]
     pub env: Vec<String>,
@@ -107,8 +111,47 @@ pub struct RunArgs {
     common: Common,
 }
 
+/// The image cache of local VMs (what the shim uses with no `cache_dir` in the spec).
+pub fn image_store(state: &StateDir) -> imp_agent::image::ImageStore {
+    imp_agent::image::ImageStore::new(
+        state.cache().join("images"),
+        imp_agent::image::Limits::default(),
+    )
+}
+
+/// The allowed ranges of `--cpus`, `--memory` and `--disk`: those of an ImpVMClass (vCPU and
+/// disk at least 1, memory at least 128 MiB), with memory at most `host_mib` (the host's).
+fn check_resources(cpus: u8, memory_mib: u32, disk_gib: u32, host_mib: u64) -> anyhow::Result<()> {
+    if cpus < 1 {
+        bail!("--cpus must be between 1 and {}, got {cpus}", u8::MAX);
+    }
+    if memory_mib < 128 || u64::from(memory_mib) > host_mib {
+        bail!(
+            "--memory must be between 128 and {host_mib} MiB (this host's memory), got {memory_mib}"
+        );
+    }
+    if disk_gib < 1 || i32::try_from(disk_gib).is_err() {
+        bail!(
+            "--disk must be between 1 and {} GiB, got {disk_gib}",
+            i32::MAX
+        );
+    }
+    Ok(())
+}
+
+/// The host's memory in MiB, from /proc/meminfo (`MemTotal`).
+fn host_memory_mib() -> anyhow::Result<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").context("reading /proc/meminfo")?;
+    text.lines()
+        .find_map(|l| l.strip_prefix("MemTotal:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .map(|kib| kib / 1024)
+        .context("reading MemTotal from /proc/meminfo")
+}
+
 /// Runs `imp run`; returns the exit code the process should end with.
 pub fn main(args: RunArgs) -> anyhow::Result<i32> {
+    check_resources(args.cpus, args.memory, args.disk, host_memory_mib()?)?;
     let state = StateDir::resolve(args.common.state_dir.clone())?;
     let name = match &args.name {
         Some(n) => {
@@ -128,6 +171,10 @@ pub fn main(args: RunArgs) -> anyhow::Result<i32> {
         .enable_all()
         .build()
         .context("starting the async runtime")?;
+    // What unpacks killed half-way left behind (not those of other running `imp run`s).
+    if let Err(e) = runtime.block_on(image_store(&state).remove_stale()) {
+        tracing::warn!(error = %format!("{e:#}"), "removing stale image temporaries");
+    }
     if args.detach {
         return runtime.block_on(wait_running(&state, &name, args.boot_timeout));
     }
@@ -212,6 +259,7 @@ fn spec_for(args: &RunArgs, name: &str) -> anyhow::Result<VmSpec> {
         attach: args.interactive || args.tty,
         cgroup: None,
         cache_dir: None,
+        image_max_bytes: args.image_max_bytes,
         owner: None,
         network: None,
     })
@@ -345,6 +393,7 @@ async fn follow(state: &StateDir, name: &str, filter: Filter) -> anyhow::Result<
     let mut follower: Option<Follower> = None;
     let mut stopping: Option<tokio::task::JoinHandle<()>> = None;
     let mut seen = false;
+    let mut stdout_closed = false;
     let mut tick = tokio::time::interval(Duration::from_millis(50));
     loop {
         let interrupted = tokio::select! {
@@ -375,7 +424,20 @@ async fn follow(state: &StateDir, name: &str, filter: Filter) -> anyhow::Result<
             record = load(state, name).await.unwrap_or(record);
         }
         if let Some(f) = follower.take() {
-            follower = Some(print_console(f, filter, ended).await);
+            let (f, closed) = print_console(f, filter, ended).await;
+            follower = Some(f);
+            if closed && !stdout_closed {
+                // Nobody reads on (`imp run … | head -1`): stop quietly, like Ctrl-C.
+                stdout_closed = true;
+                if stopping.is_none() {
+                    let (state, r) = (state.clone(), record.clone());
+                    stopping = Some(tokio::spawn(async move {
+                        if let Err(e) = shim::stop(&state, &r, INTERRUPT_GRACE).await {
+                            eprintln!("imp: stopping {}: {e:#}", r.name);
+                        }
+                    }));
+                }
+            }
         }
         if ended {
             return outcome(state, &record);
@@ -411,7 +473,9 @@ impl StopSignals {
 }
 
 /// Prints what the console has gained; `last` also prints an unterminated final line.
-async fn print_console(mut f: Follower, filter: Filter, last: bool) -> Follower {
+/// Returns the follower and whether stdout was closed by its reader (nothing more is printed
+/// to it then).
+async fn print_console(mut f: Follower, filter: Filter, last: bool) -> (Follower, bool) {
     let polled = tokio::task::spawn_blocking(move || {
         let mut lines = f.poll().unwrap_or_default();
         if last && let Some(rest) = f.rest() {
@@ -421,21 +485,30 @@ async fn print_console(mut f: Follower, filter: Filter, last: bool) -> Follower 
     })
     .await;
     let Ok((f, lines)) = polled else {
-        return Follower::new(&PathBuf::new());
+        return (Follower::new(&PathBuf::new()), false);
     };
     use std::io::Write;
     let mut out = std::io::stdout().lock();
+    let mut closed = false;
     for line in &lines {
         match filter.classify(line) {
-            Line::Workload => {
-                let _ = out.write_all(line.as_bytes());
+            Line::Workload if !closed => {
+                closed = is_closed(out.write_all(line.as_bytes()));
             }
-            Line::Guest => eprint!("imp: guest: {}", line.trim_start_matches("imp-guest: ")),
-            Line::Hidden => {}
+            Line::Guest => {
+                let text = line.trim_start_matches("imp-guest: ");
+                let _ = write!(std::io::stderr(), "imp: guest: {text}");
+            }
+            Line::Workload | Line::Hidden => {}
         }
     }
-    let _ = out.flush();
-    f
+    closed |= is_closed(out.flush());
+    (f, closed)
+}
+
+/// True when a write failed because the reader closed the pipe.
+fn is_closed(r: std::io::Result<()>) -> bool {
+    matches!(r, Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe)
 }
 
 /// The process's exit code from the VM's final record.
@@ -482,4 +555,20 @@ fn locate(
         "no {what} found (tried {}); set {env} or run scripts/setup",
         tried.join(", ")
     )
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[test]
+    fn resources_are_checked_against_the_class_ranges() {
+        assert!(check_resources(1, 128, 1, 4096).is_ok());
+        let err = |c, m, d| check_resources(c, m, d, 4096).unwrap_err().to_string();
+        assert_eq!(err(0, 256, 1), "--cpus must be between 1 and 255, got 0");
+        assert!(err(1, 0, 1).starts_with("--memory must be between 128 and 4096 MiB"));
+        assert!(err(1, 1 << 30, 1).contains("got 1073741824"));
+        assert!(err(1, 256, 0).starts_with("--disk must be between 1 and"));
+    }
 }
