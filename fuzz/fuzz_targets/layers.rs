@@ -238,10 +238,10 @@ fn walk(dir: &Path) -> Vec<PathBuf> {
     let mut i = 0;
     while i < out.len() {
         let here = out[i].clone();
-        if fs::symlink_metadata(&here).is_ok_and(|m| m.is_dir()) {
-            if let Ok(rd) = fs::read_dir(&here) {
-                out.extend(rd.filter_map(Result::ok).map(|e| e.path()));
-            }
+        if fs::symlink_metadata(&here).is_ok_and(|m| m.is_dir())
+            && let Ok(rd) = fs::read_dir(&here)
+        {
+            out.extend(rd.filter_map(Result::ok).map(|e| e.path()));
         }
         i += 1;
     }

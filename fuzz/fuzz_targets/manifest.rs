@@ -27,10 +27,10 @@ fuzz_target!(|data: &[u8]| {
         Ok(_) => {}
         Err(e) => assert!(e.to_string().contains("fuzzed config"), "{e}"),
     }
-    if let Ok(s) = std::str::from_utf8(data) {
-        if let Ok(d) = Digest::parse(s, "fuzzed digest") {
-            safe_digest(&d);
-        }
+    if let Ok(s) = std::str::from_utf8(data)
+        && let Ok(d) = Digest::parse(s, "fuzzed digest")
+    {
+        safe_digest(&d);
     }
 });
 

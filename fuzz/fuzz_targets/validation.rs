@@ -11,11 +11,11 @@ fn check<T: DeserializeOwned>(
     json: &[u8],
     rule: impl Fn(&T) -> Result<(), validation::ValidationErrors>,
 ) {
-    if let Ok(spec) = serde_json::from_slice::<T>(json) {
-        if let Err(errs) = rule(&spec) {
-            assert!(!errs.0.is_empty(), "a refusal without a field");
-            assert!(!errs.to_string().is_empty());
-        }
+    if let Ok(spec) = serde_json::from_slice::<T>(json)
+        && let Err(errs) = rule(&spec)
+    {
+        assert!(!errs.0.is_empty(), "a refusal without a field");
+        assert!(!errs.to_string().is_empty());
     }
 }
 
