@@ -115,4 +115,20 @@ mod tests {
             Err(FrameError::Truncated { .. })
         ));
     }
+
+    #[test]
+    fn an_oversize_header_reserves_nothing() {
+        let mut codec = FrameCodec;
+        let mut buf = BytesMut::from(&u32::MAX.to_be_bytes()[..]);
+        let before = buf.capacity();
+        assert!(matches!(
+            codec.decode(&mut buf),
+            Err(FrameError::TooLarge { .. })
+        ));
+        assert_eq!(buf.capacity(), before);
+        // A frame at the limit reserves its own size and no more.
+        let mut buf = BytesMut::from(&MAX_FRAME_LEN.to_be_bytes()[..]);
+        assert!(codec.decode(&mut buf).unwrap().is_none());
+        assert!(buf.capacity() <= 4 + MAX_FRAME_LEN as usize * 2);
+    }
 }

@@ -382,4 +382,51 @@ mod tests {
             assert!(matches!(err, FrameError::Json(_)), "{err}");
         }
     }
+
+    /// A peer whose stream never ends, counting what is taken from it.
+    struct Endless {
+        header: Vec<u8>,
+        taken: usize,
+    }
+
+    impl Read for Endless {
+        fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+            let n = buf.len().min(64 * 1024);
+            for (i, b) in buf[..n].iter_mut().enumerate() {
+                *b = self.header.get(self.taken + i).copied().unwrap_or(0);
+            }
+            self.taken += n;
+            Ok(n)
+        }
+    }
+
+    #[test]
+    fn a_4_gib_header_on_an_endless_stream_costs_four_bytes() {
+        let mut peer = Endless {
+            header: u32::MAX.to_be_bytes().to_vec(),
+            taken: 0,
+        };
+        let err = read_frame(&mut peer).unwrap_err();
+        assert!(
+            matches!(err, FrameError::TooLarge { len, max } if len == u64::from(u32::MAX) && max == MAX_FRAME_LEN),
+            "{err}"
+        );
+        assert_eq!(
+            peer.taken, 4,
+            "the body was read before the length was checked"
+        );
+    }
+
+    #[test]
+    fn endless_frames_are_read_one_bounded_frame_at_a_time() {
+        // Kind 2 (stdout) of the largest size, then more of the same, for ever.
+        let mut header = MAX_FRAME_LEN.to_be_bytes().to_vec();
+        header.push(KIND_STDOUT);
+        let mut peer = Endless { header, taken: 0 };
+        let Some(Message::Stdout(data)) = read_frame(&mut peer).unwrap() else {
+            panic!("expected stdout");
+        };
+        assert_eq!(data.len(), MAX_FRAME_LEN as usize - 1);
+        assert_eq!(peer.taken, 4 + MAX_FRAME_LEN as usize);
+    }
 }

@@ -516,4 +516,47 @@ mod tests {
         drop(guest);
         let _ = task.await.unwrap();
     }
+
+    /// A guest that streams output without end while the caller reads nothing: the relay holds
+    /// no more than its copy buffer (the guest is held back), and when the caller hangs up the
+    /// relay ends with an error instead of running on.
+    #[tokio::test]
+    async fn endless_guest_output_is_held_back_not_buffered_and_ends_with_the_caller() {
+        let (mut caller, caller_near) = duplex(64 * 1024);
+        let (guest_near, mut guest) = duplex(64 * 1024);
+        let task = tokio::spawn(relay(caller_near, guest_near, Duration::from_secs(5)));
+        caller
+            .write_all(&frame(&Message::Hello(Hello::new("cli"))))
+            .await
+            .unwrap();
+        guest
+            .write_all(&frame(&Message::Hello(Hello::new("guest"))))
+            .await
+            .unwrap();
+        caller
+            .write_all(&frame(&Message::Exec(ExecRequest::default())))
+            .await
+            .unwrap();
+        let chunk = frame(&Message::Stdout(vec![b'y'; 32 * 1024]));
+        let flood = tokio::spawn(async move {
+            let mut sent = 0usize;
+            while sent < 256 << 20 {
+                if guest.write_all(&chunk).await.is_err() {
+                    break;
+                }
+                sent += chunk.len();
+            }
+            (sent, guest)
+        });
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert!(
+            !flood.is_finished(),
+            "256 MiB went somewhere while nobody read"
+        );
+        drop(caller);
+        let ended = tokio::time::timeout(Duration::from_secs(5), task).await;
+        let err = ended.expect("the relay outlived its caller").unwrap();
+        assert!(err.is_err(), "{err:?}");
+        flood.abort();
+    }
 }

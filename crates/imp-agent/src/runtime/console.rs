@@ -11,12 +11,21 @@ use std::path::{Path, PathBuf};
 
 use imp_proto::marker::{EXIT_PREFIX, SUCCESS_LINE};
 
+/// Most bytes one [`Follower::poll`] reads: the guest writes the log, and a guest that writes
+/// gigabytes between two polls must not have them all held in memory at once.
+pub const MAX_POLL_BYTES: u64 = 1 << 20;
+
+/// Longest line handed on whole; a longer run without a newline (a guest may never print
+/// one) is handed on in pieces of this size, so the pending line cannot grow without bound.
+pub const MAX_LINE_BYTES: usize = 64 * 1024;
+
 /// Reads a log file from an offset as it grows.
 #[derive(Debug)]
 pub struct Follower {
     path: PathBuf,
     offset: u64,
     partial: Vec<u8>,
+    behind: bool,
 }
 
 impl Follower {
@@ -26,10 +35,13 @@ impl Follower {
             path: path.to_path_buf(),
             offset: 0,
             partial: Vec::new(),
+            behind: false,
         }
     }
 
-    /// Returns the complete lines (with their newline) written since the last call.
+    /// Returns the complete lines (with their newline) written since the last call, reading
+    /// at most [`MAX_POLL_BYTES`]; a line longer than [`MAX_LINE_BYTES`] comes in pieces
+    /// (only the last one ends in a newline).
     pub fn poll(&mut self) -> std::io::Result<Vec<String>> {
         let mut file = match std::fs::File::open(&self.path) {
             Ok(f) => f,
@@ -38,16 +50,32 @@ impl Follower {
         };
         file.seek(SeekFrom::Start(self.offset))?;
         let mut buf = Vec::new();
-        let n = file.read_to_end(&mut buf)?;
+        let n = file.take(MAX_POLL_BYTES).read_to_end(&mut buf)?;
         self.offset += n as u64;
-        self.partial.extend_from_slice(&buf);
+        self.behind = n as u64 == MAX_POLL_BYTES;
         let mut lines = Vec::new();
-        while let Some(pos) = self.partial.iter().position(|&b| b == b'\n') {
-            let rest = self.partial.split_off(pos + 1);
-            let line = std::mem::replace(&mut self.partial, rest);
-            lines.push(String::from_utf8_lossy(&line).into_owned());
+        let mut rest = &buf[..];
+        while !rest.is_empty() {
+            let room = MAX_LINE_BYTES - self.partial.len();
+            let (piece, done) = match rest.iter().take(room).position(|&b| b == b'\n') {
+                Some(pos) => (&rest[..=pos], true),
+                None if rest.len() >= room => (&rest[..room], true),
+                None => (rest, false),
+            };
+            self.partial.extend_from_slice(piece);
+            rest = &rest[piece.len()..];
+            if done {
+                lines.push(String::from_utf8_lossy(&self.partial).into_owned());
+                self.partial.clear();
+            }
         }
         Ok(lines)
+    }
+
+    /// Whether the last [`Follower::poll`] stopped at its read limit before the end of the
+    /// file: poll again before taking [`Follower::rest`] as the final line.
+    pub fn behind(&self) -> bool {
+        self.behind
     }
 
     /// Whatever is left after the last newline (used once the VM has ended).
@@ -200,5 +228,35 @@ mod tests {
         assert_eq!(last_lines("a\nb\nc\n", 2), "b\nc");
         std::fs::remove_file(&path).unwrap();
         assert_eq!(tail(&path, 10).unwrap(), "");
+    }
+
+    /// A guest that prints megabytes without a newline: the follower hands them on in
+    /// bounded pieces, reads a bounded amount per poll, and loses no byte.
+    #[test]
+    fn a_guest_that_never_ends_its_line_cannot_grow_the_follower_without_bound() {
+        let path = std::env::temp_dir().join(format!("imp-follow-long-{}.log", std::process::id()));
+        let total = 3 * MAX_POLL_BYTES as usize + 5;
+        let mut log = vec![b'x'; total];
+        log.extend_from_slice(b"\nend\n");
+        std::fs::write(&path, &log).unwrap();
+        let mut f = Follower::new(&path);
+        let mut got = Vec::new();
+        let mut polls = 0;
+        loop {
+            let lines = f.poll().unwrap();
+            polls += 1;
+            for l in &lines {
+                assert!(l.len() <= MAX_LINE_BYTES, "a line of {} bytes", l.len());
+            }
+            assert!(f.partial.len() < MAX_LINE_BYTES);
+            got.extend(lines.concat().into_bytes());
+            if !f.behind() {
+                break;
+            }
+        }
+        assert_eq!(polls, 4, "each poll reads at most {MAX_POLL_BYTES} bytes");
+        assert_eq!(f.rest(), None);
+        assert_eq!(got, log);
+        std::fs::remove_file(&path).unwrap();
     }
 }

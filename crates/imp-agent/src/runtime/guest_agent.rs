@@ -6,10 +6,11 @@
 //! `imp-proto` then runs on a blocking thread, off the async runtime.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 
 use imp_proto::message::{ExitStatus, HealthReport, Hello};
-use tokio::sync::mpsc;
+use tokio::sync::{Semaphore, mpsc};
 
 use crate::vmm;
 
@@ -44,22 +45,21 @@ pub fn hello() -> Hello {
     Hello::new(concat!("imp/", env!("CARGO_PKG_VERSION")))
 }
 
-/// Waits until the guest agent on `port` answers a health request, for at most `timeout`.
+/// Waits until the guest agent on `port` answers a health request, for at most `timeout` in
+/// all: connecting, the handshake and the answer (a guest that trickles bytes cannot stretch it).
 pub async fn wait_healthy(
     vsock: &Path,
     port: u32,
     timeout: Duration,
 ) -> Result<HealthReport, GuestAgentError> {
+    let started = tokio::time::Instant::now();
     let stream = vmm::vsock::connect(vsock, port, timeout)
         .await
         .map_err(GuestAgentError::Connect)?;
-    let std_stream = stream.into_std().map_err(GuestAgentError::Socket)?;
-    std_stream
-        .set_nonblocking(false)
-        .and_then(|()| std_stream.set_read_timeout(Some(Duration::from_secs(30))))
-        .map_err(GuestAgentError::Socket)?;
+    let left = timeout.saturating_sub(started.elapsed());
+    let stream = vmm::vsock::DeadlineStream::new(stream, left).map_err(GuestAgentError::Socket)?;
     tokio::task::spawn_blocking(move || {
-        let mut client = imp_proto::Client::handshake(std_stream, &hello())?;
+        let mut client = imp_proto::Client::handshake(stream, &hello())?;
         client.health()
     })
     .await
@@ -67,10 +67,30 @@ pub async fn wait_healthy(
     .map_err(GuestAgentError::Protocol)
 }
 
+/// How long one exit report connection may take from accept to acknowledgement.
+pub const EXIT_REPORT_DEADLINE: Duration = Duration::from_secs(10);
+
+/// How many exit report connections are read at once; more wait in the listen backlog, so a
+/// guest that opens connections and says nothing ties up this many threads, not one each.
+pub const EXIT_REPORT_READERS: usize = 2;
+
 /// Listens where the guest's exit reports arrive (`<vsock>_<port>`) and hands each on.
+///
+/// The guest is untrusted: each connection gets [`EXIT_REPORT_DEADLINE`] in all, at most
+/// [`EXIT_REPORT_READERS`] are read at once, and reports nobody collects are dropped rather
+/// than queued.
 pub fn listen_for_exit_reports(
     vsock: &Path,
     port: u32,
+) -> Result<mpsc::Receiver<ExitStatus>, GuestAgentError> {
+    listen_with(vsock, port, EXIT_REPORT_DEADLINE, EXIT_REPORT_READERS)
+}
+
+fn listen_with(
+    vsock: &Path,
+    port: u32,
+    deadline: Duration,
+    readers: usize,
 ) -> Result<mpsc::Receiver<ExitStatus>, GuestAgentError> {
     let path = vmm::vsock::host_listener_path(vsock, port);
     let _ = std::fs::remove_file(&path);
@@ -80,32 +100,307 @@ pub fn listen_for_exit_reports(
             source,
         })?;
     let (tx, rx) = mpsc::channel(4);
+    let readers = Arc::new(Semaphore::new(readers));
     tokio::spawn(async move {
         loop {
+            // A reader slot first, then the next connection: the rest wait in the backlog.
+            let Ok(permit) = Arc::clone(&readers).acquire_owned().await else {
+                return;
+            };
             let Ok((stream, _)) = listener.accept().await else {
                 return;
             };
             let tx = tx.clone();
             tokio::spawn(async move {
-                let Ok(mut std_stream) = stream.into_std() else {
-                    return;
+                let _permit = permit;
+                let read = match vmm::vsock::DeadlineStream::new(stream, deadline) {
+                    Ok(mut stream) => tokio::task::spawn_blocking(move || {
+                        imp_proto::report::receive_exit_report(&mut stream, &hello())
+                    })
+                    .await
+                    .map_err(|e| e.to_string()),
+                    Err(e) => Err(format!("preparing the connection: {e}")),
                 };
-                let read = tokio::task::spawn_blocking(move || {
-                    std_stream.set_nonblocking(false)?;
-                    std_stream.set_read_timeout(Some(Duration::from_secs(10)))?;
-                    imp_proto::report::receive_exit_report(&mut std_stream, &hello())
-                        .map_err(std::io::Error::other)
-                })
-                .await;
                 match read {
                     Ok(Ok(status)) => {
-                        let _ = tx.send(status).await;
+                        if tx.try_send(status).is_err() {
+                            tracing::warn!(%status, "exit report dropped: earlier ones are still unread");
+                        }
                     }
-                    Ok(Err(e)) => tracing::warn!(error = %e, "unreadable exit report"),
+                    Ok(Err(e)) => tracing::warn!(error = %ErrorChain(&e), "unreadable exit report"),
                     Err(e) => tracing::warn!(error = %e, "exit report task failed"),
                 }
             });
         }
     });
     Ok(rx)
+}
+
+/// An error with its sources, for one log line.
+struct ErrorChain<'a>(&'a dyn std::error::Error);
+
+impl std::fmt::Display for ErrorChain<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.0)?;
+        let mut source = self.0.source();
+        while let Some(s) = source {
+            write!(f, ": {s}")?;
+            source = s.source();
+        }
+        Ok(())
+    }
+}
+
+/// A hostile guest behind a fake VMM vsock socket: what it sends must end in a reported error
+/// within the deadline, with no allocation beyond the frame limit and no thread held.
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+    use super::*;
+    use imp_proto::frame::{FrameError, encode};
+    use imp_proto::message::Message;
+    use std::time::Instant;
+    use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+    use tokio::net::{UnixListener, UnixStream};
+
+    struct Scratch(PathBuf);
+
+    impl Scratch {
+        fn new(tag: &str) -> Self {
+            let dir =
+                std::env::temp_dir().join(format!("imp-hostile-{tag}-{}", std::process::id()));
+            let _ = std::fs::remove_dir_all(&dir);
+            std::fs::create_dir_all(&dir).unwrap();
+            Scratch(dir)
+        }
+        fn vsock(&self) -> PathBuf {
+            self.0.join("v.sock")
+        }
+    }
+
+    impl Drop for Scratch {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+
+    /// A fake VMM: answers one `CONNECT` with `OK`, then hands the stream to the hostile guest.
+    fn fake_guest<F, Fut>(vsock: &Path, guest: F) -> tokio::task::JoinHandle<()>
+    where
+        F: FnOnce(UnixStream) -> Fut + Send + 'static,
+        Fut: std::future::Future<Output = ()> + Send,
+    {
+        let listener = UnixListener::bind(vsock).unwrap();
+        tokio::spawn(async move {
+            let (stream, _) = listener.accept().await.unwrap();
+            let mut reader = BufReader::new(stream);
+            let mut line = String::new();
+            reader.read_line(&mut line).await.unwrap();
+            assert!(line.starts_with("CONNECT "), "{line:?}");
+            let mut stream = reader.into_inner();
+            stream.write_all(b"OK 1073741824\n").await.unwrap();
+            guest(stream).await;
+        })
+    }
+
+    fn chain(e: &dyn std::error::Error) -> String {
+        ErrorChain(e).to_string()
+    }
+
+    fn guest_hello() -> Vec<u8> {
+        encode(&Message::Hello(Hello::new("hostile-guest"))).unwrap()
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_slow_loris_guest_cannot_stretch_the_health_check_past_its_timeout() {
+        let dir = Scratch::new("loris");
+        // A byte every 50 ms: each read is quick, the whole hello would take seconds.
+        let guest = fake_guest(&dir.vsock(), |mut s| async move {
+            for b in guest_hello() {
+                if s.write_all(&[b]).await.is_err() {
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            tokio::time::sleep(Duration::from_secs(30)).await;
+        });
+        let t = Instant::now();
+        let err = wait_healthy(&dir.vsock(), 52, Duration::from_millis(800))
+            .await
+            .unwrap_err();
+        assert!(
+            t.elapsed() < Duration::from_secs(3),
+            "took {:?}",
+            t.elapsed()
+        );
+        let text = chain(&err);
+        assert!(
+            text.contains("did not finish the exchange within"),
+            "{text}"
+        );
+        guest.abort();
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_frame_announcing_4_gib_is_refused_before_its_body_is_read() {
+        let dir = Scratch::new("huge");
+        let (sent_tx, sent_rx) = tokio::sync::oneshot::channel();
+        let guest = fake_guest(&dir.vsock(), |mut s| async move {
+            s.write_all(&u32::MAX.to_be_bytes()).await.unwrap();
+            // Then an endless body: the host must not read (or allocate for) it.
+            let chunk = vec![0u8; 64 * 1024];
+            let mut sent = 0usize;
+            while let Ok(Ok(())) =
+                tokio::time::timeout(Duration::from_millis(300), s.write_all(&chunk)).await
+            {
+                sent += chunk.len();
+                if sent >= 64 << 20 {
+                    break;
+                }
+            }
+            let _ = sent_tx.send(sent);
+        });
+        let err = wait_healthy(&dir.vsock(), 52, Duration::from_secs(5))
+            .await
+            .unwrap_err();
+        let GuestAgentError::Protocol(imp_proto::ClientError::Handshake(
+            imp_proto::HandshakeError::Frame(FrameError::TooLarge { len, .. }),
+        )) = &err
+        else {
+            panic!("expected a too-large frame, got {}", chain(&err));
+        };
+        assert_eq!(*len, u64::from(u32::MAX));
+        assert!(chain(&err).contains("exceeds the limit"), "{}", chain(&err));
+        // The guest could push only what the socket buffers hold, never the announced 4 GiB.
+        let sent = sent_rx.await.unwrap();
+        assert!(sent < 16 << 20, "the host read {sent} bytes of the body");
+        guest.abort();
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn garbage_and_malformed_messages_are_reported_errors() {
+        let cases: [(&str, Vec<u8>, &str); 4] = [
+            (
+                "http",
+                b"HTTP/1.1 400 Bad Request\r\n\r\n".to_vec(),
+                "exceeds the limit",
+            ),
+            ("empty", vec![0, 0, 0, 0], "Empty frame"),
+            ("kind", vec![0, 0, 0, 2, 9, 9], "Unknown frame kind 9"),
+            (
+                "json",
+                [&[0u8, 0, 0, 5, 0][..], b"{\"ty"].concat(),
+                "Invalid control message",
+            ),
+        ];
+        for (tag, garbage, want) in cases {
+            let dir = Scratch::new(tag);
+            let guest = fake_guest(&dir.vsock(), move |mut s| async move {
+                let _ = s.write_all(&garbage).await;
+                let mut sink = Vec::new();
+                let _ = s.read_to_end(&mut sink).await;
+            });
+            let err = wait_healthy(&dir.vsock(), 52, Duration::from_secs(5))
+                .await
+                .unwrap_err();
+            let text = chain(&err);
+            assert!(text.contains(want), "{tag}: {text}");
+            assert!(
+                text.starts_with("asking the guest agent for its health"),
+                "{text}"
+            );
+            guest.abort();
+        }
+        // A guest that answers health with something else, or too large a message.
+        let dir = Scratch::new("wrong");
+        let guest = fake_guest(&dir.vsock(), |mut s| async move {
+            s.write_all(&guest_hello()).await.unwrap();
+            s.write_all(&encode(&Message::Ack).unwrap()).await.unwrap();
+            let mut sink = Vec::new();
+            let _ = s.read_to_end(&mut sink).await;
+        });
+        let err = wait_healthy(&dir.vsock(), 52, Duration::from_secs(5))
+            .await
+            .unwrap_err();
+        assert!(chain(&err).contains("got a ack message"), "{}", chain(&err));
+        guest.abort();
+    }
+
+    /// Whether the host has started reading this connection (it sends its hello first);
+    /// does not wait, so all connections are judged at the same moment.
+    fn greeted(s: &UnixStream) -> bool {
+        let mut b = [0u8; 1];
+        matches!(s.try_read(&mut b), Ok(1))
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn silent_exit_report_connections_hold_a_bounded_number_of_readers_then_are_dropped() {
+        let dir = Scratch::new("flood");
+        let vsock = dir.vsock();
+        let mut rx = listen_with(&vsock, 77, Duration::from_millis(400), 2).unwrap();
+        let path = vmm::vsock::host_listener_path(&vsock, 77);
+        let mut silent = Vec::new();
+        for _ in 0..20 {
+            silent.push(UnixStream::connect(&path).await.unwrap());
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let mut read_at_once = 0;
+        for s in &silent {
+            if greeted(s) {
+                read_at_once += 1;
+            }
+        }
+        assert!(
+            read_at_once <= 2,
+            "{read_at_once} silent connections read at once"
+        );
+        // The silent ones are dropped at their deadline, two at a time; then a real report
+        // still gets through.
+        drop(silent);
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let report = tokio::task::spawn_blocking(move || {
+            let mut s = std::os::unix::net::UnixStream::connect(path).unwrap();
+            s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+            imp_proto::report::send_exit_report(&mut s, &Hello::new("guest"), ExitStatus::Code(4))
+        });
+        let got = tokio::time::timeout(Duration::from_secs(10), rx.recv()).await;
+        assert_eq!(got.unwrap(), Some(ExitStatus::Code(4)));
+        report.await.unwrap().unwrap();
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_slow_loris_exit_report_is_dropped_at_its_deadline_and_the_next_one_counts() {
+        let dir = Scratch::new("report-loris");
+        let vsock = dir.vsock();
+        let mut rx = listen_with(&vsock, 78, Duration::from_millis(300), 1).unwrap();
+        let path = vmm::vsock::host_listener_path(&vsock, 78);
+        let mut loris = UnixStream::connect(&path).await.unwrap();
+        let t = Instant::now();
+        let mut cut = false;
+        for b in guest_hello() {
+            if loris.write_all(&[b]).await.is_err() {
+                cut = true;
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(40)).await;
+        }
+        assert!(cut, "the slow report was never cut off");
+        assert!(
+            t.elapsed() < Duration::from_secs(2),
+            "cut off after {:?}",
+            t.elapsed()
+        );
+        // Garbage next: an error in the log, and the listener goes on.
+        let mut junk = UnixStream::connect(&path).await.unwrap();
+        junk.write_all(&u32::MAX.to_be_bytes()).await.unwrap();
+        let path2 = path.clone();
+        let report = tokio::task::spawn_blocking(move || {
+            let mut s = std::os::unix::net::UnixStream::connect(path2).unwrap();
+            s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+            imp_proto::report::send_exit_report(&mut s, &Hello::new("guest"), ExitStatus::Signal(9))
+        });
+        let got = tokio::time::timeout(Duration::from_secs(10), rx.recv()).await;
+        assert_eq!(got.unwrap(), Some(ExitStatus::Signal(9)));
+        report.await.unwrap().unwrap();
+    }
 }

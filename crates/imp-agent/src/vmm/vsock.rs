@@ -184,6 +184,83 @@ async fn read_reply(stream: &mut UnixStream) -> std::result::Result<(), Attempt>
     }
 }
 
+/// A guest connection for imp-proto's blocking client whose every read and write ends by one
+/// deadline: the guest is untrusted, and a per-read timeout alone lets a guest that sends a
+/// byte now and then (a slow loris) hold the exchange, and the thread running it, forever.
+#[derive(Debug)]
+pub struct DeadlineStream {
+    stream: std::os::unix::net::UnixStream,
+    deadline: Instant,
+    budget: Duration,
+}
+
+impl DeadlineStream {
+    /// Makes `stream` blocking, with `budget` for everything that is read and written on it.
+    pub fn new(stream: UnixStream, budget: Duration) -> io::Result<Self> {
+        let stream = stream.into_std()?;
+        stream.set_nonblocking(false)?;
+        Ok(Self {
+            stream,
+            deadline: Instant::now() + budget,
+            budget,
+        })
+    }
+
+    /// The time left, as a socket timeout; an error once the deadline has passed.
+    fn left(&self) -> io::Result<Duration> {
+        let left = self.deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(self.timed_out());
+        }
+        Ok(left)
+    }
+
+    fn timed_out(&self) -> io::Error {
+        io::Error::new(
+            io::ErrorKind::TimedOut,
+            format!(
+                "the guest did not finish the exchange within {} ms",
+                self.budget.as_millis()
+            ),
+        )
+    }
+
+    /// A socket timeout reads as `WouldBlock`: say what it means.
+    fn check<T>(&self, r: io::Result<T>) -> io::Result<T> {
+        match r {
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                ) =>
+            {
+                Err(self.timed_out())
+            }
+            other => other,
+        }
+    }
+}
+
+impl io::Read for DeadlineStream {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        self.stream.set_read_timeout(Some(self.left()?))?;
+        let r = self.stream.read(buf);
+        self.check(r)
+    }
+}
+
+impl io::Write for DeadlineStream {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.stream.set_write_timeout(Some(self.left()?))?;
+        let r = self.stream.write(buf);
+        self.check(r)
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        self.stream.flush()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -332,6 +332,9 @@ pub fn console(args: ConsoleArgs) -> anyhow::Result<()> {
             out.write_all(line.as_bytes())
                 .context("writing to stdout")?;
         }
+        if follower.behind() {
+            continue;
+        }
         if args.no_follow || !alive {
             if let Some(rest) = follower.rest() {
                 use std::io::Write;

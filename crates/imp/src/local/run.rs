@@ -478,6 +478,10 @@ impl StopSignals {
 async fn print_console(mut f: Follower, filter: Filter, last: bool) -> (Follower, bool) {
     let polled = tokio::task::spawn_blocking(move || {
         let mut lines = f.poll().unwrap_or_default();
+        // The final pass reads to the end, a bounded poll at a time.
+        while last && f.behind() {
+            lines.extend(f.poll().unwrap_or_default());
+        }
         if last && let Some(rest) = f.rest() {
             lines.push(rest);
         }

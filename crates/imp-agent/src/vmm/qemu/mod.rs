@@ -587,9 +587,9 @@ impl Qemu {
             .connect_vsock(port, Duration::from_secs(2).min(grace))
             .await
             .map_err(|e| e.to_string())?;
-        let stream = stream.into_std().map_err(|e| e.to_string())?;
-        stream.set_nonblocking(false).map_err(|e| e.to_string())?;
-        let _ = stream.set_read_timeout(Some(Duration::from_secs(5)));
+        // The guest is untrusted: 5 s for the whole exchange, however it trickles its bytes.
+        let stream = crate::vmm::vsock::DeadlineStream::new(stream, Duration::from_secs(5))
+            .map_err(|e| e.to_string())?;
         tokio::task::spawn_blocking(move || {
             let hello = imp_proto::Hello::new(concat!("imp-agent ", env!("CARGO_PKG_VERSION")));
             let mut client =
