@@ -18,6 +18,7 @@ use k8s_openapi::jiff::Timestamp;
 use kube::ResourceExt;
 use serde_json::{Value, json};
 
+use super::address::needs_address;
 use super::world::Resolved;
 use super::{FINALIZER, Settings};
 use crate::lifecycle::{self, RestartDecision, RestartState};
@@ -114,8 +115,10 @@ impl Plan {
 pub(super) enum Decision {
     /// Deleting: see [`super::finalize`].
     Finalize,
-    /// Unplaced with a resolved spec: pick a node.
+    /// Unplaced with a resolved spec: allocate its address, then pick a node.
     Place,
+    /// Placed (pinned by a user, or placed before it had a network) without its address.
+    Address,
     /// Write this (possibly nothing).
     Write(Box<Plan>),
 }
@@ -195,6 +198,9 @@ pub(super) fn decide(vm: &ImpVM, w: &World) -> Decision {
     };
     if let Some(plan) = record_node(vm, status.clone(), node, w) {
         return Decision::Write(Box::new(plan));
+    }
+    if w.resolved.as_ref().is_ok_and(|r| needs_address(vm, r)) {
+        return Decision::Address;
     }
     Decision::Write(Box::new(on_node(vm, status, node, w)))
 }

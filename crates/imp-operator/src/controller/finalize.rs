@@ -106,6 +106,7 @@ impl Context {
                 if let Some(note) = note {
                     self.note(&vm, note).await;
                 }
+                self.release_addresses(&vm).await?;
                 self.release_finalizer(&vm).await?;
                 tracing::info!(vm = %key(&vm), "finalized");
                 Ok(Action::await_change())

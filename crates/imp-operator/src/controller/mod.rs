@@ -58,6 +58,7 @@
 //!   why a VM cannot get going (`InvalidSpec`, `NoNodeAvailable`, `NodeNotReady`, start timeout);
 //!   the agent owns `Ready` from `Starting` on.
 
+mod address;
 mod apply;
 mod decide;
 mod finalize;
@@ -87,6 +88,7 @@ use kube::runtime::{WatchStreamExt, watcher};
 use self::apply::Outcome;
 use self::decide::{Decision, World};
 use self::world::{observe, resized};
+use crate::ipam::{self, Ipam};
 use crate::ledger::Ledger;
 use crate::lifecycle;
 use crate::metrics::{Health, Metrics};
@@ -170,6 +172,9 @@ pub enum Error {
     /// The VM kept changing under us.
     #[error("ImpVM {0} kept changing: gave up after {CONFLICT_ATTEMPTS} conflicting writes")]
     Conflicts(String),
+    /// The network's allocation table could not be read or written.
+    #[error("Allocating or releasing an address failed")]
+    Ipam(#[from] ipam::Error),
 }
 
 impl Error {
@@ -178,6 +183,7 @@ impl Error {
         match self {
             Self::Kube { .. } => "api",
             Self::Conflicts(_) => "conflict",
+            Self::Ipam(_) => "ipam",
         }
     }
 
@@ -206,6 +212,8 @@ pub struct Context {
     recorder: Recorder,
     /// Per-node usage and this process's own writes; its lock is the scheduling lock.
     ledger: Arc<std::sync::Mutex<Ledger>>,
+    /// The cluster's address allocator (shared with the network controller).
+    ipam: Arc<Ipam>,
     settings: Settings,
     metrics: Option<Arc<Metrics>>,
 }
@@ -281,10 +289,23 @@ async fn step(vm: ImpVM, ctx: &Context) -> Result<Action, Error> {
         match decide::decide(&vm, &world) {
             Decision::Finalize => return ctx.finalize(vm, node.as_ref()).await,
             Decision::Place => {
-                return match &resolved {
-                    Ok(r) => ctx.place(vm, r).await,
-                    Err(_) => Ok(Action::requeue(ctx.settings.requeue_pending)),
+                let Ok(r) = &resolved else {
+                    return Ok(Action::requeue(ctx.settings.requeue_pending));
                 };
+                // The address is chosen and written before the placement.
+                return match ctx.address(vm, r).await? {
+                    Ok(vm) => ctx.place(vm, r).await,
+                    Err(action) => Ok(action),
+                };
+            }
+            Decision::Address => {
+                let Ok(r) = &resolved else {
+                    return Ok(Action::requeue(ctx.settings.requeue_pending));
+                };
+                match ctx.address(vm, r).await? {
+                    Ok(written) => vm = written,
+                    Err(action) => return Ok(action),
+                }
             }
             Decision::Write(plan) => match ctx.apply(vm, *plan).await? {
                 Outcome::Continue(written) => vm = *written,
@@ -389,6 +410,16 @@ pub async fn run(
         },
     );
     let concurrency = settings.concurrency;
+    // One allocator for both controllers: its per-network locks serialize their writes.
+    let ipam = Arc::new(Ipam::new(client.clone(), metrics.clone()));
+    let shutdown = futures::FutureExt::shared(Box::pin(shutdown));
+    let networks_done = tokio::spawn(crate::network::run(
+        client.clone(),
+        ipam.clone(),
+        metrics.clone(),
+        settings.instance.clone(),
+        shutdown.clone(),
+    ));
     let ctx = Arc::new(Context {
         client: client.clone(),
         nodes: nodes.clone(),
@@ -399,6 +430,7 @@ pub async fn run(
         profiles: profiles.clone(),
         recorder,
         ledger,
+        ipam,
         settings,
         metrics: metrics.clone(),
     });
@@ -547,6 +579,9 @@ pub async fn run(
             }
         })
         .await;
+    if let Err(e) = networks_done.await {
+        tracing::warn!(error = %e, "network controller task failed");
+    }
     Ok(())
 }
 
