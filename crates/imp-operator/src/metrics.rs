@@ -81,6 +81,11 @@ struct ControllerLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct NetworkLabels {
+    network: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ErrorLabels {
     controller: String,
     reason: String,
@@ -97,6 +102,8 @@ pub struct Metrics {
     reconcile_errors: Family<ErrorLabels, Counter>,
     queue_depth: Gauge,
     is_leader: Gauge,
+    ipam_allocations: Family<NetworkLabels, Gauge>,
+    ipam_free: Family<NetworkLabels, Gauge>,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -154,9 +161,23 @@ impl Metrics {
             "1 while this replica holds the leader lease, else 0",
             is_leader.clone(),
         );
+        let ipam_allocations = Family::<NetworkLabels, Gauge>::default();
+        registry.register(
+            "imp_operator_ipam_allocations",
+            "Addresses allocated on an ImpNetwork (namespace/name)",
+            ipam_allocations.clone(),
+        );
+        let ipam_free = Family::<NetworkLabels, Gauge>::default();
+        registry.register(
+            "imp_operator_ipam_free_addresses",
+            "Addresses an ImpNetwork (namespace/name) can still hand out to ungrouped VMs",
+            ipam_free.clone(),
+        );
         Self {
             registry,
             vms,
+            ipam_allocations,
+            ipam_free,
             seen_phases: Mutex::new(BTreeSet::new()),
             schedule_latency,
             reconciles,
@@ -164,6 +185,18 @@ impl Metrics {
             queue_depth,
             is_leader,
         }
+    }
+
+    /// Sets `imp_operator_ipam_allocations{network}` and `imp_operator_ipam_free_addresses`.
+    pub fn set_ipam(&self, network: &str, allocated: u64, free: u64) {
+        let labels = NetworkLabels {
+            network: network.to_owned(),
+        };
+        let clamp = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
+        self.ipam_allocations
+            .get_or_create(&labels)
+            .set(clamp(allocated));
+        self.ipam_free.get_or_create(&labels).set(clamp(free));
     }
 
     /// Sets `imp_operator_vms{phase}` from a full count; phases absent from `counts` become 0.

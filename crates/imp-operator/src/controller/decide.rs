@@ -1,0 +1,878 @@
+//! What one reconcile does next, as pure functions of the VM and a [`World`] snapshot.
+//!
+//! [`decide`] returns the first thing the VM needs; a [`Plan`] says what to write, in which order
+//! ([`super::apply`] is the one place that writes it), and whether to decide again on the written
+//! VM ([`Next::Continue`]) or stop. Placement books a node in the ledger, so it only gets
+//! [`Decision::Place`] here and happens in [`super::place`]; deletion is [`super::finalize`].
+
+use std::time::Duration;
+
+use imp_api::conditions::{self, ConditionReason, ConditionStatus, ConditionType};
+use imp_api::shared::{
+    ANNOTATION_PLACED_RESOURCES, ANNOTATION_RESET_RETRIES, PlacedSize, RestartMode, VmLifecycle,
+};
+use imp_api::vm::{ImpVM, ImpVMStatus, VmPhase};
+use k8s_openapi::api::core::v1::Node;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use k8s_openapi::jiff::Timestamp;
+use kube::ResourceExt;
+use serde_json::{Value, json};
+
+use super::address::needs_address;
+use super::world::Resolved;
+use super::{FINALIZER, Settings};
+use crate::lifecycle::{self, RestartDecision, RestartState};
+use crate::resolve::MissingRef;
+
+/// Everything a decision reads besides the VM, read once per reconcile.
+pub(super) struct World<'a> {
+    /// The time the decision is made at.
+    pub now: Timestamp,
+    /// A uniform value in [0, 1) for backoff jitter.
+    pub jitter: f64,
+    /// Timings of the controller.
+    pub settings: &'a Settings,
+    /// The VM's resolved spec, or the reference that is missing.
+    pub resolved: &'a Result<Resolved, MissingRef>,
+    /// The VM's node, when it is placed and the node exists (looked up only when a decision
+    /// needs it: placed, and deleting or in a non-terminal phase).
+    pub node: Option<&'a Node>,
+}
+
+/// After a plan is written: decide again on the written VM, or end the reconcile.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(super) enum Next {
+    /// Decide again on the VM as written.
+    Continue,
+    /// Reconcile again after this long.
+    Requeue(Duration),
+    /// Wait for a change of the VM or what it references.
+    #[default]
+    AwaitChange,
+}
+
+/// An Event to publish about the VM.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(super) struct Note {
+    /// Warning rather than Normal.
+    pub warning: bool,
+    /// The Event's reason.
+    pub reason: &'static str,
+    /// The Event's message.
+    pub message: String,
+}
+
+impl Note {
+    pub(super) fn normal(reason: &'static str, message: impl Into<String>) -> Self {
+        Self {
+            warning: false,
+            reason,
+            message: message.into(),
+        }
+    }
+
+    pub(super) fn warning(reason: &'static str, message: impl Into<String>) -> Self {
+        Self {
+            warning: true,
+            reason,
+            message: message.into(),
+        }
+    }
+}
+
+/// The writes of one decision, applied in field order by [`super::apply`].
+#[derive(Clone, Debug, Default, PartialEq)]
+pub(super) struct Plan {
+    /// A merge patch of `metadata` (finalizers, annotations), written first.
+    pub metadata: Option<Value>,
+    /// Clear `spec.nodeName`.
+    pub clear_node: bool,
+    /// The whole desired status (written as a diff against the current one).
+    pub status: Option<ImpVMStatus>,
+    /// What the writes are doing, for errors.
+    pub doing: &'static str,
+    /// The Event after the writes.
+    pub event: Option<Note>,
+    /// Delete the VM (expired).
+    pub delete: bool,
+    /// Remove the `imp/reset-retries` annotation, last.
+    pub drop_reset: bool,
+    /// What happens after the writes.
+    pub next: Next,
+}
+
+impl Plan {
+    fn stop(next: Next) -> Self {
+        Self {
+            next,
+            ..Self::default()
+        }
+    }
+}
+
+/// The first thing a VM needs.
+#[derive(Debug, PartialEq)]
+pub(super) enum Decision {
+    /// Deleting: see [`super::finalize`].
+    Finalize,
+    /// Unplaced with a resolved spec: allocate its address, then pick a node.
+    Place,
+    /// Placed (pinned by a user, or placed before it had a network) without its address.
+    Address,
+    /// Write this (possibly nothing).
+    Write(Box<Plan>),
+}
+
+/// Sets a condition on `status` with the decision's time.
+pub(super) fn set_cond(
+    status: &mut ImpVMStatus,
+    type_: ConditionType,
+    ok: bool,
+    reason: ConditionReason,
+    message: impl Into<String>,
+    generation: Option<i64>,
+    now: Timestamp,
+) {
+    conditions::set(
+        &mut status.conditions,
+        type_,
+        ConditionStatus::from(ok),
+        reason,
+        message,
+        generation,
+        Time(now),
+    );
+}
+
+/// Whether `status` already carries condition `type_` with this reason and message.
+pub(super) fn has_cond(
+    status: &ImpVMStatus,
+    type_: ConditionType,
+    reason: ConditionReason,
+    message: &str,
+) -> bool {
+    conditions::find(&status.conditions, type_)
+        .is_some_and(|c| c.reason == reason.as_str() && c.message == message)
+}
+
+fn left(until: Timestamp, now: Timestamp) -> Duration {
+    Duration::try_from(until.duration_since(now)).unwrap_or_default()
+}
+
+/// The first thing `vm` needs, given the world `w`.
+pub(super) fn decide(vm: &ImpVM, w: &World) -> Decision {
+    if vm.metadata.deletion_timestamp.is_some() {
+        return Decision::Finalize;
+    }
+    let status = vm.status.clone().unwrap_or_default();
+    let phase = status.phase.unwrap_or_default();
+    if vm
+        .annotations()
+        .get(ANNOTATION_RESET_RETRIES)
+        .map(String::as_str)
+        == Some("true")
+    {
+        return Decision::Write(Box::new(reset(vm, status)));
+    }
+    if let Some(meta) = placed_metadata(vm, w.resolved) {
+        return Decision::Write(Box::new(Plan {
+            metadata: Some(meta),
+            doing: "adding the finalizer and size to",
+            next: Next::Continue,
+            ..Plan::default()
+        }));
+    }
+    // Terminal phases: never scheduled again on their own.
+    match (phase, w.resolved) {
+        (VmPhase::Succeeded | VmPhase::RetryExhausted, _) | (VmPhase::Failed, Err(_)) => {
+            return Decision::Write(Box::new(Plan::stop(Next::AwaitChange)));
+        }
+        (VmPhase::Failed, Ok(r)) => return Decision::Write(Box::new(restart(vm, status, r, w))),
+        _ => {}
+    }
+    let Some(node) = vm.spec.node_name.as_deref() else {
+        return match w.resolved {
+            Ok(_) => Decision::Place,
+            Err(missing) => Decision::Write(Box::new(invalid_spec(vm, status, missing, w))),
+        };
+    };
+    if let Some(plan) = record_node(vm, status.clone(), node, w) {
+        return Decision::Write(Box::new(plan));
+    }
+    if w.resolved.as_ref().is_ok_and(|r| needs_address(vm, r)) {
+        return Decision::Address;
+    }
+    Decision::Write(Box::new(on_node(vm, status, node, w)))
+}
+
+/// The reset annotation: run again from scratch (clears the node so it is really placed anew).
+fn reset(vm: &ImpVM, mut status: ImpVMStatus) -> Plan {
+    let mut plan = Plan {
+        drop_reset: true,
+        doing: "resetting retries of",
+        next: Next::Requeue(Duration::ZERO),
+        ..Plan::default()
+    };
+    if matches!(
+        status.phase.unwrap_or_default(),
+        VmPhase::Failed | VmPhase::RetryExhausted
+    ) {
+        plan.clear_node = vm.spec.node_name.is_some();
+        status.phase = Some(VmPhase::Pending);
+        status.restart_count = None;
+        status.next_retry_after = None;
+        status.exhausted_at = None;
+        status.node_name = None;
+        status.exit_code = None;
+        plan.status = Some(status);
+        plan.event = Some(Note::normal(
+            "RetriesReset",
+            "imp/reset-retries: counters cleared, scheduling again",
+        ));
+    }
+    plan
+}
+
+/// A placed VM holds the finalizer and the size it was booked for; one written by the
+/// scheduler has both from its placement patch, one pinned by a user gets them here.
+fn placed_metadata(vm: &ImpVM, resolved: &Result<Resolved, MissingRef>) -> Option<Value> {
+    vm.spec.node_name.as_ref()?;
+    let mut meta = serde_json::Map::new();
+    if !vm.finalizers().iter().any(|f| f == FINALIZER) {
+        let mut fins = vm.finalizers().to_vec();
+        fins.push(FINALIZER.to_owned());
+        meta.insert("finalizers".to_owned(), json!(fins));
+    }
+    if let Ok(r) = resolved
+        && !vm.annotations().contains_key(ANNOTATION_PLACED_RESOURCES)
+    {
+        let size = PlacedSize {
+            vcpu: r.vcpu,
+            memory_mib: r.memory_mib,
+        };
+        meta.insert(
+            "annotations".to_owned(),
+            json!({ ANNOTATION_PLACED_RESOURCES: size.to_annotation() }),
+        );
+    }
+    (!meta.is_empty()).then_some(Value::Object(meta))
+}
+
+/// What only the controller can know is missing: Pending with `InvalidSpec`.
+fn invalid_spec(vm: &ImpVM, mut status: ImpVMStatus, missing: &MissingRef, w: &World) -> Plan {
+    let msg = missing.message();
+    let was = has_cond(
+        &status,
+        ConditionType::Ready,
+        ConditionReason::InvalidSpec,
+        &msg,
+    );
+    let generation = vm.metadata.generation;
+    status.phase = Some(VmPhase::Pending);
+    for type_ in [ConditionType::Ready, ConditionType::Scheduled] {
+        set_cond(
+            &mut status,
+            type_,
+            false,
+            ConditionReason::InvalidSpec,
+            msg.clone(),
+            generation,
+            w.now,
+        );
+    }
+    Plan {
+        status: Some(status),
+        doing: "reporting the invalid spec of",
+        event: (!was).then(|| Note::warning("InvalidSpec", msg)),
+        next: Next::Requeue(w.settings.requeue_pending),
+        ..Plan::default()
+    }
+}
+
+/// Placed: make status say so (pinned by a user, or the operator died between its writes).
+fn record_node(vm: &ImpVM, mut status: ImpVMStatus, node: &str, w: &World) -> Option<Plan> {
+    let phase = status.phase.unwrap_or_default();
+    if status.node_name.as_deref() == Some(node) && phase != VmPhase::Pending {
+        return None;
+    }
+    status.node_name = Some(node.to_owned());
+    if phase == VmPhase::Pending {
+        status.phase = Some(VmPhase::Scheduled);
+    }
+    if status.scheduled_at.is_none() {
+        status.scheduled_at = Some(Time(w.now));
+    }
+    set_cond(
+        &mut status,
+        ConditionType::Scheduled,
+        true,
+        ConditionReason::NodeAssigned,
+        format!("assigned to node {node}"),
+        vm.metadata.generation,
+        w.now,
+    );
+    Some(Plan {
+        status: Some(status),
+        doing: "recording the node of",
+        event: Some(Note::normal(
+            "Scheduled",
+            format!("Assigned to node {node}"),
+        )),
+        next: Next::Continue,
+        ..Plan::default()
+    })
+}
+
+/// Whether `node`'s Ready condition is True.
+pub(super) fn node_ready(node: &Node) -> bool {
+    ready_condition(node).is_some_and(|c| c.status == "True")
+}
+
+fn ready_condition(node: &Node) -> Option<&k8s_openapi::api::core::v1::NodeCondition> {
+    node.status
+        .as_ref()
+        .and_then(|s| s.conditions.as_ref())
+        .and_then(|cs| cs.iter().find(|c| c.type_ == "Ready"))
+}
+
+/// How long `node` has been not Ready, from its Ready condition's lastTransitionTime;
+/// `None` when that time is unknown (then the node counts as lost at once).
+fn not_ready_for(node: &Node, now: Timestamp) -> Option<Duration> {
+    ready_condition(node)
+        .and_then(|c| c.last_transition_time.as_ref())
+        .map(|t| left(now, t.0))
+}
+
+/// A placed VM in a non-terminal phase: node health, then expiry and start timeout.
+fn on_node(vm: &ImpVM, mut status: ImpVMStatus, node: &str, w: &World) -> Plan {
+    if !w.node.is_some_and(node_ready) {
+        return node_lost(vm, status, node, w);
+    }
+    set_cond(
+        &mut status,
+        ConditionType::NodeHealthy,
+        true,
+        ConditionReason::NodeReady,
+        format!("node {node} is Ready"),
+        vm.metadata.generation,
+        w.now,
+    );
+    let s = w.settings;
+    let phase = status.phase.unwrap_or_default();
+    let started = status.started_at.as_ref().map(|t| t.0);
+    if phase == VmPhase::Starting && lifecycle::start_timed_out(started, w.now, s.start_timeout) {
+        return start_timeout(vm, status, node, w);
+    }
+    let mut requeue = match phase {
+        VmPhase::Running => s.requeue_running,
+        _ => s.requeue_active,
+    };
+    let mut plan = Plan {
+        doing: "updating the status of",
+        ..Plan::default()
+    };
+    if matches!(
+        phase,
+        VmPhase::Running | VmPhase::Suspending | VmPhase::Suspended | VmPhase::Resuming
+    ) {
+        if status.running_at.is_none() && phase == VmPhase::Running {
+            status.running_at = Some(Time(w.now));
+        }
+        let expire_after = w
+            .resolved
+            .as_ref()
+            .ok()
+            .and_then(|r| r.spec.expire_after.as_ref())
+            .and_then(|d| d.parse().ok());
+        let at = lifecycle::expires_at(expire_after, status.running_at.as_ref().map(|t| t.0));
+        status.expires_at = at.map(Time);
+        match at {
+            Some(at) if w.now >= at => {
+                plan.delete = true;
+                plan.event = Some(Note::normal(
+                    "Expired",
+                    "expireAfter elapsed since the VM first ran; deleting",
+                ));
+                requeue = s.requeue_active;
+            }
+            Some(at) => requeue = requeue.min(left(at, w.now) + Duration::from_millis(100)),
+            None => {}
+        }
+    }
+    plan.status = Some(status);
+    plan.next = Next::Requeue(requeue);
+    plan
+}
+
+fn start_timeout(vm: &ImpVM, mut status: ImpVMStatus, node: &str, w: &World) -> Plan {
+    let timeout = w.settings.start_timeout;
+    status.phase = Some(VmPhase::Failed);
+    let msg = format!("still Starting after {timeout:?} on node {node}");
+    set_cond(
+        &mut status,
+        ConditionType::Ready,
+        false,
+        ConditionReason::Failed,
+        msg.clone(),
+        vm.metadata.generation,
+        w.now,
+    );
+    Plan {
+        status: Some(status),
+        doing: "failing a stuck start of",
+        event: Some(Note::warning("StartTimeout", msg)),
+        next: Next::Requeue(Duration::ZERO),
+        ..Plan::default()
+    }
+}
+
+/// The VM's node is gone or not Ready: wait out the grace period, then move or fail the VM.
+fn node_lost(vm: &ImpVM, mut status: ImpVMStatus, node: &str, w: &World) -> Plan {
+    let s = w.settings;
+    let generation = vm.metadata.generation;
+    let why = match w.node {
+        None => format!("node {node} no longer exists"),
+        Some(_) => format!("node {node} is not Ready"),
+    };
+    let healthy = |status: &mut ImpVMStatus, msg: String| {
+        set_cond(
+            status,
+            ConditionType::NodeHealthy,
+            false,
+            ConditionReason::NodeNotReady,
+            msg,
+            generation,
+            w.now,
+        );
+    };
+    // A node that only just went NotReady may come back: wait out the grace period.
+    if let Some(elapsed) = w.node.and_then(|n| not_ready_for(n, w.now))
+        && elapsed < s.node_loss_grace
+    {
+        let grace = s.node_loss_grace.as_secs();
+        healthy(
+            &mut status,
+            format!("{why}; its VMs are moved or failed if it stays so for {grace}s"),
+        );
+        return Plan {
+            status: Some(status),
+            doing: "noting the node is not Ready",
+            next: Next::Requeue((s.node_loss_grace - elapsed).min(s.requeue_active)),
+            ..Plan::default()
+        };
+    }
+    healthy(&mut status, why.clone());
+    let spec = w.resolved.as_ref().map(|r| &r.spec).unwrap_or(&vm.spec);
+    if spec.lifecycle == VmLifecycle::Ephemeral || spec.reschedule_on_node_loss {
+        status.phase = Some(VmPhase::Pending);
+        status.node_name = None;
+        status.started_at = None;
+        status.suspend_snapshot_path = None;
+        status.suspended_at = None;
+        set_cond(
+            &mut status,
+            ConditionType::Scheduled,
+            false,
+            ConditionReason::NodeNotReady,
+            format!("{why}; rescheduling"),
+            generation,
+            w.now,
+        );
+        return Plan {
+            clear_node: true,
+            status: Some(status),
+            doing: "rescheduling after node loss",
+            event: Some(Note::warning(
+                "Rescheduling",
+                format!("{why}; moving to another node"),
+            )),
+            next: Next::Requeue(Duration::ZERO),
+            ..Plan::default()
+        };
+    }
+    let mut plan = Plan::stop(Next::Requeue(s.requeue_active));
+    if status.phase != Some(VmPhase::Failed) {
+        status.phase = Some(VmPhase::Failed);
+        set_cond(
+            &mut status,
+            ConditionType::Ready,
+            false,
+            ConditionReason::NodeNotReady,
+            format!("{why}; set rescheduleOnNodeLoss to move persistent VMs"),
+            generation,
+            w.now,
+        );
+        plan.status = Some(status);
+        plan.doing = "failing after node loss";
+        plan.event = Some(Note::warning("NodeLost", why));
+    }
+    plan
+}
+
+fn restart_state(s: &ImpVMStatus) -> RestartState {
+    RestartState {
+        restart_count: s.restart_count.unwrap_or(0),
+        next_retry_after: s.next_retry_after.as_ref().map(|t| t.0),
+        exhausted_at: s.exhausted_at.as_ref().map(|t| t.0),
+    }
+}
+
+/// The restart policy of a Failed VM.
+fn restart(vm: &ImpVM, mut status: ImpVMStatus, r: &Resolved, w: &World) -> Plan {
+    let Some(policy) = &r.spec.restart_policy else {
+        return Plan::stop(Next::AwaitChange);
+    };
+    if r.spec.lifecycle != VmLifecycle::Persistent {
+        return Plan::stop(Next::AwaitChange);
+    }
+    let now = w.now;
+    let placed = vm.spec.node_name.clone();
+    match lifecycle::decide_restart(policy, &restart_state(&status), now, w.jitter) {
+        RestartDecision::Wait { until, record } => {
+            let mut plan = Plan::stop(Next::Requeue(left(until, now) + Duration::from_millis(50)));
+            if record {
+                status.next_retry_after = Some(Time(until));
+                plan.status = Some(status);
+                plan.doing = "recording the next retry of";
+            }
+            plan
+        }
+        RestartDecision::Restart { mode, attempt, max } => {
+            status.restart_count = Some(attempt);
+            status.next_retry_after = None;
+            status.exit_code = None;
+            status.started_at = None;
+            let mut clear_node = false;
+            match (mode, placed) {
+                (RestartMode::InPlace, Some(node)) => {
+                    status.phase = Some(VmPhase::Scheduled);
+                    status.node_name = Some(node);
+                }
+                (_, placed) => {
+                    clear_node = placed.is_some();
+                    status.phase = Some(VmPhase::Pending);
+                    status.node_name = None;
+                }
+            }
+            Plan {
+                clear_node,
+                status: Some(status),
+                doing: "restarting",
+                event: Some(Note::normal(
+                    "Restarting",
+                    format!("attempt {attempt}/{max} ({mode:?})"),
+                )),
+                next: Next::Requeue(Duration::ZERO),
+                ..Plan::default()
+            }
+        }
+        RestartDecision::StayFailed => Plan::stop(Next::AwaitChange),
+        RestartDecision::AwaitManualReset => {
+            status.phase = Some(VmPhase::RetryExhausted);
+            status.exhausted_at.get_or_insert(Time(now));
+            Plan {
+                status: Some(status),
+                doing: "exhausting retries of",
+                event: Some(Note::warning(
+                    "RetriesExhausted",
+                    "restart attempts used up; set annotation imp/reset-retries: \"true\" to try again",
+                )),
+                next: Next::AwaitChange,
+                ..Plan::default()
+            }
+        }
+        RestartDecision::CoolingDown { until } => {
+            let mut plan = Plan::stop(Next::Requeue(left(until, now) + Duration::from_millis(50)));
+            if status.exhausted_at.is_none() {
+                status.exhausted_at = Some(Time(now));
+                plan.status = Some(status);
+                plan.doing = "starting the cool-down of";
+                plan.event = Some(Note::warning(
+                    "CoolingDown",
+                    format!(
+                        "restart attempts used up; retrying after {}",
+                        policy.cool_down_period.as_str()
+                    ),
+                ));
+            }
+            plan
+        }
+        RestartDecision::CoolDownOver => {
+            status.phase = Some(VmPhase::Pending);
+            status.node_name = None;
+            status.restart_count = None;
+            status.next_retry_after = None;
+            status.exhausted_at = None;
+            status.exit_code = None;
+            status.started_at = None;
+            Plan {
+                clear_node: placed.is_some(),
+                status: Some(status),
+                doing: "ending the cool-down of",
+                event: Some(Note::normal(
+                    "CoolDownOver",
+                    "cool-down elapsed; scheduling again",
+                )),
+                next: Next::Requeue(Duration::ZERO),
+                ..Plan::default()
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use imp_api::duration::GoDuration;
+    use imp_api::shared::{BackoffPolicy, RestartPolicy};
+    use imp_api::vm::ImpVMSpec;
+    use k8s_openapi::api::core::v1::{NodeCondition, NodeStatus};
+
+    fn vm(node: Option<&str>, phase: Option<VmPhase>) -> ImpVM {
+        let mut vm = ImpVM::new("v", ImpVMSpec::default());
+        vm.metadata.namespace = Some("default".into());
+        vm.metadata.generation = Some(1);
+        vm.spec.node_name = node.map(str::to_owned);
+        if node.is_some() {
+            vm.metadata.finalizers = Some(vec![FINALIZER.into()]);
+            vm.metadata.annotations = Some(
+                [(ANNOTATION_PLACED_RESOURCES.to_owned(), "{}".to_owned())]
+                    .into_iter()
+                    .collect(),
+            );
+        }
+        vm.status = Some(ImpVMStatus {
+            phase,
+            node_name: node.map(str::to_owned),
+            ..Default::default()
+        });
+        vm
+    }
+
+    fn resolved(spec: ImpVMSpec) -> Result<Resolved, MissingRef> {
+        Ok(Resolved {
+            spec,
+            vcpu: 1,
+            memory_mib: 512,
+        })
+    }
+
+    fn node(ready: bool, since: Timestamp) -> Node {
+        Node {
+            status: Some(NodeStatus {
+                conditions: Some(vec![NodeCondition {
+                    type_: "Ready".into(),
+                    status: if ready { "True" } else { "False" }.into(),
+                    last_transition_time: Some(Time(since)),
+                    ..Default::default()
+                }]),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }
+    }
+
+    fn decide_with(
+        vm: &ImpVM,
+        r: &Result<Resolved, MissingRef>,
+        node: Option<&Node>,
+        now: Timestamp,
+    ) -> Decision {
+        let settings = Settings::default();
+        decide(
+            vm,
+            &World {
+                now,
+                jitter: 0.5,
+                settings: &settings,
+                resolved: r,
+                node,
+            },
+        )
+    }
+
+    fn plan(d: Decision) -> Plan {
+        match d {
+            Decision::Write(p) => *p,
+            other => panic!("expected a plan, got {other:?}"),
+        }
+    }
+
+    fn phase(p: &Plan) -> Option<VmPhase> {
+        p.status.as_ref().and_then(|s| s.phase)
+    }
+
+    #[test]
+    fn deleting_finalizes_and_unplaced_resolvable_places() {
+        let now = Timestamp::now();
+        let mut v = vm(None, None);
+        assert_eq!(
+            decide_with(&v, &resolved(v.spec.clone()), None, now),
+            Decision::Place
+        );
+        v.metadata.deletion_timestamp = Some(Time(now));
+        assert_eq!(
+            decide_with(&v, &resolved(v.spec.clone()), None, now),
+            Decision::Finalize
+        );
+    }
+
+    #[test]
+    fn a_missing_reference_is_invalid_spec_with_one_event() {
+        let now = Timestamp::now();
+        let v = vm(None, None);
+        let missing = Err(MissingRef::NoClass);
+        let p = plan(decide_with(&v, &missing, None, now));
+        assert_eq!(phase(&p), Some(VmPhase::Pending));
+        assert_eq!(p.event.as_ref().unwrap().reason, "InvalidSpec");
+        let mut again = v.clone();
+        again.status = p.status.clone();
+        let p2 = plan(decide_with(&again, &missing, None, now));
+        assert!(p2.event.is_none(), "no second event for the same message");
+        assert_eq!(p2.next, Next::Requeue(Settings::default().requeue_pending));
+    }
+
+    #[test]
+    fn reset_clears_the_node_of_a_failed_vm_and_drops_the_annotation() {
+        let now = Timestamp::now();
+        let mut v = vm(Some("n1"), Some(VmPhase::Failed));
+        v.annotations_mut()
+            .insert(ANNOTATION_RESET_RETRIES.into(), "true".into());
+        let p = plan(decide_with(&v, &resolved(v.spec.clone()), None, now));
+        assert!(p.clear_node && p.drop_reset);
+        assert_eq!(phase(&p), Some(VmPhase::Pending));
+        assert_eq!(p.status.unwrap().node_name, None);
+        // On a running VM the annotation is only removed.
+        let mut r = vm(Some("n1"), Some(VmPhase::Running));
+        r.annotations_mut()
+            .insert(ANNOTATION_RESET_RETRIES.into(), "true".into());
+        let p = plan(decide_with(&r, &resolved(r.spec.clone()), None, now));
+        assert!(p.drop_reset && !p.clear_node && p.status.is_none());
+    }
+
+    #[test]
+    fn a_pinned_vm_gets_finalizer_and_size_then_its_node_recorded() {
+        let now = Timestamp::now();
+        let mut v = vm(Some("n1"), None);
+        v.metadata.finalizers = None;
+        v.metadata.annotations = None;
+        let p = plan(decide_with(&v, &resolved(v.spec.clone()), None, now));
+        let meta = p.metadata.unwrap();
+        assert_eq!(meta["finalizers"], json!([FINALIZER]));
+        assert!(meta["annotations"][ANNOTATION_PLACED_RESOURCES].is_string());
+        assert_eq!(p.next, Next::Continue);
+
+        let mut pending = vm(Some("n1"), Some(VmPhase::Pending));
+        pending.status.as_mut().unwrap().node_name = None;
+        let p = plan(decide_with(&pending, &resolved(v.spec.clone()), None, now));
+        assert_eq!(phase(&p), Some(VmPhase::Scheduled));
+        assert_eq!(p.next, Next::Continue);
+        assert_eq!(p.event.unwrap().reason, "Scheduled");
+    }
+
+    #[test]
+    fn terminal_phases_wait_for_a_change() {
+        let now = Timestamp::now();
+        for ph in [VmPhase::Succeeded, VmPhase::RetryExhausted] {
+            let v = vm(Some("n1"), Some(ph));
+            let p = plan(decide_with(&v, &resolved(v.spec.clone()), None, now));
+            assert_eq!(p, Plan::stop(Next::AwaitChange));
+        }
+        let v = vm(Some("n1"), Some(VmPhase::Failed));
+        let p = plan(decide_with(&v, &Err(MissingRef::NoClass), None, now));
+        assert_eq!(p, Plan::stop(Next::AwaitChange));
+    }
+
+    #[test]
+    fn node_loss_waits_the_grace_then_moves_ephemeral_and_fails_persistent() {
+        let now = Timestamp::now();
+        let v = vm(Some("n1"), Some(VmPhase::Running));
+        let fresh = node(false, now);
+        let p = plan(decide_with(
+            &v,
+            &resolved(v.spec.clone()),
+            Some(&fresh),
+            now,
+        ));
+        assert!(!p.clear_node && matches!(p.next, Next::Requeue(d) if d > Duration::ZERO));
+        assert_eq!(phase(&p), Some(VmPhase::Running));
+
+        let mut eph = v.spec.clone();
+        eph.lifecycle = VmLifecycle::Ephemeral;
+        let p = plan(decide_with(&v, &resolved(eph), None, now));
+        assert!(p.clear_node);
+        assert_eq!(phase(&p), Some(VmPhase::Pending));
+        assert_eq!(p.event.unwrap().reason, "Rescheduling");
+
+        let mut pers = v.spec.clone();
+        pers.lifecycle = VmLifecycle::Persistent;
+        let old = node(
+            false,
+            lifecycle::add(now, Duration::ZERO) - Duration::from_secs(600),
+        );
+        let p = plan(decide_with(&v, &resolved(pers), Some(&old), now));
+        assert!(!p.clear_node);
+        assert_eq!(phase(&p), Some(VmPhase::Failed));
+        assert_eq!(p.event.unwrap().reason, "NodeLost");
+    }
+
+    #[test]
+    fn a_stuck_start_fails_and_an_expired_vm_is_deleted() {
+        let now = Timestamp::now();
+        let ready = node(true, now);
+        let mut v = vm(Some("n1"), Some(VmPhase::Starting));
+        v.status.as_mut().unwrap().started_at = Some(Time(now - Duration::from_secs(3600)));
+        let p = plan(decide_with(
+            &v,
+            &resolved(v.spec.clone()),
+            Some(&ready),
+            now,
+        ));
+        assert_eq!(phase(&p), Some(VmPhase::Failed));
+        assert_eq!(p.event.unwrap().reason, "StartTimeout");
+
+        let mut r = vm(Some("n1"), Some(VmPhase::Running));
+        r.status.as_mut().unwrap().running_at = Some(Time(now - Duration::from_secs(120)));
+        let mut spec = r.spec.clone();
+        spec.expire_after = Some(GoDuration::from_static("1m"));
+        let p = plan(decide_with(&r, &resolved(spec.clone()), Some(&ready), now));
+        assert!(p.delete);
+        assert_eq!(p.event.unwrap().reason, "Expired");
+
+        spec.expire_after = Some(GoDuration::from_static("1h"));
+        let p = plan(decide_with(&r, &resolved(spec), Some(&ready), now));
+        assert!(!p.delete);
+        assert!(matches!(p.next, Next::Requeue(d) if d <= Settings::default().requeue_running));
+        assert!(p.status.unwrap().expires_at.is_some());
+    }
+
+    #[test]
+    fn a_failed_persistent_vm_restarts_in_place_after_its_backoff() {
+        let now = Timestamp::now();
+        let mut v = vm(Some("n1"), Some(VmPhase::Failed));
+        let mut spec = v.spec.clone();
+        spec.lifecycle = VmLifecycle::Persistent;
+        spec.restart_policy = Some(RestartPolicy {
+            mode: RestartMode::InPlace,
+            backoff: Some(BackoffPolicy {
+                max_retries: 3,
+                initial_delay: GoDuration::from_static("1s"),
+                max_delay: GoDuration::from_static("1s"),
+            }),
+            ..RestartPolicy::default()
+        });
+        let p = plan(decide_with(&v, &resolved(spec.clone()), None, now));
+        assert!(
+            p.status.unwrap().next_retry_after.is_some(),
+            "first: record"
+        );
+        v.status.as_mut().unwrap().next_retry_after = Some(Time(now - Duration::from_secs(1)));
+        let p = plan(decide_with(&v, &resolved(spec), None, now));
+        assert!(!p.clear_node);
+        let st = p.status.unwrap();
+        assert_eq!(st.phase, Some(VmPhase::Scheduled));
+        assert_eq!(st.node_name.as_deref(), Some("n1"));
+        assert_eq!(st.restart_count, Some(1));
+    }
+}

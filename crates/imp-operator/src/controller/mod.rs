@@ -1,0 +1,611 @@
+//! The ImpVM controller: resolves, schedules and keeps every ImpVM's status honest.
+//!
+//! It watches ImpVMs and maps changes of Nodes, ImpVMClasses, ImpVMTemplates, ImpNetworks,
+//! ClusterImpConfig and ClusterImpNodeProfiles to the VMs they affect. One reconcile reads the
+//! world once ([`world`]: resolution through [`crate::resolve`], the VM's node), asks the pure
+//! [`decide`] (on top of [`crate::schedule`] and [`crate::lifecycle`]) what the VM needs, and
+//! writes the resulting plan in one place ([`apply`]); placement ([`place`]) and deletion
+//! ([`finalize`]) have their own rooms, and [`write`] holds the preconditioned patches.
+//!
+//! # Writes
+//! Every write is a JSON merge patch that carries the `metadata.resourceVersion` it was computed
+//! from, so a write based on a stale read fails with 409 instead of clobbering someone else's.
+//! On 409 the reconcile re-reads the VM from the API server and decides again, at most
+//! [`CONFLICT_ATTEMPTS`] times with jittered backoff ([`crate::lifecycle::conflict_backoff`]).
+//! Status is written to the status subresource only. Reconciles are idempotent: each step
+//! checks whether its effect is already there.
+//!
+//! The finalizer is added in the same patch that writes `spec.nodeName` (an unplaced VM has
+//! nothing for an agent to clean up), and a placed VM without it (pinned by a user) gets it
+//! first thing.
+//!
+//! A reconcile handed a cached VM whose resourceVersion this process already wrote over (the
+//! watch has not caught up with its own write yet) stops without a request: every write would be
+//! refused with 409, and the watch event of the newer version reconciles the VM again.
+//!
+//! # No overbooking
+//! The choice of a node and its booking happen under one scheduling lock, over the per-node usage
+//! the [`Ledger`] keeps incrementally from the VM watch and this process's own `spec.nodeName`
+//! writes (a booking holds until the watch shows the write, and is taken back if the write
+//! fails); the write itself happens outside the lock. `spec.nodeName` is written before anything
+//! else, in one patch with the finalizer and annotation [`ANNOTATION_PLACED_RESOURCES`] (the size
+//! the node was booked for), then `status.nodeName` and phase `Scheduled`; so placement and the
+//! size it booked are durable together: after an operator restart the ledger is rebuilt from the
+//! VM list, which holds every placement made before the crash and, for VMs whose class has been
+//! deleted since, the size to keep counting. A VM whose `spec.nodeName` is set but whose status
+//! says otherwise (the operator died between the two writes, or a user pinned it) is completed to
+//! `Scheduled` on that node.
+//!
+//! # Contract with the node agent
+//! - The agent acts on VMs with `spec.nodeName` equal to its node and phase `Scheduled` (or later
+//!   non-terminal phases); it writes phases `Starting` (with `status.startedAt`), `Running`,
+//!   `Succeeded`/`Failed` (with `status.exitCode`), `Suspending`/`Suspended`/`Resuming`.
+//! - When an **ephemeral** VM finishes, the agent sets `Succeeded`/`Failed` and may clear
+//!   `spec.nodeName`; the operator never schedules a VM in a terminal phase again (only the
+//!   `imp/reset-retries: "true"` annotation does).
+//! - Deletion: the operator holds finalizer [`FINALIZER`]. While `metadata.deletionTimestamp` is
+//!   set and `spec.nodeName` is non-empty, the phase is `Terminating` and the operator waits. The
+//!   agent stops the VM, frees its node resources, then **clears `spec.nodeName`** (a merge patch
+//!   `{"spec":{"nodeName":null}}`); that is the cleanup marker, and the operator then removes the
+//!   finalizer. If the node object is gone, no agent can clean up: the operator sets
+//!   `NodeHealthy=False/NodeNotReady` saying so and removes the finalizer after
+//!   [`Settings::node_gone_grace`]. In any case it removes it after
+//!   [`Settings::termination_timeout`] with a Warning Event `TerminationTimeout`.
+//! - Restart in place: the operator moves a Failed VM back to `Scheduled` on the same node; the
+//!   agent starts it again. Reschedule: the operator clears `spec.nodeName` and the VM is placed
+//!   anew.
+//! - Conditions: the operator owns `Scheduled` and `NodeHealthy`, and writes `Ready` only to say
+//!   why a VM cannot get going (`InvalidSpec`, `NoNodeAvailable`, `NodeNotReady`, start timeout);
+//!   the agent owns `Ready` from `Starting` on.
+
+mod address;
+mod apply;
+mod decide;
+mod finalize;
+mod place;
+mod world;
+mod write;
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::{StreamExt, TryStreamExt};
+use imp_api::class::ImpVMClass;
+use imp_api::cluster::{ClusterImpConfig, ClusterImpNodeProfile};
+use imp_api::network::ImpNetwork;
+use imp_api::template::ImpVMTemplate;
+use imp_api::vm::{ImpVM, VmPhase};
+use k8s_openapi::api::core::v1::Node;
+use k8s_openapi::jiff::Timestamp;
+use kube::ResourceExt;
+use kube::api::Api;
+use kube::runtime::controller::{Action, Controller};
+use kube::runtime::events::{Recorder, Reporter};
+use kube::runtime::reflector::{self, ObjectRef, Store};
+use kube::runtime::{WatchStreamExt, watcher};
+
+use self::apply::Outcome;
+use self::decide::{Decision, World};
+use self::world::{observe, resized};
+use crate::ipam::{self, Ipam};
+use crate::ledger::Ledger;
+use crate::lifecycle;
+use crate::metrics::{Health, Metrics};
+
+/// Decide-and-write rounds of one reconcile before it requeues (each round that continues
+/// removes its own cause, so real VMs need at most three).
+const MAX_ROUNDS: usize = 6;
+
+/// Finalizer the operator holds on every placed ImpVM until the agent has cleaned up.
+pub const FINALIZER: &str = "imp.dev/vm-cleanup";
+
+/// Field manager of every operator write.
+pub const FIELD_MANAGER: &str = "imp-operator";
+
+/// Attempts of one reconcile against 409 conflicts before it is requeued.
+pub const CONFLICT_ATTEMPTS: u32 = 5;
+
+/// Name the controller reports in Events and metrics.
+pub const CONTROLLER_NAME: &str = "impvm";
+
+/// Timings and switches of the controller.
+#[derive(Clone, Debug)]
+pub struct Settings {
+    /// Requeue of a VM waiting for a node or for a referenced object.
+    pub requeue_pending: Duration,
+    /// Requeue of a placed VM that is not Running yet (or is Terminating).
+    pub requeue_active: Duration,
+    /// Requeue of a Running VM (a safety net; watches do the real work).
+    pub requeue_running: Duration,
+    /// Requeue after a reconcile error.
+    pub requeue_error: Duration,
+    /// Finalizer removal without agent cleanup after this long.
+    pub termination_timeout: Duration,
+    /// Finalizer removal when the VM's node object no longer exists.
+    pub node_gone_grace: Duration,
+    /// How long a node may be NotReady (since its Ready condition's lastTransitionTime)
+    /// before its VMs are moved or failed, so a short blip does not restart workloads.
+    pub node_loss_grace: Duration,
+    /// A VM `Starting` for longer fails.
+    pub start_timeout: Duration,
+    /// Count suspended VMs' memory as free (the Go overcommit rule).
+    pub overcommit_suspended: bool,
+    /// Reconciles running at once.
+    pub concurrency: u16,
+    /// Reporter instance in Events (the replica identity).
+    pub instance: Option<String>,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Self {
+            requeue_pending: Duration::from_secs(30),
+            requeue_active: Duration::from_secs(10),
+            requeue_running: Duration::from_secs(300),
+            requeue_error: Duration::from_secs(5),
+            termination_timeout: Duration::from_secs(120),
+            node_gone_grace: Duration::from_secs(10),
+            node_loss_grace: Duration::from_secs(40),
+            start_timeout: Duration::from_secs(300),
+            overcommit_suspended: true,
+            concurrency: 8,
+            instance: None,
+        }
+    }
+}
+
+/// What can go wrong in one reconcile.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// An API call failed.
+    #[error("Kubernetes API call failed while {doing} ImpVM {vm}")]
+    Kube {
+        /// What the controller was doing.
+        doing: &'static str,
+        /// namespace/name of the VM.
+        vm: String,
+        /// The API error.
+        #[source]
+        source: kube::Error,
+    },
+    /// The VM kept changing under us.
+    #[error("ImpVM {0} kept changing: gave up after {CONFLICT_ATTEMPTS} conflicting writes")]
+    Conflicts(String),
+    /// The network's allocation table could not be read or written.
+    #[error("Allocating or releasing an address failed")]
+    Ipam(#[from] ipam::Error),
+}
+
+impl Error {
+    /// Short label for the reconcile-error metric.
+    pub fn metric_label(&self) -> &'static str {
+        match self {
+            Self::Kube { .. } => "api",
+            Self::Conflicts(_) => "conflict",
+            Self::Ipam(_) => "ipam",
+        }
+    }
+
+    fn is_conflict(&self) -> bool {
+        matches!(self, Self::Kube { source: kube::Error::Api(s), .. } if s.code == 409)
+    }
+}
+
+/// Errors that stop the controller as a whole.
+#[derive(Debug, thiserror::Error)]
+pub enum ControllerError {
+    /// A cache could not be filled.
+    #[error("Filling the {0} cache failed")]
+    Cache(&'static str),
+}
+
+/// The caches and shared state every reconcile reads.
+pub struct Context {
+    client: kube::Client,
+    nodes: Store<Node>,
+    classes: Store<ImpVMClass>,
+    templates: Store<ImpVMTemplate>,
+    networks: Store<ImpNetwork>,
+    configs: Store<ClusterImpConfig>,
+    profiles: Store<ClusterImpNodeProfile>,
+    recorder: Recorder,
+    /// Per-node usage and this process's own writes; its lock is the scheduling lock.
+    ledger: Arc<std::sync::Mutex<Ledger>>,
+    /// The cluster's address allocator (shared with the network controller).
+    ipam: Arc<Ipam>,
+    settings: Settings,
+    metrics: Option<Arc<Metrics>>,
+}
+
+fn key(vm: &ImpVM) -> String {
+    format!("{}/{}", vm.namespace().unwrap_or_default(), vm.name_any())
+}
+
+/// One reconcile: retries the whole decision on 409 after re-reading the VM.
+async fn reconcile(vm: Arc<ImpVM>, ctx: Arc<Context>) -> Result<Action, Error> {
+    if let Some(m) = &ctx.metrics {
+        m.reconcile(CONTROLLER_NAME);
+    }
+    if ctx
+        .ledger()
+        .is_stale(&key(&vm), vm.metadata.resource_version.as_deref())
+    {
+        // The watch has not shown this process's own last write yet; its event comes next.
+        tracing::debug!(vm = %key(&vm), "cached version is stale; waiting for the watch");
+        return Ok(Action::requeue(ctx.settings.requeue_active));
+    }
+    let mut current = (*vm).clone();
+    for attempt in 0..CONFLICT_ATTEMPTS {
+        match step(current.clone(), &ctx).await {
+            Err(e) if e.is_conflict() => {
+                tracing::debug!(vm = %key(&current), attempt, "conflict; re-reading");
+                tokio::time::sleep(lifecycle::conflict_backoff(
+                    attempt,
+                    lifecycle::jitter_unit(),
+                ))
+                .await;
+                match ctx.api(&current).get_opt(&current.name_any()).await {
+                    Ok(Some(fresh)) => current = fresh,
+                    Ok(None) => return Ok(Action::await_change()),
+                    Err(source) => {
+                        return Err(Error::Kube {
+                            doing: "re-reading",
+                            vm: key(&current),
+                            source,
+                        });
+                    }
+                }
+            }
+            other => return other,
+        }
+    }
+    Err(Error::Conflicts(key(&current)))
+}
+
+fn error_policy(vm: Arc<ImpVM>, err: &Error, ctx: Arc<Context>) -> Action {
+    tracing::warn!(vm = %key(&vm), error = %err, source = ?std::error::Error::source(err), "reconcile failed");
+    if let Some(m) = &ctx.metrics {
+        m.reconcile_error(CONTROLLER_NAME, err.metric_label());
+    }
+    Action::requeue(ctx.settings.requeue_error)
+}
+
+/// One read of the VM: the world is read once, then decisions are written until one ends the
+/// reconcile. Every write carries the resourceVersion of the VM it was decided on.
+async fn step(vm: ImpVM, ctx: &Context) -> Result<Action, Error> {
+    let resolved = ctx.resolve(&vm);
+    let node = ctx.node_of(&vm).await?;
+    let mut vm = vm;
+    // Each plan that continues makes its own condition false, so this ends in a few rounds.
+    for _ in 0..MAX_ROUNDS {
+        let world = World {
+            now: Timestamp::now(),
+            jitter: lifecycle::jitter_unit(),
+            settings: &ctx.settings,
+            resolved: &resolved,
+            node: node.as_ref(),
+        };
+        match decide::decide(&vm, &world) {
+            Decision::Finalize => return ctx.finalize(vm, node.as_ref()).await,
+            Decision::Place => {
+                let Ok(r) = &resolved else {
+                    return Ok(Action::requeue(ctx.settings.requeue_pending));
+                };
+                // The address is chosen and written before the placement.
+                return match ctx.address(vm, r).await? {
+                    Ok(vm) => ctx.place(vm, r).await,
+                    Err(action) => Ok(action),
+                };
+            }
+            Decision::Address => {
+                let Ok(r) = &resolved else {
+                    return Ok(Action::requeue(ctx.settings.requeue_pending));
+                };
+                match ctx.address(vm, r).await? {
+                    Ok(written) => vm = written,
+                    Err(action) => return Ok(action),
+                }
+            }
+            Decision::Write(plan) => match ctx.apply(vm, *plan).await? {
+                Outcome::Continue(written) => vm = *written,
+                Outcome::Done(action) => return Ok(action),
+            },
+        }
+    }
+    Ok(Action::requeue(Duration::ZERO))
+}
+
+fn all_unplaced(store: &Store<ImpVM>) -> Vec<ObjectRef<ImpVM>> {
+    store
+        .state()
+        .iter()
+        .filter(|v| v.spec.node_name.is_none())
+        .map(|v| ObjectRef::from_obj(v.as_ref()))
+        .collect()
+}
+
+/// Whether a cache has had its first full list (without registering a waker).
+fn filled<K: kube::Resource + Clone + 'static>(
+    store: &Store<K>,
+    kind: &'static str,
+) -> Result<bool, ControllerError>
+where
+    K::DynamicType: Eq + std::hash::Hash + Clone,
+{
+    use futures::FutureExt;
+    match store.wait_until_ready().now_or_never() {
+        None => Ok(false),
+        Some(Ok(())) => Ok(true),
+        Some(Err(_)) => Err(ControllerError::Cache(kind)),
+    }
+}
+
+/// Counts VMs by phase for the metrics.
+pub fn phase_counts(vms: &[Arc<ImpVM>]) -> BTreeMap<String, i64> {
+    let mut m = BTreeMap::new();
+    for v in vms {
+        let p = v.status.as_ref().and_then(|s| s.phase).unwrap_or_default();
+        *m.entry(p.as_str().to_owned()).or_insert(0) += 1;
+    }
+    m
+}
+
+/// Runs the ImpVM controller until `shutdown` completes.
+pub async fn run(
+    client: kube::Client,
+    settings: Settings,
+    metrics: Option<Arc<Metrics>>,
+    health: Option<Arc<Health>>,
+    shutdown: impl Future<Output = ()> + Send + Sync + 'static,
+) -> Result<(), ControllerError> {
+    let wc = watcher::Config::default();
+    macro_rules! cache {
+        ($ty:ty, $api:expr) => {{
+            let (reader, writer) = reflector::store::<$ty>();
+            let stream = reflector::reflector(writer, watcher($api, wc.clone()))
+                .default_backoff()
+                .touched_objects();
+            (reader, stream)
+        }};
+    }
+    let (nodes, node_stream) = cache!(Node, Api::<Node>::all(client.clone()));
+    let (classes, class_stream) = cache!(ImpVMClass, Api::<ImpVMClass>::all(client.clone()));
+    let (templates, template_stream) =
+        cache!(ImpVMTemplate, Api::<ImpVMTemplate>::all(client.clone()));
+    let (networks, network_stream) = cache!(ImpNetwork, Api::<ImpNetwork>::all(client.clone()));
+    let (configs, config_stream) = cache!(
+        ClusterImpConfig,
+        Api::<ClusterImpConfig>::all(client.clone())
+    );
+    let (profiles, profile_stream) = cache!(
+        ClusterImpNodeProfile,
+        Api::<ClusterImpNodeProfile>::all(client.clone())
+    );
+
+    // The VM watch feeds the ledger as the cache takes each event in, so per-node usage never
+    // needs a scan of every VM; class and template changes make it look sizes up again.
+    let ledger = Arc::new(std::sync::Mutex::new(Ledger::default()));
+    let (vms, vm_writer) = reflector::store::<ImpVM>();
+    let vm_stream = {
+        let (ledger, classes, templates) = (ledger.clone(), classes.clone(), templates.clone());
+        reflector::reflector(
+            vm_writer,
+            watcher(Api::<ImpVM>::all(client.clone()), wc.clone()),
+        )
+        .map_ok(move |event| {
+            observe(&ledger, &classes, &templates, &event);
+            event
+        })
+        .applied_objects()
+    };
+    let class_stream = class_stream.inspect(resized(ledger.clone()));
+    let template_stream = template_stream.inspect(resized(ledger.clone()));
+    let controller = Controller::for_stream(vm_stream, vms.clone());
+    let recorder = Recorder::new(
+        client.clone(),
+        Reporter {
+            controller: FIELD_MANAGER.to_owned(),
+            instance: settings.instance.clone(),
+        },
+    );
+    let concurrency = settings.concurrency;
+    // One allocator for both controllers: its per-network locks serialize their writes.
+    let ipam = Arc::new(Ipam::new(client.clone(), metrics.clone()));
+    let shutdown = futures::FutureExt::shared(Box::pin(shutdown));
+    let networks_done = tokio::spawn(crate::network::run(
+        client.clone(),
+        ipam.clone(),
+        metrics.clone(),
+        settings.instance.clone(),
+        shutdown.clone(),
+    ));
+    let ctx = Arc::new(Context {
+        client: client.clone(),
+        nodes: nodes.clone(),
+        classes: classes.clone(),
+        templates: templates.clone(),
+        networks: networks.clone(),
+        configs: configs.clone(),
+        profiles: profiles.clone(),
+        recorder,
+        ledger,
+        ipam,
+        settings,
+        metrics: metrics.clone(),
+    });
+
+    let v = vms.clone();
+    let on_node = move |n: Node| {
+        let name = n.name_any();
+        v.state()
+            .iter()
+            .filter(|vm| vm.spec.node_name.is_none() || vm.spec.node_name.as_deref() == Some(&name))
+            .map(|vm| ObjectRef::from_obj(vm.as_ref()))
+            .collect::<Vec<_>>()
+    };
+    let v = vms.clone();
+    let on_class = move |c: ImpVMClass| {
+        let name = c.name_any();
+        v.state()
+            .iter()
+            .filter(|vm| {
+                vm.spec.class_ref.as_ref().is_some_and(|r| r.name == name)
+                    || vm.spec.template_ref.is_some()
+            })
+            .map(|vm| ObjectRef::from_obj(vm.as_ref()))
+            .collect::<Vec<_>>()
+    };
+    let v = vms.clone();
+    let on_template = move |t: ImpVMTemplate| {
+        let (name, ns) = (t.name_any(), t.namespace());
+        v.state()
+            .iter()
+            .filter(|vm| {
+                vm.namespace() == ns
+                    && vm
+                        .spec
+                        .template_ref
+                        .as_ref()
+                        .is_some_and(|r| r.name == name)
+            })
+            .map(|vm| ObjectRef::from_obj(vm.as_ref()))
+            .collect::<Vec<_>>()
+    };
+    let v = vms.clone();
+    let on_network = move |n: ImpNetwork| {
+        let ns = n.namespace();
+        v.state()
+            .iter()
+            .filter(|vm| vm.namespace() == ns && vm.spec.node_name.is_none())
+            .map(|vm| ObjectRef::from_obj(vm.as_ref()))
+            .collect::<Vec<_>>()
+    };
+    let (v1, v2) = (vms.clone(), vms.clone());
+    let on_config = move |_: ClusterImpConfig| all_unplaced(&v1);
+    let on_profile = move |_: ClusterImpNodeProfile| all_unplaced(&v2);
+
+    // Phase-count gauge and queue depth, from the cache.
+    if let Some(m) = metrics.clone() {
+        let v = vms.clone();
+        tokio::spawn(async move {
+            loop {
+                let state = v.state();
+                m.set_phase_counts(&phase_counts(&state));
+                let waiting = state
+                    .iter()
+                    .filter(|vm| {
+                        vm.spec.node_name.is_none()
+                            && !vm
+                                .status
+                                .as_ref()
+                                .and_then(|s| s.phase)
+                                .is_some_and(VmPhase::is_terminal)
+                    })
+                    .count();
+                m.set_queue_depth(waiting as i64);
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+        });
+    }
+    // kube's Store::wait_until_ready keeps a single waker, so readiness is polled here instead of
+    // awaited concurrently; the VM store is left alone because the controller itself holds every
+    // reconcile until it is filled (and a second waiter would steal its wake-up).
+    let gate = {
+        let (n, c, t, ne, co, p) = (nodes, classes, templates, networks, configs, profiles);
+        async move {
+            loop {
+                let ready = [
+                    filled(&n, "Node"),
+                    filled(&c, "ImpVMClass"),
+                    filled(&t, "ImpVMTemplate"),
+                    filled(&ne, "ImpNetwork"),
+                    filled(&co, "ClusterImpConfig"),
+                    filled(&p, "ClusterImpNodeProfile"),
+                ];
+                for r in &ready {
+                    if let Err(ControllerError::Cache(k)) = r {
+                        return Err(ControllerError::Cache(k));
+                    }
+                }
+                if ready.iter().all(|r| matches!(r, Ok(true))) {
+                    return Ok(());
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+    };
+    // Reconciles wait for every cache: the gate runs beside the controller and each reconcile
+    // checks readiness of the VM cache before placing (see `gated`).
+    let ready = Arc::new(tokio::sync::OnceCell::new());
+    let ready2 = ready.clone();
+    tokio::spawn(async move {
+        let r = gate.await;
+        if let Err(e) = &r {
+            tracing::error!(error = %e, "caches never filled");
+        }
+        if r.is_ok()
+            && let Some(h) = &health
+        {
+            h.set_ready();
+        }
+        tracing::info!(ok = r.is_ok(), "caches filled");
+        let _ = ready2.set(r.is_ok());
+    });
+    let gated = move |vm: Arc<ImpVM>, ctx: Arc<Context>| {
+        let ready = ready.clone();
+        async move {
+            while ready.get().is_none() {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            tracing::debug!(vm = %key(&vm), "reconciling");
+            reconcile(vm, ctx).await
+        }
+    };
+
+    controller
+        .with_config(kube::runtime::controller::Config::default().concurrency(concurrency))
+        .watches_stream(node_stream, on_node)
+        .watches_stream(class_stream, on_class)
+        .watches_stream(template_stream, on_template)
+        .watches_stream(network_stream, on_network)
+        .watches_stream(config_stream, on_config)
+        .watches_stream(profile_stream, on_profile)
+        .graceful_shutdown_on(shutdown)
+        .run(gated, error_policy, ctx)
+        .for_each(|r| async move {
+            if let Err(e) = r {
+                tracing::debug!(error = %e, "controller event");
+            }
+        })
+        .await;
+    if let Err(e) = networks_done.await {
+        tracing::warn!(error = %e, "network controller task failed");
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use imp_api::vm::{ImpVMSpec, ImpVMStatus};
+
+    #[test]
+    fn phase_counts_group_by_phase_with_missing_as_pending() {
+        let mk = |p: Option<VmPhase>| {
+            let mut vm = ImpVM::new("x", ImpVMSpec::default());
+            vm.status = p.map(|p| ImpVMStatus {
+                phase: Some(p),
+                ..Default::default()
+            });
+            Arc::new(vm)
+        };
+        let counts = phase_counts(&[
+            mk(None),
+            mk(Some(VmPhase::Running)),
+            mk(Some(VmPhase::Running)),
+        ]);
+        assert_eq!(counts.get("Pending"), Some(&1));
+        assert_eq!(counts.get("Running"), Some(&2));
+    }
+}

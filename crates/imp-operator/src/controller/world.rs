@@ -1,0 +1,199 @@
+//! What a reconcile reads: the caches, resolved into the snapshot its decisions take.
+
+use std::sync::Mutex;
+
+use imp_api::class::ImpVMClass;
+use imp_api::cluster::CLUSTER_CONFIG_NAME;
+use imp_api::shared::PlacedSize;
+use imp_api::template::ImpVMTemplate;
+use imp_api::vm::{ImpVM, ImpVMSpec, VmPhase};
+use k8s_openapi::api::core::v1::Node;
+use kube::ResourceExt;
+use kube::api::Api;
+use kube::runtime::reflector::{ObjectRef, Store};
+use kube::runtime::watcher;
+
+use super::write::kube_err;
+use super::{Context, Error, key};
+use crate::ledger::{Ledger, SizeRef};
+use crate::resolve::{self, MissingRef};
+use crate::schedule::{self, NodeView, Policy};
+
+/// A VM's resolved spec and class size.
+#[derive(Clone, Debug, PartialEq)]
+pub(super) struct Resolved {
+    /// class ← template ← VM.
+    pub spec: ImpVMSpec,
+    /// vCPUs of the class.
+    pub vcpu: i64,
+    /// MiB of the class.
+    pub memory_mib: i64,
+}
+
+/// vCPU and MiB of a VM's live class (its classRef, else its template's), without resolving the
+/// rest of the spec.
+pub(super) fn live_size(
+    classes: &Store<ImpVMClass>,
+    templates: &Store<ImpVMTemplate>,
+    r: &SizeRef,
+) -> Option<PlacedSize> {
+    let class = match &r.class {
+        Some(c) => c.clone(),
+        None => templates
+            .get(&ObjectRef::new(r.template.as_deref()?).within(&r.namespace))?
+            .spec
+            .class_ref
+            .name
+            .clone(),
+    };
+    let c = classes.get(&ObjectRef::new(&class))?;
+    Some(PlacedSize {
+        vcpu: i64::from(c.spec.vcpu),
+        memory_mib: i64::from(c.spec.memory_mib),
+    })
+}
+
+/// Feeds one event of the VM watch to the ledger.
+pub(super) fn observe(
+    ledger: &Mutex<Ledger>,
+    classes: &Store<ImpVMClass>,
+    templates: &Store<ImpVMTemplate>,
+    event: &watcher::Event<ImpVM>,
+) {
+    let mut ledger = ledger
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    match event {
+        watcher::Event::Apply(vm) | watcher::Event::InitApply(vm) => {
+            let live = live_size(classes, templates, &SizeRef::of(vm));
+            ledger.observe(&key(vm), vm, live);
+        }
+        watcher::Event::Delete(vm) => ledger.forget(&key(vm)),
+        watcher::Event::Init => ledger.relist_started(),
+        watcher::Event::InitDone => ledger.relist_done(),
+    }
+}
+
+/// Tells the ledger that sizes may have changed, for every item of a class or template stream.
+pub(super) fn resized<T>(ledger: std::sync::Arc<Mutex<Ledger>>) -> impl FnMut(&T) {
+    move |_| {
+        ledger
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .classes_changed();
+    }
+}
+
+impl Context {
+    /// class ← template ← VM from the caches, or the first reference that is missing.
+    pub(super) fn resolve(&self, vm: &ImpVM) -> Result<Resolved, MissingRef> {
+        let ns = vm.namespace().unwrap_or_default();
+        let template = match &vm.spec.template_ref {
+            Some(t) => Some(
+                self.templates
+                    .get(&ObjectRef::new(&t.name).within(&ns))
+                    .ok_or_else(|| MissingRef::Template {
+                        namespace: ns.clone(),
+                        name: t.name.clone(),
+                    })?,
+            ),
+            None => None,
+        };
+        let merged = match &template {
+            Some(t) => resolve::apply_template(&vm.spec, &t.spec),
+            None => vm.spec.clone(),
+        };
+        let class_name = merged
+            .class_ref
+            .as_ref()
+            .map(|c| c.name.clone())
+            .ok_or(MissingRef::NoClass)?;
+        let class = self
+            .classes
+            .get(&ObjectRef::new(&class_name))
+            .ok_or_else(|| MissingRef::Class {
+                name: class_name.clone(),
+                via: match &vm.spec.template_ref {
+                    Some(t) if vm.spec.class_ref.is_none() => {
+                        format!("classRef of template {}", t.name)
+                    }
+                    _ => "spec.classRef".to_owned(),
+                },
+            })?;
+        if let Some(n) = &merged.network_ref
+            && self
+                .networks
+                .get(&ObjectRef::new(&n.name).within(&ns))
+                .is_none()
+        {
+            return Err(MissingRef::Network {
+                namespace: ns,
+                name: n.name.clone(),
+            });
+        }
+        Ok(Resolved {
+            spec: resolve::resolve(&vm.spec, template.as_ref().map(|t| &t.spec), &class.spec),
+            vcpu: i64::from(class.spec.vcpu),
+            memory_mib: i64::from(class.spec.memory_mib),
+        })
+    }
+
+    /// The scheduling lock: the ledger (never held across an await).
+    pub(super) fn ledger(&self) -> std::sync::MutexGuard<'_, Ledger> {
+        self.ledger
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    pub(super) fn policy(&self) -> Policy {
+        let default_fraction = self
+            .configs
+            .get(&ObjectRef::new(CLUSTER_CONFIG_NAME))
+            .and_then(|c| c.spec.capacity.as_ref().map(|c| c.default_fraction.clone()))
+            .and_then(|f| schedule::parse_fraction(&f));
+        Policy {
+            default_fraction,
+            overcommit_suspended: self.settings.overcommit_suspended,
+        }
+    }
+
+    pub(super) fn node_views(&self) -> Vec<NodeView> {
+        let mut nodes: Vec<NodeView> = self
+            .nodes
+            .state()
+            .iter()
+            .map(|n| {
+                let profile = self
+                    .profiles
+                    .get(&ObjectRef::new(&n.name_any()))
+                    .map(|p| p.spec.clone());
+                NodeView::from_node(n, profile)
+            })
+            .collect();
+        nodes.sort_by(|a, b| a.name.cmp(&b.name));
+        nodes
+    }
+
+    /// The node of a placed VM whose decision reads it (deleting, or a non-terminal phase):
+    /// from the cache, else from the API server; `None` when it does not exist.
+    pub(super) async fn node_of(&self, vm: &ImpVM) -> Result<Option<Node>, Error> {
+        let Some(name) = &vm.spec.node_name else {
+            return Ok(None);
+        };
+        let phase = vm.status.as_ref().and_then(|s| s.phase).unwrap_or_default();
+        let terminal = matches!(
+            phase,
+            VmPhase::Failed | VmPhase::Succeeded | VmPhase::RetryExhausted
+        );
+        if terminal && vm.metadata.deletion_timestamp.is_none() {
+            return Ok(None);
+        }
+        if let Some(n) = self.nodes.get(&ObjectRef::new(name)) {
+            return Ok(Some((*n).clone()));
+        }
+        Api::<Node>::all(self.client.clone())
+            .get_opt(name)
+            .await
+            .map_err(kube_err("reading the node of", vm))
+    }
+}
