@@ -113,7 +113,9 @@ fn ms(d: Duration) -> f64 {
 async fn inside() {
     sh(&["ip", "link", "set", "lo", "up"]);
     // The underlay: a veth pair (no dummy driver on every kernel).
-    sh(&["ip", "link", "add", "ul0", "type", "veth", "peer", "name", "ul1"]);
+    sh(&[
+        "ip", "link", "add", "ul0", "type", "veth", "peer", "name", "ul1",
+    ]);
     sh(&["ip", "link", "set", "ul1", "up"]);
     sh(&["ip", "addr", "add", "10.99.0.1/24", "dev", "ul0"]);
     sh(&["ip", "link", "set", "ul0", "up"]);
@@ -162,7 +164,11 @@ async fn inside() {
     net.sync().await.unwrap();
     let add = t.elapsed();
     let entries = remote_entries();
-    assert_eq!(entries, 1000 + 10, "entries for 1,000 VMs and a flood entry per node");
+    assert_eq!(
+        entries,
+        1000 + 10,
+        "entries for 1,000 VMs and a flood entry per node"
+    );
     let t = Instant::now();
     net.sync().await.unwrap();
     let same = t.elapsed();
