@@ -36,6 +36,8 @@ use tokio::process::{Child, Command};
 const NS: &str = "default";
 /// The port of every agent's API inside its node namespace.
 const AGENT_API_PORT: u16 = 10251;
+/// net2's name server (never contacted: only written into its guests' resolv.conf).
+const NET2_DNS: &str = "192.0.2.53";
 
 fn ready() -> Option<()> {
     common::guest_boot_ready()?;
@@ -395,6 +397,101 @@ async fn exec(kubeconfig: &Path, vm: &str, script: &str) -> Output {
         .unwrap()
 }
 
+/// The guest got what its network says: hostname, address/prefix, default route through the
+/// gateway, MTU (underlay minus VXLAN's 50), the MAC derived from its identity, and the
+/// network's `dns` in /etc/resolv.conf.
+async fn assert_guest_config(kubeconfig: &Path, vm: &str, vm_ip: &str) {
+    let out = text(
+        &exec(
+            kubeconfig,
+            vm,
+            "hostname; cat /sys/class/net/eth0/mtu /sys/class/net/eth0/address; \
+             ip -4 addr show eth0; ip route; cat /etc/resolv.conf",
+        )
+        .await,
+    );
+    let gateway = vm_ip
+        .rsplit_once('.')
+        .map(|(p, _)| format!("{p}.1"))
+        .unwrap();
+    let mac = imp_api::network::vm_mac(NS, vm);
+    let mut lines = out.lines();
+    assert_eq!(lines.next(), Some(vm), "hostname: {out}");
+    assert_eq!(lines.next(), Some("1450"), "MTU: {out}");
+    assert_eq!(lines.next(), Some(mac.as_str()), "MAC: {out}");
+    for want in [
+        format!("inet {vm_ip}/24"),
+        format!("default via {gateway}"),
+        format!("nameserver {NET2_DNS}"),
+    ] {
+        assert!(out.contains(&want), "{vm} lacks {want:?}: {out}");
+    }
+}
+
+/// A network without `dns` gives its guests the node's own (non-loopback) name servers.
+async fn assert_node_nameservers(kubeconfig: &Path, vm: &str) {
+    let node: Vec<String> = std::fs::read_to_string("/etc/resolv.conf")
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| l.strip_prefix("nameserver"))
+        .map(|a| a.trim().to_string())
+        .filter(|a| {
+            a.parse::<std::net::IpAddr>()
+                .is_ok_and(|a| !a.is_loopback())
+        })
+        .collect();
+    let guest = text(&exec(kubeconfig, vm, "cat /etc/resolv.conf").await);
+    let got: Vec<String> = guest
+        .lines()
+        .filter_map(|l| l.strip_prefix("nameserver"))
+        .map(|a| a.trim().to_string())
+        .collect();
+    assert_eq!(got, node, "{vm}'s resolv.conf: {guest}");
+}
+
+/// The operator's view: group members hold addresses in their group's CIDR, the others
+/// outside it, and net1's VTEP table maps each of its VMs to its node's underlay address.
+async fn assert_allocations(
+    c: &Client,
+    ips: &std::collections::BTreeMap<&str, String>,
+    topo: &Topology,
+) {
+    let nets: Api<imp_api::network::ImpNetwork> = Api::namespaced(c.clone(), NS);
+    let status = nets.get("net1").await.unwrap().status.unwrap();
+    let iso: imp_api::ipv4::Ipv4Cidr = status
+        .group_cidrs
+        .iter()
+        .find(|g| g.name == "iso")
+        .map(|g| g.cidr.parse().unwrap())
+        .unwrap();
+    for (vm, in_group) in [
+        ("g1", true),
+        ("g2", true),
+        ("a1", false),
+        ("a2", false),
+        ("b1", false),
+    ] {
+        let addr: Ipv4Addr = ips[vm].parse().unwrap();
+        assert_eq!(
+            iso.contains(addr),
+            in_group,
+            "{vm} {addr} against group {iso}"
+        );
+    }
+    let mut table: Vec<(String, String)> = status
+        .vtep_table
+        .iter()
+        .map(|e| (e.vm_ip.clone(), e.node_ip.clone()))
+        .collect();
+    table.sort();
+    let mut want: Vec<(String, String)> = [("a1", 1), ("a2", 1), ("g1", 1), ("b1", 2), ("g2", 2)]
+        .iter()
+        .map(|(vm, host)| (ips[vm].clone(), topo.underlay(*host).to_string()))
+        .collect();
+    want.sort();
+    assert_eq!(table, want, "net1's VTEP table");
+}
+
 /// Asserts `from` reaches `to_ip` by ping and over TCP (its answer names `to`, and `to` kept
 /// what `from` sent).
 async fn assert_talks(kubeconfig: &Path, from: &str, to: &str, to_ip: &str) {
@@ -480,7 +577,8 @@ async fn vms_talk_within_their_network_across_nodes_and_out_through_nat_and_nowh
         // the rules keep net2 from net1 on node b.
         (
             "net2",
-            json!({"subnet": net2, "nat": {"enabled": true, "egressInterface": "eth0"}}),
+            json!({"subnet": net2, "nat": {"enabled": true, "egressInterface": "eth0"},
+                   "dns": [NET2_DNS]}),
         ),
         ("clash", json!({"subnet": clash})),
     ] {
@@ -554,6 +652,9 @@ async fn vms_talk_within_their_network_across_nodes_and_out_through_nat_and_nowh
         ips.insert(*name, ip_of(&v));
     }
     let ip = |n: &str| ips[n].clone();
+    assert_guest_config(&kubeconfig, "b2", &ip("b2")).await;
+    assert_node_nameservers(&kubeconfig, "a1").await;
+    assert_allocations(&c, &ips, &topo).await;
 
     // Same node, then across nodes over VXLAN: the guests' neighbour caches are cold.
     assert_talks(&kubeconfig, "a2", "a1", &ip("a1")).await;
