@@ -77,14 +77,6 @@ fn shared_cache() -> PathBuf {
     std::env::temp_dir().join(format!("imp-agent-e2e-cache-{}", std::process::id()))
 }
 
-fn logs() -> Stdio {
-    if std::env::var_os("IMP_TEST_LOGS").is_some() {
-        Stdio::inherit()
-    } else {
-        Stdio::null()
-    }
-}
-
 /// One `imp agent` process in a cgroup of its own, like a container.
 struct Agent {
     node: String,
@@ -115,10 +107,7 @@ impl Agent {
             .env("FC_KERNEL", kernel)
             .env("IMP_GUEST", common::guest())
             .env("KUBECONFIG", kube.kubeconfig())
-            .env(
-                "RUST_LOG",
-                std::env::var("IMP_TEST_RUST_LOG").unwrap_or_else(|_| "info,kube=warn".into()),
-            )
+            .env("RUST_LOG", common::rust_log())
             .args(["--state-dir", self.state.to_str().unwrap()])
             .args(["--runtime", "qemu"])
             .args(["--cgroup-parent", &self.cgroup_parent])
@@ -132,7 +121,7 @@ impl Agent {
             .arg("--image-cache")
             .arg(shared_cache())
             .stdout(Stdio::null())
-            .stderr(logs())
+            .stderr(common::logs())
             .kill_on_drop(true)
             .spawn()
             .unwrap();
@@ -186,20 +175,7 @@ impl Agent {
 impl Drop for Agent {
     fn drop(&mut self) {
         let _ = self.cgroup.destroy();
-        for dir in std::fs::read_dir(self.state.join("vms"))
-            .into_iter()
-            .flatten()
-            .flatten()
-        {
-            let uid = dir.file_name().to_string_lossy().into_owned();
-            if let Ok(cg) = VmCgroup::at(&format!("{}/{uid}", self.cgroup_parent)) {
-                let _ = cg.destroy();
-            }
-        }
-        if let Ok(cg) = VmCgroup::at(&self.cgroup_parent) {
-            let _ = cg.destroy();
-        }
-        let _ = std::fs::remove_dir_all(&self.state);
+        common::remove_agent_leftovers(&self.state, &self.cgroup_parent);
     }
 }
 
@@ -372,7 +348,7 @@ async fn impvms_boot_end_survive_an_agent_restart_and_clean_up_on_their_nodes() 
         .env("KUBECONFIG", kube.kubeconfig())
         .env("RUST_LOG", "info,kube=warn")
         .stdout(Stdio::null())
-        .stderr(logs())
+        .stderr(common::logs())
         .kill_on_drop(true)
         .spawn()
         .unwrap();

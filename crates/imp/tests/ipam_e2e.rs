@@ -48,16 +48,9 @@ fn operator(kube: &TestKube, identity: &str) -> Child {
         .args(["--requeue-pending", "1", "--requeue-active", "1"])
         .args(LEADER_FLAGS)
         .env("KUBECONFIG", kube.kubeconfig())
-        .env(
-            "RUST_LOG",
-            std::env::var("IMP_TEST_RUST_LOG").unwrap_or_else(|_| "info,kube=warn".into()),
-        )
+        .env("RUST_LOG", common::rust_log())
         .stdout(Stdio::null())
-        .stderr(if std::env::var_os("IMP_TEST_LOGS").is_some() {
-            Stdio::inherit()
-        } else {
-            Stdio::null()
-        })
+        .stderr(common::logs())
         .kill_on_drop(true)
         .spawn()
         .unwrap()

@@ -23,7 +23,6 @@ use std::path::{Path, PathBuf};
 use std::process::{Output, Stdio};
 use std::time::Duration;
 
-use imp_agent::runtime::cgroup::VmCgroup;
 use imp_api::vm::{ImpVM, VmPhase};
 use imp_testkube::TestKube;
 use imp_testkube::registry::{TestImage, TestLayer, scratch_dir};
@@ -262,10 +261,7 @@ impl Agent {
             .env("FC_KERNEL", common::kernel())
             .env("IMP_GUEST", common::guest())
             .env("KUBECONFIG", kubeconfig)
-            .env(
-                "RUST_LOG",
-                std::env::var("IMP_TEST_RUST_LOG").unwrap_or_else(|_| "info,kube=warn".into()),
-            )
+            .env("RUST_LOG", common::rust_log())
             .args(["--state-dir", self.state.to_str().unwrap()])
             .args(["--runtime", "qemu", "--cgroup-parent", &self.cgroup_parent])
             .args(["--metrics-addr", "127.0.0.1:9090"])
@@ -274,7 +270,7 @@ impl Agent {
             .arg("--image-cache")
             .arg(cache)
             .stdout(Stdio::null())
-            .stderr(logs())
+            .stderr(common::logs())
             .kill_on_drop(true)
             .spawn()
             .unwrap();
@@ -291,28 +287,7 @@ impl Agent {
 
 impl Drop for Agent {
     fn drop(&mut self) {
-        for dir in std::fs::read_dir(self.state.join("vms"))
-            .into_iter()
-            .flatten()
-            .flatten()
-        {
-            let uid = dir.file_name().to_string_lossy().into_owned();
-            if let Ok(cg) = VmCgroup::at(&format!("{}/{uid}", self.cgroup_parent)) {
-                let _ = cg.destroy();
-            }
-        }
-        if let Ok(cg) = VmCgroup::at(&self.cgroup_parent) {
-            let _ = cg.destroy();
-        }
-        let _ = std::fs::remove_dir_all(&self.state);
-    }
-}
-
-fn logs() -> Stdio {
-    if std::env::var_os("IMP_TEST_LOGS").is_some() {
-        Stdio::inherit()
-    } else {
-        Stdio::null()
+        common::remove_agent_leftovers(&self.state, &self.cgroup_parent);
     }
 }
 
@@ -608,7 +583,7 @@ async fn vms_talk_within_their_network_across_nodes_and_out_through_nat_and_nowh
         .env("KUBECONFIG", &kubeconfig)
         .env("RUST_LOG", "info,kube=warn")
         .stdout(Stdio::null())
-        .stderr(logs())
+        .stderr(common::logs())
         .kill_on_drop(true)
         .spawn()
         .unwrap();

@@ -52,16 +52,9 @@ impl Operator {
             .args(["--node-gone-grace", "1", "--node-loss-grace", "3"])
             .args(extra)
             .env("KUBECONFIG", env.kube.kubeconfig())
-            .env(
-                "RUST_LOG",
-                std::env::var("IMP_TEST_RUST_LOG").unwrap_or_else(|_| "info,kube=warn".into()),
-            )
+            .env("RUST_LOG", common::rust_log())
             .stdout(Stdio::null())
-            .stderr(if std::env::var_os("IMP_TEST_LOGS").is_some() {
-                Stdio::inherit()
-            } else {
-                Stdio::null()
-            })
+            .stderr(common::logs())
             .kill_on_drop(true);
         let child = cmd.spawn().unwrap();
         Self {

@@ -153,3 +153,37 @@ pub async fn install_crds(client: &kube::Client, namespaces: &[&str]) {
         }
     }
 }
+
+/// Where a test's child processes log: inherited with `IMP_TEST_LOGS` set, else nowhere.
+pub fn logs() -> std::process::Stdio {
+    if std::env::var_os("IMP_TEST_LOGS").is_some() {
+        std::process::Stdio::inherit()
+    } else {
+        std::process::Stdio::null()
+    }
+}
+
+/// `RUST_LOG` for a test's child processes (`IMP_TEST_RUST_LOG` overrides it).
+pub fn rust_log() -> String {
+    std::env::var("IMP_TEST_RUST_LOG").unwrap_or_else(|_| "info,kube=warn".into())
+}
+
+/// Removes what an agent of a test left: the cgroup of every VM in its state directory (killing
+/// what still runs there), its VMs' parent cgroup, and the state directory itself.
+pub fn remove_agent_leftovers(state: &Path, cgroup_parent: &str) {
+    use imp_agent::runtime::cgroup::VmCgroup;
+    for dir in std::fs::read_dir(state.join("vms"))
+        .into_iter()
+        .flatten()
+        .flatten()
+    {
+        let uid = dir.file_name().to_string_lossy().into_owned();
+        if let Ok(cg) = VmCgroup::at(&format!("{cgroup_parent}/{uid}")) {
+            let _ = cg.destroy();
+        }
+    }
+    if let Ok(cg) = VmCgroup::at(cgroup_parent) {
+        let _ = cg.destroy();
+    }
+    let _ = std::fs::remove_dir_all(state);
+}
