@@ -13,9 +13,13 @@ pub fn held_by(allocations: &BTreeMap<String, String>, owner: &str) -> Option<Ip
         .and_then(|(ip, _)| ip.parse().ok())
 }
 
-/// The lowest address of `pool` nobody holds; `None` when the pool is full.
-pub fn pick(pool: &Pool, allocations: &BTreeMap<String, String>) -> Option<Ipv4Addr> {
-    let taken: HashSet<Ipv4Addr> = allocations.keys().filter_map(|k| k.parse().ok()).collect();
+/// The addresses held in `allocations`, as a set to pick against.
+pub fn taken(allocations: &BTreeMap<String, String>) -> HashSet<Ipv4Addr> {
+    allocations.keys().filter_map(|k| k.parse().ok()).collect()
+}
+
+/// The lowest address of `pool` not in `taken`; `None` when the pool is full.
+pub fn pick(pool: &Pool, taken: &HashSet<Ipv4Addr>) -> Option<Ipv4Addr> {
     let start = u32::from(pool.range.network());
     let end = u32::from(pool.range.broadcast());
     let mut a = start;
@@ -65,7 +69,7 @@ mod tests {
         let pool = Internal.pool(&spec("10.0.0.0/29"), None).unwrap();
         let mut allocs = BTreeMap::new();
         let mut got = Vec::new();
-        while let Some(ip) = pick(&pool, &allocs) {
+        while let Some(ip) = pick(&pool, &taken(&allocs)) {
             allocs.insert(ip.to_string(), format!("ns/vm{}", got.len()));
             got.push(ip.to_string());
         }
@@ -81,7 +85,10 @@ mod tests {
         assert_eq!(held_by(&allocs, "ns/other"), None);
         // A released address is handed out again.
         allocs.remove("10.0.0.3");
-        assert_eq!(pick(&pool, &allocs), Some("10.0.0.3".parse().unwrap()));
+        assert_eq!(
+            pick(&pool, &taken(&allocs)),
+            Some("10.0.0.3".parse().unwrap())
+        );
     }
 
     #[test]
@@ -95,20 +102,20 @@ mod tests {
         }];
         let pool = Internal.pool(&s, None).unwrap();
         assert_eq!(
-            pick(&pool, &BTreeMap::new()),
+            pick(&pool, &HashSet::new()),
             Some("10.0.0.16".parse().unwrap())
         );
         let group = Internal.pool(&s, Some("g")).unwrap();
         // With the gateway elsewhere, .1 is a host address of group g.
         assert_eq!(
-            pick(&group, &BTreeMap::new()),
+            pick(&group, &HashSet::new()),
             Some("10.0.0.1".parse().unwrap())
         );
         let mut all = BTreeMap::new();
         for i in 16..=253u8 {
             all.insert(format!("10.0.0.{i}"), format!("ns/{i}"));
         }
-        assert_eq!(pick(&pool, &all), None);
+        assert_eq!(pick(&pool, &taken(&all)), None);
         assert_eq!(free(&pool, &all), 0);
     }
 }

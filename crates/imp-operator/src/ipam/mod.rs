@@ -20,6 +20,7 @@
 //! ([`pool::Internal`]); a Cilium pool can be added beside it.
 
 pub mod allocator;
+pub mod batch;
 pub mod groups;
 pub mod pool;
 
@@ -29,8 +30,8 @@ use std::sync::{Arc, Mutex};
 
 use imp_api::conditions::{self, ConditionType};
 use imp_api::network::{ImpNetwork, ImpNetworkStatus};
+use kube::ResourceExt;
 use kube::api::{Api, Patch, PatchParams};
-use kube::{Resource, ResourceExt};
 use serde_json::{Value, json};
 
 use crate::metrics::Metrics;
@@ -41,8 +42,8 @@ pub const FIELD_MANAGER: &str = "imp-operator";
 /// Attempts of one allocation or release against 409 conflicts.
 pub const CONFLICT_ATTEMPTS: u32 = 8;
 
-/// Why a VM got no address.
-#[derive(Debug, thiserror::Error)]
+/// Why a VM got no address (cloned to every VM of a batch that failed together).
+#[derive(Clone, Debug, thiserror::Error)]
 pub enum Error {
     /// The network does not exist.
     #[error("network {network} does not exist")]
@@ -92,7 +93,7 @@ pub enum Error {
         network: String,
         /// The API error.
         #[source]
-        source: kube::Error,
+        source: Arc<kube::Error>,
     },
     /// The table kept changing under us.
     #[error("ImpNetwork {0} kept changing: gave up after {CONFLICT_ATTEMPTS} conflicting writes")]
@@ -181,6 +182,16 @@ pub fn merge_diff(old: &Value, new: &Value) -> Value {
     }
 }
 
+/// A request waiting in a network's queue, and where its answer goes.
+type Queued = (
+    batch::Want,
+    tokio::sync::oneshot::Sender<Result<Ipv4Addr, Error>>,
+);
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 fn is_conflict(e: &kube::Error) -> bool {
     matches!(e, kube::Error::Api(s) if s.code == 409)
 }
@@ -189,6 +200,8 @@ fn is_conflict(e: &kube::Error) -> bool {
 pub struct Ipam {
     client: kube::Client,
     locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    /// Requests waiting for their network's lock, served together by whoever takes it.
+    queues: Mutex<HashMap<String, Vec<Queued>>>,
     metrics: Option<Arc<Metrics>>,
 }
 
@@ -204,16 +217,14 @@ impl Ipam {
         Self {
             client,
             locks: Mutex::new(HashMap::new()),
+            queues: Mutex::new(HashMap::new()),
             metrics,
         }
     }
 
     /// The in-process lock of one network's table (held across the read and the write).
     pub async fn lock(&self, network: &str) -> tokio::sync::OwnedMutexGuard<()> {
-        let m = self
-            .locks
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
+        let m = lock(&self.locks)
             .entry(network.to_owned())
             .or_default()
             .clone();
@@ -232,13 +243,19 @@ impl Ipam {
             .map_err(|source| Error::Kube {
                 doing: "reading",
                 network: network.clone(),
-                source,
+                source: Arc::new(source),
             })?
             .ok_or(Error::Missing { network })
     }
 
-    /// The address of VM `owner` (namespace/name) in `group` on network `namespace/name`:
-    /// the one it holds, else a new one, persisted before it is returned.
+    /// The address of `owner` (namespace/name) on network `namespace/name`: the one it holds,
+    /// else the lowest free one of its pool (its `group`'s block, if any), recorded in the
+    /// network's status before it is returned.
+    ///
+    /// Requests for one network are served in batches: each joins the network's queue, and
+    /// whoever takes the network's lock decides the whole queue on one read and writes it
+    /// with one status patch, so a thousand VMs created at once cost a few writes, not a
+    /// thousand.
     pub async fn ensure(
         &self,
         namespace: &str,
@@ -247,36 +264,81 @@ impl Ipam {
         group: Option<&str>,
     ) -> Result<Ipv4Addr, Error> {
         let network = format!("{namespace}/{name}");
-        let _guard = self.lock(&network).await;
-        for attempt in 0..CONFLICT_ATTEMPTS {
-            let net = self.read(namespace, name).await?;
-            let mut status = net.status.clone().unwrap_or_default();
-            if let Some(ip) = allocator::held_by(&status.allocations, owner) {
-                return Ok(ip);
-            }
-            let (ip, pool) = decide(&net, &network, group)?;
-            status.allocations.insert(ip.to_string(), owner.to_owned());
-            let table = std::mem::take(&mut status.allocations);
-            status.set_allocations(table);
-            match write_status(&self.client, &net, &status, "allocating an address on").await {
-                Ok(_) => {
-                    tracing::info!(vm = %owner, network = %network, ip = %ip, "address allocated");
-                    self.observe(&network, &pool, &status.allocations);
-                    return Ok(ip);
-                }
-                Err(e) if is_conflict(&e) => {
-                    tracing::debug!(vm = %owner, network = %network, attempt, "allocation conflict; re-reading");
-                }
-                Err(source) => {
-                    return Err(Error::Kube {
-                        doing: "allocating an address on",
-                        network,
-                        source,
-                    });
+        let (reply, answer) = tokio::sync::oneshot::channel();
+        let want = batch::Want {
+            owner: owner.to_owned(),
+            group: group.map(str::to_owned),
+        };
+        lock(&self.queues)
+            .entry(network.clone())
+            .or_default()
+            .push((want, reply));
+        {
+            let _guard = self.lock(&network).await;
+            let queued = lock(&self.queues).remove(&network).unwrap_or_default();
+            if !queued.is_empty() {
+                let (wants, replies): (Vec<_>, Vec<_>) = queued.into_iter().unzip();
+                let results = self.allocate(namespace, name, &network, &wants).await;
+                for (reply, result) in replies.into_iter().zip(results) {
+                    let _ = reply.send(result);
                 }
             }
         }
-        Err(Error::Conflicts(network))
+        // Our request was queued before we took the lock, so it has been answered: by us, or
+        // by an earlier holder (unless that one was cancelled mid-way: then try again later).
+        answer.await.unwrap_or(Err(Error::Conflicts(network)))
+    }
+
+    /// Decides and writes one batch, re-deciding on a fresh read after a conflict.
+    async fn allocate(
+        &self,
+        namespace: &str,
+        name: &str,
+        network: &str,
+        wants: &[batch::Want],
+    ) -> Vec<Result<Ipv4Addr, Error>> {
+        for attempt in 0..CONFLICT_ATTEMPTS {
+            let net = match self.read(namespace, name).await {
+                Ok(net) => net,
+                Err(e) => return vec![Err(e); wants.len()],
+            };
+            let mut decision = batch::decide(&net, network, wants);
+            if decision.added.is_empty() {
+                return decision.results;
+            }
+            let mut status = net.status.clone().unwrap_or_default();
+            status.set_allocations(std::mem::take(&mut decision.table));
+            match write_status(&self.client, &net, &status, "allocating addresses on").await {
+                Ok(_) => {
+                    for &i in &decision.added {
+                        if let Ok(ip) = &decision.results[i] {
+                            tracing::info!(vm = %wants[i].owner, network = %network, ip = %ip, "address allocated");
+                        }
+                    }
+                    if let Ok(pool) =
+                        pool::source_for(&net.spec).and_then(|s| s.pool(&net.spec, None))
+                    {
+                        self.observe(network, &pool, &status.allocations);
+                    }
+                    return decision.results;
+                }
+                Err(e) if is_conflict(&e) => {
+                    tracing::debug!(network = %network, attempt, batch = wants.len(), "allocation conflict; re-reading");
+                }
+                Err(source) => {
+                    let err = Error::Kube {
+                        doing: "allocating addresses on",
+                        network: network.to_owned(),
+                        source: Arc::new(source),
+                    };
+                    for &i in &decision.added {
+                        decision.results[i] = Err(err.clone());
+                    }
+                    return decision.results;
+                }
+            }
+        }
+        vec![Err(Error::Conflicts(network.to_owned())); wants.len()]
     }
 
     /// Removes every address VM `owner` holds on network `namespace/name` (absent network or
@@ -327,7 +389,7 @@ impl Ipam {
                     return Err(Error::Kube {
                         doing: "releasing addresses on",
                         network,
-                        source,
+                        source: Arc::new(source),
                     });
                 }
             }
@@ -342,43 +404,6 @@ impl Ipam {
     }
 }
 
-/// The address a new VM in `group` gets on `net`, with the pool it came from.
-fn decide(
-    net: &ImpNetwork,
-    network: &str,
-    group: Option<&str>,
-) -> Result<(Ipv4Addr, pool::Pool), Error> {
-    if net.meta().deletion_timestamp.is_some() {
-        return Err(Error::Deleting {
-            network: network.to_owned(),
-        });
-    }
-    if let Some(why) = not_ready(net) {
-        return Err(Error::NotReady {
-            network: network.to_owned(),
-            why,
-        });
-    }
-    let pool = pool::source_for(&net.spec)
-        .and_then(|s| s.pool(&net.spec, group))
-        .map_err(|source| Error::Pool {
-            network: network.to_owned(),
-            source,
-        })?;
-    let table = net.status.clone().unwrap_or_default().allocations;
-    match allocator::pick(&pool, &table) {
-        Some(ip) => Ok((ip, pool)),
-        None => Err(Error::Full {
-            network: match group {
-                Some(g) => format!("{network} group {g}"),
-                None => network.to_owned(),
-            },
-            range: pool.range.to_string(),
-            usable: pool.usable(),
-        }),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used)]
@@ -387,7 +412,7 @@ mod tests {
     use imp_api::network::ImpNetworkSpec;
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 
-    fn ready_net(subnet: &str) -> ImpNetwork {
+    pub(crate) fn ready_net(subnet: &str) -> ImpNetwork {
         let mut net = ImpNetwork::new(
             "net",
             ImpNetworkSpec {
@@ -408,41 +433,6 @@ mod tests {
         );
         net.status = Some(status);
         net
-    }
-
-    #[test]
-    fn a_full_network_names_itself_and_its_size() {
-        let mut net = ready_net("10.0.0.0/29");
-        let mut table = BTreeMap::new();
-        for i in 2..=6 {
-            table.insert(format!("10.0.0.{i}"), format!("ns/{i}"));
-        }
-        net.status.as_mut().unwrap().set_allocations(table);
-        let err = decide(&net, "ns/net", None).unwrap_err();
-        assert_eq!(
-            err.to_string(),
-            "network ns/net 10.0.0.0/29 has no free address (5 usable)"
-        );
-        assert!(err.is_setup_failure());
-    }
-
-    #[test]
-    fn a_network_not_ready_or_with_a_newer_spec_hands_out_nothing() {
-        let mut net = ready_net("10.0.0.0/24");
-        assert_eq!(
-            decide(&net, "ns/net", None).unwrap().0.to_string(),
-            "10.0.0.2"
-        );
-        net.metadata.generation = Some(2);
-        let err = decide(&net, "ns/net", None).unwrap_err();
-        assert!(err.to_string().contains("not Ready"), "{err}");
-        net.status = None;
-        assert!(
-            decide(&net, "ns/net", None)
-                .unwrap_err()
-                .to_string()
-                .contains("not reconciled yet")
-        );
     }
 
     #[test]
