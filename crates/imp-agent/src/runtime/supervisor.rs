@@ -381,6 +381,7 @@ async fn prepare(
             id: "eth0".into(),
             tap: n.tap.clone(),
             mac: Some(n.mac.clone()),
+            tap_fd: None,
         }),
         vsock: Some(VsockConfig {
             guest_cid: GUEST_CID,
