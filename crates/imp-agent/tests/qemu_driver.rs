@@ -2,7 +2,8 @@
 //! booted through the [`Vmm`] trait from a cached base initramfs plus a per-VM config archive,
 //! switching its root to an ext4 disk built here with `mkfs.ext4 -d`, and answering over its
 //! guest channel (a mux over virtio-serial, served on the host as hybrid vsock) with the
-//! imp-proto client. A VM without the guest agent is snapshotted and restored in a new QEMU.
+//! imp-proto client. VMs with and without the guest agent are snapshotted and restored in a
+//! new QEMU.
 //!
 //! Inputs as in `qemu_guest.rs` (`IMP_GUEST_KERNEL_DIR`, `IMP_GUEST_BIN`, `IMP_BUSYBOX`) plus
 //! `mkfs.ext4`/`e2fsck`. Anything missing skips on a developer machine and fails under
@@ -331,6 +332,172 @@ async fn qemu_vm_boots_from_its_disk_and_serves_exec_health_metrics_pause_and_gr
         .unwrap();
     assert!(fsck.status.success(), "disk not clean after stop: {fsck:?}");
     let _ = fs::remove_dir_all(&dir);
+}
+
+/// Runs `script` with `sh -c` as root in the guest; returns its stdout.
+async fn as_root(vm: &Qemu, script: &str) -> String {
+    let request = ExecRequest {
+        argv: vec!["sh".into(), "-c".into(), script.into()],
+        user: Some("root".into()),
+        ..ExecRequest::default()
+    };
+    let (chunks, status) = exec_request(vm, request).await;
+    assert_eq!(status, ExitStatus::Code(0), "{script}: {chunks:?}");
+    chunks.concat()
+}
+
+/// Reads the background counter in the guest's tmpfs.
+async fn tmpfs_counter(vm: &Qemu) -> u64 {
+    as_root(vm, "cat /run/count").await.trim().parse().unwrap()
+}
+
+/// Accepts one exit report on the host's side of guest port `port`.
+fn exit_reports(vm: &Qemu, port: u32) -> tokio::task::JoinHandle<ExitStatus> {
+    let path = imp_agent::vmm::vsock::host_listener_path(&vm.vsock_path().unwrap(), port);
+    let _ = fs::remove_file(&path);
+    let listener = std::os::unix::net::UnixListener::bind(&path).unwrap();
+    tokio::task::spawn_blocking(move || {
+        let (mut s, _) = listener.accept().unwrap();
+        imp_proto::report::receive_exit_report(&mut s, &Hello::new("qemu-driver-test")).unwrap()
+    })
+}
+
+/// A VM with the guest agent (its channel is a mux over virtio-serial, which QEMU migrates) is
+/// paused, snapshotted and killed, then restored in a new QEMU process: exec works again, a
+/// counter started by exec went on from where it was, a file in tmpfs is still there and a
+/// guest-to-host connection (the workload's exit report) arrives.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn qemu_vm_with_the_guest_agent_snapshots_and_restores_in_a_new_process() {
+    let _one = ONE_VM_AT_A_TIME.lock().await;
+    let Some(inputs) = inputs() else { return };
+    let dir = scratch("agent-snapshot");
+    // The workload ends with code 3 when told to (USR1), after the restore.
+    let script = "echo $$ > /tmp/workload.pid; trap 'exit 3' USR1; \
+                  while true; do sleep 0.1; done";
+    let mut config = vm_config(&inputs, &dir, "qemu-agent-snap", 9, script).await;
+    let report_port = 1024;
+    set_exit_report_port(&mut config, &dir, script, report_port).await;
+    let mut vm = Qemu::boot(&inputs.launcher, &config).await.unwrap();
+    let mut c = client(&vm).await;
+    let _ = tokio::task::spawn_blocking(move || c.health().unwrap()).await;
+
+    // The mux's round trip: a health request on an open connection.
+    let mut c = client(&vm).await;
+    let rtt = tokio::task::spawn_blocking(move || {
+        let t = Instant::now();
+        for _ in 0..20 {
+            c.health().unwrap();
+        }
+        t.elapsed() / 20
+    })
+    .await
+    .unwrap();
+    eprintln!("guest agent round trip over the mux (health): {rtt:?}");
+
+    as_root(
+        &vm,
+        "echo kept > /run/marker; \
+         busybox setsid sh -c 'i=0; while true; do i=$((i+1)); echo $i > /run/count; \
+         sleep 0.1; done' </dev/null >/dev/null 2>&1 &",
+    )
+    .await;
+    while as_root(&vm, "cat /run/count 2>/dev/null || true")
+        .await
+        .trim()
+        .is_empty()
+    {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let before = tmpfs_counter(&vm).await;
+    vm.pause().await.unwrap();
+    let files = imp_agent::vmm::SnapshotFiles {
+        state: dir.join("snap.state"),
+        memory: dir.join("snap.mem"),
+    };
+    let t = Instant::now();
+    vm.snapshot(&files).await.unwrap();
+    let snapshot_took = t.elapsed();
+    let size = fs::metadata(&files.memory).unwrap().len();
+    let pid = vm.pid().unwrap();
+    // Killed, not shut down: the snapshot is all that is left.
+    vm.stop(Duration::ZERO).await.unwrap();
+    assert!(!Path::new(&format!("/proc/{pid}")).exists());
+
+    let t = Instant::now();
+    let vm = Qemu::restore(&inputs.launcher, &config, &files, true)
+        .await
+        .unwrap();
+    assert_ne!(vm.pid(), Some(pid), "the restore reused the old process");
+    let mut c = client(&vm).await;
+    let health = tokio::task::spawn_blocking(move || c.health().unwrap())
+        .await
+        .unwrap();
+    let restore_took = t.elapsed();
+    eprintln!(
+        "snapshot {snapshot_took:?}, {} MiB for {} MiB of guest memory; restore (spawn -> guest \
+         agent answering) {restore_took:?}; {health:?}",
+        size >> 20,
+        config.memory_mib
+    );
+    assert_eq!(as_root(&vm, "cat /run/marker").await, "kept\n");
+    let after = tmpfs_counter(&vm).await;
+    assert!(
+        after >= before && after < before + 100,
+        "the counter did not go on from {before}: {after}"
+    );
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let later = tmpfs_counter(&vm).await;
+    assert!(
+        later > after,
+        "the counter stopped after the restore: {after} -> {later}"
+    );
+    eprintln!("counter {before} at the snapshot, {after} after the restore, {later} 1 s later");
+
+    // The clock call the suspend work makes after a restore: set far ahead, then back.
+    let vsock = vm.vsock_path().unwrap();
+    let ahead = std::time::UNIX_EPOCH + Duration::from_secs(1_900_000_000);
+    imp_agent::runtime::guest_agent::set_clock(&vsock, AGENT_PORT, ahead, Duration::from_secs(30))
+        .await
+        .unwrap();
+    let guest_now: u64 = as_root(&vm, "busybox date +%s")
+        .await
+        .trim()
+        .parse()
+        .unwrap();
+    assert!(
+        (1_900_000_000..1_900_000_060).contains(&guest_now),
+        "the guest's clock was not set: {guest_now}"
+    );
+    let now = std::time::SystemTime::now();
+    imp_agent::runtime::guest_agent::set_clock(&vsock, AGENT_PORT, now, Duration::from_secs(30))
+        .await
+        .unwrap();
+
+    // A guest-to-host stream: the workload's exit report.
+    let report = exit_reports(&vm, report_port);
+    as_root(&vm, "kill -USR1 $(cat /tmp/workload.pid)").await;
+    let status = tokio::time::timeout(Duration::from_secs(60), report)
+        .await
+        .expect("no exit report within 60 s")
+        .unwrap();
+    assert_eq!(status, ExitStatus::Code(3));
+    let _ = vm.stop(Duration::from_secs(5)).await;
+    let _ = fs::remove_dir_all(&dir);
+}
+
+/// Rebuilds `config`'s initramfs with the exit report going to host port `port`.
+async fn set_exit_report_port(config: &mut VmConfig, dir: &Path, script: &str, port: u32) {
+    let cache = workspace_root().join("target/imp-initramfs-cache");
+    let inputs = inputs().unwrap();
+    let base = BaseInitramfs::cached(&cache, &inputs.guest, &inputs.modules, VM_MODULES)
+        .await
+        .unwrap();
+    let mut guest = guest_config(&config.id, script);
+    guest.agent.exit_report_port = Some(port);
+    let initrd = dir.join("initrd.cpio");
+    build_for_vm(&base, &guest, &initrd).await.unwrap();
+    config.initrd = Some(initrd);
 }
 
 /// Ctrl-Alt-Del (Firecracker's graceful stop, SendCtrlAltDel) reaches the init as SIGINT
