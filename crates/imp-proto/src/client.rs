@@ -118,6 +118,20 @@ impl<S: Read + Write> Client<S> {
         }
     }
 
+    /// Sets the guest's wall clock to `now` (after a restore its clock is as old as the
+    /// snapshot).
+    pub fn set_clock(&mut self, now: std::time::SystemTime) -> Result<()> {
+        let unix_nanos = now
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))
+            .unwrap_or(0);
+        write_frame(&mut self.stream, &Message::SetClock { unix_nanos })?;
+        match self.answer("the clock acknowledgement")? {
+            Message::ClockSet => Ok(()),
+            other => Err(unexpected("the clock acknowledgement", &other)),
+        }
+    }
+
     /// Asks the guest to stop its workload (SIGTERM, then SIGKILL after `grace`) and power off.
     pub fn shutdown(&mut self, grace: Duration) -> Result<()> {
         let grace_ms = u64::try_from(grace.as_millis()).unwrap_or(u64::MAX);

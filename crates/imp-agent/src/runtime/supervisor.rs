@@ -498,6 +498,7 @@ fn vm_config(spec: &VmSpec, dir: &Path, name: &str, initrd: PathBuf, disk: PathB
             id: "eth0".into(),
             tap: n.tap.clone(),
             mac: Some(n.mac.clone()),
+            tap_fd: None,
         }),
         vsock: Some(VsockConfig {
             guest_cid: GUEST_CID,
