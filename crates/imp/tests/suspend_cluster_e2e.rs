@@ -317,7 +317,16 @@ async fn desired_state_suspends_and_resumes_an_impvm_across_an_agent_restart() {
     loop {
         let out = imp(
             &alice,
-            &["exec", "-n", NS, VM, "--", "sh", "-c", "echo kept > /mnt/t/file"],
+            &[
+                "exec",
+                "-n",
+                NS,
+                VM,
+                "--",
+                "sh",
+                "-c",
+                "echo kept > /mnt/t/file",
+            ],
         )
         .await;
         if out.status.success() {

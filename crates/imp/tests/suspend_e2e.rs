@@ -184,7 +184,7 @@ async fn suspend_frees_the_vmm_and_resume_brings_back_the_same_guest() {
     );
     let out = imp(&env, &["exec", VM, "--", "true"]);
     assert!(!out.status.success());
-    std::thread::sleep(Duration::from_secs(2));
+    std::thread::sleep(Duration::from_secs(5));
 
     let (out, resume_took) = timed(&env, &["resume", VM]);
     assert!(out.status.success(), "resume failed: {}", stderr(&out));
@@ -199,6 +199,17 @@ async fn suspend_frees_the_vmm_and_resume_brings_back_the_same_guest() {
     );
     let out = imp(&env, &["exec", VM, "--", "cat", "/mnt/t/file"]);
     assert_eq!(stdout(&out).trim(), "kept", "the tmpfs file is gone");
+    // The guest's clock was set on resume: not 5 s (the time asleep) behind the host's.
+    let host = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    let out = imp(&env, &["exec", VM, "--", "date", "+%s"]);
+    let guest: u64 = stdout(&out).trim().parse().unwrap();
+    assert!(
+        guest.abs_diff(host) <= 2,
+        "the guest's clock is {guest}, the host's {host}"
+    );
     std::thread::sleep(Duration::from_secs(3));
     let later = counter(&env);
     assert!(

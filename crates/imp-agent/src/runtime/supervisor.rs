@@ -748,6 +748,17 @@ async fn became_ready(
             tracing::info!(vm = %record.name, ready_ms = record.timings.ready_ms, "guest agent answered");
         }
         Launch::Restore(files) => {
+            // The guest's clock stopped at the snapshot: set it to now.
+            let clock = guest_agent::set_clock(
+                &record.vsock,
+                record.agent_port,
+                std::time::SystemTime::now(),
+                Duration::from_secs(10),
+            )
+            .await;
+            if let Err(e) = clock {
+                tracing::warn!(vm = %record.name, error = %e, "setting the resumed guest's clock failed");
+            }
             record.timings.resume_ms = ms(launched.elapsed());
             let snapshot = files.memory.parent().map(Path::to_path_buf);
             record.suspend = None;
