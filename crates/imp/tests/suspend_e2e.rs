@@ -48,6 +48,10 @@ impl Drop for Env {
     fn drop(&mut self) {
         // A VM left behind by a failed assertion: stop it, then drop its files.
         let _ = imp(self, &["rm", "--force", VM]);
+        let _ = Command::new("umount")
+            .arg("-l")
+            .arg(self.state.join("snapshots"))
+            .status();
         let _ = std::fs::remove_dir_all(&self.state);
     }
 }
@@ -153,9 +157,36 @@ async fn suspend_frees_the_vmm_and_resume_brings_back_the_same_guest() {
     assert!(!out.status.success());
     assert!(stderr(&out).contains("not suspended"), "{}", stderr(&out));
 
-    let before = counter(&env);
     let old_pid = vmm_pid(&env.state).expect("a running VM has a VMM pid");
     assert!(alive(old_pid));
+
+    // Too little disk for the snapshot (a 16 MiB file system under the snapshot directory):
+    // refused with the cause, and the VM runs on untouched.
+    let snapshots = env.state.join("snapshots");
+    std::fs::create_dir_all(&snapshots).unwrap();
+    let mounted = Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "size=16m", "tmpfs"])
+        .arg(&snapshots)
+        .status()
+        .unwrap();
+    assert!(mounted.success());
+    let out = imp(&env, &["suspend", VM]);
+    let unmounted = Command::new("umount").arg(&snapshots).status().unwrap();
+    assert!(unmounted.success());
+    assert!(
+        !out.status.success(),
+        "suspended without room for the snapshot"
+    );
+    assert!(
+        stderr(&out).contains("not enough free disk space"),
+        "{}",
+        stderr(&out)
+    );
+    assert!(ps_line(&env).contains("running"), "{}", ps_line(&env));
+    assert_eq!(vmm_pid(&env.state), Some(old_pid));
+    assert!(alive(old_pid));
+
+    let before = counter(&env);
     let (out, suspend_took) = timed(&env, &["suspend", VM]);
     assert!(out.status.success(), "suspend failed: {}", stderr(&out));
     assert!(

@@ -813,13 +813,14 @@ async fn handle_suspend<V: Vmm>(
         }
         Err(e) => {
             record.status = VmStatus::Running;
-            let error = Failure {
-                stage: Stage::Run,
-                what: format!("suspending {}", record.name),
-                source: Some(Box::new(e)),
+            let mut error = e.to_string();
+            let mut cause = std::error::Error::source(&e);
+            while let Some(c) = cause {
+                error.push_str(": ");
+                error.push_str(&c.to_string());
+                cause = c.source();
             }
-            .chain();
-            fail(record, error);
+            fail(record, crate::image::layers::escape_controls(&error));
             None
         }
     }

@@ -532,6 +532,114 @@ mod tests {
         );
     }
 
+    /// A VMM that records what it was asked and fails the step it is told to.
+    struct FakeVmm {
+        calls: Vec<&'static str>,
+        fail_snapshot: bool,
+        serial: PathBuf,
+    }
+
+    #[derive(Debug, thiserror::Error)]
+    #[error("fake VMM refused {0}")]
+    struct FakeError(&'static str);
+
+    impl Vmm for FakeVmm {
+        type Launcher = ();
+        type Stream = tokio::io::DuplexStream;
+        type Error = FakeError;
+
+        async fn boot(_: &(), _: &crate::vmm::VmConfig) -> Result<Self, FakeError> {
+            Err(FakeError("boot"))
+        }
+        async fn restore(
+            _: &(),
+            _: &crate::vmm::VmConfig,
+            _: &SnapshotFiles,
+            _: bool,
+        ) -> Result<Self, FakeError> {
+            Err(FakeError("restore"))
+        }
+        async fn pause(&mut self) -> Result<(), FakeError> {
+            self.calls.push("pause");
+            Ok(())
+        }
+        async fn resume(&mut self) -> Result<(), FakeError> {
+            self.calls.push("resume");
+            Ok(())
+        }
+        async fn snapshot(&mut self, files: &SnapshotFiles) -> Result<(), FakeError> {
+            self.calls.push("snapshot");
+            // Half-way: the memory file is written, then the VMM fails.
+            std::fs::write(&files.memory, b"partial").unwrap();
+            if self.fail_snapshot {
+                return Err(FakeError("snapshot"));
+            }
+            std::fs::write(&files.state, b"state").unwrap();
+            Ok(())
+        }
+        async fn stop(self, _: Duration) -> Result<crate::vmm::StopOutcome, FakeError> {
+            Ok(crate::vmm::StopOutcome::Killed)
+        }
+        async fn connect_vsock(&self, _: u32, _: Duration) -> Result<Self::Stream, FakeError> {
+            Err(FakeError("connect"))
+        }
+        fn vsock_path(&self) -> Option<PathBuf> {
+            None
+        }
+        fn serial_log_path(&self) -> &Path {
+            &self.serial
+        }
+        fn exited(&mut self) -> Result<bool, FakeError> {
+            Ok(false)
+        }
+        fn state(&self) -> crate::vmm::VmState {
+            crate::vmm::VmState::Running
+        }
+        fn pid(&self) -> Option<u32> {
+            None
+        }
+    }
+
+    #[tokio::test]
+    async fn a_snapshot_failing_half_way_resumes_the_vm_and_leaves_no_files() {
+        let dir = std::env::temp_dir().join(format!("imp-snap-fail-{}", std::process::id()));
+        let mut vm = FakeVmm {
+            calls: Vec::new(),
+            fail_snapshot: true,
+            serial: "/s".into(),
+        };
+        let err = suspend_vm(&mut vm, &dir, 1).await.unwrap_err();
+        assert_eq!(vm.calls, ["pause", "snapshot", "resume"]);
+        let msg = format!("{err}: {}", std::error::Error::source(&err).unwrap());
+        assert!(
+            msg.contains("snapshotting") && msg.contains("refused snapshot"),
+            "{msg}"
+        );
+        assert!(!dir.exists(), "a half-written snapshot was left");
+
+        vm.calls.clear();
+        vm.fail_snapshot = false;
+        let done = suspend_vm(&mut vm, &dir, 1).await.unwrap();
+        assert_eq!(
+            vm.calls,
+            ["pause", "snapshot"],
+            "a good snapshot stays paused"
+        );
+        assert_eq!(done.bytes, 12);
+        assert_eq!(done.snapshot_dir, dir);
+        std::fs::remove_dir_all(&dir).unwrap();
+
+        // Too little room: refused before the VM is even paused.
+        vm.calls.clear();
+        let err = suspend_vm(&mut vm, &dir, u32::MAX).await.unwrap_err();
+        assert!(matches!(err, SnapshotError::NoSpace { .. }), "{err}");
+        assert!(
+            err.to_string().contains("not enough free disk space"),
+            "{err}"
+        );
+        assert!(vm.calls.is_empty(), "paused despite the lack of space");
+    }
+
     #[test]
     fn a_missing_snapshot_file_is_named() {
         let dir = std::env::temp_dir().join(format!("imp-snap-test-{}", std::process::id()));
