@@ -49,7 +49,7 @@ pub enum ClientError {
 pub type Result<T, E = ClientError> = std::result::Result<T, E>;
 
 /// Opens a guest port through a Firecracker-style vsock Unix socket (`CONNECT <port>\n` →
-/// `OK <host port>\n`), which Firecracker and vhost-device-vsock both speak.
+/// `OK <host port>\n`), which Firecracker and the QEMU driver's guest-channel mux both speak.
 ///
 /// Reads the answer byte by byte so no protocol bytes after the newline are swallowed.
 pub fn uds_connect<S: Read + Write>(stream: &mut S, port: u32) -> Result<()> {

@@ -1,7 +1,7 @@
 //! End-to-end tests of `imp run`: the real `imp` binary pulls an image the test pushed to a
 //! real registry (Debian's docker-registry on 127.0.0.1), builds its root disk, boots it as a
 //! real Linux guest under QEMU (TCG here) with the real imp-guest, and reports what the
-//! workload did. These need root, QEMU, vhost-device-vsock, docker-registry, skopeo, e2fsprogs,
+//! workload did. These need root, QEMU, docker-registry, skopeo, e2fsprogs,
 //! a static busybox, Debian's cloud kernel and the built guest (`scripts/setup`): without them
 //! they skip on a developer machine and fail under `CI=true`.
 #![allow(clippy::unwrap_used, clippy::expect_used)]

@@ -1,10 +1,10 @@
 //! Virtual machine monitors: one trait, [`Vmm`], and a driver per VMM.
 //!
 //! The node agent drives every VM through [`Vmm`], so the reconciler does not care whether a VM
-//! runs under Firecracker ([`firecracker`]) or, later, QEMU. The shared config types describe a
-//! VM in VMM-neutral terms; each driver maps them onto its own API. The host side of hybrid
-//! vsock ([`vsock`]) is shared by both drivers because Firecracker and vhost-device-vsock speak
-//! the same `CONNECT <port>` protocol.
+//! runs under Firecracker ([`firecracker`]) or QEMU ([`qemu`]). The shared config types
+//! describe a VM in VMM-neutral terms; each driver maps them onto its own API. The host side of
+//! hybrid vsock ([`vsock`]) is shared by both drivers: Firecracker speaks the `CONNECT <port>`
+//! protocol itself, and the QEMU driver's guest-channel mux serves the same sockets.
 
 use std::future::Future;
 use std::path::{Path, PathBuf};

@@ -782,3 +782,44 @@ impl Vmm for Qemu {
         self.child.id()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use crate::vmm::{NetConfig, TapFd};
+
+    #[test]
+    fn a_tap_is_opened_by_name_or_inherited_by_fd() {
+        let mut net = NetConfig {
+            id: "n0".into(),
+            tap: "imp-tap0".into(),
+            mac: None,
+            tap_fd: None,
+        };
+        assert_eq!(
+            netdev_arg(&net),
+            "tap,id=n0,ifname=imp-tap0,script=no,downscript=no"
+        );
+        let fd = std::fs::File::open("/dev/null").unwrap();
+        let raw = fd.as_raw_fd();
+        net.tap_fd = Some(TapFd(std::sync::Arc::new(fd.into())));
+        assert_eq!(netdev_arg(&net), format!("tap,id=n0,fd={raw}"));
+    }
+
+    /// The fd really reaches QEMU's process under its number, though Rust opens it
+    /// close-on-exec.
+    #[tokio::test]
+    async fn an_inherited_fd_is_open_in_the_child() {
+        let fd: std::os::fd::OwnedFd = std::fs::File::open("/dev/null").unwrap().into();
+        let tap = TapFd(std::sync::Arc::new(fd));
+        let raw = tap.0.as_raw_fd();
+        let mut cmd = Command::new("sh");
+        cmd.arg("-c").arg(format!("test -e /proc/self/fd/{raw}"));
+        inherit_fd(&mut cmd, &tap);
+        assert!(cmd.status().await.unwrap().success());
+        let mut plain = Command::new("sh");
+        plain.arg("-c").arg(format!("test -e /proc/self/fd/{raw}"));
+        assert!(!plain.status().await.unwrap().success());
+    }
+}
