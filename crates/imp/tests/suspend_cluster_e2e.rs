@@ -98,6 +98,7 @@ impl Agent {
                 &format!("127.0.0.1:{}", common::free_port()),
             ])
             .args(["--stop-grace", "3s", "--api-addr", "127.0.0.1:0"])
+            .args(["--suspend-retry", "3s"])
             .stdout(Stdio::null())
             .stderr(logs())
             .kill_on_drop(true)
@@ -134,6 +135,11 @@ impl Agent {
 
 impl Drop for Agent {
     fn drop(&mut self) {
+        let _ = std::process::Command::new("umount")
+            .arg("-l")
+            .arg(self.state.join("snapshots"))
+            .stderr(std::process::Stdio::null())
+            .status();
         let _ = self.cgroup.destroy();
         for dir in std::fs::read_dir(self.state.join("vms"))
             .into_iter()
@@ -338,6 +344,34 @@ async fn desired_state_suspends_and_resumes_an_impvm_across_an_agent_restart() {
     let before = counter(&alice).await;
     let old_qemu = agent.qemu_of(&uid);
     assert_eq!(old_qemu.len(), 1, "one QEMU runs the VM: {old_qemu:?}");
+
+    // Too little disk on the node (a 16 MiB file system under the snapshot directory): the
+    // agent refuses before pausing, publishes a Warning, and the VM runs on in the same QEMU.
+    let snapshots = agent.state.join("snapshots");
+    std::fs::create_dir_all(&snapshots).unwrap();
+    let mounted = std::process::Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "size=16m", "tmpfs"])
+        .arg(&snapshots)
+        .status()
+        .unwrap();
+    assert!(mounted.success());
+    let out = imp(&alice, &["suspend", "-n", NS, VM, "--timeout", "60s"]).await;
+    assert!(
+        !out.status.success(),
+        "suspended without room for the snapshot"
+    );
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(err.contains("not enough free disk space"), "{err}");
+    assert_eq!(phase(&vms.get(VM).await.unwrap()), Some(VmPhase::Running));
+    assert_eq!(agent.qemu_of(&uid), old_qemu, "the VM was not left running");
+    assert!(counter(&alice).await >= before);
+    assert!(reasons(&c).await.iter().any(|r| r == "SuspendFailed"));
+    // With room again, the agent tries again by itself (--suspend-retry 3s).
+    let unmounted = std::process::Command::new("umount")
+        .arg(&snapshots)
+        .status()
+        .unwrap();
+    assert!(unmounted.success());
 
     // imp suspend sets desiredState and waits for the agent's Suspended.
     let t = Instant::now();

@@ -51,6 +51,7 @@ impl Drop for Env {
         let _ = Command::new("umount")
             .arg("-l")
             .arg(self.state.join("snapshots"))
+            .stderr(std::process::Stdio::null())
             .status();
         let _ = std::fs::remove_dir_all(&self.state);
     }

@@ -11,7 +11,7 @@
 //! suspended by its shim (`Suspending` → `Suspended`, with `suspendedAt` and the snapshot's
 //! place), a suspended VM that should run is restored by a new shim (`Resuming` → `Running`).
 //! A suspend that failed (the VM runs on) is reported as a Warning and tried again after
-//! [`SUSPEND_RETRY_SECS`].
+//! [`Local::suspend_retry_secs`] (the agent's `--suspend-retry`).
 
 use imp_api::conditions::ConditionReason;
 use imp_api::vm::VmPhase;
@@ -35,9 +35,6 @@ pub struct Observed {
     pub suspend_wanted: bool,
 }
 
-/// How long after a failed suspend the agent tries again (while the VM should be suspended).
-pub const SUSPEND_RETRY_SECS: u64 = 60;
-
 /// The VM's local state: its record and whether its shim still runs.
 #[derive(Debug, Clone, Copy)]
 pub struct Local<'a> {
@@ -47,6 +44,8 @@ pub struct Local<'a> {
     pub shim_alive: bool,
     /// The node's clock, seconds since the Unix epoch (to age the record's times).
     pub now_unix: u64,
+    /// How long after a failed suspend it is tried again, in seconds.
+    pub suspend_retry_secs: u64,
 }
 
 impl Local<'_> {
@@ -193,12 +192,12 @@ fn suspend_or_resume(vm: &Observed, l: Local<'_>) -> Option<Decision> {
     }
 }
 
-/// Whether the VM's last suspend failed less than [`SUSPEND_RETRY_SECS`] ago.
+/// Whether the VM's last suspend failed less than [`Local::suspend_retry_secs`] ago.
 fn failed_recently(l: Local<'_>) -> bool {
     l.record
         .suspend_failure
         .as_ref()
-        .is_some_and(|f| l.now_unix.saturating_sub(f.failed_unix) < SUSPEND_RETRY_SECS)
+        .is_some_and(|f| l.now_unix.saturating_sub(f.failed_unix) < l.suspend_retry_secs)
 }
 
 /// A running VM's report: a suspend that failed just now, one still in flight (asked for, the
@@ -346,6 +345,7 @@ mod tests {
             record: r,
             shim_alive: alive,
             now_unix: 1000,
+            suspend_retry_secs: 60,
         })
     }
 
@@ -412,7 +412,7 @@ mod tests {
         let mut r = record(VmStatus::Running, 0);
         r.suspend_failure = Some(crate::runtime::state::SuspendFailure {
             request: "t1".into(),
-            failed_unix: 1000 - SUSPEND_RETRY_SECS + 1,
+            failed_unix: 1000 - 60 + 1,
             error: "not enough free disk space".into(),
         });
         let mut v = vm(VmPhase::Running, true);
@@ -424,7 +424,7 @@ mod tests {
                 error: "not enough free disk space".into()
             })
         );
-        r.suspend_failure.as_mut().unwrap().failed_unix = 1000 - SUSPEND_RETRY_SECS;
+        r.suspend_failure.as_mut().unwrap().failed_unix = 1000 - 60;
         assert_eq!(decide(&v, local(&r, true)), Decision::Suspend);
         // Once the user wants it running again, the old failure is no news.
         v.suspend_wanted = false;

@@ -62,6 +62,8 @@ pub struct Settings {
     pub stop_grace: Duration,
     /// How often records are read for changes.
     pub poll: Duration,
+    /// How long after a failed suspend it is tried again.
+    pub suspend_retry: Duration,
 }
 
 /// Failures of one reconcile; all are retried.
@@ -330,6 +332,7 @@ pub async fn reconcile(vm: Arc<ImpVM>, ctx: Arc<Context>) -> Result<Action, Erro
             record,
             shim_alive: *alive,
             now_unix: crate::runtime::state::now_unix(),
+            suspend_retry_secs: ctx.settings.suspend_retry.as_secs(),
         }),
     );
     tracing::debug!(vm = %key(&vm), node = %ctx.settings.node, ?decision, "reconcile");
@@ -348,8 +351,8 @@ pub async fn reconcile(vm: Arc<ImpVM>, ctx: Arc<Context>) -> Result<Action, Erro
             let retry = matches!(report, Report::SuspendFailed { .. });
             write_report(&ctx, &vm, report, record).await?;
             if retry {
-                let secs = decide::SUSPEND_RETRY_SECS;
-                return Ok(Action::requeue(Duration::from_secs(secs)));
+                let again = ctx.settings.suspend_retry + Duration::from_millis(500);
+                return Ok(Action::requeue(again));
             }
             Ok(Action::requeue(Duration::from_secs(300)))
         }
@@ -912,8 +915,8 @@ async fn announce_suspend_failure(ctx: &Context, vm: &ImpVM, request: &str, erro
     }
     tracing::warn!(vm = %key(vm), node = %ctx.settings.node, error, "suspend failed; the VM keeps running");
     let note = format!(
-        "suspend failed, the VM keeps running (tried again in {}s): {error}",
-        decide::SUSPEND_RETRY_SECS
+        "suspend failed, the VM keeps running (tried again in {:?}): {error}",
+        ctx.settings.suspend_retry
     );
     ctx.event(
         vm,
