@@ -43,6 +43,11 @@ pub const MAX_QUEUED: usize = mux::MAX_STREAMS * mux::WINDOW as usize + (1 << 20
 /// How long a host client may take to send its `CONNECT` line, and the guest to dial.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
 
+/// How long the guest may leave a host stream's open unanswered before the host gives up on
+/// it (and tells the guest to forget it), so a guest that never answers cannot hold every
+/// stream slot.
+const OPEN_TIMEOUT: Duration = Duration::from_secs(30);
+
 /// How often the host repeats its reset while the guest has not answered.
 const RESET_EVERY: Duration = Duration::from_secs(1);
 
@@ -159,8 +164,8 @@ impl Drop for Pumps {
 }
 
 enum Phase {
-    /// A host client's stream, waiting for the guest's accept.
-    Opening(UnixStream),
+    /// A host client's stream, waiting for the guest's accept since the instant.
+    Opening(UnixStream, tokio::time::Instant),
     /// A guest stream, waiting for the local connection.
     Dialing,
     /// Data flows.
@@ -255,6 +260,7 @@ impl<'a> Session<'a> {
                     if self.hunting {
                         self.send(&Frame::Reset { answer: false });
                     }
+                    self.expire_opens();
                 }
             }
             if self.stats.queued.load(Ordering::Relaxed) > MAX_QUEUED {
@@ -353,7 +359,7 @@ impl<'a> Session<'a> {
             Frame::Open { id, port } => self.on_open(id, port),
             Frame::Accept { id } => self.on_accept(id),
             Frame::Refuse { id } => {
-                if matches!(self.phase(id), Some(Phase::Opening(_))) {
+                if matches!(self.phase(id), Some(Phase::Opening(..))) {
                     self.remove(id); // the client sees its connection close and retries
                 }
             }
@@ -379,6 +385,25 @@ impl<'a> Session<'a> {
                     credit.add_permits((bytes as usize).min(room));
                 }
             }
+        }
+    }
+
+    /// Drops host streams whose open the guest left unanswered for [`OPEN_TIMEOUT`].
+    fn expire_opens(&mut self) {
+        let stale: Vec<u32> = self
+            .streams
+            .iter()
+            .filter(|(_, s)| matches!(&s.phase, Phase::Opening(_, since) if since.elapsed() > OPEN_TIMEOUT))
+            .map(|(id, _)| *id)
+            .collect();
+        for id in stale {
+            tracing::debug!(
+                vm = self.vm,
+                id,
+                "the guest never answered an open; dropping it"
+            );
+            self.remove(id);
+            self.send(&Frame::Close { id });
         }
     }
 
@@ -415,11 +440,11 @@ impl<'a> Session<'a> {
         let Some(stream) = self.streams.get_mut(&id) else {
             return;
         };
-        if !matches!(stream.phase, Phase::Opening(_)) {
+        if !matches!(stream.phase, Phase::Opening(..)) {
             return;
         }
         let serial = stream.serial;
-        let Phase::Opening(local) = std::mem::replace(&mut stream.phase, Phase::Dialing) else {
+        let Phase::Opening(local, _) = std::mem::replace(&mut stream.phase, Phase::Dialing) else {
             return;
         };
         let ok = format!("OK {id}\n").into_bytes();
@@ -467,7 +492,7 @@ impl<'a> Session<'a> {
                 if self.streams.contains_key(&id) {
                     return;
                 }
-                self.insert(id, Phase::Opening(stream));
+                self.insert(id, Phase::Opening(stream, tokio::time::Instant::now()));
                 self.send(&Frame::Open { id, port });
             }
             Event::Dialed { id, serial, result } => {
