@@ -87,6 +87,16 @@ impl HostMux {
     /// Listens on `uds` (replacing a stale socket) and serves the guest behind QEMU's chardev
     /// socket `chardev`, connecting (again) whenever it can.
     pub fn spawn(vm: String, chardev: PathBuf, uds: PathBuf) -> io::Result<Self> {
+        Self::spawn_with(vm, chardev, uds, OPEN_TIMEOUT)
+    }
+
+    /// [`HostMux::spawn`] with another [`OPEN_TIMEOUT`] (tests).
+    fn spawn_with(
+        vm: String,
+        chardev: PathBuf,
+        uds: PathBuf,
+        open_timeout: Duration,
+    ) -> io::Result<Self> {
         match std::fs::remove_file(&uds) {
             Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(e),
             _ => {}
@@ -101,7 +111,7 @@ impl HostMux {
                     continue;
                 };
                 tracing::debug!(vm, chardev = %chardev.display(), "mux connected to the guest port");
-                let why = Session::new(&vm, &uds, Arc::clone(&s))
+                let why = Session::new(&vm, &uds, Arc::clone(&s), open_timeout)
                     .run(port, &listener)
                     .await;
                 tracing::debug!(vm, why, "mux session ended");
@@ -194,6 +204,7 @@ struct Session<'a> {
     next_id: u32,
     next_serial: u64,
     hunting: bool,
+    open_timeout: Duration,
     out: mpsc::UnboundedSender<Vec<u8>>,
     out_rx: Option<mpsc::UnboundedReceiver<Vec<u8>>>,
     events: mpsc::UnboundedSender<Event>,
@@ -207,7 +218,7 @@ impl Drop for Session<'_> {
 }
 
 impl<'a> Session<'a> {
-    fn new(vm: &'a str, uds: &'a Path, stats: Arc<Stats>) -> Self {
+    fn new(vm: &'a str, uds: &'a Path, stats: Arc<Stats>, open_timeout: Duration) -> Self {
         let (out, out_rx) = mpsc::unbounded_channel();
         let (events, events_rx) = mpsc::unbounded_channel();
         Session {
@@ -218,6 +229,7 @@ impl<'a> Session<'a> {
             next_id: 2,
             next_serial: 0,
             hunting: true,
+            open_timeout,
             out,
             out_rx: Some(out_rx),
             events,
@@ -390,10 +402,13 @@ impl<'a> Session<'a> {
 
     /// Drops host streams whose open the guest left unanswered for [`OPEN_TIMEOUT`].
     fn expire_opens(&mut self) {
+        let timeout = self.open_timeout;
         let stale: Vec<u32> = self
             .streams
             .iter()
-            .filter(|(_, s)| matches!(&s.phase, Phase::Opening(_, since) if since.elapsed() > OPEN_TIMEOUT))
+            .filter(
+                |(_, s)| matches!(&s.phase, Phase::Opening(_, since) if since.elapsed() > timeout),
+            )
             .map(|(id, _)| *id)
             .collect();
         for id in stale {
@@ -958,6 +973,48 @@ mod tests {
             }
         }
         assert!(host.stats().streams.load(Ordering::Relaxed) <= mux::MAX_STREAMS);
+    }
+
+    /// A guest that never answers an open loses it: the host closes the client's connection
+    /// and tells the guest to forget the stream.
+    #[tokio::test]
+    async fn an_unanswered_open_expires() {
+        let dir = Scratch::new("expire");
+        let chardev = dir.0.join("mux.sock");
+        let uds = dir.0.join("vsock.sock");
+        let qemu = UnixListener::bind(&chardev).unwrap();
+        let _host = HostMux::spawn_with(
+            "test".into(),
+            chardev,
+            uds.clone(),
+            Duration::from_millis(200),
+        )
+        .unwrap();
+        let (port, _) = qemu.accept().await.unwrap();
+        let mut guest = Guest {
+            port,
+            buf: Vec::new(),
+        };
+        assert_eq!(guest.recv().await, Frame::Reset { answer: false });
+        guest.send(&Frame::Reset { answer: true }).await;
+        let mut client = loop {
+            let mut c = UnixStream::connect(&uds).await.unwrap();
+            c.write_all(b"CONNECT 10000\n").await.unwrap();
+            // Dropped while the host still searches for our reset: try again.
+            let mut b = [0u8; 1];
+            match tokio::time::timeout(Duration::from_millis(300), c.read(&mut b)).await {
+                Ok(Ok(0)) => continue,
+                Ok(other) => panic!("unexpected {other:?}"),
+                Err(_) => break c,
+            }
+        };
+        let id = match guest.recv_main().await {
+            Frame::Open { id, .. } => id,
+            other => panic!("expected an open, got {other:?}"),
+        };
+        assert_eq!(guest.recv_main().await, Frame::Close { id });
+        let mut b = [0u8; 1];
+        assert_eq!(client.read(&mut b).await.unwrap(), 0);
     }
 
     #[test]
