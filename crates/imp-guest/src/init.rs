@@ -280,10 +280,7 @@ fn host_mux(opts: &Options) -> Option<&'static Mux> {
             MUX_PORT_WAIT,
         )?;
         match Mux::open(&path) {
-            Ok(m) => {
-                log(&format!("guest channel: mux over {}", path.display()));
-                Some(m)
-            }
+            Ok(m) => Some(m),
             Err(e) => {
                 log_error("opening the mux port failed; using vsock", &e);
                 None

@@ -43,6 +43,11 @@ pub const MAX_QUEUED: usize = mux::MAX_STREAMS * mux::WINDOW as usize + (1 << 20
 /// How long a host client may take to send its `CONNECT` line, and the guest to dial.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
 
+/// How long the guest may leave a host stream's open unanswered before the host gives up on
+/// it (and tells the guest to forget it), so a guest that never answers cannot hold every
+/// stream slot.
+const OPEN_TIMEOUT: Duration = Duration::from_secs(30);
+
 /// How often the host repeats its reset while the guest has not answered.
 const RESET_EVERY: Duration = Duration::from_secs(1);
 
@@ -82,6 +87,16 @@ impl HostMux {
     /// Listens on `uds` (replacing a stale socket) and serves the guest behind QEMU's chardev
     /// socket `chardev`, connecting (again) whenever it can.
     pub fn spawn(vm: String, chardev: PathBuf, uds: PathBuf) -> io::Result<Self> {
+        Self::spawn_with(vm, chardev, uds, OPEN_TIMEOUT)
+    }
+
+    /// [`HostMux::spawn`] with another [`OPEN_TIMEOUT`] (tests).
+    fn spawn_with(
+        vm: String,
+        chardev: PathBuf,
+        uds: PathBuf,
+        open_timeout: Duration,
+    ) -> io::Result<Self> {
         match std::fs::remove_file(&uds) {
             Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(e),
             _ => {}
@@ -96,7 +111,7 @@ impl HostMux {
                     continue;
                 };
                 tracing::debug!(vm, chardev = %chardev.display(), "mux connected to the guest port");
-                let why = Session::new(&vm, &uds, Arc::clone(&s))
+                let why = Session::new(&vm, &uds, Arc::clone(&s), open_timeout)
                     .run(port, &listener)
                     .await;
                 tracing::debug!(vm, why, "mux session ended");
@@ -159,8 +174,8 @@ impl Drop for Pumps {
 }
 
 enum Phase {
-    /// A host client's stream, waiting for the guest's accept.
-    Opening(UnixStream),
+    /// A host client's stream, waiting for the guest's accept since the instant.
+    Opening(UnixStream, tokio::time::Instant),
     /// A guest stream, waiting for the local connection.
     Dialing,
     /// Data flows.
@@ -189,6 +204,7 @@ struct Session<'a> {
     next_id: u32,
     next_serial: u64,
     hunting: bool,
+    open_timeout: Duration,
     out: mpsc::UnboundedSender<Vec<u8>>,
     out_rx: Option<mpsc::UnboundedReceiver<Vec<u8>>>,
     events: mpsc::UnboundedSender<Event>,
@@ -202,7 +218,7 @@ impl Drop for Session<'_> {
 }
 
 impl<'a> Session<'a> {
-    fn new(vm: &'a str, uds: &'a Path, stats: Arc<Stats>) -> Self {
+    fn new(vm: &'a str, uds: &'a Path, stats: Arc<Stats>, open_timeout: Duration) -> Self {
         let (out, out_rx) = mpsc::unbounded_channel();
         let (events, events_rx) = mpsc::unbounded_channel();
         Session {
@@ -213,6 +229,7 @@ impl<'a> Session<'a> {
             next_id: 2,
             next_serial: 0,
             hunting: true,
+            open_timeout,
             out,
             out_rx: Some(out_rx),
             events,
@@ -255,6 +272,7 @@ impl<'a> Session<'a> {
                     if self.hunting {
                         self.send(&Frame::Reset { answer: false });
                     }
+                    self.expire_opens();
                 }
             }
             if self.stats.queued.load(Ordering::Relaxed) > MAX_QUEUED {
@@ -353,7 +371,7 @@ impl<'a> Session<'a> {
             Frame::Open { id, port } => self.on_open(id, port),
             Frame::Accept { id } => self.on_accept(id),
             Frame::Refuse { id } => {
-                if matches!(self.phase(id), Some(Phase::Opening(_))) {
+                if matches!(self.phase(id), Some(Phase::Opening(..))) {
                     self.remove(id); // the client sees its connection close and retries
                 }
             }
@@ -379,6 +397,28 @@ impl<'a> Session<'a> {
                     credit.add_permits((bytes as usize).min(room));
                 }
             }
+        }
+    }
+
+    /// Drops host streams whose open the guest left unanswered for [`OPEN_TIMEOUT`].
+    fn expire_opens(&mut self) {
+        let timeout = self.open_timeout;
+        let stale: Vec<u32> = self
+            .streams
+            .iter()
+            .filter(
+                |(_, s)| matches!(&s.phase, Phase::Opening(_, since) if since.elapsed() > timeout),
+            )
+            .map(|(id, _)| *id)
+            .collect();
+        for id in stale {
+            tracing::debug!(
+                vm = self.vm,
+                id,
+                "the guest never answered an open; dropping it"
+            );
+            self.remove(id);
+            self.send(&Frame::Close { id });
         }
     }
 
@@ -415,11 +455,11 @@ impl<'a> Session<'a> {
         let Some(stream) = self.streams.get_mut(&id) else {
             return;
         };
-        if !matches!(stream.phase, Phase::Opening(_)) {
+        if !matches!(stream.phase, Phase::Opening(..)) {
             return;
         }
         let serial = stream.serial;
-        let Phase::Opening(local) = std::mem::replace(&mut stream.phase, Phase::Dialing) else {
+        let Phase::Opening(local, _) = std::mem::replace(&mut stream.phase, Phase::Dialing) else {
             return;
         };
         let ok = format!("OK {id}\n").into_bytes();
@@ -467,7 +507,7 @@ impl<'a> Session<'a> {
                 if self.streams.contains_key(&id) {
                     return;
                 }
-                self.insert(id, Phase::Opening(stream));
+                self.insert(id, Phase::Opening(stream, tokio::time::Instant::now()));
                 self.send(&Frame::Open { id, port });
             }
             Event::Dialed { id, serial, result } => {
@@ -933,6 +973,48 @@ mod tests {
             }
         }
         assert!(host.stats().streams.load(Ordering::Relaxed) <= mux::MAX_STREAMS);
+    }
+
+    /// A guest that never answers an open loses it: the host closes the client's connection
+    /// and tells the guest to forget the stream.
+    #[tokio::test]
+    async fn an_unanswered_open_expires() {
+        let dir = Scratch::new("expire");
+        let chardev = dir.0.join("mux.sock");
+        let uds = dir.0.join("vsock.sock");
+        let qemu = UnixListener::bind(&chardev).unwrap();
+        let _host = HostMux::spawn_with(
+            "test".into(),
+            chardev,
+            uds.clone(),
+            Duration::from_millis(200),
+        )
+        .unwrap();
+        let (port, _) = qemu.accept().await.unwrap();
+        let mut guest = Guest {
+            port,
+            buf: Vec::new(),
+        };
+        assert_eq!(guest.recv().await, Frame::Reset { answer: false });
+        guest.send(&Frame::Reset { answer: true }).await;
+        let mut client = loop {
+            let mut c = UnixStream::connect(&uds).await.unwrap();
+            c.write_all(b"CONNECT 10000\n").await.unwrap();
+            // Dropped while the host still searches for our reset: try again.
+            let mut b = [0u8; 1];
+            match tokio::time::timeout(Duration::from_millis(300), c.read(&mut b)).await {
+                Ok(Ok(0)) => continue,
+                Ok(other) => panic!("unexpected {other:?}"),
+                Err(_) => break c,
+            }
+        };
+        let id = match guest.recv_main().await {
+            Frame::Open { id, .. } => id,
+            other => panic!("expected an open, got {other:?}"),
+        };
+        assert_eq!(guest.recv_main().await, Frame::Close { id });
+        let mut b = [0u8; 1];
+        assert_eq!(client.read(&mut b).await.unwrap(), 0);
     }
 
     #[test]
