@@ -325,6 +325,7 @@ async fn boot_pause_snapshot_restore_continues_counter() {
         id: "eth0".into(),
         tap: "imp-tap0".into(),
         mac: Some("06:00:ac:10:00:02".into()),
+        tap_fd: None,
     });
     config.vsock = Some(VsockConfig { guest_cid: 3 });
     config.netns = Some(netns.name.clone());
@@ -472,6 +473,7 @@ async fn jailer_boot_snapshot_restore() {
         id: "eth0".into(),
         tap: "imp-tap1".into(),
         mac: None,
+        tap_fd: None,
     });
     config.vsock = Some(VsockConfig { guest_cid: 3 });
     config.netns = Some(netns.name.clone());
@@ -858,6 +860,7 @@ fn request_bodies_follow_the_spec() {
         id: "eth0".into(),
         tap: "tap0".into(),
         mac: Some("06:00:00:00:00:01".into()),
+        tap_fd: None,
     });
     config.vsock = Some(VsockConfig { guest_cid: 7 });
     let snap = SnapshotFiles {

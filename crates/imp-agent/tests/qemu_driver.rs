@@ -1,12 +1,13 @@
 //! The QEMU driver end to end: the real imp-guest as PID 1 under `qemu -M microvm` (TCG here),
 //! booted through the [`Vmm`] trait from a cached base initramfs plus a per-VM config archive,
-//! switching its root to an ext4 disk built here with `mkfs.ext4 -d`, and answering over vsock
-//! (vhost-device-vsock) with the imp-proto client. One VM has no vsock, so that it can be
-//! snapshotted and restored in a new QEMU.
+//! switching its root to an ext4 disk built here with `mkfs.ext4 -d`, and answering over its
+//! guest channel (a mux over virtio-serial, served on the host as hybrid vsock) with the
+//! imp-proto client. VMs with and without the guest agent are snapshotted and restored in a
+//! new QEMU.
 //!
 //! Inputs as in `qemu_guest.rs` (`IMP_GUEST_KERNEL_DIR`, `IMP_GUEST_BIN`, `IMP_BUSYBOX`) plus
-//! `vhost-device-vsock` (PATH or ~/.cargo/bin) and `mkfs.ext4`/`e2fsck`. Anything missing skips
-//! on a developer machine and fails under `CI=true`. One TCG guest at a time.
+//! `mkfs.ext4`/`e2fsck`. Anything missing skips on a developer machine and fails under
+//! `CI=true`. One TCG guest at a time.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // test helpers panic on failure
 
@@ -26,8 +27,7 @@ use imp_proto::{Client, EnvVar, ExecEvent, ExecRequest, ExitStatus, Hello};
 const AGENT_PORT: u32 = imp_proto::DEFAULT_API_PORT;
 
 /// One guest at a time: two TCG guests on the 2-core CI machine make each boot slow and its
-/// timing unpredictable. (The vsock hangs once blamed on that were vhost-device-vsock dying on
-/// abandoned connection attempts and on QMP `stop`; see the driver's module doc.)
+/// timing unpredictable.
 static ONE_VM_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 fn workspace_root() -> PathBuf {
@@ -54,10 +54,9 @@ fn inputs() -> Option<Inputs> {
     let launcher = Launcher::detect();
     let checks = [
         (
-            launcher.as_ref().is_ok_and(|l| l.vhost_vsock.is_some()),
+            launcher.is_ok(),
             format!(
-                "qemu-system-x86_64 and vhost-device-vsock ({:?}; cargo install --locked \
-                 vhost-device-vsock@0.3.0)",
+                "qemu-system-x86_64 ({:?})",
                 launcher.as_ref().err().map(|e| e.to_string())
             ),
         ),
@@ -137,14 +136,9 @@ fn make_disk(dir: &Path, busybox: &Path) -> PathBuf {
     disk
 }
 
-/// Builds the VM's initramfs (base cached under target/) and its config.
-async fn vm_config(inputs: &Inputs, dir: &Path, id: &str, cid: u32, script: &str) -> VmConfig {
-    let cache = workspace_root().join("target/imp-initramfs-cache");
-    fs::create_dir_all(&cache).unwrap();
-    let base = BaseInitramfs::cached(&cache, &inputs.guest, &inputs.modules, VM_MODULES)
-        .await
-        .unwrap();
-    let guest = GuestConfig {
+/// The guest's config: `script` as the image's command, chrooted in the disk.
+fn guest_config(id: &str, script: &str) -> GuestConfig {
+    GuestConfig {
         hostname: Some(id.to_string()),
         image: ImageConfig {
             entrypoint: vec!["/bin/sh".into(), "-c".into()],
@@ -156,7 +150,17 @@ async fn vm_config(inputs: &Inputs, dir: &Path, id: &str, cid: u32, script: &str
         env: vec![EnvVar::new("MODE", "driver-test")],
         root: Some(RootDisk::ext4("/dev/vda")),
         ..GuestConfig::default()
-    };
+    }
+}
+
+/// Builds the VM's initramfs (base cached under target/) and its config.
+async fn vm_config(inputs: &Inputs, dir: &Path, id: &str, cid: u32, script: &str) -> VmConfig {
+    let cache = workspace_root().join("target/imp-initramfs-cache");
+    fs::create_dir_all(&cache).unwrap();
+    let base = BaseInitramfs::cached(&cache, &inputs.guest, &inputs.modules, VM_MODULES)
+        .await
+        .unwrap();
+    let guest = guest_config(id, script);
     let initrd = dir.join("initrd.cpio");
     build_for_vm(&base, &guest, &initrd).await.unwrap();
     VmConfig {
@@ -330,124 +334,170 @@ async fn qemu_vm_boots_from_its_disk_and_serves_exec_health_metrics_pause_and_gr
     let _ = fs::remove_dir_all(&dir);
 }
 
+/// Runs `script` with `sh -c` as root in the guest; returns its stdout.
+async fn as_root(vm: &Qemu, script: &str) -> String {
+    let request = ExecRequest {
+        argv: vec!["sh".into(), "-c".into(), script.into()],
+        user: Some("root".into()),
+        ..ExecRequest::default()
+    };
+    let (chunks, status) = exec_request(vm, request).await;
+    assert_eq!(status, ExitStatus::Code(0), "{script}: {chunks:?}");
+    chunks.concat()
+}
+
+/// Reads the background counter in the guest's tmpfs.
+async fn tmpfs_counter(vm: &Qemu) -> u64 {
+    as_root(vm, "cat /run/count").await.trim().parse().unwrap()
+}
+
+/// Accepts one exit report on the host's side of guest port `port`.
+fn exit_reports(vm: &Qemu, port: u32) -> tokio::task::JoinHandle<ExitStatus> {
+    let path = imp_agent::vmm::vsock::host_listener_path(&vm.vsock_path().unwrap(), port);
+    let _ = fs::remove_file(&path);
+    let listener = std::os::unix::net::UnixListener::bind(&path).unwrap();
+    tokio::task::spawn_blocking(move || {
+        let (mut s, _) = listener.accept().unwrap();
+        imp_proto::report::receive_exit_report(&mut s, &Hello::new("qemu-driver-test")).unwrap()
+    })
+}
+
+/// A VM with the guest agent (its channel is a mux over virtio-serial, which QEMU migrates) is
+/// paused, snapshotted and killed, then restored in a new QEMU process: exec works again, a
+/// counter started by exec went on from where it was, a file in tmpfs is still there and a
+/// guest-to-host connection (the workload's exit report) arrives.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn qemu_vm_refuses_snapshots_with_vsock_and_notices_its_vsock_backend_dying() {
+async fn qemu_vm_with_the_guest_agent_snapshots_and_restores_in_a_new_process() {
     let _one = ONE_VM_AT_A_TIME.lock().await;
     let Some(inputs) = inputs() else { return };
-    let dir = scratch("vhost");
-    let config = vm_config(&inputs, &dir, "qemu-vhost", 4, "sleep 1000").await;
+    let dir = scratch("agent-snapshot");
+    // The workload ends with code 3 when told to (USR1), after the restore.
+    let script = "echo $$ > /tmp/workload.pid; trap 'exit 3' USR1; \
+                  while true; do sleep 0.1; done";
+    let mut config = vm_config(&inputs, &dir, "qemu-agent-snap", 9, script).await;
+    let report_port = 1024;
+    set_exit_report_port(&mut config, &dir, script, report_port).await;
     let mut vm = Qemu::boot(&inputs.launcher, &config).await.unwrap();
     let mut c = client(&vm).await;
-    tokio::task::spawn_blocking(move || c.health().unwrap())
+    let _ = tokio::task::spawn_blocking(move || c.health().unwrap()).await;
+
+    // The mux's round trip: a health request on an open connection.
+    let mut c = client(&vm).await;
+    let rtt = tokio::task::spawn_blocking(move || {
+        let t = Instant::now();
+        for _ in 0..20 {
+            c.health().unwrap();
+        }
+        t.elapsed() / 20
+    })
+    .await
+    .unwrap();
+    eprintln!("guest agent round trip over the mux (health): {rtt:?}");
+
+    as_root(
+        &vm,
+        "echo kept > /run/marker; \
+         busybox setsid sh -c 'i=0; while true; do i=$((i+1)); echo $i > /run/count; \
+         sleep 0.1; done' </dev/null >/dev/null 2>&1 &",
+    )
+    .await;
+    while as_root(&vm, "cat /run/count 2>/dev/null || true")
         .await
-        .unwrap();
-    eprintln!("vhost test: agent answered; trying a snapshot");
-    // QEMU 7.2 cannot migrate vhost-user-vsock: the snapshot is refused clearly, before the
-    // VM is touched, and the VM runs on after it.
+        .trim()
+        .is_empty()
+    {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let before = tmpfs_counter(&vm).await;
+    vm.pause().await.unwrap();
     let files = imp_agent::vmm::SnapshotFiles {
         state: dir.join("snap.state"),
         memory: dir.join("snap.mem"),
     };
-    let err = vm.snapshot(&files).await.unwrap_err();
-    assert!(
-        matches!(err, qemu::Error::Unsupported { .. })
-            && err.to_string().contains("vhost-user-vsock"),
-        "{err}"
-    );
-    assert_eq!(vm.state(), VmState::Running);
-    eprintln!("vhost test: snapshot refused ({err})");
+    let t = Instant::now();
+    vm.snapshot(&files).await.unwrap();
+    let snapshot_took = t.elapsed();
+    let size = fs::metadata(&files.memory).unwrap().len();
+    let pid = vm.pid().unwrap();
+    // Killed, not shut down: the snapshot is all that is left.
+    vm.stop(Duration::ZERO).await.unwrap();
+    assert!(!Path::new(&format!("/proc/{pid}")).exists());
+
+    let t = Instant::now();
+    let vm = Qemu::restore(&inputs.launcher, &config, &files, true)
+        .await
+        .unwrap();
+    assert_ne!(vm.pid(), Some(pid), "the restore reused the old process");
     let mut c = client(&vm).await;
-    tokio::task::spawn_blocking(move || c.health().unwrap())
+    let health = tokio::task::spawn_blocking(move || c.health().unwrap())
+        .await
+        .unwrap();
+    let restore_took = t.elapsed();
+    eprintln!(
+        "snapshot {snapshot_took:?}, {} MiB for {} MiB of guest memory; restore (spawn -> guest \
+         agent answering) {restore_took:?}; {health:?}",
+        size >> 20,
+        config.memory_mib
+    );
+    assert_eq!(as_root(&vm, "cat /run/marker").await, "kept\n");
+    let after = tmpfs_counter(&vm).await;
+    assert!(
+        after >= before && after < before + 100,
+        "the counter did not go on from {before}: {after}"
+    );
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let later = tmpfs_counter(&vm).await;
+    assert!(
+        later > after,
+        "the counter stopped after the restore: {after} -> {later}"
+    );
+    eprintln!("counter {before} at the snapshot, {after} after the restore, {later} 1 s later");
+
+    // The clock call the suspend work makes after a restore: set far ahead, then back.
+    let vsock = vm.vsock_path().unwrap();
+    let ahead = std::time::UNIX_EPOCH + Duration::from_secs(1_900_000_000);
+    imp_agent::runtime::guest_agent::set_clock(&vsock, AGENT_PORT, ahead, Duration::from_secs(30))
+        .await
+        .unwrap();
+    let guest_now: u64 = as_root(&vm, "busybox date +%s")
+        .await
+        .trim()
+        .parse()
+        .unwrap();
+    assert!(
+        (1_900_000_000..1_900_000_060).contains(&guest_now),
+        "the guest's clock was not set: {guest_now}"
+    );
+    let now = std::time::SystemTime::now();
+    imp_agent::runtime::guest_agent::set_clock(&vsock, AGENT_PORT, now, Duration::from_secs(30))
         .await
         .unwrap();
 
-    let pid = vm.vsock_backend_pid().unwrap();
-    assert!(
-        Command::new("kill")
-            .args(["-KILL", &pid.to_string()])
-            .status()
-            .unwrap()
-            .success()
-    );
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while !vm.vsock_backend_died() && Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    assert!(
-        vm.vsock_backend_died(),
-        "the backend's death went unnoticed"
-    );
-    let err = vm
-        .connect_vsock(AGENT_PORT, Duration::from_secs(1))
+    // A guest-to-host stream: the workload's exit report.
+    let report = exit_reports(&vm, report_port);
+    as_root(&vm, "kill -USR1 $(cat /tmp/workload.pid)").await;
+    let status = tokio::time::timeout(Duration::from_secs(60), report)
         .await
-        .unwrap_err();
-    assert!(matches!(err, qemu::Error::VsockBackendDied { .. }), "{err}");
-    assert!(err.to_string().contains("vhost-vsock.log"), "{err}");
-    // Without vsock the stop cannot ask the guest: it ends killed, within the grace period.
-    let outcome = vm.stop(Duration::from_secs(2)).await.unwrap();
-    assert_eq!(outcome, StopOutcome::Killed);
+        .expect("no exit report within 60 s")
+        .unwrap();
+    assert_eq!(status, ExitStatus::Code(3));
+    let _ = vm.stop(Duration::from_secs(5)).await;
     let _ = fs::remove_dir_all(&dir);
 }
 
-/// A vsock backend that stops serving without exiting is noticed too: a host that closes a
-/// `CONNECT` before the (here: paused) guest answers makes vhost-device-vsock 0.3.0 panic its only worker
-/// thread (the process lives on). The driver must then fail fast, naming the log, instead of
-/// letting every caller wait out its timeout. Should a fixed daemon survive, vsock must
-/// simply keep working.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn qemu_vm_notices_a_vsock_backend_that_stops_serving() {
-    let _one = ONE_VM_AT_A_TIME.lock().await;
-    let Some(inputs) = inputs() else { return };
-    let dir = scratch("worker");
-    let config = vm_config(&inputs, &dir, "qemu-worker", 6, "sleep 1000").await;
-    let mut vm = Qemu::boot(&inputs.launcher, &config).await.unwrap();
-    let mut c = client(&vm).await;
-    tokio::task::spawn_blocking(move || c.health().unwrap())
+/// Rebuilds `config`'s initramfs with the exit report going to host port `port`.
+async fn set_exit_report_port(config: &mut VmConfig, dir: &Path, script: &str, port: u32) {
+    let cache = workspace_root().join("target/imp-initramfs-cache");
+    let inputs = inputs().unwrap();
+    let base = BaseInitramfs::cached(&cache, &inputs.guest, &inputs.modules, VM_MODULES)
         .await
         .unwrap();
-    // With the guest paused, a CONNECT is certain to be closed before its answer.
-    vm.pause().await.unwrap();
-    {
-        use std::io::Write;
-        let mut raw = std::os::unix::net::UnixStream::connect(vm.vsock_path().unwrap()).unwrap();
-        raw.write_all(format!("CONNECT {AGENT_PORT}\n").as_bytes())
-            .unwrap();
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
-    tokio::time::sleep(Duration::from_millis(200)).await;
-    vm.resume().await.unwrap();
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while !vm.vsock_backend_died() && Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    let log = fs::read_to_string(config.run_dir.join("vhost-vsock.log")).unwrap_or_default();
-    if vm.vsock_backend_died() {
-        eprintln!("the backend's worker died, as vhost-device-vsock 0.3.0's does; noticed");
-        let t = Instant::now();
-        let err = vm
-            .connect_vsock(AGENT_PORT, Duration::from_secs(30))
-            .await
-            .unwrap_err();
-        assert!(matches!(err, qemu::Error::VsockBackendDied { .. }), "{err}");
-        assert!(err.to_string().contains("vhost-vsock.log"), "{err}");
-        assert!(
-            t.elapsed() < Duration::from_secs(1),
-            "took {:?}",
-            t.elapsed()
-        );
-    } else {
-        assert!(
-            !log.contains("panicked"),
-            "the backend's worker panicked and nobody noticed:\n{log}"
-        );
-        eprintln!("the backend survived an abandoned CONNECT; vsock must still work");
-        let mut c = client(&vm).await;
-        tokio::task::spawn_blocking(move || c.health().unwrap())
-            .await
-            .unwrap();
-    }
-    let _ = vm.stop(Duration::from_secs(2)).await;
-    let _ = fs::remove_dir_all(&dir);
+    let mut guest = guest_config(&config.id, script);
+    guest.agent.exit_report_port = Some(port);
+    let initrd = dir.join("initrd.cpio");
+    build_for_vm(&base, &guest, &initrd).await.unwrap();
+    config.initrd = Some(initrd);
 }
 
 /// Ctrl-Alt-Del (Firecracker's graceful stop, SendCtrlAltDel) reaches the init as SIGINT
@@ -553,10 +603,10 @@ async fn kvm_probe_decides_by_booting_and_caches_the_answer() {
     let _ = fs::remove_dir_all(&cache);
 }
 
-/// A paused VM's vsock survives what a host does around a pause: a connection closing just
-/// before it, connection attempts during it (which must not be answered: the guest is
-/// stopped), and the same again several times. With QMP `stop`, vhost-device-vsock 0.3.0's
-/// worker died on the first such event and the guest never answered again.
+/// A paused VM's guest channel survives what a host does around a pause: a connection closing
+/// just before it, connection attempts during it (which must not be answered: the guest is
+/// stopped), and the same again several times, one pause longer than the guest kernel's
+/// soft-lockup threshold.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn qemu_vm_keeps_its_vsock_across_pauses_with_host_traffic() {
     let _one = ONE_VM_AT_A_TIME.lock().await;
@@ -637,8 +687,8 @@ async fn wait_tick(log: &Path, min: u64, timeout: Duration) -> String {
     }
 }
 
-/// Snapshot and restore of a VM without vsock (QEMU 7.2 cannot migrate vhost-user-vsock): a
-/// guest printing a counter on its console is paused, saved through QEMU's migration stream and
+/// Snapshot and restore of a VM without a guest channel (its serial console only): a guest
+/// printing a counter on its console is paused, saved through QEMU's migration stream and
 /// killed; a new QEMU restores it and its counter goes on from where it stopped, instead of
 /// starting again at 1 as a fresh boot would.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

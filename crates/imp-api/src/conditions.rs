@@ -91,6 +91,11 @@ string_enum! {
         Reconciled,
         /// The VM is suspended to a snapshot.
         Suspended,
+        /// A suspend failed (e.g. too little disk for the snapshot); the VM runs on.
+        SuspendFailed,
+        /// The VM could not be restored from its suspend snapshot (missing or corrupt, or the
+        /// guest did not answer after the restore); the message says why.
+        ResumeFailed,
         /// The node agent is pulling the image and booting the VM.
         Starting,
         /// The node cannot run VMs as configured (a missing VMM binary or kernel); the message

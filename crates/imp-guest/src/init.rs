@@ -5,6 +5,7 @@
 use crate::cmdline::{self, KernelParams};
 use crate::console::Console;
 use crate::exec::ExecDefaults;
+use crate::mux::{self, Mux};
 use crate::net;
 use crate::reaper::{Reaper, Reaping};
 use crate::server::{self, Context};
@@ -23,7 +24,7 @@ use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::sync::atomic::{AtomicI32, Ordering};
 use std::sync::mpsc::{self, Sender};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::thread;
 use std::time::{Duration, Instant};
 
@@ -201,6 +202,7 @@ pub fn run(opts: &Options) -> i32 {
         proc_dir: PathBuf::from("/proc"),
         disk_path: opts.root.clone(),
         shutdown: Mutex::new(shutdown_tx),
+        may_set_clock: opts.pid1,
     });
     if config.agent.enabled || opts.listen_unix.is_some() {
         start_api(opts, &config, Arc::clone(&ctx));
@@ -260,6 +262,34 @@ fn setup_system(config: &GuestConfig) -> Result<(), system::SystemError> {
     Ok(())
 }
 
+/// How long the guest waits for the host to name its virtio ports.
+const MUX_PORT_WAIT: Duration = Duration::from_secs(2);
+
+/// The mux over the `imp.mux` virtio-serial port when the VMM gives one (QEMU: its vsock
+/// cannot be snapshotted), found and opened once; `None` means AF_VSOCK (Firecracker).
+fn host_mux(opts: &Options) -> Option<&'static Mux> {
+    static MUX: OnceLock<Option<Mux>> = OnceLock::new();
+    MUX.get_or_init(|| {
+        if !opts.pid1 {
+            return None;
+        }
+        let path = mux::find_port(
+            Path::new("/sys/class"),
+            Path::new("/dev"),
+            mux::PORT_NAME,
+            MUX_PORT_WAIT,
+        )?;
+        match Mux::open(&path) {
+            Ok(m) => Some(m),
+            Err(e) => {
+                log_error("opening the mux port failed; using vsock", &e);
+                None
+            }
+        }
+    })
+    .as_ref()
+}
+
 fn start_api(opts: &Options, config: &GuestConfig, ctx: Arc<Context>) {
     let started = match &opts.listen_unix {
         Some(path) => transport::bind_unix(path).map(|l| {
@@ -267,11 +297,19 @@ fn start_api(opts: &Options, config: &GuestConfig, ctx: Arc<Context>) {
                 .name("api".into())
                 .spawn(move || server::serve(l, ctx))
         }),
-        None => VsockListener::bind(config.agent.port).map(|l| {
-            thread::Builder::new()
-                .name("api".into())
-                .spawn(move || server::serve(l, ctx))
-        }),
+        None => match host_mux(opts) {
+            Some(m) => {
+                let l = m.listen(config.agent.port);
+                Ok(thread::Builder::new()
+                    .name("api".into())
+                    .spawn(move || server::serve(l, ctx)))
+            }
+            None => VsockListener::bind(config.agent.port).map(|l| {
+                thread::Builder::new()
+                    .name("api".into())
+                    .spawn(move || server::serve(l, ctx))
+            }),
+        },
     };
     match started {
         Ok(Ok(_)) => {}
@@ -431,7 +469,10 @@ fn finish(
     let hello = Hello::new(concat!("imp-guest ", env!("CARGO_PKG_VERSION")));
     match (&opts.report_unix, config.agent.exit_report_port) {
         (Some(path), _) => report(|| UnixStream::connect(path), &hello, status),
-        (None, Some(port)) => report(|| VsockStream::connect(HOST_CID, port), &hello, status),
+        (None, Some(port)) => match host_mux(opts) {
+            Some(m) => report(|| m.connect(port), &hello, status),
+            None => report(|| VsockStream::connect(HOST_CID, port), &hello, status),
+        },
         (None, None) => {}
     }
     if !opts.pid1 {

@@ -17,6 +17,7 @@ pub mod console;
 pub mod exec;
 pub mod init;
 pub mod metrics;
+pub mod mux;
 pub mod net;
 pub mod pty;
 pub mod reaper;

@@ -5,6 +5,8 @@ use crate::exec::{self, ExecDefaults};
 use crate::metrics;
 use crate::reaper::Reaper;
 use crate::transport::{Connection, Listener};
+#[cfg(test)]
+use imp_proto::ErrorReply;
 use imp_proto::frame::{FrameError, read_frame, write_frame};
 use imp_proto::handshake::HandshakeError;
 use imp_proto::{ErrorKind, HealthReport, Hello, Message, WorkloadState, handshake};
@@ -37,6 +39,9 @@ pub struct Context {
     pub disk_path: PathBuf,
     /// Tells the init to shut down with this grace period.
     pub shutdown: Mutex<Sender<Duration>>,
+    /// Whether [`Message::SetClock`] may set the clock: only as PID 1 in a VM, never in dev
+    /// mode, where the clock is the host's.
+    pub may_set_clock: bool,
 }
 
 impl Context {
@@ -128,6 +133,7 @@ pub fn handle<C: Connection>(mut conn: C, ctx: &Context) {
                     }
                 }
             }
+            Message::SetClock { unix_nanos } => set_clock(ctx.may_set_clock, unix_nanos),
             Message::Exec(request) => {
                 let _ = conn.set_read_timeout(None);
                 if let Err(e) = exec::run(conn, &request, &ctx.exec_defaults, &ctx.reaper) {
@@ -149,6 +155,30 @@ pub fn handle<C: Connection>(mut conn: C, ctx: &Context) {
     }
 }
 
+/// Sets the wall clock, if this guest may, and says how it went.
+fn set_clock(allowed: bool, unix_nanos: u64) -> Message {
+    if !allowed {
+        return Message::error(
+            ErrorKind::PermissionDenied,
+            "Setting the clock is refused outside a VM (imp-guest runs with --no-pid1)",
+        );
+    }
+    match nix::time::clock_settime(nix::time::ClockId::CLOCK_REALTIME, timespec(unix_nanos)) {
+        Ok(()) => Message::ClockSet,
+        Err(e) => Message::error(
+            ErrorKind::Internal,
+            format!("Setting the clock to {unix_nanos} ns since the epoch failed: {e}"),
+        ),
+    }
+}
+
+/// The `timespec` of a time in nanoseconds since the Unix epoch.
+fn timespec(unix_nanos: u64) -> nix::sys::time::TimeSpec {
+    let secs = i64::try_from(unix_nanos / 1_000_000_000).unwrap_or(i64::MAX);
+    let nanos = i64::try_from(unix_nanos % 1_000_000_000).unwrap_or(0);
+    nix::sys::time::TimeSpec::new(secs, nanos)
+}
+
 /// Whether the handshake failed only because the peer closed the connection before its hello.
 fn hung_up_early(e: &HandshakeError) -> bool {
     match e {
@@ -168,6 +198,26 @@ fn hung_up_early(e: &HandshakeError) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_clock_is_set_only_inside_a_vm() {
+        use nix::sys::time::TimeValLike;
+        let t = timespec(1_700_000_000_123_456_789);
+        assert_eq!(t.tv_sec(), 1_700_000_000);
+        assert_eq!(t.tv_nsec(), 123_456_789);
+        assert_eq!(
+            timespec(u64::MAX).num_seconds(),
+            (u64::MAX / 1_000_000_000) as i64
+        );
+        // Outside a VM nothing is touched, whatever the time asked for.
+        assert!(matches!(
+            set_clock(false, 0),
+            Message::Error(ErrorReply {
+                kind: ErrorKind::PermissionDenied,
+                ..
+            })
+        ));
+    }
 
     #[test]
     fn only_a_peer_that_hung_up_before_its_hello_is_quiet() {

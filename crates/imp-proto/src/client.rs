@@ -49,7 +49,7 @@ pub enum ClientError {
 pub type Result<T, E = ClientError> = std::result::Result<T, E>;
 
 /// Opens a guest port through a Firecracker-style vsock Unix socket (`CONNECT <port>\n` →
-/// `OK <host port>\n`), which Firecracker and vhost-device-vsock both speak.
+/// `OK <host port>\n`), which Firecracker and the QEMU driver's guest-channel mux both speak.
 ///
 /// Reads the answer byte by byte so no protocol bytes after the newline are swallowed.
 pub fn uds_connect<S: Read + Write>(stream: &mut S, port: u32) -> Result<()> {
@@ -115,6 +115,20 @@ impl<S: Read + Write> Client<S> {
         match self.answer("a metrics report")? {
             Message::MetricsReport(m) => Ok(m),
             other => Err(unexpected("a metrics report", &other)),
+        }
+    }
+
+    /// Sets the guest's wall clock to `now` (after a restore its clock is as old as the
+    /// snapshot).
+    pub fn set_clock(&mut self, now: std::time::SystemTime) -> Result<()> {
+        let unix_nanos = now
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))
+            .unwrap_or(0);
+        write_frame(&mut self.stream, &Message::SetClock { unix_nanos })?;
+        match self.answer("the clock acknowledgement")? {
+            Message::ClockSet => Ok(()),
+            other => Err(unexpected("the clock acknowledgement", &other)),
         }
     }
 

@@ -8,8 +8,8 @@
 //! (a tokio codec for the same frames is behind the `tokio` feature for the host).
 //!
 //! A connection starts with both sides sending [`Message::Hello`]; then the host sends one
-//! request ([`Message::Exec`], [`Message::Health`], [`Message::Metrics`] or
-//! [`Message::Shutdown`]). Unary requests may be repeated on one connection; an exec takes the
+//! request ([`Message::Exec`], [`Message::Health`], [`Message::Metrics`],
+//! [`Message::Shutdown`] or, since 1.1, [`Message::SetClock`]). Unary requests may be repeated on one connection; an exec takes the
 //! connection over until its [`Message::Exit`]. The guest reports its workload's end on a
 //! connection of its own to the host with [`Message::WorkloadExited`].
 
@@ -21,6 +21,7 @@ pub mod frame;
 pub mod handshake;
 pub mod marker;
 pub mod message;
+pub mod mux;
 pub mod report;
 
 pub use client::{Client, ClientError, ExecEvent, ExecSession};
@@ -33,7 +34,7 @@ pub use message::{
 };
 
 /// The protocol version this build speaks; peers with a different major are refused.
-pub const PROTOCOL_VERSION: Version = Version { major: 1, minor: 0 };
+pub const PROTOCOL_VERSION: Version = Version { major: 1, minor: 1 };
 
 /// The vsock port the guest agent listens on unless the config says otherwise.
 pub const DEFAULT_API_PORT: u32 = 10000;

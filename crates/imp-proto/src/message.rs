@@ -226,6 +226,11 @@ pub enum Message {
         /// How long the workload gets to exit after SIGTERM.
         grace_ms: u64,
     },
+    /// Host → guest: set the guest's wall clock (stale after a snapshot is restored).
+    SetClock {
+        /// Nanoseconds since the Unix epoch.
+        unix_nanos: u64,
+    },
     /// Host → guest: bytes for the exec's stdin.
     #[serde(skip)]
     Stdin(Vec<u8>),
@@ -260,6 +265,8 @@ pub enum Message {
     MetricsReport(MetricsReport),
     /// Guest → host: the shutdown was accepted and has begun.
     ShutdownAccepted,
+    /// Guest → host: the clock was set.
+    ClockSet,
     /// Guest → host, on the guest's own connection: the workload ended.
     WorkloadExited {
         /// How it ended.
@@ -280,6 +287,7 @@ impl Message {
             Message::Health => "health",
             Message::Metrics => "metrics",
             Message::Shutdown { .. } => "shutdown",
+            Message::SetClock { .. } => "set_clock",
             Message::Stdin(_) => "stdin",
             Message::StdinEof => "stdin_eof",
             Message::Resize(_) => "resize",
@@ -291,6 +299,7 @@ impl Message {
             Message::HealthReport(_) => "health_report",
             Message::MetricsReport(_) => "metrics_report",
             Message::ShutdownAccepted => "shutdown_accepted",
+            Message::ClockSet => "clock_set",
             Message::WorkloadExited { .. } => "workload_exited",
             Message::Ack => "ack",
             Message::Error(_) => "error",
@@ -334,5 +343,7 @@ mod tests {
         assert_eq!(json, r#"{"type":"exit","status":{"code":3}}"#);
         let json = serde_json::to_string(&Message::Shutdown { grace_ms: 5 }).unwrap();
         assert_eq!(json, r#"{"type":"shutdown","grace_ms":5}"#);
+        let json = serde_json::to_string(&Message::SetClock { unix_nanos: 7 }).unwrap();
+        assert_eq!(json, r#"{"type":"set_clock","unix_nanos":7}"#);
     }
 }

@@ -5,7 +5,7 @@
 //!
 //! `cargo bench -p imp --bench agent`, or `cargo test -p imp --bench agent` for a debug build.
 //! `IMP_BENCH_ROUNDS` changes the number of interleaved rounds (default 3). Needs what the
-//! agent's end-to-end test needs (root, QEMU, vhost-device-vsock, docker-registry, skopeo, the
+//! agent's end-to-end test needs (root, QEMU, docker-registry, skopeo, the
 //! guest kernel and init); without it, it skips on a developer machine and fails under CI=true.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 

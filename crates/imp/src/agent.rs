@@ -107,6 +107,10 @@ pub struct Args {
     /// How long a deleted VM's workload gets to exit before the VM is killed.
     #[arg(long, default_value = "10s", value_parser = parse_duration)]
     stop_grace: Duration,
+    /// How long after a failed suspend (the VM runs on) it is tried again, while the ImpVM's
+    /// desiredState stays Suspended.
+    #[arg(long, default_value = "60s", value_parser = parse_duration)]
+    suspend_retry: Duration,
     /// Log as JSON lines.
     #[arg(long)]
     log_json: bool,
@@ -234,6 +238,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
             image_max_bytes: args.image_max_bytes,
         },
         stop_grace: args.stop_grace,
+        suspend_retry: args.suspend_retry,
         poll: Duration::from_millis(250),
     };
     health.set_ready(caps.not_ready());

@@ -42,6 +42,12 @@ enum Command {
     Stop(local::StopArgs),
     /// Remove local VMs that have ended (their disk, logs and record).
     Rm(local::RmArgs),
+    /// Suspend a VM to a snapshot on its node (its memory is freed): a local one, or an ImpVM
+    /// with -n/--kubeconfig/--context (sets spec.desiredState).
+    Suspend(local::SuspendArgs),
+    /// Resume a suspended VM from its snapshot: a local one, or an ImpVM with
+    /// -n/--kubeconfig/--context (sets spec.desiredState).
+    Resume(local::SuspendArgs),
     /// Manage the local image cache.
     #[command(subcommand)]
     Image(ImageCommand),
@@ -88,6 +94,14 @@ fn main() -> anyhow::Result<()> {
         Command::Ps(args) => local::ps(args)?,
         Command::Stop(args) => local::stop(args)?,
         Command::Rm(args) => local::rm(args)?,
+        Command::Suspend(args) if cluster::wanted(&args.cluster) => {
+            cluster::set_desired_state(args, imp_api::shared::VmDesiredState::Suspended)?
+        }
+        Command::Suspend(args) => local::suspend(args)?,
+        Command::Resume(args) if cluster::wanted(&args.cluster) => {
+            cluster::set_desired_state(args, imp_api::shared::VmDesiredState::Running)?
+        }
+        Command::Resume(args) => local::resume(args)?,
         Command::Image(ImageCommand::Prune(args)) => local::image_prune(args)?,
         Command::Console(args) if cluster::wanted(&args.cluster) => cluster::console(args)?,
         Command::Console(args) => local::console(args)?,

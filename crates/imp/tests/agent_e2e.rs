@@ -3,7 +3,7 @@
 //! pushed to a real registry. The agents run in cgroups the test made, so a container restart
 //! can be played by killing every process in an agent's cgroup.
 //!
-//! Needs root, QEMU, vhost-device-vsock, docker-registry, skopeo, e2fsprogs, a static busybox,
+//! Needs root, QEMU, docker-registry, skopeo, e2fsprogs, a static busybox,
 //! Debian's cloud kernel and the built guest (`scripts/setup`): without them it skips on a
 //! developer machine and fails under `CI=true`.
 #![allow(clippy::unwrap_used, clippy::expect_used)]

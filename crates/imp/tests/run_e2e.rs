@@ -1,7 +1,7 @@
 //! End-to-end tests of `imp run`: the real `imp` binary pulls an image the test pushed to a
 //! real registry (Debian's docker-registry on 127.0.0.1), builds its root disk, boots it as a
 //! real Linux guest under QEMU (TCG here) with the real imp-guest, and reports what the
-//! workload did. These need root, QEMU, vhost-device-vsock, docker-registry, skopeo, e2fsprogs,
+//! workload did. These need root, QEMU, docker-registry, skopeo, e2fsprogs,
 //! a static busybox, Debian's cloud kernel and the built guest (`scripts/setup`): without them
 //! they skip on a developer machine and fail under `CI=true`.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -381,16 +381,12 @@ async fn a_vm_whose_supervisor_was_killed_is_reported_and_its_vmm_reaped_by_stop
             .unwrap();
     let supervisor = record["supervisor_pid"].as_i64().unwrap();
     let vmm = record["vmm_pid"].as_i64().unwrap();
-    let helpers: Vec<i64> = record["helper_pids"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|p| p.as_i64().unwrap())
-        .collect();
+    // QEMU's guest channel is served by the supervisor itself (a mux over virtio-serial): no
+    // helper process to orphan.
     assert_eq!(
-        helpers.len(),
-        1,
-        "QEMU's vsock backend is recorded: {record}"
+        record["helper_pids"].as_array().map(Vec::len),
+        Some(0),
+        "a QEMU VM has no helper process: {record}"
     );
     let alive = |pid: i64| {
         Path::new(&format!("/proc/{pid}")).exists()
@@ -430,16 +426,6 @@ async fn a_vm_whose_supervisor_was_killed_is_reported_and_its_vmm_reaped_by_stop
         std::thread::sleep(std::time::Duration::from_millis(50));
     }
     assert!(!alive(vmm), "the orphaned VMM is still running");
-    for &helper in &helpers {
-        let deadline = Instant::now() + std::time::Duration::from_secs(5);
-        while alive(helper) && Instant::now() < deadline {
-            std::thread::sleep(std::time::Duration::from_millis(50));
-        }
-        assert!(
-            !alive(helper),
-            "the orphaned vsock backend {helper} is still running"
-        );
-    }
     assert!(imp(&env, &["rm", "e2e-orphan"]).status.success());
 }
 

@@ -10,12 +10,14 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
-/// The modules every imp VM loads: the MMIO transport, the root disk, the NIC and vsock.
+/// The modules every imp VM loads: the MMIO transport, the root disk, the NIC, vsock
+/// (Firecracker) and virtio-serial (QEMU's guest channel, the `imp.mux` port).
 pub const VM_MODULES: &[&str] = &[
     "virtio_mmio",
     "virtio_blk",
     "virtio_net",
     "vmw_vsock_virtio_transport",
+    "virtio_console",
 ];
 
 /// Why the module set could not be worked out.

@@ -14,7 +14,7 @@ use crate::runtime::state::Owner;
 use super::capabilities::{Capabilities, HostFiles};
 
 /// Memory the VMM itself needs beyond the guest's, in MiB: QEMU's TCG translation cache and
-/// device state, vhost-device-vsock, the shim. The cgroup limit is guest + this + a quarter.
+/// device state, the shim. The cgroup limit is guest + this + a quarter.
 pub const VMM_OVERHEAD_MIB: u64 = 384;
 
 /// The agent settings a spec needs.

@@ -6,6 +6,12 @@
 //! (the operator clears it when it restarts a VM in place), writes `Starting` → `Running` →
 //! `Succeeded`/`Failed`, and on deletion stops and removes the VM and then clears
 //! `spec.nodeName`, the marker that lets the operator drop its finalizer.
+//!
+//! Suspend and resume follow `spec.desiredState`: a VM that runs and should be `Suspended` is
+//! suspended by its shim (`Suspending` → `Suspended`, with `suspendedAt` and the snapshot's
+//! place), a suspended VM that should run is restored by a new shim (`Resuming` → `Running`).
+//! A suspend that failed (the VM runs on) is reported as a Warning and tried again after
+//! [`Local::suspend_retry_secs`] (the agent's `--suspend-retry`).
 
 use imp_api::conditions::ConditionReason;
 use imp_api::vm::VmPhase;
@@ -25,6 +31,8 @@ pub struct Observed {
     pub attempt: i32,
     /// `spec.lifecycle` is ephemeral (a job) rather than persistent.
     pub ephemeral: bool,
+    /// `spec.desiredState` is `Suspended`.
+    pub suspend_wanted: bool,
 }
 
 /// The VM's local state: its record and whether its shim still runs.
@@ -34,6 +42,10 @@ pub struct Local<'a> {
     pub record: &'a VmRecord,
     /// Whether the shim process is alive.
     pub shim_alive: bool,
+    /// The node's clock, seconds since the Unix epoch (to age the record's times).
+    pub now_unix: u64,
+    /// How long after a failed suspend it is tried again, in seconds.
+    pub suspend_retry_secs: u64,
 }
 
 impl Local<'_> {
@@ -62,6 +74,10 @@ pub enum Decision {
     },
     /// Deletion of a VM that has nothing on this node: clear `spec.nodeName`.
     Release,
+    /// Ask the VM's shim to suspend it (phase `Suspending`).
+    Suspend,
+    /// Start a shim that restores the suspended VM from its snapshot (phase `Resuming`).
+    Resume,
 }
 
 /// A status the record calls for.
@@ -71,6 +87,25 @@ pub enum Report {
     Starting,
     /// The guest agent answered: phase `Running`, `Ready=True`.
     Running,
+    /// The VM should be suspended, but its last suspend failed and it runs on: phase
+    /// `Running` and a Warning Event with the cause (once per failure).
+    SuspendFailed {
+        /// The failed request (one Event each).
+        request: String,
+        /// Why.
+        error: String,
+    },
+    /// The shim is writing the snapshot: phase `Suspending`.
+    Suspending,
+    /// The VM is in its snapshot: phase `Suspended`.
+    Suspended {
+        /// When the snapshot was complete.
+        at_unix: u64,
+        /// The snapshot's directory on the node.
+        path: String,
+    },
+    /// A new shim is restoring the VM: phase `Resuming`.
+    Resuming,
     /// The VM ended.
     Ended {
         /// `Succeeded` or `Failed`.
@@ -103,6 +138,11 @@ pub fn decide(vm: &Observed, local: Option<Local<'_>>) -> Decision {
     // Only once the operator has finished placing it (Scheduled): acting on the placement's
     // first write would race the operator's own status write.
     let fresh_request = vm.phase == VmPhase::Scheduled && !vm.started;
+    if let Some(l) = local
+        && let Some(d) = suspend_or_resume(vm, l)
+    {
+        return d;
+    }
     match local {
         Some(l) if fresh_request && l.attempt() != vm.attempt => Decision::Start {
             clear_previous: true,
@@ -116,7 +156,15 @@ pub fn decide(vm: &Observed, local: Option<Local<'_>>) -> Decision {
         None if fresh_request => Decision::Start {
             clear_previous: false,
         },
-        None if matches!(vm.phase, VmPhase::Starting | VmPhase::Running) => {
+        None if matches!(
+            vm.phase,
+            VmPhase::Starting
+                | VmPhase::Running
+                | VmPhase::Suspending
+                | VmPhase::Suspended
+                | VmPhase::Resuming
+        ) =>
+        {
             Decision::Report(Report::Ended {
                 phase: VmPhase::Failed,
                 exit_code: None,
@@ -130,11 +178,46 @@ pub fn decide(vm: &Observed, local: Option<Local<'_>>) -> Decision {
     }
 }
 
+/// A suspend of a running VM that should be suspended (unless one failed just now), or a
+/// resume of a suspended VM that should run.
+fn suspend_or_resume(vm: &Observed, l: Local<'_>) -> Option<Decision> {
+    let r = l.record;
+    match r.status {
+        // Only once the API says Running: the Running write comes first.
+        VmStatus::Running if vm.suspend_wanted && l.shim_alive && vm.phase == VmPhase::Running => {
+            (!failed_recently(l)).then_some(Decision::Suspend)
+        }
+        VmStatus::Suspended if !vm.suspend_wanted && !l.shim_alive => Some(Decision::Resume),
+        _ => None,
+    }
+}
+
+/// Whether the VM's last suspend failed less than [`Local::suspend_retry_secs`] ago.
+fn failed_recently(l: Local<'_>) -> bool {
+    l.record
+        .suspend_failure
+        .as_ref()
+        .is_some_and(|f| l.now_unix.saturating_sub(f.failed_unix) < l.suspend_retry_secs)
+}
+
+/// A running VM's report: a suspend that failed just now, one still in flight (asked for, the
+/// shim has not picked it up yet), or simply running.
+fn running(vm: &Observed, l: Local<'_>) -> Report {
+    match &l.record.suspend_failure {
+        Some(f) if vm.suspend_wanted && failed_recently(l) => Report::SuspendFailed {
+            request: f.request.clone(),
+            error: f.error.clone(),
+        },
+        _ if vm.suspend_wanted && vm.phase == VmPhase::Suspending => Report::Suspending,
+        _ => Report::Running,
+    }
+}
+
 /// The status a record calls for.
 fn report(vm: &Observed, l: Local<'_>) -> Report {
     let r = l.record;
     match r.status {
-        VmStatus::Starting | VmStatus::Running if !l.shim_alive => Report::Ended {
+        s if s.needs_shim() && !l.shim_alive => Report::Ended {
             phase: VmPhase::Failed,
             exit_code: None,
             reason: ConditionReason::VmLost,
@@ -145,7 +228,17 @@ fn report(vm: &Observed, l: Local<'_>) -> Report {
             ),
         },
         VmStatus::Starting => Report::Starting,
-        VmStatus::Running => Report::Running,
+        VmStatus::Running => running(vm, l),
+        VmStatus::Suspending => Report::Suspending,
+        VmStatus::Resuming => Report::Resuming,
+        VmStatus::Suspended => Report::Suspended {
+            at_unix: r.suspend.as_ref().map_or(0, |s| s.suspended_unix),
+            path: r
+                .suspend
+                .as_ref()
+                .map(|s| s.snapshot_dir.display().to_string())
+                .unwrap_or_default(),
+        },
         VmStatus::Exited => {
             let code = r.exit_code.unwrap_or(0);
             let phase = if code == 0 && vm.ephemeral {
@@ -190,6 +283,7 @@ pub fn reason_for(stage: Option<Stage>) -> ConditionReason {
         Some(Stage::Config | Stage::Initramfs | Stage::Boot) => ConditionReason::RuntimeStartFailed,
         Some(Stage::GuestReady) => ConditionReason::GuestAgentTimeout,
         Some(Stage::Run) => ConditionReason::VmmExited,
+        Some(Stage::Resume) => ConditionReason::ResumeFailed,
         None => ConditionReason::Failed,
     }
 }
@@ -207,6 +301,7 @@ mod tests {
             started,
             attempt: 0,
             ephemeral: true,
+            suspend_wanted: false,
         }
     }
 
@@ -234,6 +329,8 @@ mod tests {
             remove_on_exit: false,
             attach_argv: None,
             timings: Default::default(),
+            suspend: None,
+            suspend_failure: None,
             owner: Some(Owner {
                 namespace: "ns".into(),
                 name: "vm".into(),
@@ -247,7 +344,121 @@ mod tests {
         Some(Local {
             record: r,
             shim_alive: alive,
+            now_unix: 1000,
+            suspend_retry_secs: 60,
         })
+    }
+
+    #[test]
+    fn a_running_vm_that_should_sleep_is_suspended_and_a_sleeping_one_that_should_run_resumed() {
+        let running = record(VmStatus::Running, 0);
+        let mut v = vm(VmPhase::Running, true);
+        v.suspend_wanted = true;
+        assert_eq!(decide(&v, local(&running, true)), Decision::Suspend);
+        // Not before the API says Running, and not with a dead shim.
+        let starting = vm(VmPhase::Starting, true);
+        let mut early = starting.clone();
+        early.suspend_wanted = true;
+        assert_eq!(
+            decide(&early, local(&running, true)),
+            Decision::Report(Report::Running)
+        );
+        assert!(matches!(
+            decide(&v, local(&running, false)),
+            Decision::Report(Report::Ended {
+                reason: ConditionReason::VmLost,
+                ..
+            })
+        ));
+        // In flight: reported, not asked again.
+        let suspending = record(VmStatus::Suspending, 0);
+        assert_eq!(
+            decide(&v, local(&suspending, true)),
+            Decision::Report(Report::Suspending)
+        );
+        let mut asleep = record(VmStatus::Suspended, 0);
+        asleep.suspend = Some(crate::runtime::state::SuspendRecord {
+            snapshot_dir: "/var/lib/imp/agent/snapshots/uid-1".into(),
+            suspended_unix: 900,
+            bytes: 1,
+        });
+        let mut s = vm(VmPhase::Suspending, true);
+        s.suspend_wanted = true;
+        assert_eq!(
+            decide(&s, local(&asleep, false)),
+            Decision::Report(Report::Suspended {
+                at_unix: 900,
+                path: "/var/lib/imp/agent/snapshots/uid-1".into()
+            }),
+            "a suspended VM has no shim, and that is not a loss"
+        );
+        s.suspend_wanted = false;
+        s.phase = VmPhase::Suspended;
+        assert_eq!(decide(&s, local(&asleep, false)), Decision::Resume);
+        let resuming = record(VmStatus::Resuming, 0);
+        assert_eq!(
+            decide(&s, local(&resuming, true)),
+            Decision::Report(Report::Resuming)
+        );
+        // Resuming a VM that is already running is nothing to do.
+        assert_eq!(
+            decide(&vm(VmPhase::Running, true), local(&running, true)),
+            Decision::Report(Report::Running)
+        );
+    }
+
+    #[test]
+    fn a_failed_suspend_is_reported_then_retried_after_a_while() {
+        let mut r = record(VmStatus::Running, 0);
+        r.suspend_failure = Some(crate::runtime::state::SuspendFailure {
+            request: "t1".into(),
+            failed_unix: 1000 - 60 + 1,
+            error: "not enough free disk space".into(),
+        });
+        let mut v = vm(VmPhase::Running, true);
+        v.suspend_wanted = true;
+        assert_eq!(
+            decide(&v, local(&r, true)),
+            Decision::Report(Report::SuspendFailed {
+                request: "t1".into(),
+                error: "not enough free disk space".into()
+            })
+        );
+        r.suspend_failure.as_mut().unwrap().failed_unix = 1000 - 60;
+        assert_eq!(decide(&v, local(&r, true)), Decision::Suspend);
+        // Once the user wants it running again, the old failure is no news.
+        v.suspend_wanted = false;
+        assert_eq!(
+            decide(&v, local(&r, true)),
+            Decision::Report(Report::Running)
+        );
+    }
+
+    #[test]
+    fn a_suspended_vm_whose_record_is_gone_is_lost_and_a_failed_resume_says_why() {
+        for phase in [VmPhase::Suspended, VmPhase::Suspending, VmPhase::Resuming] {
+            assert!(
+                matches!(
+                    decide(&vm(phase, true), None),
+                    Decision::Report(Report::Ended {
+                        reason: ConditionReason::VmLost,
+                        ..
+                    })
+                ),
+                "{phase}"
+            );
+        }
+        let mut r = record(VmStatus::Failed, 0);
+        r.error = Some("cannot resume: its snapshot file /s/memory is missing".into());
+        r.error_stage = Some(Stage::Resume);
+        let Decision::Report(Report::Ended {
+            reason, message, ..
+        }) = decide(&vm(VmPhase::Resuming, true), local(&r, false))
+        else {
+            panic!("expected an end");
+        };
+        assert_eq!(reason, ConditionReason::ResumeFailed);
+        assert!(message.contains("missing"), "{message}");
     }
 
     #[test]

@@ -291,6 +291,7 @@ mod tests {
             disk_ms: 200,
             boot_ms: 300,
             ready_ms: 400,
+            ..Timings::default()
         });
         m.failure("ImagePullFailed");
         let text = m.encode();

@@ -19,7 +19,7 @@ use std::time::Duration;
 use futures::StreamExt;
 use imp_api::class::ImpVMClass;
 use imp_api::conditions::{self, ConditionReason, ConditionStatus, ConditionType};
-use imp_api::shared::VmLifecycle;
+use imp_api::shared::{VmDesiredState, VmLifecycle};
 use imp_api::template::ImpVMTemplate;
 use imp_api::vm::{ImpVM, ImpVMSpec, ImpVMStatus, VmPhase};
 use k8s_openapi::api::core::v1::{ConfigMap, Secret};
@@ -62,6 +62,8 @@ pub struct Settings {
     pub stop_grace: Duration,
     /// How often records are read for changes.
     pub poll: Duration,
+    /// How long after a failed suspend it is tried again.
+    pub suspend_retry: Duration,
 }
 
 /// Failures of one reconcile; all are retried.
@@ -316,6 +318,7 @@ fn observed(vm: &ImpVM) -> Observed {
         started: status.started_at.is_some(),
         attempt: status.restart_count.unwrap_or(0),
         ephemeral: vm.spec.lifecycle == VmLifecycle::Ephemeral,
+        suspend_wanted: vm.spec.desired_state == VmDesiredState::Suspended,
     }
 }
 
@@ -328,6 +331,8 @@ pub async fn reconcile(vm: Arc<ImpVM>, ctx: Arc<Context>) -> Result<Action, Erro
         local.as_ref().map(|(record, alive)| Local {
             record,
             shim_alive: *alive,
+            now_unix: crate::runtime::state::now_unix(),
+            suspend_retry_secs: ctx.settings.suspend_retry.as_secs(),
         }),
     );
     tracing::debug!(vm = %key(&vm), node = %ctx.settings.node, ?decision, "reconcile");
@@ -343,8 +348,25 @@ pub async fn reconcile(vm: Arc<ImpVM>, ctx: Arc<Context>) -> Result<Action, Erro
         }
         Decision::Report(report) => {
             let record = local.as_ref().map(|(r, _)| r);
+            let retry = matches!(report, Report::SuspendFailed { .. });
             write_report(&ctx, &vm, report, record).await?;
+            if retry {
+                let again = ctx.settings.suspend_retry + Duration::from_millis(500);
+                return Ok(Action::requeue(again));
+            }
             Ok(Action::requeue(Duration::from_secs(300)))
+        }
+        Decision::Suspend => {
+            let Some((record, _)) = local else {
+                return Ok(Action::requeue(Duration::from_secs(1)));
+            };
+            suspend(&ctx, &vm, record).await
+        }
+        Decision::Resume => {
+            let Some((record, _)) = local else {
+                return Ok(Action::requeue(Duration::from_secs(1)));
+            };
+            resume(&ctx, &vm, record).await
         }
         Decision::Teardown { release } => {
             teardown(&ctx, &vm, &uid, local.as_ref().map(|(r, _)| r)).await?;
@@ -360,6 +382,52 @@ pub async fn reconcile(vm: Arc<ImpVM>, ctx: Arc<Context>) -> Result<Action, Erro
             ctx.metrics.set_phase(&uid, None);
             Ok(Action::await_change())
         }
+    }
+}
+
+/// Asks the VM's shim to suspend it and says `Suspending`; the record tells how it ended.
+async fn suspend(ctx: &Context, vm: &ImpVM, record: VmRecord) -> Result<Action, Error> {
+    let state = ctx.settings.state.clone();
+    let asked = tokio::task::spawn_blocking(move || {
+        crate::runtime::suspend::request_suspend(&state, &record)
+    })
+    .await;
+    let token = match asked {
+        Ok(Ok(t)) => t,
+        Ok(Err(e)) => return Err(local_error("asking for the suspend of", vm, Box::new(e))),
+        Err(e) => return Err(local_error("asking for the suspend of", vm, Box::new(e))),
+    };
+    tracing::info!(vm = %key(vm), node = %ctx.settings.node, phase = "Suspending", token, "suspending");
+    write_report(ctx, vm, Report::Suspending, None).await?;
+    Ok(Action::requeue(Duration::from_secs(60)))
+}
+
+/// Starts a shim that restores the suspended VM and says `Resuming`.
+async fn resume(ctx: &Context, vm: &ImpVM, record: VmRecord) -> Result<Action, Error> {
+    let (state, cmd) = (ctx.settings.state.clone(), ctx.settings.shim.clone());
+    let started = tokio::task::spawn_blocking(move || {
+        crate::runtime::suspend::start_resume(&cmd, &state, &record)
+    })
+    .await;
+    let pid = match started {
+        Ok(Ok(pid)) => pid,
+        Ok(Err(e)) => return Err(local_error("resuming", vm, Box::new(e))),
+        Err(e) => return Err(local_error("resuming", vm, Box::new(e))),
+    };
+    tracing::info!(vm = %key(vm), node = %ctx.settings.node, phase = "Resuming", shim = pid, "resuming");
+    write_report(ctx, vm, Report::Resuming, None).await?;
+    Ok(Action::requeue(Duration::from_secs(60)))
+}
+
+fn local_error(
+    doing: &'static str,
+    vm: &ImpVM,
+    source: Box<dyn std::error::Error + Send + Sync>,
+) -> Error {
+    Error::Local {
+        doing,
+        vm: key(vm),
+        source,
     }
 }
 
@@ -747,18 +815,51 @@ async fn write_report(
             status.phase = Some(VmPhase::Starting);
             status.started_at.get_or_insert_with(now);
         }
-        Report::Running => {
+        Report::Running | Report::SuspendFailed { .. } => {
             status.phase = Some(VmPhase::Running);
             status
                 .running_at
                 .get_or_insert_with(|| unix_time(record.and_then(|r| r.running_unix)));
             status.runtime_pid = record.and_then(|r| r.vmm_pid).map(i64::from);
+            status.suspended_at = None;
+            status.suspend_snapshot_path = None;
             conditions::set(
                 &mut status.conditions,
                 ConditionType::Ready,
                 ConditionStatus::True,
                 ConditionReason::Running,
                 "the guest agent answers",
+                generation,
+                now(),
+            );
+        }
+        Report::Suspending | Report::Resuming => {
+            let (phase, message) = match &report {
+                Report::Suspending => (VmPhase::Suspending, "pausing and writing the snapshot"),
+                _ => (VmPhase::Resuming, "restoring from the snapshot"),
+            };
+            status.phase = Some(phase);
+            conditions::set(
+                &mut status.conditions,
+                ConditionType::Ready,
+                ConditionStatus::False,
+                ConditionReason::Suspended,
+                message,
+                generation,
+                now(),
+            );
+        }
+        Report::Suspended { at_unix, path } => {
+            status.phase = Some(VmPhase::Suspended);
+            status.runtime_pid = None;
+            status.suspended_at = Some(unix_time(Some(*at_unix)));
+            status.suspend_snapshot_path = Some(path.clone());
+            conditions::set(
+                &mut status.conditions,
+                ConditionType::Ready,
+                ConditionStatus::False,
+                ConditionReason::Suspended,
+                format!("suspended to the snapshot in {path}; its memory is freed"),
                 generation,
                 now(),
             );
@@ -786,6 +887,9 @@ async fn write_report(
             );
         }
     }
+    if let Report::SuspendFailed { request, error } = &report {
+        announce_suspend_failure(ctx, vm, request, error).await;
+    }
     if status == old {
         return Ok(());
     }
@@ -794,6 +898,33 @@ async fn write_report(
         announce(ctx, vm, &report, record).await;
     }
     Ok(())
+}
+
+/// The Warning Event of a failed suspend, once per failed request.
+async fn announce_suspend_failure(ctx: &Context, vm: &ImpVM, request: &str, error: &str) {
+    let slot = format!("{}/suspend", vm.uid().unwrap_or_default());
+    {
+        let mut announced = ctx
+            .announced
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if announced.get(&slot).map(String::as_str) == Some(request) {
+            return;
+        }
+        announced.insert(slot, request.to_owned());
+    }
+    tracing::warn!(vm = %key(vm), node = %ctx.settings.node, error, "suspend failed; the VM keeps running");
+    let note = format!(
+        "suspend failed, the VM keeps running (tried again in {:?}): {error}",
+        ctx.settings.suspend_retry
+    );
+    ctx.event(
+        vm,
+        EventType::Warning,
+        ConditionReason::SuspendFailed.as_str(),
+        note,
+    )
+    .await;
 }
 
 /// The Event (and metrics) of a phase transition.
@@ -805,6 +936,37 @@ async fn announce(ctx: &Context, vm: &ImpVM, report: &Report, record: Option<&Vm
             let image = record.map(|r| r.image.as_str()).unwrap_or_default();
             let note = format!("pulling {image} and booting on node {}", ctx.settings.node);
             ctx.event(vm, EventType::Normal, "Starting", note).await;
+        }
+        Report::SuspendFailed { .. } => {}
+        Report::Suspending | Report::Resuming => {
+            let (reason, note) = match report {
+                Report::Suspending => ("Suspending", "pausing the VM and writing its snapshot"),
+                _ => ("Resuming", "restoring the VM from its snapshot"),
+            };
+            let note = format!("{note} on node {}", ctx.settings.node);
+            ctx.event(vm, EventType::Normal, reason, note).await;
+        }
+        Report::Suspended { path, .. } => {
+            let t = record.map(|r| r.timings).unwrap_or_default();
+            let bytes = record
+                .and_then(|r| r.suspend.as_ref())
+                .map_or(0, |s| s.bytes);
+            tracing::info!(vm = %key(vm), node = %ctx.settings.node, phase = "Suspended", suspend_ms = t.suspend_ms, bytes, "VM suspended");
+            let note = format!(
+                "snapshot of {} MiB written to {path} in {} ms; the VMM is stopped",
+                bytes >> 20,
+                t.suspend_ms
+            );
+            ctx.event(vm, EventType::Normal, "Suspended", note).await;
+        }
+        Report::Running if record.is_some_and(|r| r.timings.resume_ms > 0) => {
+            let t = record.map(|r| r.timings).unwrap_or_default();
+            tracing::info!(vm = %key(vm), node = %ctx.settings.node, phase = "Running", resume_ms = t.resume_ms, "VM resumed");
+            let note = format!(
+                "restored from its snapshot; the guest agent answered after {} ms",
+                t.resume_ms
+            );
+            ctx.event(vm, EventType::Normal, "Resumed", note).await;
         }
         Report::Running => {
             let t = record.map(|r| r.timings).unwrap_or_default();
@@ -870,14 +1032,17 @@ fn error_chain(e: &dyn std::error::Error) -> String {
 }
 
 /// A record's fingerprint: a change of any part asks for a reconcile.
-fn fingerprint(r: &VmRecord, alive: bool) -> (VmStatus, bool, Option<u32>) {
-    (r.status, alive, r.vmm_pid)
+type Fingerprint = (VmStatus, bool, Option<u32>, Option<String>);
+
+fn fingerprint(r: &VmRecord, alive: bool) -> Fingerprint {
+    let failure = r.suspend_failure.as_ref().map(|f| f.request.clone());
+    (r.status, alive, r.vmm_pid, failure)
 }
 
 /// Reads every record each `poll` and sends the VMs whose record changed; once the store has
 /// listed the node's VMs, tears down records whose ImpVM is gone from this node.
 async fn watch_records(ctx: Arc<Context>, store: Store<ImpVM>, tx: mpsc::Sender<ObjectRef<ImpVM>>) {
-    let mut seen: BTreeMap<String, (VmStatus, bool, Option<u32>)> = BTreeMap::new();
+    let mut seen: BTreeMap<String, Fingerprint> = BTreeMap::new();
     let mut ticks = 0u64;
     let store_ready = store.wait_until_ready();
     tokio::pin!(store_ready);

@@ -1,5 +1,6 @@
-//! The runtime's few calls to a VM's guest agent: the health check that makes a VM Running and
-//! the exit report the guest sends when its workload ends.
+//! The runtime's few calls to a VM's guest agent: the health check that makes a VM Running,
+//! setting the guest's clock after a restore, and the exit report the guest sends when its
+//! workload ends.
 //!
 //! The connection goes through the VMM's vsock socket with [`crate::vmm::vsock::connect`]
 //! (async, never abandoning an unanswered `CONNECT`); the synchronous protocol client of
@@ -26,6 +27,9 @@ pub enum GuestAgentError {
     /// The protocol exchange failed.
     #[error("asking the guest agent for its health")]
     Protocol(#[source] imp_proto::ClientError),
+    /// The guest did not set its clock.
+    #[error("setting the guest's clock")]
+    SetClock(#[source] imp_proto::ClientError),
     /// The blocking task died.
     #[error("the guest agent task failed")]
     Task(#[source] tokio::task::JoinError),
@@ -65,6 +69,30 @@ pub async fn wait_healthy(
     .await
     .map_err(GuestAgentError::Task)?
     .map_err(GuestAgentError::Protocol)
+}
+
+/// Sets the guest's wall clock to `now` through the guest agent on `port`, for at most
+/// `timeout` in all. A restored guest's clock is as old as its snapshot: call this after
+/// resuming it.
+pub async fn set_clock(
+    vsock: &Path,
+    port: u32,
+    now: std::time::SystemTime,
+    timeout: Duration,
+) -> Result<(), GuestAgentError> {
+    let started = tokio::time::Instant::now();
+    let stream = vmm::vsock::connect(vsock, port, timeout)
+        .await
+        .map_err(GuestAgentError::Connect)?;
+    let left = timeout.saturating_sub(started.elapsed());
+    let stream = vmm::vsock::DeadlineStream::new(stream, left).map_err(GuestAgentError::Socket)?;
+    tokio::task::spawn_blocking(move || {
+        let mut client = imp_proto::Client::handshake(stream, &hello())?;
+        client.set_clock(now)
+    })
+    .await
+    .map_err(GuestAgentError::Task)?
+    .map_err(GuestAgentError::SetClock)
 }
 
 /// How long one exit report connection may take from accept to acknowledgement.

@@ -17,3 +17,4 @@ pub mod shim;
 pub mod spec;
 pub mod state;
 pub mod supervisor;
+pub mod suspend;

@@ -92,16 +92,32 @@ pub fn start(
     id: &str,
     spec: &VmSpec,
 ) -> Result<u32, ShimError> {
-    use std::os::unix::process::CommandExt;
     let dir = state.vm_dir(id);
     state::write_json(&dir.join(SPEC_FILE), spec)?;
+    let pid = spawn(cmd, state, id)?;
+    // The record exists from now on, so a starter that looks again at once (a retried
+    // reconcile) finds the VM started and never starts a second shim.
+    // Only if the shim has not written its own (it may already have ended, e.g. failed).
+    state.save_new(&super::supervisor::initial_record(id, &dir, spec, pid))?;
+    Ok(pid)
+}
+
+/// Starts the shim of VM `id`, whose directory holds its spec (and, to resume a suspended VM,
+/// its record). Returns the shim's pid.
+pub fn spawn(cmd: &ShimCommand, state: &StateDir, id: &str) -> Result<u32, ShimError> {
+    use std::os::unix::process::CommandExt;
+    let dir = state.vm_dir(id);
     let log_path = shim_log(&dir);
     let io_err = |source| StateError::Io {
         action: "creating",
         path: log_path.clone(),
         source,
     };
-    let log = std::fs::File::create(&log_path).map_err(io_err)?;
+    let log = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&log_path)
+        .map_err(io_err)?;
     let log2 = log.try_clone().map_err(io_err)?;
     let mut child = std::process::Command::new(&cmd.exe)
         .args(&cmd.args)
@@ -122,10 +138,6 @@ pub fn start(
     std::thread::spawn(move || {
         let _ = child.wait();
     });
-    // The record exists from now on, so a starter that looks again at once (a retried
-    // reconcile) finds the VM started and never starts a second shim.
-    // Only if the shim has not written its own (it may already have ended, e.g. failed).
-    state.save_new(&super::supervisor::initial_record(id, &dir, spec, pid))?;
     tracing::debug!(vm = %id, pid, "shim started");
     Ok(pid)
 }

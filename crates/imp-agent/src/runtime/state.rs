@@ -119,6 +119,11 @@ impl StateDir {
         self.root.join("vms").join(id)
     }
 
+    /// Where VM `id`'s suspend snapshot is written (removed with the VM).
+    pub fn snapshot_dir(&self, id: &str) -> PathBuf {
+        self.root.join("snapshots").join(id)
+    }
+
     /// Creates the directory of a new VM, refusing an id that is taken.
     pub fn create_vm_dir(&self, id: &str) -> Result<PathBuf> {
         validate_name(id)?;
@@ -213,6 +218,13 @@ impl StateDir {
             .root
             .join("vms")
             .join(format!(".trash-{id}-{}", std::process::id()));
+        let snapshot = self.snapshot_dir(id);
+        match std::fs::remove_dir_all(&snapshot) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                return Err(io("removing", &snapshot)(e));
+            }
+            _ => {}
+        }
         match std::fs::rename(&dir, &trash) {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
             Err(e) => return Err(io("moving aside", &dir)(e)),
@@ -278,12 +290,40 @@ pub enum VmStatus {
     Exited,
     /// The VM could not be started or died; `error` says why.
     Failed,
+    /// The shim is pausing the VM and writing its snapshot.
+    Suspending,
+    /// The VM's memory and devices are in a snapshot under `snapshots/<id>/`; no process of
+    /// the VM runs ([`VmRecord::suspend`] says where and since when).
+    Suspended,
+    /// A new shim is restoring the VM from its snapshot.
+    Resuming,
 }
 
 impl VmStatus {
     /// Whether the VM has ended for good.
     pub fn is_final(self) -> bool {
         matches!(self, Self::Exited | Self::Failed)
+    }
+
+    /// Whether the status is only true while the shim lives (a dead shim means the VM is lost).
+    pub fn needs_shim(self) -> bool {
+        matches!(
+            self,
+            Self::Starting | Self::Running | Self::Suspending | Self::Resuming
+        )
+    }
+
+    /// The lower-case name `imp ps` shows.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Starting => "starting",
+            Self::Running => "running",
+            Self::Exited => "exited",
+            Self::Failed => "failed",
+            Self::Suspending => "suspending",
+            Self::Suspended => "suspended",
+            Self::Resuming => "resuming",
+        }
     }
 }
 
@@ -305,6 +345,9 @@ pub enum Stage {
     GuestReady,
     /// While the VM ran (the VMM died, the shim was lost).
     Run,
+    /// Restoring the VM from its suspend snapshot (missing, corrupt, or the guest did not
+    /// answer after the restore).
+    Resume,
 }
 
 /// How long each step of a start took, in milliseconds (0: not reached or not measured).
@@ -318,6 +361,34 @@ pub struct Timings {
     pub boot_ms: u64,
     /// From the VMM's start until the guest agent answered.
     pub ready_ms: u64,
+    /// The last suspend: pause, snapshot and VMM stop.
+    #[serde(default)]
+    pub suspend_ms: u64,
+    /// The last resume: restore in a new VMM until the guest agent answered.
+    #[serde(default)]
+    pub resume_ms: u64,
+}
+
+/// Where a suspended VM's snapshot is and when it was written.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SuspendRecord {
+    /// The snapshot's directory (`snapshots/<id>/` of the state directory).
+    pub snapshot_dir: PathBuf,
+    /// When the snapshot was complete, seconds since the Unix epoch.
+    pub suspended_unix: u64,
+    /// The snapshot's size on disk in bytes.
+    pub bytes: u64,
+}
+
+/// The outcome of the last suspend request that failed: the VM was resumed and runs on.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SuspendFailure {
+    /// The request's token (written by the front end into the request file).
+    pub request: String,
+    /// When it failed, seconds since the Unix epoch.
+    pub failed_unix: u64,
+    /// Why, with its causes.
+    pub error: String,
 }
 
 /// Which cluster object a VM belongs to (none for `imp run` VMs).
@@ -393,6 +464,12 @@ pub struct VmRecord {
     /// The ImpVM this VM belongs to, for VMs of `imp agent`.
     #[serde(default)]
     pub owner: Option<Owner>,
+    /// While suspended: the snapshot's place and time.
+    #[serde(default)]
+    pub suspend: Option<SuspendRecord>,
+    /// The last suspend that failed (the VM kept running).
+    #[serde(default)]
+    pub suspend_failure: Option<SuspendFailure>,
 }
 
 impl VmRecord {
@@ -407,7 +484,7 @@ impl VmRecord {
     /// The status to show: a live status whose shim died reads as `Failed`.
     pub fn effective_status(&self) -> VmStatus {
         match self.status {
-            VmStatus::Starting | VmStatus::Running if !self.supervisor_alive() => VmStatus::Failed,
+            s if s.needs_shim() && !self.supervisor_alive() => VmStatus::Failed,
             s => s,
         }
     }
@@ -486,6 +563,14 @@ fn getrandom(buf: &mut [u8]) -> Result<()> {
     std::fs::File::open(path)
         .and_then(|mut f| f.read_exact(buf))
         .map_err(io("reading", path))
+}
+
+/// Nanoseconds since the Unix epoch (for tokens that must differ between calls).
+pub fn now_unix_nanos() -> u128 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or(0)
 }
 
 /// Seconds since the Unix epoch.
@@ -607,6 +692,8 @@ mod tests {
             attach_argv: None,
             timings: Timings::default(),
             owner: None,
+            suspend: None,
+            suspend_failure: None,
         }
     }
 

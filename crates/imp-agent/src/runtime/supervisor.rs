@@ -25,10 +25,13 @@ use super::cgroup::VmCgroup;
 use super::console;
 use super::guest_agent;
 use super::spec::{Runtime, SPEC_FILE, VmSpec};
-use super::state::{self, Stage, StateDir, VmRecord, VmStatus};
+use super::state::{self, Stage, StateDir, SuspendFailure, SuspendRecord, VmRecord, VmStatus};
+use super::suspend;
 use crate::guest;
 use crate::image::{self, ImageSource, ImageStore, RegistryAuth};
-use crate::vmm::{self, DriveConfig, NetConfig, StopOutcome, VmConfig, Vmm, VsockConfig};
+use crate::vmm::{
+    self, DriveConfig, NetConfig, SnapshotFiles, StopOutcome, VmConfig, Vmm, VsockConfig,
+};
 
 /// The guest port the workload's exit report is sent to (CID 2).
 pub const EXIT_REPORT_PORT: u32 = 10001;
@@ -93,10 +96,12 @@ fn at<E: StdError + Send + Sync + 'static>(
     }
 }
 
-/// SIGTERM and SIGINT, installed before anything else so no stop request is lost.
+/// SIGTERM and SIGINT (stop), and SIGUSR1 (suspend, see [`suspend`]), installed before
+/// anything else so no request is lost.
 struct StopSignals {
     term: Signal,
     int: Signal,
+    usr1: Signal,
 }
 
 impl StopSignals {
@@ -104,14 +109,20 @@ impl StopSignals {
         Ok(Self {
             term: signal(SignalKind::terminate())?,
             int: signal(SignalKind::interrupt())?,
+            usr1: signal(SignalKind::user_defined1())?,
         })
     }
 
     async fn requested(&mut self) {
-        tokio::select! {
-            _ = self.term.recv() => {}
-            _ = self.int.recv() => {}
-        }
+        either(&mut self.term, &mut self.int).await;
+    }
+}
+
+/// Waits for SIGTERM or SIGINT.
+async fn either(term: &mut Signal, int: &mut Signal) {
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = int.recv() => {}
     }
 }
 
@@ -121,6 +132,15 @@ enum Ended {
     Exited(i32),
     /// A step failed.
     Failed(Failure),
+    /// The VM was suspended to its snapshot and its VMM stopped.
+    Suspended(SuspendRecord),
+}
+
+/// How the VMM comes to life: a fresh boot, or a restore of the VM's suspend snapshot.
+#[derive(Clone, Copy)]
+enum Launch<'a> {
+    Boot,
+    Restore(&'a SnapshotFiles),
 }
 
 /// The shim's main: supervises VM `id` of `state` from its `spec.json` until it ends.
@@ -134,15 +154,26 @@ pub async fn run(state: StateDir, id: String) -> Result<(), state::StateError> {
         source,
     })?;
     let spec: VmSpec = state::read_json(&dir.join(SPEC_FILE))?;
-    let mut record = initial_record(&id, &dir, &spec, std::process::id());
+    let adopted = suspend::adopted_for_resume(&state, &id).await;
+    let resuming = adopted.is_some();
+    let mut record = match adopted {
+        Some(mut r) => {
+            r.status = VmStatus::Resuming;
+            r.supervisor_pid = std::process::id();
+            r.supervisor_started = state::process_start_time(r.supervisor_pid);
+            r
+        }
+        None => initial_record(&id, &dir, &spec, std::process::id()),
+    };
     state.save(&record)?;
-    tracing::info!(vm = %id, image = %spec.image, "shim started");
+    tracing::info!(vm = %id, image = %spec.image, resuming, "shim started");
     let ended = match join_cgroup(&spec) {
+        Ok(()) if resuming => resume(&state, &dir, &spec, &mut record, &mut stop).await,
         Ok(()) => supervise(&state, &dir, &spec, &mut record, &mut stop).await,
         Err(f) => Ended::Failed(f),
     };
     finish(&mut record, ended).await;
-    if spec.remove_on_exit {
+    if spec.remove_on_exit && record.status.is_final() {
         state.remove(&id)
     } else {
         state.save(&record)
@@ -175,6 +206,8 @@ pub fn initial_record(id: &str, dir: &Path, spec: &VmSpec, shim_pid: u32) -> VmR
         attach_argv: None,
         timings: Default::default(),
         owner: spec.owner.clone(),
+        suspend: None,
+        suspend_failure: None,
     }
 }
 
@@ -205,6 +238,13 @@ async fn finish(record: &mut VmRecord, ended: Ended) {
             record.error = Some(f.chain());
             record.error_stage = Some(f.stage);
             keep_console_tail(record).await;
+        }
+        Ended::Suspended(s) => {
+            record.finished_unix = None;
+            record.status = VmStatus::Suspended;
+            record.vmm_pid = None;
+            record.helper_pids.clear();
+            record.suspend = Some(s);
         }
     }
 }
@@ -250,17 +290,88 @@ async fn supervise(
                 Ok(l) => l.probe_accel(&config.kernel, &spec.cache(state)).await,
                 Err(e) => return Ended::Failed(at(Stage::Boot, "finding QEMU")(e)),
             };
-            drive::<vmm::qemu::Qemu>(&launcher, &config, state, dir, spec, record, stop).await
+            let run = Run {
+                state,
+                dir,
+                spec,
+                launch: Launch::Boot,
+            };
+            drive::<vmm::qemu::Qemu>(&launcher, &config, &run, record, stop).await
         }
         Runtime::Firecracker => {
             let Some(fc) = &spec.boot.firecracker else {
                 return Ended::Failed(Failure::new(Stage::Config, "no Firecracker binary given"));
             };
             let launcher = vmm::firecracker::Launcher::new(fc.clone());
-            drive::<vmm::firecracker::Firecracker>(
-                &launcher, &config, state, dir, spec, record, stop,
-            )
-            .await
+            let run = Run {
+                state,
+                dir,
+                spec,
+                launch: Launch::Boot,
+            };
+            drive::<vmm::firecracker::Firecracker>(&launcher, &config, &run, record, stop).await
+        }
+    }
+}
+
+/// Restores a suspended VM from its snapshot in a new VMM and supervises it as after a boot.
+/// A missing or unusable snapshot fails the VM with [`Stage::Resume`] and the reason.
+async fn resume(
+    state: &StateDir,
+    dir: &Path,
+    spec: &VmSpec,
+    record: &mut VmRecord,
+    stop: &mut StopSignals,
+) -> Ended {
+    let snapshot_dir = record
+        .suspend
+        .as_ref()
+        .map(|s| s.snapshot_dir.clone())
+        .unwrap_or_else(|| state.snapshot_dir(&record.name));
+    let files = suspend::snapshot_files(&snapshot_dir);
+    let present = tokio::task::spawn_blocking({
+        let files = files.clone();
+        move || suspend::snapshot_present(&files)
+    })
+    .await
+    .unwrap_or_else(|_| Err(snapshot_dir.clone()));
+    if let Err(missing) = present {
+        return Ended::Failed(Failure::new(
+            Stage::Resume,
+            format!(
+                "cannot resume {}: its snapshot file {} is missing",
+                record.name,
+                missing.display()
+            ),
+        ));
+    }
+    let config = vm_config(
+        spec,
+        dir,
+        &record.name,
+        dir.join("initramfs.cpio"),
+        dir.join("disk.ext4"),
+    );
+    let run = Run {
+        state,
+        dir,
+        spec,
+        launch: Launch::Restore(&files),
+    };
+    match spec.runtime {
+        Runtime::Qemu => {
+            let launcher = match vmm::qemu::Launcher::detect() {
+                Ok(l) => l.probe_accel(&config.kernel, &spec.cache(state)).await,
+                Err(e) => return Ended::Failed(at(Stage::Resume, "finding QEMU")(e)),
+            };
+            drive::<vmm::qemu::Qemu>(&launcher, &config, &run, record, stop).await
+        }
+        Runtime::Firecracker => {
+            let Some(fc) = &spec.boot.firecracker else {
+                return Ended::Failed(Failure::new(Stage::Config, "no Firecracker binary given"));
+            };
+            let launcher = vmm::firecracker::Launcher::new(fc.clone());
+            drive::<vmm::firecracker::Firecracker>(&launcher, &config, &run, record, stop).await
         }
     }
 }
@@ -355,6 +466,12 @@ async fn prepare(
         .map_err(at(Stage::Initramfs, "writing the VM's initramfs"))?;
     record.timings.boot_ms = ms(t.elapsed());
 
+    Ok(vm_config(spec, dir, &record.name, initrd, disk))
+}
+
+/// The VMM's view of VM `name`: the same for its boot and for every restore of its snapshot
+/// (a restore needs the drives, TAP and vsock where the snapshot expects them).
+fn vm_config(spec: &VmSpec, dir: &Path, name: &str, initrd: PathBuf, disk: PathBuf) -> VmConfig {
     let mut kernel_args = format!(
         "console=ttyS0 quiet loglevel=1 panic=-1 reboot=t tsc_early_khz={}",
         vmm::qemu::host_tsc_khz()
@@ -363,8 +480,8 @@ async fn prepare(
         kernel_args.push(' ');
         kernel_args.push_str(extra);
     }
-    Ok(VmConfig {
-        id: record.name.clone(),
+    VmConfig {
+        id: name.to_owned(),
         run_dir: dir.to_path_buf(),
         vcpus: spec.vcpus,
         memory_mib: spec.memory_mib,
@@ -381,12 +498,13 @@ async fn prepare(
             id: "eth0".into(),
             tap: n.tap.clone(),
             mac: Some(n.mac.clone()),
+            tap_fd: None,
         }),
         vsock: Some(VsockConfig {
             guest_cid: GUEST_CID,
         }),
         netns: None,
-    })
+    }
 }
 
 async fn registry_auth(spec: &VmSpec, source: &ImageSource) -> Result<RegistryAuth, Failure> {
@@ -409,13 +527,53 @@ fn ms(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
 
-/// Boots the VMM and supervises it until it ends.
+/// What [`drive`] needs besides the VMM: where the VM lives, its spec and how to launch it.
+struct Run<'a> {
+    state: &'a StateDir,
+    dir: &'a Path,
+    spec: &'a VmSpec,
+    launch: Launch<'a>,
+}
+
+impl Run<'_> {
+    /// The stage a failure to launch or to reach the guest belongs to.
+    fn stage(&self, boot: Stage) -> Stage {
+        match self.launch {
+            Launch::Boot => boot,
+            Launch::Restore(_) => Stage::Resume,
+        }
+    }
+}
+
+/// Starts the VMM: boots the kernel, or restores the snapshot and resumes the guest.
+async fn launch<V: Vmm>(
+    launcher: &V::Launcher,
+    config: &VmConfig,
+    how: Launch<'_>,
+) -> Result<V, V::Error> {
+    match how {
+        Launch::Boot => V::boot(launcher, config).await,
+        Launch::Restore(files) => V::restore(launcher, config, files, true).await,
+    }
+}
+
+/// How the supervision loop ended.
+enum LoopEnd {
+    /// A stop was requested.
+    StopRequested,
+    /// The VMM exited on its own.
+    Exited,
+    /// The VM is paused and snapshotted; its VMM must still be stopped.
+    Suspended(SuspendRecord),
+    /// Something failed.
+    Failed(Failure),
+}
+
+/// Boots (or restores) the VMM and supervises it until it ends or is suspended.
 async fn drive<V: Vmm>(
     launcher: &V::Launcher,
     config: &VmConfig,
-    state: &StateDir,
-    dir: &Path,
-    spec: &VmSpec,
+    run: &Run<'_>,
     record: &mut VmRecord,
     stop: &mut StopSignals,
 ) -> Ended {
@@ -423,14 +581,26 @@ async fn drive<V: Vmm>(
     // A stop during the boot drops the boot future, and with it the VMM's process handle,
     // which kills the VMM: nothing is left running.
     let booted = tokio::select! {
-        r = V::boot(launcher, config) => r,
+        r = launch::<V>(launcher, config, run.launch) => r,
         () = stop.requested() => return Ended::Exited(STOPPED_EXIT_CODE),
     };
     let mut vm = match booted {
         Ok(vm) => vm,
-        Err(e) => return Ended::Failed(at(Stage::Boot, format!("booting {}", record.name))(e)),
+        Err(e) => {
+            let what = match run.launch {
+                Launch::Boot => format!("booting {}", record.name),
+                Launch::Restore(files) => format!(
+                    "restoring {} from its snapshot {}",
+                    record.name,
+                    files.memory.display()
+                ),
+            };
+            return Ended::Failed(at(run.stage(Stage::Boot), what)(e));
+        }
     };
-    record.timings.boot_ms += ms(t.elapsed());
+    if matches!(run.launch, Launch::Boot) {
+        record.timings.boot_ms += ms(t.elapsed());
+    }
     record.vmm_pid = vm.pid();
     record.helper_pids = vm.helper_pids();
     record.serial_log = vm.serial_log_path().to_path_buf();
@@ -442,7 +612,7 @@ async fn drive<V: Vmm>(
         ));
     };
     record.vsock = vsock;
-    if let Err(e) = state.save(record) {
+    if let Err(e) = run.state.save(record) {
         let _ = vm.stop(Duration::ZERO).await;
         return Ended::Failed(at(Stage::Boot, "saving the VM record")(e));
     }
@@ -453,64 +623,48 @@ async fn drive<V: Vmm>(
             return Ended::Failed(at(Stage::Boot, "receiving exit reports")(e));
         }
     };
-    let ready_started = Instant::now();
-    let health = guest_agent::wait_healthy(&record.vsock, record.agent_port, spec.boot_timeout());
-    tokio::pin!(health);
-    let mut healthy = false;
-    let mut stopped = false;
     let mut reported: Option<ExitStatus> = None;
-    let mut tick = tokio::time::interval(Duration::from_millis(100));
-    loop {
-        tokio::select! {
-            _ = tick.tick() => {}
-            () = stop.requested() => {
-                stopped = true;
-                let grace = stop_grace(dir).await;
-                match vm.stop(grace).await {
-                    Ok(StopOutcome::Killed) => tracing::warn!(vm = %record.name, ?grace, "did not power off within the grace period; killed"),
-                    Ok(StopOutcome::Graceful) => tracing::info!(vm = %record.name, "stopped"),
-                    Err(e) => tracing::warn!(vm = %record.name, error = %e, "stopping the VMM failed"),
+    let end = supervise_loop(&mut vm, run, record, stop, &mut reports, &mut reported, t).await;
+    let stopped = match end {
+        LoopEnd::StopRequested => {
+            let grace = stop_grace(run.dir).await;
+            match vm.stop(grace).await {
+                Ok(StopOutcome::Killed) => {
+                    tracing::warn!(vm = %record.name, ?grace, "did not power off within the grace period; killed")
                 }
-                break;
+                Ok(StopOutcome::Graceful) => tracing::info!(vm = %record.name, "stopped"),
+                Err(e) => tracing::warn!(vm = %record.name, error = %e, "stopping the VMM failed"),
             }
-            Some(status) = reports.recv() => reported = Some(status),
-            r = &mut health, if !healthy => {
-                healthy = true;
-                match r {
-                    Ok(_) => {
-                        record.status = VmStatus::Running;
-                        record.running_unix = Some(state::now_unix());
-                        record.timings.ready_ms = ms(ready_started.elapsed());
-                        tracing::info!(vm = %record.name, ready_ms = record.timings.ready_ms, "guest agent answered");
-                        if let Err(e) = state.save(record) {
-                            tracing::warn!(vm = %record.name, error = %e, "saving the VM record");
-                        }
-                    }
-                    Err(e) if reported.is_none() && !vm.exited().unwrap_or(true) => {
-                        let _ = vm.stop(Duration::ZERO).await;
-                        return Ended::Failed(at(Stage::GuestReady, format!(
-                            "the guest did not come up within {:?}; console: {}",
-                            spec.boot_timeout(),
-                            record.serial_log.display()
-                        ))(e));
-                    }
-                    Err(_) => {}
-                }
+            true
+        }
+        LoopEnd::Exited => false,
+        LoopEnd::Failed(f) => {
+            let _ = vm.stop(Duration::ZERO).await;
+            return Ended::Failed(f);
+        }
+        LoopEnd::Suspended(s) => {
+            // The snapshot holds the VM: its VMM goes, and its memory with it.
+            let t = Instant::now();
+            if let Err(e) = vm.stop(Duration::ZERO).await {
+                tracing::warn!(vm = %record.name, error = %e, "stopping the suspended VMM failed");
             }
+            record.timings.suspend_ms += ms(t.elapsed());
+            tracing::info!(vm = %record.name, phase = "Suspended", suspend_ms = record.timings.suspend_ms, bytes = s.bytes, "VM suspended");
+            return Ended::Suspended(s);
         }
-        match vm.exited() {
-            Ok(false) => {}
-            Ok(true) => break,
-            Err(e) => return Ended::Failed(at(Stage::Run, "checking the VMM")(e)),
-        }
-    }
+    };
     if reported.is_none() {
         reported = tokio::time::timeout(Duration::from_millis(300), reports.recv())
             .await
             .ok()
             .flatten();
     }
-    if let Some(status) = reported {
+    ended_by(record, reported, stopped).await
+}
+
+/// How a VM whose VMM ended (or was stopped) ended, from its exit report or console marker.
+async fn ended_by(record: &VmRecord, mut reported: Option<ExitStatus>, stopped: bool) -> Ended {
+    if let Some(status) = reported.take() {
         return Ended::Exited(status.code());
     }
     let tail = read_console_tail(&record.serial_log).await;
@@ -525,6 +679,150 @@ async fn drive<V: Vmm>(
                 record.serial_log.display()
             ),
         )),
+    }
+}
+
+/// Watches the running VM: its guest agent's first answer (Running), exit reports, stop and
+/// suspend requests, and the VMM's own exit.
+async fn supervise_loop<V: Vmm>(
+    vm: &mut V,
+    run: &Run<'_>,
+    record: &mut VmRecord,
+    stop: &mut StopSignals,
+    reports: &mut tokio::sync::mpsc::Receiver<ExitStatus>,
+    reported: &mut Option<ExitStatus>,
+    launched: Instant,
+) -> LoopEnd {
+    let ready_started = Instant::now();
+    let vsock = record.vsock.clone();
+    let health = guest_agent::wait_healthy(&vsock, record.agent_port, run.spec.boot_timeout());
+    tokio::pin!(health);
+    let mut healthy = false;
+    let mut tick = tokio::time::interval(Duration::from_millis(100));
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            () = either(&mut stop.term, &mut stop.int) => break LoopEnd::StopRequested,
+            _ = stop.usr1.recv() => {
+                if let Some(s) = handle_suspend(vm, run, record).await {
+                    break LoopEnd::Suspended(s);
+                }
+            }
+            Some(status) = reports.recv() => *reported = Some(status),
+            r = &mut health, if !healthy => {
+                healthy = true;
+                match r {
+                    Ok(_) => became_ready(run, record, ready_started, launched).await,
+                    Err(e) if reported.is_none() && !vm.exited().unwrap_or(true) => {
+                        break LoopEnd::Failed(at(run.stage(Stage::GuestReady), format!(
+                            "the guest did not come up within {:?}; console: {}",
+                            run.spec.boot_timeout(),
+                            record.serial_log.display()
+                        ))(e));
+                    }
+                    Err(_) => {}
+                }
+            }
+        }
+        match vm.exited() {
+            Ok(false) => {}
+            Ok(true) => break LoopEnd::Exited,
+            Err(e) => return LoopEnd::Failed(at(Stage::Run, "checking the VMM")(e)),
+        }
+    }
+}
+
+/// The guest agent answered: the VM runs (again, after a restore: then its clock is set and
+/// the used snapshot removed).
+async fn became_ready(
+    run: &Run<'_>,
+    record: &mut VmRecord,
+    ready_started: Instant,
+    launched: Instant,
+) {
+    record.status = VmStatus::Running;
+    match run.launch {
+        Launch::Boot => {
+            record.running_unix = Some(state::now_unix());
+            record.timings.ready_ms = ms(ready_started.elapsed());
+            tracing::info!(vm = %record.name, ready_ms = record.timings.ready_ms, "guest agent answered");
+        }
+        Launch::Restore(files) => {
+            // The guest's clock stopped at the snapshot: set it to now.
+            let clock = guest_agent::set_clock(
+                &record.vsock,
+                record.agent_port,
+                std::time::SystemTime::now(),
+                Duration::from_secs(10),
+            )
+            .await;
+            if let Err(e) = clock {
+                tracing::warn!(vm = %record.name, error = %e, "setting the resumed guest's clock failed");
+            }
+            record.timings.resume_ms = ms(launched.elapsed());
+            let snapshot = files.memory.parent().map(Path::to_path_buf);
+            record.suspend = None;
+            if let Some(dir) = snapshot {
+                let _ = tokio::task::spawn_blocking(move || std::fs::remove_dir_all(dir)).await;
+            }
+            tracing::info!(vm = %record.name, phase = "Running", resume_ms = record.timings.resume_ms, "VM resumed");
+        }
+    }
+    if let Err(e) = run.state.save(record) {
+        tracing::warn!(vm = %record.name, error = %e, "saving the VM record");
+    }
+}
+
+/// A suspend request arrived: snapshot the VM if it runs. `None` when there was nothing to do
+/// or the suspend failed (the VM runs on and the record says why).
+async fn handle_suspend<V: Vmm>(
+    vm: &mut V,
+    run: &Run<'_>,
+    record: &mut VmRecord,
+) -> Option<SuspendRecord> {
+    let token = suspend::take_request(run.dir)?;
+    let fail = |record: &mut VmRecord, error: String| {
+        tracing::warn!(vm = %record.name, error, "suspend failed; the VM keeps running");
+        record.suspend_failure = Some(SuspendFailure {
+            request: token.clone(),
+            failed_unix: state::now_unix(),
+            error,
+        });
+        if let Err(e) = run.state.save(record) {
+            tracing::warn!(vm = %record.name, error = %e, "saving the VM record");
+        }
+    };
+    if record.status != VmStatus::Running {
+        fail(
+            record,
+            format!("the VM is {}, not running", record.status.as_str()),
+        );
+        return None;
+    }
+    let t = Instant::now();
+    record.status = VmStatus::Suspending;
+    if let Err(e) = run.state.save(record) {
+        tracing::warn!(vm = %record.name, error = %e, "saving the VM record");
+    }
+    let dir = run.state.snapshot_dir(&record.name);
+    match suspend::suspend_vm(vm, &dir, run.spec.memory_mib).await {
+        Ok(s) => {
+            record.timings.suspend_ms = ms(t.elapsed());
+            tracing::info!(vm = %record.name, snapshot_ms = record.timings.suspend_ms, bytes = s.bytes, "snapshot written");
+            Some(s)
+        }
+        Err(e) => {
+            record.status = VmStatus::Running;
+            let mut error = e.to_string();
+            let mut cause = std::error::Error::source(&e);
+            while let Some(c) = cause {
+                error.push_str(": ");
+                error.push_str(&c.to_string());
+                cause = c.source();
+            }
+            fail(record, crate::image::layers::escape_controls(&error));
+            None
+        }
     }
 }
 

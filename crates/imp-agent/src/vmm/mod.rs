@@ -1,10 +1,10 @@
 //! Virtual machine monitors: one trait, [`Vmm`], and a driver per VMM.
 //!
 //! The node agent drives every VM through [`Vmm`], so the reconciler does not care whether a VM
-//! runs under Firecracker ([`firecracker`]) or, later, QEMU. The shared config types describe a
-//! VM in VMM-neutral terms; each driver maps them onto its own API. The host side of hybrid
-//! vsock ([`vsock`]) is shared by both drivers because Firecracker and vhost-device-vsock speak
-//! the same `CONNECT <port>` protocol.
+//! runs under Firecracker ([`firecracker`]) or QEMU ([`qemu`]). The shared config types
+//! describe a VM in VMM-neutral terms; each driver maps them onto its own API. The host side of
+//! hybrid vsock ([`vsock`]) is shared by both drivers: Firecracker speaks the `CONNECT <port>`
+//! protocol itself, and the QEMU driver's guest-channel mux serves the same sockets.
 
 use std::future::Future;
 use std::path::{Path, PathBuf};
@@ -70,7 +70,24 @@ pub struct NetConfig {
     pub tap: String,
     /// Guest MAC address as `aa:bb:cc:dd:ee:ff`; the VMM picks one when `None`.
     pub mac: Option<String>,
+    /// The TAP already open (QEMU only; Firecracker opens `tap` by name): the VMM inherits
+    /// this fd instead of opening `tap`,
+    /// e.g. from whoever held the TAP while the VM slept (a held TAP cannot be opened again).
+    pub tap_fd: Option<TapFd>,
 }
+
+/// An open TAP file descriptor handed to the VMM process.
+#[derive(Debug, Clone)]
+pub struct TapFd(pub std::sync::Arc<std::os::fd::OwnedFd>);
+
+impl PartialEq for TapFd {
+    fn eq(&self, other: &Self) -> bool {
+        use std::os::fd::AsRawFd;
+        self.0.as_raw_fd() == other.0.as_raw_fd()
+    }
+}
+
+impl Eq for TapFd {}
 
 /// The virtio-vsock device of a VM.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -190,8 +207,8 @@ pub trait Vmm: Sized + Send {
     /// The host process id of the VMM, while it runs.
     fn pid(&self) -> Option<u32>;
 
-    /// Processes besides the VMM that serve this VM (QEMU's vsock backend), so whoever cleans
-    /// up after a dead supervisor can end them too.
+    /// Processes besides the VMM that serve this VM, so whoever cleans up after a dead
+    /// supervisor can end them too (none today).
     fn helper_pids(&self) -> Vec<u32> {
         Vec::new()
     }

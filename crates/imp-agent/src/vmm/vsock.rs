@@ -1,7 +1,7 @@
 //! The host side of hybrid vsock: reaching a guest's vsock port through a Unix socket.
 //!
-//! Firecracker and vhost-device-vsock both expose a guest's vsock as one Unix socket on the
-//! host. To reach guest port P, the host connects to it, sends `CONNECT P\n` and reads
+//! Firecracker exposes a guest's vsock as one Unix socket on the host, and the QEMU driver's
+//! guest-channel mux ([`super::qemu::mux`]) serves the same socket. To reach guest port P, the host connects to it, sends `CONNECT P\n` and reads
 //! `OK <host-port>\n`; from then on the Unix stream is the vsock stream. While nothing listens
 //! on P in the guest the VMM closes the connection instead, so [`connect`] retries until a
 //! deadline. Guest-initiated connections to the host (CID 2) port P arrive on the Unix socket
@@ -62,9 +62,9 @@ pub fn host_listener_path(uds: &Path, port: u32) -> PathBuf {
 /// guest does not listen, for at most `timeout`.
 ///
 /// An attempt whose `CONNECT` is still unanswered at the deadline is not closed: it is left to
-/// finish in the background (see [`linger`]), because vhost-device-vsock 0.3.0 panics its only
-/// worker thread when the guest's answer finds the host side already gone, and the guest's
-/// vsock is then dead for the rest of its life.
+/// finish in the background (see [`linger`]), so a VMM never sees the host side of a stream
+/// vanish while its guest is answering (vhost-device-vsock 0.3.0, QEMU's former vsock backend,
+/// panicked on that; a lingering attempt costs nothing).
 pub async fn connect(uds: &Path, port: u32, timeout: Duration) -> Result<UnixStream> {
     let deadline = Instant::now() + timeout;
     let mut backoff = FIRST_BACKOFF;

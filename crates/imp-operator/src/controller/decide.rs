@@ -772,6 +772,29 @@ mod tests {
     }
 
     #[test]
+    fn suspended_vms_keep_their_node_and_phase_and_never_time_out() {
+        let now = Timestamp::now();
+        let ready = node(true, now);
+        for ph in [VmPhase::Suspending, VmPhase::Suspended, VmPhase::Resuming] {
+            let mut v = vm(Some("n1"), Some(ph));
+            v.spec.desired_state = imp_api::shared::VmDesiredState::Suspended;
+            // Started long ago: a Starting VM this old would have timed out.
+            let st = v.status.as_mut().unwrap();
+            st.started_at = Some(Time(now - Duration::from_secs(3600)));
+            st.suspended_at = Some(Time(now - Duration::from_secs(3000)));
+            st.suspend_snapshot_path = Some("/var/lib/imp/agent/snapshots/u".into());
+            let d = decide_with(&v, &resolved(v.spec.clone()), Some(&ready), now);
+            let p = plan(d);
+            assert!(!p.clear_node && !p.delete, "{ph}: {p:?}");
+            assert!(p.event.is_none(), "{ph}: {p:?}");
+            let status = p.status.unwrap();
+            assert_eq!(status.phase, Some(ph));
+            assert_eq!(status.node_name.as_deref(), Some("n1"));
+            assert!(status.suspend_snapshot_path.is_some() && status.suspended_at.is_some());
+        }
+    }
+
+    #[test]
     fn terminal_phases_wait_for_a_change() {
         let now = Timestamp::now();
         for ph in [VmPhase::Succeeded, VmPhase::RetryExhausted] {

@@ -21,14 +21,16 @@ use std::time::Duration;
 use anyhow::{Context, bail};
 use clap::Args;
 use imp_agent::api::client::{self, Target};
+use imp_api::shared::VmDesiredState;
 use imp_api::shared::{ANNOTATION_AGENT_CERT_SHA256, ANNOTATION_AGENT_ENDPOINT};
-use imp_api::vm::ImpVM;
+use imp_api::vm::{ImpVM, VmPhase};
 use imp_proto::message::Hello;
-use k8s_openapi::api::core::v1::Node;
+use k8s_openapi::api::core::v1::{Event, Node};
+use k8s_openapi::jiff::Timestamp;
 use kube::config::{AuthInfo, KubeConfigOptions, Kubeconfig};
 use secrecy::ExposeSecret;
 
-use crate::local::{self, ConsoleArgs, ExecArgs};
+use crate::local::{self, ConsoleArgs, ExecArgs, SuspendArgs};
 
 /// How the commands' help tells local and cluster mode apart.
 pub const MODE_HELP: &str = "Local or cluster: with -n/--namespace, --kubeconfig or --context, or \
@@ -154,20 +156,7 @@ async fn resolve(
     vm: &str,
     timeout: Duration,
 ) -> anyhow::Result<(Target, String)> {
-    let kubeconfig = match &args.kubeconfig {
-        Some(path) => Kubeconfig::read_from(path)
-            .with_context(|| format!("reading the kubeconfig {}", path.display()))?,
-        None => {
-            Kubeconfig::read().context("reading the kubeconfig (KUBECONFIG or ~/.kube/config)")?
-        }
-    };
-    let options = KubeConfigOptions {
-        context: args.context.clone(),
-        ..Default::default()
-    };
-    let config = kube::Config::from_custom_kubeconfig(kubeconfig, &options)
-        .await
-        .context("loading the kubeconfig")?;
+    let config = load_config(args).await?;
     let token = bearer_token(&config.auth_info)?;
     let namespace = args
         .namespace
@@ -196,6 +185,139 @@ async fn resolve(
         },
         namespace,
     ))
+}
+
+/// The kubeconfig the cluster flags select.
+async fn load_config(args: &ClusterArgs) -> anyhow::Result<kube::Config> {
+    let kubeconfig = match &args.kubeconfig {
+        Some(path) => Kubeconfig::read_from(path)
+            .with_context(|| format!("reading the kubeconfig {}", path.display()))?,
+        None => {
+            Kubeconfig::read().context("reading the kubeconfig (KUBECONFIG or ~/.kube/config)")?
+        }
+    };
+    let options = KubeConfigOptions {
+        context: args.context.clone(),
+        ..Default::default()
+    };
+    kube::Config::from_custom_kubeconfig(kubeconfig, &options)
+        .await
+        .context("loading the kubeconfig")
+}
+
+/// The phase an ImpVM reaches when `desired` is done, or why it never will.
+fn desired_reached(desired: VmDesiredState, phase: VmPhase) -> Option<Result<(), String>> {
+    let want = match desired {
+        VmDesiredState::Suspended => VmPhase::Suspended,
+        _ => VmPhase::Running,
+    };
+    if phase == want {
+        return Some(Ok(()));
+    }
+    phase
+        .is_terminal()
+        .then(|| Err(format!("the VM is {phase}")))
+}
+
+/// The newest time an Event says it happened (a repeated Event keeps its first creation).
+fn event_seen(e: &Event) -> Option<Timestamp> {
+    let times = [
+        e.series
+            .as_ref()
+            .and_then(|s| s.last_observed_time.as_ref())
+            .map(|t| t.0),
+        e.event_time.as_ref().map(|t| t.0),
+        e.last_timestamp.as_ref().map(|t| t.0),
+        e.metadata.creation_timestamp.as_ref().map(|t| t.0),
+    ];
+    times.into_iter().flatten().max()
+}
+
+/// The message of a `SuspendFailed` Event about the VM with `uid` seen at `since` or later:
+/// the node's agent tried and the VM runs on, so waiting longer is pointless.
+fn fresh_suspend_failure(events: &[Event], uid: &str, since: Timestamp) -> Option<String> {
+    events
+        .iter()
+        .filter(|e| e.reason.as_deref() == Some("SuspendFailed"))
+        .filter(|e| e.involved_object.uid.as_deref() == Some(uid))
+        .filter(|e| event_seen(e).is_some_and(|t| t >= since))
+        .filter_map(|e| e.message.clone())
+        .next()
+}
+
+/// `imp suspend|resume -n NS VM` against the cluster: sets `spec.desiredState` on the ImpVM
+/// and waits until its node's agent reports the phase (`Suspended`, or `Running`).
+pub fn set_desired_state(args: SuspendArgs, desired: VmDesiredState) -> anyhow::Result<()> {
+    let rt = runtime()?;
+    rt.block_on(async {
+        let config = load_config(&args.cluster).await?;
+        let namespace = args
+            .cluster
+            .namespace
+            .clone()
+            .unwrap_or_else(|| config.default_namespace.clone());
+        let kube = kube::Client::try_from(config).context("building the Kubernetes client")?;
+        let api = kube::Api::<ImpVM>::namespaced(kube, &namespace);
+        let vm = &args.vm;
+        let current = api
+            .get_opt(vm)
+            .await
+            .with_context(|| format!("reading ImpVM {namespace}/{vm}"))?
+            .with_context(|| format!("ImpVM {namespace}/{vm} not found"))?;
+        let uid = current.metadata.uid.clone().unwrap_or_default();
+        let events = kube::Api::<Event>::namespaced(api.clone().into_client(), &namespace);
+        let phase = current.status.and_then(|s| s.phase).unwrap_or_default();
+        if phase.is_terminal() {
+            bail!("ImpVM {namespace}/{vm} is {phase}: only a live VM can be suspended or resumed");
+        }
+        let body = serde_json::json!({"spec": {"desiredState": desired}});
+        api.patch(
+            vm,
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(&body),
+        )
+        .await
+        .with_context(|| format!("setting spec.desiredState of ImpVM {namespace}/{vm}"))?;
+        let started = std::time::Instant::now();
+        // Only failures after this request count (one of an earlier request, or of a retry
+        // while the node was short of disk, is old news; a failure in this very second may
+        // then be missed until the agent's next try reports it again).
+        let since = Timestamp::now();
+        loop {
+            let now = api
+                .get(vm)
+                .await
+                .with_context(|| format!("reading ImpVM {namespace}/{vm}"))?;
+            let phase = now.status.and_then(|s| s.phase).unwrap_or_default();
+            match desired_reached(desired, phase) {
+                Some(Ok(())) => break,
+                Some(Err(why)) => bail!("ImpVM {namespace}/{vm}: {why}"),
+                None if desired == VmDesiredState::Suspended => {
+                    let listed = events
+                        .list(&kube::api::ListParams::default())
+                        .await
+                        .with_context(|| format!("listing the Events of namespace {namespace}"))?;
+                    if let Some(why) = fresh_suspend_failure(&listed.items, &uid, since) {
+                        bail!("ImpVM {namespace}/{vm} could not be suspended: {why}");
+                    }
+                }
+                None => {}
+            }
+            if started.elapsed() > args.timeout {
+                bail!(
+                    "ImpVM {namespace}/{vm} is still {phase} after {:?}",
+                    args.timeout
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        eprintln!(
+            "imp: ImpVM {namespace}/{vm} is {desired:?} after {:.2}s",
+            started.elapsed().as_secs_f64()
+        );
+        println!("{vm}");
+        Ok(())
+    })
 }
 
 /// The node an ImpVM runs on: `status.nodeName`, else `spec.nodeName`.
@@ -289,6 +411,57 @@ mod tests {
         ] {
             assert!(selects_cluster(&args, Some(OsStr::new("imp"))), "{args:?}");
         }
+    }
+
+    #[test]
+    fn suspend_waits_for_suspended_and_resume_for_running() {
+        let s = VmDesiredState::Suspended;
+        assert_eq!(desired_reached(s, VmPhase::Suspended), Some(Ok(())));
+        assert_eq!(desired_reached(s, VmPhase::Suspending), None);
+        assert_eq!(desired_reached(s, VmPhase::Running), None);
+        let r = VmDesiredState::Running;
+        assert_eq!(desired_reached(r, VmPhase::Resuming), None);
+        assert_eq!(desired_reached(r, VmPhase::Running), Some(Ok(())));
+        let failed = desired_reached(r, VmPhase::Failed).unwrap().unwrap_err();
+        assert!(failed.contains("Failed"), "{failed}");
+    }
+
+    #[test]
+    fn only_a_suspend_failure_of_this_vm_since_the_request_ends_the_wait() {
+        let now = Timestamp::now();
+        let event = |reason: &str, uid: &str, at: Timestamp| -> Event {
+            let mut e = Event {
+                reason: Some(reason.into()),
+                message: Some(format!("{reason} of {uid}")),
+                ..Event::default()
+            };
+            e.involved_object.uid = Some(uid.into());
+            e.metadata.creation_timestamp =
+                Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(at));
+            e
+        };
+        let old = now - std::time::Duration::from_secs(30);
+        let events = vec![
+            event("SuspendFailed", "u1", old),
+            event("SuspendFailed", "u2", now),
+            event("Suspending", "u1", now),
+        ];
+        assert_eq!(fresh_suspend_failure(&events, "u1", now), None);
+        let mut again = events.clone();
+        again.push(event("SuspendFailed", "u1", now));
+        assert_eq!(
+            fresh_suspend_failure(&again, "u1", now).as_deref(),
+            Some("SuspendFailed of u1")
+        );
+        // A repeated Event keeps its creation time; its series says when it was seen last.
+        let mut repeated = event("SuspendFailed", "u1", old);
+        repeated.series = Some(k8s_openapi::api::core::v1::EventSeries {
+            count: Some(2),
+            last_observed_time: Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime(
+                now,
+            )),
+        });
+        assert!(fresh_suspend_failure(&[repeated], "u1", now).is_some());
     }
 
     #[test]

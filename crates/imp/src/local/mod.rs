@@ -18,6 +18,7 @@ use clap::Args;
 use imp_agent::runtime::console;
 use imp_agent::runtime::shim;
 use imp_agent::runtime::state::{self, StateDir, VmStatus};
+use imp_agent::runtime::suspend;
 pub use run::RunArgs;
 
 /// Flags every local command shares.
@@ -86,6 +87,21 @@ pub struct RmArgs {
     pub force: bool,
     #[command(flatten)]
     common: Common,
+}
+
+/// `imp suspend` and `imp resume`.
+#[derive(Args, Debug)]
+#[command(after_help = crate::cluster::MODE_HELP)]
+pub struct SuspendArgs {
+    /// The VM: a local VM of `imp run -d`, or an ImpVM in cluster mode.
+    pub vm: String,
+    /// How long to wait for the VM to be suspended (or running again).
+    #[arg(long, default_value = "180s", value_parser = parse_duration)]
+    pub timeout: Duration,
+    #[command(flatten)]
+    common: Common,
+    #[command(flatten)]
+    pub cluster: crate::cluster::ClusterArgs,
 }
 
 /// `imp image prune`.
@@ -209,14 +225,14 @@ pub fn ps(args: PsArgs) -> anyhow::Result<()> {
     let now = state::now_unix();
     for r in records {
         let status = r.effective_status();
-        if !args.all && !matches!(status, VmStatus::Starting | VmStatus::Running) {
+        if !args.all && status.is_final() {
             continue;
         }
         let exit = r.exit_code.map(|c| c.to_string()).unwrap_or_default();
         println!(
             "{:<20} {:<9} {:<5} {:<12} {:>8}  {}",
             r.name,
-            format!("{status:?}").to_lowercase(),
+            status.as_str(),
             exit,
             r.runtime,
             age(now.saturating_sub(r.created_unix)),
@@ -258,7 +274,22 @@ pub fn stop(args: StopArgs) -> anyhow::Result<()> {
 }
 
 fn stop_one(state: &StateDir, name: &str, grace: Duration) -> anyhow::Result<()> {
-    let record = state.load(name)?;
+    let mut record = state.load(name)?;
+    if record.status == VmStatus::Suspended && !record.supervisor_alive() {
+        // Nothing runs: stopping a suspended VM discards its snapshot.
+        std::fs::remove_dir_all(state.snapshot_dir(name))
+            .or_else(|e| match e.kind() {
+                std::io::ErrorKind::NotFound => Ok(()),
+                _ => Err(e),
+            })
+            .with_context(|| format!("removing the snapshot of {name}"))?;
+        record.status = VmStatus::Exited;
+        record.exit_code = Some(imp_agent::runtime::supervisor::STOPPED_EXIT_CODE);
+        record.finished_unix = Some(state::now_unix());
+        record.suspend = None;
+        state.save(&record)?;
+        return Ok(());
+    }
     if !record.supervisor_alive() {
         kill_orphaned_vmm(state, &record);
         return Ok(());
@@ -313,6 +344,56 @@ pub fn rm(args: RmArgs) -> anyhow::Result<()> {
     if failed > 0 {
         bail!("{failed} of {} VMs could not be removed", args.vms.len());
     }
+    Ok(())
+}
+
+fn block_on<F: std::future::Future>(f: F) -> anyhow::Result<F::Output> {
+    Ok(tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?
+        .block_on(f))
+}
+
+/// `imp suspend VM`: the VM's shim pauses it, writes its snapshot and stops its VMM; prints
+/// the name once the record says suspended.
+pub fn suspend(args: SuspendArgs) -> anyhow::Result<()> {
+    let state = StateDir::resolve(args.common.state_dir)?;
+    let record = state.load(&args.vm)?;
+    let started = std::time::Instant::now();
+    let token = suspend::request_suspend(&state, &record)?;
+    let done = block_on(suspend::wait_suspended(
+        &state,
+        &args.vm,
+        &token,
+        args.timeout,
+    ))??;
+    let bytes = done.suspend.as_ref().map_or(0, |s| s.bytes);
+    eprintln!(
+        "imp: {} suspended in {:.2}s (snapshot {:.0} MiB)",
+        args.vm,
+        started.elapsed().as_secs_f64(),
+        bytes as f64 / f64::from(1u32 << 20)
+    );
+    println!("{}", args.vm);
+    Ok(())
+}
+
+/// `imp resume VM`: a new shim restores the VM from its snapshot; prints the name once the
+/// guest agent answers again.
+pub fn resume(args: SuspendArgs) -> anyhow::Result<()> {
+    let state = StateDir::resolve(args.common.state_dir)?;
+    let record = state.load(&args.vm)?;
+    let started = std::time::Instant::now();
+    let cmd = shim::ShimCommand::current_exe().context("finding the imp binary for the shim")?;
+    suspend::start_resume(&cmd, &state, &record)?;
+    block_on(suspend::wait_resumed(&state, &args.vm, args.timeout))??;
+    eprintln!(
+        "imp: {} resumed in {:.2}s",
+        args.vm,
+        started.elapsed().as_secs_f64()
+    );
+    println!("{}", args.vm);
     Ok(())
 }
 

@@ -315,14 +315,14 @@ async fn until_running(
     loop {
         if let Some(r) = load(state, name).await {
             match r.effective_status() {
-                VmStatus::Running | VmStatus::Exited => return Ok(r),
+                VmStatus::Running | VmStatus::Exited | VmStatus::Suspended => return Ok(r),
                 VmStatus::Failed => bail!(
                     "VM {name} did not start: {}",
                     r.error
                         .clone()
                         .unwrap_or_else(|| format!("its shim died; see {}", shim_log.display()))
                 ),
-                VmStatus::Starting => {}
+                VmStatus::Starting | VmStatus::Suspending | VmStatus::Resuming => {}
             }
         }
         if Instant::now() > deadline {
@@ -520,10 +520,19 @@ fn outcome(state: &StateDir, record: &VmRecord) -> anyhow::Result<i32> {
     match record.status {
         VmStatus::Exited => Ok(record.exit_code.unwrap_or(0)),
         VmStatus::Failed => bail!("{}", record.error.clone().unwrap_or_default()),
-        VmStatus::Starting | VmStatus::Running => bail!(
-            "the VM's shim died before recording the end; see {}",
-            imp_agent::runtime::supervisor::shim_log(&state.vm_dir(&record.name)).display()
-        ),
+        VmStatus::Suspended => {
+            eprintln!(
+                "imp: {} was suspended; `imp resume {}` restores it",
+                record.name, record.name
+            );
+            Ok(0)
+        }
+        VmStatus::Starting | VmStatus::Running | VmStatus::Suspending | VmStatus::Resuming => {
+            bail!(
+                "the VM's shim died before recording the end; see {}",
+                imp_agent::runtime::supervisor::shim_log(&state.vm_dir(&record.name)).display()
+            )
+        }
     }
 }
 

@@ -34,19 +34,11 @@ pub fn guest() -> PathBuf {
 /// Everything a real guest boot from a local registry needs, or `None` when the caller must
 /// skip (the guard has said why; under CI=true it fails instead).
 pub fn guest_boot_ready() -> Option<()> {
-    let vhost = imp_testkube::guard::which("vhost-device-vsock").is_some()
-        || std::env::var_os("HOME")
-            .map(|h| PathBuf::from(h).join(".cargo/bin/vhost-device-vsock"))
-            .is_some_and(|p| p.is_file());
     let checks = [
         (imp_testkube::guard::is_root(), "root"),
         (
             imp_testkube::guard::which("qemu-system-x86_64").is_some(),
             "qemu-system-x86_64 (scripts/setup)",
-        ),
-        (
-            vhost,
-            "vhost-device-vsock (cargo install vhost-device-vsock)",
         ),
         (
             imp_testkube::guard::which("docker-registry").is_some(),

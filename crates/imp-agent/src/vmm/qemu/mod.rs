@@ -1,44 +1,40 @@
-//! The QEMU driver: `qemu-system-x86_64 -M microvm`, controlled over QMP, with vsock served by
-//! a supervised `vhost-device-vsock`.
+//! The QEMU driver: `qemu-system-x86_64 -M microvm`, controlled over QMP, with the guest
+//! channel carried over a virtio-serial port.
 //!
 //! It exists for hosts where Firecracker cannot boot Linux (no usable KVM: QEMU falls back to
 //! TCG) and gives the VM the same shape as the Firecracker driver: virtio-mmio block devices
-//! for the drives, a virtio-net device on a host TAP, and a vsock whose host side is a Unix
-//! socket speaking Firecracker's `CONNECT <port>` protocol, so [`super::vsock`] serves both.
+//! for the drives, a virtio-net device on a host TAP (by name, or an already-open fd handed
+//! over by whoever held it), and a guest channel whose host side is a Unix socket speaking
+//! Firecracker's `CONNECT <port>` protocol, so [`super::vsock`] serves both.
+//!
+//! QEMU's vsock for TCG guests (`vhost-user-vsock-device`) cannot be migrated, so a VM with it
+//! could not be snapshotted. Instead the guest gets a virtio-serial port named
+//! [`MUX_PORT`] on a chardev socket, and [`mux::HostMux`] multiplexes vsock-like streams over
+//! it ([`imp_proto::mux`]); imp-guest speaks the other end when it finds that port. The host
+//! interface is unchanged: `vsock.sock` for host→guest streams, `vsock.sock_P` for guest
+//! streams to host port P.
 //!
 //! Files in the VM's run directory: `qmp.sock` (control), `vsock.sock` (host side of the
-//! guest's vsock; guest connections to host port P arrive on `vsock.sock_P`),
-//! `vhost-vsock.sock` (between QEMU and vhost-device-vsock), `serial.log`, `qemu.log` and
-//! `vhost-vsock.log`.
+//! guest channel; guest connections to host port P arrive on `vsock.sock_P`), `mux.sock`
+//! (QEMU's end of the virtio-serial port), `serial.log` and `qemu.log`.
 //!
-//! vhost-device-vsock is started first and watched: if it dies while the VM runs, or its one
-//! vring worker thread ends (the process then lives on, serving nothing), QEMU would run on
-//! with a dead vsock, so the driver marks the VM's vsock as failed, logs it, and every later
-//! vsock connection fails with [`Error::VsockBackendDied`] naming its log.
-//!
-//! Pausing a VM with vsock freezes the QEMU process (SIGSTOP) instead of QMP `stop`. A QMP
-//! `stop` stops the vhost-user rings, and vhost-device-vsock 0.3.0's worker thread exits on the
-//! first host-side event it sees while they are stopped (a connection attempt, or a connection
-//! closing just before the pause): its `process_tx` fails on the stopped queue and the error
-//! ends the thread, leaving the guest's vsock dead for good after `cont` while the daemon
-//! process lives on. Freezing QEMU leaves the rings running, so the daemon queues what
-//! arrives and the guest sees it on resume. The guest's clock jumps over the pause (TCG
-//! follows the host clock), so it still tells the right time afterwards; such guests boot with
-//! `nosoftlockup rcupdate.rcu_cpu_stall_suppress=1`, or a pause over 20 s would be reported as
-//! a soft lockup. VMs without vsock are paused with QMP `stop`.
-//!
-//! Snapshots use QEMU's migration stream: `stop`, `migrate` to `exec:cat > FILE`, and restore
-//! by a new QEMU started with `-incoming`. QEMU 7.2 refuses to migrate vhost-user-vsock, so a
-//! VM with vsock answers [`Error::Unsupported`] (QEMU's own reason included). The whole stream (devices and memory) goes to
-//! [`SnapshotFiles::memory`]; [`SnapshotFiles::state`] records the QEMU version it came from.
-//! A restored VM's console is appended to `serial.log`, after the output from before the snapshot.
+//! Pause and resume are QMP `stop` and `cont`. Snapshots use QEMU's migration stream: `stop`,
+//! `migrate` to `exec:cat > FILE`, and restore by a new QEMU started with the same command line
+//! plus `-incoming`. The whole stream (devices and memory) goes to [`SnapshotFiles::memory`];
+//! [`SnapshotFiles::state`] records the QEMU version it came from. A restored VM's host mux
+//! connects to the new QEMU's chardev and resets the channel: streams that were open when the
+//! snapshot was taken are closed on both sides (their readers see end of file or a reset),
+//! and new ones work at once. The guest's clock is stale after a restore:
+//! [`crate::runtime::guest_agent`] can set it. A restored VM's console is appended to
+//! `serial.log`, after the output from before the snapshot.
 
+pub mod mux;
 pub mod qmp;
 
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
+
+use std::os::fd::AsRawFd;
 
 use tokio::net::UnixStream;
 use tokio::process::{Child, Command};
@@ -50,15 +46,11 @@ use qmp::{Qmp, QmpError};
 /// microvm, which has no PIT or HPET).
 const FALLBACK_TSC_KHZ: u64 = 2_000_000;
 
-/// Kernel arguments for guests paused by freezing QEMU: a pause longer than 20 s is not a
-/// soft lockup or an RCU stall.
-const FROZEN_PAUSE_ARGS: &str = " nosoftlockup rcupdate.rcu_cpu_stall_suppress=1";
+/// The name of the virtio-serial port that carries the guest channel (imp-guest looks for it).
+pub const MUX_PORT: &str = "imp.mux";
 
 /// Longest a snapshot may take to save or load (a 256 MiB guest takes under a second).
 const MIGRATION_TIMEOUT: Duration = Duration::from_secs(300);
-
-/// Longest single vsock connection attempt inside [`Vmm::connect_vsock`]'s overall timeout.
-const CONNECT_SLICE: Duration = Duration::from_secs(5);
 
 /// Why a QEMU VM could not be started or driven.
 #[derive(Debug, thiserror::Error)]
@@ -123,14 +115,6 @@ pub enum Error {
     /// A vsock connection failed.
     #[error(transparent)]
     Vsock(#[from] vsock::Error),
-    /// vhost-device-vsock died while the VM ran.
-    #[error("The vsock backend of VM {id} died; see {log}")]
-    VsockBackendDied {
-        /// The VM.
-        id: String,
-        /// vhost-device-vsock's log.
-        log: PathBuf,
-    },
     /// The VM has no vsock device.
     #[error("VM {0} has no vsock device")]
     NoVsock(String),
@@ -143,19 +127,6 @@ pub enum Error {
         id: String,
         /// Its state.
         state: VmState,
-    },
-    /// Freezing or thawing the QEMU process failed.
-    #[error("Failed to {what} the QEMU process {pid} of VM {id}")]
-    Signal {
-        /// What was being done.
-        what: &'static str,
-        /// The VM.
-        id: String,
-        /// QEMU's process id.
-        pid: u32,
-        /// The underlying error.
-        #[source]
-        source: nix::Error,
     },
     /// The config asks for something this driver cannot do.
     #[error("VM {id}: {reason}")]
@@ -192,8 +163,6 @@ pub enum Accel {
 pub struct Launcher {
     /// `qemu-system-x86_64`.
     pub qemu: PathBuf,
-    /// `vhost-device-vsock`, needed for VMs with vsock.
-    pub vhost_vsock: Option<PathBuf>,
     /// KVM or TCG.
     pub accel: Accel,
     /// The host's TSC rate for the guest's `tsc_early_khz`.
@@ -208,7 +177,7 @@ pub struct Launcher {
 }
 
 impl Launcher {
-    /// Finds QEMU and vhost-device-vsock on PATH (or `~/.cargo/bin`), using TCG; call
+    /// Finds QEMU on PATH (or `~/.cargo/bin`), using TCG; call
     /// [`Launcher::probe_accel`] to switch to KVM where it really boots Linux.
     pub fn detect() -> Result<Self> {
         let qemu = find("qemu-system-x86_64").ok_or(Error::Missing {
@@ -217,7 +186,6 @@ impl Launcher {
         })?;
         Ok(Launcher {
             qemu,
-            vhost_vsock: find("vhost-device-vsock"),
             accel: match std::env::var("IMP_QEMU_ACCEL").as_deref() {
                 Ok("kvm") => Accel::Kvm,
                 _ => Accel::Tcg,
@@ -281,10 +249,9 @@ pub fn host_tsc_khz() -> u64 {
 mod files {
     pub const QMP: &str = "qmp.sock";
     pub const VSOCK: &str = "vsock.sock";
-    pub const VHOST: &str = "vhost-vsock.sock";
+    pub const MUX: &str = "mux.sock";
     pub const SERIAL: &str = "serial.log";
     pub const QEMU_LOG: &str = "qemu.log";
-    pub const VHOST_LOG: &str = "vhost-vsock.log";
 }
 
 /// One VM running under QEMU.
@@ -293,14 +260,10 @@ pub struct Qemu {
     id: String,
     run_dir: PathBuf,
     child: Child,
-    /// The task that owns vhost-device-vsock and flags its death; aborting it kills the daemon.
-    vhost: Option<tokio::task::JoinHandle<()>>,
-    vhost_pid: Option<u32>,
-    vhost_dead: Arc<AtomicBool>,
+    /// Serves the guest channel (VMs with vsock); dropping it ends every stream.
+    mux: Option<mux::HostMux>,
     qmp: Qmp,
     state: VmState,
-    /// Paused by SIGSTOP (VMs with vsock): QMP does not answer until SIGCONT.
-    frozen: bool,
     serial: PathBuf,
     launcher_agent_port: Option<u32>,
 }
@@ -325,29 +288,13 @@ impl Qemu {
     ) -> Result<Self> {
         let run_dir = std::path::absolute(&config.run_dir).unwrap_or(config.run_dir.clone());
         std::fs::create_dir_all(&run_dir).map_err(files_err("create", &run_dir))?;
-        for f in [files::QMP, files::VSOCK, files::VHOST] {
+        for f in [files::QMP, files::VSOCK, files::MUX] {
             let _ = std::fs::remove_file(run_dir.join(f));
         }
         let serial = run_dir.join(files::SERIAL);
         if incoming.is_none() {
             std::fs::write(&serial, b"").map_err(files_err("create", &serial))?;
         }
-        let vhost_dead = Arc::new(AtomicBool::new(false));
-        let (vhost, vhost_pid) = match &config.vsock {
-            None => (None, None),
-            Some(v) => {
-                let child = Self::start_vhost(launcher, config, &run_dir, v.guest_cid).await?;
-                let pid = child.id();
-                let task = supervise_vhost(
-                    child,
-                    config.id.clone(),
-                    run_dir.join(files::VHOST_LOG),
-                    Arc::clone(&vhost_dead),
-                );
-                (Some(task), pid)
-            }
-        };
-
         let mut cmd = match &config.netns {
             Some(ns) => {
                 let mut c = Command::new("ip");
@@ -357,11 +304,7 @@ impl Qemu {
             None => Command::new(&launcher.qemu),
         };
         let mem = config.memory_mib;
-        let machine = if config.vsock.is_some() {
-            "microvm,memory-backend=mem"
-        } else {
-            "microvm"
-        };
+        let machine = "microvm";
         cmd.arg("-accel")
             .arg(match launcher.accel {
                 Accel::Kvm => "kvm",
@@ -372,10 +315,6 @@ impl Qemu {
             .args(["-smp", &config.vcpus.to_string()]);
         if launcher.accel == Accel::Kvm {
             cmd.args(["-cpu", "host"]);
-        }
-        if config.vsock.is_some() {
-            cmd.arg("-object")
-                .arg(format!("memory-backend-memfd,id=mem,size={mem}M,share=on"));
         }
         // `append=on`: `-serial file:` truncates the log, so a restore would lose the console
         // from before the snapshot (a boot has emptied it above).
@@ -406,11 +345,6 @@ impl Qemu {
             // under load, so the clocksource watchdog would wrongly drop the TSC for jiffies.
             append.push_str(" tsc=reliable");
         }
-        if config.vsock.is_some() {
-            // Such VMs are paused by freezing QEMU (module doc): the guest's clock then jumps
-            // over the pause, which its lockup and RCU stall detectors would report as hangs.
-            append.push_str(FROZEN_PAUSE_ARGS);
-        }
         cmd.arg("-append").arg(append.trim());
         for d in &config.drives {
             let mut drive = format!("id={},file={},format=raw,if=none", d.id, d.path.display());
@@ -423,10 +357,7 @@ impl Qemu {
                 .arg(format!("virtio-blk-device,drive={}", d.id));
         }
         if let Some(n) = &config.net {
-            cmd.arg("-netdev").arg(format!(
-                "tap,id={},ifname={},script=no,downscript=no",
-                n.id, n.tap
-            ));
+            cmd.arg("-netdev").arg(netdev_arg(n));
             let mut dev = format!("virtio-net-device,netdev={}", n.id);
             if let Some(mac) = &n.mac {
                 dev.push_str(&format!(",mac={mac}"));
@@ -434,12 +365,14 @@ impl Qemu {
             cmd.arg("-device").arg(dev);
         }
         if config.vsock.is_some() {
-            cmd.arg("-chardev")
+            cmd.args(["-device", "virtio-serial-device"])
+                .arg("-chardev")
                 .arg(format!(
-                    "socket,id=vsock,path={}",
-                    run_dir.join(files::VHOST).display()
+                    "socket,id=mux,path={},server=on,wait=off",
+                    run_dir.join(files::MUX).display()
                 ))
-                .args(["-device", "vhost-user-vsock-device,chardev=vsock"]);
+                .arg("-device")
+                .arg(format!("virtserialport,chardev=mux,name={MUX_PORT}"));
         }
         if let Some(file) = incoming {
             cmd.arg("-incoming")
@@ -455,10 +388,15 @@ impl Qemu {
             .stderr(log2)
             .process_group(0)
             .kill_on_drop(true);
+        let tap_fd = config.net.as_ref().and_then(|n| n.tap_fd.clone());
+        if let Some(fd) = &tap_fd {
+            inherit_fd(&mut cmd, fd);
+        }
         let mut child = cmd.spawn().map_err(|source| Error::Spawn {
             binary: launcher.qemu.clone(),
             source,
         })?;
+        drop(tap_fd);
 
         let qmp_path = run_dir.join(files::QMP);
         let deadline = Instant::now() + launcher.socket_timeout;
@@ -496,89 +434,28 @@ impl Qemu {
         } else {
             VmState::Running
         };
+        let mux = match &config.vsock {
+            None => None,
+            Some(_) => Some(
+                mux::HostMux::spawn(
+                    config.id.clone(),
+                    run_dir.join(files::MUX),
+                    run_dir.join(files::VSOCK),
+                )
+                .map_err(files_err("listen on", &run_dir.join(files::VSOCK)))?,
+            ),
+        };
         tracing::info!(vm = %config.id, pid = ?child.id(), accel = ?launcher.accel, "qemu vm started");
         Ok(Qemu {
             id: config.id.clone(),
             run_dir,
             child,
-            vhost,
-            vhost_pid,
-            vhost_dead,
+            mux,
             qmp,
             state,
-            frozen: false,
             serial,
             launcher_agent_port: launcher.agent_port,
         })
-    }
-
-    async fn start_vhost(
-        launcher: &Launcher,
-        config: &VmConfig,
-        run_dir: &Path,
-        cid: u32,
-    ) -> Result<Child> {
-        let binary = launcher.vhost_vsock.clone().ok_or(Error::Missing {
-            binary: "vhost-device-vsock",
-            hint: "cargo install --locked vhost-device-vsock@0.3.0",
-        })?;
-        let socket = run_dir.join(files::VHOST);
-        let log_path = run_dir.join(files::VHOST_LOG);
-        let log = std::fs::File::create(&log_path).map_err(files_err("create", &log_path))?;
-        let log2 = log.try_clone().map_err(files_err("reopen", &log_path))?;
-        let mut child = Command::new(&binary)
-            .arg("--vm")
-            .arg(format!(
-                "guest-cid={cid},socket={},uds-path={}",
-                socket.display(),
-                run_dir.join(files::VSOCK).display()
-            ))
-            .stdin(std::process::Stdio::null())
-            .stdout(log)
-            .stderr(log2)
-            .process_group(0)
-            .kill_on_drop(true)
-            .spawn()
-            .map_err(|source| Error::Spawn {
-                binary: binary.clone(),
-                source,
-            })?;
-        let deadline = Instant::now() + launcher.socket_timeout;
-        while !socket.exists() {
-            if let Ok(Some(status)) = child.try_wait() {
-                return Err(Error::Exited {
-                    what: "vhost-device-vsock",
-                    id: config.id.clone(),
-                    status: status.to_string(),
-                    log: tail(&log_path),
-                });
-            }
-            if Instant::now() >= deadline {
-                return Err(Error::SocketTimeout {
-                    socket,
-                    timeout: launcher.socket_timeout,
-                });
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-        Ok(child)
-    }
-
-    /// The process id of this VM's vhost-device-vsock, while it runs.
-    pub fn vsock_backend_pid(&self) -> Option<u32> {
-        self.vhost_pid.filter(|_| !self.vsock_backend_died())
-    }
-
-    /// Whether vhost-device-vsock died while the VM ran (its vsock no longer works).
-    pub fn vsock_backend_died(&self) -> bool {
-        self.vhost_dead.load(Ordering::SeqCst)
-    }
-
-    /// Stops the supervisor, which kills vhost-device-vsock.
-    fn kill_vhost(&mut self) {
-        if let Some(task) = self.vhost.take() {
-            task.abort();
-        }
     }
 
     /// Asks imp-guest to end its workload and power off, over the guest agent's vsock port.
@@ -598,54 +475,6 @@ impl Qemu {
         })
         .await
         .map_err(|e| e.to_string())?
-    }
-
-    /// Sends `signal` to QEMU (only QEMU: it leads its own process group).
-    fn signal(&self, what: &'static str, signal: nix::sys::signal::Signal) -> Result<()> {
-        let err = |source| Error::Signal {
-            what,
-            id: self.id.clone(),
-            pid: self.child.id().unwrap_or(0),
-            source,
-        };
-        let pid = self.child.id().ok_or_else(|| err(nix::Error::ESRCH))?;
-        let pid = i32::try_from(pid).map_err(|_| err(nix::Error::EINVAL))?;
-        nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), signal).map_err(err)
-    }
-
-    /// Stops QEMU with SIGSTOP and waits until the kernel reports it stopped, so no vCPU runs
-    /// once pause returns.
-    async fn freeze(&mut self) -> Result<()> {
-        self.signal("freeze", nix::sys::signal::Signal::SIGSTOP)?;
-        self.frozen = true;
-        let stat = PathBuf::from(format!("/proc/{}/stat", self.child.id().unwrap_or(0)));
-        let deadline = Instant::now() + Duration::from_secs(5);
-        loop {
-            // The state is the field after the parenthesised command name.
-            let state = std::fs::read_to_string(&stat)
-                .ok()
-                .and_then(|s| {
-                    s.rsplit_once(')')
-                        .map(|(_, rest)| rest.trim_start().to_owned())
-                })
-                .and_then(|rest| rest.chars().next());
-            match state {
-                Some('T' | 't') => return Ok(()),
-                None => return Ok(()), // gone: exited() will say so
-                Some(_) if Instant::now() >= deadline => {
-                    // Not paused after all: leave it running, as the error says.
-                    let _ = self.signal("thaw", nix::sys::signal::Signal::SIGCONT);
-                    self.frozen = false;
-                    return Err(Error::Signal {
-                        what: "freeze (still not stopped after 5 s)",
-                        id: self.id.clone(),
-                        pid: self.child.id().unwrap_or(0),
-                        source: nix::Error::ETIMEDOUT,
-                    });
-                }
-                Some(_) => tokio::time::sleep(Duration::from_millis(1)).await,
-            }
-        }
     }
 
     fn require(&self, op: &'static str, allowed: &[VmState]) -> Result<()> {
@@ -717,66 +546,43 @@ impl Qemu {
     }
 }
 
+/// QEMU's `-netdev` for `net`: the TAP by name, or the inherited fd QEMU is given.
+fn netdev_arg(net: &super::NetConfig) -> String {
+    match &net.tap_fd {
+        Some(fd) => format!("tap,id={},fd={}", net.id, fd.0.as_raw_fd()),
+        None => format!(
+            "tap,id={},ifname={},script=no,downscript=no",
+            net.id, net.tap
+        ),
+    }
+}
+
+/// Lets QEMU inherit `fd` under the same number (Rust opens everything close-on-exec).
+/// Clearing the flag in the child, not the parent, keeps the TAP out of every other process
+/// spawned meanwhile.
+#[allow(unsafe_code)]
+fn inherit_fd(cmd: &mut Command, fd: &super::TapFd) {
+    let raw = fd.0.as_raw_fd();
+    // SAFETY: the closure runs between fork and exec and only calls fcntl(2), which is
+    // async-signal-safe; `raw` stays open in the parent until spawn returns.
+    unsafe {
+        cmd.pre_exec(move || {
+            let flags = libc::fcntl(raw, libc::F_GETFD);
+            if flags < 0 || libc::fcntl(raw, libc::F_SETFD, flags & !libc::FD_CLOEXEC) < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+}
+
 fn shell_quote(p: &Path) -> String {
     format!("'{}'", p.display().to_string().replace('\'', r"'\''"))
-}
-
-/// Owns vhost-device-vsock for the VM's life: if it exits, or its vring worker thread ends
-/// (the process then lives on with a dead vsock), flags the VM's vsock as dead and says so in
-/// the log. QEMU itself runs on with a dead vsock and would not tell anyone.
-fn supervise_vhost(
-    mut child: Child,
-    id: String,
-    log: PathBuf,
-    dead: Arc<AtomicBool>,
-) -> tokio::task::JoinHandle<()> {
-    tokio::spawn(async move {
-        let pid = child.id();
-        let mut tick = tokio::time::interval(WORKER_CHECK);
-        let why = loop {
-            tokio::select! {
-                status = child.wait() => break format!("it exited ({status:?})"),
-                _ = tick.tick() => {
-                    if pid.and_then(vhost_worker_alive) == Some(false) {
-                        break format!("its {VHOST_WORKER} thread ended");
-                    }
-                }
-            }
-        };
-        dead.store(true, Ordering::SeqCst);
-        tracing::error!(vm = %id, why, log = %tail(&log),
-            "vhost-device-vsock failed: the VM's vsock no longer works");
-        // Keep a daemon whose worker died running until the VM stops (kill_on_drop), so its
-        // state can still be inspected; it can serve nothing more.
-        let _ = child.wait().await;
-    })
-}
-
-/// The thread of vhost-device-vsock (vhost-user-backend) that moves every vsock packet.
-const VHOST_WORKER: &str = "vring_worker";
-
-/// How often the supervisor checks that [`VHOST_WORKER`] still runs.
-const WORKER_CHECK: Duration = Duration::from_millis(250);
-
-/// Whether process `pid` still has its [`VHOST_WORKER`] thread; `None` when its threads
-/// cannot be read (it is gone).
-fn vhost_worker_alive(pid: u32) -> Option<bool> {
-    let tasks = std::fs::read_dir(format!("/proc/{pid}/task")).ok()?;
-    let mut any = false;
-    for task in tasks.flatten() {
-        any = true;
-        let comm = std::fs::read_to_string(task.path().join("comm")).unwrap_or_default();
-        if comm.trim_end() == VHOST_WORKER {
-            return Some(true);
-        }
-    }
-    any.then_some(false)
 }
 
 impl Drop for Qemu {
     fn drop(&mut self) {
         let _ = self.child.start_kill();
-        self.kill_vhost();
     }
 }
 
@@ -856,40 +662,19 @@ impl Vmm for Qemu {
 
     async fn pause(&mut self) -> Result<()> {
         self.require("pause", &[VmState::Running])?;
-        if self.vhost.is_some() {
-            // See the module doc: QMP `stop` would leave vhost-device-vsock's worker to die.
-            self.freeze().await?;
-        } else {
-            self.qmp("stop", None).await?;
-        }
+        self.qmp("stop", None).await?;
         self.state = VmState::Paused;
         Ok(())
     }
 
     async fn resume(&mut self) -> Result<()> {
         self.require("resume", &[VmState::Paused])?;
-        if self.frozen {
-            self.signal("thaw", nix::sys::signal::Signal::SIGCONT)?;
-            self.frozen = false;
-        } else {
-            self.qmp("cont", None).await?;
-        }
+        self.qmp("cont", None).await?;
         self.state = VmState::Running;
         Ok(())
     }
 
     async fn snapshot(&mut self, files: &SnapshotFiles) -> Result<()> {
-        // QEMU 7.2 marks vhost-user-vsock unmigratable ("State blocked by non-migratable
-        // device"). Refuse before touching the VM: a refused `migrate` after `stop` once left
-        // the guest's vsock dead after `cont` in CI.
-        if self.vhost.is_some() {
-            return Err(Error::Unsupported {
-                id: self.id.clone(),
-                reason: "QEMU cannot snapshot a VM with vsock: its vhost-user-vsock device is \
-                         non-migratable (QEMU 7.2); use the Firecracker driver for snapshots"
-                    .into(),
-            });
-        }
         self.require("snapshot", &[VmState::Paused])?;
         let _ = std::fs::remove_file(&files.memory);
         let uri = format!("exec:cat > {}", shell_quote(&files.memory));
@@ -899,7 +684,7 @@ impl Vmm for Qemu {
             .await;
         match migrate {
             Ok(_) => {}
-            // QEMU 7.2 marks vhost-user-vsock unmigratable: a VM with vsock cannot be saved.
+            // A device QEMU cannot migrate (none of ours) makes the VM unsaveable.
             Err(QmpError::Command { desc, .. }) if desc.contains("non-migratable") => {
                 return Err(Error::Unsupported {
                     id: self.id.clone(),
@@ -926,9 +711,7 @@ impl Vmm for Qemu {
         let mut outcome = StopOutcome::Killed;
         if !grace.is_zero() && self.state == VmState::Running {
             let asked = match self.launcher_agent_port {
-                Some(port) if self.vhost.is_some() && !self.vsock_backend_died() => {
-                    self.ask_agent(port, grace).await
-                }
+                Some(port) if self.mux.is_some() => self.ask_agent(port, grace).await,
                 _ => Err("no guest agent port or vsock".to_string()),
             };
             if let Err(why) = asked {
@@ -946,49 +729,26 @@ impl Vmm for Qemu {
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
-        if outcome == StopOutcome::Killed && !self.frozen {
+        if outcome == StopOutcome::Killed {
             let _ = self.qmp.execute("quit", None).await;
             let _ = tokio::time::timeout(Duration::from_secs(2), self.child.wait()).await;
         }
         let _ = self.child.kill().await;
-        self.kill_vhost();
+        self.mux = None;
         self.state = VmState::Stopped;
         tracing::info!(vm = %self.id, ?outcome, "qemu vm stopped");
         Ok(outcome)
     }
 
     async fn connect_vsock(&self, port: u32, timeout: Duration) -> Result<UnixStream> {
-        if self.vhost.is_none() {
+        if self.mux.is_none() {
             return Err(Error::NoVsock(self.id.clone()));
         }
-        if self.vsock_backend_died() {
-            return Err(Error::VsockBackendDied {
-                id: self.id.clone(),
-                log: self.run_dir.join(files::VHOST_LOG),
-            });
-        }
-        // Attempt in slices, so the backend's death is noticed while the guest is slow to
-        // answer; an abandoned attempt stays open in the background until it is answered.
-        let deadline = Instant::now() + timeout;
-        loop {
-            let remaining = deadline.saturating_duration_since(Instant::now());
-            match vsock::connect(&self.vsock_uds(), port, remaining.min(CONNECT_SLICE)).await {
-                Ok(stream) => return Ok(stream),
-                Err(vsock::Error::Timeout { .. }) if remaining > CONNECT_SLICE => {
-                    if self.vsock_backend_died() {
-                        return Err(Error::VsockBackendDied {
-                            id: self.id.clone(),
-                            log: self.run_dir.join(files::VHOST_LOG),
-                        });
-                    }
-                }
-                Err(e) => return Err(e.into()),
-            }
-        }
+        Ok(vsock::connect(&self.vsock_uds(), port, timeout).await?)
     }
 
     fn vsock_path(&self) -> Option<PathBuf> {
-        self.vhost.is_some().then(|| self.vsock_uds())
+        self.mux.is_some().then(|| self.vsock_uds())
     }
 
     fn serial_log_path(&self) -> &Path {
@@ -1000,7 +760,7 @@ impl Vmm for Qemu {
             Ok(Some(status)) => {
                 if self.state != VmState::Stopped {
                     tracing::info!(vm = %self.id, %status, serial = %self.serial.display(), "qemu exited");
-                    self.kill_vhost();
+                    self.mux = None;
                 }
                 self.state = VmState::Stopped;
                 Ok(true)
@@ -1021,9 +781,45 @@ impl Vmm for Qemu {
     fn pid(&self) -> Option<u32> {
         self.child.id()
     }
+}
 
-    fn helper_pids(&self) -> Vec<u32> {
-        // Even with its worker dead the daemon process lives on: it still needs ending.
-        self.vhost_pid.into_iter().collect()
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use crate::vmm::{NetConfig, TapFd};
+
+    #[test]
+    fn a_tap_is_opened_by_name_or_inherited_by_fd() {
+        let mut net = NetConfig {
+            id: "n0".into(),
+            tap: "imp-tap0".into(),
+            mac: None,
+            tap_fd: None,
+        };
+        assert_eq!(
+            netdev_arg(&net),
+            "tap,id=n0,ifname=imp-tap0,script=no,downscript=no"
+        );
+        let fd = std::fs::File::open("/dev/null").unwrap();
+        let raw = fd.as_raw_fd();
+        net.tap_fd = Some(TapFd(std::sync::Arc::new(fd.into())));
+        assert_eq!(netdev_arg(&net), format!("tap,id=n0,fd={raw}"));
+    }
+
+    /// The fd really reaches QEMU's process under its number, though Rust opens it
+    /// close-on-exec.
+    #[tokio::test]
+    async fn an_inherited_fd_is_open_in_the_child() {
+        let fd: std::os::fd::OwnedFd = std::fs::File::open("/dev/null").unwrap().into();
+        let tap = TapFd(std::sync::Arc::new(fd));
+        let raw = tap.0.as_raw_fd();
+        let mut cmd = Command::new("sh");
+        cmd.arg("-c").arg(format!("test -e /proc/self/fd/{raw}"));
+        inherit_fd(&mut cmd, &tap);
+        assert!(cmd.status().await.unwrap().success());
+        let mut plain = Command::new("sh");
+        plain.arg("-c").arg(format!("test -e /proc/self/fd/{raw}"));
+        assert!(!plain.status().await.unwrap().success());
     }
 }

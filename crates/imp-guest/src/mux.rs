@@ -1,0 +1,668 @@
+//! The guest end of [`imp_proto::mux`]: vsock-like listeners and connections carried over one
+//! virtio-serial port (`imp.mux`), for VMMs whose vsock cannot be snapshotted (QEMU).
+//!
+//! One reader thread parses the port and updates the streams' shared state; every stream's
+//! reads and writes wait on one condition variable. Writes to the port are whole frames under
+//! a lock. While the host end is not connected the port reads end of file (the reader polls)
+//! and writes block until it connects. A reset from the host (a new host mux, e.g. after a
+//! snapshot was restored into a new QEMU) ends every stream: their reads and writes fail with
+//! `ConnectionReset`, listeners keep listening and new streams work at once.
+
+use crate::transport::{Connection, Listener};
+use imp_proto::mux::{self, Frame, RecvWindow, SendCredit};
+use std::collections::{HashMap, VecDeque};
+use std::fs::File;
+use std::io::{self, Read, Write};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
+use std::thread;
+use std::time::{Duration, Instant};
+
+/// The name of the virtio-serial port the host serves the mux on.
+pub const PORT_NAME: &str = "imp.mux";
+
+/// Connections a listener queues before it refuses more.
+const BACKLOG: usize = 16;
+
+/// How long [`Mux::connect`] waits for the host's answer.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// How long the reader waits before reading again while no host is connected.
+const NO_HOST_POLL: Duration = Duration::from_millis(100);
+
+/// The device of the virtio port named `name`, found through `sysfs` (e.g. `/sys/class`) and
+/// `dev` (`/dev`); waits up to `wait` for the port to get its name from the host.
+pub fn find_port(sysfs: &Path, dev: &Path, name: &str, wait: Duration) -> Option<PathBuf> {
+    let dir = sysfs.join("virtio-ports");
+    let deadline = Instant::now() + wait;
+    loop {
+        let entries = std::fs::read_dir(&dir).ok()?;
+        let mut any = false;
+        for e in entries.flatten() {
+            any = true;
+            let named = std::fs::read_to_string(e.path().join("name")).unwrap_or_default();
+            if named.trim_end() == name {
+                return Some(dev.join(e.file_name()));
+            }
+        }
+        // No virtio port at all: not a VM with a mux (Firecracker).
+        if !any || Instant::now() >= deadline {
+            return None;
+        }
+        thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Where a stream is in its life.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    /// We sent an open and await the answer.
+    Opening,
+    /// Data flows.
+    Open,
+    /// The host refused our open.
+    Refused,
+}
+
+#[derive(Debug)]
+struct Stream {
+    phase: Phase,
+    rx: VecDeque<u8>,
+    rx_eof: bool,
+    recv: RecvWindow,
+    send: SendCredit,
+}
+
+impl Stream {
+    fn new(phase: Phase) -> Self {
+        Stream {
+            phase,
+            rx: VecDeque::new(),
+            rx_eof: false,
+            recv: RecvWindow::default(),
+            send: SendCredit::default(),
+        }
+    }
+}
+
+#[derive(Debug, Default)]
+struct State {
+    /// Bumped by every reset, so a handle from before one never touches a reused id.
+    epoch: u64,
+    next_id: u32,
+    streams: HashMap<u32, Stream>,
+    /// Port → host streams accepted and not yet taken by the listener.
+    listeners: HashMap<u32, VecDeque<u32>>,
+}
+
+#[derive(Debug)]
+struct Shared {
+    writer: Mutex<File>,
+    state: Mutex<State>,
+    changed: Condvar,
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn send(&self, frame: &Frame) -> io::Result<()> {
+        let bytes = mux::encoded(frame);
+        self.writer
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .write_all(&bytes)
+    }
+
+    /// Sends `frame`, logging a failure (the reader notices a dead port on its own).
+    fn send_or_log(&self, frame: &Frame) {
+        if let Err(e) = self.send(frame) {
+            eprintln!("imp-guest: writing to the mux port failed: {e}");
+        }
+    }
+}
+
+/// The mux over one port; cheap to clone.
+#[derive(Debug, Clone)]
+pub struct Mux {
+    shared: Arc<Shared>,
+}
+
+impl Mux {
+    /// Opens the port at `path`, announces a reset and starts the reader thread.
+    pub fn open(path: &Path) -> io::Result<Self> {
+        let reader = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(path)?;
+        let writer = reader.try_clone()?;
+        let mux = Self::over(reader, writer)?;
+        Ok(mux)
+    }
+
+    /// The mux over any pair of read and write handles of one byte stream (tests use a
+    /// socket pair).
+    pub fn over(reader: File, writer: File) -> io::Result<Self> {
+        let shared = Arc::new(Shared {
+            writer: Mutex::new(writer),
+            state: Mutex::new(State {
+                next_id: 1,
+                ..State::default()
+            }),
+            changed: Condvar::new(),
+        });
+        let for_reader = Arc::clone(&shared);
+        thread::Builder::new()
+            .name("mux".into())
+            .spawn(move || read_loop(reader, &for_reader))?;
+        // Tell a host that is already there to forget whatever it had (it answers).
+        let s = Arc::clone(&shared);
+        thread::Builder::new()
+            .name("mux-hello".into())
+            .spawn(move || s.send_or_log(&Frame::Reset { answer: false }))?;
+        Ok(Mux { shared })
+    }
+
+    /// Listens for host streams to `port`.
+    pub fn listen(&self, port: u32) -> MuxListener {
+        self.shared.lock().listeners.entry(port).or_default();
+        MuxListener {
+            shared: Arc::clone(&self.shared),
+            port,
+        }
+    }
+
+    /// Opens a stream to host `port`; `ConnectionRefused` when the host has no listener there
+    /// and `TimedOut` when no host answers.
+    pub fn connect(&self, port: u32) -> io::Result<MuxStream> {
+        let (id, epoch) = {
+            let mut st = self.shared.lock();
+            if st.streams.len() >= mux::MAX_STREAMS {
+                return Err(io::Error::other("too many mux streams"));
+            }
+            let id = st.next_id;
+            st.next_id = st.next_id.wrapping_add(2) | 1;
+            st.streams.insert(id, Stream::new(Phase::Opening));
+            (id, st.epoch)
+        };
+        let stream = MuxStream::new(Arc::clone(&self.shared), id, epoch);
+        self.shared.send(&Frame::Open { id, port })?;
+        let deadline = Instant::now() + CONNECT_TIMEOUT;
+        let mut st = self.shared.lock();
+        loop {
+            match st.streams.get(&id).map(|s| s.phase) {
+                _ if st.epoch != epoch => return Err(reset_error()),
+                Some(Phase::Open) => return Ok(stream),
+                Some(Phase::Refused) | None => {
+                    st.streams.remove(&id);
+                    return Err(io::ErrorKind::ConnectionRefused.into());
+                }
+                Some(Phase::Opening) => {}
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(io::ErrorKind::TimedOut.into());
+            }
+            st = wait(&self.shared, st, Some(left));
+        }
+    }
+}
+
+fn wait<'a>(
+    shared: &'a Shared,
+    guard: MutexGuard<'a, State>,
+    timeout: Option<Duration>,
+) -> MutexGuard<'a, State> {
+    match timeout {
+        Some(t) => {
+            shared
+                .changed
+                .wait_timeout(guard, t)
+                .unwrap_or_else(PoisonError::into_inner)
+                .0
+        }
+        None => shared
+            .changed
+            .wait(guard)
+            .unwrap_or_else(PoisonError::into_inner),
+    }
+}
+
+fn reset_error() -> io::Error {
+    io::Error::new(
+        io::ErrorKind::ConnectionReset,
+        "the host reset the mux (restored snapshot or new host)",
+    )
+}
+
+/// Reads the port forever, applying frames; resynchronises on garbage.
+fn read_loop(mut port: File, shared: &Shared) {
+    let mut buf: Vec<u8> = Vec::with_capacity(mux::HEADER_LEN + mux::MAX_PAYLOAD);
+    let mut chunk = vec![0u8; 64 * 1024];
+    let mut hunting = true;
+    loop {
+        let n = match port.read(&mut chunk) {
+            Ok(0) => {
+                // No host on the other end yet (or any more): it resets when it connects.
+                thread::sleep(NO_HOST_POLL);
+                continue;
+            }
+            Ok(n) => n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) => {
+                eprintln!("imp-guest: reading the mux port failed: {e}");
+                thread::sleep(NO_HOST_POLL);
+                continue;
+            }
+        };
+        buf.extend_from_slice(&chunk[..n]);
+        loop {
+            if hunting {
+                match mux::find_sync(&buf) {
+                    Some(at) => drop(buf.drain(..at)),
+                    None => {
+                        buf.clear();
+                        break;
+                    }
+                }
+            }
+            match mux::decode(&buf) {
+                Ok(Some((frame, used))) => {
+                    buf.drain(..used);
+                    hunting = false;
+                    apply(shared, frame);
+                }
+                Ok(None) => break,
+                Err(e) => {
+                    eprintln!("imp-guest: mux resynchronising after a bad frame: {e}");
+                    buf.drain(..1);
+                    hunting = true;
+                }
+            }
+        }
+    }
+}
+
+/// Applies one frame from the host; replies go out after the state lock is released.
+fn apply(shared: &Shared, frame: Frame) {
+    let reply = {
+        let mut st = shared.lock();
+        let reply = update(&mut st, frame);
+        shared.changed.notify_all();
+        reply
+    };
+    if let Some(reply) = reply {
+        shared.send_or_log(&reply);
+    }
+}
+
+/// The state change a frame makes, and the answer it needs.
+fn update(st: &mut State, frame: Frame) -> Option<Frame> {
+    match frame {
+        // An answer to our own reset changes nothing: we had nothing open when we sent it,
+        // and whatever we opened since reached the host after its reset.
+        Frame::Reset { answer: true } => None,
+        Frame::Reset { answer: false } => {
+            st.epoch += 1;
+            st.streams.clear();
+            for queue in st.listeners.values_mut() {
+                queue.clear();
+            }
+            Some(Frame::Reset { answer: true })
+        }
+        Frame::Open { id, port } => {
+            let free = st.streams.len() < mux::MAX_STREAMS && !st.streams.contains_key(&id);
+            let queue = st
+                .listeners
+                .get_mut(&port)
+                .filter(|q| q.len() < BACKLOG && free && mux::opened_by_host(id));
+            match queue {
+                Some(q) => {
+                    q.push_back(id);
+                    st.streams.insert(id, Stream::new(Phase::Open));
+                    Some(Frame::Accept { id })
+                }
+                None => Some(Frame::Refuse { id }),
+            }
+        }
+        Frame::Accept { id } => {
+            if let Some(s) = st
+                .streams
+                .get_mut(&id)
+                .filter(|s| s.phase == Phase::Opening)
+            {
+                s.phase = Phase::Open;
+            }
+            None
+        }
+        Frame::Refuse { id } => {
+            if let Some(s) = st
+                .streams
+                .get_mut(&id)
+                .filter(|s| s.phase == Phase::Opening)
+            {
+                s.phase = Phase::Refused;
+            }
+            None
+        }
+        Frame::Data { id, data } => {
+            let s = st.streams.get_mut(&id)?;
+            if s.recv.receive(data.len()).is_err() || s.rx_eof {
+                st.streams.remove(&id);
+                return Some(Frame::Close { id });
+            }
+            s.rx.extend(data);
+            None
+        }
+        Frame::Eof { id } => {
+            if let Some(s) = st.streams.get_mut(&id) {
+                s.rx_eof = true;
+            }
+            None
+        }
+        Frame::Close { id } => {
+            st.streams.remove(&id);
+            None
+        }
+        Frame::Credit { id, bytes } => {
+            if let Some(s) = st.streams.get_mut(&id) {
+                s.send.grant(bytes);
+            }
+            None
+        }
+    }
+}
+
+/// Listens for host streams to one port.
+#[derive(Debug)]
+pub struct MuxListener {
+    shared: Arc<Shared>,
+    port: u32,
+}
+
+impl Listener for MuxListener {
+    type Conn = MuxStream;
+
+    fn accept(&self) -> io::Result<MuxStream> {
+        let mut st = self.shared.lock();
+        loop {
+            let epoch = st.epoch;
+            let next = st.listeners.get_mut(&self.port).and_then(|q| q.pop_front());
+            if let Some(id) = next {
+                drop(st);
+                return Ok(MuxStream::new(Arc::clone(&self.shared), id, epoch));
+            }
+            st = wait(&self.shared, st, None);
+        }
+    }
+}
+
+/// What every clone of one stream shares; the last one gone closes the stream.
+#[derive(Debug)]
+struct Handle {
+    shared: Arc<Shared>,
+    id: u32,
+    epoch: u64,
+    read_timeout: Mutex<Option<Duration>>,
+}
+
+impl Handle {
+    /// Forgets the stream and tells the host, unless it is already gone.
+    fn close(&self) {
+        let known = {
+            let mut st = self.shared.lock();
+            let known = st.epoch == self.epoch && st.streams.remove(&self.id).is_some();
+            self.shared.changed.notify_all();
+            known
+        };
+        if known {
+            self.shared.send_or_log(&Frame::Close { id: self.id });
+        }
+    }
+}
+
+impl Drop for Handle {
+    fn drop(&mut self) {
+        self.close();
+    }
+}
+
+/// One stream over the mux: a [`Connection`] like a vsock stream.
+#[derive(Debug)]
+pub struct MuxStream(Arc<Handle>);
+
+impl MuxStream {
+    fn new(shared: Arc<Shared>, id: u32, epoch: u64) -> Self {
+        MuxStream(Arc::new(Handle {
+            shared,
+            id,
+            epoch,
+            read_timeout: Mutex::new(None),
+        }))
+    }
+}
+
+impl Read for MuxStream {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let h = &self.0;
+        let timeout = *h
+            .read_timeout
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        let deadline = timeout.map(|t| Instant::now() + t);
+        let mut st = h.shared.lock();
+        loop {
+            if st.epoch != h.epoch {
+                return Err(reset_error());
+            }
+            let Some(s) = st.streams.get_mut(&h.id) else {
+                return Ok(0); // closed by the host: end of file
+            };
+            if !s.rx.is_empty() {
+                let n = buf.len().min(s.rx.len());
+                for (dst, src) in buf.iter_mut().zip(s.rx.drain(..n)) {
+                    *dst = src;
+                }
+                let credit = s.recv.consume(n);
+                drop(st);
+                if let Some(bytes) = credit {
+                    h.shared.send(&Frame::Credit { id: h.id, bytes })?;
+                }
+                return Ok(n);
+            }
+            if s.rx_eof || buf.is_empty() {
+                return Ok(0);
+            }
+            let left = match deadline {
+                Some(d) => match d.saturating_duration_since(Instant::now()) {
+                    left if left.is_zero() => return Err(io::ErrorKind::WouldBlock.into()),
+                    left => Some(left),
+                },
+                None => None,
+            };
+            st = wait(&h.shared, st, left);
+        }
+    }
+}
+
+impl Write for MuxStream {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        let h = &self.0;
+        if buf.is_empty() {
+            return Ok(0);
+        }
+        let mut st = h.shared.lock();
+        loop {
+            if st.epoch != h.epoch {
+                return Err(reset_error());
+            }
+            let Some(s) = st.streams.get_mut(&h.id) else {
+                return Err(io::ErrorKind::BrokenPipe.into());
+            };
+            let n = s.send.take(buf.len());
+            if n > 0 {
+                drop(st);
+                h.shared.send(&Frame::Data {
+                    id: h.id,
+                    data: buf[..n].to_vec(),
+                })?;
+                return Ok(n);
+            }
+            st = wait(&h.shared, st, None);
+        }
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Connection for MuxStream {
+    fn try_clone(&self) -> io::Result<Self> {
+        Ok(MuxStream(Arc::clone(&self.0)))
+    }
+
+    fn shutdown(&self) -> io::Result<()> {
+        self.0.close();
+        Ok(())
+    }
+
+    fn set_read_timeout(&self, timeout: Option<Duration>) -> io::Result<()> {
+        *self
+            .0
+            .read_timeout
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = timeout;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use std::os::unix::net::UnixStream;
+
+    /// A guest mux over a socket pair, and the host's end of it, past the first reset.
+    fn pair() -> (Mux, UnixStream) {
+        let (guest, mut host) = UnixStream::pair().unwrap();
+        let reader = File::from(std::os::fd::OwnedFd::from(guest));
+        let writer = reader.try_clone().unwrap();
+        let mux = Mux::over(reader, writer).unwrap();
+        let mut hello = [0u8; mux::RESET_LEN];
+        host.read_exact(&mut hello).unwrap();
+        assert_eq!(
+            mux::decode(&hello).unwrap().unwrap().0,
+            Frame::Reset { answer: false }
+        );
+        (mux, host)
+    }
+
+    fn send(host: &mut UnixStream, f: &Frame) {
+        host.write_all(&mux::encoded(f)).unwrap();
+    }
+
+    fn recv(host: &mut UnixStream) -> Frame {
+        let mut buf = Vec::new();
+        loop {
+            if let Some((f, _)) = mux::decode(&buf).unwrap() {
+                return f;
+            }
+            let mut b = [0u8; 1];
+            host.read_exact(&mut b).unwrap();
+            buf.push(b[0]);
+        }
+    }
+
+    #[test]
+    fn host_streams_are_accepted_served_and_reset() {
+        let (mux, mut host) = pair();
+        let listener = mux.listen(10000);
+        // Garbage before the host's reset (a restored byte stream) is skipped.
+        host.write_all(b"\x04\x00\x00").unwrap();
+        send(&mut host, &Frame::Reset { answer: false });
+        assert_eq!(recv(&mut host), Frame::Reset { answer: true });
+        send(&mut host, &Frame::Open { id: 2, port: 10000 });
+        assert_eq!(recv(&mut host), Frame::Accept { id: 2 });
+        send(&mut host, &Frame::Open { id: 4, port: 7 });
+        assert_eq!(recv(&mut host), Frame::Refuse { id: 4 });
+        let mut conn = listener.accept().unwrap();
+        send(
+            &mut host,
+            &Frame::Data {
+                id: 2,
+                data: b"ping".to_vec(),
+            },
+        );
+        let mut buf = [0u8; 4];
+        conn.read_exact(&mut buf).unwrap();
+        assert_eq!(&buf, b"ping");
+        conn.write_all(b"pong").unwrap();
+        assert_eq!(
+            recv(&mut host),
+            Frame::Data {
+                id: 2,
+                data: b"pong".to_vec()
+            }
+        );
+        // A reset ends the stream; the listener takes new streams.
+        send(&mut host, &Frame::Reset { answer: false });
+        assert_eq!(recv(&mut host), Frame::Reset { answer: true });
+        let err = conn.read(&mut buf).unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::ConnectionReset);
+        send(&mut host, &Frame::Open { id: 2, port: 10000 });
+        assert_eq!(recv(&mut host), Frame::Accept { id: 2 });
+        let _again = listener.accept().unwrap();
+        drop(conn); // the old handle must not close the new stream 2
+        send(
+            &mut host,
+            &Frame::Data {
+                id: 2,
+                data: b"x".to_vec(),
+            },
+        );
+    }
+
+    #[test]
+    fn guest_streams_wait_for_credit_and_close_on_drop() {
+        let (mux, mut host) = pair();
+        send(&mut host, &Frame::Reset { answer: true });
+        let m = mux.clone();
+        let opener = thread::spawn(move || m.connect(1024));
+        assert_eq!(recv(&mut host), Frame::Open { id: 1, port: 1024 });
+        send(&mut host, &Frame::Accept { id: 1 });
+        let mut conn = opener.join().unwrap().unwrap();
+        // The whole window goes out, then the writer waits for credit.
+        let writer = thread::spawn(move || {
+            conn.write_all(&vec![1u8; mux::WINDOW as usize + 10])
+                .unwrap();
+            conn
+        });
+        let mut got = 0;
+        while got < mux::WINDOW as usize {
+            match recv(&mut host) {
+                Frame::Data { data, .. } => got += data.len(),
+                other => panic!("{other:?}"),
+            }
+        }
+        assert_eq!(got, mux::WINDOW as usize);
+        send(&mut host, &Frame::Credit { id: 1, bytes: 10 });
+        assert_eq!(
+            recv(&mut host),
+            Frame::Data {
+                id: 1,
+                data: vec![1; 10]
+            }
+        );
+        drop(writer.join().unwrap());
+        assert_eq!(recv(&mut host), Frame::Close { id: 1 });
+        // A refused open is ConnectionRefused.
+        let m = mux.clone();
+        let opener = thread::spawn(move || m.connect(9));
+        assert_eq!(recv(&mut host), Frame::Open { id: 3, port: 9 });
+        send(&mut host, &Frame::Refuse { id: 3 });
+        let err = opener.join().unwrap().unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::ConnectionRefused);
+    }
+}

@@ -1,0 +1,448 @@
+//! End-to-end: `spec.desiredState` of an ImpVM, set by `imp suspend|resume -n NS VM`, acted on
+//! by the real `imp agent` and `imp operator` against imp-testkube, with a real Linux guest
+//! under QEMU/TCG. The VM is suspended (phase Suspended with suspendedAt and the snapshot's
+//! place, its QEMU gone), survives its agent's container being killed and restarted, and is
+//! resumed on the same node with its processes and files, exec answering.
+//!
+//! Needs what `agent_e2e.rs` needs (`scripts/setup`): without it, it skips on a developer
+//! machine and fails under `CI=true`.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use imp_agent::runtime::cgroup::VmCgroup;
+use imp_api::vm::{ImpVM, VmPhase};
+use imp_testkube::TestKube;
+use imp_testkube::registry::{TestImage, TestLayer, TestRegistry, push, scratch_dir};
+use k8s_openapi::api::core::v1::{Event, Node};
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
+use kube::{Client, ResourceExt};
+use serde_json::json;
+use tokio::process::{Child, Command};
+
+const NS: &str = "default";
+const VM: &str = "sp-cluster-vm";
+
+/// A counter in a tmpfs of the workload's own, one step a second.
+const COUNTER: &str = "mkdir -p /mnt/t && mount -t tmpfs tmpfs /mnt/t && i=0; \
+     while true; do i=$((i+1)); echo $i > /mnt/t/count; sleep 1; done";
+
+fn image() -> TestImage {
+    let mut layer = TestLayer::new()
+        .dir("bin", 0o755)
+        .file("bin/busybox", std::fs::read("/bin/busybox").unwrap(), 0o755)
+        .dir("etc", 0o755)
+        .file("etc/passwd", "root:x:0:0:root:/root:/bin/sh\n", 0o644)
+        .file("etc/group", "root:x:0:\n", 0o644)
+        .dir("tmp", 0o1777)
+        .dir("mnt", 0o755)
+        .dir("root", 0o700);
+    for applet in ["sh", "echo", "cat", "sleep", "mount", "mkdir"] {
+        layer = layer.symlink(&format!("bin/{applet}"), "busybox");
+    }
+    TestImage::new()
+        .layer(layer)
+        .entrypoint(&["/bin/sh", "-c"])
+        .cmd(&[COUNTER])
+        .env("PATH=/bin")
+}
+
+fn logs() -> Stdio {
+    if std::env::var_os("IMP_TEST_LOGS").is_some() {
+        Stdio::inherit()
+    } else {
+        Stdio::null()
+    }
+}
+
+/// One `imp agent` in a cgroup of its own, like a container, so a restart can be played by
+/// killing everything in that cgroup.
+struct Agent {
+    state: PathBuf,
+    cgroup_parent: String,
+    cgroup: VmCgroup,
+    child: Option<Child>,
+}
+
+impl Agent {
+    fn new() -> Self {
+        let id = format!("sp-e2e-{}", std::process::id());
+        Self {
+            state: scratch_dir("imp-suspend-cluster-state").unwrap(),
+            cgroup_parent: format!("{id}-vms"),
+            cgroup: VmCgroup::create(&format!("{id}-agent"), 1 << 30).unwrap(),
+            child: None,
+        }
+    }
+
+    fn start(&mut self, kube: &TestKube) {
+        let child = Command::new(env!("CARGO_BIN_EXE_imp"))
+            .arg("agent")
+            .env("NODE_NAME", "sp-node")
+            .env("FC_KERNEL", common::kernel())
+            .env("IMP_GUEST", common::guest())
+            .env("KUBECONFIG", kube.kubeconfig())
+            .env(
+                "RUST_LOG",
+                std::env::var("IMP_TEST_RUST_LOG").unwrap_or_else(|_| "info,kube=warn".into()),
+            )
+            .args(["--state-dir", self.state.to_str().unwrap()])
+            .args(["--runtime", "qemu", "--no-network"])
+            .args(["--cgroup-parent", &self.cgroup_parent])
+            .args([
+                "--metrics-addr",
+                &format!("127.0.0.1:{}", common::free_port()),
+            ])
+            .args(["--stop-grace", "3s", "--api-addr", "127.0.0.1:0"])
+            .args(["--suspend-retry", "3s"])
+            .stdout(Stdio::null())
+            .stderr(logs())
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap();
+        self.cgroup.add(child.id().unwrap()).unwrap();
+        self.child = Some(child);
+    }
+
+    /// Kills every process in the agent's cgroup, as a container runtime does on restart.
+    async fn kill_container(&mut self) {
+        let cg = self.cgroup.clone();
+        tokio::task::spawn_blocking(move || cg.kill_all(Duration::from_secs(5)))
+            .await
+            .unwrap()
+            .unwrap();
+        if let Some(mut c) = self.child.take() {
+            let _ = c.wait().await;
+        }
+    }
+
+    fn qemu_of(&self, uid: &str) -> Vec<u32> {
+        let dir = self.state.join("vms").join(uid);
+        processes_naming(dir.to_str().unwrap())
+            .into_iter()
+            .filter(|p| {
+                std::fs::read_to_string(format!("/proc/{p}/comm"))
+                    .unwrap_or_default()
+                    .starts_with("qemu")
+            })
+            .collect()
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount")
+            .arg("-l")
+            .arg(self.state.join("snapshots"))
+            .stderr(std::process::Stdio::null())
+            .status();
+        let _ = self.cgroup.destroy();
+        for dir in std::fs::read_dir(self.state.join("vms"))
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
+            let uid = dir.file_name().to_string_lossy().into_owned();
+            if let Ok(cg) = VmCgroup::at(&format!("{}/{uid}", self.cgroup_parent)) {
+                let _ = cg.destroy();
+            }
+        }
+        if let Ok(cg) = VmCgroup::at(&self.cgroup_parent) {
+            let _ = cg.destroy();
+        }
+        let _ = std::fs::remove_dir_all(&self.state);
+    }
+}
+
+fn processes_naming(needle: &str) -> Vec<u32> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+        if String::from_utf8_lossy(&cmdline).contains(needle) {
+            out.push(pid);
+        }
+    }
+    out
+}
+
+fn phase(v: &ImpVM) -> Option<VmPhase> {
+    v.status.as_ref().and_then(|s| s.phase)
+}
+
+async fn wait_vm(api: &Api<ImpVM>, what: &str, secs: u64, pred: impl Fn(&ImpVM) -> bool) -> ImpVM {
+    common::wait_for(&format!("{VM}: {what}"), Duration::from_secs(secs), || {
+        let api = api.clone();
+        let pred = &pred;
+        async move { api.get_opt(VM).await.unwrap().filter(|v| pred(v)) }
+    })
+    .await
+}
+
+async fn node(c: &Client, name: &str) {
+    let api: Api<Node> = Api::all(c.clone());
+    let n: Node = serde_json::from_value(
+        json!({"metadata": {"name": name, "labels": {"imp/enabled": "true"}}}),
+    )
+    .unwrap();
+    api.create(&PostParams::default(), &n).await.unwrap();
+    let status = json!({"status": {
+        "allocatable": {"cpu": "8", "memory": "16Gi"},
+        "capacity": {"cpu": "8", "memory": "16Gi"},
+        "conditions": [{"type": "Ready", "status": "True", "reason": "Test",
+                        "lastTransitionTime": k8s_openapi::jiff::Timestamp::now().to_string()}]
+    }});
+    api.patch_status(name, &PatchParams::default(), &Patch::Merge(&status))
+        .await
+        .unwrap();
+}
+
+async fn reasons(c: &Client) -> Vec<String> {
+    let api: Api<Event> = Api::namespaced(c.clone(), NS);
+    api.list(&ListParams::default())
+        .await
+        .unwrap()
+        .items
+        .into_iter()
+        .filter(|e| e.involved_object.name.as_deref() == Some(VM))
+        .filter_map(|e| e.reason)
+        .collect()
+}
+
+/// Runs `imp ARGS` with `kubeconfig`, off the async runtime.
+async fn imp(kubeconfig: &Path, args: &[&str]) -> std::process::Output {
+    let (kubeconfig, args) = (
+        kubeconfig.to_path_buf(),
+        args.iter().map(|a| (*a).to_owned()).collect::<Vec<_>>(),
+    );
+    tokio::task::spawn_blocking(move || {
+        let started = Instant::now();
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_imp"))
+            .args(&args)
+            .env("KUBECONFIG", &kubeconfig)
+            .stdin(Stdio::null())
+            .output()
+            .unwrap();
+        eprintln!(
+            "imp {args:?}: {:?} in {:.2}s\n{}{}",
+            out.status,
+            started.elapsed().as_secs_f64(),
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        out
+    })
+    .await
+    .unwrap()
+}
+
+async fn counter(kubeconfig: &Path) -> u64 {
+    let out = imp(
+        kubeconfig,
+        &["exec", "-n", NS, VM, "--", "cat", "/mnt/t/count"],
+    )
+    .await;
+    assert_eq!(out.status.code(), Some(0));
+    String::from_utf8_lossy(&out.stdout).trim().parse().unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn desired_state_suspends_and_resumes_an_impvm_across_an_agent_restart() {
+    if common::guest_boot_ready().is_none() {
+        return;
+    }
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let kube = TestKube::start_with(imp_testkube::Config {
+        auth: common::exec_users(),
+        kubeconfig_token: Some("admin-token".into()),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let kubeconfigs = scratch_dir("imp-suspend-cluster-kubeconfigs").unwrap();
+    let alice = kubeconfigs.join("alice");
+    std::fs::write(
+        &alice,
+        imp_testkube::kubeconfig_yaml(kube.url(), Some("alice-token")),
+    )
+    .unwrap();
+    let c = kube.client().await.unwrap();
+    common::install_crds(&c, &[NS, "imp-system"]).await;
+    node(&c, "sp-node").await;
+    let classes: Api<imp_api::class::ImpVMClass> = Api::all(c.clone());
+    let small: imp_api::class::ImpVMClass = serde_json::from_value(json!({
+        "apiVersion": "imp.dev/v1alpha1", "kind": "ImpVMClass",
+        "metadata": {"name": "small"}, "spec": {"vcpu": 1, "memoryMiB": 256, "diskGiB": 1}
+    }))
+    .unwrap();
+    classes
+        .create(&PostParams::default(), &small)
+        .await
+        .unwrap();
+    let registry = TestRegistry::start().await.unwrap();
+    let dest = format!("{}/counter:1", registry.host());
+    let layout = scratch_dir("imp-suspend-cluster-layout").unwrap();
+    image().write_layout(&layout, "1").unwrap();
+    push(&layout, "1", &dest, None).await.unwrap();
+    std::fs::remove_dir_all(&layout).unwrap();
+
+    let _operator = Command::new(env!("CARGO_BIN_EXE_imp"))
+        .arg("operator")
+        .args([
+            "--metrics-addr",
+            &format!("127.0.0.1:{}", common::free_port()),
+        ])
+        .args(["--requeue-pending", "2", "--requeue-active", "1"])
+        .env("KUBECONFIG", kube.kubeconfig())
+        .env("RUST_LOG", "info,kube=warn")
+        .stdout(Stdio::null())
+        .stderr(logs())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut agent = Agent::new();
+    agent.start(&kube);
+
+    let vms: Api<ImpVM> = Api::namespaced(c.clone(), NS);
+    let obj: ImpVM = serde_json::from_value(json!({
+        "apiVersion": "imp.dev/v1alpha1", "kind": "ImpVM",
+        "metadata": {"name": VM, "namespace": NS},
+        "spec": {"classRef": {"name": "small"}, "image": dest, "lifecycle": "persistent"}
+    }))
+    .unwrap();
+    let created = vms.create(&PostParams::default(), &obj).await.unwrap();
+    let uid = created.uid().unwrap();
+    wait_vm(&vms, "Running", 300, |v| phase(v) == Some(VmPhase::Running)).await;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let out = imp(
+            &alice,
+            &[
+                "exec",
+                "-n",
+                NS,
+                VM,
+                "--",
+                "sh",
+                "-c",
+                "echo kept > /mnt/t/file",
+            ],
+        )
+        .await;
+        if out.status.success() {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the workload's tmpfs never came");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    let before = counter(&alice).await;
+    let old_qemu = agent.qemu_of(&uid);
+    assert_eq!(old_qemu.len(), 1, "one QEMU runs the VM: {old_qemu:?}");
+
+    // Too little disk on the node (a 16 MiB file system under the snapshot directory): the
+    // agent refuses before pausing, publishes a Warning, and the VM runs on in the same QEMU.
+    let snapshots = agent.state.join("snapshots");
+    std::fs::create_dir_all(&snapshots).unwrap();
+    let mounted = std::process::Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "size=16m", "tmpfs"])
+        .arg(&snapshots)
+        .status()
+        .unwrap();
+    assert!(mounted.success());
+    let out = imp(&alice, &["suspend", "-n", NS, VM, "--timeout", "60s"]).await;
+    assert!(
+        !out.status.success(),
+        "suspended without room for the snapshot"
+    );
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(err.contains("not enough free disk space"), "{err}");
+    assert_eq!(phase(&vms.get(VM).await.unwrap()), Some(VmPhase::Running));
+    assert_eq!(agent.qemu_of(&uid), old_qemu, "the VM was not left running");
+    assert!(counter(&alice).await >= before);
+    assert!(reasons(&c).await.iter().any(|r| r == "SuspendFailed"));
+    // With room again, the agent tries again by itself (--suspend-retry 3s).
+    let unmounted = std::process::Command::new("umount")
+        .arg(&snapshots)
+        .status()
+        .unwrap();
+    assert!(unmounted.success());
+
+    // imp suspend sets desiredState and waits for the agent's Suspended.
+    let t = Instant::now();
+    let out = imp(&alice, &["suspend", "-n", NS, VM]).await;
+    assert!(out.status.success());
+    let suspend_took = t.elapsed();
+    let vm = vms.get(VM).await.unwrap();
+    let status = vm.status.clone().unwrap();
+    assert_eq!(status.phase, Some(VmPhase::Suspended));
+    assert!(status.suspended_at.is_some(), "{status:?}");
+    let path = status.suspend_snapshot_path.clone().expect("snapshot path");
+    assert!(Path::new(&path).join("memory").is_file(), "{path}");
+    assert_eq!(status.node_name.as_deref(), Some("sp-node"));
+    assert_eq!(vm.spec.node_name.as_deref(), Some("sp-node"));
+    assert!(
+        agent.qemu_of(&uid).is_empty(),
+        "QEMU still runs while Suspended"
+    );
+
+    // The agent's container is killed and restarted: the VM stays Suspended (state on disk).
+    agent.kill_container().await;
+    agent.start(&kube);
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let vm = vms.get(VM).await.unwrap();
+    assert_eq!(phase(&vm), Some(VmPhase::Suspended), "{:?}", vm.status);
+    assert!(agent.qemu_of(&uid).is_empty());
+
+    // imp resume: Resuming → Running on the same node, the same guest, exec answers.
+    let t = Instant::now();
+    let out = imp(&alice, &["resume", "-n", NS, VM]).await;
+    assert!(out.status.success());
+    let resume_took = t.elapsed();
+    let vm = vms.get(VM).await.unwrap();
+    let status = vm.status.clone().unwrap();
+    assert_eq!(status.phase, Some(VmPhase::Running));
+    assert_eq!(status.node_name.as_deref(), Some("sp-node"));
+    assert!(status.suspend_snapshot_path.is_none() && status.suspended_at.is_none());
+    let new_qemu = agent.qemu_of(&uid);
+    assert_eq!(new_qemu.len(), 1);
+    assert_ne!(new_qemu, old_qemu, "resumed in a new QEMU");
+    let after = counter(&alice).await;
+    assert!(after >= before, "counter {before} then {after}");
+    let out = imp(&alice, &["exec", "-n", NS, VM, "--", "cat", "/mnt/t/file"]).await;
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "kept");
+    let seen = reasons(&c).await;
+    for r in ["Suspending", "Suspended", "Resuming", "Resumed"] {
+        assert!(seen.iter().any(|s| s == r), "no {r} Event: {seen:?}");
+    }
+    let record: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(agent.state.join("vms").join(&uid).join("vm.json")).unwrap(),
+    )
+    .unwrap();
+    let timings = &record["timings"];
+    assert!(timings["suspend_ms"].as_u64().unwrap() > 0, "{record}");
+    assert!(timings["resume_ms"].as_u64().unwrap() > 0, "{record}");
+    eprintln!(
+        "FIGURES cluster: on the node, suspend {} ms and resume {} ms; imp suspend → phase \
+         Suspended {:.2}s (includes the agent's retry, up to 3 s, after the full-disk check); \
+         imp resume → phase Running {:.2}s",
+        timings["suspend_ms"],
+        timings["resume_ms"],
+        suspend_took.as_secs_f64(),
+        resume_took.as_secs_f64()
+    );
+
+    vms.delete(VM, &DeleteParams::default()).await.unwrap();
+    common::wait_for("the VM's deletion", Duration::from_secs(60), || {
+        let vms = vms.clone();
+        async move { vms.get_opt(VM).await.unwrap().is_none().then_some(()) }
+    })
+    .await;
+    assert!(!Path::new(&path).exists(), "snapshot left after deletion");
+    let _ = std::fs::remove_dir_all(&kubeconfigs);
+}
