@@ -233,6 +233,23 @@ async fn events_of(c: &Client, name: &str) -> Vec<(String, String)> {
         .collect()
 }
 
+/// The message of `name`'s Event with `reason`, waiting for it: the agent publishes Events
+/// after the status write that a test may have just seen.
+async fn event_note(c: &Client, name: &str, reason: &str) -> String {
+    common::wait_for(
+        &format!("a {reason} Event of {name}"),
+        Duration::from_secs(20),
+        || async move {
+            events_of(c, name)
+                .await
+                .into_iter()
+                .find(|e| e.0 == reason)
+                .map(|e| e.1)
+        },
+    )
+    .await
+}
+
 /// Pids of processes whose command line names `needle` (a VM's directory).
 fn processes_naming(needle: &str) -> Vec<u32> {
     let mut out = Vec::new();
@@ -439,15 +456,8 @@ async fn impvms_boot_end_survive_an_agent_restart_and_clean_up_on_their_nodes() 
         "node b's agent touched a VM of node a: {:?}",
         b.vm_dirs()
     );
-    let reasons: Vec<String> = events_of(&c, "svc")
-        .await
-        .into_iter()
-        .map(|e| e.0)
-        .collect();
-    assert!(
-        reasons.contains(&"Starting".into()) && reasons.contains(&"Running".into()),
-        "{reasons:?}"
-    );
+    event_note(&c, "svc", "Starting").await;
+    event_note(&c, "svc", "Running").await;
     // The VM runs in its own cgroup, not in the agent's.
     let vm_cgroup = VmCgroup::at(&format!("{}/{svc_uid}", a.cgroup_parent)).unwrap();
     assert!(
@@ -512,12 +522,7 @@ async fn impvms_boot_end_survive_an_agent_restart_and_clean_up_on_their_nodes() 
     let (code, body) = b.get("/readyz").await;
     assert_eq!(code, 503, "{body}");
     assert!(body.contains("/nonexistent/imp-e2e/vmlinux"), "{body}");
-    assert!(
-        events_of(&c, "job-ok")
-            .await
-            .iter()
-            .any(|e| e.0 == "RuntimeStartFailed")
-    );
+    event_note(&c, "job-ok", "RuntimeStartFailed").await;
 
     // A job that fails, on node a, while svc keeps running.
     create_vm(
@@ -533,11 +538,7 @@ async fn impvms_boot_end_survive_an_agent_restart_and_clean_up_on_their_nodes() 
     assert_eq!(bad.status.as_ref().unwrap().exit_code, Some(7));
     let (_, reason, _) = ready_reason(&bad).unwrap();
     assert_eq!(reason, "Failed");
-    let failed_event = events_of(&c, "job-bad")
-        .await
-        .into_iter()
-        .find(|e| e.0 == "Failed");
-    let note = failed_event.expect("a Failed event").1;
+    let note = event_note(&c, "job-bad", "Failed").await;
     assert!(
         note.contains("exited with code 7") && note.contains("about to fail"),
         "{note}"
@@ -585,10 +586,7 @@ async fn impvms_boot_end_survive_an_agent_restart_and_clean_up_on_their_nodes() 
         let (_, r, m) = ready_reason(&v).unwrap();
         assert_eq!(r, "ImagePullFailed", "{name}: {m}");
         assert!(m.contains(needle), "{name}: {m}");
-        assert!(
-            events_of(&c, name).await.iter().any(|e| e.0 == r),
-            "{name}: no {r} event"
-        );
+        event_note(&c, name, &r).await;
     }
     assert!(
         !escape_target().exists(),

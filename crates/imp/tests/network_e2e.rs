@@ -656,7 +656,16 @@ async fn vms_talk_within_their_network_across_nodes_and_out_through_nat_and_nowh
         .kill_on_drop(true)
         .spawn()
         .unwrap();
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // Wait until it listens (python can take a second to start on a loaded machine).
+    let listening = format!("exec 3<>/dev/tcp/{}/8080", topo.outside(2));
+    common::wait_for("the outside server", Duration::from_secs(30), || {
+        let up = topo
+            .exec("out", &["timeout", "2", "bash", "-c", &listening])
+            .status
+            .success();
+        async move { up.then_some(()) }
+    })
+    .await;
     let nat = exec(
         &kubeconfig,
         "a1",

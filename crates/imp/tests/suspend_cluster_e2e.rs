@@ -416,10 +416,22 @@ async fn desired_state_suspends_and_resumes_an_impvm_across_an_agent_restart() {
     assert!(after >= before, "counter {before} then {after}");
     let out = imp(&alice, &["exec", "-n", NS, VM, "--", "cat", "/mnt/t/file"]).await;
     assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "kept");
-    let seen = reasons(&c).await;
-    for r in ["Suspending", "Suspended", "Resuming", "Resumed"] {
-        assert!(seen.iter().any(|s| s == r), "no {r} Event: {seen:?}");
-    }
+    // Events are published after the status write the CLI saw: wait for the last of them.
+    common::wait_for(
+        "the suspend and resume Events",
+        Duration::from_secs(20),
+        || {
+            let c = c.clone();
+            async move {
+                let seen = reasons(&c).await;
+                ["Suspending", "Suspended", "Resuming", "Resumed"]
+                    .iter()
+                    .all(|r| seen.iter().any(|s| s == r))
+                    .then_some(())
+            }
+        },
+    )
+    .await;
     let record: serde_json::Value = serde_json::from_slice(
         &std::fs::read(agent.state.join("vms").join(&uid).join("vm.json")).unwrap(),
     )

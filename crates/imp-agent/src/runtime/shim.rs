@@ -184,8 +184,8 @@ pub fn signal(record: &VmRecord, sig: nix::sys::signal::Signal) -> Result<(), Sh
     nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), sig).map_err(err)
 }
 
-/// Kills a VMM whose shim died without stopping it (e.g. `kill -9`), and its helper processes
-/// (vhost-device-vsock), so nothing of the VM is left running unseen. A pid is only trusted if
+/// Kills a VMM whose shim died without stopping it (e.g. `kill -9`), and any helper processes
+/// recorded for it, so nothing of the VM is left running unseen. A pid is only trusted if
 /// its command line names the VM's directory. Returns what was killed, for the caller to say.
 pub fn kill_orphans(state: &StateDir, record: &VmRecord) -> Vec<(u32, &'static str)> {
     let dir = state.vm_dir(&record.name);

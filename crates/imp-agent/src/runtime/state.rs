@@ -424,7 +424,8 @@ pub struct VmRecord {
     pub supervisor_started: Option<u64>,
     /// The VMM process's pid, once started.
     pub vmm_pid: Option<u32>,
-    /// Other processes of the VM (QEMU's vhost-device-vsock), killed with an orphaned VMM.
+    /// Other processes of the VM, killed with an orphaned VMM (none with today's drivers: the
+    /// QEMU guest channel is served inside the shim).
     #[serde(default)]
     pub helper_pids: Vec<u32>,
     /// The host Unix socket that reaches the guest's vsock (`CONNECT <port>`).

@@ -60,9 +60,9 @@ pub fn connect(vsock: &Path, port: u32, timeout: Duration) -> anyhow::Result<Con
 }
 
 /// Holds SIGINT, SIGTERM and SIGHUP for as long as a `CONNECT` is unanswered, then lets them
-/// through. Dying in that window closes the socket before the guest's answer, and that makes
-/// vhost-device-vsock 0.3.0 (the QEMU runtime's vsock) panic its only worker: the VM's vsock
-/// would be dead for good because of one Ctrl-C. `imp exec` is single-threaded here, so the
+/// through. Dying in that window closes the socket before the guest's answer; vsock backends
+/// have handled that badly (vhost-device-vsock 0.3.0, QEMU's former backend, lost its only
+/// worker), so a Ctrl-C waits for the answer and then ends the stream cleanly. `imp exec` is single-threaded here, so the
 /// calling thread's mask is the process's.
 struct HeldSignals(nix::sys::signal::SigSet);
 
