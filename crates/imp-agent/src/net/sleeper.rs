@@ -60,6 +60,14 @@ pub enum SleepError {
         #[source]
         source: io::Error,
     },
+    /// A descriptor given to [`Sleeper::hold_fd`] is not attached to that TAP as expected.
+    #[error("The descriptor given for TAP {tap} is {found}")]
+    NotTheTap {
+        /// The TAP.
+        tap: String,
+        /// What it is instead.
+        found: String,
+    },
     /// The interface is a TAP that would vanish when released: not one of the node's.
     #[error("TAP {tap} is not persistent")]
     NotPersistent {
@@ -161,6 +169,11 @@ struct Parked {
 impl Sleeper {
     /// Attaches to the existing persistent TAP `tap` of the sleeping `vm` and starts reading
     /// it. Fails with [`SleepError::Attach`] (EBUSY) while a VMM still holds it.
+    ///
+    /// The TAP has no carrier between the VMM's exit and this attach, and the bridge forwards
+    /// to it again only once the kernel's link watcher has seen the carrier come back (up to
+    /// about a second later): frames in that window are lost and their senders retransmit.
+    /// [`Sleeper::hold_fd`] avoids the window.
     pub async fn hold(
         tap: &str,
         vm: SleepingVm,
@@ -172,6 +185,29 @@ impl Sleeper {
             .map_err(|_| SleepError::Ended {
                 tap: tap.to_owned(),
             })??;
+        Sleeper::start(tap, file, vm, bounds)
+    }
+
+    /// Like [`Sleeper::hold`], on a descriptor already attached to TAP `tap` (`IFF_TAP |
+    /// IFF_NO_PI`, no virtio-net header): the fd kept from a hand-over, or a duplicate of the
+    /// one given to a VMM that has exited. The TAP never loses its carrier, so the bridge
+    /// never stops forwarding to it.
+    pub async fn hold_fd(
+        tap: &str,
+        fd: OwnedFd,
+        vm: SleepingVm,
+        bounds: HoldBounds,
+    ) -> Result<Sleeper, SleepError> {
+        let file = adopt(tap, fd)?;
+        Sleeper::start(tap, file, vm, bounds)
+    }
+
+    fn start(
+        tap: &str,
+        file: File,
+        vm: SleepingVm,
+        bounds: HoldBounds,
+    ) -> Result<Sleeper, SleepError> {
         // SAFETY: the File owns its descriptor, which stays open and the same until the
         // AsyncFd is dropped or unwrapped.
         let fd = unsafe { AsyncFd::register(file) }.map_err(|e| SleepError::Attach {
@@ -417,6 +453,53 @@ fn attach(tap: &str) -> Result<File, SleepError> {
         });
     }
     Ok(file)
+}
+
+/// Checks that `fd` is attached to TAP `tap` with the flags this module reads frames with,
+/// and makes it non-blocking.
+fn adopt(tap: &str, fd: OwnedFd) -> Result<File, SleepError> {
+    let attach_err = |source| SleepError::Attach {
+        tap: tap.to_owned(),
+        source,
+    };
+    let name = ifname(tap).map_err(attach_err)?;
+    // SAFETY: ifreq is a plain C struct; all-zero is a valid value for it.
+    let mut req: libc::ifreq = unsafe { std::mem::zeroed() };
+    // SAFETY: TUNGETIFF fills in the ifreq, which lives for the call; the fd is ours.
+    if unsafe { libc::ioctl(fd.as_raw_fd(), libc::TUNGETIFF, &mut req) } < 0 {
+        let e = io::Error::last_os_error();
+        return Err(SleepError::NotTheTap {
+            tap: tap.to_owned(),
+            found: format!("not a TAP ({e})"),
+        });
+    }
+    // SAFETY: TUNGETIFF wrote the flags member of the union.
+    let flags = i32::from(unsafe { req.ifr_ifru.ifru_flags });
+    let wanted = libc::IFF_TAP | libc::IFF_NO_PI;
+    if req.ifr_name != name || flags & (wanted | libc::IFF_VNET_HDR) != wanted {
+        let found: Vec<u8> = req
+            .ifr_name
+            .iter()
+            .take_while(|c| **c != 0)
+            .map(|c| *c as u8)
+            .collect();
+        return Err(SleepError::NotTheTap {
+            tap: tap.to_owned(),
+            found: format!(
+                "attached to {:?} with flags {flags:#x} (want {wanted:#x}, no IFF_VNET_HDR)",
+                String::from_utf8_lossy(&found)
+            ),
+        });
+    }
+    // SAFETY: fcntl on a descriptor we own, with integer arguments.
+    let status = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GETFL) };
+    // SAFETY: as above.
+    if status < 0
+        || unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_SETFL, status | libc::O_NONBLOCK) } < 0
+    {
+        return Err(attach_err(io::Error::last_os_error()));
+    }
+    Ok(File::from(fd))
 }
 
 /// An interface name as the kernel's `IFNAMSIZ` array.
