@@ -151,7 +151,7 @@ pub struct Handover {
 }
 
 /// One sleeping VM's TAP, held open and read by a task of its own until [`Sleeper::hand_over`].
-/// Dropping it stops the task and closes the TAP.
+/// Dropping it stops the task, which closes the TAP (on the blocking pool).
 pub struct Sleeper {
     tap: String,
     stop: Option<oneshot::Sender<()>>,
@@ -270,7 +270,10 @@ impl Sleeper {
         let (frames, counters, _) = parked.sleep.finish();
         let tap = match release {
             Release::KeepOpen => Some(OwnedFd::from(parked.tap)),
-            Release::Close => None,
+            Release::Close => {
+                close(parked.tap).await;
+                None
+            }
         };
         tracing::info!(tap = %self.tap, held = frames.len(), arp_replies = counters.arp_replies, overflow = counters.overflow_frames, dropped = counters.dropped_total(), ?release, "handed a sleeping VM's TAP over");
         Ok(Handover {
@@ -282,10 +285,10 @@ impl Sleeper {
     }
 }
 
-impl Drop for Sleeper {
-    fn drop(&mut self) {
-        self.task.abort();
-    }
+/// Closes a TAP descriptor on the blocking pool: detaching from a TAP waits for an RCU grace
+/// period (`synchronize_net`), milliseconds to tens of milliseconds.
+async fn close(file: File) {
+    let _ = tokio::task::spawn_blocking(move || drop(file)).await;
 }
 
 /// The reader task's state.
@@ -300,14 +303,42 @@ struct Reader {
 impl Reader {
     async fn run(mut self, mut stop: oneshot::Receiver<()>) -> Result<Parked, SleepError> {
         let mut buf = vec![0u8; READ_BUFFER];
+        let outcome = match self.serve(&mut stop, &mut buf).await {
+            Ok(true) => self.drain(&mut buf).map(|()| true),
+            other => other,
+        };
+        match outcome {
+            Ok(true) => Ok(Parked {
+                tap: self.fd.into_inner(),
+                sleep: self.sleep,
+            }),
+            Ok(false) => {
+                close(self.fd.into_inner()).await;
+                tracing::info!(tap = %self.tap, "stopped holding a sleeping VM's TAP");
+                Err(SleepError::Ended { tap: self.tap })
+            }
+            Err(e) => {
+                close(self.fd.into_inner()).await;
+                tracing::warn!(tap = %self.tap, error = %super::chain(&e), "stopped holding a sleeping VM's TAP");
+                Err(e)
+            }
+        }
+    }
+
+    /// Reads until a hand-over (true) or the [`Sleeper`]'s drop (false).
+    async fn serve(
+        &mut self,
+        stop: &mut oneshot::Receiver<()>,
+        buf: &mut [u8],
+    ) -> Result<bool, SleepError> {
         loop {
             tokio::select! {
                 biased;
-                _ = &mut stop => break,
+                asked = &mut *stop => return Ok(asked.is_ok()),
                 ready = self.fd.readable() => {
                     let mut guard = ready.map_err(|e| read_error(&self.tap, e))?;
                     let out = self.fd.get_ref();
-                    let frames = read_batch(&mut guard, &mut buf, BATCH, |f| {
+                    let frames = read_batch(&mut guard, buf, BATCH, |f| {
                         on_frame(&self.tap, out, &mut self.sleep, &self.woke, f)
                     });
                     drop(guard);
@@ -316,11 +347,6 @@ impl Reader {
                 }
             }
         }
-        self.drain(&mut buf)?;
-        Ok(Parked {
-            tap: self.fd.into_inner(),
-            sleep: self.sleep,
-        })
     }
 
     /// Takes in what the TAP holds right now, without waiting for more.
@@ -528,8 +554,20 @@ fn index_of(name: &str) -> Option<u32> {
 
 /// An `AF_PACKET` socket bound to one interface: what it sends is transmitted on that
 /// interface (on a TAP: into the VM); with a protocol, it also receives that EtherType.
+/// Closing one waits for an RCU grace period: a drop hands the close to the blocking pool.
 pub struct PacketSocket {
-    fd: AsyncFd<OwnedFd>,
+    fd: Option<AsyncFd<OwnedFd>>,
+}
+
+impl Drop for PacketSocket {
+    fn drop(&mut self) {
+        if let Some(fd) = self.fd.take() {
+            let fd = fd.into_inner();
+            if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+                runtime.spawn_blocking(move || drop(fd));
+            }
+        }
+    }
 }
 
 impl PacketSocket {
@@ -570,13 +608,19 @@ impl PacketSocket {
         // SAFETY: the OwnedFd owns its descriptor, which stays open and the same until the
         // AsyncFd is dropped.
         let fd = unsafe { AsyncFd::register(fd) }?;
-        Ok(PacketSocket { fd })
+        Ok(PacketSocket { fd: Some(fd) })
+    }
+
+    fn fd(&self) -> io::Result<&AsyncFd<OwnedFd>> {
+        self.fd
+            .as_ref()
+            .ok_or_else(|| io::Error::other("the packet socket is closed"))
     }
 
     /// Transmits one whole Ethernet frame.
     pub async fn send(&self, frame: &[u8]) -> io::Result<()> {
         loop {
-            let mut guard = self.fd.writable().await?;
+            let mut guard = self.fd()?.writable().await?;
             let sent = guard.try_io(|fd| {
                 // SAFETY: `frame` is valid for reads of its length for the call.
                 let n =
@@ -596,7 +640,7 @@ impl PacketSocket {
     /// Receives one frame into `buf`; returns its length (cut to `buf`).
     pub async fn recv(&self, buf: &mut [u8]) -> io::Result<usize> {
         loop {
-            let mut guard = self.fd.readable().await?;
+            let mut guard = self.fd()?.readable().await?;
             let got = guard.try_io(|fd| {
                 // SAFETY: `buf` is valid for writes of its length for the call.
                 let n =
