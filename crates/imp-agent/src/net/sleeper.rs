@@ -9,6 +9,10 @@
 //! only moves bytes. Everything is non-blocking on the tokio runtime (an [`AsyncFd`] on the
 //! TAP and on the packet socket; opening the TAP runs on the blocking pool).
 //!
+//! Going to sleep: [`Sleeper::hold`] attaches by name once the VMM is gone; [`Sleeper::hold_fd`]
+//! adopts a descriptor already attached (a `dup` of the one given to QEMU), so the TAP never
+//! loses its carrier and the bridge never stops forwarding to it.
+//!
 //! Order of a resume that keeps every frame (see docs/suspend.md, "Wake on traffic"):
 //! 1. [`Sleeper::woken`] resolves (or the user asked for `Running`).
 //! 2. QEMU: [`Sleeper::hand_over`] with [`Release::KeepOpen`], then [`inject`] at once: the
@@ -171,8 +175,9 @@ impl Sleeper {
     /// it. Fails with [`SleepError::Attach`] (EBUSY) while a VMM still holds it.
     ///
     /// The TAP has no carrier between the VMM's exit and this attach, and the bridge forwards
-    /// to it again only once the kernel's link watcher has seen the carrier come back (up to
-    /// about a second later): frames in that window are lost and their senders retransmit.
+    /// to it again only once the kernel's link watcher has seen the carrier come back
+    /// (milliseconds here, but the kernel may defer that by up to a second when other links
+    /// changed just before): frames in that window are lost and their senders retransmit.
     /// [`Sleeper::hold_fd`] avoids the window.
     pub async fn hold(
         tap: &str,
