@@ -685,3 +685,44 @@ pub async fn inject(tap: &str, frames: &[Vec<u8>]) -> Result<(), SleepError> {
     tracing::debug!(tap, frames = frames.len(), "injected held frames into a VM");
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn interface_names_must_fit_the_kernel() {
+        assert!(ifname("imptap-0123abcd").is_ok());
+        for bad in ["", "a-name-of-16-byte", "nul\0inside"] {
+            let e = ifname(bad).unwrap_err();
+            assert!(e.to_string().contains(&format!("{bad:?}")), "{e}");
+        }
+    }
+
+    #[test]
+    fn a_descriptor_that_is_not_a_tap_is_refused_by_name() {
+        let fd = OwnedFd::from(File::open("/dev/null").unwrap());
+        let e = adopt("imptap-x", fd).unwrap_err();
+        assert!(matches!(e, SleepError::NotTheTap { .. }), "{e:?}");
+        assert!(e.to_string().contains("imptap-x"), "{e}");
+    }
+
+    #[tokio::test]
+    async fn injecting_nothing_needs_no_socket_and_a_missing_interface_is_named() {
+        inject("no-such-if0", &[]).await.unwrap();
+        let e = inject("no-such-if0", &[vec![0; 60]]).await.unwrap_err();
+        assert!(e.to_string().contains("no-such-if0"), "{e}");
+        let e = Sleeper::hold("no-such-if0", test_vm(), HoldBounds::default())
+            .await
+            .err()
+            .unwrap();
+        assert!(matches!(e, SleepError::Missing { .. }), "{e:?}");
+    }
+
+    fn test_vm() -> SleepingVm {
+        SleepingVm {
+            ip: Ipv4Addr::new(10, 0, 0, 5),
+            mac: super::super::plan::Mac([2, 0, 0, 0, 0, 5]),
+        }
+    }
+}
