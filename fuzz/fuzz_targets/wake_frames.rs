@@ -61,7 +61,10 @@ fuzz_target!(|data: &[u8]| {
 
 fn check_verdict(frame: &[u8], verdict: Verdict) {
     match verdict {
-        Verdict::Reply { frame: reply, requester } => {
+        Verdict::Reply {
+            frame: reply,
+            requester,
+        } => {
             // Asked of the VM's address, answered from the VM to the asker's hardware address.
             assert_eq!(&frame[12..14], &[0x08, 0x06]);
             assert_eq!(&frame[38..42], &VM.ip.octets());
