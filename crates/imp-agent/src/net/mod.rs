@@ -5,14 +5,21 @@
 //! in each VM's spec on disk, so a restarted agent adopts them) and the ImpNetworks' specs and
 //! status; [`NodeNet::sync`] applies the [`plan::plan`] idempotently and removes what no VM
 //! needs any more.
+//!
+//! For suspended VMs: [`sleeper`] holds a sleeping VM's TAP, answers ARP for it and holds the
+//! frames that wake it (decisions in [`wake`]); [`idle`] tells an idle VM from its TAP's
+//! counters. See docs/suspend.md, "Wake on traffic".
 
+pub mod idle;
 pub mod link;
 pub mod names;
 pub mod nft;
 pub mod plan;
 pub mod resolv;
+pub mod sleeper;
 pub mod tap;
 pub mod view;
+pub mod wake;
 
 use std::collections::BTreeMap;
 use std::net::Ipv4Addr;
