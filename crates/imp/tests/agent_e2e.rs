@@ -18,8 +18,8 @@ use imp_agent::runtime::cgroup::VmCgroup;
 use imp_api::vm::{ImpVM, VmPhase};
 use imp_testkube::TestKube;
 use imp_testkube::registry::{TestImage, TestLayer, TestRegistry, push, scratch_dir};
-use k8s_openapi::api::core::v1::{Event, Node, Secret};
-use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
+use k8s_openapi::api::core::v1::{Event, Secret};
+use kube::api::{Api, DeleteParams, ListParams, PostParams};
 use kube::{Client, ResourceExt};
 use serde_json::{Value, json};
 use tokio::process::{Child, Command};
@@ -36,22 +36,10 @@ fn ready() -> Option<()> {
 
 /// A busybox image whose workload is whatever `$SCRIPT` says, so one image serves every VM.
 fn script_image() -> TestImage {
-    let mut layer = TestLayer::new()
-        .dir("bin", 0o755)
-        .file("bin/busybox", std::fs::read("/bin/busybox").unwrap(), 0o755)
-        .dir("etc", 0o755)
-        .file("etc/passwd", "root:x:0:0:root:/root:/bin/sh\n", 0o644)
-        .file("etc/group", "root:x:0:\n", 0o644)
-        .dir("tmp", 0o1777)
-        .dir("root", 0o700);
-    for applet in ["sh", "echo", "cat", "sleep", "ls", "touch"] {
-        layer = layer.symlink(&format!("bin/{applet}"), "busybox");
-    }
-    TestImage::new()
-        .layer(layer)
-        .entrypoint(&["/bin/sh", "-c"])
-        .cmd(&["eval \"$SCRIPT\""])
-        .env("PATH=/bin")
+    common::busybox_image(
+        &["sh", "echo", "cat", "sleep", "ls", "touch"],
+        "eval \"$SCRIPT\"",
+    )
 }
 
 /// The file a hostile layer tries to write outside the root filesystem.
@@ -278,21 +266,7 @@ fn qemu_of(agent: &Agent, uid: &str) -> Vec<u32> {
 }
 
 async fn node(c: &Client, name: &str) {
-    let api: Api<Node> = Api::all(c.clone());
-    let n: Node = serde_json::from_value(
-        json!({"metadata": {"name": name, "labels": {"imp/enabled": "true"}}}),
-    )
-    .unwrap();
-    api.create(&PostParams::default(), &n).await.unwrap();
-    let status = json!({"status": {
-        "allocatable": {"cpu": "8", "memory": "16Gi"},
-        "capacity": {"cpu": "8", "memory": "16Gi"},
-        "conditions": [{"type": "Ready", "status": "True", "reason": "Test",
-                        "lastTransitionTime": k8s_openapi::jiff::Timestamp::now().to_string()}]
-    }});
-    api.patch_status(name, &PatchParams::default(), &Patch::Merge(&status))
-        .await
-        .unwrap();
+    common::ready_node(c, name).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -25,10 +25,9 @@ use std::time::Duration;
 
 use imp_api::vm::{ImpVM, VmPhase};
 use imp_testkube::TestKube;
-use imp_testkube::registry::{TestImage, TestLayer, scratch_dir};
-use k8s_openapi::api::core::v1::Node;
+use imp_testkube::registry::{TestImage, scratch_dir};
 use kube::Client;
-use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
+use kube::api::{Api, DeleteParams, PostParams};
 use serde_json::{Value, json};
 use tokio::process::{Child, Command};
 
@@ -293,43 +292,17 @@ impl Drop for Agent {
 
 /// Busybox with the network tools; the workload is `$SCRIPT`.
 fn image() -> TestImage {
-    let mut layer = TestLayer::new()
-        .dir("bin", 0o755)
-        .file("bin/busybox", std::fs::read("/bin/busybox").unwrap(), 0o755)
-        .dir("etc", 0o755)
-        .file("etc/passwd", "root:x:0:0:root:/root:/bin/sh\n", 0o644)
-        .file("etc/group", "root:x:0:\n", 0o644)
-        .dir("tmp", 0o1777);
-    for applet in [
-        "sh", "echo", "cat", "sleep", "hostname", "ping", "nc", "ip", "grep", "true",
-    ] {
-        layer = layer.symlink(&format!("bin/{applet}"), "busybox");
-    }
-    TestImage::new()
-        .layer(layer)
-        .entrypoint(&["/bin/sh", "-c"])
-        .cmd(&["eval \"$SCRIPT\""])
-        .env("PATH=/bin")
+    common::busybox_image(
+        &[
+            "sh", "echo", "cat", "sleep", "hostname", "ping", "nc", "ip", "grep", "true",
+        ],
+        "eval \"$SCRIPT\"",
+    )
 }
 
 /// Every VM serves TCP on 9000: it answers with its name and keeps what it was sent.
 const SERVER: &str =
     "while true; do echo \"pong from $(hostname)\" | nc -l -p 9000 >> /tmp/received; done";
-
-async fn node_object(c: &Client, name: &str) {
-    let api: Api<Node> = Api::all(c.clone());
-    let n: Node = serde_json::from_value(json!({"metadata": {"name": name}})).unwrap();
-    api.create(&PostParams::default(), &n).await.unwrap();
-    let status = json!({"status": {
-        "allocatable": {"cpu": "8", "memory": "16Gi"},
-        "capacity": {"cpu": "8", "memory": "16Gi"},
-        "conditions": [{"type": "Ready", "status": "True", "reason": "Test",
-                        "lastTransitionTime": k8s_openapi::jiff::Timestamp::now().to_string()}]
-    }});
-    api.patch_status(name, &PatchParams::default(), &Patch::Merge(&status))
-        .await
-        .unwrap();
-}
 
 async fn create(c: &Client, kind: &str, plural: &str, body: Value) {
     let gvk = kube::api::GroupVersionKind::gvk("imp.dev", "v1alpha1", kind);
@@ -529,8 +502,8 @@ async fn vms_talk_within_their_network_across_nodes_and_out_through_nat_and_nowh
     let kubeconfig = kube.kubeconfig().to_path_buf();
     let c = kube.client().await.unwrap();
     common::install_crds(&c, &[NS, "imp-system"]).await;
-    node_object(&c, "node-a").await;
-    node_object(&c, "node-b").await;
+    common::ready_node(&c, "node-a").await;
+    common::ready_node(&c, "node-b").await;
     create(
         &c,
         "ImpVMClass",

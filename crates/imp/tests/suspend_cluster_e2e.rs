@@ -17,9 +17,9 @@ use std::time::{Duration, Instant};
 use imp_agent::runtime::cgroup::VmCgroup;
 use imp_api::vm::{ImpVM, VmPhase};
 use imp_testkube::TestKube;
-use imp_testkube::registry::{TestImage, TestLayer, TestRegistry, push, scratch_dir};
-use k8s_openapi::api::core::v1::{Event, Node};
-use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
+use imp_testkube::registry::{TestImage, TestRegistry, push, scratch_dir};
+use k8s_openapi::api::core::v1::Event;
+use kube::api::{Api, DeleteParams, ListParams, PostParams};
 use kube::{Client, ResourceExt};
 use serde_json::json;
 use tokio::process::{Child, Command};
@@ -32,23 +32,7 @@ const COUNTER: &str = "mkdir -p /mnt/t && mount -t tmpfs tmpfs /mnt/t && i=0; \
      while true; do i=$((i+1)); echo $i > /mnt/t/count; sleep 1; done";
 
 fn image() -> TestImage {
-    let mut layer = TestLayer::new()
-        .dir("bin", 0o755)
-        .file("bin/busybox", std::fs::read("/bin/busybox").unwrap(), 0o755)
-        .dir("etc", 0o755)
-        .file("etc/passwd", "root:x:0:0:root:/root:/bin/sh\n", 0o644)
-        .file("etc/group", "root:x:0:\n", 0o644)
-        .dir("tmp", 0o1777)
-        .dir("mnt", 0o755)
-        .dir("root", 0o700);
-    for applet in ["sh", "echo", "cat", "sleep", "mount", "mkdir"] {
-        layer = layer.symlink(&format!("bin/{applet}"), "busybox");
-    }
-    TestImage::new()
-        .layer(layer)
-        .entrypoint(&["/bin/sh", "-c"])
-        .cmd(&[COUNTER])
-        .env("PATH=/bin")
+    common::busybox_image(&["sh", "echo", "cat", "sleep", "mount", "mkdir"], COUNTER)
 }
 
 fn logs() -> Stdio {
@@ -186,21 +170,7 @@ async fn wait_vm(api: &Api<ImpVM>, what: &str, secs: u64, pred: impl Fn(&ImpVM) 
 }
 
 async fn node(c: &Client, name: &str) {
-    let api: Api<Node> = Api::all(c.clone());
-    let n: Node = serde_json::from_value(
-        json!({"metadata": {"name": name, "labels": {"imp/enabled": "true"}}}),
-    )
-    .unwrap();
-    api.create(&PostParams::default(), &n).await.unwrap();
-    let status = json!({"status": {
-        "allocatable": {"cpu": "8", "memory": "16Gi"},
-        "capacity": {"cpu": "8", "memory": "16Gi"},
-        "conditions": [{"type": "Ready", "status": "True", "reason": "Test",
-                        "lastTransitionTime": k8s_openapi::jiff::Timestamp::now().to_string()}]
-    }});
-    api.patch_status(name, &PatchParams::default(), &Patch::Merge(&status))
-        .await
-        .unwrap();
+    common::ready_node(c, name).await;
 }
 
 async fn reasons(c: &Client) -> Vec<String> {

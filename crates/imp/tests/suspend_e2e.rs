@@ -12,30 +12,17 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
-use imp_testkube::registry::{TestImage, TestLayer, TestRegistry, push, scratch_dir};
+use imp_testkube::registry::{TestImage, TestRegistry, push, scratch_dir};
 
 /// The workload: a tmpfs of its own and a counter in it, one step a second.
 const COUNTER: &str = "mkdir -p /mnt/t && mount -t tmpfs tmpfs /mnt/t && i=0; \
      while true; do i=$((i+1)); echo $i > /mnt/t/count; sleep 1; done";
 
 fn image() -> TestImage {
-    let mut layer = TestLayer::new()
-        .dir("bin", 0o755)
-        .file("bin/busybox", std::fs::read("/bin/busybox").unwrap(), 0o755)
-        .dir("etc", 0o755)
-        .file("etc/passwd", "root:x:0:0:root:/root:/bin/sh\n", 0o644)
-        .file("etc/group", "root:x:0:\n", 0o644)
-        .dir("tmp", 0o1777)
-        .dir("mnt", 0o755)
-        .dir("root", 0o700);
-    for applet in ["sh", "echo", "cat", "sleep", "mount", "mkdir", "date"] {
-        layer = layer.symlink(&format!("bin/{applet}"), "busybox");
-    }
-    TestImage::new()
-        .layer(layer)
-        .entrypoint(&["/bin/sh", "-c"])
-        .cmd(&[COUNTER])
-        .env("PATH=/bin")
+    common::busybox_image(
+        &["sh", "echo", "cat", "sleep", "mount", "mkdir", "date"],
+        COUNTER,
+    )
 }
 
 struct Env {

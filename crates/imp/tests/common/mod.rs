@@ -179,3 +179,52 @@ pub fn remove_agent_leftovers(state: &Path, cgroup_parent: &str) {
     }
     let _ = std::fs::remove_dir_all(state);
 }
+
+/// A busybox image with `applets` linked and the directories a workload expects (`/tmp`,
+/// `/mnt`, root's home), whose workload is `sh -c CMD`.
+pub fn busybox_image(applets: &[&str], cmd: &str) -> imp_testkube::registry::TestImage {
+    let mut layer = imp_testkube::registry::TestLayer::new()
+        .dir("bin", 0o755)
+        .file(
+            "bin/busybox",
+            std::fs::read("/bin/busybox").expect("reading /bin/busybox"),
+            0o755,
+        )
+        .dir("etc", 0o755)
+        .file("etc/passwd", "root:x:0:0:root:/root:/bin/sh\n", 0o644)
+        .file("etc/group", "root:x:0:\n", 0o644)
+        .dir("tmp", 0o1777)
+        .dir("mnt", 0o755)
+        .dir("root", 0o700);
+    for applet in applets {
+        layer = layer.symlink(&format!("bin/{applet}"), "busybox");
+    }
+    imp_testkube::registry::TestImage::new()
+        .layer(layer)
+        .entrypoint(&["/bin/sh", "-c"])
+        .cmd(&[cmd])
+        .env("PATH=/bin")
+}
+
+/// Creates a Ready Node `name` labelled `imp/enabled=true`, with room for every test VM.
+pub async fn ready_node(c: &kube::Client, name: &str) {
+    use k8s_openapi::api::core::v1::Node;
+    use kube::api::{Patch, PatchParams};
+    let api: Api<Node> = Api::all(c.clone());
+    let n: Node = serde_json::from_value(
+        serde_json::json!({"metadata": {"name": name, "labels": {"imp/enabled": "true"}}}),
+    )
+    .expect("a Node");
+    api.create(&PostParams::default(), &n)
+        .await
+        .expect("creating a Node");
+    let status = serde_json::json!({"status": {
+        "allocatable": {"cpu": "8", "memory": "16Gi"},
+        "capacity": {"cpu": "8", "memory": "16Gi"},
+        "conditions": [{"type": "Ready", "status": "True", "reason": "Test",
+                        "lastTransitionTime": k8s_openapi::jiff::Timestamp::now().to_string()}]
+    }});
+    api.patch_status(name, &PatchParams::default(), &Patch::Merge(&status))
+        .await
+        .expect("making a Node Ready");
+}
