@@ -56,19 +56,9 @@ pub async fn wait_healthy(
     port: u32,
     timeout: Duration,
 ) -> Result<HealthReport, GuestAgentError> {
-    let started = tokio::time::Instant::now();
-    let stream = vmm::vsock::connect(vsock, port, timeout)
-        .await
-        .map_err(GuestAgentError::Connect)?;
-    let left = timeout.saturating_sub(started.elapsed());
-    let stream = vmm::vsock::DeadlineStream::new(stream, left).map_err(GuestAgentError::Socket)?;
-    tokio::task::spawn_blocking(move || {
-        let mut client = imp_proto::Client::handshake(stream, &hello())?;
-        client.health()
-    })
-    .await
-    .map_err(GuestAgentError::Task)?
-    .map_err(GuestAgentError::Protocol)
+    exchange(vsock, port, timeout, |client| client.health())
+        .await?
+        .map_err(GuestAgentError::Protocol)
 }
 
 /// Sets the guest's wall clock to `now` through the guest agent on `port`, for at most
@@ -80,6 +70,22 @@ pub async fn set_clock(
     now: std::time::SystemTime,
     timeout: Duration,
 ) -> Result<(), GuestAgentError> {
+    exchange(vsock, port, timeout, move |client| client.set_clock(now))
+        .await?
+        .map_err(GuestAgentError::SetClock)
+}
+
+/// Connects to the guest agent on `port`, shakes hands and runs `ask` on a blocking thread,
+/// all within `timeout` (a guest that trickles bytes cannot stretch it). The outer error is
+/// the connection's; the inner one the exchange's, for the caller to name.
+async fn exchange<T: Send + 'static>(
+    vsock: &Path,
+    port: u32,
+    timeout: Duration,
+    ask: impl FnOnce(&mut imp_proto::Client<vmm::vsock::DeadlineStream>) -> imp_proto::client::Result<T>
+    + Send
+    + 'static,
+) -> Result<imp_proto::client::Result<T>, GuestAgentError> {
     let started = tokio::time::Instant::now();
     let stream = vmm::vsock::connect(vsock, port, timeout)
         .await
@@ -88,11 +94,10 @@ pub async fn set_clock(
     let stream = vmm::vsock::DeadlineStream::new(stream, left).map_err(GuestAgentError::Socket)?;
     tokio::task::spawn_blocking(move || {
         let mut client = imp_proto::Client::handshake(stream, &hello())?;
-        client.set_clock(now)
+        ask(&mut client)
     })
     .await
-    .map_err(GuestAgentError::Task)?
-    .map_err(GuestAgentError::SetClock)
+    .map_err(GuestAgentError::Task)
 }
 
 /// How long one exit report connection may take from accept to acknowledgement.
