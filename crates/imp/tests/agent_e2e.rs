@@ -238,33 +238,6 @@ async fn event_note(c: &Client, name: &str, reason: &str) -> String {
     .await
 }
 
-/// Pids of processes whose command line names `needle` (a VM's directory).
-fn processes_naming(needle: &str) -> Vec<u32> {
-    let mut out = Vec::new();
-    for e in std::fs::read_dir("/proc").unwrap().flatten() {
-        let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else {
-            continue;
-        };
-        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-        if String::from_utf8_lossy(&cmdline).contains(needle) {
-            out.push(pid);
-        }
-    }
-    out
-}
-
-fn qemu_of(agent: &Agent, uid: &str) -> Vec<u32> {
-    let dir = agent.state.join("vms").join(uid);
-    processes_naming(dir.to_str().unwrap())
-        .into_iter()
-        .filter(|p| {
-            std::fs::read_to_string(format!("/proc/{p}/comm"))
-                .unwrap_or_default()
-                .starts_with("qemu")
-        })
-        .collect()
-}
-
 async fn node(c: &Client, name: &str) {
     common::ready_node(c, name).await;
 }
@@ -421,7 +394,7 @@ async fn impvms_boot_end_survive_an_agent_restart_and_clean_up_on_their_nodes() 
     assert_eq!(ready_reason(&running).unwrap().0, "True");
     let vmm_pid = u32::try_from(st.runtime_pid.unwrap()).unwrap();
     assert_eq!(
-        qemu_of(&a, &svc_uid),
+        common::qemu_of(&a.state, &svc_uid),
         vec![vmm_pid],
         "exactly one VMM, the one in status"
     );
@@ -474,7 +447,7 @@ async fn impvms_boot_end_survive_an_agent_restart_and_clean_up_on_their_nodes() 
     })
     .await;
     assert!(!slow_dir.exists(), "{} remains", slow_dir.display());
-    assert!(processes_naming(slow_dir.to_str().unwrap()).is_empty());
+    assert!(common::processes_naming(slow_dir.to_str().unwrap()).is_empty());
     holder.abort();
 
     // Node b cannot run VMs: its VM says why, naming the path and the setting, and /readyz fails.
@@ -598,12 +571,12 @@ async fn impvms_boot_end_survive_an_agent_restart_and_clean_up_on_their_nodes() 
     a.kill_container().await;
     assert!(a.cgroup.pids().is_empty());
     assert_eq!(
-        qemu_of(&a, &svc_uid),
+        common::qemu_of(&a.state, &svc_uid),
         vec![vmm_pid],
         "svc's VMM survived the agent"
     );
     assert_eq!(
-        qemu_of(&a, &svc2_uid),
+        common::qemu_of(&a.state, &svc2_uid),
         vec![vmm2],
         "svc2's VMM survived the agent"
     );
@@ -629,7 +602,7 @@ async fn impvms_boot_end_survive_an_agent_restart_and_clean_up_on_their_nodes() 
         "same VMM after re-adoption"
     );
     assert_eq!(
-        qemu_of(&a, &svc_uid),
+        common::qemu_of(&a.state, &svc_uid),
         vec![vmm_pid],
         "no second VMM was started"
     );
@@ -654,7 +627,7 @@ async fn impvms_boot_end_survive_an_agent_restart_and_clean_up_on_their_nodes() 
         .await;
     }
     assert!(
-        processes_naming(svc_dir.to_str().unwrap()).is_empty(),
+        common::processes_naming(svc_dir.to_str().unwrap()).is_empty(),
         "processes of svc remain"
     );
     assert!(!svc_dir.exists(), "{} remains", svc_dir.display());

@@ -35,14 +35,6 @@ fn image() -> TestImage {
     common::busybox_image(&["sh", "echo", "cat", "sleep", "mount", "mkdir"], COUNTER)
 }
 
-fn logs() -> Stdio {
-    if std::env::var_os("IMP_TEST_LOGS").is_some() {
-        Stdio::inherit()
-    } else {
-        Stdio::null()
-    }
-}
-
 /// One `imp agent` in a cgroup of its own, like a container, so a restart can be played by
 /// killing everything in that cgroup.
 struct Agent {
@@ -70,10 +62,7 @@ impl Agent {
             .env("FC_KERNEL", common::kernel())
             .env("IMP_GUEST", common::guest())
             .env("KUBECONFIG", kube.kubeconfig())
-            .env(
-                "RUST_LOG",
-                std::env::var("IMP_TEST_RUST_LOG").unwrap_or_else(|_| "info,kube=warn".into()),
-            )
+            .env("RUST_LOG", common::rust_log())
             .args(["--state-dir", self.state.to_str().unwrap()])
             .args(["--runtime", "qemu", "--no-network"])
             .args(["--cgroup-parent", &self.cgroup_parent])
@@ -84,7 +73,7 @@ impl Agent {
             .args(["--stop-grace", "3s", "--api-addr", "127.0.0.1:0"])
             .args(["--suspend-retry", "3s"])
             .stdout(Stdio::null())
-            .stderr(logs())
+            .stderr(common::logs())
             .kill_on_drop(true)
             .spawn()
             .unwrap();
@@ -103,18 +92,6 @@ impl Agent {
             let _ = c.wait().await;
         }
     }
-
-    fn qemu_of(&self, uid: &str) -> Vec<u32> {
-        let dir = self.state.join("vms").join(uid);
-        processes_naming(dir.to_str().unwrap())
-            .into_iter()
-            .filter(|p| {
-                std::fs::read_to_string(format!("/proc/{p}/comm"))
-                    .unwrap_or_default()
-                    .starts_with("qemu")
-            })
-            .collect()
-    }
 }
 
 impl Drop for Agent {
@@ -125,35 +102,8 @@ impl Drop for Agent {
             .stderr(std::process::Stdio::null())
             .status();
         let _ = self.cgroup.destroy();
-        for dir in std::fs::read_dir(self.state.join("vms"))
-            .into_iter()
-            .flatten()
-            .flatten()
-        {
-            let uid = dir.file_name().to_string_lossy().into_owned();
-            if let Ok(cg) = VmCgroup::at(&format!("{}/{uid}", self.cgroup_parent)) {
-                let _ = cg.destroy();
-            }
-        }
-        if let Ok(cg) = VmCgroup::at(&self.cgroup_parent) {
-            let _ = cg.destroy();
-        }
-        let _ = std::fs::remove_dir_all(&self.state);
+        common::remove_agent_leftovers(&self.state, &self.cgroup_parent);
     }
-}
-
-fn processes_naming(needle: &str) -> Vec<u32> {
-    let mut out = Vec::new();
-    for e in std::fs::read_dir("/proc").unwrap().flatten() {
-        let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else {
-            continue;
-        };
-        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-        if String::from_utf8_lossy(&cmdline).contains(needle) {
-            out.push(pid);
-        }
-    }
-    out
 }
 
 fn phase(v: &ImpVM) -> Option<VmPhase> {
@@ -272,7 +222,7 @@ async fn desired_state_suspends_and_resumes_an_impvm_across_an_agent_restart() {
         .env("KUBECONFIG", kube.kubeconfig())
         .env("RUST_LOG", "info,kube=warn")
         .stdout(Stdio::null())
-        .stderr(logs())
+        .stderr(common::logs())
         .kill_on_drop(true)
         .spawn()
         .unwrap();
@@ -312,7 +262,7 @@ async fn desired_state_suspends_and_resumes_an_impvm_across_an_agent_restart() {
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
     let before = counter(&alice).await;
-    let old_qemu = agent.qemu_of(&uid);
+    let old_qemu = common::qemu_of(&agent.state, &uid);
     assert_eq!(old_qemu.len(), 1, "one QEMU runs the VM: {old_qemu:?}");
 
     // Too little disk on the node (a 16 MiB file system under the snapshot directory): the
@@ -333,7 +283,11 @@ async fn desired_state_suspends_and_resumes_an_impvm_across_an_agent_restart() {
     let err = String::from_utf8_lossy(&out.stderr).into_owned();
     assert!(err.contains("not enough free disk space"), "{err}");
     assert_eq!(phase(&vms.get(VM).await.unwrap()), Some(VmPhase::Running));
-    assert_eq!(agent.qemu_of(&uid), old_qemu, "the VM was not left running");
+    assert_eq!(
+        common::qemu_of(&agent.state, &uid),
+        old_qemu,
+        "the VM was not left running"
+    );
     assert!(counter(&alice).await >= before);
     assert!(reasons(&c).await.iter().any(|r| r == "SuspendFailed"));
     // With room again, the agent tries again by itself (--suspend-retry 3s).
@@ -357,7 +311,7 @@ async fn desired_state_suspends_and_resumes_an_impvm_across_an_agent_restart() {
     assert_eq!(status.node_name.as_deref(), Some("sp-node"));
     assert_eq!(vm.spec.node_name.as_deref(), Some("sp-node"));
     assert!(
-        agent.qemu_of(&uid).is_empty(),
+        common::qemu_of(&agent.state, &uid).is_empty(),
         "QEMU still runs while Suspended"
     );
 
@@ -367,7 +321,7 @@ async fn desired_state_suspends_and_resumes_an_impvm_across_an_agent_restart() {
     tokio::time::sleep(Duration::from_secs(5)).await;
     let vm = vms.get(VM).await.unwrap();
     assert_eq!(phase(&vm), Some(VmPhase::Suspended), "{:?}", vm.status);
-    assert!(agent.qemu_of(&uid).is_empty());
+    assert!(common::qemu_of(&agent.state, &uid).is_empty());
 
     // imp resume: Resuming → Running on the same node, the same guest, exec answers.
     let t = Instant::now();
@@ -379,7 +333,7 @@ async fn desired_state_suspends_and_resumes_an_impvm_across_an_agent_restart() {
     assert_eq!(status.phase, Some(VmPhase::Running));
     assert_eq!(status.node_name.as_deref(), Some("sp-node"));
     assert!(status.suspend_snapshot_path.is_none() && status.suspended_at.is_none());
-    let new_qemu = agent.qemu_of(&uid);
+    let new_qemu = common::qemu_of(&agent.state, &uid);
     assert_eq!(new_qemu.len(), 1);
     assert_ne!(new_qemu, old_qemu, "resumed in a new QEMU");
     let after = counter(&alice).await;

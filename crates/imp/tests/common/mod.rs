@@ -228,3 +228,31 @@ pub async fn ready_node(c: &kube::Client, name: &str) {
         .await
         .expect("making a Node Ready");
 }
+
+/// Pids of processes whose command line names `needle` (a VM's directory).
+pub fn processes_naming(needle: &str) -> Vec<u32> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir("/proc").expect("reading /proc").flatten() {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+        if String::from_utf8_lossy(&cmdline).contains(needle) {
+            out.push(pid);
+        }
+    }
+    out
+}
+
+/// The QEMU processes of VM `uid` of the agent whose state directory is `state`.
+pub fn qemu_of(state: &Path, uid: &str) -> Vec<u32> {
+    let dir = state.join("vms").join(uid);
+    processes_naming(&dir.to_string_lossy())
+        .into_iter()
+        .filter(|p| {
+            std::fs::read_to_string(format!("/proc/{p}/comm"))
+                .unwrap_or_default()
+                .starts_with("qemu")
+        })
+        .collect()
+}
