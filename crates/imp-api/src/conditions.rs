@@ -96,6 +96,9 @@ string_enum! {
         /// The VM could not be restored from its suspend snapshot (missing or corrupt, or the
         /// guest did not answer after the restore); the message says why.
         ResumeFailed,
+        /// The node lacks the free memory to resume the suspended VM; it stays Suspended and
+        /// the agent tries again.
+        InsufficientMemory,
         /// The node agent is pulling the image and booting the VM.
         Starting,
         /// The node cannot run VMs as configured (a missing VMM binary or kernel); the message

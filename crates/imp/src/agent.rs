@@ -111,6 +111,10 @@ pub struct Args {
     /// desiredState stays Suspended.
     #[arg(long, default_value = "60s", value_parser = parse_duration)]
     suspend_retry: Duration,
+    /// Memory (MiB) a resume leaves free for the node beyond the VM's and its VMM's own: a
+    /// suspended VM that does not fit stays Suspended with a condition saying so.
+    #[arg(long, env = "IMP_RESUME_RESERVE_MIB", default_value_t = 128)]
+    resume_reserve_mib: u64,
     /// Log as JSON lines.
     #[arg(long)]
     log_json: bool,
@@ -239,6 +243,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
         },
         stop_grace: args.stop_grace,
         suspend_retry: args.suspend_retry,
+        resume_reserve_mib: args.resume_reserve_mib,
         poll: Duration::from_millis(250),
     };
     health.set_ready(caps.not_ready());

@@ -71,6 +71,10 @@ struct ShimArgs {
     /// The state directory holding `vms/ID/`.
     #[arg(long)]
     state_dir: std::path::PathBuf,
+    /// The VM's TAP, already open under this descriptor number (the agent held it while the
+    /// VM slept); the VMM of a resume inherits it.
+    #[arg(long)]
+    tap_fd: Option<i32>,
     /// The VM's id.
     id: String,
 }
@@ -120,12 +124,17 @@ fn shim(args: ShimArgs) -> anyhow::Result<()> {
         .with_ansi(false)
         .try_init();
     let state = imp_agent::runtime::state::StateDir::new(args.state_dir);
+    let tap = args
+        .tap_fd
+        .map(imp_agent::runtime::shim::inherited_tap)
+        .transpose()
+        .context("taking the inherited TAP")?;
     tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
         .context("starting the async runtime")?
-        .block_on(imp_agent::runtime::supervisor::run(state, args.id.clone()))
+        .block_on(imp_agent::runtime::supervisor::run(state, args.id.clone(), tap))
         .with_context(|| format!("supervising VM {}", args.id))
 }
 

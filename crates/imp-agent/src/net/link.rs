@@ -83,6 +83,37 @@ impl Link {
     }
 }
 
+/// An interface's counters and whether the kernel calls it operationally up.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LinkState {
+    /// Packets the interface received (for a TAP: what its reader, the VMM, wrote).
+    pub rx_packets: u64,
+    /// Packets it sent (for a TAP: what was delivered toward its reader).
+    pub tx_packets: u64,
+    /// Operationally up: for a TAP, someone holds it and the kernel's link watcher has seen
+    /// the carrier, so a bridge forwards to it.
+    pub oper_up: bool,
+}
+
+impl LinkState {
+    fn from_message(m: &LinkMessage) -> LinkState {
+        let mut state = LinkState::default();
+        for a in &m.attributes {
+            match a {
+                LinkAttribute::Stats64(s) => {
+                    state.rx_packets = s.rx_packets;
+                    state.tx_packets = s.tx_packets;
+                }
+                LinkAttribute::OperState(o) => {
+                    state.oper_up = *o == rtnetlink::packet_route::link::State::Up;
+                }
+                _ => {}
+            }
+        }
+        state
+    }
+}
+
 fn vxlan_info(infos: &[LinkInfo]) -> Option<(u32, u16, Option<Ipv4Addr>)> {
     infos.iter().find_map(|i| match i {
         LinkInfo::Data(InfoData::Vxlan(v)) => {
@@ -324,6 +355,19 @@ impl Netlink {
             .execute()
             .await
             .map_err(err("configuring interface", name))
+    }
+
+    /// Interface `name`'s packet counters and operational state; `None` when it does not
+    /// exist. Read over netlink, so it is right in any network namespace (sysfs shows the one
+    /// it was mounted in).
+    pub async fn link_state(&self, name: &str) -> Result<Option<LinkState>> {
+        let mut msgs = self.handle.link().get().match_name(name.to_owned()).execute();
+        let msg = match msgs.try_next().await {
+            Ok(m) => m,
+            Err(rtnetlink::Error::NetlinkError(e)) if e.raw_code() == -libc::ENODEV => None,
+            Err(e) => return Err(err("reading the state of interface", name)(e)),
+        };
+        Ok(msg.map(|m| LinkState::from_message(&m)))
     }
 
     /// Deletes interface `index`.

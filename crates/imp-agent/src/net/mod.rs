@@ -77,6 +77,11 @@ impl NodeNet {
         })
     }
 
+    /// The netlink connection (the node's network namespace).
+    pub fn netlink(&self) -> Netlink {
+        self.netlink.clone()
+    }
+
     /// Takes over the attachment of a VM found on disk (no sync).
     pub fn adopt(&self, uid: &str, a: NetAttachment) {
         lock(&self.attachments).insert(uid.to_owned(), a);

@@ -256,6 +256,17 @@ impl Sleeper {
         (*w).ok_or_else(ended)
     }
 
+    /// A receiver that turns `Some` when a frame wakes the VM, for a task that waits while
+    /// the sleeper itself stays where it is kept.
+    pub fn wake_signal(&self) -> watch::Receiver<Option<Woken>> {
+        self.woken.clone()
+    }
+
+    /// The wake, if a frame woke the VM already.
+    pub fn woken_now(&self) -> Option<Woken> {
+        *self.woken.borrow()
+    }
+
     /// The counters so far (updated after every batch of frames read).
     pub fn counters(&self) -> Counters {
         *self.counters.lock().unwrap_or_else(PoisonError::into_inner)

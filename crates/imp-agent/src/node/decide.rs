@@ -33,6 +33,8 @@ pub struct Observed {
     pub ephemeral: bool,
     /// `spec.desiredState` is `Suspended`.
     pub suspend_wanted: bool,
+    /// `spec.desiredState` is `ScaleToZero`: suspend when idle, resume when woken.
+    pub scale_to_zero: bool,
 }
 
 /// The VM's local state: its record and whether its shim still runs.
@@ -46,6 +48,10 @@ pub struct Local<'a> {
     pub now_unix: u64,
     /// How long after a failed suspend it is tried again, in seconds.
     pub suspend_retry_secs: u64,
+    /// Scale-to-zero: the VM's TAP saw no frame from the guest for its `idleTimeout`.
+    pub idle: bool,
+    /// Scale-to-zero: a frame for the sleeping VM arrived (its sleeper holds it).
+    pub woken: bool,
 }
 
 impl Local<'_> {
@@ -178,18 +184,37 @@ pub fn decide(vm: &Observed, local: Option<Local<'_>>) -> Decision {
     }
 }
 
-/// A suspend of a running VM that should be suspended (unless one failed just now), or a
-/// resume of a suspended VM that should run.
+/// A suspend of a running VM that should be suspended, or is idle under ScaleToZero (unless
+/// a suspend failed just now), or a resume of a suspended VM that should run: asked for, or
+/// woken by traffic under ScaleToZero.
 fn suspend_or_resume(vm: &Observed, l: Local<'_>) -> Option<Decision> {
     let r = l.record;
+    let sleep = vm.suspend_wanted || (vm.scale_to_zero && l.idle);
+    let wake = if vm.scale_to_zero {
+        l.woken
+    } else {
+        !vm.suspend_wanted
+    };
     match r.status {
         // Only once the API says Running: the Running write comes first.
-        VmStatus::Running if vm.suspend_wanted && l.shim_alive && vm.phase == VmPhase::Running => {
+        VmStatus::Running if sleep && l.shim_alive && vm.phase == VmPhase::Running => {
             (!failed_recently(l)).then_some(Decision::Suspend)
         }
-        VmStatus::Suspended if !vm.suspend_wanted && !l.shim_alive => Some(Decision::Resume),
+        VmStatus::Suspended if wake && !l.shim_alive => Some(Decision::Resume),
         _ => None,
     }
+}
+
+/// Whether the agent should hold the VM's TAP for it (answer ARP, hold frames, wake it on
+/// traffic): a ScaleToZero VM that is suspended and whose shim is gone (the VMM released the
+/// TAP). The caller adds "and it has a TAP".
+pub fn wants_sleeper(vm: &Observed, local: Option<Local<'_>>) -> bool {
+    local.is_some_and(|l| {
+        vm.scale_to_zero
+            && !vm.deleting
+            && !l.shim_alive
+            && l.record.status == VmStatus::Suspended
+    })
 }
 
 /// Whether the VM's last suspend failed less than [`Local::suspend_retry_secs`] ago.
@@ -203,12 +228,15 @@ fn failed_recently(l: Local<'_>) -> bool {
 /// A running VM's report: a suspend that failed just now, one still in flight (asked for, the
 /// shim has not picked it up yet), or simply running.
 fn running(vm: &Observed, l: Local<'_>) -> Report {
+    // Under ScaleToZero the agent asked for the suspend because the VM was idle; it stays
+    // asked for even if a frame arrives before the shim picks the request up.
+    let may_sleep = vm.suspend_wanted || vm.scale_to_zero;
     match &l.record.suspend_failure {
-        Some(f) if vm.suspend_wanted && failed_recently(l) => Report::SuspendFailed {
+        Some(f) if may_sleep && failed_recently(l) => Report::SuspendFailed {
             request: f.request.clone(),
             error: f.error.clone(),
         },
-        _ if vm.suspend_wanted && vm.phase == VmPhase::Suspending => Report::Suspending,
+        _ if may_sleep && vm.phase == VmPhase::Suspending => Report::Suspending,
         _ => Report::Running,
     }
 }
@@ -275,6 +303,28 @@ fn report(vm: &Observed, l: Local<'_>) -> Report {
     }
 }
 
+/// Memory a resumed VM's VMM needs beyond the guest's (QEMU or Firecracker, its buffers).
+pub const VMM_OVERHEAD_MIB: u64 = 64;
+
+/// `MemAvailable` of `/proc/meminfo`, in MiB.
+pub fn mem_available_mib(meminfo: &str) -> Option<u64> {
+    let line = meminfo.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib / 1024)
+}
+
+/// Whether a VM of `memory_mib` can be resumed with `available_mib` free on the node, keeping
+/// `reserve_mib` for the node itself; if not, why (the figures, for the condition).
+pub fn room_to_resume(available_mib: u64, memory_mib: u32, reserve_mib: u64) -> Result<(), String> {
+    let needed = u64::from(memory_mib) + VMM_OVERHEAD_MIB + reserve_mib;
+    if available_mib >= needed {
+        return Ok(());
+    }
+    Err(format!(
+        "not enough free memory to resume: {available_mib} MiB available, the VM needs          {memory_mib} MiB + {VMM_OVERHEAD_MIB} MiB for its VMM + {reserve_mib} MiB kept for the          node (--resume-reserve-mib); it stays Suspended and is tried again every 10s"
+    ))
+}
+
 /// The condition reason of a failure in `stage`.
 pub fn reason_for(stage: Option<Stage>) -> ConditionReason {
     match stage {
@@ -302,6 +352,7 @@ mod tests {
             attempt: 0,
             ephemeral: true,
             suspend_wanted: false,
+            scale_to_zero: false,
         }
     }
 
@@ -346,7 +397,109 @@ mod tests {
             shim_alive: alive,
             now_unix: 1000,
             suspend_retry_secs: 60,
+            idle: false,
+            woken: false,
         })
+    }
+
+    fn asleep() -> VmRecord {
+        let mut r = record(VmStatus::Suspended, 0);
+        r.suspend = Some(crate::runtime::state::SuspendRecord {
+            snapshot_dir: "/snap".into(),
+            suspended_unix: 900,
+            bytes: 1,
+        });
+        r
+    }
+
+    #[test]
+    fn scale_to_zero_suspends_only_an_idle_vm_and_resumes_only_a_woken_one() {
+        let running = record(VmStatus::Running, 0);
+        let mut v = vm(VmPhase::Running, true);
+        v.scale_to_zero = true;
+        assert_eq!(
+            decide(&v, local(&running, true)),
+            Decision::Report(Report::Running),
+            "busy: stays up"
+        );
+        let idle = Local {
+            idle: true,
+            ..local(&running, true).unwrap()
+        };
+        assert_eq!(decide(&v, Some(idle)), Decision::Suspend);
+        // Asked already: the phase says Suspending and stays so, even if a frame came since.
+        v.phase = VmPhase::Suspending;
+        assert_eq!(
+            decide(&v, local(&running, true)),
+            Decision::Report(Report::Suspending)
+        );
+        let sleeping = asleep();
+        v.phase = VmPhase::Suspended;
+        assert!(
+            matches!(
+                decide(&v, local(&sleeping, false)),
+                Decision::Report(Report::Suspended { .. })
+            ),
+            "asleep and nobody knocked: stays suspended"
+        );
+        assert!(wants_sleeper(&v, local(&sleeping, false)));
+        let woken = Local {
+            woken: true,
+            ..local(&sleeping, false).unwrap()
+        };
+        assert_eq!(decide(&v, Some(woken)), Decision::Resume);
+        // The user may still wake it by hand, or put it to sleep for good.
+        let mut by_hand = v.clone();
+        by_hand.scale_to_zero = false;
+        assert_eq!(decide(&by_hand, local(&sleeping, false)), Decision::Resume);
+        by_hand.suspend_wanted = true;
+        assert!(!wants_sleeper(&by_hand, local(&sleeping, false)));
+        assert_ne!(decide(&by_hand, Some(woken)), Decision::Resume);
+    }
+
+    #[test]
+    fn a_resume_needs_the_guest_memory_the_vmm_and_the_reserve() {
+        let meminfo = "MemTotal:        8000000 kB\nMemFree: 1 kB\nMemAvailable:    1048576 kB\n";
+        assert_eq!(mem_available_mib(meminfo), Some(1024));
+        assert_eq!(mem_available_mib("MemTotal: 1 kB\n"), None);
+        assert!(room_to_resume(1024, 256, 704).is_ok());
+        let why = room_to_resume(1024, 256, 705).unwrap_err();
+        assert!(why.contains("1024 MiB available") && why.contains("256 MiB"), "{why}");
+    }
+
+    #[test]
+    fn a_sleeper_only_holds_a_tap_the_vmm_let_go_of() {
+        let mut v = vm(VmPhase::Suspended, true);
+        v.scale_to_zero = true;
+        let sleeping = asleep();
+        assert!(
+            !wants_sleeper(&v, local(&sleeping, true)),
+            "the shim (and its VMM) may still hold the TAP"
+        );
+        assert!(!wants_sleeper(&v, local(&record(VmStatus::Resuming, 0), false)));
+        assert!(!wants_sleeper(&v, None));
+        v.deleting = true;
+        assert!(!wants_sleeper(&v, local(&sleeping, false)));
+    }
+
+    #[test]
+    fn an_idle_vm_whose_suspend_just_failed_runs_on_and_says_why() {
+        let mut r = record(VmStatus::Running, 0);
+        r.suspend_failure = Some(crate::runtime::state::SuspendFailure {
+            request: "t1".into(),
+            failed_unix: 990,
+            error: "not enough free disk space".into(),
+        });
+        let mut v = vm(VmPhase::Running, true);
+        v.scale_to_zero = true;
+        let idle = Local {
+            idle: true,
+            ..local(&r, true).unwrap()
+        };
+        assert!(matches!(
+            decide(&v, Some(idle)),
+            Decision::Report(Report::SuspendFailed { .. })
+        ));
     }
 
     #[test]

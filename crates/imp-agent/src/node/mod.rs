@@ -14,3 +14,4 @@ pub mod env;
 pub mod metrics;
 pub mod network;
 pub mod reconciler;
+pub mod scale;

@@ -40,6 +40,7 @@ use super::decide::{self, Decision, Local, Observed, Report};
 use super::env;
 use super::metrics::Metrics;
 use super::network::{self, NotWired};
+use super::scale::{self, ScaleToZero, SleepingTap};
 use crate::net::NodeNet;
 use crate::runtime::shim::{self, ShimCommand};
 use crate::runtime::state::{Owner, StateDir, StateError, VmRecord, VmStatus};
@@ -64,6 +65,8 @@ pub struct Settings {
     pub poll: Duration,
     /// How long after a failed suspend it is tried again.
     pub suspend_retry: Duration,
+    /// Memory (MiB) a resume leaves free on the node beyond the VM's own and its VMM's.
+    pub resume_reserve_mib: u64,
 }
 
 /// Failures of one reconcile; all are retried.
@@ -152,6 +155,11 @@ pub struct Context {
     vms: Arc<NodeVms>,
     /// The node's networking, when the agent wires VM networks.
     net: Option<Arc<NodeNet>>,
+    /// Idle tracking and sleepers of ScaleToZero VMs (with networking only: a VM without a
+    /// TAP has no traffic to count and none to wake it).
+    scale: Option<Arc<ScaleToZero>>,
+    /// Asks the controller for a reconcile (a sleeping VM's wake); set when it runs.
+    reconcile_tx: std::sync::OnceLock<mpsc::Sender<ObjectRef<ImpVM>>>,
 }
 
 fn key(vm: &ImpVM) -> String {
@@ -182,16 +190,22 @@ impl Context {
             announced: Mutex::new(HashMap::new()),
             vms: Arc::default(),
             net: None,
+            scale: None,
+            reconcile_tx: std::sync::OnceLock::new(),
         }
     }
 
     /// Wires VM networks on this node with `net` (without it, VMs with a networkRef wait).
     pub fn with_network(mut self, net: Arc<NodeNet>) -> Self {
+        self.scale = Some(Arc::new(ScaleToZero::new(net.netlink())));
         self.net = Some(net);
         self
     }
 
     async fn unwire(&self, uid: &str) {
+        if let Some(scale) = &self.scale {
+            scale.release(uid).await;
+        }
         if let Some(net) = &self.net {
             net.detach(uid).await;
         }
@@ -319,6 +333,7 @@ fn observed(vm: &ImpVM) -> Observed {
         attempt: status.restart_count.unwrap_or(0),
         ephemeral: vm.spec.lifecycle == VmLifecycle::Ephemeral,
         suspend_wanted: vm.spec.desired_state == VmDesiredState::Suspended,
+        scale_to_zero: vm.spec.desired_state == VmDesiredState::ScaleToZero,
     }
 }
 
@@ -326,18 +341,21 @@ fn observed(vm: &ImpVM) -> Observed {
 pub async fn reconcile(vm: Arc<ImpVM>, ctx: Arc<Context>) -> Result<Action, Error> {
     let uid = vm.uid().ok_or_else(|| Error::NoUid(key(&vm)))?;
     let local = local_state(&ctx.settings.state, &uid).await?;
-    let decision = decide::decide(
-        &observed(&vm),
-        local.as_ref().map(|(record, alive)| Local {
-            record,
-            shim_alive: *alive,
-            now_unix: crate::runtime::state::now_unix(),
-            suspend_retry_secs: ctx.settings.suspend_retry.as_secs(),
-        }),
-    );
+    let obs = observed(&vm);
+    let facts = scale_facts(&ctx, &vm, &uid, &obs, local.as_ref()).await;
+    let here = local.as_ref().map(|(record, alive)| Local {
+        record,
+        shim_alive: *alive,
+        now_unix: crate::runtime::state::now_unix(),
+        suspend_retry_secs: ctx.settings.suspend_retry.as_secs(),
+        idle: facts.idle_since.is_some(),
+        woken: facts.woken,
+    });
+    let decision = decide::decide(&obs, here);
     tracing::debug!(vm = %key(&vm), node = %ctx.settings.node, ?decision, "reconcile");
-    let phase_now = observed(&vm).phase;
-    ctx.metrics.set_phase(&uid, Some(phase_now));
+    ctx.metrics.set_phase(&uid, Some(obs.phase));
+    let sleeper = decide::wants_sleeper(&obs, here) && decision != Decision::Resume;
+    sync_sleeper(&ctx, &vm, &uid, sleeper, facts.tap.as_ref(), &decision).await;
     match decision {
         Decision::Wait => Ok(Action::requeue(Duration::from_secs(300))),
         Decision::Start { clear_previous } => {
@@ -349,24 +367,28 @@ pub async fn reconcile(vm: Arc<ImpVM>, ctx: Arc<Context>) -> Result<Action, Erro
         Decision::Report(report) => {
             let record = local.as_ref().map(|(r, _)| r);
             let retry = matches!(report, Report::SuspendFailed { .. });
+            let running = matches!(report, Report::Running);
             write_report(&ctx, &vm, report, record).await?;
+            if running {
+                inject_stashed(&ctx, &uid).await;
+            }
             if retry {
                 let again = ctx.settings.suspend_retry + Duration::from_millis(500);
                 return Ok(Action::requeue(again));
             }
-            Ok(Action::requeue(Duration::from_secs(300)))
+            Ok(Action::requeue(facts.sample_every.unwrap_or(Duration::from_secs(300))))
         }
         Decision::Suspend => {
             let Some((record, _)) = local else {
                 return Ok(Action::requeue(Duration::from_secs(1)));
             };
-            suspend(&ctx, &vm, record).await
+            suspend(&ctx, &vm, record, facts.idle_since).await
         }
         Decision::Resume => {
             let Some((record, _)) = local else {
                 return Ok(Action::requeue(Duration::from_secs(1)));
             };
-            resume(&ctx, &vm, record).await
+            resume(&ctx, &vm, record, facts.spec.as_ref()).await
         }
         Decision::Teardown { release } => {
             teardown(&ctx, &vm, &uid, local.as_ref().map(|(r, _)| r)).await?;
@@ -385,8 +407,128 @@ pub async fn reconcile(vm: Arc<ImpVM>, ctx: Arc<Context>) -> Result<Action, Erro
     }
 }
 
+/// What scale-to-zero knows of a VM before the decision.
+#[derive(Default)]
+struct ScaleFacts {
+    /// The VM's spec on disk (its TAP, its memory).
+    spec: Option<crate::runtime::spec::VmSpec>,
+    /// Its TAP as a sleeper holds it.
+    tap: Option<SleepingTap>,
+    /// Idle since then (a running ScaleToZero VM whose guest sent nothing for idleTimeout).
+    idle_since: Option<std::time::SystemTime>,
+    /// A frame arrived for it while it slept.
+    woken: bool,
+    /// When to look at a running ScaleToZero VM's TAP again.
+    sample_every: Option<Duration>,
+}
+
+/// Samples a running ScaleToZero VM's TAP, and tells whether a sleeping one was woken.
+async fn scale_facts(
+    ctx: &Context,
+    vm: &ImpVM,
+    uid: &str,
+    obs: &Observed,
+    local: Option<&(VmRecord, bool)>,
+) -> ScaleFacts {
+    let Some((record, alive)) = local else {
+        return ScaleFacts::default();
+    };
+    if !obs.scale_to_zero && record.status != VmStatus::Suspended {
+        return ScaleFacts::default();
+    }
+    let state = ctx.settings.state.clone();
+    let id = uid.to_owned();
+    let spec = tokio::task::spawn_blocking(move || shim::read_spec(&state, &id).ok())
+        .await
+        .ok()
+        .flatten();
+    let tap = spec.as_ref().and_then(|s| s.network.as_ref()).map(|n| SleepingTap {
+        tap: n.tap.clone(),
+        ip: n.config.address,
+        mac: n.mac.clone(),
+    });
+    let mut facts = ScaleFacts {
+        woken: ctx.scale.as_ref().is_some_and(|s| s.woken(uid)),
+        ..ScaleFacts::default()
+    };
+    if let (Some(scale), Some(t)) = (&ctx.scale, &tap)
+        && obs.scale_to_zero
+        && *alive
+        && record.status == VmStatus::Running
+        && obs.phase == VmPhase::Running
+    {
+        let timeout = idle_timeout(vm);
+        let activity = scale.activity(uid, &t.tap, record.vmm_pid, timeout).await;
+        if let crate::net::idle::Activity::Idle { since } = activity {
+            facts.idle_since = Some(since);
+        }
+        facts.sample_every = Some(scale::sample_every(timeout));
+    }
+    facts.spec = spec;
+    facts.tap = tap;
+    facts
+}
+
+/// `spec.idleTimeout`, or the default 5m when unset or unreadable (the webhook refuses both).
+fn idle_timeout(vm: &ImpVM) -> Duration {
+    vm.spec
+        .idle_timeout
+        .as_ref()
+        .and_then(|d| d.parse().ok())
+        .unwrap_or(scale::DEFAULT_IDLE_TIMEOUT)
+}
+
+/// Holds a sleeping ScaleToZero VM's TAP (before it is reported Suspended, so Suspended means
+/// wakeable), or lets go of it once nobody should wake the VM (the user asked for Suspended).
+/// A resume takes the TAP itself.
+async fn sync_sleeper(
+    ctx: &Context,
+    vm: &ImpVM,
+    uid: &str,
+    wanted: bool,
+    tap: Option<&SleepingTap>,
+    decision: &Decision,
+) {
+    let Some(scale) = &ctx.scale else { return };
+    match tap {
+        Some(tap) if wanted => {
+            let on_wake = ctx.reconcile_tx.get().cloned().map(|tx| {
+                let obj = ObjectRef::from_obj(vm);
+                async move {
+                    let _ = tx.send(obj).await;
+                }
+            });
+            let on_wake = async move {
+                if let Some(f) = on_wake {
+                    f.await;
+                }
+            };
+            if let Err(e) = scale.hold(uid, tap, on_wake).await {
+                tracing::warn!(vm = %key(vm), node = %ctx.settings.node, tap = %tap.tap, error = %error_chain(&e), "cannot hold a sleeping VM's TAP; it cannot be woken by traffic yet");
+            }
+        }
+        _ if !wanted && *decision != Decision::Resume && scale.holds(uid) => {
+            scale.release(uid).await;
+        }
+        _ => {}
+    }
+}
+
+/// Delivers the frames held for a VM whose VMM opens its TAP by name (Firecracker), once it
+/// runs again.
+async fn inject_stashed(ctx: &Context, uid: &str) {
+    let Some(scale) = &ctx.scale else { return };
+    scale.inject_stashed(uid).await;
+}
+
 /// Asks the VM's shim to suspend it and says `Suspending`; the record tells how it ended.
-async fn suspend(ctx: &Context, vm: &ImpVM, record: VmRecord) -> Result<Action, Error> {
+/// An idle ScaleToZero VM's last activity (`idle_since`) is written as `lastActivityTime`.
+async fn suspend(
+    ctx: &Context,
+    vm: &ImpVM,
+    record: VmRecord,
+    idle_since: Option<std::time::SystemTime>,
+) -> Result<Action, Error> {
     let state = ctx.settings.state.clone();
     let asked = tokio::task::spawn_blocking(move || {
         crate::runtime::suspend::request_suspend(&state, &record)
@@ -397,16 +539,41 @@ async fn suspend(ctx: &Context, vm: &ImpVM, record: VmRecord) -> Result<Action, 
         Ok(Err(e)) => return Err(local_error("asking for the suspend of", vm, Box::new(e))),
         Err(e) => return Err(local_error("asking for the suspend of", vm, Box::new(e))),
     };
-    tracing::info!(vm = %key(vm), node = %ctx.settings.node, phase = "Suspending", token, "suspending");
-    write_report(ctx, vm, Report::Suspending, None).await?;
+    let idle = idle_since.map(|t| Time(Timestamp::try_from(t).unwrap_or_else(|_| Timestamp::now())));
+    tracing::info!(vm = %key(vm), node = %ctx.settings.node, phase = "Suspending", token, idle = idle.is_some(), "suspending");
+    write_report_with(ctx, vm, Report::Suspending, None, |status| {
+        if let Some(t) = idle {
+            status.last_activity_time = Some(t);
+        }
+    })
+    .await?;
     Ok(Action::requeue(Duration::from_secs(60)))
 }
 
-/// Starts a shim that restores the suspended VM and says `Resuming`.
-async fn resume(ctx: &Context, vm: &ImpVM, record: VmRecord) -> Result<Action, Error> {
+/// Starts a shim that restores the suspended VM and says `Resuming`; when a sleeper held the
+/// VM's TAP, the TAP goes to the new VMM and the held frames into the VM. A node without the
+/// free memory to run the VM keeps it Suspended and says so.
+async fn resume(
+    ctx: &Context,
+    vm: &ImpVM,
+    record: VmRecord,
+    spec: Option<&crate::runtime::spec::VmSpec>,
+) -> Result<Action, Error> {
+    if let Some(spec) = spec
+        && let Some(why) = no_room_to_resume(ctx, spec.memory_mib).await
+    {
+        return cannot_resume(ctx, vm, why).await;
+    }
+    let uid = record.name.clone();
+    let by_name = spec.is_some_and(|s| s.runtime == crate::runtime::spec::Runtime::Firecracker);
+    let woke = match &ctx.scale {
+        Some(scale) => scale.wake_handover(&uid, by_name).await,
+        None => scale::Wake::default(),
+    };
     let (state, cmd) = (ctx.settings.state.clone(), ctx.settings.shim.clone());
+    let tap = woke.tap;
     let started = tokio::task::spawn_blocking(move || {
-        crate::runtime::suspend::start_resume(&cmd, &state, &record)
+        crate::runtime::suspend::start_resume(&cmd, &state, &record, tap.as_ref())
     })
     .await;
     let pid = match started {
@@ -414,9 +581,51 @@ async fn resume(ctx: &Context, vm: &ImpVM, record: VmRecord) -> Result<Action, E
         Ok(Err(e)) => return Err(local_error("resuming", vm, Box::new(e))),
         Err(e) => return Err(local_error("resuming", vm, Box::new(e))),
     };
-    tracing::info!(vm = %key(vm), node = %ctx.settings.node, phase = "Resuming", shim = pid, "resuming");
+    if let Some(scale) = &ctx.scale {
+        scale.resumed(&uid);
+    }
+    let since_wake_ms = woke.at.map(|t| t.elapsed().as_secs_f64() * 1e3);
+    tracing::info!(vm = %key(vm), node = %ctx.settings.node, phase = "Resuming", shim = pid, held_frames = woke.frames, since_wake_ms, "resuming");
     write_report(ctx, vm, Report::Resuming, None).await?;
     Ok(Action::requeue(Duration::from_secs(60)))
+}
+
+/// Why the node cannot resume a VM of `memory_mib` now, if it cannot.
+async fn no_room_to_resume(ctx: &Context, memory_mib: u32) -> Option<String> {
+    let available = tokio::fs::read_to_string("/proc/meminfo")
+        .await
+        .ok()
+        .and_then(|m| decide::mem_available_mib(&m))?;
+    decide::room_to_resume(available, memory_mib, ctx.settings.resume_reserve_mib)
+        .err()
+        .map(|e| format!("node {}: {e}", ctx.settings.node))
+}
+
+/// Keeps a VM that cannot resume Suspended, with `Ready=False/InsufficientMemory` saying why
+/// (once per message), and tries again in 10 s.
+async fn cannot_resume(ctx: &Context, vm: &ImpVM, why: String) -> Result<Action, Error> {
+    let mut status = vm.status.clone().unwrap_or_default();
+    conditions::set(
+        &mut status.conditions,
+        ConditionType::Ready,
+        ConditionStatus::False,
+        ConditionReason::InsufficientMemory,
+        &why,
+        vm.meta().generation,
+        now(),
+    );
+    let said = vm.status.as_ref().is_some_and(|s| {
+        s.conditions
+            .iter()
+            .any(|c| c.reason == ConditionReason::InsufficientMemory.as_str() && c.message == why)
+    });
+    ctx.patch_status(vm, &status).await?;
+    if !said {
+        tracing::warn!(vm = %key(vm), node = %ctx.settings.node, why, "cannot resume: not enough memory");
+        ctx.event(vm, EventType::Warning, ConditionReason::InsufficientMemory.as_str(), why)
+            .await;
+    }
+    Ok(Action::requeue(Duration::from_secs(10)))
 }
 
 fn local_error(
@@ -803,8 +1012,20 @@ async fn write_report(
     report: Report,
     record: Option<&VmRecord>,
 ) -> Result<(), Error> {
+    write_report_with(ctx, vm, report, record, |_| {}).await
+}
+
+/// [`write_report`], with `edit` applied to the status too (in the same write).
+async fn write_report_with(
+    ctx: &Context,
+    vm: &ImpVM,
+    report: Report,
+    record: Option<&VmRecord>,
+    edit: impl FnOnce(&mut ImpVMStatus),
+) -> Result<(), Error> {
     let old = vm.status.clone().unwrap_or_default();
     let mut status = old.clone();
+    edit(&mut status);
     let generation = vm.meta().generation;
     status.node_name = Some(ctx.settings.node.clone());
     if let Some(r) = record {
@@ -1127,6 +1348,7 @@ pub async fn run(
     let selector = format!("spec.nodeName={}", ctx.settings.node);
     let config = watcher::Config::default().fields(&selector);
     let (tx, rx) = mpsc::channel(256);
+    let _ = ctx.reconcile_tx.set(tx.clone());
     let controller = Controller::new(vms, config);
     let store = controller.store();
     let poller = tokio::spawn(watch_records(ctx.clone(), store, tx));

@@ -94,7 +94,7 @@ pub fn start(
 ) -> Result<u32, ShimError> {
     let dir = state.vm_dir(id);
     state::write_json(&dir.join(SPEC_FILE), spec)?;
-    let pid = spawn(cmd, state, id)?;
+    let pid = spawn(cmd, state, id, None)?;
     // The record exists from now on, so a starter that looks again at once (a retried
     // reconcile) finds the VM started and never starts a second shim.
     // Only if the shim has not written its own (it may already have ended, e.g. failed).
@@ -102,9 +102,18 @@ pub fn start(
     Ok(pid)
 }
 
+/// The descriptor number under which a shim inherits the VM's TAP (`--tap-fd`).
+pub const TAP_FD: i32 = 3;
+
 /// Starts the shim of VM `id`, whose directory holds its spec (and, to resume a suspended VM,
-/// its record). Returns the shim's pid.
-pub fn spawn(cmd: &ShimCommand, state: &StateDir, id: &str) -> Result<u32, ShimError> {
+/// its record). `tap`, the VM's TAP already open (held while the VM slept), is inherited by
+/// the shim as fd [`TAP_FD`] and handed on to the VMM. Returns the shim's pid.
+pub fn spawn(
+    cmd: &ShimCommand,
+    state: &StateDir,
+    id: &str,
+    tap: Option<&std::os::fd::OwnedFd>,
+) -> Result<u32, ShimError> {
     use std::os::unix::process::CommandExt;
     let dir = state.vm_dir(id);
     let log_path = shim_log(&dir);
@@ -119,10 +128,13 @@ pub fn spawn(cmd: &ShimCommand, state: &StateDir, id: &str) -> Result<u32, ShimE
         .open(&log_path)
         .map_err(io_err)?;
     let log2 = log.try_clone().map_err(io_err)?;
-    let mut child = std::process::Command::new(&cmd.exe)
-        .args(&cmd.args)
-        .arg("--state-dir")
-        .arg(state.root())
+    let mut command = std::process::Command::new(&cmd.exe);
+    command.args(&cmd.args).arg("--state-dir").arg(state.root());
+    if let Some(fd) = tap {
+        command.arg("--tap-fd").arg(TAP_FD.to_string());
+        inherit_as(&mut command, fd, TAP_FD);
+    }
+    let mut child = command
         .arg(id)
         .stdin(std::process::Stdio::null())
         .stdout(log)
@@ -140,6 +152,57 @@ pub fn spawn(cmd: &ShimCommand, state: &StateDir, id: &str) -> Result<u32, ShimE
     });
     tracing::debug!(vm = %id, pid, "shim started");
     Ok(pid)
+}
+
+/// Makes `fd` the child's descriptor `target`, open across exec (Rust opens everything
+/// close-on-exec; only the child's copy loses the flag).
+#[allow(unsafe_code)]
+fn inherit_as(command: &mut std::process::Command, fd: &std::os::fd::OwnedFd, target: i32) {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::process::CommandExt;
+    let raw = fd.as_raw_fd();
+    // SAFETY: the closure runs between fork and exec and only calls dup2(2) and fcntl(2),
+    // which are async-signal-safe; `raw` stays open in the parent until spawn returns.
+    unsafe {
+        command.pre_exec(move || {
+            if raw != target && libc::dup2(raw, target) < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            let flags = libc::fcntl(target, libc::F_GETFD);
+            if flags < 0 || libc::fcntl(target, libc::F_SETFD, flags & !libc::FD_CLOEXEC) < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+}
+
+/// In the shim: takes ownership of the TAP fd its starter passed (`--tap-fd`), after checking
+/// it is open, and makes it close-on-exec so only the VMM it is handed to inherits it.
+#[allow(unsafe_code)]
+pub fn inherited_tap(fd: i32) -> std::io::Result<std::os::fd::OwnedFd> {
+    use std::os::fd::FromRawFd;
+    if fd < 3 {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            format!("--tap-fd {fd}: descriptors 0-2 are the standard streams"),
+        ));
+    }
+    // SAFETY: fcntl on any integer is safe; it fails with EBADF for a closed descriptor.
+    let flags = unsafe { libc::fcntl(fd, libc::F_GETFD) };
+    if flags < 0 {
+        let e = std::io::Error::last_os_error();
+        return Err(std::io::Error::new(
+            e.kind(),
+            format!("--tap-fd {fd} is not an open descriptor: {e}"),
+        ));
+    }
+    // SAFETY: the descriptor is open (checked above) and nothing else in this process owns
+    // it: it was inherited for this very purpose and is taken once, at start.
+    unsafe {
+        libc::fcntl(fd, libc::F_SETFD, flags | libc::FD_CLOEXEC);
+        Ok(std::os::fd::OwnedFd::from_raw_fd(fd))
+    }
 }
 
 /// Asks the shim of `record` to stop its VM (the workload gets `grace`), and waits until the

@@ -144,8 +144,13 @@ enum Launch<'a> {
 }
 
 /// The shim's main: supervises VM `id` of `state` from its `spec.json` until it ends.
-/// Returns once the record holds the end; the shim process then exits 0.
-pub async fn run(state: StateDir, id: String) -> Result<(), state::StateError> {
+/// Returns once the record holds the end; the shim process then exits 0. `tap` is the VM's
+/// TAP, already open, when the agent held it while the VM slept (a resume hands it to QEMU).
+pub async fn run(
+    state: StateDir,
+    id: String,
+    tap: Option<std::os::fd::OwnedFd>,
+) -> Result<(), state::StateError> {
     let dir = state.vm_dir(&id);
     // Signals first: a Ctrl-C during the image pull or the boot must not leave a VMM behind.
     let mut stop = StopSignals::install().map_err(|source| state::StateError::Io {
@@ -155,6 +160,9 @@ pub async fn run(state: StateDir, id: String) -> Result<(), state::StateError> {
     })?;
     let spec: VmSpec = state::read_json(&dir.join(SPEC_FILE))?;
     let adopted = suspend::adopted_for_resume(&state, &id).await;
+    if adopted.is_none() && tap.is_some() {
+        tracing::warn!(vm = %id, "given a TAP fd but not resuming; closing it");
+    }
     let resuming = adopted.is_some();
     let mut record = match adopted {
         Some(mut r) => {
@@ -168,7 +176,7 @@ pub async fn run(state: StateDir, id: String) -> Result<(), state::StateError> {
     state.save(&record)?;
     tracing::info!(vm = %id, image = %spec.image, resuming, "shim started");
     let ended = match join_cgroup(&spec) {
-        Ok(()) if resuming => resume(&state, &dir, &spec, &mut record, &mut stop).await,
+        Ok(()) if resuming => resume(&state, &dir, &spec, &mut record, &mut stop, tap).await,
         Ok(()) => supervise(&state, &dir, &spec, &mut record, &mut stop).await,
         Err(f) => Ended::Failed(f),
     };
@@ -296,7 +304,7 @@ async fn supervise(
                 spec,
                 launch: Launch::Boot,
             };
-            drive::<vmm::qemu::Qemu>(&launcher, &config, &run, record, stop).await
+            drive::<vmm::qemu::Qemu>(&launcher, config, &run, record, stop).await
         }
         Runtime::Firecracker => {
             let Some(fc) = &spec.boot.firecracker else {
@@ -309,7 +317,7 @@ async fn supervise(
                 spec,
                 launch: Launch::Boot,
             };
-            drive::<vmm::firecracker::Firecracker>(&launcher, &config, &run, record, stop).await
+            drive::<vmm::firecracker::Firecracker>(&launcher, config, &run, record, stop).await
         }
     }
 }
@@ -322,6 +330,7 @@ async fn resume(
     spec: &VmSpec,
     record: &mut VmRecord,
     stop: &mut StopSignals,
+    tap: Option<std::os::fd::OwnedFd>,
 ) -> Ended {
     let snapshot_dir = record
         .suspend
@@ -345,13 +354,16 @@ async fn resume(
             ),
         ));
     }
-    let config = vm_config(
+    let mut config = vm_config(
         spec,
         dir,
         &record.name,
         dir.join("initramfs.cpio"),
         dir.join("disk.ext4"),
     );
+    if let (Some(net), Some(fd), Runtime::Qemu) = (config.net.as_mut(), tap, spec.runtime) {
+        net.tap_fd = Some(vmm::TapFd(std::sync::Arc::new(fd)));
+    }
     let run = Run {
         state,
         dir,
@@ -364,14 +376,14 @@ async fn resume(
                 Ok(l) => l.probe_accel(&config.kernel, &spec.cache(state)).await,
                 Err(e) => return Ended::Failed(at(Stage::Resume, "finding QEMU")(e)),
             };
-            drive::<vmm::qemu::Qemu>(&launcher, &config, &run, record, stop).await
+            drive::<vmm::qemu::Qemu>(&launcher, config, &run, record, stop).await
         }
         Runtime::Firecracker => {
             let Some(fc) = &spec.boot.firecracker else {
                 return Ended::Failed(Failure::new(Stage::Config, "no Firecracker binary given"));
             };
             let launcher = vmm::firecracker::Launcher::new(fc.clone());
-            drive::<vmm::firecracker::Firecracker>(&launcher, &config, &run, record, stop).await
+            drive::<vmm::firecracker::Firecracker>(&launcher, config, &run, record, stop).await
         }
     }
 }
@@ -572,7 +584,7 @@ enum LoopEnd {
 /// Boots (or restores) the VMM and supervises it until it ends or is suspended.
 async fn drive<V: Vmm>(
     launcher: &V::Launcher,
-    config: &VmConfig,
+    config: VmConfig,
     run: &Run<'_>,
     record: &mut VmRecord,
     stop: &mut StopSignals,
@@ -581,9 +593,12 @@ async fn drive<V: Vmm>(
     // A stop during the boot drops the boot future, and with it the VMM's process handle,
     // which kills the VMM: nothing is left running.
     let booted = tokio::select! {
-        r = launch::<V>(launcher, config, run.launch) => r,
+        r = launch::<V>(launcher, &config, run.launch) => r,
         () = stop.requested() => return Ended::Exited(STOPPED_EXIT_CODE),
     };
+    // The VMM has what it needs; an inherited TAP fd in the config is closed here, so once
+    // the VMM ends nobody holds the TAP and the agent can hold it for the sleeping VM.
+    drop(config);
     let mut vm = match booted {
         Ok(vm) => vm,
         Err(e) => {

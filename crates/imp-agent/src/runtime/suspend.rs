@@ -264,7 +264,13 @@ pub async fn wait_suspended(
 
 /// Starts a new shim that restores suspended VM `record` from its snapshot, and records it as
 /// the VM's shim (status `resuming`) before returning, so a second look never starts another.
-pub fn start_resume(cmd: &ShimCommand, state: &StateDir, record: &VmRecord) -> Result<u32> {
+/// `tap` is the VM's TAP as its sleeper held it (QEMU inherits it; see `net::sleeper`).
+pub fn start_resume(
+    cmd: &ShimCommand,
+    state: &StateDir,
+    record: &VmRecord,
+    tap: Option<&std::os::fd::OwnedFd>,
+) -> Result<u32> {
     if let Some((status, hint)) = refuse_resume(record.status, record.supervisor_alive()) {
         return Err(SuspendError::WrongStatus {
             id: record.name.clone(),
@@ -273,7 +279,7 @@ pub fn start_resume(cmd: &ShimCommand, state: &StateDir, record: &VmRecord) -> R
             hint,
         });
     }
-    let pid = shim::spawn(cmd, state, &record.name)?;
+    let pid = shim::spawn(cmd, state, &record.name, tap)?;
     let mut r = record.clone();
     r.status = VmStatus::Resuming;
     r.supervisor_pid = pid;

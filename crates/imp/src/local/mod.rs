@@ -386,7 +386,7 @@ pub fn resume(args: SuspendArgs) -> anyhow::Result<()> {
     let record = state.load(&args.vm)?;
     let started = std::time::Instant::now();
     let cmd = shim::ShimCommand::current_exe().context("finding the imp binary for the shim")?;
-    suspend::start_resume(&cmd, &state, &record)?;
+    suspend::start_resume(&cmd, &state, &record, None)?;
     block_on(suspend::wait_resumed(&state, &args.vm, args.timeout))??;
     eprintln!(
         "imp: {} resumed in {:.2}s",

@@ -3,6 +3,8 @@
 //! test API server's users for the agent API.
 #![allow(dead_code)] // each test binary uses its own part of this module
 
+pub mod nodes;
+
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};

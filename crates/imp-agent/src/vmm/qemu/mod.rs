@@ -547,11 +547,17 @@ impl Qemu {
 }
 
 /// QEMU's `-netdev` for `net`: the TAP by name, or the inherited fd QEMU is given.
+///
+/// Never with a virtio-net header (`vnet_hdr=off`): the virtio-net device's features follow
+/// its backend's, and a snapshot restores only into a device with the same features. A VM
+/// woken from its snapshot gets the fd its sleeper held (see `net::sleeper`), opened without
+/// `IFF_VNET_HDR`, so the boot must not have one either.
 fn netdev_arg(net: &super::NetConfig) -> String {
     match &net.tap_fd {
+        // QEMU refuses `vnet_hdr=` with `fd=`; it reads the fd's own flags instead.
         Some(fd) => format!("tap,id={},fd={}", net.id, fd.0.as_raw_fd()),
         None => format!(
-            "tap,id={},ifname={},script=no,downscript=no",
+            "tap,id={},ifname={},script=no,downscript=no,vnet_hdr=off",
             net.id, net.tap
         ),
     }
@@ -799,7 +805,7 @@ mod tests {
         };
         assert_eq!(
             netdev_arg(&net),
-            "tap,id=n0,ifname=imp-tap0,script=no,downscript=no"
+            "tap,id=n0,ifname=imp-tap0,script=no,downscript=no,vnet_hdr=off"
         );
         let fd = std::fs::File::open("/dev/null").unwrap();
         let raw = fd.as_raw_fd();

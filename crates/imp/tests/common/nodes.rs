@@ -1,0 +1,300 @@
+//! Namespaces as nodes for the end-to-end tests that need networking: a hub namespace with
+//! the underlay bridge, node namespaces joined to it by veth, an "outside" namespace behind
+//! node a's default route, and a real `imp agent` per node (in a cgroup of its own, so it can
+//! be killed as a container is). All traffic stays inside namespaces the test made (and one
+//! veth from the host into the hub, where the test API server listens).
+
+use std::net::Ipv4Addr;
+use std::path::{Path, PathBuf};
+use std::process::{Output, Stdio};
+use std::time::Duration;
+
+use imp_agent::runtime::cgroup::VmCgroup;
+use imp_testkube::registry::scratch_dir;
+use tokio::process::{Child, Command};
+
+/// The port of every agent's API inside its node namespace.
+pub const AGENT_API_PORT: u16 = 10251;
+
+/// Whether `ip` and `nft` are here (on top of what a guest boot needs).
+pub fn ready() -> Option<()> {
+    super::guest_boot_ready()?;
+    let ip = imp_testkube::guard::which("ip").is_some();
+    let nft = imp_testkube::guard::which("nft").is_some();
+    (imp_testkube::guard::require(ip, "ip (apt-get install iproute2)")
+        && imp_testkube::guard::require(nft, "nft (apt-get install nftables)"))
+    .then_some(())
+}
+
+/// Runs a command that must succeed.
+pub fn run(args: &[&str]) -> Output {
+    let out = std::process::Command::new(args[0])
+        .args(&args[1..])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
+
+/// stdout and stderr of `o`, as text.
+pub fn text(o: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+/// The test's namespaces and addresses: a hub namespace with the underlay bridge, node
+/// namespaces `a` and `b` on it, `out` behind node a's default route, and one veth from the
+/// host into the hub where the API server listens.
+pub struct Topology {
+    pub tag: String,
+    pub octet: u8,
+    host_veth: String,
+}
+
+impl Topology {
+    /// Makes the hub, nodes `a` and `b`, and `out` behind node a's default route.
+    pub fn create() -> Self {
+        let pid = std::process::id();
+        let t = Topology {
+            tag: format!("impn{}", pid % 100_000),
+            octet: u8::try_from(pid % 200 + 20).unwrap(),
+            host_veth: format!("impn{}h", pid % 100_000),
+        };
+        let (hub, a, b, out) = (t.ns("hub"), t.ns("a"), t.ns("b"), t.ns("out"));
+        for ns in [&hub, &a, &b, &out] {
+            run(&["ip", "netns", "add", ns]);
+            run(&["ip", "-n", ns, "link", "set", "lo", "up"]);
+        }
+        run(&["ip", "-n", &hub, "link", "add", "ul", "type", "bridge"]);
+        run(&["ip", "-n", &hub, "link", "set", "ul", "up"]);
+        run(&[
+            "ip",
+            "link",
+            "add",
+            &t.host_veth,
+            "type",
+            "veth",
+            "peer",
+            "name",
+            "host",
+            "netns",
+            &hub,
+        ]);
+        run(&[
+            "ip",
+            "addr",
+            "add",
+            &format!("{}/24", t.underlay(254)),
+            "dev",
+            &t.host_veth,
+        ]);
+        run(&["ip", "link", "set", &t.host_veth, "up"]);
+        run(&[
+            "ip", "-n", &hub, "link", "set", "host", "master", "ul", "up",
+        ]);
+        for (node, host) in [(&a, 1), (&b, 2)] {
+            let port = format!("n{host}");
+            run(&[
+                "ip", "-n", node, "link", "add", "eth0", "type", "veth", "peer", "name", &port,
+                "netns", &hub,
+            ]);
+            run(&[
+                "ip",
+                "-n",
+                node,
+                "addr",
+                "add",
+                &format!("{}/24", t.underlay(host)),
+                "dev",
+                "eth0",
+            ]);
+            run(&["ip", "-n", node, "link", "set", "eth0", "up"]);
+            run(&["ip", "-n", &hub, "link", "set", &port, "master", "ul", "up"]);
+        }
+        run(&[
+            "ip", "-n", &a, "link", "add", "up0", "type", "veth", "peer", "name", "eth0", "netns",
+            &out,
+        ]);
+        run(&[
+            "ip",
+            "-n",
+            &a,
+            "addr",
+            "add",
+            &format!("{}/24", t.outside(1)),
+            "dev",
+            "up0",
+        ]);
+        run(&["ip", "-n", &a, "link", "set", "up0", "up"]);
+        run(&[
+            "ip",
+            "-n",
+            &out,
+            "addr",
+            "add",
+            &format!("{}/24", t.outside(2)),
+            "dev",
+            "eth0",
+        ]);
+        run(&["ip", "-n", &out, "link", "set", "eth0", "up"]);
+        run(&[
+            "ip",
+            "-n",
+            &a,
+            "route",
+            "add",
+            "default",
+            "via",
+            &t.outside(2).to_string(),
+        ]);
+        t
+    }
+
+    pub fn ns(&self, what: &str) -> String {
+        format!("{}-{what}", self.tag)
+    }
+
+    /// An address of the underlay (`.1` node a, `.2` node b, `.254` the host).
+    pub fn underlay(&self, host: u8) -> Ipv4Addr {
+        Ipv4Addr::new(10, 213, self.octet, host)
+    }
+
+    /// An address of the outside link (`.1` node a, `.2` the outside server).
+    pub fn outside(&self, host: u8) -> Ipv4Addr {
+        Ipv4Addr::new(198, 18, self.octet, host)
+    }
+
+    pub fn subnet(&self, second: u8) -> String {
+        format!("10.{second}.{}.0/24", self.octet)
+    }
+
+    /// Runs `args` in namespace `node`.
+    pub fn exec(&self, node: &str, args: &[&str]) -> Output {
+        let ns = self.ns(node);
+        let mut all = vec!["ip", "netns", "exec", ns.as_str()];
+        all.extend_from_slice(args);
+        std::process::Command::new(all[0])
+            .args(&all[1..])
+            .output()
+            .unwrap()
+    }
+
+    /// imp's interfaces in namespace `node`.
+    pub fn imp_links(&self, node: &str) -> Vec<String> {
+        text(&self.exec(node, &["ip", "-o", "link", "show"]))
+            .lines()
+            .filter_map(|l| l.split(": ").nth(1))
+            .map(|n| n.split('@').next().unwrap_or(n).to_owned())
+            .filter(|n| n.starts_with("imp"))
+            .collect()
+    }
+}
+
+impl Drop for Topology {
+    fn drop(&mut self) {
+        for what in ["a", "b", "out", "hub"] {
+            let _ = std::process::Command::new("ip")
+                .args(["netns", "del", &self.ns(what)])
+                .output();
+        }
+        let _ = std::process::Command::new("ip")
+            .args(["link", "del", &self.host_veth])
+            .output();
+    }
+}
+
+/// One `imp agent` inside a node namespace, its VMs in a cgroup parent of their own; the
+/// agent itself in a cgroup of its own too, so it can be killed as a container is.
+pub struct Agent {
+    pub node: String,
+    netns: String,
+    vtep: Ipv4Addr,
+    pub state: PathBuf,
+    cgroup_parent: String,
+    cgroup: VmCgroup,
+    child: Option<Child>,
+    /// More arguments for the next start.
+    pub extra_args: Vec<String>,
+}
+
+impl Agent {
+    pub fn new(topo: &Topology, node: &str, vtep: Ipv4Addr) -> Self {
+        Agent {
+            node: format!("node-{node}"),
+            netns: topo.ns(node),
+            vtep,
+            state: scratch_dir(&format!("imp-{}-{node}", topo.tag)).unwrap(),
+            cgroup_parent: format!("{}-{node}-vms", topo.tag),
+            cgroup: VmCgroup::create(&format!("{}-{node}-agent", topo.tag), 1 << 30).unwrap(),
+            child: None,
+            extra_args: Vec::new(),
+        }
+    }
+
+    pub fn start(&mut self, kubeconfig: &Path, cache: &Path) {
+        // nsenter switches the network namespace only; `ip netns exec` would also remount
+        // /sys, hiding the cgroup hierarchies the agent puts VMs in.
+        let child = Command::new("nsenter")
+            .arg(format!("--net=/var/run/netns/{}", self.netns))
+            .args([env!("CARGO_BIN_EXE_imp"), "agent"])
+            .env("NODE_NAME", &self.node)
+            .env("NODE_IP", self.vtep.to_string())
+            .env("FC_KERNEL", super::kernel())
+            .env("IMP_GUEST", super::guest())
+            .env("KUBECONFIG", kubeconfig)
+            .env("RUST_LOG", super::rust_log())
+            .args(["--state-dir", self.state.to_str().unwrap()])
+            .args(["--runtime", "qemu", "--cgroup-parent", &self.cgroup_parent])
+            .args(["--metrics-addr", "127.0.0.1:9090"])
+            .args(["--api-addr", &format!("0.0.0.0:{AGENT_API_PORT}")])
+            .args(["--stop-grace", "2s"])
+            .arg("--image-cache")
+            .arg(cache)
+            .args(&self.extra_args)
+            .stdout(Stdio::null())
+            .stderr(super::logs())
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap();
+        self.cgroup.add(child.id().unwrap()).unwrap();
+        self.child = Some(child);
+    }
+
+    /// SIGKILL, as a crashed container; its VMs live on under their shims.
+    pub async fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            c.kill().await.unwrap();
+        }
+    }
+
+    /// Kills every process in the agent's cgroup, as a container runtime does on restart.
+    pub async fn kill_container(&mut self) {
+        let cg = self.cgroup.clone();
+        tokio::task::spawn_blocking(move || cg.kill_all(Duration::from_secs(5)))
+            .await
+            .unwrap()
+            .unwrap();
+        if let Some(mut c) = self.child.take() {
+            let _ = c.wait().await;
+        }
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        if let Some(c) = self.child.as_mut() {
+            let _ = c.start_kill();
+        }
+        let _ = self.cgroup.kill_all(Duration::from_secs(5));
+        let _ = self.cgroup.destroy();
+        super::remove_agent_leftovers(&self.state, &self.cgroup_parent);
+    }
+}
+

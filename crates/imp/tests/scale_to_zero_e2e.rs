@@ -1,0 +1,391 @@
+//! Scale-to-zero end to end: a ScaleToZero VM with a 10 s idle timeout suspends by itself, and
+//! the first TCP connection sent to it wakes it, from a VM on the same node and from a VM on
+//! another node over VXLAN, each time with an empty neighbour cache on the client and without
+//! a single retransmitted SYN (the client kernel's `TCPSynRetrans`): the sleeping VM's ARP is
+//! answered by the agent and the SYN is held and delivered once the VM runs again. Then its
+//! agent's cgroup is killed while it sleeps: a SYN sent while the agent is down is answered
+//! once it is back. An agent that keeps more memory free than the node has leaves a woken VM
+//! Suspended with `InsufficientMemory`; the next agent wakes it.
+//!
+//! Two "nodes" (network namespaces) each run a real `imp agent`, with the real `imp operator`
+//! and imp-testkube; guests are real Linux under QEMU/TCG. Needs root, iproute2, nftables and
+//! what a guest boot needs (`scripts/setup`): without them it skips on a developer machine and
+//! fails under `CI=true`.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::path::Path;
+use std::process::{Output, Stdio};
+use std::time::{Duration, Instant};
+
+use common::nodes::{Agent, Topology, ready, text};
+use imp_api::vm::{ImpVM, VmPhase};
+use imp_testkube::TestKube;
+use imp_testkube::registry::scratch_dir;
+use k8s_openapi::api::core::v1::Event;
+use kube::api::{Api, ListParams, PostParams};
+use kube::{Client, ResourceExt};
+use serde_json::json;
+use tokio::process::Command;
+
+const NS: &str = "default";
+const SLEEPER: &str = "s";
+
+/// Serves TCP on 9000: answers with its name and keeps what it was sent.
+const SERVER: &str =
+    "while true; do echo \"pong from $(hostname)\" | nc -l -p 9000 >> /tmp/received; done";
+
+/// The client's count of retransmitted SYNs (`TcpExt: TCPSynRetrans`).
+const SYN_RETRANS: &str = "awk '/^TcpExt:/ { if (!h) { for (i = 1; i <= NF; i++) \
+     if ($i == \"TCPSynRetrans\") c = i; h = 1 } else print $c }' /proc/net/netstat";
+
+fn phase(v: &ImpVM) -> Option<VmPhase> {
+    v.status.as_ref().and_then(|s| s.phase)
+}
+
+async fn wait_vm(
+    api: &Api<ImpVM>,
+    name: &str,
+    what: &str,
+    secs: u64,
+    pred: impl Fn(&ImpVM) -> bool,
+) -> ImpVM {
+    common::wait_for(&format!("{name}: {what}"), Duration::from_secs(secs), || {
+        let api = api.clone();
+        let pred = &pred;
+        async move { api.get_opt(name).await.unwrap().filter(|v| pred(v)) }
+    })
+    .await
+}
+
+/// `imp exec` into a VM through its agent's API.
+fn exec(kubeconfig: &Path, vm: &str, script: &str) -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_imp"));
+    c.args(["exec", "-n", NS, vm, "--", "sh", "-c", script])
+        .env("KUBECONFIG", kubeconfig)
+        .stdin(Stdio::null())
+        .kill_on_drop(true);
+    c
+}
+
+/// The script a client runs: forget every neighbour (unless `neighbour` pins the sleeper's
+/// MAC), connect to the sleeper, and print the reply and how many SYNs were retransmitted.
+fn connect_script(to_ip: &str, msg: &str, neighbour: Option<&str>) -> String {
+    let neigh = match neighbour {
+        Some(mac) => format!("arp -i eth0 -s {to_ip} {mac}"),
+        None => "ip neigh flush dev eth0 >/dev/null".to_owned(),
+    };
+    format!(
+        "{neigh}; before=$({SYN_RETRANS}); reply=$(echo '{msg}' | nc -w 30 {to_ip} 9000); \
+         after=$({SYN_RETRANS}); echo \"reply=$reply\"; echo \"syn_retrans=$((after - before))\""
+    )
+}
+
+/// Runs the client script and returns its output, with how long the connection took.
+async fn wake_from(kubeconfig: &Path, client: &str, to_ip: &str, msg: &str) -> (String, Duration) {
+    let t = Instant::now();
+    let out = exec(kubeconfig, client, &connect_script(to_ip, msg, None))
+        .output()
+        .await
+        .unwrap();
+    (text(&out), t.elapsed())
+}
+
+async fn events(c: &Client, name: &str, reason: &str) -> Vec<Event> {
+    let api: Api<Event> = Api::namespaced(c.clone(), NS);
+    api.list(&ListParams::default())
+        .await
+        .unwrap()
+        .items
+        .into_iter()
+        .filter(|e| e.involved_object.name.as_deref() == Some(name))
+        .filter(|e| e.reason.as_deref() == Some(reason))
+        .collect()
+}
+
+/// How often `name` had an Event with `reason` (repeats of one Event count in its series).
+async fn occurrences(c: &Client, name: &str, reason: &str) -> i32 {
+    events(c, name, reason)
+        .await
+        .iter()
+        .map(|e| {
+            let series = e.series.as_ref().and_then(|s| s.count).unwrap_or(0);
+            series.max(e.count.unwrap_or(0)).max(1)
+        })
+        .sum()
+}
+
+/// Waits until the sleeper has suspended itself for being idle, its QEMU gone.
+async fn wait_idle_suspend(vms: &Api<ImpVM>, agent: &Agent, uid: &str) -> ImpVM {
+    let v = wait_vm(vms, SLEEPER, "idle, Suspended", 90, |v| {
+        phase(v) == Some(VmPhase::Suspended)
+    })
+    .await;
+    let status = v.status.clone().unwrap();
+    assert!(
+        status.last_activity_time.is_some(),
+        "an idle suspend writes lastActivityTime: {status:?}"
+    );
+    assert!(status.suspended_at.is_some() && status.suspend_snapshot_path.is_some());
+    assert!(
+        common::qemu_of(&agent.state, uid).is_empty(),
+        "a suspended VM has no QEMU"
+    );
+    v
+}
+
+/// Asserts a wake worked: the reply came, no SYN was retransmitted, the VM runs again in a new
+/// QEMU and one more `Resumed` Event says so.
+async fn assert_woken(
+    c: &Client,
+    vms: &Api<ImpVM>,
+    (out, took): (String, Duration),
+    resumed_before: i32,
+    from: &str,
+) {
+    println!("wake from {from}: {took:?}: {}", out.replace('\n', " | "));
+    assert!(
+        out.contains(&format!("reply=pong from {SLEEPER}")),
+        "{from}: no reply from the sleeping VM: {out}"
+    );
+    assert!(
+        out.contains("syn_retrans=0"),
+        "{from}: the client retransmitted its SYN (the first one was not answered): {out}"
+    );
+    wait_vm(vms, SLEEPER, "Running after the wake", 30, |v| {
+        phase(v) == Some(VmPhase::Running)
+    })
+    .await;
+    common::wait_for("a Resumed Event", Duration::from_secs(20), || async {
+        (occurrences(c, SLEEPER, "Resumed").await > resumed_before).then_some(())
+    })
+    .await;
+    assert!(!events(c, SLEEPER, "Resuming").await.is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_vm_sleeps_and_its_first_syn_wakes_it_from_anywhere_without_a_retransmission() {
+    if ready().is_none() {
+        return;
+    }
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let topo = Topology::create();
+    let kube = TestKube::start_with(imp_testkube::Config {
+        host: topo.underlay(254).into(),
+        auth: common::exec_users(),
+        kubeconfig_token: Some("admin-token".into()),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let kubeconfig = kube.kubeconfig().to_path_buf();
+    let c = kube.client().await.unwrap();
+    common::install_crds(&c, &[NS, "imp-system"]).await;
+    common::ready_node(&c, "node-a").await;
+    common::ready_node(&c, "node-b").await;
+    let create = |kind: &str, plural: &str, body: serde_json::Value| {
+        let c = c.clone();
+        let gvk = kube::api::GroupVersionKind::gvk("imp.dev", "v1alpha1", kind);
+        let ar = kube::api::ApiResource::from_gvk_with_plural(&gvk, plural);
+        async move {
+            let api: Api<kube::api::DynamicObject> = if body["metadata"]["namespace"].is_string()
+            {
+                Api::namespaced_with(c, NS, &ar)
+            } else {
+                Api::all_with(c, &ar)
+            };
+            let obj = serde_json::from_value(body).unwrap();
+            api.create(&PostParams::default(), &obj).await.unwrap();
+        }
+    };
+    create(
+        "ImpVMClass",
+        "impvmclasses",
+        json!({"apiVersion": "imp.dev/v1alpha1", "kind": "ImpVMClass",
+               "metadata": {"name": "small"}, "spec": {"vcpu": 1, "memoryMiB": 128, "diskGiB": 1}}),
+    )
+    .await;
+    create(
+        "ImpNetwork",
+        "impnetworks",
+        json!({"apiVersion": "imp.dev/v1alpha1", "kind": "ImpNetwork",
+               "metadata": {"name": "net1", "namespace": NS}, "spec": {"subnet": topo.subnet(216)}}),
+    )
+    .await;
+    let layout = scratch_dir("imp-s2z-e2e-layout").unwrap();
+    common::busybox_image(
+        &[
+            "sh", "echo", "cat", "sleep", "hostname", "nc", "ip", "arp", "awk", "true",
+        ],
+        "eval \"$SCRIPT\"",
+    )
+    .write_layout(&layout, "1")
+    .unwrap();
+    let image = format!("oci:{}:1", layout.display());
+    let cache = scratch_dir("imp-s2z-e2e-cache").unwrap();
+
+    let _operator = Command::new(env!("CARGO_BIN_EXE_imp"))
+        .arg("operator")
+        .args([
+            "--metrics-addr",
+            &format!("127.0.0.1:{}", common::free_port()),
+        ])
+        .args(["--requeue-pending", "2", "--requeue-active", "1"])
+        .env("KUBECONFIG", &kubeconfig)
+        .env("RUST_LOG", "info,kube=warn")
+        .stdout(Stdio::null())
+        .stderr(common::logs())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut a = Agent::new(&topo, "a", topo.underlay(1));
+    let mut b = Agent::new(&topo, "b", topo.underlay(2));
+    a.start(&kubeconfig, &cache);
+    b.start(&kubeconfig, &cache);
+
+    let vms: Api<ImpVM> = Api::namespaced(c.clone(), NS);
+    for (name, node, script, desired) in [
+        (SLEEPER, "node-a", SERVER, "ScaleToZero"),
+        ("c1", "node-a", "sleep 3600", "Running"),
+        ("c2", "node-b", "sleep 3600", "Running"),
+    ] {
+        let mut spec = json!({"classRef": {"name": "small"}, "image": image, "nodeName": node,
+            "lifecycle": "persistent", "networkRef": {"name": "net1"}, "desiredState": desired,
+            "env": [{"name": "SCRIPT", "value": script}]});
+        if desired == "ScaleToZero" {
+            spec["idleTimeout"] = json!("10s");
+        }
+        let obj: ImpVM = serde_json::from_value(json!({
+            "apiVersion": "imp.dev/v1alpha1", "kind": "ImpVM",
+            "metadata": {"name": name, "namespace": NS}, "spec": spec
+        }))
+        .unwrap();
+        vms.create(&PostParams::default(), &obj).await.unwrap();
+    }
+    let mut first_pid = None;
+    for name in [SLEEPER, "c1", "c2"] {
+        let v = wait_vm(&vms, name, "Running", 240, |v| {
+            phase(v) == Some(VmPhase::Running)
+        })
+        .await;
+        if name == SLEEPER {
+            first_pid = v.status.and_then(|s| s.runtime_pid);
+        }
+    }
+    let s = vms.get(SLEEPER).await.unwrap();
+    let uid = s.uid().unwrap();
+    let ip = s.status.as_ref().and_then(|s| s.ip.clone()).unwrap();
+
+    // 1. Idle for 10 s: it suspends by itself; its QEMU and memory are gone.
+    wait_idle_suspend(&vms, &a, &uid).await;
+    let first_pid = u32::try_from(first_pid.unwrap()).unwrap();
+    assert!(
+        !Path::new(&format!("/proc/{first_pid}")).exists(),
+        "the first QEMU (pid {first_pid}) still runs"
+    );
+
+    // 2. A VM on the same node, with an empty neighbour cache, connects: it wakes it.
+    let woke = wake_from(&kubeconfig, "c1", &ip, "hello from c1").await;
+    assert_woken(&c, &vms, woke, 0, "c1 (same node)").await;
+    let got = text(
+        &exec(&kubeconfig, SLEEPER, "cat /tmp/received")
+            .output()
+            .await
+            .unwrap(),
+    );
+    assert!(got.contains("hello from c1"), "the VM kept: {got}");
+
+    // 3. Idle again; a VM on the other node wakes it over VXLAN.
+    wait_idle_suspend(&vms, &a, &uid).await;
+    let resumed = occurrences(&c, SLEEPER, "Resumed").await;
+    let woke = wake_from(&kubeconfig, "c2", &ip, "hello from c2").await;
+    assert_woken(&c, &vms, woke, resumed, "c2 (over VXLAN)").await;
+
+    // 4. Idle again; the agent's container dies. A SYN sent meanwhile (the client knows the
+    //    VM's MAC, so it sends at once and retransmits) is answered once the agent is back.
+    wait_idle_suspend(&vms, &a, &uid).await;
+    a.kill_container().await;
+    let mac = imp_api::network::vm_mac(NS, SLEEPER);
+    let pending = exec(
+        &kubeconfig,
+        "c2",
+        &connect_script(&ip, "while the agent was down", Some(&mac)),
+    )
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped())
+    .spawn()
+    .unwrap();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(
+        phase(&vms.get(SLEEPER).await.unwrap()),
+        Some(VmPhase::Suspended)
+    );
+    a.start(&kubeconfig, &cache);
+    let out = text(&pending.wait_with_output().await.unwrap());
+    println!("wake while the agent was down: {}", out.replace('\n', " | "));
+    assert!(
+        out.contains(&format!("reply=pong from {SLEEPER}")),
+        "a SYN sent while the agent was down went unanswered: {out}"
+    );
+    wait_vm(&vms, SLEEPER, "Running after the restart", 30, |v| {
+        phase(v) == Some(VmPhase::Running)
+    })
+    .await;
+
+    // 5. An agent that must keep more memory free than the node has cannot resume a woken VM:
+    //    it stays Suspended and says why. The next agent resumes it on the next connection.
+    wait_idle_suspend(&vms, &a, &uid).await;
+    a.kill_container().await;
+    a.extra_args = vec!["--resume-reserve-mib".into(), "100000000".into()];
+    a.start(&kubeconfig, &cache);
+    let refused = assert_stays_asleep(&kubeconfig, &vms, &ip).await;
+    assert!(
+        refused.contains("not enough free memory to resume") && refused.contains("node-a"),
+        "{refused}"
+    );
+    assert!(!events(&c, SLEEPER, "InsufficientMemory").await.is_empty());
+    a.kill_container().await;
+    a.extra_args.clear();
+    a.start(&kubeconfig, &cache);
+    let resumed = occurrences(&c, SLEEPER, "Resumed").await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let woke = wake_from(&kubeconfig, "c2", &ip, "hello again").await;
+    assert_woken(&c, &vms, woke, resumed, "c2 after the memory came back").await;
+    let _ = std::fs::remove_dir_all(&layout);
+    let _ = std::fs::remove_dir_all(&cache);
+}
+
+/// Connects to the sleeper from c2 (briefly: nothing will answer) and waits for the
+/// `InsufficientMemory` condition; returns its message.
+async fn assert_stays_asleep(kubeconfig: &Path, vms: &Api<ImpVM>, ip: &str) -> String {
+    let knock: Output = exec(
+        kubeconfig,
+        "c2",
+        &format!("echo knock | nc -w 3 {ip} 9000; echo done"),
+    )
+    .output()
+    .await
+    .unwrap();
+    assert!(
+        !text(&knock).contains("pong"),
+        "the VM answered: {}",
+        text(&knock)
+    );
+    let v = wait_vm(vms, SLEEPER, "InsufficientMemory", 30, |v| {
+        v.status.as_ref().is_some_and(|s| {
+            s.conditions
+                .iter()
+                .any(|c| c.reason == "InsufficientMemory")
+        })
+    })
+    .await;
+    assert_eq!(phase(&v), Some(VmPhase::Suspended));
+    v.status
+        .unwrap()
+        .conditions
+        .into_iter()
+        .find(|c| c.reason == "InsufficientMemory")
+        .unwrap()
+        .message
+}
