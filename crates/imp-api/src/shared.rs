@@ -27,6 +27,12 @@ pub const ANNOTATION_TRACE_STATE: &str = "imp.dev/trace-state";
 /// Annotation the operator writes with `spec.nodeName`: the [`PlacedSize`] the node was booked
 /// for, so the booking outlives a deleted ImpVMClass across operator restarts.
 pub const ANNOTATION_PLACED_RESOURCES: &str = "imp.dev/placed-resources";
+/// ImpVM annotation: `cold-boot` lets the node agent boot the VM afresh from its image when
+/// its suspend snapshot cannot be restored (missing or corrupt), instead of failing it. The
+/// guest's memory (its processes, tmpfs) is lost; a Warning Event says so.
+pub const ANNOTATION_RESUME_FALLBACK: &str = "imp.dev/resume-fallback";
+/// The one value of [`ANNOTATION_RESUME_FALLBACK`].
+pub const RESUME_FALLBACK_COLD_BOOT: &str = "cold-boot";
 /// Node annotation the agent publishes: `host:port` of its authenticated exec/console API.
 pub const ANNOTATION_AGENT_ENDPOINT: &str = "imp.dev/agent-endpoint";
 /// Node annotation the agent publishes: the IPv4 address other nodes send its VXLAN traffic to

@@ -94,7 +94,10 @@ async fn round(vms: &Api<ImpVM>, image: &str, state: &StateDir, netns: &str, i: 
     .await;
     let addr: SocketAddr = format!("{ip}:9000").parse().unwrap();
     while connect_from(netns, addr, Duration::from_secs(1)).is_none() {
-        assert!(t0.elapsed() < Duration::from_secs(300), "{name} never answered");
+        assert!(
+            t0.elapsed() < Duration::from_secs(300),
+            "{name} never answered"
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     let cold_boot = t0.elapsed();

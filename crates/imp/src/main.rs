@@ -134,7 +134,11 @@ fn shim(args: ShimArgs) -> anyhow::Result<()> {
         .enable_all()
         .build()
         .context("starting the async runtime")?
-        .block_on(imp_agent::runtime::supervisor::run(state, args.id.clone(), tap))
+        .block_on(imp_agent::runtime::supervisor::run(
+            state,
+            args.id.clone(),
+            tap,
+        ))
         .with_context(|| format!("supervising VM {}", args.id))
 }
 

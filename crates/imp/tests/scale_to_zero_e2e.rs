@@ -51,11 +51,15 @@ async fn wait_vm(
     secs: u64,
     pred: impl Fn(&ImpVM) -> bool,
 ) -> ImpVM {
-    common::wait_for(&format!("{name}: {what}"), Duration::from_secs(secs), || {
-        let api = api.clone();
-        let pred = &pred;
-        async move { api.get_opt(name).await.unwrap().filter(|v| pred(v)) }
-    })
+    common::wait_for(
+        &format!("{name}: {what}"),
+        Duration::from_secs(secs),
+        || {
+            let api = api.clone();
+            let pred = &pred;
+            async move { api.get_opt(name).await.unwrap().filter(|v| pred(v)) }
+        },
+    )
     .await
 }
 
@@ -189,8 +193,7 @@ async fn an_idle_vm_sleeps_and_its_first_syn_wakes_it_from_anywhere_without_a_re
         let gvk = kube::api::GroupVersionKind::gvk("imp.dev", "v1alpha1", kind);
         let ar = kube::api::ApiResource::from_gvk_with_plural(&gvk, plural);
         async move {
-            let api: Api<kube::api::DynamicObject> = if body["metadata"]["namespace"].is_string()
-            {
+            let api: Api<kube::api::DynamicObject> = if body["metadata"]["namespace"].is_string() {
                 Api::namespaced_with(c, NS, &ar)
             } else {
                 Api::all_with(c, &ar)
@@ -323,7 +326,10 @@ async fn an_idle_vm_sleeps_and_its_first_syn_wakes_it_from_anywhere_without_a_re
     );
     a.start(&kubeconfig, &cache);
     let out = text(&pending.wait_with_output().await.unwrap());
-    println!("wake while the agent was down: {}", out.replace('\n', " | "));
+    println!(
+        "wake while the agent was down: {}",
+        out.replace('\n', " | ")
+    );
     assert!(
         out.contains(&format!("reply=pong from {SLEEPER}")),
         "a SYN sent while the agent was down went unanswered: {out}"

@@ -19,7 +19,7 @@ use imp_api::vm::{ImpVM, VmPhase};
 use imp_testkube::TestKube;
 use imp_testkube::registry::{TestImage, TestRegistry, push, scratch_dir};
 use k8s_openapi::api::core::v1::Event;
-use kube::api::{Api, DeleteParams, ListParams, PostParams};
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
 use serde_json::json;
 use tokio::process::{Child, Command};
@@ -371,6 +371,76 @@ async fn desired_state_suspends_and_resumes_an_impvm_across_an_agent_restart() {
         timings["resume_ms"],
         suspend_took.as_secs_f64(),
         resume_took.as_secs_f64()
+    );
+
+    // The user opts in to a cold boot on a bad snapshot: suspended again, the snapshot is
+    // damaged, and the resume boots the VM afresh (a Warning says why; its memory is lost)
+    // instead of failing it.
+    let patch = json!({"metadata": {"annotations": {
+        imp_api::shared::ANNOTATION_RESUME_FALLBACK: imp_api::shared::RESUME_FALLBACK_COLD_BOOT}}});
+    vms.patch(VM, &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+        .unwrap();
+    assert!(
+        imp(&alice, &["suspend", "-n", NS, VM])
+            .await
+            .status
+            .success()
+    );
+    let memory = Path::new(&path).join("memory");
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&memory)
+        .unwrap()
+        .set_len(4096)
+        .unwrap();
+    let t = Instant::now();
+    let out = imp(&alice, &["resume", "-n", NS, VM]).await;
+    assert!(
+        out.status.success(),
+        "the cold boot did not bring the VM up"
+    );
+    let note = common::wait_for("the ResumeFailed Warning", Duration::from_secs(20), || {
+        let c = c.clone();
+        async move {
+            let api: Api<Event> = Api::namespaced(c, NS);
+            api.list(&ListParams::default())
+                .await
+                .unwrap()
+                .items
+                .into_iter()
+                .find(|e| {
+                    e.involved_object.name.as_deref() == Some(VM)
+                        && e.reason.as_deref() == Some("ResumeFailed")
+                })
+                .and_then(|e| e.message)
+        }
+    })
+    .await;
+    assert!(note.contains("booting the VM afresh"), "{note}");
+    assert_eq!(phase(&vms.get(VM).await.unwrap()), Some(VmPhase::Running));
+    let out = imp(
+        &alice,
+        &[
+            "exec",
+            "-n",
+            NS,
+            VM,
+            "--",
+            "sh",
+            "-c",
+            "cat /mnt/t/file || echo gone",
+        ],
+    )
+    .await;
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).trim(),
+        "gone",
+        "a cold boot starts with fresh memory"
+    );
+    eprintln!(
+        "FIGURES cluster: bad snapshot → cold boot → Running {:.2}s",
+        t.elapsed().as_secs_f64()
     );
 
     vms.delete(VM, &DeleteParams::default()).await.unwrap();

@@ -361,7 +361,12 @@ impl Netlink {
     /// exist. Read over netlink, so it is right in any network namespace (sysfs shows the one
     /// it was mounted in).
     pub async fn link_state(&self, name: &str) -> Result<Option<LinkState>> {
-        let mut msgs = self.handle.link().get().match_name(name.to_owned()).execute();
+        let mut msgs = self
+            .handle
+            .link()
+            .get()
+            .match_name(name.to_owned())
+            .execute();
         let msg = match msgs.try_next().await {
             Ok(m) => m,
             Err(rtnetlink::Error::NetlinkError(e)) if e.raw_code() == -libc::ENODEV => None,

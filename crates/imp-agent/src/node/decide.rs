@@ -35,6 +35,9 @@ pub struct Observed {
     pub suspend_wanted: bool,
     /// `spec.desiredState` is `ScaleToZero`: suspend when idle, resume when woken.
     pub scale_to_zero: bool,
+    /// The user opted in to a cold boot when the snapshot cannot be restored
+    /// (`imp.dev/resume-fallback: cold-boot`).
+    pub cold_boot_fallback: bool,
 }
 
 /// The VM's local state: its record and whether its shim still runs.
@@ -84,6 +87,12 @@ pub enum Decision {
     Suspend,
     /// Start a shim that restores the suspended VM from its snapshot (phase `Resuming`).
     Resume,
+    /// The snapshot could not be restored and the user opted in to a cold boot: remove what
+    /// is left and boot the VM afresh from its image (its memory is lost).
+    ColdBoot {
+        /// Why the restore failed.
+        why: String,
+    },
 }
 
 /// A status the record calls for.
@@ -149,6 +158,11 @@ pub fn decide(vm: &Observed, local: Option<Local<'_>>) -> Decision {
     {
         return d;
     }
+    if let Some(l) = local
+        && let Some(why) = failed_restore(vm, l)
+    {
+        return Decision::ColdBoot { why };
+    }
     match local {
         Some(l) if fresh_request && l.attempt() != vm.attempt => Decision::Start {
             clear_previous: true,
@@ -205,15 +219,25 @@ fn suspend_or_resume(vm: &Observed, l: Local<'_>) -> Option<Decision> {
     }
 }
 
+/// Why the VM's restore failed, when the user wants a cold boot instead of a failed VM.
+fn failed_restore(vm: &Observed, l: Local<'_>) -> Option<String> {
+    let r = l.record;
+    let restore_failed = r.status == VmStatus::Failed && r.error_stage == Some(Stage::Resume);
+    (vm.cold_boot_fallback && restore_failed && !l.shim_alive && !vm.phase.is_terminal()).then(
+        || {
+            r.error
+                .clone()
+                .unwrap_or_else(|| "the restore failed".to_owned())
+        },
+    )
+}
+
 /// Whether the agent should hold the VM's TAP for it (answer ARP, hold frames, wake it on
 /// traffic): a ScaleToZero VM that is suspended and whose shim is gone (the VMM released the
 /// TAP). The caller adds "and it has a TAP".
 pub fn wants_sleeper(vm: &Observed, local: Option<Local<'_>>) -> bool {
     local.is_some_and(|l| {
-        vm.scale_to_zero
-            && !vm.deleting
-            && !l.shim_alive
-            && l.record.status == VmStatus::Suspended
+        vm.scale_to_zero && !vm.deleting && !l.shim_alive && l.record.status == VmStatus::Suspended
     })
 }
 
@@ -353,6 +377,7 @@ mod tests {
             ephemeral: true,
             suspend_wanted: false,
             scale_to_zero: false,
+            cold_boot_fallback: false,
         }
     }
 
@@ -464,7 +489,38 @@ mod tests {
         assert_eq!(mem_available_mib("MemTotal: 1 kB\n"), None);
         assert!(room_to_resume(1024, 256, 704).is_ok());
         let why = room_to_resume(1024, 256, 705).unwrap_err();
-        assert!(why.contains("1024 MiB available") && why.contains("256 MiB"), "{why}");
+        assert!(
+            why.contains("1024 MiB available") && why.contains("256 MiB"),
+            "{why}"
+        );
+    }
+
+    #[test]
+    fn a_bad_snapshot_fails_the_vm_unless_a_cold_boot_was_asked_for() {
+        let mut r = record(VmStatus::Failed, 0);
+        r.error_stage = Some(Stage::Resume);
+        r.error = Some("restoring from its snapshot: the state file is corrupt".into());
+        let mut v = vm(VmPhase::Resuming, true);
+        assert!(matches!(
+            decide(&v, local(&r, false)),
+            Decision::Report(Report::Ended {
+                reason: ConditionReason::ResumeFailed,
+                ..
+            })
+        ));
+        v.cold_boot_fallback = true;
+        assert_eq!(
+            decide(&v, local(&r, false)),
+            Decision::ColdBoot {
+                why: "restoring from its snapshot: the state file is corrupt".into()
+            }
+        );
+        // Any other failure ends the VM as usual.
+        r.error_stage = Some(Stage::Run);
+        assert!(matches!(
+            decide(&v, local(&r, false)),
+            Decision::Report(Report::Ended { .. })
+        ));
     }
 
     #[test]
@@ -476,7 +532,10 @@ mod tests {
             !wants_sleeper(&v, local(&sleeping, true)),
             "the shim (and its VMM) may still hold the TAP"
         );
-        assert!(!wants_sleeper(&v, local(&record(VmStatus::Resuming, 0), false)));
+        assert!(!wants_sleeper(
+            &v,
+            local(&record(VmStatus::Resuming, 0), false)
+        ));
         assert!(!wants_sleeper(&v, None));
         v.deleting = true;
         assert!(!wants_sleeper(&v, local(&sleeping, false)));

@@ -334,6 +334,10 @@ fn observed(vm: &ImpVM) -> Observed {
         ephemeral: vm.spec.lifecycle == VmLifecycle::Ephemeral,
         suspend_wanted: vm.spec.desired_state == VmDesiredState::Suspended,
         scale_to_zero: vm.spec.desired_state == VmDesiredState::ScaleToZero,
+        cold_boot_fallback: vm
+            .annotations()
+            .get(imp_api::shared::ANNOTATION_RESUME_FALLBACK)
+            .is_some_and(|v| v == imp_api::shared::RESUME_FALLBACK_COLD_BOOT),
     }
 }
 
@@ -376,7 +380,9 @@ pub async fn reconcile(vm: Arc<ImpVM>, ctx: Arc<Context>) -> Result<Action, Erro
                 let again = ctx.settings.suspend_retry + Duration::from_millis(500);
                 return Ok(Action::requeue(again));
             }
-            Ok(Action::requeue(facts.sample_every.unwrap_or(Duration::from_secs(300))))
+            Ok(Action::requeue(
+                facts.sample_every.unwrap_or(Duration::from_secs(300)),
+            ))
         }
         Decision::Suspend => {
             let Some((record, _)) = local else {
@@ -389,6 +395,23 @@ pub async fn reconcile(vm: Arc<ImpVM>, ctx: Arc<Context>) -> Result<Action, Erro
                 return Ok(Action::requeue(Duration::from_secs(1)));
             };
             resume(&ctx, &vm, record, facts.spec.as_ref()).await
+        }
+        Decision::ColdBoot { why } => {
+            tracing::warn!(vm = %key(&vm), node = %ctx.settings.node, why, "the snapshot cannot be restored; cold booting as imp.dev/resume-fallback asks");
+            let note = format!(
+                "{why}; booting the VM afresh from its image as {}: {} asks (its memory is lost)",
+                imp_api::shared::ANNOTATION_RESUME_FALLBACK,
+                imp_api::shared::RESUME_FALLBACK_COLD_BOOT
+            );
+            ctx.event(
+                &vm,
+                EventType::Warning,
+                ConditionReason::ResumeFailed.as_str(),
+                note,
+            )
+            .await;
+            teardown(&ctx, &vm, &uid, local.as_ref().map(|(r, _)| r)).await?;
+            start(&ctx, &vm, &uid).await
         }
         Decision::Teardown { release } => {
             teardown(&ctx, &vm, &uid, local.as_ref().map(|(r, _)| r)).await?;
@@ -442,11 +465,14 @@ async fn scale_facts(
         .await
         .ok()
         .flatten();
-    let tap = spec.as_ref().and_then(|s| s.network.as_ref()).map(|n| SleepingTap {
-        tap: n.tap.clone(),
-        ip: n.config.address,
-        mac: n.mac.clone(),
-    });
+    let tap = spec
+        .as_ref()
+        .and_then(|s| s.network.as_ref())
+        .map(|n| SleepingTap {
+            tap: n.tap.clone(),
+            ip: n.config.address,
+            mac: n.mac.clone(),
+        });
     let mut facts = ScaleFacts {
         woken: ctx.scale.as_ref().is_some_and(|s| s.woken(uid)),
         ..ScaleFacts::default()
@@ -539,7 +565,8 @@ async fn suspend(
         Ok(Err(e)) => return Err(local_error("asking for the suspend of", vm, Box::new(e))),
         Err(e) => return Err(local_error("asking for the suspend of", vm, Box::new(e))),
     };
-    let idle = idle_since.map(|t| Time(Timestamp::try_from(t).unwrap_or_else(|_| Timestamp::now())));
+    let idle =
+        idle_since.map(|t| Time(Timestamp::try_from(t).unwrap_or_else(|_| Timestamp::now())));
     tracing::info!(vm = %key(vm), node = %ctx.settings.node, phase = "Suspending", token, idle = idle.is_some(), "suspending");
     write_report_with(ctx, vm, Report::Suspending, None, |status| {
         if let Some(t) = idle {
@@ -622,8 +649,13 @@ async fn cannot_resume(ctx: &Context, vm: &ImpVM, why: String) -> Result<Action,
     ctx.patch_status(vm, &status).await?;
     if !said {
         tracing::warn!(vm = %key(vm), node = %ctx.settings.node, why, "cannot resume: not enough memory");
-        ctx.event(vm, EventType::Warning, ConditionReason::InsufficientMemory.as_str(), why)
-            .await;
+        ctx.event(
+            vm,
+            EventType::Warning,
+            ConditionReason::InsufficientMemory.as_str(),
+            why,
+        )
+        .await;
     }
     Ok(Action::requeue(Duration::from_secs(10)))
 }

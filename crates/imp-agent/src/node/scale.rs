@@ -218,12 +218,19 @@ impl ScaleToZero {
             if let Ok(Some(s)) = self.netlink.link_state(tap).await
                 && s.oper_up
             {
-                tracing::debug!(tap, waited_ms = started.elapsed().as_millis() as u64, "a held TAP forwards");
+                tracing::debug!(
+                    tap,
+                    waited_ms = started.elapsed().as_millis() as u64,
+                    "a held TAP forwards"
+                );
                 return;
             }
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
-        tracing::warn!(tap, "a held TAP is still not up after {HOLD_WAIT:?}; its first frames may be lost");
+        tracing::warn!(
+            tap,
+            "a held TAP is still not up after {HOLD_WAIT:?}; its first frames may be lost"
+        );
     }
 
     /// Takes sleeping VM `uid`'s TAP: its name, the held frames, and with
@@ -304,7 +311,10 @@ mod tests {
 
     #[test]
     fn a_tap_is_sampled_a_fifth_of_the_timeout_apart_within_bounds() {
-        assert_eq!(sample_every(Duration::from_secs(10)), Duration::from_secs(2));
+        assert_eq!(
+            sample_every(Duration::from_secs(10)),
+            Duration::from_secs(2)
+        );
         assert_eq!(sample_every(Duration::from_secs(3)), Duration::from_secs(1));
         assert_eq!(sample_every(DEFAULT_IDLE_TIMEOUT), Duration::from_secs(15));
     }

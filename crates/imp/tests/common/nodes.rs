@@ -297,4 +297,3 @@ impl Drop for Agent {
         super::remove_agent_leftovers(&self.state, &self.cgroup_parent);
     }
 }
-
