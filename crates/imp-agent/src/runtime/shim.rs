@@ -306,3 +306,55 @@ pub async fn remove(state: &StateDir, id: &str, cgroup: Option<&str>) -> Result<
 pub fn read_spec(state: &StateDir, id: &str) -> Result<VmSpec, StateError> {
     state::read_json(&state.vm_dir(id).join(SPEC_FILE))
 }
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[test]
+    fn a_resume_shim_inherits_the_tap_as_fd_3_and_nothing_else_does() {
+        let root = std::env::temp_dir().join(format!("imp-shim-fd-{}", std::process::id()));
+        let state = StateDir::new(&root);
+        state.create_vm_dir("vm1").unwrap();
+        // A stand-in shim: `sh -c SCRIPT --state-dir ROOT [--tap-fd 3] ID` says what its fd 3 is.
+        let cmd = ShimCommand {
+            exe: "/bin/sh".into(),
+            args: vec![
+                "-c".into(),
+                "readlink /proc/$$/fd/3 > \"$1/fd3\" || echo none > \"$1/fd3\"".into(),
+            ],
+        };
+        let seen = |root: &std::path::Path| {
+            let path = root.join("fd3");
+            for _ in 0..200 {
+                if let Ok(s) = std::fs::read_to_string(&path)
+                    && !s.is_empty()
+                {
+                    let _ = std::fs::remove_file(&path);
+                    return s.trim().to_owned();
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            panic!("the stand-in shim wrote nothing");
+        };
+        let tap: std::os::fd::OwnedFd = std::fs::File::open("/dev/null").unwrap().into();
+        spawn(&cmd, &state, "vm1", Some(&tap)).unwrap();
+        assert_eq!(seen(&root), "/dev/null");
+        spawn(&cmd, &state, "vm1", None).unwrap();
+        assert_ne!(
+            seen(&root),
+            "/dev/null",
+            "fd 3 leaked into a shim not given it"
+        );
+        let _ = std::fs::remove_dir_all(&root);
+    }
+
+    #[test]
+    fn an_inherited_tap_must_be_an_open_descriptor_past_the_standard_streams() {
+        let e = inherited_tap(2).unwrap_err();
+        assert!(e.to_string().contains("--tap-fd 2"), "{e}");
+        let e = inherited_tap(987_654).unwrap_err();
+        assert!(e.to_string().contains("not an open descriptor"), "{e}");
+    }
+}
