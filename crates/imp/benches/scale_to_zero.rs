@@ -22,7 +22,6 @@ use std::time::{Duration, Instant};
 use common::nodes::{Agent, Topology, ready};
 use imp_agent::runtime::state::StateDir;
 use imp_api::vm::{ImpVM, VmPhase};
-use imp_testkube::TestKube;
 use imp_testkube::registry::scratch_dir;
 use kube::ResourceExt;
 use kube::api::{Api, DeleteParams, PostParams};
@@ -128,61 +127,32 @@ async fn main() {
         .and_then(|v| v.parse().ok())
         .unwrap_or(2);
     let topo = Topology::create();
-    let kube = TestKube::start_with(imp_testkube::Config {
-        host: topo.underlay(254).into(),
-        ..Default::default()
-    })
-    .await
-    .unwrap();
-    let c = kube.client().await.unwrap();
-    common::install_crds(&c, &[NS]).await;
-    common::ready_node(&c, "node-a").await;
-    for (plural, kind, body) in [
-        (
-            "impvmclasses",
-            "ImpVMClass",
-            json!({"apiVersion": "imp.dev/v1alpha1", "kind": "ImpVMClass",
-                   "metadata": {"name": "bench"},
-                   "spec": {"vcpu": 1, "memoryMiB": 256, "diskGiB": 1}}),
-        ),
-        (
-            "impnetworks",
-            "ImpNetwork",
-            json!({"apiVersion": "imp.dev/v1alpha1", "kind": "ImpNetwork",
-                   "metadata": {"name": "net1", "namespace": NS},
-                   "spec": {"subnet": topo.subnet(217)}}),
-        ),
-    ] {
-        let gvk = kube::api::GroupVersionKind::gvk("imp.dev", "v1alpha1", kind);
-        let ar = kube::api::ApiResource::from_gvk_with_plural(&gvk, plural);
-        let api: Api<kube::api::DynamicObject> = if body["metadata"]["namespace"].is_string() {
-            Api::namespaced_with(c.clone(), NS, &ar)
-        } else {
-            Api::all_with(c.clone(), &ar)
-        };
-        let obj = serde_json::from_value(body).unwrap();
-        api.create(&PostParams::default(), &obj).await.unwrap();
-    }
+    let (kube, c) = common::nodes::cluster(&topo).await;
+    common::create_imp(
+        &c,
+        "ImpVMClass",
+        "impvmclasses",
+        json!({"apiVersion": "imp.dev/v1alpha1", "kind": "ImpVMClass",
+               "metadata": {"name": "bench"},
+               "spec": {"vcpu": 1, "memoryMiB": 256, "diskGiB": 1}}),
+    )
+    .await;
+    common::create_imp(
+        &c,
+        "ImpNetwork",
+        "impnetworks",
+        json!({"apiVersion": "imp.dev/v1alpha1", "kind": "ImpNetwork",
+               "metadata": {"name": "net1", "namespace": NS},
+               "spec": {"subnet": topo.subnet(217)}}),
+    )
+    .await;
     let layout = scratch_dir("imp-s2z-bench-layout").unwrap();
     common::busybox_image(&["sh", "echo", "nc"], "eval \"$SCRIPT\"")
         .write_layout(&layout, "1")
         .unwrap();
     let image = format!("oci:{}:1", layout.display());
     let cache = scratch_dir("imp-s2z-bench-cache").unwrap();
-    let _operator = tokio::process::Command::new(env!("CARGO_BIN_EXE_imp"))
-        .arg("operator")
-        .args([
-            "--metrics-addr",
-            &format!("127.0.0.1:{}", common::free_port()),
-        ])
-        .args(["--requeue-pending", "1", "--requeue-active", "1"])
-        .env("KUBECONFIG", kube.kubeconfig())
-        .env("RUST_LOG", "warn")
-        .stdout(std::process::Stdio::null())
-        .stderr(common::logs())
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap();
+    let _operator = common::start_operator(kube.kubeconfig());
     let mut agent = Agent::new(&topo, "a", topo.underlay(1));
     agent.start(kube.kubeconfig(), &cache);
     let state = StateDir::new(&agent.state);

@@ -10,6 +10,8 @@
 
 mod common;
 
+use common::{phase, wait_vm};
+
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::Duration;
@@ -18,8 +20,8 @@ use imp_agent::runtime::cgroup::VmCgroup;
 use imp_api::vm::{ImpVM, VmPhase};
 use imp_testkube::TestKube;
 use imp_testkube::registry::{TestImage, TestLayer, TestRegistry, push, scratch_dir};
-use k8s_openapi::api::core::v1::{Event, Secret};
-use kube::api::{Api, DeleteParams, ListParams, PostParams};
+use k8s_openapi::api::core::v1::Secret;
+use kube::api::{Api, DeleteParams, PostParams};
 use kube::{Client, ResourceExt};
 use serde_json::{Value, json};
 use tokio::process::{Child, Command};
@@ -167,10 +169,6 @@ impl Drop for Agent {
     }
 }
 
-fn phase(v: &ImpVM) -> Option<VmPhase> {
-    v.status.as_ref().and_then(|s| s.phase)
-}
-
 fn ready_reason(v: &ImpVM) -> Option<(String, String, String)> {
     let c = v
         .status
@@ -179,25 +177,6 @@ fn ready_reason(v: &ImpVM) -> Option<(String, String, String)> {
         .iter()
         .find(|c| c.type_ == "Ready")?;
     Some((c.status.clone(), c.reason.clone(), c.message.clone()))
-}
-
-async fn wait_vm(
-    api: &Api<ImpVM>,
-    name: &str,
-    what: &str,
-    secs: u64,
-    pred: impl Fn(&ImpVM) -> bool,
-) -> ImpVM {
-    common::wait_for(
-        &format!("{name}: {what}"),
-        Duration::from_secs(secs),
-        || {
-            let api = api.clone();
-            let pred = &pred;
-            async move { api.get_opt(name).await.unwrap().filter(|v| pred(v)) }
-        },
-    )
-    .await
 }
 
 async fn create_vm(api: &Api<ImpVM>, name: &str, spec: Value) -> ImpVM {
@@ -210,13 +189,9 @@ async fn create_vm(api: &Api<ImpVM>, name: &str, spec: Value) -> ImpVM {
 }
 
 async fn events_of(c: &Client, name: &str) -> Vec<(String, String)> {
-    let api: Api<Event> = Api::namespaced(c.clone(), NS);
-    api.list(&ListParams::default())
+    common::events_of(c, NS, name)
         .await
-        .unwrap()
-        .items
         .into_iter()
-        .filter(|e| e.involved_object.name.as_deref() == Some(name))
         .map(|e| (e.reason.unwrap_or_default(), e.message.unwrap_or_default()))
         .collect()
 }
@@ -302,20 +277,7 @@ async fn impvms_boot_end_survive_an_agent_restart_and_clean_up_on_their_nodes() 
         std::fs::remove_dir_all(&layout).unwrap();
     }
 
-    let mut operator = Command::new(env!("CARGO_BIN_EXE_imp"))
-        .arg("operator")
-        .args([
-            "--metrics-addr",
-            &format!("127.0.0.1:{}", common::free_port()),
-        ])
-        .args(["--requeue-pending", "2", "--requeue-active", "1"])
-        .env("KUBECONFIG", kube.kubeconfig())
-        .env("RUST_LOG", "info,kube=warn")
-        .stdout(Stdio::null())
-        .stderr(common::logs())
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap();
+    let mut operator = common::start_operator(kube.kubeconfig());
     let mut a = Agent::new("node-a", "a");
     let mut b = Agent::new("node-b", "b");
     a.start(&kube, &common::kernel());

@@ -19,6 +19,7 @@
 mod common;
 
 use common::nodes::{AGENT_API_PORT, Agent, Topology, ready, text};
+use common::{phase, wait_vm};
 
 use std::net::Ipv4Addr;
 use std::path::Path;
@@ -26,11 +27,10 @@ use std::process::{Output, Stdio};
 use std::time::Duration;
 
 use imp_api::vm::{ImpVM, VmPhase};
-use imp_testkube::TestKube;
 use imp_testkube::registry::{TestImage, scratch_dir};
 use kube::Client;
 use kube::api::{Api, DeleteParams, PostParams};
-use serde_json::{Value, json};
+use serde_json::json;
 use tokio::process::Command;
 
 const NS: &str = "default";
@@ -50,32 +50,6 @@ fn image() -> TestImage {
 /// Every VM serves TCP on 9000: it answers with its name and keeps what it was sent.
 const SERVER: &str =
     "while true; do echo \"pong from $(hostname)\" | nc -l -p 9000 >> /tmp/received; done";
-
-async fn create(c: &Client, kind: &str, plural: &str, body: Value) {
-    let gvk = kube::api::GroupVersionKind::gvk("imp.dev", "v1alpha1", kind);
-    let ar = kube::api::ApiResource::from_gvk_with_plural(&gvk, plural);
-    let namespaced = body["metadata"]["namespace"].is_string();
-    let api: Api<kube::api::DynamicObject> = if namespaced {
-        Api::namespaced_with(c.clone(), NS, &ar)
-    } else {
-        Api::all_with(c.clone(), &ar)
-    };
-    let obj: kube::api::DynamicObject = serde_json::from_value(body).unwrap();
-    api.create(&PostParams::default(), &obj).await.unwrap();
-}
-
-async fn wait_vm(api: &Api<ImpVM>, name: &str, what: &str, pred: impl Fn(&ImpVM) -> bool) -> ImpVM {
-    common::wait_for(&format!("{name}: {what}"), Duration::from_secs(240), || {
-        let api = api.clone();
-        let pred = &pred;
-        async move { api.get_opt(name).await.unwrap().filter(|v| pred(v)) }
-    })
-    .await
-}
-
-fn phase(v: &ImpVM) -> Option<VmPhase> {
-    v.status.as_ref().and_then(|s| s.phase)
-}
 
 fn ip_of(v: &ImpVM) -> String {
     v.status.as_ref().and_then(|s| s.ip.clone()).unwrap()
@@ -238,20 +212,9 @@ async fn vms_talk_within_their_network_across_nodes_and_out_through_nat_and_nowh
     }
     let _ = rustls::crypto::ring::default_provider().install_default();
     let topo = Topology::create();
-    let kube = TestKube::start_with(imp_testkube::Config {
-        host: topo.underlay(254).into(),
-        auth: common::exec_users(),
-        kubeconfig_token: Some("admin-token".into()),
-        ..Default::default()
-    })
-    .await
-    .unwrap();
+    let (kube, c) = common::nodes::cluster(&topo).await;
     let kubeconfig = kube.kubeconfig().to_path_buf();
-    let c = kube.client().await.unwrap();
-    common::install_crds(&c, &[NS, "imp-system"]).await;
-    common::ready_node(&c, "node-a").await;
-    common::ready_node(&c, "node-b").await;
-    create(
+    common::create_imp(
         &c,
         "ImpVMClass",
         "impvmclasses",
@@ -277,7 +240,7 @@ async fn vms_talk_within_their_network_across_nodes_and_out_through_nat_and_nowh
         ),
         ("clash", json!({"subnet": clash})),
     ] {
-        create(
+        common::create_imp(
             &c,
             "ImpNetwork",
             "impnetworks",
@@ -293,20 +256,7 @@ async fn vms_talk_within_their_network_across_nodes_and_out_through_nat_and_nowh
     let image = format!("oci:{}:1", layout.display());
     let cache = scratch_dir("imp-net-e2e-cache").unwrap();
 
-    let _operator = Command::new(env!("CARGO_BIN_EXE_imp"))
-        .arg("operator")
-        .args([
-            "--metrics-addr",
-            &format!("127.0.0.1:{}", common::free_port()),
-        ])
-        .args(["--requeue-pending", "2", "--requeue-active", "1"])
-        .env("KUBECONFIG", &kubeconfig)
-        .env("RUST_LOG", "info,kube=warn")
-        .stdout(Stdio::null())
-        .stderr(common::logs())
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap();
+    let _operator = common::start_operator(&kubeconfig);
     let mut a = Agent::new(&topo, "a", topo.underlay(1));
     let mut b = Agent::new(&topo, "b", topo.underlay(2));
     a.start(&kubeconfig, &cache);
@@ -340,7 +290,7 @@ async fn vms_talk_within_their_network_across_nodes_and_out_through_nat_and_nowh
     }
     let mut ips = std::collections::BTreeMap::new();
     for (name, _) in &plan {
-        let v = wait_vm(&vms, name, "Running", |v| {
+        let v = wait_vm(&vms, name, "Running", 240, |v| {
             phase(v) == Some(VmPhase::Running)
         })
         .await;
@@ -435,7 +385,7 @@ async fn vms_talk_within_their_network_across_nodes_and_out_through_nat_and_nowh
     )
     .await
     .unwrap();
-    let bad = wait_vm(&vms, "bad", "NetworkSetupFailed", |v| {
+    let bad = wait_vm(&vms, "bad", "NetworkSetupFailed", 240, |v| {
         v.status.as_ref().is_some_and(|s| {
             s.conditions
                 .iter()

@@ -6,6 +6,8 @@
 
 mod common;
 
+use common::phase;
+
 use std::collections::BTreeMap;
 use std::process::Stdio;
 use std::time::{Duration, Instant};
@@ -139,10 +141,6 @@ fn vms(c: &Client) -> Api<ImpVM> {
     Api::namespaced(c.clone(), NS)
 }
 
-fn phase(v: &ImpVM) -> Option<VmPhase> {
-    v.status.as_ref().and_then(|s| s.phase)
-}
-
 fn cond<'a>(
     v: &'a ImpVM,
     t: &str,
@@ -184,14 +182,7 @@ async fn agent_clear_node(c: &Client, name: &str) {
 }
 
 async fn events_for(c: &Client, name: &str) -> Vec<Event> {
-    let api: Api<Event> = Api::namespaced(c.clone(), NS);
-    api.list(&ListParams::default())
-        .await
-        .unwrap()
-        .items
-        .into_iter()
-        .filter(|e| e.involved_object.name.as_deref() == Some(name))
-        .collect()
+    common::events_of(c, NS, name).await
 }
 
 /// Per node, the sum of vCPU and count of placed VMs (every VM uses class `small`: 1 vCPU).

@@ -20,11 +20,11 @@ use std::process::{Output, Stdio};
 use std::time::{Duration, Instant};
 
 use common::nodes::{Agent, Topology, ready, text};
+use common::{phase, wait_vm};
 use imp_api::vm::{ImpVM, VmPhase};
-use imp_testkube::TestKube;
 use imp_testkube::registry::scratch_dir;
 use k8s_openapi::api::core::v1::Event;
-use kube::api::{Api, ListParams, PostParams};
+use kube::api::{Api, PostParams};
 use kube::{Client, ResourceExt};
 use serde_json::json;
 use tokio::process::Command;
@@ -39,29 +39,6 @@ const SERVER: &str =
 /// The client's count of retransmitted SYNs (`TcpExt: TCPSynRetrans`).
 const SYN_RETRANS: &str = "awk '/^TcpExt:/ { if (!h) { for (i = 1; i <= NF; i++) \
      if ($i == \"TCPSynRetrans\") c = i; h = 1 } else print $c }' /proc/net/netstat";
-
-fn phase(v: &ImpVM) -> Option<VmPhase> {
-    v.status.as_ref().and_then(|s| s.phase)
-}
-
-async fn wait_vm(
-    api: &Api<ImpVM>,
-    name: &str,
-    what: &str,
-    secs: u64,
-    pred: impl Fn(&ImpVM) -> bool,
-) -> ImpVM {
-    common::wait_for(
-        &format!("{name}: {what}"),
-        Duration::from_secs(secs),
-        || {
-            let api = api.clone();
-            let pred = &pred;
-            async move { api.get_opt(name).await.unwrap().filter(|v| pred(v)) }
-        },
-    )
-    .await
-}
 
 /// `imp exec` into a VM through its agent's API.
 fn exec(kubeconfig: &Path, vm: &str, script: &str) -> Command {
@@ -97,15 +74,9 @@ async fn wake_from(kubeconfig: &Path, client: &str, to_ip: &str, msg: &str) -> (
 }
 
 async fn events(c: &Client, name: &str, reason: &str) -> Vec<Event> {
-    let api: Api<Event> = Api::namespaced(c.clone(), NS);
-    api.list(&ListParams::default())
-        .await
-        .unwrap()
-        .items
-        .into_iter()
-        .filter(|e| e.involved_object.name.as_deref() == Some(name))
-        .filter(|e| e.reason.as_deref() == Some(reason))
-        .collect()
+    let mut all = common::events_of(c, NS, name).await;
+    all.retain(|e| e.reason.as_deref() == Some(reason));
+    all
 }
 
 /// How often `name` had an Event with `reason` (repeats of one Event count in its series).
@@ -175,41 +146,18 @@ async fn an_idle_vm_sleeps_and_its_first_syn_wakes_it_from_anywhere_without_a_re
     }
     let _ = rustls::crypto::ring::default_provider().install_default();
     let topo = Topology::create();
-    let kube = TestKube::start_with(imp_testkube::Config {
-        host: topo.underlay(254).into(),
-        auth: common::exec_users(),
-        kubeconfig_token: Some("admin-token".into()),
-        ..Default::default()
-    })
-    .await
-    .unwrap();
+    let (kube, c) = common::nodes::cluster(&topo).await;
     let kubeconfig = kube.kubeconfig().to_path_buf();
-    let c = kube.client().await.unwrap();
-    common::install_crds(&c, &[NS, "imp-system"]).await;
-    common::ready_node(&c, "node-a").await;
-    common::ready_node(&c, "node-b").await;
-    let create = |kind: &str, plural: &str, body: serde_json::Value| {
-        let c = c.clone();
-        let gvk = kube::api::GroupVersionKind::gvk("imp.dev", "v1alpha1", kind);
-        let ar = kube::api::ApiResource::from_gvk_with_plural(&gvk, plural);
-        async move {
-            let api: Api<kube::api::DynamicObject> = if body["metadata"]["namespace"].is_string() {
-                Api::namespaced_with(c, NS, &ar)
-            } else {
-                Api::all_with(c, &ar)
-            };
-            let obj = serde_json::from_value(body).unwrap();
-            api.create(&PostParams::default(), &obj).await.unwrap();
-        }
-    };
-    create(
+    common::create_imp(
+        &c,
         "ImpVMClass",
         "impvmclasses",
         json!({"apiVersion": "imp.dev/v1alpha1", "kind": "ImpVMClass",
                "metadata": {"name": "small"}, "spec": {"vcpu": 1, "memoryMiB": 128, "diskGiB": 1}}),
     )
     .await;
-    create(
+    common::create_imp(
+        &c,
         "ImpNetwork",
         "impnetworks",
         json!({"apiVersion": "imp.dev/v1alpha1", "kind": "ImpNetwork",
@@ -228,20 +176,7 @@ async fn an_idle_vm_sleeps_and_its_first_syn_wakes_it_from_anywhere_without_a_re
     let image = format!("oci:{}:1", layout.display());
     let cache = scratch_dir("imp-s2z-e2e-cache").unwrap();
 
-    let _operator = Command::new(env!("CARGO_BIN_EXE_imp"))
-        .arg("operator")
-        .args([
-            "--metrics-addr",
-            &format!("127.0.0.1:{}", common::free_port()),
-        ])
-        .args(["--requeue-pending", "2", "--requeue-active", "1"])
-        .env("KUBECONFIG", &kubeconfig)
-        .env("RUST_LOG", "info,kube=warn")
-        .stdout(Stdio::null())
-        .stderr(common::logs())
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap();
+    let _operator = common::start_operator(&kubeconfig);
     let mut a = Agent::new(&topo, "a", topo.underlay(1));
     let mut b = Agent::new(&topo, "b", topo.underlay(2));
     a.start(&kubeconfig, &cache);

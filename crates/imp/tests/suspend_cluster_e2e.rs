@@ -10,19 +10,19 @@
 
 mod common;
 
+use common::phase;
+
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-use imp_agent::runtime::cgroup::VmCgroup;
 use imp_api::vm::{ImpVM, VmPhase};
 use imp_testkube::TestKube;
 use imp_testkube::registry::{TestImage, TestRegistry, push, scratch_dir};
-use k8s_openapi::api::core::v1::Event;
-use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
+use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
 use serde_json::json;
-use tokio::process::{Child, Command};
+use tokio::process::Command;
 
 const NS: &str = "default";
 const VM: &str = "sp-cluster-vm";
@@ -40,8 +40,7 @@ fn image() -> TestImage {
 struct Agent {
     state: PathBuf,
     cgroup_parent: String,
-    cgroup: VmCgroup,
-    child: Option<Child>,
+    container: common::Container,
 }
 
 impl Agent {
@@ -50,8 +49,7 @@ impl Agent {
         Self {
             state: scratch_dir("imp-suspend-cluster-state").unwrap(),
             cgroup_parent: format!("{id}-vms"),
-            cgroup: VmCgroup::create(&format!("{id}-agent"), 1 << 30).unwrap(),
-            child: None,
+            container: common::Container::new(&format!("{id}-agent")),
         }
     }
 
@@ -77,37 +75,25 @@ impl Agent {
             .kill_on_drop(true)
             .spawn()
             .unwrap();
-        self.cgroup.add(child.id().unwrap()).unwrap();
-        self.child = Some(child);
+        self.container.run(child);
     }
 
     /// Kills every process in the agent's cgroup, as a container runtime does on restart.
     async fn kill_container(&mut self) {
-        let cg = self.cgroup.clone();
-        tokio::task::spawn_blocking(move || cg.kill_all(Duration::from_secs(5)))
-            .await
-            .unwrap()
-            .unwrap();
-        if let Some(mut c) = self.child.take() {
-            let _ = c.wait().await;
-        }
+        self.container.kill_all().await;
     }
 }
 
 impl Drop for Agent {
     fn drop(&mut self) {
+        self.container.destroy();
         let _ = std::process::Command::new("umount")
             .arg("-l")
             .arg(self.state.join("snapshots"))
             .stderr(std::process::Stdio::null())
             .status();
-        let _ = self.cgroup.destroy();
         common::remove_agent_leftovers(&self.state, &self.cgroup_parent);
     }
-}
-
-fn phase(v: &ImpVM) -> Option<VmPhase> {
-    v.status.as_ref().and_then(|s| s.phase)
 }
 
 async fn wait_vm(api: &Api<ImpVM>, what: &str, secs: u64, pred: impl Fn(&ImpVM) -> bool) -> ImpVM {
@@ -124,13 +110,9 @@ async fn node(c: &Client, name: &str) {
 }
 
 async fn reasons(c: &Client) -> Vec<String> {
-    let api: Api<Event> = Api::namespaced(c.clone(), NS);
-    api.list(&ListParams::default())
+    common::events_of(c, NS, VM)
         .await
-        .unwrap()
-        .items
         .into_iter()
-        .filter(|e| e.involved_object.name.as_deref() == Some(VM))
         .filter_map(|e| e.reason)
         .collect()
 }
@@ -212,20 +194,7 @@ async fn desired_state_suspends_and_resumes_an_impvm_across_an_agent_restart() {
     push(&layout, "1", &dest, None).await.unwrap();
     std::fs::remove_dir_all(&layout).unwrap();
 
-    let _operator = Command::new(env!("CARGO_BIN_EXE_imp"))
-        .arg("operator")
-        .args([
-            "--metrics-addr",
-            &format!("127.0.0.1:{}", common::free_port()),
-        ])
-        .args(["--requeue-pending", "2", "--requeue-active", "1"])
-        .env("KUBECONFIG", kube.kubeconfig())
-        .env("RUST_LOG", "info,kube=warn")
-        .stdout(Stdio::null())
-        .stderr(common::logs())
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap();
+    let _operator = common::start_operator(kube.kubeconfig());
     let mut agent = Agent::new();
     agent.start(&kube);
 
@@ -403,16 +372,10 @@ async fn desired_state_suspends_and_resumes_an_impvm_across_an_agent_restart() {
     let note = common::wait_for("the ResumeFailed Warning", Duration::from_secs(20), || {
         let c = c.clone();
         async move {
-            let api: Api<Event> = Api::namespaced(c, NS);
-            api.list(&ListParams::default())
+            common::events_of(&c, NS, VM)
                 .await
-                .unwrap()
-                .items
                 .into_iter()
-                .find(|e| {
-                    e.involved_object.name.as_deref() == Some(VM)
-                        && e.reason.as_deref() == Some("ResumeFailed")
-                })
+                .find(|e| e.reason.as_deref() == Some("ResumeFailed"))
                 .and_then(|e| e.message)
         }
     })

@@ -258,3 +258,142 @@ pub fn qemu_of(state: &Path, uid: &str) -> Vec<u32> {
         })
         .collect()
 }
+
+/// The real `imp operator` against `kubeconfig`, polling pending and active VMs every 2 s and
+/// 1 s, its log with the test's; killed when dropped.
+pub fn start_operator(kubeconfig: &Path) -> tokio::process::Child {
+    tokio::process::Command::new(env!("CARGO_BIN_EXE_imp"))
+        .arg("operator")
+        .args(["--metrics-addr", &format!("127.0.0.1:{}", free_port())])
+        .args(["--requeue-pending", "2", "--requeue-active", "1"])
+        .env("KUBECONFIG", kubeconfig)
+        .env("RUST_LOG", "info,kube=warn")
+        .stdout(std::process::Stdio::null())
+        .stderr(logs())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("starting imp operator")
+}
+
+/// An ImpVM's phase.
+pub fn phase(v: &imp_api::vm::ImpVM) -> Option<imp_api::vm::VmPhase> {
+    v.status.as_ref().and_then(|s| s.phase)
+}
+
+/// Waits up to `secs` for ImpVM `name` to satisfy `pred` (`what` names it in the panic).
+pub async fn wait_vm(
+    api: &Api<imp_api::vm::ImpVM>,
+    name: &str,
+    what: &str,
+    secs: u64,
+    pred: impl Fn(&imp_api::vm::ImpVM) -> bool,
+) -> imp_api::vm::ImpVM {
+    wait_for(
+        &format!("{name}: {what}"),
+        Duration::from_secs(secs),
+        || {
+            let api = api.clone();
+            let pred = &pred;
+            async move {
+                api.get_opt(name)
+                    .await
+                    .expect("reading an ImpVM")
+                    .filter(|v| pred(v))
+            }
+        },
+    )
+    .await
+}
+
+/// The Events of object `name` in namespace `ns`.
+pub async fn events_of(
+    c: &kube::Client,
+    ns: &str,
+    name: &str,
+) -> Vec<k8s_openapi::api::core::v1::Event> {
+    let api: Api<k8s_openapi::api::core::v1::Event> = Api::namespaced(c.clone(), ns);
+    api.list(&kube::api::ListParams::default())
+        .await
+        .expect("listing Events")
+        .items
+        .into_iter()
+        .filter(|e| e.involved_object.name.as_deref() == Some(name))
+        .collect()
+}
+
+/// A process in a cgroup of its own, killed as a container runtime kills a container: every
+/// process in the cgroup at once. The cgroup goes when this is dropped.
+pub struct Container {
+    cgroup: imp_agent::runtime::cgroup::VmCgroup,
+    child: Option<tokio::process::Child>,
+}
+
+impl Container {
+    /// An empty container (cgroup `name`, 1 GiB of memory).
+    pub fn new(name: &str) -> Self {
+        Container {
+            cgroup: imp_agent::runtime::cgroup::VmCgroup::create(name, 1 << 30)
+                .expect("creating a test cgroup"),
+            child: None,
+        }
+    }
+
+    /// Runs `child` in the container.
+    pub fn run(&mut self, child: tokio::process::Child) {
+        self.cgroup
+            .add(child.id().expect("a running child"))
+            .expect("moving a process into its test cgroup");
+        self.child = Some(child);
+    }
+
+    /// SIGKILL to the process only, as a crash.
+    pub async fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            c.kill().await.expect("killing a test process");
+        }
+    }
+
+    /// Kills every process in the cgroup and reaps the child.
+    pub async fn kill_all(&mut self) {
+        let cg = self.cgroup.clone();
+        tokio::task::spawn_blocking(move || cg.kill_all(Duration::from_secs(5)))
+            .await
+            .expect("the cgroup kill task")
+            .expect("killing a test cgroup");
+        if let Some(mut c) = self.child.take() {
+            let _ = c.wait().await;
+        }
+    }
+}
+
+impl Container {
+    /// Kills everything in the cgroup now and removes it (blocking; for `Drop`s).
+    pub fn destroy(&mut self) {
+        if let Some(c) = self.child.as_mut() {
+            let _ = c.start_kill();
+        }
+        let _ = self.cgroup.kill_all(Duration::from_secs(5));
+        let _ = self.cgroup.destroy();
+    }
+}
+
+impl Drop for Container {
+    fn drop(&mut self) {
+        self.destroy();
+    }
+}
+
+/// Creates an imp.dev/v1alpha1 object of `kind` (`plural`) from its JSON, in the namespace its
+/// metadata names (or cluster-wide without one).
+pub async fn create_imp(c: &kube::Client, kind: &str, plural: &str, body: serde_json::Value) {
+    let gvk = kube::api::GroupVersionKind::gvk("imp.dev", "v1alpha1", kind);
+    let ar = kube::api::ApiResource::from_gvk_with_plural(&gvk, plural);
+    let api: Api<kube::api::DynamicObject> = match body["metadata"]["namespace"].as_str() {
+        Some(ns) => Api::namespaced_with(c.clone(), ns, &ar),
+        None => Api::all_with(c.clone(), &ar),
+    };
+    let obj: kube::api::DynamicObject = serde_json::from_value(body).expect("an imp object");
+    api.create(&PostParams::default(), &obj)
+        .await
+        .expect("creating an imp object");
+}

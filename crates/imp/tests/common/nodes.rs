@@ -7,14 +7,30 @@
 use std::net::Ipv4Addr;
 use std::path::{Path, PathBuf};
 use std::process::{Output, Stdio};
-use std::time::Duration;
 
-use imp_agent::runtime::cgroup::VmCgroup;
 use imp_testkube::registry::scratch_dir;
-use tokio::process::{Child, Command};
+use tokio::process::Command;
 
 /// The port of every agent's API inside its node namespace.
 pub const AGENT_API_PORT: u16 = 10251;
+
+/// The test API server listening on the underlay (so node namespaces reach it), with the
+/// exec users, the CRDs, and Ready nodes `node-a` and `node-b`.
+pub async fn cluster(topo: &Topology) -> (imp_testkube::TestKube, kube::Client) {
+    let kube = imp_testkube::TestKube::start_with(imp_testkube::Config {
+        host: topo.underlay(254).into(),
+        auth: super::exec_users(),
+        kubeconfig_token: Some("admin-token".into()),
+        ..Default::default()
+    })
+    .await
+    .expect("starting the test API server");
+    let c = kube.client().await.expect("a client");
+    super::install_crds(&c, &["default", "imp-system"]).await;
+    super::ready_node(&c, "node-a").await;
+    super::ready_node(&c, "node-b").await;
+    (kube, c)
+}
 
 /// Whether `ip` and `nft` are here (on top of what a guest boot needs).
 pub fn ready() -> Option<()> {
@@ -218,8 +234,7 @@ pub struct Agent {
     vtep: Ipv4Addr,
     pub state: PathBuf,
     cgroup_parent: String,
-    cgroup: VmCgroup,
-    child: Option<Child>,
+    container: super::Container,
     /// More arguments for the next start.
     pub extra_args: Vec<String>,
 }
@@ -232,8 +247,7 @@ impl Agent {
             vtep,
             state: scratch_dir(&format!("imp-{}-{node}", topo.tag)).unwrap(),
             cgroup_parent: format!("{}-{node}-vms", topo.tag),
-            cgroup: VmCgroup::create(&format!("{}-{node}-agent", topo.tag), 1 << 30).unwrap(),
-            child: None,
+            container: super::Container::new(&format!("{}-{node}-agent", topo.tag)),
             extra_args: Vec::new(),
         }
     }
@@ -263,37 +277,23 @@ impl Agent {
             .kill_on_drop(true)
             .spawn()
             .unwrap();
-        self.cgroup.add(child.id().unwrap()).unwrap();
-        self.child = Some(child);
+        self.container.run(child);
     }
 
     /// SIGKILL, as a crashed container; its VMs live on under their shims.
     pub async fn kill(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            c.kill().await.unwrap();
-        }
+        self.container.kill().await;
     }
 
     /// Kills every process in the agent's cgroup, as a container runtime does on restart.
     pub async fn kill_container(&mut self) {
-        let cg = self.cgroup.clone();
-        tokio::task::spawn_blocking(move || cg.kill_all(Duration::from_secs(5)))
-            .await
-            .unwrap()
-            .unwrap();
-        if let Some(mut c) = self.child.take() {
-            let _ = c.wait().await;
-        }
+        self.container.kill_all().await;
     }
 }
 
 impl Drop for Agent {
     fn drop(&mut self) {
-        if let Some(c) = self.child.as_mut() {
-            let _ = c.start_kill();
-        }
-        let _ = self.cgroup.kill_all(Duration::from_secs(5));
-        let _ = self.cgroup.destroy();
+        self.container.destroy();
         super::remove_agent_leftovers(&self.state, &self.cgroup_parent);
     }
 }
