@@ -53,6 +53,32 @@ struct ReasonLabels {
     reason: String,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct TriggerLabels {
+    trigger: String,
+}
+
+/// What asked for a suspend or a resume.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Trigger {
+    /// `spec.desiredState` (the user).
+    Requested,
+    /// Scale-to-zero: the VM was idle, or traffic woke it.
+    ScaleToZero,
+}
+
+impl Trigger {
+    fn label(self) -> TriggerLabels {
+        let trigger = match self {
+            Trigger::Requested => "requested",
+            Trigger::ScaleToZero => "scale_to_zero",
+        };
+        TriggerLabels {
+            trigger: trigger.to_owned(),
+        }
+    }
+}
+
 /// The agent's metrics.
 pub struct Metrics {
     registry: Registry,
@@ -62,6 +88,10 @@ pub struct Metrics {
     exec_sessions: Gauge,
     console_streams: Gauge,
     failures: Family<ReasonLabels, Counter>,
+    suspends: Family<TriggerLabels, Counter>,
+    resumes: Family<TriggerLabels, Counter>,
+    suspend_time: Histogram,
+    resume_time: Histogram,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -113,9 +143,39 @@ impl Metrics {
             "VMs that failed on this node, by reason",
             failures.clone(),
         );
+        let suspends = Family::<TriggerLabels, Counter>::default();
+        registry.register(
+            "imp_agent_suspends",
+            "Suspends the agent asked for: requested (desiredState) or scale_to_zero (idle)",
+            suspends.clone(),
+        );
+        let resumes = Family::<TriggerLabels, Counter>::default();
+        registry.register(
+            "imp_agent_resumes",
+            "Resumes the agent started: requested (desiredState) or scale_to_zero (woken by traffic)",
+            resumes.clone(),
+        );
+        let suspend_time = Histogram::new(exponential_buckets(0.05, 2.0, 10));
+        registry.register_with_unit(
+            "imp_agent_suspend_duration",
+            "Pause, snapshot and VMM stop of a suspend, on the node",
+            Unit::Seconds,
+            suspend_time.clone(),
+        );
+        let resume_time = Histogram::new(exponential_buckets(0.05, 2.0, 10));
+        registry.register_with_unit(
+            "imp_agent_resume_duration",
+            "Restore of a snapshot until the guest agent answers, on the node",
+            Unit::Seconds,
+            resume_time.clone(),
+        );
         Self {
             registry,
             vms,
+            suspends,
+            resumes,
+            suspend_time,
+            resume_time,
             phases: Mutex::new(BTreeMap::new()),
             start_steps,
             exec_sessions,
@@ -178,6 +238,26 @@ impl Metrics {
                 reason: reason.to_owned(),
             })
             .inc();
+    }
+
+    /// Counts a suspend the agent asked for.
+    pub fn suspend_asked(&self, trigger: Trigger) {
+        self.suspends.get_or_create(&trigger.label()).inc();
+    }
+
+    /// Counts a resume the agent started.
+    pub fn resume_started(&self, trigger: Trigger) {
+        self.resumes.get_or_create(&trigger.label()).inc();
+    }
+
+    /// Records how long a suspend took on the node.
+    pub fn observe_suspend(&self, ms: u64) {
+        self.suspend_time.observe(ms as f64 / 1000.0);
+    }
+
+    /// Records how long a resume took until the guest agent answered.
+    pub fn observe_resume(&self, ms: u64) {
+        self.resume_time.observe(ms as f64 / 1000.0);
     }
 
     /// The registry as OpenMetrics text.
@@ -294,7 +374,18 @@ mod tests {
             ..Timings::default()
         });
         m.failure("ImagePullFailed");
+        m.suspend_asked(Trigger::ScaleToZero);
+        m.resume_started(Trigger::ScaleToZero);
+        m.resume_started(Trigger::Requested);
+        m.observe_resume(250);
         let text = m.encode();
+        for want in [
+            "imp_agent_suspends_total{trigger=\"scale_to_zero\"} 1",
+            "imp_agent_resumes_total{trigger=\"requested\"} 1",
+            "imp_agent_resume_duration_seconds_sum 0.25",
+        ] {
+            assert!(text.contains(want), "{want} in {text}");
+        }
         assert!(
             text.contains("imp_agent_vms{phase=\"Running\"} 2"),
             "{text}"

@@ -38,7 +38,7 @@ use super::boot::{self, BootSettings};
 use super::capabilities::Capabilities;
 use super::decide::{self, Decision, Local, Observed, Report};
 use super::env;
-use super::metrics::Metrics;
+use super::metrics::{Metrics, Trigger};
 use super::network::{self, NotWired};
 use super::scale::{self, ScaleToZero, SleepingTap};
 use crate::net::NodeNet;
@@ -568,6 +568,11 @@ async fn suspend(
     let idle =
         idle_since.map(|t| Time(Timestamp::try_from(t).unwrap_or_else(|_| Timestamp::now())));
     tracing::info!(vm = %key(vm), node = %ctx.settings.node, phase = "Suspending", token, idle = idle.is_some(), "suspending");
+    ctx.metrics.suspend_asked(if idle.is_some() {
+        Trigger::ScaleToZero
+    } else {
+        Trigger::Requested
+    });
     write_report_with(ctx, vm, Report::Suspending, None, |status| {
         if let Some(t) = idle {
             status.last_activity_time = Some(t);
@@ -612,6 +617,11 @@ async fn resume(
         scale.resumed(&uid);
     }
     let since_wake_ms = woke.at.map(|t| t.elapsed().as_secs_f64() * 1e3);
+    ctx.metrics.resume_started(if woke.at.is_some() {
+        Trigger::ScaleToZero
+    } else {
+        Trigger::Requested
+    });
     tracing::info!(vm = %key(vm), node = %ctx.settings.node, phase = "Resuming", shim = pid, held_frames = woke.frames, since_wake_ms, "resuming");
     write_report(ctx, vm, Report::Resuming, None).await?;
     Ok(Action::requeue(Duration::from_secs(60)))
@@ -1205,6 +1215,7 @@ async fn announce(ctx: &Context, vm: &ImpVM, report: &Report, record: Option<&Vm
                 .and_then(|r| r.suspend.as_ref())
                 .map_or(0, |s| s.bytes);
             tracing::info!(vm = %key(vm), node = %ctx.settings.node, phase = "Suspended", suspend_ms = t.suspend_ms, bytes, "VM suspended");
+            ctx.metrics.observe_suspend(t.suspend_ms);
             let note = format!(
                 "snapshot of {} MiB written to {path} in {} ms; the VMM is stopped",
                 bytes >> 20,
@@ -1215,6 +1226,7 @@ async fn announce(ctx: &Context, vm: &ImpVM, report: &Report, record: Option<&Vm
         Report::Running if record.is_some_and(|r| r.timings.resume_ms > 0) => {
             let t = record.map(|r| r.timings).unwrap_or_default();
             tracing::info!(vm = %key(vm), node = %ctx.settings.node, phase = "Running", resume_ms = t.resume_ms, "VM resumed");
+            ctx.metrics.observe_resume(t.resume_ms);
             let note = format!(
                 "restored from its snapshot; the guest agent answered after {} ms",
                 t.resume_ms
