@@ -32,9 +32,9 @@ use tokio::process::Command;
 const NS: &str = "default";
 const SLEEPER: &str = "s";
 
-/// Serves TCP on 9000: answers with its name and keeps what it was sent.
-const SERVER: &str =
-    "while true; do echo \"pong from $(hostname)\" | nc -l -p 9000 >> /tmp/received; done";
+/// Serves TCP on 9000, a process per connection (two clients may wake it at once): answers
+/// with its name and keeps the line it was sent.
+const SERVER: &str = r#"printf '#!/bin/sh\necho "pong from $(hostname)"\nread -r line\necho "$line" >> /tmp/received\n' > /tmp/h; chmod +x /tmp/h; exec nc -ll -p 9000 -e /tmp/h"#;
 
 /// The client's count of retransmitted SYNs (`TcpExt: TCPSynRetrans`).
 const SYN_RETRANS: &str = "awk '/^TcpExt:/ { if (!h) { for (i = 1; i <= NF; i++) \
@@ -167,7 +167,7 @@ async fn an_idle_vm_sleeps_and_its_first_syn_wakes_it_from_anywhere_without_a_re
     let layout = scratch_dir("imp-s2z-e2e-layout").unwrap();
     common::busybox_image(
         &[
-            "sh", "echo", "cat", "sleep", "hostname", "nc", "ip", "arp", "awk", "true",
+            "sh", "echo", "cat", "sleep", "hostname", "nc", "ip", "arp", "awk", "printf", "chmod",
         ],
         "eval \"$SCRIPT\"",
     )
@@ -234,11 +234,25 @@ async fn an_idle_vm_sleeps_and_its_first_syn_wakes_it_from_anywhere_without_a_re
     );
     assert!(got.contains("hello from c1"), "the VM kept: {got}");
 
-    // 3. Idle again; a VM on the other node wakes it over VXLAN.
+    // 3. Idle again; a VM on the other node wakes it over VXLAN, while the one on the same
+    //    node knocks at the same moment: two wakes, one resume, both answered.
     wait_idle_suspend(&vms, &a, &uid).await;
     let resumed = occurrences(&c, SLEEPER, "Resumed").await;
-    let woke = wake_from(&kubeconfig, "c2", &ip, "hello from c2").await;
+    let (woke, also) = tokio::join!(
+        wake_from(&kubeconfig, "c2", &ip, "hello from c2"),
+        wake_from(&kubeconfig, "c1", &ip, "hello again from c1"),
+    );
     assert_woken(&c, &vms, woke, resumed, "c2 (over VXLAN)").await;
+    assert!(
+        also.0.contains("reply=pong from") && also.0.contains("syn_retrans=0"),
+        "c1, waking it at the same time: {}",
+        also.0
+    );
+    assert_eq!(
+        common::qemu_of(&a.state, &uid).len(),
+        1,
+        "two wakes, one VM"
+    );
 
     // 4. Idle again; the agent's container dies. A SYN sent meanwhile (the client knows the
     //    VM's MAC, so it sends at once and retransmits) is answered once the agent is back.
