@@ -359,7 +359,7 @@ pub async fn reconcile(vm: Arc<ImpVM>, ctx: Arc<Context>) -> Result<Action, Erro
     tracing::debug!(vm = %key(&vm), node = %ctx.settings.node, ?decision, "reconcile");
     ctx.metrics.set_phase(&uid, Some(obs.phase));
     let sleeper = decide::wants_sleeper(&obs, here) && decision != Decision::Resume;
-    sync_sleeper(&ctx, &vm, &uid, sleeper, facts.tap.as_ref(), &decision).await;
+    let unheld = !sync_sleeper(&ctx, &vm, &uid, sleeper, facts.tap.as_ref(), &decision).await;
     match decision {
         Decision::Wait => Ok(Action::requeue(Duration::from_secs(300))),
         Decision::Start { clear_previous } => {
@@ -380,9 +380,14 @@ pub async fn reconcile(vm: Arc<ImpVM>, ctx: Arc<Context>) -> Result<Action, Erro
                 let again = ctx.settings.suspend_retry + Duration::from_millis(500);
                 return Ok(Action::requeue(again));
             }
-            Ok(Action::requeue(
-                facts.sample_every.unwrap_or(Duration::from_secs(300)),
-            ))
+            // A sleeper that could not hold the TAP yet tries again soon: until then no
+            // traffic can wake the VM.
+            let again = if unheld {
+                Some(Duration::from_secs(2))
+            } else {
+                facts.sample_every
+            };
+            Ok(Action::requeue(again.unwrap_or(Duration::from_secs(300))))
         }
         Decision::Suspend => {
             let Some((record, _)) = local else {
@@ -506,7 +511,7 @@ fn idle_timeout(vm: &ImpVM) -> Duration {
 
 /// Holds a sleeping ScaleToZero VM's TAP (before it is reported Suspended, so Suspended means
 /// wakeable), or lets go of it once nobody should wake the VM (the user asked for Suspended).
-/// A resume takes the TAP itself.
+/// A resume takes the TAP itself. False when the TAP should be held and is not.
 async fn sync_sleeper(
     ctx: &Context,
     vm: &ImpVM,
@@ -514,8 +519,10 @@ async fn sync_sleeper(
     wanted: bool,
     tap: Option<&SleepingTap>,
     decision: &Decision,
-) {
-    let Some(scale) = &ctx.scale else { return };
+) -> bool {
+    let Some(scale) = &ctx.scale else {
+        return true;
+    };
     match tap {
         Some(tap) if wanted => {
             let on_wake = ctx.reconcile_tx.get().cloned().map(|tx| {
@@ -531,6 +538,7 @@ async fn sync_sleeper(
             };
             if let Err(e) = scale.hold(uid, tap, on_wake).await {
                 tracing::warn!(vm = %key(vm), node = %ctx.settings.node, tap = %tap.tap, error = %error_chain(&e), "cannot hold a sleeping VM's TAP; it cannot be woken by traffic yet");
+                return false;
             }
         }
         _ if !wanted && *decision != Decision::Resume && scale.holds(uid) => {
@@ -538,6 +546,7 @@ async fn sync_sleeper(
         }
         _ => {}
     }
+    true
 }
 
 /// Delivers the frames held for a VM whose VMM opens its TAP by name (Firecracker), once it
