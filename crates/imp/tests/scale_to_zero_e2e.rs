@@ -110,6 +110,27 @@ async fn wait_idle_suspend(vms: &Api<ImpVM>, agent: &Agent, uid: &str) -> ImpVM 
     v
 }
 
+/// Waits until the sleeping VM's TAP is held (`true`: carrier and up, so the next frame for
+/// the VM wakes it) or let go (`false`: no carrier, its holder is gone).
+async fn wait_tap(topo: &Topology, agent: &Agent, uid: &str, held: bool) {
+    let spec: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(agent.state.join("vms").join(uid).join("spec.json")).unwrap(),
+    )
+    .unwrap();
+    let tap = spec["network"]["tap"].as_str().unwrap().to_owned();
+    let what = if held { "held" } else { "let go" };
+    common::wait_for(
+        &format!("the sleeping VM's TAP {what}"),
+        Duration::from_secs(30),
+        || {
+            let link = text(&topo.exec("a", &["ip", "-o", "link", "show", &tap]));
+            let up = link.contains("state UP") && !link.contains("NO-CARRIER");
+            async move { (up == held).then_some(()) }
+        },
+    )
+    .await;
+}
+
 /// Asserts a wake worked: the reply came, no SYN was retransmitted, the VM runs again in a new
 /// QEMU and one more `Resumed` Event says so.
 async fn assert_woken(
@@ -292,8 +313,10 @@ async fn an_idle_vm_sleeps_and_its_first_syn_wakes_it_from_anywhere_without_a_re
     //    it stays Suspended and says why. The next agent resumes it on the next connection.
     wait_idle_suspend(&vms, &a, &uid).await;
     a.kill_container().await;
+    wait_tap(&topo, &a, &uid, false).await;
     a.extra_args = vec!["--resume-reserve-mib".into(), "100000000".into()];
     a.start(&kubeconfig, &cache);
+    wait_tap(&topo, &a, &uid, true).await;
     let refused = assert_stays_asleep(&kubeconfig, &vms, &ip).await;
     assert!(
         refused.contains("not enough free memory to resume") && refused.contains("node-a"),
@@ -301,10 +324,11 @@ async fn an_idle_vm_sleeps_and_its_first_syn_wakes_it_from_anywhere_without_a_re
     );
     assert!(!events(&c, SLEEPER, "InsufficientMemory").await.is_empty());
     a.kill_container().await;
+    wait_tap(&topo, &a, &uid, false).await;
     a.extra_args.clear();
     a.start(&kubeconfig, &cache);
     let resumed = occurrences(&c, SLEEPER, "Resumed").await;
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    wait_tap(&topo, &a, &uid, true).await;
     let woke = wake_from(&kubeconfig, "c2", &ip, "hello again").await;
     assert_woken(&c, &vms, woke, resumed, "c2 after the memory came back").await;
     let _ = std::fs::remove_dir_all(&layout);
