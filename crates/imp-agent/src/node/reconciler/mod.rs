@@ -1,0 +1,647 @@
+//! The per-node reconciler: watches the ImpVMs placed on this node (a field selector on
+//! `spec.nodeName`, so the agent never sees another node's VMs), decides with
+//! [`super::decide::decide`] and applies the decision: starts shims, writes status and Events,
+//! tears down and releases deleted VMs.
+//!
+//! Reconciles of different VMs run concurrently, and a start only writes the VM's spec and
+//! spawns its shim (the shim pulls and boots), so a slow image pull for one VM delays no other.
+//! A poller reads the VMs' records every [`Settings::poll`] and asks for a reconcile of every
+//! VM whose record changed, so a VM that ends is reported at once, not on the next unrelated
+//! event. On start nothing is assumed: records on disk are the truth, live shims are simply
+//! re-adopted (a VM is never started twice), and records whose ImpVM no longer belongs here
+//! are torn down once the watch has listed the node's VMs.
+//!
+//! Here: the context, the reconcile that applies each [`Decision`], teardown and the record
+//! poller. `start` starts VMs, `sleep` suspends, resumes and runs scale-to-zero, `status`
+//! writes the status and Events.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures::StreamExt;
+use imp_api::class::ImpVMClass;
+use imp_api::conditions::{self, ConditionReason, ConditionStatus, ConditionType};
+use imp_api::shared::{VmDesiredState, VmLifecycle};
+use imp_api::template::ImpVMTemplate;
+use imp_api::vm::{ImpVM, ImpVMSpec, ImpVMStatus, VmPhase};
+use k8s_openapi::api::core::v1::{ConfigMap, Secret};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use k8s_openapi::jiff::Timestamp;
+use kube::api::{Api, Patch, PatchParams};
+use kube::runtime::controller::{Action, Controller};
+use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use kube::runtime::reflector::{ObjectRef, Store};
+use kube::runtime::watcher;
+use kube::{Resource, ResourceExt};
+use serde_json::{Value, json};
+use tokio::sync::mpsc;
+
+use super::boot::{self, BootSettings};
+use super::capabilities::Capabilities;
+use super::decide::{self, Decision, Local, Observed, Report};
+use super::env;
+use super::metrics::{Metrics, Trigger};
+use super::network::{self, NotWired};
+use super::scale::{self, ScaleToZero, SleepingTap};
+use crate::net::NodeNet;
+use crate::runtime::shim::{self, ShimCommand};
+use crate::runtime::state::{Owner, StateDir, StateError, VmRecord, VmStatus};
+
+mod sleep;
+mod start;
+mod status;
+
+use sleep::{inject_stashed, resume, scale_facts, suspend, sync_sleeper};
+use start::start;
+use status::{now, write_report, write_report_with};
+
+/// Field manager of every agent write.
+pub const FIELD_MANAGER: &str = "imp-agent";
+
+/// How the agent runs.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    /// This node's name.
+    pub node: String,
+    /// Where VM directories live.
+    pub state: StateDir,
+    /// How to start a shim.
+    pub shim: ShimCommand,
+    /// Kernel, guest, cgroups, boot timeout.
+    pub boot: BootSettings,
+    /// How long a deleted VM's workload gets to exit before the VM is killed.
+    pub stop_grace: Duration,
+    /// How often records are read for changes.
+    pub poll: Duration,
+    /// How long after a failed suspend it is tried again.
+    pub suspend_retry: Duration,
+    /// Memory (MiB) a resume leaves free on the node beyond the VM's own and its VMM's.
+    pub resume_reserve_mib: u64,
+}
+
+/// Failures of one reconcile; all are retried.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A Kubernetes request failed.
+    #[error("{doing} {vm}")]
+    Kube {
+        /// What was being done.
+        doing: &'static str,
+        /// `namespace/name`.
+        vm: String,
+        /// The cause.
+        #[source]
+        source: kube::Error,
+    },
+    /// A local operation on the VM failed.
+    #[error("{doing} {vm}")]
+    Local {
+        /// What was being done.
+        doing: &'static str,
+        /// `namespace/name`.
+        vm: String,
+        /// The cause.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+    /// The object has no uid (never seen from a real API server).
+    #[error("ImpVM {0} has no uid")]
+    NoUid(String),
+}
+
+/// The guest endpoints of this node's VMs by `(namespace, name)`, refreshed from the records
+/// every poll, so the agent API finds a VM without touching the disk.
+#[derive(Debug, Default)]
+pub struct NodeVms {
+    map: std::sync::RwLock<HashMap<(String, String), crate::api::GuestEndpoint>>,
+}
+
+impl NodeVms {
+    fn refresh(&self, records: &[(VmRecord, bool)]) {
+        // Oldest first, so that when a recreated VM's record sits beside its predecessor's
+        // (still being torn down), the newest one is kept.
+        let mut sorted: Vec<&(VmRecord, bool)> = records.iter().collect();
+        sorted.sort_by_key(|(r, _)| r.created_unix);
+        let map = sorted
+            .into_iter()
+            .filter_map(|(r, alive)| {
+                let o = r.owner.as_ref()?;
+                let endpoint = crate::api::GuestEndpoint {
+                    vsock: r.vsock.clone(),
+                    agent_port: r.agent_port,
+                    serial_log: r.serial_log.clone(),
+                    running: *alive && r.status == VmStatus::Running,
+                };
+                Some(((o.namespace.clone(), o.name.clone()), endpoint))
+            })
+            .collect();
+        *self
+            .map
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = map;
+    }
+}
+
+impl crate::api::VmLookup for NodeVms {
+    fn find(&self, namespace: &str, name: &str) -> Option<crate::api::GuestEndpoint> {
+        self.map
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .get(&(namespace.to_owned(), name.to_owned()))
+            .cloned()
+    }
+}
+
+/// What every reconcile shares.
+pub struct Context {
+    client: kube::Client,
+    settings: Settings,
+    caps: Capabilities,
+    metrics: Arc<Metrics>,
+    recorder: Recorder,
+    /// The `Ready` message last published as an Event per VM, so repeats are not re-sent.
+    announced: Mutex<HashMap<String, String>>,
+    /// This node's VMs for the agent API.
+    vms: Arc<NodeVms>,
+    /// The node's networking, when the agent wires VM networks.
+    net: Option<Arc<NodeNet>>,
+    /// Idle tracking and sleepers of ScaleToZero VMs (with networking only: a VM without a
+    /// TAP has no traffic to count and none to wake it).
+    scale: Option<Arc<ScaleToZero>>,
+    /// Asks the controller for a reconcile (a sleeping VM's wake); set when it runs.
+    reconcile_tx: std::sync::OnceLock<mpsc::Sender<ObjectRef<ImpVM>>>,
+}
+
+fn key(vm: &ImpVM) -> String {
+    format!("{}/{}", vm.namespace().unwrap_or_default(), vm.name_any())
+}
+
+impl Context {
+    /// A context for the controller.
+    pub fn new(
+        client: kube::Client,
+        settings: Settings,
+        caps: Capabilities,
+        metrics: Arc<Metrics>,
+    ) -> Self {
+        let recorder = Recorder::new(
+            client.clone(),
+            Reporter {
+                controller: FIELD_MANAGER.into(),
+                instance: Some(settings.node.clone()),
+            },
+        );
+        Self {
+            client,
+            settings,
+            caps,
+            metrics,
+            recorder,
+            announced: Mutex::new(HashMap::new()),
+            vms: Arc::default(),
+            net: None,
+            scale: None,
+            reconcile_tx: std::sync::OnceLock::new(),
+        }
+    }
+
+    /// Wires VM networks on this node with `net` (without it, VMs with a networkRef wait).
+    pub fn with_network(mut self, net: Arc<NodeNet>) -> Self {
+        self.scale = Some(Arc::new(ScaleToZero::new(net.netlink())));
+        self.net = Some(net);
+        self
+    }
+
+    async fn unwire(&self, uid: &str) {
+        if let Some(scale) = &self.scale {
+            scale.release(uid).await;
+        }
+        if let Some(net) = &self.net {
+            net.detach(uid).await;
+        }
+    }
+
+    /// This node's VMs, as the agent API looks them up.
+    pub fn vms(&self) -> Arc<NodeVms> {
+        self.vms.clone()
+    }
+
+    fn api(&self, vm: &ImpVM) -> Api<ImpVM> {
+        Api::namespaced(self.client.clone(), &vm.namespace().unwrap_or_default())
+    }
+
+    async fn event(&self, vm: &ImpVM, type_: EventType, reason: &str, note: String) {
+        let ev = Event {
+            type_,
+            reason: reason.to_owned(),
+            note: Some(note),
+            action: reason.to_owned(),
+            secondary: None,
+        };
+        if let Err(e) = self.recorder.publish(&ev, &vm.object_ref(&())).await {
+            tracing::warn!(vm = %key(vm), node = %self.settings.node, reason, error = %e, "publishing event failed");
+        }
+    }
+
+    /// Writes the fields of `status` that differ from the VM's, with a resourceVersion
+    /// precondition (409 on a stale read: the reconcile is retried on the newer version).
+    async fn patch_status(&self, vm: &ImpVM, status: &ImpVMStatus) -> Result<(), Error> {
+        let old =
+            serde_json::to_value(vm.status.clone().unwrap_or_default()).unwrap_or(Value::Null);
+        let new = serde_json::to_value(status).unwrap_or(Value::Null);
+        let mut diff = serde_json::Map::new();
+        if let (Value::Object(o), Value::Object(n)) = (&old, &new) {
+            for (k, v) in n {
+                if o.get(k) != Some(v) {
+                    diff.insert(k.clone(), v.clone());
+                }
+            }
+            for k in o.keys().filter(|k| !n.contains_key(*k)) {
+                diff.insert(k.clone(), Value::Null);
+            }
+        }
+        if diff.is_empty() {
+            return Ok(());
+        }
+        let body = json!({
+            "metadata": {"resourceVersion": vm.resource_version()},
+            "status": Value::Object(diff),
+        });
+        self.api(vm)
+            .patch_status(
+                &vm.name_any(),
+                &PatchParams::apply(FIELD_MANAGER),
+                &Patch::Merge(&body),
+            )
+            .await
+            .map(|_| ())
+            .map_err(|source| Error::Kube {
+                doing: "writing the status of",
+                vm: key(vm),
+                source,
+            })
+    }
+
+    /// Clears `spec.nodeName`: the marker that the node has nothing left of the VM.
+    async fn release(&self, vm: &ImpVM) -> Result<(), Error> {
+        let body = json!({"spec": {"nodeName": null}});
+        self.api(vm)
+            .patch(
+                &vm.name_any(),
+                &PatchParams::apply(FIELD_MANAGER),
+                &Patch::Merge(&body),
+            )
+            .await
+            .map(|_| ())
+            .map_err(|source| Error::Kube {
+                doing: "releasing",
+                vm: key(vm),
+                source,
+            })
+    }
+}
+
+/// The VM's local record and whether its shim lives, read off the async runtime. No record is
+/// `None`; a record that cannot be read is an error (retried), never taken for a lost VM.
+/// Liveness is checked before the record is trusted: a shim seen dead is read again, since it
+/// writes the VM's end just before it exits.
+async fn local_state(state: &StateDir, uid: &str) -> Result<Option<(VmRecord, bool)>, Error> {
+    let (state, id) = (state.clone(), uid.to_owned());
+    let read = tokio::task::spawn_blocking(move || -> Result<_, StateError> {
+        let load = || match state.load(&id) {
+            Ok(r) => Ok(Some(r)),
+            Err(StateError::NoSuchVm(_)) => Ok(None),
+            Err(e) => Err(e),
+        };
+        let Some(first) = load()? else {
+            return Ok(None);
+        };
+        if first.supervisor_alive() {
+            return Ok(Some((first, true)));
+        }
+        Ok(load()?.map(|r| (r, false)))
+    })
+    .await;
+    let local = |source: Box<dyn std::error::Error + Send + Sync>| Error::Local {
+        doing: "reading the record of",
+        vm: uid.to_owned(),
+        source,
+    };
+    match read {
+        Ok(Ok(v)) => Ok(v),
+        Ok(Err(e)) => Err(local(Box::new(e))),
+        Err(e) => Err(local(Box::new(e))),
+    }
+}
+
+fn observed(vm: &ImpVM) -> Observed {
+    let status = vm.status.clone().unwrap_or_default();
+    Observed {
+        phase: status.phase.unwrap_or_default(),
+        deleting: vm.meta().deletion_timestamp.is_some(),
+        started: status.started_at.is_some(),
+        attempt: status.restart_count.unwrap_or(0),
+        ephemeral: vm.spec.lifecycle == VmLifecycle::Ephemeral,
+        suspend_wanted: vm.spec.desired_state == VmDesiredState::Suspended,
+        scale_to_zero: vm.spec.desired_state == VmDesiredState::ScaleToZero,
+        cold_boot_fallback: vm
+            .annotations()
+            .get(imp_api::shared::ANNOTATION_RESUME_FALLBACK)
+            .is_some_and(|v| v == imp_api::shared::RESUME_FALLBACK_COLD_BOOT),
+    }
+}
+
+/// Reconciles one VM.
+pub async fn reconcile(vm: Arc<ImpVM>, ctx: Arc<Context>) -> Result<Action, Error> {
+    let uid = vm.uid().ok_or_else(|| Error::NoUid(key(&vm)))?;
+    let local = local_state(&ctx.settings.state, &uid).await?;
+    let obs = observed(&vm);
+    let facts = scale_facts(&ctx, &vm, &uid, &obs, local.as_ref()).await;
+    let here = local.as_ref().map(|(record, alive)| Local {
+        record,
+        shim_alive: *alive,
+        now_unix: crate::runtime::state::now_unix(),
+        suspend_retry_secs: ctx.settings.suspend_retry.as_secs(),
+        idle: facts.idle_since.is_some(),
+        woken: facts.woken,
+    });
+    let decision = decide::decide(&obs, here);
+    tracing::debug!(vm = %key(&vm), node = %ctx.settings.node, ?decision, "reconcile");
+    ctx.metrics.set_phase(&uid, Some(obs.phase));
+    let sleeper = decide::wants_sleeper(&obs, here) && decision != Decision::Resume;
+    let unheld = !sync_sleeper(&ctx, &vm, &uid, sleeper, facts.tap.as_ref(), &decision).await;
+    match decision {
+        Decision::Wait => Ok(Action::requeue(Duration::from_secs(300))),
+        Decision::Start { clear_previous } => {
+            if clear_previous {
+                teardown(&ctx, &vm, &uid, local.as_ref().map(|(r, _)| r)).await?;
+            }
+            start(&ctx, &vm, &uid).await
+        }
+        Decision::Report(report) => {
+            let record = local.as_ref().map(|(r, _)| r);
+            let retry = matches!(report, Report::SuspendFailed { .. });
+            let running = matches!(report, Report::Running);
+            write_report(&ctx, &vm, report, record).await?;
+            if running {
+                inject_stashed(&ctx, &uid).await;
+            }
+            if retry {
+                let again = ctx.settings.suspend_retry + Duration::from_millis(500);
+                return Ok(Action::requeue(again));
+            }
+            // A sleeper that could not hold the TAP yet tries again soon: until then no
+            // traffic can wake the VM.
+            let again = if unheld {
+                Some(Duration::from_secs(2))
+            } else {
+                facts.sample_every
+            };
+            Ok(Action::requeue(again.unwrap_or(Duration::from_secs(300))))
+        }
+        Decision::Suspend => {
+            let Some((record, _)) = local else {
+                return Ok(Action::requeue(Duration::from_secs(1)));
+            };
+            suspend(&ctx, &vm, record, facts.idle_since).await
+        }
+        Decision::Resume => {
+            let Some((record, _)) = local else {
+                return Ok(Action::requeue(Duration::from_secs(1)));
+            };
+            resume(&ctx, &vm, record, facts.spec.as_ref()).await
+        }
+        Decision::ColdBoot { why } => {
+            tracing::warn!(vm = %key(&vm), node = %ctx.settings.node, why, "the snapshot cannot be restored; cold booting as imp.dev/resume-fallback asks");
+            let note = format!(
+                "{why}; booting the VM afresh from its image as {}: {} asks (its memory is lost)",
+                imp_api::shared::ANNOTATION_RESUME_FALLBACK,
+                imp_api::shared::RESUME_FALLBACK_COLD_BOOT
+            );
+            ctx.event(
+                &vm,
+                EventType::Warning,
+                ConditionReason::ResumeFailed.as_str(),
+                note,
+            )
+            .await;
+            teardown(&ctx, &vm, &uid, local.as_ref().map(|(r, _)| r)).await?;
+            start(&ctx, &vm, &uid).await
+        }
+        Decision::Teardown { release } => {
+            teardown(&ctx, &vm, &uid, local.as_ref().map(|(r, _)| r)).await?;
+            if release {
+                ctx.release(&vm).await?;
+                ctx.metrics.set_phase(&uid, None);
+                tracing::info!(vm = %key(&vm), node = %ctx.settings.node, "VM removed from the node; released");
+            }
+            Ok(Action::await_change())
+        }
+        Decision::Release => {
+            ctx.release(&vm).await?;
+            ctx.metrics.set_phase(&uid, None);
+            Ok(Action::await_change())
+        }
+    }
+}
+
+fn local_error(
+    doing: &'static str,
+    vm: &ImpVM,
+    source: Box<dyn std::error::Error + Send + Sync>,
+) -> Error {
+    Error::Local {
+        doing,
+        vm: key(vm),
+        source,
+    }
+}
+
+/// Stops the VM if its shim runs, then removes its cgroup and directory.
+async fn teardown(
+    ctx: &Context,
+    vm: &ImpVM,
+    uid: &str,
+    record: Option<&VmRecord>,
+) -> Result<(), Error> {
+    remove_vm(ctx, uid, record)
+        .await
+        .map_err(|e| Error::Local {
+            doing: "removing",
+            vm: key(vm),
+            source: Box::new(e),
+        })?;
+    tracing::info!(vm = %key(vm), node = %ctx.settings.node, "VM stopped and its files removed");
+    Ok(())
+}
+
+/// Stops VM `uid` (gracefully, then by force: a shim that does not end in time is killed with
+/// everything in the VM's cgroup, or with its recorded VMM where it has no cgroup) and removes
+/// its cgroup and directory.
+async fn remove_vm(
+    ctx: &Context,
+    uid: &str,
+    record: Option<&VmRecord>,
+) -> Result<(), shim::ShimError> {
+    let state = &ctx.settings.state;
+    if let Some(r) = record
+        && let Err(e) = shim::stop(state, r, ctx.settings.stop_grace).await
+    {
+        tracing::warn!(uid, node = %ctx.settings.node, error = %error_chain(&e), "the shim did not stop; killing the VM");
+        let _ = shim::signal(r, nix::sys::signal::Signal::SIGKILL);
+    }
+    let cgroup = shim::read_spec(state, uid)
+        .ok()
+        .and_then(|s| s.cgroup.map(|c| c.path));
+    if cgroup.is_none()
+        && let Some(r) = record
+    {
+        shim::kill_orphans(state, r);
+    }
+    shim::remove(state, uid, cgroup.as_deref()).await?;
+    ctx.unwire(uid).await;
+    Ok(())
+}
+
+/// Retries a failed reconcile after a short pause.
+pub fn error_policy(vm: Arc<ImpVM>, error: &Error, ctx: Arc<Context>) -> Action {
+    let conflict =
+        matches!(error, Error::Kube { source: kube::Error::Api(s), .. } if s.code == 409);
+    if conflict {
+        // Someone wrote the VM since we read it: decide again on the newer version, at once.
+        tracing::debug!(vm = %key(&vm), node = %ctx.settings.node, "conflict; reconciling the newer version");
+        return Action::requeue(Duration::from_millis(50));
+    }
+    tracing::warn!(vm = %key(&vm), node = %ctx.settings.node, error = %error_chain(error), "reconcile failed");
+    Action::requeue(Duration::from_secs(2))
+}
+
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut cur = e.source();
+    while let Some(s) = cur {
+        out.push_str(": ");
+        out.push_str(&s.to_string());
+        cur = s.source();
+    }
+    out
+}
+
+/// A record's fingerprint: a change of any part asks for a reconcile.
+type Fingerprint = (VmStatus, bool, Option<u32>, Option<String>);
+
+fn fingerprint(r: &VmRecord, alive: bool) -> Fingerprint {
+    let failure = r.suspend_failure.as_ref().map(|f| f.request.clone());
+    (r.status, alive, r.vmm_pid, failure)
+}
+
+/// Reads every record each `poll` and sends the VMs whose record changed; once the store has
+/// listed the node's VMs, tears down records whose ImpVM is gone from this node.
+async fn watch_records(ctx: Arc<Context>, store: Store<ImpVM>, tx: mpsc::Sender<ObjectRef<ImpVM>>) {
+    let mut seen: BTreeMap<String, Fingerprint> = BTreeMap::new();
+    let mut ticks = 0u64;
+    let store_ready = store.wait_until_ready();
+    tokio::pin!(store_ready);
+    let mut ready = false;
+    let mut collecting: Option<tokio::task::JoinHandle<()>> = None;
+    loop {
+        tokio::select! {
+            () = tokio::time::sleep(ctx.settings.poll) => {}
+            r = &mut store_ready, if !ready => { ready = r.is_ok(); }
+        }
+        ticks += 1;
+        let state = ctx.settings.state.clone();
+        let listed = tokio::task::spawn_blocking(move || {
+            state.list().map(|(records, _)| {
+                records
+                    .into_iter()
+                    .map(|r| {
+                        let alive = r.supervisor_alive();
+                        (r, alive)
+                    })
+                    .collect::<Vec<_>>()
+            })
+        })
+        .await;
+        let Ok(Ok(listed)) = listed else {
+            continue;
+        };
+        ctx.vms.refresh(&listed);
+        let records: Vec<VmRecord> = listed.iter().map(|(r, _)| r.clone()).collect();
+        for (r, alive) in &listed {
+            let fp = fingerprint(r, *alive);
+            let Some(owner) = &r.owner else { continue };
+            if seen.get(&r.name) != Some(&fp) {
+                seen.insert(r.name.clone(), fp);
+                let _ = tx
+                    .send(ObjectRef::new(&owner.name).within(&owner.namespace))
+                    .await;
+            }
+        }
+        seen.retain(|name, _| records.iter().any(|r| &r.name == name));
+        let idle = collecting.as_ref().is_none_or(|t| t.is_finished());
+        if ready && idle && ticks.is_multiple_of(40) {
+            // Its own task: stopping orphans takes seconds, and status must keep flowing.
+            collecting = Some(tokio::spawn(collect_orphans(
+                ctx.clone(),
+                store.clone(),
+                records,
+            )));
+        }
+    }
+}
+
+/// Tears down records whose ImpVM (by uid) is no longer on this node, and sweeps what
+/// interrupted removals left.
+async fn collect_orphans(ctx: Arc<Context>, store: Store<ImpVM>, records: Vec<VmRecord>) {
+    let state = ctx.settings.state.clone();
+    let _ = tokio::task::spawn_blocking(move || state.sweep_trash()).await;
+    for r in &records {
+        let Some(owner) = &r.owner else { continue };
+        let key = ObjectRef::new(&owner.name).within(&owner.namespace);
+        let here = store
+            .get(&key)
+            .is_some_and(|vm| vm.uid().as_deref() == Some(owner.uid.as_str()));
+        if here {
+            continue;
+        }
+        tracing::info!(vm = %format!("{}/{}", owner.namespace, owner.name), node = %ctx.settings.node, uid = %owner.uid, "the ImpVM left this node; removing its VM");
+        let alive = r.supervisor_alive();
+        if let Err(e) = remove_vm(&ctx, &r.name, alive.then_some(r)).await {
+            tracing::warn!(uid = %owner.uid, error = %error_chain(&e), "removing an orphaned VM failed");
+        }
+        ctx.metrics.set_phase(&owner.uid, None);
+    }
+}
+
+/// Runs the reconciler until `shutdown` completes.
+pub async fn run(
+    ctx: Arc<Context>,
+    shutdown: impl std::future::Future<Output = ()> + Send + Sync + 'static,
+) {
+    let vms: Api<ImpVM> = Api::all(ctx.client.clone());
+    let selector = format!("spec.nodeName={}", ctx.settings.node);
+    let config = watcher::Config::default().fields(&selector);
+    let (tx, rx) = mpsc::channel(256);
+    let _ = ctx.reconcile_tx.set(tx.clone());
+    let controller = Controller::new(vms, config);
+    let store = controller.store();
+    let poller = tokio::spawn(watch_records(ctx.clone(), store, tx));
+    let changes =
+        futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|r| (r, rx)) });
+    tracing::info!(node = %ctx.settings.node, selector, state = %ctx.settings.state.root().display(), "watching the node's ImpVMs");
+    controller
+        .reconcile_on(changes)
+        .graceful_shutdown_on(shutdown)
+        .run(reconcile, error_policy, ctx)
+        .for_each(|_| async {})
+        .await;
+    poller.abort();
+}
+
+/// Where a VM's registry credentials are written (root-only), merged from its pull secrets.
+pub fn auth_file(state: &StateDir, uid: &str) -> PathBuf {
+    state.vm_dir(uid).join("auth.json")
+}

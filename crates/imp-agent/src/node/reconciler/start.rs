@@ -1,0 +1,313 @@
+//! Starting a VM: its spec and class, environment, pull credentials and network resolved from
+//! the API, then its spec written and its shim spawned; or why it cannot start yet.
+
+use super::*;
+
+/// The resolved spec and class of a VM, or why they cannot be had yet.
+async fn resolve(
+    ctx: &Context,
+    vm: &ImpVM,
+) -> Result<(ImpVMSpec, imp_api::class::ImpVMClassSpec), String> {
+    let ns = vm.namespace().unwrap_or_default();
+    let template = match &vm.spec.template_ref {
+        Some(t) => {
+            let api: Api<ImpVMTemplate> = Api::namespaced(ctx.client.clone(), &ns);
+            match api.get_opt(&t.name).await {
+                Ok(Some(t)) => Some(t.spec),
+                Ok(None) => return Err(format!("ImpVMTemplate {ns}/{} does not exist", t.name)),
+                Err(e) => return Err(format!("reading ImpVMTemplate {ns}/{}: {e}", t.name)),
+            }
+        }
+        None => None,
+    };
+    let class_name = vm
+        .spec
+        .class_ref
+        .as_ref()
+        .map(|c| c.name.clone())
+        .or_else(|| template.as_ref().map(|t| t.class_ref.name.clone()))
+        .ok_or_else(|| "spec.classRef is not set (and no template gives one)".to_owned())?;
+    let classes: Api<ImpVMClass> = Api::all(ctx.client.clone());
+    let class = match classes.get_opt(&class_name).await {
+        Ok(Some(c)) => c.spec,
+        Ok(None) => return Err(format!("ImpVMClass {class_name} does not exist")),
+        Err(e) => return Err(format!("reading ImpVMClass {class_name}: {e}")),
+    };
+    let spec = imp_api::resolve::resolve(&vm.spec, template.as_ref(), &class);
+    Ok((spec, class))
+}
+
+/// The workload's environment, reading the Secrets and ConfigMaps `env` and `envFrom` name.
+async fn environment(
+    ctx: &Context,
+    vm: &ImpVM,
+    spec: &ImpVMSpec,
+) -> Result<Vec<imp_proto::message::EnvVar>, String> {
+    let ns = vm.namespace().unwrap_or_default();
+    let (secret_names, map_names) = env::references(spec);
+    let mut sources = env::Sources::default();
+    let secrets: Api<Secret> = Api::namespaced(ctx.client.clone(), &ns);
+    for name in secret_names {
+        match secrets.get_opt(&name).await {
+            Ok(Some(s)) => {
+                let data = s
+                    .data
+                    .unwrap_or_default()
+                    .into_iter()
+                    .map(|(k, v)| (k, String::from_utf8_lossy(&v.0).into_owned()));
+                sources.secrets.insert(name, data.collect());
+            }
+            Ok(None) => {}
+            Err(e) => return Err(format!("reading Secret {ns}/{name}: {e}")),
+        }
+    }
+    let maps: Api<ConfigMap> = Api::namespaced(ctx.client.clone(), &ns);
+    for name in map_names {
+        match maps.get_opt(&name).await {
+            Ok(Some(m)) => {
+                sources.config_maps.insert(name, m.data.unwrap_or_default());
+            }
+            Ok(None) => {}
+            Err(e) => return Err(format!("reading ConfigMap {ns}/{name}: {e}")),
+        }
+    }
+    env::resolve(spec, &sources)
+}
+
+/// Merges the `.dockerconfigjson` of the VM's pull secrets into one credentials file.
+async fn pull_credentials(
+    ctx: &Context,
+    vm: &ImpVM,
+    spec: &ImpVMSpec,
+) -> Result<Option<Value>, String> {
+    if spec.image_pull_secrets.is_empty() {
+        return Ok(None);
+    }
+    let ns = vm.namespace().unwrap_or_default();
+    let api: Api<Secret> = Api::namespaced(ctx.client.clone(), &ns);
+    let mut auths = serde_json::Map::new();
+    for s in &spec.image_pull_secrets {
+        let secret = api
+            .get(&s.name)
+            .await
+            .map_err(|e| format!("reading pull secret {ns}/{}: {e}", s.name))?;
+        let data = secret
+            .data
+            .as_ref()
+            .and_then(|d| d.get(".dockerconfigjson"))
+            .ok_or_else(|| format!("pull secret {ns}/{} has no .dockerconfigjson", s.name))?;
+        let parsed: Value = serde_json::from_slice(&data.0)
+            .map_err(|e| format!("pull secret {ns}/{}: .dockerconfigjson: {e}", s.name))?;
+        if let Some(Value::Object(a)) = parsed.get("auths") {
+            for (k, v) in a {
+                auths.entry(k.clone()).or_insert_with(|| v.clone());
+            }
+        }
+    }
+    Ok(Some(json!({ "auths": auths })))
+}
+
+/// Says on the VM why it cannot start yet (phase unchanged), once per distinct message.
+async fn not_startable(
+    ctx: &Context,
+    vm: &ImpVM,
+    reason: ConditionReason,
+    message: String,
+) -> Result<Action, Error> {
+    let mut status = vm.status.clone().unwrap_or_default();
+    conditions::set(
+        &mut status.conditions,
+        ConditionType::Ready,
+        ConditionStatus::False,
+        reason,
+        &message,
+        vm.meta().generation,
+        now(),
+    );
+    ctx.patch_status(vm, &status).await?;
+    let uid = vm.uid().unwrap_or_default();
+    let first = {
+        let mut announced = ctx
+            .announced
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        announced.insert(uid, message.clone()).as_deref() != Some(message.as_str())
+    };
+    if first {
+        tracing::warn!(vm = %key(vm), node = %ctx.settings.node, %reason, %message, "cannot start the VM");
+        ctx.event(vm, EventType::Warning, reason.as_str(), message)
+            .await;
+        ctx.metrics.failure(reason.as_str());
+    }
+    Ok(Action::requeue(Duration::from_secs(30)))
+}
+
+/// Starts the VM's shim and records phase `Starting`.
+pub(super) async fn start(ctx: &Context, vm: &ImpVM, uid: &str) -> Result<Action, Error> {
+    let (spec, class) = match resolve(ctx, vm).await {
+        Ok(r) => r,
+        // The operator reports missing references (InvalidSpec); try again later.
+        Err(why) => {
+            tracing::info!(vm = %key(vm), node = %ctx.settings.node, why, "not starting yet");
+            return Ok(Action::requeue(Duration::from_secs(10)));
+        }
+    };
+    let runtime = boot::runtime_for(&class, &ctx.caps);
+    if let Some(problem) = ctx.caps.problem(runtime) {
+        return not_startable(ctx, vm, ConditionReason::RuntimeStartFailed, problem).await;
+    }
+    let env = match environment(ctx, vm, &spec).await {
+        Ok(env) => env,
+        Err(why) => return not_startable(ctx, vm, ConditionReason::InvalidSpec, why).await,
+    };
+    let credentials = match pull_credentials(ctx, vm, &spec).await {
+        Ok(c) => c,
+        Err(why) => return not_startable(ctx, vm, ConditionReason::ImagePullFailed, why).await,
+    };
+    let network = match wire(ctx, vm, uid, &spec).await {
+        Ok(n) => n,
+        Err(NotWired::Waiting(why)) => {
+            tracing::info!(vm = %key(vm), node = %ctx.settings.node, why, "not starting yet");
+            return Ok(Action::requeue(Duration::from_secs(2)));
+        }
+        Err(NotWired::Refused(why)) => {
+            return not_startable(ctx, vm, ConditionReason::NetworkSetupFailed, why).await;
+        }
+    };
+    let state = &ctx.settings.state;
+    let auth_file = credentials.as_ref().map(|_| auth_file(state, uid));
+    let owner = Owner {
+        namespace: vm.namespace().unwrap_or_default(),
+        name: vm.name_any(),
+        uid: uid.to_owned(),
+        attempt: observed(vm).attempt,
+    };
+    let choices = boot::Choices {
+        runtime,
+        env,
+        auth_file: auth_file.clone(),
+    };
+    let mut vm_spec = match boot::vm_spec(owner, &spec, &class, choices, &ctx.settings.boot) {
+        Ok(s) => s,
+        Err(e) => {
+            ctx.unwire(uid).await;
+            return end_invalid(ctx, vm, e.0).await;
+        }
+    };
+    vm_spec.network = network;
+    let (st, id, cmd) = (state.clone(), uid.to_owned(), ctx.settings.shim.clone());
+    let started = tokio::task::spawn_blocking(
+        move || -> Result<u32, Box<dyn std::error::Error + Send + Sync>> {
+            // Only a start cut short (an agent killed mid-way) leaves a directory without a
+            // record, and nothing runs there: it is removed so the start can proceed.
+            st.remove(&id)?;
+            st.create_vm_dir(&id)?;
+            let launched = (|| -> Result<u32, Box<dyn std::error::Error + Send + Sync>> {
+                if let (Some(path), Some(creds)) = (auth_file, credentials) {
+                    write_private(&path, &creds)?;
+                }
+                Ok(shim::start(&cmd, &st, &id, &vm_spec)?)
+            })();
+            if launched.is_err() {
+                let _ = st.remove(&id);
+            }
+            launched
+        },
+    )
+    .await;
+    if !matches!(started, Ok(Ok(_))) {
+        ctx.unwire(uid).await;
+    }
+    let pid = match started {
+        Ok(Ok(pid)) => pid,
+        Ok(Err(source)) => {
+            return Err(Error::Local {
+                doing: "starting the shim of",
+                vm: key(vm),
+                source,
+            });
+        }
+        Err(e) => {
+            return Err(Error::Local {
+                doing: "starting the shim of",
+                vm: key(vm),
+                source: Box::new(e),
+            });
+        }
+    };
+    tracing::info!(vm = %key(vm), node = %ctx.settings.node, shim = pid, runtime = runtime.as_str(), image = spec.image.as_deref().unwrap_or(""), "starting");
+    let mut status = vm.status.clone().unwrap_or_default();
+    status.phase = Some(VmPhase::Starting);
+    status.started_at = Some(now());
+    status.running_at = None;
+    status.finished_at = None;
+    status.exit_code = None;
+    status.runtime_pid = None;
+    status.node_name = Some(ctx.settings.node.clone());
+    status.runtime = Some(runtime.as_str().to_owned());
+    let msg = format!(
+        "pulling {} and booting under {}",
+        spec.image.as_deref().unwrap_or(""),
+        runtime.as_str()
+    );
+    conditions::set(
+        &mut status.conditions,
+        ConditionType::Ready,
+        ConditionStatus::False,
+        ConditionReason::Starting,
+        &msg,
+        vm.meta().generation,
+        now(),
+    );
+    ctx.patch_status(vm, &status).await?;
+    ctx.event(
+        vm,
+        EventType::Normal,
+        "Starting",
+        format!("{msg} on node {}", ctx.settings.node),
+    )
+    .await;
+    Ok(Action::requeue(Duration::from_secs(60)))
+}
+
+/// Wires the VM's network, or says why not (a VM with a networkRef on an agent without
+/// networking waits, naming why).
+async fn wire(
+    ctx: &Context,
+    vm: &ImpVM,
+    uid: &str,
+    spec: &ImpVMSpec,
+) -> Result<Option<crate::net::NetAttachment>, NotWired> {
+    match &ctx.net {
+        Some(net) => network::attach(&ctx.client, net, vm, uid, spec).await,
+        None if spec.network_ref.is_some() => Err(NotWired::Refused(
+            "this node's agent runs without networking (--no-network)".to_owned(),
+        )),
+        None => Ok(None),
+    }
+}
+
+/// Writes `value` as JSON readable by root only (registry credentials).
+fn write_private(path: &std::path::Path, value: &Value) -> std::io::Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(path)?;
+    f.write_all(value.to_string().as_bytes())?;
+    f.sync_all()
+}
+
+/// A VM that can never boot as specified: Failed with InvalidSpec.
+async fn end_invalid(ctx: &Context, vm: &ImpVM, message: String) -> Result<Action, Error> {
+    let report = Report::Ended {
+        phase: VmPhase::Failed,
+        exit_code: None,
+        reason: ConditionReason::InvalidSpec,
+        message,
+    };
+    write_report(ctx, vm, report, None).await?;
+    Ok(Action::await_change())
+}

@@ -1,0 +1,239 @@
+//! The VM's status as the agent writes it from a [`Report`], and the Events of each
+//! transition.
+
+use super::*;
+
+pub(super) fn now() -> Time {
+    Time(Timestamp::now())
+}
+
+fn unix_time(secs: Option<u64>) -> Time {
+    secs.and_then(|s| i64::try_from(s).ok())
+        .and_then(|s| Timestamp::from_second(s).ok())
+        .map_or_else(now, Time)
+}
+
+/// Makes the status say what `report` says, with an Event on each transition.
+pub(super) async fn write_report(
+    ctx: &Context,
+    vm: &ImpVM,
+    report: Report,
+    record: Option<&VmRecord>,
+) -> Result<(), Error> {
+    write_report_with(ctx, vm, report, record, |_| {}).await
+}
+
+/// [`write_report`], with `edit` applied to the status too (in the same write).
+pub(super) async fn write_report_with(
+    ctx: &Context,
+    vm: &ImpVM,
+    report: Report,
+    record: Option<&VmRecord>,
+    edit: impl FnOnce(&mut ImpVMStatus),
+) -> Result<(), Error> {
+    let old = vm.status.clone().unwrap_or_default();
+    let mut status = old.clone();
+    edit(&mut status);
+    let generation = vm.meta().generation;
+    status.node_name = Some(ctx.settings.node.clone());
+    if let Some(r) = record {
+        status.runtime = Some(r.runtime.clone());
+    }
+    match &report {
+        Report::Starting => {
+            status.phase = Some(VmPhase::Starting);
+            status.started_at.get_or_insert_with(now);
+        }
+        Report::Running | Report::SuspendFailed { .. } => {
+            status.phase = Some(VmPhase::Running);
+            status
+                .running_at
+                .get_or_insert_with(|| unix_time(record.and_then(|r| r.running_unix)));
+            status.runtime_pid = record.and_then(|r| r.vmm_pid).map(i64::from);
+            status.suspended_at = None;
+            status.suspend_snapshot_path = None;
+            conditions::set(
+                &mut status.conditions,
+                ConditionType::Ready,
+                ConditionStatus::True,
+                ConditionReason::Running,
+                "the guest agent answers",
+                generation,
+                now(),
+            );
+        }
+        Report::Suspending | Report::Resuming => {
+            let (phase, message) = match &report {
+                Report::Suspending => (VmPhase::Suspending, "pausing and writing the snapshot"),
+                _ => (VmPhase::Resuming, "restoring from the snapshot"),
+            };
+            status.phase = Some(phase);
+            conditions::set(
+                &mut status.conditions,
+                ConditionType::Ready,
+                ConditionStatus::False,
+                ConditionReason::Suspended,
+                message,
+                generation,
+                now(),
+            );
+        }
+        Report::Suspended { at_unix, path } => {
+            status.phase = Some(VmPhase::Suspended);
+            status.runtime_pid = None;
+            status.suspended_at = Some(unix_time(Some(*at_unix)));
+            status.suspend_snapshot_path = Some(path.clone());
+            conditions::set(
+                &mut status.conditions,
+                ConditionType::Ready,
+                ConditionStatus::False,
+                ConditionReason::Suspended,
+                format!("suspended to the snapshot in {path}; its memory is freed"),
+                generation,
+                now(),
+            );
+        }
+        Report::Ended {
+            phase,
+            exit_code,
+            reason,
+            message,
+        } => {
+            status.phase = Some(*phase);
+            status.exit_code = *exit_code;
+            status.runtime_pid = None;
+            status
+                .finished_at
+                .get_or_insert_with(|| unix_time(record.and_then(|r| r.finished_unix)));
+            conditions::set(
+                &mut status.conditions,
+                ConditionType::Ready,
+                ConditionStatus::False,
+                *reason,
+                message,
+                generation,
+                now(),
+            );
+        }
+    }
+    if let Report::SuspendFailed { request, error } = &report {
+        announce_suspend_failure(ctx, vm, request, error).await;
+    }
+    if status == old {
+        return Ok(());
+    }
+    ctx.patch_status(vm, &status).await?;
+    if old.phase != status.phase {
+        announce(ctx, vm, &report, record).await;
+    }
+    Ok(())
+}
+
+/// The Warning Event of a failed suspend, once per failed request.
+async fn announce_suspend_failure(ctx: &Context, vm: &ImpVM, request: &str, error: &str) {
+    let slot = format!("{}/suspend", vm.uid().unwrap_or_default());
+    {
+        let mut announced = ctx
+            .announced
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if announced.get(&slot).map(String::as_str) == Some(request) {
+            return;
+        }
+        announced.insert(slot, request.to_owned());
+    }
+    tracing::warn!(vm = %key(vm), node = %ctx.settings.node, error, "suspend failed; the VM keeps running");
+    let note = format!(
+        "suspend failed, the VM keeps running (tried again in {:?}): {error}",
+        ctx.settings.suspend_retry
+    );
+    ctx.event(
+        vm,
+        EventType::Warning,
+        ConditionReason::SuspendFailed.as_str(),
+        note,
+    )
+    .await;
+}
+
+/// The Event (and metrics) of a phase transition.
+async fn announce(ctx: &Context, vm: &ImpVM, report: &Report, record: Option<&VmRecord>) {
+    match report {
+        // The start's own Event is sent with its status write; this one is for a start whose
+        // write was refused (409) and is now reported from the record.
+        Report::Starting => {
+            let image = record.map(|r| r.image.as_str()).unwrap_or_default();
+            let note = format!("pulling {image} and booting on node {}", ctx.settings.node);
+            ctx.event(vm, EventType::Normal, "Starting", note).await;
+        }
+        Report::SuspendFailed { .. } => {}
+        Report::Suspending | Report::Resuming => {
+            let (reason, note) = match report {
+                Report::Suspending => ("Suspending", "pausing the VM and writing its snapshot"),
+                _ => ("Resuming", "restoring the VM from its snapshot"),
+            };
+            let note = format!("{note} on node {}", ctx.settings.node);
+            ctx.event(vm, EventType::Normal, reason, note).await;
+        }
+        Report::Suspended { path, .. } => {
+            let t = record.map(|r| r.timings).unwrap_or_default();
+            let bytes = record
+                .and_then(|r| r.suspend.as_ref())
+                .map_or(0, |s| s.bytes);
+            tracing::info!(vm = %key(vm), node = %ctx.settings.node, phase = "Suspended", suspend_ms = t.suspend_ms, bytes, "VM suspended");
+            ctx.metrics.observe_suspend(t.suspend_ms);
+            let note = format!(
+                "snapshot of {} MiB written to {path} in {} ms; the VMM is stopped",
+                bytes >> 20,
+                t.suspend_ms
+            );
+            ctx.event(vm, EventType::Normal, "Suspended", note).await;
+        }
+        Report::Running if record.is_some_and(|r| r.timings.resume_ms > 0) => {
+            let t = record.map(|r| r.timings).unwrap_or_default();
+            tracing::info!(vm = %key(vm), node = %ctx.settings.node, phase = "Running", resume_ms = t.resume_ms, "VM resumed");
+            ctx.metrics.observe_resume(t.resume_ms);
+            let note = format!(
+                "restored from its snapshot; the guest agent answered after {} ms",
+                t.resume_ms
+            );
+            ctx.event(vm, EventType::Normal, "Resumed", note).await;
+        }
+        Report::Running => {
+            let t = record.map(|r| r.timings).unwrap_or_default();
+            ctx.metrics.observe_start(&t);
+            tracing::info!(vm = %key(vm), node = %ctx.settings.node, phase = "Running", image_ms = t.image_ms, disk_ms = t.disk_ms, boot_ms = t.boot_ms, ready_ms = t.ready_ms, "VM running");
+            ctx.event(
+                vm,
+                EventType::Normal,
+                "Running",
+                format!(
+                    "the guest agent answered (image {} ms, disk {} ms, boot {} ms, guest ready {} ms)",
+                    t.image_ms, t.disk_ms, t.boot_ms, t.ready_ms
+                ),
+            )
+            .await;
+        }
+        Report::Ended {
+            phase,
+            reason,
+            message,
+            ..
+        } => {
+            tracing::info!(vm = %key(vm), node = %ctx.settings.node, phase = phase.as_str(), %reason, message, "VM ended");
+            if *phase == VmPhase::Succeeded {
+                ctx.event(vm, EventType::Normal, reason.as_str(), message.clone())
+                    .await;
+                return;
+            }
+            ctx.metrics.failure(reason.as_str());
+            let mut note = message.clone();
+            if let Some(tail) = record.and_then(|r| r.console_tail.as_deref()) {
+                note.push_str("\nlast console lines:\n");
+                note.push_str(tail);
+            }
+            ctx.event(vm, EventType::Warning, reason.as_str(), note)
+                .await;
+        }
+    }
+}
