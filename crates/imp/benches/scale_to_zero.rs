@@ -125,7 +125,8 @@ async fn main() {
     let rounds: usize = std::env::var("IMP_BENCH_ROUNDS")
         .ok()
         .and_then(|v| v.parse().ok())
-        .unwrap_or(3);
+        .unwrap_or(3)
+        .max(1);
     let topo = Topology::create();
     let (kube, c) = common::nodes::cluster(&topo).await;
     common::create_imp(
