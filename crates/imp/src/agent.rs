@@ -316,6 +316,9 @@ async fn run(args: Args) -> anyhow::Result<()> {
             );
         })
     };
+    if ctx.load_vms().await.is_none() {
+        tracing::warn!(state = %state_dir.root().display(), "cannot list the VM records yet; the agent API knows no VM until the first poll");
+    }
     let api = AgentApi::new(
         ctx.vms(),
         Arc::new(KubeReviewer::new(client)),

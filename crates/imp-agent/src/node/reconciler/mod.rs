@@ -223,6 +223,31 @@ impl Context {
         }
     }
 
+    /// Reads every VM record (and whether its shim lives) and refreshes what the agent API
+    /// looks up from them; `None` when the records cannot be listed. The agent calls it once
+    /// before it serves its API, so a restarted agent never answers "not on this node" for a
+    /// VM it runs.
+    pub async fn load_vms(&self) -> Option<Vec<(VmRecord, bool)>> {
+        let state = self.settings.state.clone();
+        let listed = tokio::task::spawn_blocking(move || {
+            state.list().map(|(records, _)| {
+                records
+                    .into_iter()
+                    .map(|r| {
+                        let alive = r.supervisor_alive();
+                        (r, alive)
+                    })
+                    .collect::<Vec<_>>()
+            })
+        })
+        .await;
+        let Ok(Ok(listed)) = listed else {
+            return None;
+        };
+        self.vms.refresh(&listed);
+        Some(listed)
+    }
+
     /// This node's VMs, as the agent API looks them up.
     pub fn vms(&self) -> Arc<NodeVms> {
         self.vms.clone()
@@ -552,23 +577,9 @@ async fn watch_records(ctx: Arc<Context>, store: Store<ImpVM>, tx: mpsc::Sender<
             r = &mut store_ready, if !ready => { ready = r.is_ok(); }
         }
         ticks += 1;
-        let state = ctx.settings.state.clone();
-        let listed = tokio::task::spawn_blocking(move || {
-            state.list().map(|(records, _)| {
-                records
-                    .into_iter()
-                    .map(|r| {
-                        let alive = r.supervisor_alive();
-                        (r, alive)
-                    })
-                    .collect::<Vec<_>>()
-            })
-        })
-        .await;
-        let Ok(Ok(listed)) = listed else {
+        let Some(listed) = ctx.load_vms().await else {
             continue;
         };
-        ctx.vms.refresh(&listed);
         let records: Vec<VmRecord> = listed.iter().map(|(r, _)| r.clone()).collect();
         for (r, alive) in &listed {
             let fp = fingerprint(r, *alive);
