@@ -28,11 +28,8 @@ const NS: &str = "default";
 const VM: &str = "sp-cluster-vm";
 
 /// A counter in a tmpfs of the workload's own, one step a second.
-const COUNTER: &str = "mkdir -p /mnt/t && mount -t tmpfs tmpfs /mnt/t && i=0; \
-     while true; do i=$((i+1)); echo $i > /mnt/t/count; sleep 1; done";
-
 fn image() -> TestImage {
-    common::busybox_image(&["sh", "echo", "cat", "sleep", "mount", "mkdir"], COUNTER)
+    common::counter_image()
 }
 
 /// One `imp agent` in a cgroup of its own, like a container, so a restart can be played by

@@ -14,15 +14,8 @@ use std::time::{Duration, Instant};
 
 use imp_testkube::registry::{TestImage, TestRegistry, push, scratch_dir};
 
-/// The workload: a tmpfs of its own and a counter in it, one step a second.
-const COUNTER: &str = "mkdir -p /mnt/t && mount -t tmpfs tmpfs /mnt/t && i=0; \
-     while true; do i=$((i+1)); echo $i > /mnt/t/count; sleep 1; done";
-
 fn image() -> TestImage {
-    common::busybox_image(
-        &["sh", "echo", "cat", "sleep", "mount", "mkdir", "date"],
-        COUNTER,
-    )
+    common::counter_image()
 }
 
 struct Env {

@@ -397,3 +397,18 @@ pub async fn create_imp(c: &kube::Client, kind: &str, plural: &str, body: serde_
         .await
         .expect("creating an imp object");
 }
+
+/// A workload for the suspend tests: a tmpfs of its own and a counter in it, one step a second.
+/// Each value is written beside the file and renamed over it, so a reader (even one that runs
+/// the instant a restored guest continues mid-step) never sees an empty file.
+pub const COUNTER: &str = "mkdir -p /mnt/t && mount -t tmpfs tmpfs /mnt/t && i=0; \
+     while true; do i=$((i+1)); echo $i > /mnt/t/count.new; mv /mnt/t/count.new /mnt/t/count; \
+     sleep 1; done";
+
+/// A busybox image whose workload is [`COUNTER`] (with `date` for clock checks).
+pub fn counter_image() -> imp_testkube::registry::TestImage {
+    busybox_image(
+        &["sh", "echo", "cat", "sleep", "mount", "mkdir", "mv", "date"],
+        COUNTER,
+    )
+}
