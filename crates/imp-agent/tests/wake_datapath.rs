@@ -22,7 +22,6 @@ use std::os::fd::OwnedFd;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use imp_agent::net::idle;
 use imp_agent::net::plan::Mac;
 use imp_agent::net::sleeper::{Release, Sleeper, inject};
 use imp_agent::net::tap;
@@ -265,7 +264,7 @@ fn a_cold_client_gets_arp_wakes_the_vm_and_its_syn_is_delivered() {
     runtime().block_on(async {
         let sleeper = Sleeper::hold(TAP, VM, HoldBounds::default()).await.unwrap();
         forwarding().await;
-        let rx_before = idle::read_sample(TAP).await.unwrap().rx_packets;
+        let rx_before = counters_of(TAP).await.rx_packets;
         let started = Instant::now();
         let mut connect = client.spawn(&format!("exec 3<>/dev/tcp/{}/8080", VM.ip));
         let woken = tokio::time::timeout(WAIT, sleeper.woken())
@@ -297,7 +296,7 @@ fn a_cold_client_gets_arp_wakes_the_vm_and_its_syn_is_delivered() {
         );
         assert_eq!(handover.woken, Some(woken));
         // The ARP replies went into the TAP: the kernel counts them as received on it.
-        let sample = idle::read_sample(TAP).await.unwrap();
+        let sample = counters_of(TAP).await;
         assert!(
             sample.rx_packets >= rx_before + counters.arp_replies,
             "{sample:?} after {} replies",
@@ -314,7 +313,7 @@ fn a_cold_client_gets_arp_wakes_the_vm_and_its_syn_is_delivered() {
             found,
             "the held SYN never came out of the TAP ({seen} other frames)"
         );
-        let after = idle::read_sample(TAP).await.unwrap();
+        let after = counters_of(TAP).await;
         assert!(
             after.tx_packets > sample.tx_packets,
             "delivery toward the VM counted: {sample:?} then {after:?}"
@@ -479,4 +478,14 @@ fn a_packet_from_the_node_itself_wakes_the_vm() {
     let missing = runtime().block_on(Sleeper::hold(TAP, VM, HoldBounds::default()));
     let e = missing.err().expect("holding a TAP that does not exist");
     assert!(e.to_string().contains(TAP), "{e}");
+}
+
+/// The TAP's counters, read over netlink as the agent reads them.
+async fn counters_of(tap: &str) -> imp_agent::net::link::LinkState {
+    imp_agent::net::link::Netlink::connect()
+        .unwrap()
+        .link_state(tap)
+        .await
+        .unwrap()
+        .expect("the TAP exists")
 }

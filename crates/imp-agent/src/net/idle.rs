@@ -21,7 +21,6 @@
 //! status and read back by a restarted agent. A clock that went backwards never makes a VM
 //! idle early: the elapsed time is taken as zero.
 
-use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime};
 
 /// One reading of a TAP's packet counters.
@@ -74,56 +73,6 @@ pub fn decide(
             since: last_activity,
         }
     }
-}
-
-/// Why a TAP's counters could not be read.
-#[derive(Debug, thiserror::Error)]
-pub enum IdleError {
-    /// A counter file could not be read.
-    #[error("Reading {}", path.display())]
-    Read {
-        /// The file.
-        path: PathBuf,
-        /// Why.
-        #[source]
-        source: std::io::Error,
-    },
-    /// A counter file did not hold a number.
-    #[error("{} holds {text:?}, not a counter", path.display())]
-    Parse {
-        /// The file.
-        path: PathBuf,
-        /// What it held.
-        text: String,
-    },
-}
-
-/// Reads TAP `tap`'s counters from `/sys/class/net/<tap>/statistics`. sysfs shows the network
-/// namespace of whoever mounted it: the agent runs in the node's (hostNetwork), so it is right.
-pub async fn read_sample(tap: &str) -> Result<TapSample, IdleError> {
-    read_sample_in(Path::new("/sys/class/net"), tap).await
-}
-
-/// [`read_sample`] under another `class/net` directory.
-pub async fn read_sample_in(root: &Path, tap: &str) -> Result<TapSample, IdleError> {
-    let dir = root.join(tap).join("statistics");
-    Ok(TapSample {
-        rx_packets: counter(&dir.join("rx_packets")).await?,
-        tx_packets: counter(&dir.join("tx_packets")).await?,
-    })
-}
-
-async fn counter(path: &Path) -> Result<u64, IdleError> {
-    let text = tokio::fs::read_to_string(path)
-        .await
-        .map_err(|source| IdleError::Read {
-            path: path.to_owned(),
-            source,
-        })?;
-    text.trim().parse().map_err(|_| IdleError::Parse {
-        path: path.to_owned(),
-        text: text.chars().take(40).collect(),
-    })
 }
 
 #[cfg(test)]
@@ -202,33 +151,5 @@ mod tests {
             decide(Some(sample(5, 5)), sample(5, 5), at(1000), at(10), TIMEOUT),
             Activity::Active { since: at(1000) }
         );
-    }
-
-    #[tokio::test]
-    async fn reads_counters_and_names_the_file_it_could_not() {
-        let root = std::env::temp_dir().join(format!("imp-idle-{}", std::process::id()));
-        let dir = root.join("imptap-x").join("statistics");
-        tokio::fs::create_dir_all(&dir).await.unwrap();
-        tokio::fs::write(dir.join("rx_packets"), "12\n")
-            .await
-            .unwrap();
-        tokio::fs::write(dir.join("tx_packets"), "34\n")
-            .await
-            .unwrap();
-        assert_eq!(
-            read_sample_in(&root, "imptap-x").await.unwrap(),
-            sample(12, 34)
-        );
-        tokio::fs::write(dir.join("tx_packets"), "many")
-            .await
-            .unwrap();
-        let e = read_sample_in(&root, "imptap-x").await.unwrap_err();
-        assert!(e.to_string().contains("tx_packets"), "{e}");
-        let e = read_sample_in(&root, "imptap-y").await.unwrap_err();
-        assert!(
-            e.to_string().contains("imptap-y/statistics/rx_packets"),
-            "{e}"
-        );
-        tokio::fs::remove_dir_all(&root).await.unwrap();
     }
 }
