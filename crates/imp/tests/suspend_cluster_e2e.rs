@@ -217,7 +217,9 @@ async fn desired_state_suspends_and_resumes_an_impvm_across_an_agent_restart() {
                 "--",
                 "sh",
                 "-c",
-                "echo kept > /mnt/t/file",
+                // Only once the tmpfs is mounted (the counter is written there): a file
+                // written between the workload's mkdir and its mount would be hidden.
+                "[ -e /mnt/t/count ] && echo kept > /mnt/t/file",
             ],
         )
         .await;
