@@ -130,6 +130,11 @@ pub fn vm_warnings(spec: &ImpVMSpec) -> Vec<String> {
     {
         w.push("spec.idleTimeout is unset: a ScaleToZero VM suspends after the default 5m without traffic".to_owned());
     }
+    if spec.desired_state == crate::shared::VmDesiredState::ScaleToZero
+        && spec.network_ref.is_none()
+    {
+        w.push("spec.networkRef is unset: a ScaleToZero VM without a network has no traffic to count or to wake it, so it runs and never suspends by itself".to_owned());
+    }
     if spec.reschedule_on_node_loss && spec.lifecycle == crate::shared::VmLifecycle::Ephemeral {
         w.push("spec.rescheduleOnNodeLoss only affects persistent VMs; ephemeral VMs are always rescheduled".to_owned());
     }
@@ -1103,12 +1108,21 @@ mod tests {
     }
 
     #[test]
-    fn scale_to_zero_without_idle_timeout_warns() {
-        let s = ImpVMSpec {
+    fn scale_to_zero_without_idle_timeout_or_network_warns() {
+        let mut s = ImpVMSpec {
             desired_state: VmDesiredState::ScaleToZero,
             ..vm_spec()
         };
-        assert_eq!(vm_warnings(&s).len(), 1);
+        let w = vm_warnings(&s);
+        assert!(
+            w.len() == 2
+                && w[0].starts_with("spec.idleTimeout")
+                && w[1].starts_with("spec.networkRef"),
+            "{w:?}"
+        );
+        s.idle_timeout = Some(crate::duration::GoDuration("1m".into()));
+        s.network_ref = Some(LocalObjectRef { name: "net".into() });
+        assert!(vm_warnings(&s).is_empty());
         assert!(vm_warnings(&vm_spec()).is_empty());
     }
 

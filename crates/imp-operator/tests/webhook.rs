@@ -543,11 +543,12 @@ async fn warnings_come_from_the_validation_module() {
         .await;
     assert_eq!(resp["allowed"], true, "{resp}");
     let w = resp["warnings"].as_array().unwrap();
-    assert!(
-        w.iter()
-            .any(|w| w.as_str().unwrap().contains("spec.idleTimeout is unset")),
-        "{resp}"
-    );
+    for unset in ["spec.idleTimeout is unset", "spec.networkRef is unset"] {
+        assert!(
+            w.iter().any(|w| w.as_str().unwrap().contains(unset)),
+            "{unset}: {resp}"
+        );
+    }
     f.shutdown().await;
 }
 
