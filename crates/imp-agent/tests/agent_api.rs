@@ -15,7 +15,7 @@ use http::{Request, StatusCode};
 use http_body_util::BodyExt;
 use imp_agent::api::auth::{ReviewError, Reviewer};
 use imp_agent::api::client::{self, ClientError, Target};
-use imp_agent::api::{AgentApi, ApiConfig, GuestEndpoint, Identity, VmLookup};
+use imp_agent::api::{AgentApi, ApiConfig, GuestEndpoint, Identity, VmLookup, Waking};
 use imp_proto::frame::{check_len, decode, encode};
 use imp_proto::message::{ExecRequest, ExitStatus, Hello, Message, WindowSize};
 use imp_proto::{handshake, read_frame, write_frame};
@@ -62,14 +62,37 @@ impl Reviewer for Reviews {
     }
 }
 
+/// VMs by name in namespace "ns", and how often each was asked to wake: "sleeping" runs after
+/// its third wake, "stuck" never does, any other VM that does not run never wakes.
 #[derive(Default)]
-struct Vms(Mutex<HashMap<String, GuestEndpoint>>);
+struct Vms(
+    Mutex<HashMap<String, GuestEndpoint>>,
+    Mutex<HashMap<String, u32>>,
+);
 
 impl VmLookup for Vms {
     fn find(&self, namespace: &str, name: &str) -> Option<GuestEndpoint> {
         (namespace == "ns")
             .then(|| self.0.lock().unwrap().get(name).cloned())
             .flatten()
+    }
+
+    fn wake(&self, _namespace: &str, name: &str) -> Waking {
+        let mut knocks = self.1.lock().unwrap();
+        let n = knocks.entry(name.to_owned()).or_default();
+        *n += 1;
+        match name {
+            "sleeping" => {
+                if *n == 3
+                    && let Some(vm) = self.0.lock().unwrap().get_mut(name)
+                {
+                    vm.running = true;
+                }
+                Waking::Soon
+            }
+            "stuck" => Waking::Soon,
+            _ => Waking::No,
+        }
     }
 }
 
@@ -136,6 +159,9 @@ async fn env(tag: &str) -> Env {
         running,
     };
     vms.0.lock().unwrap().insert("vm".into(), endpoint(true));
+    for asleep in ["sleeping", "stuck", "stopped"] {
+        vms.0.lock().unwrap().insert(asleep.into(), endpoint(false));
+    }
     let mut gone = endpoint(true);
     gone.vsock = dir.join("nothing-here.sock");
     vms.0.lock().unwrap().insert("unreachable".into(), gone);
@@ -145,6 +171,7 @@ async fn env(tag: &str) -> Env {
         ApiConfig {
             guest_connect_timeout: Duration::from_millis(300),
             console_poll: Duration::from_millis(20),
+            wake_timeout: Duration::from_millis(500),
             ..Default::default()
         },
     );
@@ -182,6 +209,31 @@ async fn recv(s: &mut client::ExecStream) -> Option<Message> {
     let mut body = vec![0u8; n];
     s.read_exact(&mut body).await.unwrap();
     Some(decode(&body).unwrap())
+}
+
+/// An exec stream to VM `name` whose guest agent has said hello.
+async fn greeted(env: &Env, name: &str) -> client::ExecStream {
+    let mut s = client::exec(&env.target, "ns", name).await.unwrap();
+    send(&mut s, &Message::Hello(Hello::new("test"))).await;
+    assert!(matches!(recv(&mut s).await, Some(Message::Hello(_))));
+    s
+}
+
+/// The status and message of a refused exec.
+fn refused(r: Result<client::ExecStream, ClientError>) -> (StatusCode, String) {
+    match r {
+        Err(ClientError::Refused { status, message }) => (status, message),
+        Err(e) => panic!("unexpected error {e}"),
+        Ok(_) => panic!("the request was accepted"),
+    }
+}
+
+/// Asserts a refusal's status and that its message holds every one of `words`.
+fn says((status, message): (StatusCode, String), want: StatusCode, words: &[&str]) {
+    assert_eq!(status, want, "{message}");
+    for w in words {
+        assert!(message.contains(w), "{w:?} in {message}");
+    }
 }
 
 async fn wait_until(what: &str, f: impl Fn() -> bool) {
@@ -258,9 +310,7 @@ async fn a_tty_exec_relays_window_stdin_resize_and_exit_and_ends_its_session() {
 async fn a_request_other_than_exec_gets_an_error_frame_and_never_reaches_the_guest() {
     let _ = rustls::crypto::ring::default_provider().install_default();
     let env = env("notexec").await;
-    let mut s = client::exec(&env.target, "ns", "vm").await.unwrap();
-    send(&mut s, &Message::Hello(Hello::new("test"))).await;
-    assert!(matches!(recv(&mut s).await, Some(Message::Hello(_))));
+    let mut s = greeted(&env, "vm").await;
     send(&mut s, &Message::Shutdown { grace_ms: 0 }).await;
     match recv(&mut s).await {
         Some(Message::Error(e)) => assert!(e.message.contains("Only exec"), "{}", e.message),
@@ -303,31 +353,50 @@ async fn a_followed_console_ends_when_the_caller_goes_away() {
 }
 
 #[tokio::test]
+async fn exec_wakes_a_sleeping_vm_and_waits_for_it_or_says_why_it_cannot() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let env = env("wake").await;
+    let s = greeted(&env, "sleeping").await;
+    assert_eq!(
+        env.vms.1.lock().unwrap()["sleeping"],
+        3,
+        "asked until it ran"
+    );
+    drop(s);
+    let stuck = refused(client::exec(&env.target, "ns", "stuck").await);
+    says(
+        stuck,
+        StatusCode::GATEWAY_TIMEOUT,
+        &["ns/stuck", "did not wake within 500ms"],
+    );
+    let stopped = refused(client::exec(&env.target, "ns", "stopped").await);
+    says(
+        stopped,
+        StatusCode::CONFLICT,
+        &["ns/stopped is not running", "imp resume"],
+    );
+    assert_eq!(env.vms.1.lock().unwrap()["stopped"], 1);
+    wait_until("the woken VM's session ended", || {
+        env.api.exec_sessions() == 0
+    })
+    .await;
+}
+
+#[tokio::test]
 async fn refusals_have_their_status_and_a_message_naming_the_vm() {
     let _ = rustls::crypto::ring::default_provider().install_default();
     let env = env("refusals").await;
-    let refused = |r: Result<client::ExecStream, ClientError>| match r {
-        Err(ClientError::Refused { status, message }) => (status, message),
-        Err(e) => panic!("unexpected error {e}"),
-        Ok(_) => panic!("the request was accepted"),
-    };
     let mut t = env.target.clone();
     t.token = "nope".into();
     let (status, _) = refused(client::exec(&t, "ns", "vm").await);
     assert_eq!(status, StatusCode::UNAUTHORIZED);
     t.token = "bob".into();
-    let (status, message) = refused(client::exec(&t, "ns", "vm").await);
-    assert_eq!(status, StatusCode::FORBIDDEN);
-    assert!(
-        message.contains("ns/vm") && message.contains("scripted"),
-        "{message}"
-    );
-    let (status, message) = refused(client::exec(&env.target, "ns", "missing").await);
-    assert_eq!(status, StatusCode::NOT_FOUND);
-    assert!(message.contains("ns/missing"), "{message}");
-    let (status, message) = refused(client::exec(&env.target, "ns", "unreachable").await);
-    assert_eq!(status, StatusCode::BAD_GATEWAY);
-    assert!(message.contains("ns/unreachable"), "{message}");
+    let bob = refused(client::exec(&t, "ns", "vm").await);
+    says(bob, StatusCode::FORBIDDEN, &["ns/vm", "scripted"]);
+    let missing = refused(client::exec(&env.target, "ns", "missing").await);
+    says(missing, StatusCode::NOT_FOUND, &["ns/missing"]);
+    let unreachable = refused(client::exec(&env.target, "ns", "unreachable").await);
+    says(unreachable, StatusCode::BAD_GATEWAY, &["ns/unreachable"]);
     assert_eq!(env.api.exec_sessions(), 0);
 
     // Straight into the handler: no upgrade asked, wrong method, unknown path.

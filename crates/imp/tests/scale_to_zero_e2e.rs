@@ -6,7 +6,8 @@
 //! agent's cgroup is killed while it sleeps: a SYN sent while the agent is down is answered
 //! once it is back. An agent that keeps more memory free than the node has leaves a woken VM
 //! Suspended with `InsufficientMemory`; with the next agent, two clients knocking at once wake
-//! it: one resume, one QEMU, both answered.
+//! it: one resume, one QEMU, both answered. Last, an `imp exec` into the sleeping VM wakes it
+//! and runs.
 //!
 //! Two "nodes" (network namespaces) each run a real `imp agent`, with the real `imp operator`
 //! and imp-testkube; guests are real Linux under QEMU/TCG. Needs root, iproute2, nftables and
@@ -353,6 +354,38 @@ async fn an_idle_vm_sleeps_and_its_first_syn_wakes_it_from_anywhere_without_a_re
         (occurrences(&c, SLEEPER, "Resumed").await > resumed).then_some(())
     })
     .await;
+
+    // 6. Idle again; an exec into it wakes it as its first packet would, and runs in it.
+    wait_idle_suspend(&vms, &a, &uid).await;
+    let resumed = occurrences(&c, SLEEPER, "Resumed").await;
+    let t = Instant::now();
+    let out = exec(&kubeconfig, SLEEPER, "cat /tmp/received")
+        .output()
+        .await
+        .unwrap();
+    println!("exec into the sleeping VM: {:?}", t.elapsed());
+    let got = text(&out);
+    assert!(out.status.success(), "exec into a sleeping VM: {got}");
+    assert!(
+        got.contains("hello from c1") && got.contains("hello again from c2"),
+        "the woken VM kept: {got}"
+    );
+    assert_eq!(
+        phase(&vms.get(SLEEPER).await.unwrap()),
+        Some(VmPhase::Running)
+    );
+    common::wait_for("a Resumed Event", Duration::from_secs(20), || async {
+        (occurrences(&c, SLEEPER, "Resumed").await > resumed).then_some(())
+    })
+    .await;
+    let metrics = text(&topo.exec(
+        "a",
+        &["busybox", "wget", "-qO-", "http://127.0.0.1:9090/metrics"],
+    ));
+    assert!(
+        metrics.contains("imp_agent_resumes_total{trigger=\"exec\"} 1"),
+        "{metrics}"
+    );
     let _ = std::fs::remove_dir_all(&layout);
     let _ = std::fs::remove_dir_all(&cache);
 }

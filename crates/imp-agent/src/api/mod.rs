@@ -40,10 +40,26 @@ pub struct GuestEndpoint {
     pub running: bool,
 }
 
+/// Whether a VM that does not run now will run soon without its user asking.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Waking {
+    /// It will: scale-to-zero put it to sleep and a wake was asked for now (exec wakes it as
+    /// its first packet would), or a suspend or resume is under way.
+    Soon,
+    /// It will not: it is stopped, failed, starting, or suspended by its user.
+    No,
+}
+
 /// How the API finds a VM of this node; the agent's runtime implements it.
 pub trait VmLookup: Send + Sync + 'static {
     /// The VM `namespace/name` if it is on this node.
     fn find(&self, namespace: &str, name: &str) -> Option<GuestEndpoint>;
+
+    /// Asks VM `namespace/name`, which does not run, to wake if scale-to-zero put it to sleep
+    /// (asking again is harmless). Lookups without scale-to-zero wake nothing.
+    fn wake(&self, _namespace: &str, _name: &str) -> Waking {
+        Waking::No
+    }
 }
 
 /// The value of the `Upgrade` header that turns an exec request into the guest protocol.

@@ -44,6 +44,8 @@ pub struct ApiConfig {
     pub console_poll: Duration,
     /// How long an allowed (token, VM, subresource) is remembered; zero disables the cache.
     pub auth_cache_ttl: Duration,
+    /// How long an exec waits for a VM that scale-to-zero put to sleep to run again.
+    pub wake_timeout: Duration,
 }
 
 impl Default for ApiConfig {
@@ -54,6 +56,7 @@ impl Default for ApiConfig {
             handshake_timeout: Duration::from_secs(10),
             console_poll: Duration::from_millis(200),
             auth_cache_ttl: Duration::from_secs(10),
+            wake_timeout: Duration::from_secs(60),
         }
     }
 }
@@ -197,19 +200,67 @@ impl AgentApi {
                 if let Err(e) = exec::check_upgrade(req.headers()) {
                     return status(e.status(), &e.to_string());
                 }
-                if !vm.running {
-                    return status(
-                        StatusCode::CONFLICT,
-                        &format!(
-                            "ImpVM {}/{} is not running; exec needs a running VM",
-                            route.namespace, route.name
-                        ),
-                    );
-                }
+                let vm = if vm.running {
+                    vm
+                } else {
+                    match self.awake(&route, &user).await {
+                        Ok(vm) => vm,
+                        Err(refusal) => return refusal,
+                    }
+                };
                 let on_upgrade = hyper::upgrade::on(&mut req);
                 self.start_exec(route, user, vm, on_upgrade).await
             }
             Action::Console { follow } => self.start_console(route, user, vm, follow).await,
+        }
+    }
+
+    /// The endpoint of a VM found not running, once it runs: a VM that scale-to-zero put to
+    /// sleep is woken, as its first packet would wake it. 409 for a VM that will not run by
+    /// itself, 504 for one that did not wake in time (its status says why, e.g. no memory).
+    async fn awake(
+        &self,
+        route: &Route,
+        user: &str,
+    ) -> Result<super::GuestEndpoint, Response<Body>> {
+        let (ns, name) = (&route.namespace, &route.name);
+        let started = tokio::time::Instant::now();
+        let mut asked = false;
+        loop {
+            match self.lookup.find(ns, name) {
+                Some(vm) if vm.running => {
+                    if asked {
+                        tracing::info!(vm = %name, namespace = %ns, user,
+                            waited_ms = started.elapsed().as_millis() as u64, "exec woke the VM");
+                    }
+                    return Ok(vm);
+                }
+                None => {
+                    let msg = format!("ImpVM {ns}/{name} is not on this node");
+                    return Err(status(StatusCode::NOT_FOUND, &msg));
+                }
+                Some(_) => {}
+            }
+            if self.lookup.wake(ns, name) == super::Waking::No {
+                let msg = format!(
+                    "ImpVM {ns}/{name} is not running; exec needs a running VM \
+                     (a VM suspended by its user runs again after `imp resume`)"
+                );
+                return Err(status(StatusCode::CONFLICT, &msg));
+            }
+            if !asked {
+                tracing::info!(vm = %name, namespace = %ns, user, "exec wakes a sleeping VM");
+                asked = true;
+            }
+            if started.elapsed() >= self.config.wake_timeout {
+                tracing::warn!(vm = %name, namespace = %ns, user, "exec: the VM did not wake in time");
+                let msg = format!(
+                    "ImpVM {ns}/{name} did not wake within {:?}; its status and Events say why",
+                    self.config.wake_timeout
+                );
+                return Err(status(StatusCode::GATEWAY_TIMEOUT, &msg));
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
         }
     }
 
@@ -345,6 +396,7 @@ fn status(code: StatusCode, message: &str) -> Response<Body> {
         StatusCode::CONFLICT => "Conflict",
         StatusCode::METHOD_NOT_ALLOWED => "MethodNotAllowed",
         StatusCode::SERVICE_UNAVAILABLE => "ServiceUnavailable",
+        StatusCode::GATEWAY_TIMEOUT => "Timeout",
         StatusCode::BAD_REQUEST | StatusCode::UPGRADE_REQUIRED => "BadRequest",
         _ => "InternalError",
     };

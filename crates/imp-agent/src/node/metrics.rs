@@ -65,6 +65,8 @@ pub enum Trigger {
     Requested,
     /// Scale-to-zero: the VM was idle, or traffic woke it.
     ScaleToZero,
+    /// An exec woke a VM that scale-to-zero put to sleep.
+    Exec,
 }
 
 impl Trigger {
@@ -72,6 +74,7 @@ impl Trigger {
         let trigger = match self {
             Trigger::Requested => "requested",
             Trigger::ScaleToZero => "scale_to_zero",
+            Trigger::Exec => "exec",
         };
         TriggerLabels {
             trigger: trigger.to_owned(),
@@ -152,7 +155,7 @@ impl Metrics {
         let resumes = Family::<TriggerLabels, Counter>::default();
         registry.register(
             "imp_agent_resumes",
-            "Resumes the agent started: requested (desiredState) or scale_to_zero (woken by traffic)",
+            "Resumes the agent started: requested (desiredState), scale_to_zero (woken by traffic) or exec (woken by an exec)",
             resumes.clone(),
         );
         let suspend_time = Histogram::new(exponential_buckets(0.05, 2.0, 10));
@@ -377,11 +380,13 @@ mod tests {
         m.suspend_asked(Trigger::ScaleToZero);
         m.resume_started(Trigger::ScaleToZero);
         m.resume_started(Trigger::Requested);
+        m.resume_started(Trigger::Exec);
         m.observe_resume(250);
         let text = m.encode();
         for want in [
             "imp_agent_suspends_total{trigger=\"scale_to_zero\"} 1",
             "imp_agent_resumes_total{trigger=\"requested\"} 1",
+            "imp_agent_resumes_total{trigger=\"exec\"} 1",
             "imp_agent_resume_duration_seconds_sum 0.25",
         ] {
             assert!(text.contains(want), "{want} in {text}");

@@ -63,6 +63,29 @@ pub struct ScaleToZero {
     woken: Mutex<HashSet<String>>,
     /// Frames held for VMs whose VMM opens the TAP by name, until it runs.
     stashed: Mutex<HashMap<String, Stashed>>,
+    /// Sleeping VMs an exec asked to wake, and when, until they run again (an exec waiting
+    /// for the VM asks again meanwhile: its wake is under way, not refused).
+    knocked: Mutex<HashMap<String, Instant>>,
+}
+
+/// What [`ScaleToZero::knock`] did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Knock {
+    /// The VM sleeps and is now marked woken: its reconcile should be asked for.
+    First,
+    /// A wake was asked for already and its resume has not started.
+    Again,
+    /// No sleeper holds the VM: nothing here wakes it.
+    NotAsleep,
+}
+
+/// What woke a sleeping VM.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WokenBy {
+    /// A frame for it.
+    Traffic,
+    /// An exec into it.
+    Exec,
 }
 
 /// Frames waiting for a VMM to open TAP `.0` by name.
@@ -75,8 +98,10 @@ pub struct Wake {
     pub tap: Option<std::os::fd::OwnedFd>,
     /// How many frames were held (delivered already, or stashed).
     pub frames: usize,
-    /// When the first frame arrived (none for a resume asked by the user).
+    /// When the first frame or the exec came (none for a resume asked by the user).
     pub at: Option<Instant>,
+    /// What woke it (none for a resume asked by the user).
+    pub by: Option<WokenBy>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -104,6 +129,7 @@ impl ScaleToZero {
             held: Mutex::new(HashMap::new()),
             woken: Mutex::new(HashSet::new()),
             stashed: Mutex::new(HashMap::new()),
+            knocked: Mutex::new(HashMap::new()),
         }
     }
 
@@ -150,12 +176,30 @@ impl ScaleToZero {
     }
 
     /// Whether a frame arrived for sleeping VM `uid` (its sleeper saw it, or saw it before it
-    /// was taken for a resume that has not started).
+    /// was taken for a resume that has not started), or an exec knocked.
     pub fn woken(&self, uid: &str) -> bool {
-        lock(&self.woken).contains(uid)
+        lock(&self.knocked).contains_key(uid)
+            || lock(&self.woken).contains(uid)
             || lock(&self.held)
                 .get(uid)
                 .is_some_and(|h| h.sleeper.woken_now().is_some())
+    }
+
+    /// Wakes sleeping VM `uid` as a frame would, for an exec: its next reconcile resumes it.
+    pub fn knock(&self, uid: &str) -> Knock {
+        if !self.holds(uid) {
+            return if self.woken(uid) || lock(&self.knocked).contains_key(uid) {
+                Knock::Again
+            } else {
+                Knock::NotAsleep
+            };
+        }
+        let mut knocked = lock(&self.knocked);
+        if knocked.contains_key(uid) {
+            return Knock::Again;
+        }
+        knocked.insert(uid.to_owned(), Instant::now());
+        Knock::First
     }
 
     /// Whether VM `uid`'s TAP is held.
@@ -262,13 +306,20 @@ impl ScaleToZero {
         } else {
             Release::KeepOpen
         };
+        let knocked = lock(&self.knocked).get(uid).copied();
         let Some((tap, h)) = self.hand_over(uid, release).await else {
             return Wake::default();
+        };
+        let (at, by) = match (h.woken.map(|w| w.at), knocked) {
+            (Some(at), _) => (Some(at), Some(WokenBy::Traffic)),
+            (None, Some(at)) => (Some(at), Some(WokenBy::Exec)),
+            (None, None) => (None, None),
         };
         let wake = Wake {
             tap: h.tap,
             frames: h.frames.len(),
-            at: h.woken.map(|w| w.at),
+            at,
+            by,
         };
         if h.frames.is_empty() {
             return wake;
@@ -296,10 +347,16 @@ impl ScaleToZero {
         lock(&self.woken).remove(uid);
     }
 
+    /// VM `uid` runs again: an exec's wake is over.
+    pub fn running(&self, uid: &str) {
+        lock(&self.knocked).remove(uid);
+    }
+
     /// Stops holding VM `uid`'s TAP (its fd closed before this returns) and forgets it.
     pub async fn release(&self, uid: &str) {
         let _ = self.hand_over(uid, Release::Close).await;
         lock(&self.woken).remove(uid);
+        lock(&self.knocked).remove(uid);
         lock(&self.stashed).remove(uid);
         lock(&self.seen).remove(uid);
     }

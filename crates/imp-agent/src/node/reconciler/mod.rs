@@ -53,7 +53,7 @@ mod sleep;
 mod start;
 mod status;
 
-use sleep::{inject_stashed, resume, scale_facts, suspend, sync_sleeper};
+use sleep::{resume, runs_again, scale_facts, suspend, sync_sleeper};
 use start::start;
 use status::{now, write_report, write_report_with};
 
@@ -112,10 +112,33 @@ pub enum Error {
 }
 
 /// The guest endpoints of this node's VMs by `(namespace, name)`, refreshed from the records
-/// every poll, so the agent API finds a VM without touching the disk.
-#[derive(Debug, Default)]
+/// every poll, so the agent API finds a VM without touching the disk; and the way an exec
+/// wakes a VM that scale-to-zero put to sleep.
+#[derive(Default)]
 pub struct NodeVms {
-    map: std::sync::RwLock<HashMap<(String, String), crate::api::GuestEndpoint>>,
+    map: std::sync::RwLock<HashMap<(String, String), Found>>,
+    /// Set once the controller runs, on a node that wires networks.
+    waker: std::sync::OnceLock<Waker>,
+}
+
+impl std::fmt::Debug for NodeVms {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NodeVms").finish_non_exhaustive()
+    }
+}
+
+/// One VM as its record says.
+#[derive(Debug, Clone)]
+struct Found {
+    endpoint: crate::api::GuestEndpoint,
+    uid: String,
+    status: VmStatus,
+}
+
+/// Wakes a sleeping VM as its first frame would: marks it knocked and asks for its reconcile.
+struct Waker {
+    scale: Arc<ScaleToZero>,
+    reconcile: mpsc::Sender<ObjectRef<ImpVM>>,
 }
 
 impl NodeVms {
@@ -134,7 +157,12 @@ impl NodeVms {
                     serial_log: r.serial_log.clone(),
                     running: *alive && r.status == VmStatus::Running,
                 };
-                Some(((o.namespace.clone(), o.name.clone()), endpoint))
+                let found = Found {
+                    endpoint,
+                    uid: r.name.clone(),
+                    status: r.status,
+                };
+                Some(((o.namespace.clone(), o.name.clone()), found))
             })
             .collect();
         *self
@@ -142,15 +170,53 @@ impl NodeVms {
             .write()
             .unwrap_or_else(std::sync::PoisonError::into_inner) = map;
     }
-}
 
-impl crate::api::VmLookup for NodeVms {
-    fn find(&self, namespace: &str, name: &str) -> Option<crate::api::GuestEndpoint> {
+    fn get(&self, namespace: &str, name: &str) -> Option<Found> {
         self.map
             .read()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .get(&(namespace.to_owned(), name.to_owned()))
             .cloned()
+    }
+
+    /// Lets exec wake the sleepers of `scale` through the controller's `reconcile` queue.
+    fn arm(&self, scale: Arc<ScaleToZero>, reconcile: mpsc::Sender<ObjectRef<ImpVM>>) {
+        let _ = self.waker.set(Waker { scale, reconcile });
+    }
+}
+
+impl crate::api::VmLookup for NodeVms {
+    fn find(&self, namespace: &str, name: &str) -> Option<crate::api::GuestEndpoint> {
+        self.get(namespace, name).map(|f| f.endpoint)
+    }
+
+    fn wake(&self, namespace: &str, name: &str) -> crate::api::Waking {
+        use crate::api::Waking;
+        let Some(found) = self.get(namespace, name) else {
+            return Waking::No;
+        };
+        let Some(waker) = self.waker.get() else {
+            return Waking::No;
+        };
+        // The records are read every poll: a suspend or resume under way ends in a state
+        // this is asked again about (a sleeper, or a running VM).
+        match found.status {
+            VmStatus::Suspending | VmStatus::Resuming => return Waking::Soon,
+            VmStatus::Suspended => {}
+            _ => return Waking::No,
+        }
+        match waker.scale.knock(&found.uid) {
+            scale::Knock::First => {
+                let tx = waker.reconcile.clone();
+                let obj = ObjectRef::new(name).within(namespace);
+                tokio::spawn(async move {
+                    let _ = tx.send(obj).await;
+                });
+                Waking::Soon
+            }
+            scale::Knock::Again => Waking::Soon,
+            scale::Knock::NotAsleep => Waking::No,
+        }
     }
 }
 
@@ -411,7 +477,7 @@ pub async fn reconcile(vm: Arc<ImpVM>, ctx: Arc<Context>) -> Result<Action, Erro
             let running = matches!(report, Report::Running);
             write_report(&ctx, &vm, report, record).await?;
             if running {
-                inject_stashed(&ctx, &uid).await;
+                runs_again(&ctx, &uid).await;
             }
             if retry {
                 let again = ctx.settings.suspend_retry + Duration::from_millis(500);
@@ -637,6 +703,9 @@ pub async fn run(
     let config = watcher::Config::default().fields(&selector);
     let (tx, rx) = mpsc::channel(256);
     let _ = ctx.reconcile_tx.set(tx.clone());
+    if let Some(scale) = &ctx.scale {
+        ctx.vms.arm(scale.clone(), tx.clone());
+    }
     let controller = Controller::new(vms, config);
     let store = controller.store();
     let poller = tokio::spawn(watch_records(ctx.clone(), store, tx));

@@ -118,11 +118,12 @@ pub(super) async fn sync_sleeper(
     true
 }
 
-/// Delivers the frames held for a VM whose VMM opens its TAP by name (Firecracker), once it
-/// runs again.
-pub(super) async fn inject_stashed(ctx: &Context, uid: &str) {
+/// A VM runs (again): delivers the frames held for it if its VMM opens its TAP by name
+/// (Firecracker), and ends an exec's wake.
+pub(super) async fn runs_again(ctx: &Context, uid: &str) {
     let Some(scale) = &ctx.scale else { return };
     scale.inject_stashed(uid).await;
+    scale.running(uid);
 }
 
 /// Asks the VM's shim to suspend it and says `Suspending`; the record tells how it ended.
@@ -195,12 +196,12 @@ pub(super) async fn resume(
         scale.resumed(&uid);
     }
     let since_wake_ms = woke.at.map(|t| t.elapsed().as_secs_f64() * 1e3);
-    ctx.metrics.resume_started(if woke.at.is_some() {
-        Trigger::ScaleToZero
-    } else {
-        Trigger::Requested
+    ctx.metrics.resume_started(match woke.by {
+        Some(scale::WokenBy::Traffic) => Trigger::ScaleToZero,
+        Some(scale::WokenBy::Exec) => Trigger::Exec,
+        None => Trigger::Requested,
     });
-    tracing::info!(vm = %key(vm), node = %ctx.settings.node, phase = "Resuming", shim = pid, held_frames = woke.frames, since_wake_ms, "resuming");
+    tracing::info!(vm = %key(vm), node = %ctx.settings.node, phase = "Resuming", shim = pid, woken_by = ?woke.by, held_frames = woke.frames, since_wake_ms, "resuming");
     write_report(ctx, vm, Report::Resuming, None).await?;
     Ok(Action::requeue(Duration::from_secs(60)))
 }
