@@ -62,37 +62,75 @@ impl Reviewer for Reviews {
     }
 }
 
-/// VMs by name in namespace "ns", and how often each was asked to wake: "sleeping" runs after
-/// its third wake, "stuck" never does, any other VM that does not run never wakes.
+/// VMs by name in namespace "ns", how often each was asked to wake, and its open execs:
+/// "sleeping" runs after its third wake, "stuck" never does, any other VM that does not run
+/// never wakes; "suspending" runs but admits no exec until it was asked to wake twice.
 #[derive(Default)]
-struct Vms(
-    Mutex<HashMap<String, GuestEndpoint>>,
-    Mutex<HashMap<String, u32>>,
-);
+struct Vms {
+    endpoints: Mutex<HashMap<String, GuestEndpoint>>,
+    knocks: Mutex<HashMap<String, u32>>,
+    uses: Mutex<HashMap<String, i32>>,
+}
+
+impl Vms {
+    fn add(&self, name: &str, endpoint: GuestEndpoint) {
+        self.endpoints.lock().unwrap().insert(name.into(), endpoint);
+    }
+
+    fn knocks(&self, name: &str) -> u32 {
+        self.knocks.lock().unwrap().get(name).copied().unwrap_or(0)
+    }
+
+    fn in_use(&self, name: &str) -> i32 {
+        self.uses.lock().unwrap().get(name).copied().unwrap_or(0)
+    }
+}
 
 impl VmLookup for Vms {
     fn find(&self, namespace: &str, name: &str) -> Option<GuestEndpoint> {
         (namespace == "ns")
-            .then(|| self.0.lock().unwrap().get(name).cloned())
+            .then(|| self.endpoints.lock().unwrap().get(name).cloned())
             .flatten()
     }
 
     fn wake(&self, _namespace: &str, name: &str) -> Waking {
-        let mut knocks = self.1.lock().unwrap();
+        let mut knocks = self.knocks.lock().unwrap();
         let n = knocks.entry(name.to_owned()).or_default();
         *n += 1;
         match name {
             "sleeping" => {
                 if *n == 3
-                    && let Some(vm) = self.0.lock().unwrap().get_mut(name)
+                    && let Some(vm) = self.endpoints.lock().unwrap().get_mut(name)
                 {
                     vm.running = true;
                 }
                 Waking::Soon
             }
-            "stuck" => Waking::Soon,
+            "stuck" | "suspending" => Waking::Soon,
             _ => Waking::No,
         }
+    }
+
+    fn exec_begin(&self, _namespace: &str, name: &str) -> bool {
+        if name == "suspending" && self.knocks(name) < 2 {
+            return false;
+        }
+        *self
+            .uses
+            .lock()
+            .unwrap()
+            .entry(name.to_owned())
+            .or_default() += 1;
+        true
+    }
+
+    fn exec_end(&self, _namespace: &str, name: &str) {
+        *self
+            .uses
+            .lock()
+            .unwrap()
+            .entry(name.to_owned())
+            .or_default() -= 1;
     }
 }
 
@@ -158,13 +196,14 @@ async fn env(tag: &str) -> Env {
         serial_log: dir.join("serial.log"),
         running,
     };
-    vms.0.lock().unwrap().insert("vm".into(), endpoint(true));
+    vms.add("vm", endpoint(true));
+    vms.add("suspending", endpoint(true));
     for asleep in ["sleeping", "stuck", "stopped"] {
-        vms.0.lock().unwrap().insert(asleep.into(), endpoint(false));
+        vms.add(asleep, endpoint(false));
     }
     let mut gone = endpoint(true);
     gone.vsock = dir.join("nothing-here.sock");
-    vms.0.lock().unwrap().insert("unreachable".into(), gone);
+    vms.add("unreachable", gone);
     let api = AgentApi::new(
         vms.clone(),
         Arc::new(Reviews),
@@ -357,11 +396,14 @@ async fn exec_wakes_a_sleeping_vm_and_waits_for_it_or_says_why_it_cannot() {
     let _ = rustls::crypto::ring::default_provider().install_default();
     let env = env("wake").await;
     let s = greeted(&env, "sleeping").await;
-    assert_eq!(
-        env.vms.1.lock().unwrap()["sleeping"],
-        3,
-        "asked until it ran"
-    );
+    assert_eq!(env.vms.knocks("sleeping"), 3, "asked until it ran");
+    assert_eq!(env.vms.in_use("sleeping"), 1, "the exec holds it awake");
+    drop(s);
+    wait_until("the exec's use ended", || env.vms.in_use("sleeping") == 0).await;
+    // A VM whose suspend has begun: the exec waits for it, wakes it, then runs.
+    let s = greeted(&env, "suspending").await;
+    assert_eq!(env.vms.knocks("suspending"), 2);
+    assert_eq!(env.vms.in_use("suspending"), 1);
     drop(s);
     let stuck = refused(client::exec(&env.target, "ns", "stuck").await);
     says(
@@ -375,9 +417,10 @@ async fn exec_wakes_a_sleeping_vm_and_waits_for_it_or_says_why_it_cannot() {
         StatusCode::CONFLICT,
         &["ns/stopped is not running", "imp resume"],
     );
-    assert_eq!(env.vms.1.lock().unwrap()["stopped"], 1);
-    wait_until("the woken VM's session ended", || {
-        env.api.exec_sessions() == 0
+    assert_eq!(env.vms.knocks("stopped"), 1);
+    assert_eq!(env.vms.in_use("stuck") + env.vms.in_use("stopped"), 0);
+    wait_until("the woken VMs' sessions ended", || {
+        env.api.exec_sessions() == 0 && env.vms.in_use("suspending") == 0
     })
     .await;
 }
@@ -397,6 +440,11 @@ async fn refusals_have_their_status_and_a_message_naming_the_vm() {
     says(missing, StatusCode::NOT_FOUND, &["ns/missing"]);
     let unreachable = refused(client::exec(&env.target, "ns", "unreachable").await);
     says(unreachable, StatusCode::BAD_GATEWAY, &["ns/unreachable"]);
+    assert_eq!(
+        env.vms.in_use("unreachable"),
+        0,
+        "a failed exec holds nothing"
+    );
     assert_eq!(env.api.exec_sessions(), 0);
 
     // Straight into the handler: no upgrade asked, wrong method, unknown path.

@@ -7,7 +7,7 @@
 //! once it is back. An agent that keeps more memory free than the node has leaves a woken VM
 //! Suspended with `InsufficientMemory`; with the next agent, two clients knocking at once wake
 //! it: one resume, one QEMU, both answered. Last, an `imp exec` into the sleeping VM wakes it
-//! and runs.
+//! and runs, and the VM stays up while the exec lasts, longer than its idle timeout.
 //!
 //! Two "nodes" (network namespaces) each run a real `imp agent`, with the real `imp operator`
 //! and imp-testkube; guests are real Linux under QEMU/TCG. Needs root, iproute2, nftables and
@@ -355,25 +355,44 @@ async fn an_idle_vm_sleeps_and_its_first_syn_wakes_it_from_anywhere_without_a_re
     })
     .await;
 
-    // 6. Idle again; an exec into it wakes it as its first packet would, and runs in it.
+    // 6. Idle again; an exec into it wakes it as its first packet would and runs in it, and
+    //    while the exec lasts (longer than the idle timeout, with no traffic) the VM stays up.
     wait_idle_suspend(&vms, &a, &uid).await;
     let resumed = occurrences(&c, SLEEPER, "Resumed").await;
     let t = Instant::now();
-    let out = exec(&kubeconfig, SLEEPER, "cat /tmp/received")
-        .output()
-        .await
-        .unwrap();
-    println!("exec into the sleeping VM: {:?}", t.elapsed());
+    let session = exec(
+        &kubeconfig,
+        SLEEPER,
+        "cat /tmp/received; sleep 20; echo still here",
+    )
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped())
+    .spawn()
+    .unwrap();
+    wait_vm(&vms, SLEEPER, "Running after the exec's wake", 60, |v| {
+        phase(v) == Some(VmPhase::Running)
+    })
+    .await;
+    println!("exec into the sleeping VM: Running after {:?}", t.elapsed());
+    let mut phases = Vec::new();
+    while t.elapsed() < Duration::from_secs(19) {
+        phases.push(phase(&vms.get(SLEEPER).await.unwrap()));
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    let out = session.wait_with_output().await.unwrap();
     let got = text(&out);
     assert!(out.status.success(), "exec into a sleeping VM: {got}");
     assert!(
         got.contains("hello from c1") && got.contains("hello again from c2"),
         "the woken VM kept: {got}"
     );
-    assert_eq!(
-        phase(&vms.get(SLEEPER).await.unwrap()),
-        Some(VmPhase::Running)
+    assert!(got.contains("still here"), "the exec was cut: {got}");
+    assert!(
+        phases.iter().all(|p| *p == Some(VmPhase::Running)),
+        "the VM went to sleep under an open exec: {phases:?}"
     );
+    // Once the exec is over, nothing keeps it up.
+    wait_idle_suspend(&vms, &a, &uid).await;
     common::wait_for("a Resumed Event", Duration::from_secs(20), || async {
         (occurrences(&c, SLEEPER, "Resumed").await > resumed).then_some(())
     })

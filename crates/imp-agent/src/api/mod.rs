@@ -60,6 +60,16 @@ pub trait VmLookup: Send + Sync + 'static {
     fn wake(&self, _namespace: &str, _name: &str) -> Waking {
         Waking::No
     }
+
+    /// An exec into running VM `namespace/name` begins: until [`VmLookup::exec_end`] the VM
+    /// counts as in use and is not suspended for being idle. False when a suspend has begun
+    /// (the exec then waits for it and wakes the VM).
+    fn exec_begin(&self, _namespace: &str, _name: &str) -> bool {
+        true
+    }
+
+    /// An exec that [`VmLookup::exec_begin`] let begin has ended.
+    fn exec_end(&self, _namespace: &str, _name: &str) {}
 }
 
 /// The value of the `Upgrade` header that turns an exec request into the guest protocol.

@@ -200,40 +200,42 @@ impl AgentApi {
                 if let Err(e) = exec::check_upgrade(req.headers()) {
                     return status(e.status(), &e.to_string());
                 }
-                let vm = if vm.running {
-                    vm
-                } else {
-                    match self.awake(&route, &user).await {
-                        Ok(vm) => vm,
-                        Err(refusal) => return refusal,
-                    }
+                let (vm, in_use) = match self.admit(&route, &user).await {
+                    Ok(admitted) => admitted,
+                    Err(refusal) => return refusal,
                 };
                 let on_upgrade = hyper::upgrade::on(&mut req);
-                self.start_exec(route, user, vm, on_upgrade).await
+                self.start_exec(route, user, vm, in_use, on_upgrade).await
             }
             Action::Console { follow } => self.start_console(route, user, vm, follow).await,
         }
     }
 
-    /// The endpoint of a VM found not running, once it runs: a VM that scale-to-zero put to
-    /// sleep is woken, as its first packet would wake it. 409 for a VM that will not run by
+    /// The endpoint of a VM for an exec, once it runs, and its use begun: a VM that
+    /// scale-to-zero put to sleep is woken, as its first packet would wake it, and one whose
+    /// suspend has begun is waited for and then woken. 409 for a VM that will not run by
     /// itself, 504 for one that did not wake in time (its status says why, e.g. no memory).
-    async fn awake(
+    async fn admit(
         &self,
         route: &Route,
         user: &str,
-    ) -> Result<super::GuestEndpoint, Response<Body>> {
+    ) -> Result<(super::GuestEndpoint, InUse), Response<Body>> {
         let (ns, name) = (&route.namespace, &route.name);
         let started = tokio::time::Instant::now();
         let mut asked = false;
         loop {
             match self.lookup.find(ns, name) {
-                Some(vm) if vm.running => {
+                Some(vm) if vm.running && self.lookup.exec_begin(ns, name) => {
                     if asked {
                         tracing::info!(vm = %name, namespace = %ns, user,
                             waited_ms = started.elapsed().as_millis() as u64, "exec woke the VM");
                     }
-                    return Ok(vm);
+                    let in_use = InUse {
+                        lookup: self.lookup.clone(),
+                        namespace: ns.clone(),
+                        name: name.clone(),
+                    };
+                    return Ok((vm, in_use));
                 }
                 None => {
                     let msg = format!("ImpVM {ns}/{name} is not on this node");
@@ -269,6 +271,7 @@ impl AgentApi {
         route: Route,
         user: String,
         vm: super::GuestEndpoint,
+        in_use: InUse,
         on_upgrade: hyper::upgrade::OnUpgrade,
     ) -> Response<Body> {
         let guest = match crate::vmm::vsock::connect(
@@ -295,6 +298,7 @@ impl AgentApi {
         let opening = self.config.exec_opening_timeout;
         tokio::spawn(async move {
             let _sessions = sessions;
+            let _in_use = in_use;
             let caller = match on_upgrade.await {
                 Ok(up) => TokioIo::new(up),
                 Err(e) => {
@@ -362,6 +366,19 @@ impl AgentApi {
             HeaderValue::from_static("application/octet-stream"),
         );
         resp
+    }
+}
+
+/// An exec's use of its VM, ended when dropped (the session is over, or never started).
+struct InUse {
+    lookup: Arc<dyn VmLookup>,
+    namespace: String,
+    name: String,
+}
+
+impl Drop for InUse {
+    fn drop(&mut self) {
+        self.lookup.exec_end(&self.namespace, &self.name);
     }
 }
 

@@ -327,6 +327,28 @@ fn report(vm: &Observed, l: Local<'_>) -> Report {
     }
 }
 
+/// What an exec into a VM that does not run can expect, by the VM's record.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ExecWake {
+    /// A suspend or a resume is under way: it ends asleep (then knock) or running.
+    Wait,
+    /// It is suspended: a sleeper that holds it (scale-to-zero) wakes it; else nothing does.
+    Knock,
+    /// Nothing makes it run by itself: starting, ended, or failed.
+    Refuse,
+}
+
+/// See [`ExecWake`].
+pub fn exec_wake(status: VmStatus) -> ExecWake {
+    match status {
+        VmStatus::Suspending | VmStatus::Resuming => ExecWake::Wait,
+        VmStatus::Suspended => ExecWake::Knock,
+        VmStatus::Starting | VmStatus::Running | VmStatus::Exited | VmStatus::Failed => {
+            ExecWake::Refuse
+        }
+    }
+}
+
 /// Memory a resumed VM's VMM needs beyond the guest's (QEMU or Firecracker, its buffers).
 pub const VMM_OVERHEAD_MIB: u64 = 64;
 
@@ -497,6 +519,18 @@ mod tests {
              for its VMM + 705 MiB kept for the node (--resume-reserve-mib); it stays Suspended \
              and is tried again every 10s"
         );
+    }
+
+    #[test]
+    fn an_exec_waits_for_a_suspend_or_resume_knocks_on_a_sleeper_and_refuses_the_rest() {
+        use VmStatus::*;
+        assert_eq!(exec_wake(Suspending), ExecWake::Wait);
+        assert_eq!(exec_wake(Resuming), ExecWake::Wait);
+        assert_eq!(exec_wake(Suspended), ExecWake::Knock);
+        // A record that says Running while exec found the VM not running: its shim is dead.
+        for s in [Starting, Running, Exited, Failed] {
+            assert_eq!(exec_wake(s), ExecWake::Refuse, "{s:?}");
+        }
     }
 
     #[test]

@@ -5,7 +5,8 @@
 //! ([`crate::runtime`]: one shim per VM, outside the agent's process tree and cgroups);
 //! [`boot`] maps an ImpVM and its class to the runtime's spec, with the workload's environment
 //! from [`env`] and its network wired by [`network`]; [`metrics`] serves `/metrics`,
-//! `/healthz` and `/readyz`.
+//! `/healthz` and `/readyz`. [`scale`] runs scale-to-zero on the node, and [`vms`] is what the
+//! agent API knows of the node's VMs.
 
 pub mod boot;
 pub mod capabilities;
@@ -15,3 +16,4 @@ pub mod metrics;
 pub mod network;
 pub mod reconciler;
 pub mod scale;
+pub mod vms;

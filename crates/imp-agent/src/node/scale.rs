@@ -66,6 +66,8 @@ pub struct ScaleToZero {
     /// Sleeping VMs an exec asked to wake, and when, until they run again (an exec waiting
     /// for the VM asks again meanwhile: its wake is under way, not refused).
     knocked: Mutex<HashMap<String, Instant>>,
+    /// Whether each VM reconciled since the agent started is a ScaleToZero VM.
+    policy: Mutex<HashMap<String, bool>>,
 }
 
 /// What [`ScaleToZero::knock`] did.
@@ -75,8 +77,10 @@ pub enum Knock {
     First,
     /// A wake was asked for already and its resume has not started.
     Again,
-    /// No sleeper holds the VM: nothing here wakes it.
+    /// The VM is not a ScaleToZero VM: nothing here wakes it.
     NotAsleep,
+    /// The agent has not reconciled the VM since it started: ask again once it has.
+    NotYet,
 }
 
 /// What woke a sleeping VM.
@@ -130,17 +134,20 @@ impl ScaleToZero {
             woken: Mutex::new(HashSet::new()),
             stashed: Mutex::new(HashMap::new()),
             knocked: Mutex::new(HashMap::new()),
+            policy: Mutex::new(HashMap::new()),
         }
     }
 
     /// Samples running VM `uid`'s TAP and says whether it has been idle for `idle_timeout`.
-    /// A TAP that cannot be read counts as active (a VM is never suspended on a guess).
+    /// A TAP that cannot be read counts as active (a VM is never suspended on a guess), and so
+    /// does a VM `in_use` otherwise (an exec session is open).
     pub async fn activity(
         &self,
         uid: &str,
         tap: &str,
         vmm_pid: Option<u32>,
         idle_timeout: Duration,
+        in_use: bool,
     ) -> Activity {
         let now = SystemTime::now();
         let current = match self.netlink.link_state(tap).await {
@@ -156,10 +163,14 @@ impl ScaleToZero {
         };
         let mut seen = lock(&self.seen);
         let before = seen.get(uid).filter(|s| s.vmm_pid == vmm_pid).copied();
+        let last_activity = match before {
+            Some(s) if !in_use => s.last_activity,
+            _ => now,
+        };
         let activity = idle::decide(
             before.map(|s| s.sample),
             current,
-            before.map_or(now, |s| s.last_activity),
+            last_activity,
             now,
             idle_timeout,
         );
@@ -178,21 +189,27 @@ impl ScaleToZero {
     /// Whether a frame arrived for sleeping VM `uid` (its sleeper saw it, or saw it before it
     /// was taken for a resume that has not started), or an exec knocked.
     pub fn woken(&self, uid: &str) -> bool {
-        lock(&self.knocked).contains_key(uid)
-            || lock(&self.woken).contains(uid)
+        lock(&self.knocked).contains_key(uid) || self.woken_by_traffic(uid)
+    }
+
+    fn woken_by_traffic(&self, uid: &str) -> bool {
+        lock(&self.woken).contains(uid)
             || lock(&self.held)
                 .get(uid)
                 .is_some_and(|h| h.sleeper.woken_now().is_some())
     }
 
-    /// Wakes sleeping VM `uid` as a frame would, for an exec: its next reconcile resumes it.
+    /// Wakes suspended VM `uid` as a frame would, for an exec: its next reconcile resumes it.
+    /// A ScaleToZero VM is woken even before its sleeper holds it (its suspend just ended,
+    /// or the agent just started).
     pub fn knock(&self, uid: &str) -> Knock {
-        if !self.holds(uid) {
-            return if self.woken(uid) || lock(&self.knocked).contains_key(uid) {
-                Knock::Again
-            } else {
-                Knock::NotAsleep
-            };
+        match lock(&self.policy).get(uid) {
+            None => return Knock::NotYet,
+            Some(false) => return Knock::NotAsleep,
+            Some(true) => {}
+        }
+        if self.woken_by_traffic(uid) {
+            return Knock::Again;
         }
         let mut knocked = lock(&self.knocked);
         if knocked.contains_key(uid) {
@@ -200,6 +217,11 @@ impl ScaleToZero {
         }
         knocked.insert(uid.to_owned(), Instant::now());
         Knock::First
+    }
+
+    /// Notes whether VM `uid` is a ScaleToZero VM, as its reconcile sees it.
+    pub fn observe(&self, uid: &str, scale_to_zero: bool) {
+        lock(&self.policy).insert(uid.to_owned(), scale_to_zero);
     }
 
     /// Whether VM `uid`'s TAP is held.
@@ -308,7 +330,11 @@ impl ScaleToZero {
         };
         let knocked = lock(&self.knocked).get(uid).copied();
         let Some((tap, h)) = self.hand_over(uid, release).await else {
-            return Wake::default();
+            return Wake {
+                at: knocked,
+                by: knocked.map(|_| WokenBy::Exec),
+                ..Wake::default()
+            };
         };
         let (at, by) = match (h.woken.map(|w| w.at), knocked) {
             (Some(at), _) => (Some(at), Some(WokenBy::Traffic)),
@@ -357,6 +383,7 @@ impl ScaleToZero {
         let _ = self.hand_over(uid, Release::Close).await;
         lock(&self.woken).remove(uid);
         lock(&self.knocked).remove(uid);
+        lock(&self.policy).remove(uid);
         lock(&self.stashed).remove(uid);
         lock(&self.seen).remove(uid);
     }
@@ -374,5 +401,31 @@ mod tests {
         );
         assert_eq!(sample_every(Duration::from_secs(3)), Duration::from_secs(1));
         assert_eq!(sample_every(DEFAULT_IDLE_TIMEOUT), Duration::from_secs(15));
+    }
+
+    #[tokio::test]
+    async fn an_exec_knocks_only_on_scale_to_zero_vms_once_per_wake() {
+        let scale = ScaleToZero::new(Netlink::connect().unwrap());
+        assert_eq!(scale.knock("a"), Knock::NotYet, "not reconciled yet");
+        scale.observe("a", false);
+        assert_eq!(scale.knock("a"), Knock::NotAsleep, "suspended by its user");
+        assert!(!scale.woken("a"));
+        // Knocked before its sleeper holds it (its suspend just ended): still woken.
+        scale.observe("a", true);
+        assert_eq!(scale.knock("a"), Knock::First);
+        assert_eq!(scale.knock("a"), Knock::Again);
+        assert!(scale.woken("a"));
+        let wake = scale.wake_handover("a", false).await;
+        assert_eq!(wake.by, Some(WokenBy::Exec));
+        assert!(wake.at.is_some() && wake.tap.is_none() && wake.frames == 0);
+        // The resume started: not woken any more, but an exec still waits for it.
+        scale.resumed("a");
+        assert_eq!(scale.knock("a"), Knock::Again);
+        scale.running("a");
+        assert!(!scale.woken("a"));
+        assert_eq!(scale.knock("a"), Knock::First, "the next sleep's wake");
+        scale.release("a").await;
+        assert!(!scale.woken("a"));
+        assert_eq!(scale.knock("a"), Knock::NotYet);
     }
 }

@@ -45,6 +45,7 @@ use super::env;
 use super::metrics::{Metrics, Trigger};
 use super::network::{self, NotWired};
 use super::scale::{self, ScaleToZero, SleepingTap};
+use super::vms::NodeVms;
 use crate::net::NodeNet;
 use crate::runtime::shim::{self, ShimCommand};
 use crate::runtime::state::{Owner, StateDir, StateError, VmRecord, VmStatus};
@@ -109,115 +110,6 @@ pub enum Error {
     /// The object has no uid (never seen from a real API server).
     #[error("ImpVM {0} has no uid")]
     NoUid(String),
-}
-
-/// The guest endpoints of this node's VMs by `(namespace, name)`, refreshed from the records
-/// every poll, so the agent API finds a VM without touching the disk; and the way an exec
-/// wakes a VM that scale-to-zero put to sleep.
-#[derive(Default)]
-pub struct NodeVms {
-    map: std::sync::RwLock<HashMap<(String, String), Found>>,
-    /// Set once the controller runs, on a node that wires networks.
-    waker: std::sync::OnceLock<Waker>,
-}
-
-impl std::fmt::Debug for NodeVms {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("NodeVms").finish_non_exhaustive()
-    }
-}
-
-/// One VM as its record says.
-#[derive(Debug, Clone)]
-struct Found {
-    endpoint: crate::api::GuestEndpoint,
-    uid: String,
-    status: VmStatus,
-}
-
-/// Wakes a sleeping VM as its first frame would: marks it knocked and asks for its reconcile.
-struct Waker {
-    scale: Arc<ScaleToZero>,
-    reconcile: mpsc::Sender<ObjectRef<ImpVM>>,
-}
-
-impl NodeVms {
-    fn refresh(&self, records: &[(VmRecord, bool)]) {
-        // Oldest first, so that when a recreated VM's record sits beside its predecessor's
-        // (still being torn down), the newest one is kept.
-        let mut sorted: Vec<&(VmRecord, bool)> = records.iter().collect();
-        sorted.sort_by_key(|(r, _)| r.created_unix);
-        let map = sorted
-            .into_iter()
-            .filter_map(|(r, alive)| {
-                let o = r.owner.as_ref()?;
-                let endpoint = crate::api::GuestEndpoint {
-                    vsock: r.vsock.clone(),
-                    agent_port: r.agent_port,
-                    serial_log: r.serial_log.clone(),
-                    running: *alive && r.status == VmStatus::Running,
-                };
-                let found = Found {
-                    endpoint,
-                    uid: r.name.clone(),
-                    status: r.status,
-                };
-                Some(((o.namespace.clone(), o.name.clone()), found))
-            })
-            .collect();
-        *self
-            .map
-            .write()
-            .unwrap_or_else(std::sync::PoisonError::into_inner) = map;
-    }
-
-    fn get(&self, namespace: &str, name: &str) -> Option<Found> {
-        self.map
-            .read()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .get(&(namespace.to_owned(), name.to_owned()))
-            .cloned()
-    }
-
-    /// Lets exec wake the sleepers of `scale` through the controller's `reconcile` queue.
-    fn arm(&self, scale: Arc<ScaleToZero>, reconcile: mpsc::Sender<ObjectRef<ImpVM>>) {
-        let _ = self.waker.set(Waker { scale, reconcile });
-    }
-}
-
-impl crate::api::VmLookup for NodeVms {
-    fn find(&self, namespace: &str, name: &str) -> Option<crate::api::GuestEndpoint> {
-        self.get(namespace, name).map(|f| f.endpoint)
-    }
-
-    fn wake(&self, namespace: &str, name: &str) -> crate::api::Waking {
-        use crate::api::Waking;
-        let Some(found) = self.get(namespace, name) else {
-            return Waking::No;
-        };
-        let Some(waker) = self.waker.get() else {
-            return Waking::No;
-        };
-        // The records are read every poll: a suspend or resume under way ends in a state
-        // this is asked again about (a sleeper, or a running VM).
-        match found.status {
-            VmStatus::Suspending | VmStatus::Resuming => return Waking::Soon,
-            VmStatus::Suspended => {}
-            _ => return Waking::No,
-        }
-        match waker.scale.knock(&found.uid) {
-            scale::Knock::First => {
-                let tx = waker.reconcile.clone();
-                let obj = ObjectRef::new(name).within(namespace);
-                tokio::spawn(async move {
-                    let _ = tx.send(obj).await;
-                });
-                Waking::Soon
-            }
-            scale::Knock::Again => Waking::Soon,
-            scale::Knock::NotAsleep => Waking::No,
-        }
-    }
 }
 
 /// What every reconcile shares.
@@ -480,6 +372,9 @@ pub async fn reconcile(vm: Arc<ImpVM>, ctx: Arc<Context>) -> Result<Action, Erro
                 runs_again(&ctx, &uid).await;
             }
             if retry {
+                // The VM runs on: execs may start again.
+                ctx.vms
+                    .suspend_over(&vm.namespace().unwrap_or_default(), &vm.name_any());
                 let again = ctx.settings.suspend_retry + Duration::from_millis(500);
                 return Ok(Action::requeue(again));
             }

@@ -27,6 +27,9 @@ pub(super) async fn scale_facts(
     obs: &Observed,
     local: Option<&(VmRecord, bool)>,
 ) -> ScaleFacts {
+    if let Some(scale) = &ctx.scale {
+        scale.observe(uid, obs.scale_to_zero);
+    }
     let Some((record, alive)) = local else {
         return ScaleFacts::default();
     };
@@ -58,7 +61,12 @@ pub(super) async fn scale_facts(
         && obs.phase == VmPhase::Running
     {
         let timeout = idle_timeout(vm);
-        let activity = scale.activity(uid, &t.tap, record.vmm_pid, timeout).await;
+        let in_use = ctx
+            .vms
+            .busy(&vm.namespace().unwrap_or_default(), &vm.name_any());
+        let activity = scale
+            .activity(uid, &t.tap, record.vmm_pid, timeout, in_use)
+            .await;
         if let crate::net::idle::Activity::Idle { since } = activity {
             facts.idle_since = Some(since);
         }
@@ -134,15 +142,27 @@ pub(super) async fn suspend(
     record: VmRecord,
     idle_since: Option<std::time::SystemTime>,
 ) -> Result<Action, Error> {
+    let (ns, name) = (vm.namespace().unwrap_or_default(), vm.name_any());
+    if !ctx.vms.suspend_begin(&ns, &name, idle_since.is_none()) {
+        tracing::debug!(vm = %key(vm), node = %ctx.settings.node, "an exec session is open: the VM stays up");
+        return Ok(Action::requeue(Duration::from_secs(1)));
+    }
     let state = ctx.settings.state.clone();
     let asked = tokio::task::spawn_blocking(move || {
         crate::runtime::suspend::request_suspend(&state, &record)
     })
     .await;
+    let asked = match asked {
+        Ok(Ok(t)) => Ok(t),
+        Ok(Err(e)) => Err(Box::new(e) as Box<dyn std::error::Error + Send + Sync>),
+        Err(e) => Err(Box::new(e) as _),
+    };
     let token = match asked {
-        Ok(Ok(t)) => t,
-        Ok(Err(e)) => return Err(local_error("asking for the suspend of", vm, Box::new(e))),
-        Err(e) => return Err(local_error("asking for the suspend of", vm, Box::new(e))),
+        Ok(t) => t,
+        Err(e) => {
+            ctx.vms.suspend_over(&ns, &name);
+            return Err(local_error("asking for the suspend of", vm, e));
+        }
     };
     let idle =
         idle_since.map(|t| Time(Timestamp::try_from(t).unwrap_or_else(|_| Timestamp::now())));
