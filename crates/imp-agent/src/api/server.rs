@@ -186,13 +186,7 @@ impl AgentApi {
             }
         };
         let Some(vm) = self.lookup.find(&route.namespace, &route.name) else {
-            return status(
-                StatusCode::NOT_FOUND,
-                &format!(
-                    "ImpVM {}/{} is not on this node",
-                    route.namespace, route.name
-                ),
-            );
+            return not_on_this_node(&route);
         };
         let user = user.username;
         match route.action {
@@ -237,10 +231,7 @@ impl AgentApi {
                     };
                     return Ok((vm, in_use));
                 }
-                None => {
-                    let msg = format!("ImpVM {ns}/{name} is not on this node");
-                    return Err(status(StatusCode::NOT_FOUND, &msg));
-                }
+                None => return Err(not_on_this_node(route)),
                 Some(_) => {}
             }
             if self.lookup.wake(ns, name) == super::Waking::No {
@@ -402,6 +393,15 @@ fn empty() -> Body {
     Full::new(Bytes::new())
         .map_err(|never| match never {})
         .boxed_unsync()
+}
+
+/// 404 for a VM this node does not have (or no longer has, while an exec waited for it).
+fn not_on_this_node(route: &Route) -> Response<Body> {
+    let msg = format!(
+        "ImpVM {}/{} is not on this node",
+        route.namespace, route.name
+    );
+    status(StatusCode::NOT_FOUND, &msg)
 }
 
 /// A Kubernetes `Status` answering a failed request.
