@@ -75,7 +75,7 @@ pub struct ScaleToZero {
 pub enum Knock {
     /// The VM sleeps and is now marked woken: its reconcile should be asked for.
     First,
-    /// A wake was asked for already and its resume has not started.
+    /// A wake was asked for already (by a frame or an exec) and the VM does not run yet.
     Again,
     /// The VM is not a ScaleToZero VM: nothing here wakes it.
     NotAsleep,
