@@ -286,6 +286,9 @@ fn read_loop(mut port: File, shared: &Shared) {
 
 /// Applies one frame from the host; replies go out after the state lock is released.
 fn apply(shared: &Shared, frame: Frame) {
+    if matches!(frame, Frame::Open { .. }) {
+        return open(shared, frame);
+    }
     let reply = {
         let mut st = shared.lock();
         let reply = update(&mut st, frame);
@@ -295,6 +298,21 @@ fn apply(shared: &Shared, frame: Frame) {
     if let Some(reply) = reply {
         shared.send_or_log(&reply);
     }
+}
+
+/// Applies a host's Open and answers it under the writer's lock: the server of an accepted
+/// stream may speak at once (the guest agent sends its hello), and the host drops data for a
+/// stream it still sees opening, so no byte of the stream may go out before its Accept.
+fn open(shared: &Shared, frame: Frame) {
+    let mut writer = shared.writer.lock().unwrap_or_else(PoisonError::into_inner);
+    let reply = update(&mut shared.lock(), frame);
+    if let Some(reply) = reply
+        && let Err(e) = writer.write_all(&mux::encoded(&reply))
+    {
+        eprintln!("imp-guest: writing to the mux port failed: {e}");
+    }
+    drop(writer);
+    shared.changed.notify_all();
 }
 
 /// The state change a frame makes, and the answer it needs.
@@ -573,6 +591,34 @@ mod tests {
             host.read_exact(&mut b).unwrap();
             buf.push(b[0]);
         }
+    }
+
+    #[test]
+    fn a_server_that_speaks_at_once_never_overtakes_the_accept() {
+        let (mux, mut host) = pair();
+        let listener = mux.listen(10000);
+        let server = thread::spawn(move || {
+            for _ in 0..300 {
+                let mut conn = listener.accept().unwrap();
+                conn.write_all(b"hello").unwrap();
+            }
+        });
+        send(&mut host, &Frame::Reset { answer: false });
+        assert_eq!(recv(&mut host), Frame::Reset { answer: true });
+        for n in 0..300u32 {
+            let id = 2 * (n + 1);
+            send(&mut host, &Frame::Open { id, port: 10000 });
+            assert_eq!(recv(&mut host), Frame::Accept { id }, "stream {id}");
+            assert_eq!(
+                recv(&mut host),
+                Frame::Data {
+                    id,
+                    data: b"hello".to_vec()
+                }
+            );
+            assert_eq!(recv(&mut host), Frame::Close { id });
+        }
+        server.join().unwrap();
     }
 
     #[test]
