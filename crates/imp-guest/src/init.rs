@@ -131,6 +131,14 @@ pub fn run(opts: &Options) -> i32 {
         if let Err(e) = system::attach_console() {
             log_error("attaching /dev/console failed", &e);
         }
+        // Before anything that sleeps: without a timer the workload would hang in its first
+        // sleep and this init in its shutdown. Another boot calibrates afresh.
+        if system::has_clock_event() == Some(false) {
+            system::ask_for_another_boot(
+                "the kernel has no clock event device (no timer interrupts: it disabled its \
+                 APIC timer at boot)",
+            );
+        }
         // Ctrl-Alt-Del becomes SIGINT to us (a graceful shutdown) instead of an immediate
         // kernel restart that would skip the workload's exit and the disk's sync.
         if let Err(e) = nix::sys::reboot::set_cad_enabled(false) {

@@ -1,5 +1,6 @@
-//! What only PID 1 does to the guest system: mount the pseudo filesystems, load kernel
-//! modules, set the hostname, attach the console, and end the VM cleanly.
+//! What only PID 1 does to the guest system: mount the pseudo filesystems, check the kernel
+//! has a timer, load kernel modules, set the hostname, attach the console, and end the VM
+//! cleanly.
 
 use nix::errno::Errno;
 use nix::kmod::{ModuleInitFlags, finit_module};
@@ -257,6 +258,45 @@ pub fn write_file(path: &Path, contents: &str) -> Result<(), SystemError> {
     std::fs::rename(&tmp, path).map_err(fail)
 }
 
+/// Whether the kernel has a clock event device, the source of every timer interrupt, read from
+/// `/proc/timer_list` (`None` when it cannot be read). Without one nothing that sleeps ever
+/// wakes (`sleep 1`, a poll with a timeout, the scheduler's tick): a kernel on a busy
+/// emulated machine can disable its only one at boot (Linux's "APIC frequency too slow,
+/// disabling apic timer", when the host stalls the vCPU during the APIC timer's calibration).
+pub fn has_clock_event() -> Option<bool> {
+    std::fs::read_to_string("/proc/timer_list")
+        .ok()
+        .map(|t| timer_list_names_a_clock_event(&t))
+}
+
+/// Whether a `/proc/timer_list` names a clock event device: a `Clock Event Device:` line that
+/// is not `<NULL>` (the broadcast device's is `<NULL>` on most machines).
+pub fn timer_list_names_a_clock_event(timer_list: &str) -> bool {
+    timer_list
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix("Clock Event Device:"))
+        .any(|device| {
+            let device = device.trim();
+            !device.is_empty() && device != "<NULL>"
+        })
+}
+
+/// Asks the host for another boot and ends the VM: prints [`imp_proto::marker::BOOT_RETRY_PREFIX`]
+/// and `reason` through the kernel log at emergency level (printed on the serial console
+/// synchronously, whatever the console's log level, and without a timer), then powers off
+/// without waiting for anything.
+pub fn ask_for_another_boot(reason: &str) -> ! {
+    let line = imp_proto::marker::boot_retry_marker(reason);
+    let logged = OpenOptions::new()
+        .write(true)
+        .open("/dev/kmsg")
+        .and_then(|mut k| io::Write::write_all(&mut k, format!("<0>{line}").as_bytes()));
+    if logged.is_err() {
+        eprint!("{line}");
+    }
+    end_vm(true)
+}
+
 /// Ends every remaining process: SIGTERM, a moment to exit, then SIGKILL.
 pub fn kill_all(grace: Duration) {
     let all = Pid::from_raw(-1);
@@ -290,5 +330,30 @@ pub fn end_vm(power_off: bool) -> ! {
     // PID 1 must not exit (the kernel would panic); sleep forever instead.
     loop {
         thread::sleep(Duration::from_secs(3600));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The per-CPU part of a `/proc/timer_list` (Linux 6.1), with `device` as its tick device.
+    fn timer_list(device: &str) -> String {
+        format!(
+            "Timer List Version: v0.9\nHRTIMER_MAX_CLOCK_BASES: 8\nnow at 445904108098 nsecs\n\n\
+             Tick Device: mode:     0\nBroadcast device\nClock Event Device: <NULL>\n\
+             tick_broadcast_mask: 0\n\nTick Device: mode:     0\nPer CPU device: 0\n\
+             Clock Event Device: {device}\n max_delta_ns:   137438953451\n"
+        )
+    }
+
+    #[test]
+    fn a_kernel_without_a_clock_event_device_is_told_apart() {
+        assert!(timer_list_names_a_clock_event(&timer_list("lapic")));
+        assert!(timer_list_names_a_clock_event(&timer_list(
+            "lapic-deadline"
+        )));
+        assert!(!timer_list_names_a_clock_event(&timer_list("<NULL>")));
+        assert!(!timer_list_names_a_clock_event(""));
     }
 }

@@ -8,6 +8,13 @@ pub const EXIT_PREFIX: &str = "IMP_EXIT ";
 /// The line printed after `IMP_EXIT 0`.
 pub const SUCCESS_LINE: &str = "IMP_SUCCESS";
 
+/// The prefix of the line a guest prints when its kernel came up unable to run it and a new
+/// boot may fare better: `IMP_BOOT_RETRY <why>` (see [`boot_retry_marker`]).
+pub const BOOT_RETRY_PREFIX: &str = "IMP_BOOT_RETRY ";
+
+/// How much of a guest's reason for a boot retry the host keeps.
+pub const BOOT_RETRY_REASON_MAX: usize = 200;
+
 /// The text the guest prints on its console when the workload ends.
 ///
 /// It starts with a newline so the marker begins a line even after output without one.
@@ -27,6 +34,29 @@ pub fn find_exit_code(console: &str) -> Option<i32> {
         .rev()
         .find_map(|line| line.trim_end_matches('\r').strip_prefix(EXIT_PREFIX))
         .and_then(|code| code.trim().parse().ok())
+}
+
+/// The line a guest prints before it powers off to ask for another boot, on one line.
+pub fn boot_retry_marker(reason: &str) -> String {
+    let reason: String = reason.chars().filter(|c| !c.is_control()).collect();
+    format!("{BOOT_RETRY_PREFIX}{reason}\n")
+}
+
+/// The reason of the last boot-retry line in console output, for the host: bounded and with
+/// control characters dropped (the console is the guest's, so its words are untrusted). The
+/// marker may follow a kernel log prefix (`[    1.234] `) on its line.
+pub fn find_boot_retry(console: &str) -> Option<String> {
+    console.lines().rev().find_map(|line| {
+        let (_, reason) = line.split_once(BOOT_RETRY_PREFIX)?;
+        Some(
+            reason
+                .trim_end_matches('\r')
+                .chars()
+                .filter(|c| !c.is_control())
+                .take(BOOT_RETRY_REASON_MAX)
+                .collect(),
+        )
+    })
 }
 
 #[cfg(test)]
@@ -56,5 +86,20 @@ mod tests {
         assert_eq!(find_exit_code(&log), Some(7));
         assert_eq!(find_exit_code("IMP_EXIT 0\r\nIMP_SUCCESS\r\n"), Some(0));
         assert_eq!(find_exit_code("no marker here\nIMP_EXITED 3\n"), None);
+    }
+
+    #[test]
+    fn a_boot_retry_is_found_behind_a_kernel_prefix_bounded_and_cleaned() {
+        let line = boot_retry_marker("no timer\u{1b}[2J");
+        assert_eq!(line, "IMP_BOOT_RETRY no timer[2J\n");
+        let log = format!("early boot\r\n[    1.234567] {line}[    1.3] reboot: Power down\r\n");
+        assert_eq!(find_boot_retry(&log).as_deref(), Some("no timer[2J"));
+        assert_eq!(find_boot_retry("IMP_EXIT 3\nIMP_BOOT_RETRYX\n"), None);
+        let long = format!("{BOOT_RETRY_PREFIX}{}\u{7}\n", "x".repeat(5000));
+        assert_eq!(
+            find_boot_retry(&long).map(|r| r.len()),
+            Some(BOOT_RETRY_REASON_MAX)
+        );
+        assert_eq!(find_exit_code(&log), None, "a retry is no exit");
     }
 }

@@ -176,7 +176,30 @@ async fn imp_run_prints_the_workload_output_and_returns_its_exit_code() {
         first,
         "the cached base was rebuilt"
     );
-    // --rm removed both VMs; nothing is left but the cache.
+    // A kernel that comes up without a timer (here forced by `noapictimer`; on a busy host its
+    // APIC timer calibration can fail by itself) cannot run anything that sleeps: the guest
+    // says so, the VM is booted again, and after three boots it fails saying why instead of
+    // running with every sleep hung.
+    let out = imp(
+        &env,
+        &[
+            "run",
+            "--rm",
+            "--kernel-args",
+            "noapictimer",
+            &env.image,
+            "--",
+            "echo never",
+        ],
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_ne!(out.status.code(), Some(0), "{err}");
+    assert!(
+        err.contains("could not run in 3 boots") && err.contains("no clock event device"),
+        "{err}"
+    );
+    assert!(!stdout(&out).contains("never"), "the workload ran: {err}");
+    // --rm removed every VM; nothing is left but the cache.
     let vms = env.state.join("vms");
     let left: Vec<_> = std::fs::read_dir(&vms).unwrap().flatten().collect();
     assert!(left.is_empty(), "VM directories left behind: {left:?}");

@@ -134,6 +134,23 @@ enum Ended {
     Failed(Failure),
     /// The VM was suspended to its snapshot and its VMM stopped.
     Suspended(SuspendRecord),
+    /// The guest came up unable to run, said why and powered off: a new boot may fare better.
+    BootAgain(String),
+}
+
+/// How many times a VM is booted when its guest asks for another boot.
+const BOOT_ATTEMPTS: u32 = 3;
+
+/// After boot `attempt` (from 1) ended with the guest asking for another one (`why`): `Ok` to
+/// boot again, or the failure once [`BOOT_ATTEMPTS`] boots have been tried.
+fn boot_again(attempt: u32, why: &str) -> Result<(), Failure> {
+    if attempt < BOOT_ATTEMPTS {
+        return Ok(());
+    }
+    Err(Failure::new(
+        Stage::Boot,
+        format!("the guest could not run in {attempt} boots: {why}"),
+    ))
 }
 
 /// How the VMM comes to life: a fresh boot, or a restore of the VM's suspend snapshot.
@@ -247,6 +264,13 @@ async fn finish(record: &mut VmRecord, ended: Ended) {
             record.error_stage = Some(f.stage);
             keep_console_tail(record).await;
         }
+        Ended::BootAgain(why) => {
+            // `boot` turns every BootAgain into a boot or a failure; kept as a failure here.
+            record.status = VmStatus::Failed;
+            record.error = Some(why);
+            record.error_stage = Some(Stage::Boot);
+            keep_console_tail(record).await;
+        }
         Ended::Suspended(s) => {
             record.finished_unix = None;
             record.status = VmStatus::Suspended;
@@ -304,7 +328,7 @@ async fn supervise(
                 spec,
                 launch: Launch::Boot,
             };
-            drive::<vmm::qemu::Qemu>(&launcher, config, &run, record, stop).await
+            boot::<vmm::qemu::Qemu>(&launcher, config, &run, record, stop).await
         }
         Runtime::Firecracker => {
             let Some(fc) = &spec.boot.firecracker else {
@@ -317,7 +341,7 @@ async fn supervise(
                 spec,
                 launch: Launch::Boot,
             };
-            drive::<vmm::firecracker::Firecracker>(&launcher, config, &run, record, stop).await
+            boot::<vmm::firecracker::Firecracker>(&launcher, config, &run, record, stop).await
         }
     }
 }
@@ -581,6 +605,29 @@ enum LoopEnd {
     Failed(Failure),
 }
 
+/// Boots the VM and supervises it until it ends or is suspended; a guest that asks for another
+/// boot (its kernel came up unable to run it) gets one, up to [`BOOT_ATTEMPTS`] in all.
+async fn boot<V: Vmm>(
+    launcher: &V::Launcher,
+    config: VmConfig,
+    run: &Run<'_>,
+    record: &mut VmRecord,
+    stop: &mut StopSignals,
+) -> Ended {
+    let mut attempt = 1;
+    loop {
+        let why = match drive::<V>(launcher, config.clone(), run, record, stop).await {
+            Ended::BootAgain(why) => why,
+            other => return other,
+        };
+        if let Err(f) = boot_again(attempt, &why) {
+            return Ended::Failed(f);
+        }
+        tracing::warn!(vm = %record.name, attempt, why, "the guest asked for another boot; booting it again");
+        attempt += 1;
+    }
+}
+
 /// Boots (or restores) the VMM and supervises it until it ends or is suspended.
 async fn drive<V: Vmm>(
     launcher: &V::Launcher,
@@ -674,15 +721,28 @@ async fn drive<V: Vmm>(
             .ok()
             .flatten();
     }
-    ended_by(record, reported, stopped).await
+    let booting = matches!(run.launch, Launch::Boot) && record.status != VmStatus::Running;
+    ended_by(record, reported, stopped, booting).await
 }
 
-/// How a VM whose VMM ended (or was stopped) ended, from its exit report or console marker.
-async fn ended_by(record: &VmRecord, mut reported: Option<ExitStatus>, stopped: bool) -> Ended {
+/// How a VM whose VMM ended (or was stopped) ended, from its exit report or console marker;
+/// a guest that never came up (`booting`) may have asked for another boot.
+async fn ended_by(
+    record: &VmRecord,
+    mut reported: Option<ExitStatus>,
+    stopped: bool,
+    booting: bool,
+) -> Ended {
     if let Some(status) = reported.take() {
         return Ended::Exited(status.code());
     }
     let tail = read_console_tail(&record.serial_log).await;
+    if booting
+        && !stopped
+        && let Some(why) = imp_proto::marker::find_boot_retry(&tail)
+    {
+        return Ended::BootAgain(why);
+    }
     match imp_proto::marker::find_exit_code(&tail) {
         Some(code) => Ended::Exited(code),
         // Stopped on request before the workload reported (also while the guest booted).
@@ -853,4 +913,18 @@ async fn stop_grace(dir: &Path) -> Duration {
 /// Where the shim's own log goes inside the VM directory.
 pub fn shim_log(dir: &Path) -> PathBuf {
     dir.join("shim.log")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_guest_that_asks_for_another_boot_gets_two_more_then_fails_saying_why() {
+        assert!(boot_again(1, "no timer").is_ok());
+        assert!(boot_again(BOOT_ATTEMPTS - 1, "no timer").is_ok());
+        let f = boot_again(BOOT_ATTEMPTS, "no timer").unwrap_err();
+        assert_eq!(f.stage, Stage::Boot);
+        assert_eq!(f.chain(), "the guest could not run in 3 boots: no timer");
+    }
 }

@@ -101,6 +101,9 @@ pub struct RunArgs {
     /// A `.dockerconfigjson`-style file with registry credentials.
     #[arg(long)]
     pub auth_file: Option<PathBuf>,
+    /// More guest kernel arguments, after imp's own (as `imp agent --kernel-args`).
+    #[arg(long, value_name = "ARGS", env = "IMP_KERNEL_ARGS")]
+    pub kernel_args: Option<String>,
     /// Show the whole serial console (kernel and init lines too), not just the workload's.
     #[arg(long)]
     pub raw_console: bool,
@@ -251,7 +254,7 @@ fn spec_for(args: &RunArgs, name: &str) -> anyhow::Result<VmSpec> {
             modules,
             guest,
             firecracker,
-            extra_kernel_args: None,
+            extra_kernel_args: args.kernel_args.clone().filter(|a| !a.trim().is_empty()),
         },
         boot_timeout_ms: u64::try_from(args.boot_timeout.as_millis()).unwrap_or(u64::MAX),
         // In the foreground this process removes the VM once it has read how it ended.
