@@ -219,6 +219,7 @@ async fn node(c: &Client, name: &str) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn impvms_boot_end_survive_an_agent_restart_and_clean_up_on_their_nodes() {
+    let _run = common::test_run("agent_e2e", Duration::from_secs(600));
     if ready().is_none() {
         return;
     }

@@ -55,15 +55,19 @@ fn ip_of(v: &ImpVM) -> String {
     v.status.as_ref().and_then(|s| s.ip.clone()).unwrap()
 }
 
-/// `imp exec` into a VM through its agent's API, as the cluster admin.
+/// `imp exec` into a VM through its agent's API, as the cluster admin (every script here ends
+/// within seconds: two minutes means a hang).
 async fn exec(kubeconfig: &Path, vm: &str, script: &str) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_imp"))
-        .args(["exec", "-n", NS, vm, "--", "sh", "-c", script])
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_imp"));
+    cmd.args(["exec", "-n", NS, vm, "--", "sh", "-c", script])
         .env("KUBECONFIG", kubeconfig)
-        .stdin(Stdio::null())
-        .output()
-        .await
-        .unwrap()
+        .stdin(Stdio::null());
+    common::output_within(
+        cmd,
+        Duration::from_secs(120),
+        &format!("imp exec {vm} -- {script}"),
+    )
+    .await
 }
 
 /// The guest got what its network says: hostname, address/prefix, default route through the
@@ -207,6 +211,7 @@ async fn assert_cut_off(kubeconfig: &Path, from: &str, to_ip: &str, why: &str) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn vms_talk_within_their_network_across_nodes_and_out_through_nat_and_nowhere_else() {
+    let _run = common::test_run("network_e2e", Duration::from_secs(600));
     if ready().is_none() {
         return;
     }

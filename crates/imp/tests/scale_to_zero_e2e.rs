@@ -33,6 +33,9 @@ use tokio::process::Command;
 
 const NS: &str = "default";
 const SLEEPER: &str = "s";
+/// Every exec here ends within a minute (the longest waits for a wake and sleeps 20 s): two
+/// minutes means a hang.
+const EXEC_LIMIT: Duration = Duration::from_secs(120);
 
 /// Serves TCP on 9000, a process per connection (two clients may wake it at once): answers
 /// with its name and keeps the line it was sent.
@@ -68,10 +71,12 @@ fn connect_script(to_ip: &str, msg: &str, neighbour: Option<&str>) -> String {
 /// Runs the client script and returns its output, with how long the connection took.
 async fn wake_from(kubeconfig: &Path, client: &str, to_ip: &str, msg: &str) -> (String, Duration) {
     let t = Instant::now();
-    let out = exec(kubeconfig, client, &connect_script(to_ip, msg, None))
-        .output()
-        .await
-        .unwrap();
+    let out = common::output_within(
+        exec(kubeconfig, client, &connect_script(to_ip, msg, None)),
+        EXEC_LIMIT,
+        &format!("the connect from {client}"),
+    )
+    .await;
     (text(&out), t.elapsed())
 }
 
@@ -164,6 +169,7 @@ async fn assert_woken(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_idle_vm_sleeps_and_its_first_syn_wakes_it_from_anywhere_without_a_retransmission() {
+    let _run = common::test_run("scale_to_zero_e2e", Duration::from_secs(900));
     if ready().is_none() {
         return;
     }
@@ -250,10 +256,12 @@ async fn an_idle_vm_sleeps_and_its_first_syn_wakes_it_from_anywhere_without_a_re
     let woke = wake_from(&kubeconfig, "c1", &ip, "hello from c1").await;
     assert_woken(&c, &vms, woke, 0, "c1 (same node)").await;
     let got = text(
-        &exec(&kubeconfig, SLEEPER, "cat /tmp/received")
-            .output()
-            .await
-            .unwrap(),
+        &common::output_within(
+            exec(&kubeconfig, SLEEPER, "cat /tmp/received"),
+            EXEC_LIMIT,
+            "exec cat",
+        )
+        .await,
     );
     assert!(got.contains("hello from c1"), "the VM kept: {got}");
 
@@ -283,7 +291,12 @@ async fn an_idle_vm_sleeps_and_its_first_syn_wakes_it_from_anywhere_without_a_re
         Some(VmPhase::Suspended)
     );
     a.start(&kubeconfig, &cache);
-    let out = text(&pending.wait_with_output().await.unwrap());
+    let out = text(
+        &tokio::time::timeout(EXEC_LIMIT, pending.wait_with_output())
+            .await
+            .expect("the connect sent while the agent was down did not end")
+            .unwrap(),
+    );
     println!(
         "wake while the agent was down: {}",
         out.replace('\n', " | ")
@@ -318,7 +331,8 @@ async fn an_idle_vm_sleeps_and_its_first_syn_wakes_it_from_anywhere_without_a_re
     let resumed = occurrences(&c, SLEEPER, "Resumed").await;
     wait_tap(&topo, &a, &uid, true).await;
     // The restarted agent's API knows the VMs on its node at once.
-    let ready = exec(&kubeconfig, "c1", "true").output().await.unwrap();
+    let ready =
+        common::output_within(exec(&kubeconfig, "c1", "true"), EXEC_LIMIT, "exec true").await;
     assert!(
         ready.status.success(),
         "exec into c1 after the agent's restart: {}",
@@ -379,7 +393,10 @@ async fn an_idle_vm_sleeps_and_its_first_syn_wakes_it_from_anywhere_without_a_re
         phases.push(phase(&vms.get(SLEEPER).await.unwrap()));
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
-    let out = session.wait_with_output().await.unwrap();
+    let out = tokio::time::timeout(EXEC_LIMIT, session.wait_with_output())
+        .await
+        .expect("the exec into the sleeping VM did not end")
+        .unwrap();
     let got = text(&out);
     assert!(out.status.success(), "exec into a sleeping VM: {got}");
     assert!(
@@ -412,14 +429,16 @@ async fn an_idle_vm_sleeps_and_its_first_syn_wakes_it_from_anywhere_without_a_re
 /// Connects to the sleeper from c2 (briefly: nothing will answer) and waits for the
 /// `InsufficientMemory` condition; returns its message.
 async fn assert_stays_asleep(kubeconfig: &Path, vms: &Api<ImpVM>, ip: &str) -> String {
-    let knock: Output = exec(
-        kubeconfig,
-        "c2",
-        &format!("echo knock | nc -w 3 {ip} 9000; echo done"),
+    let knock: Output = common::output_within(
+        exec(
+            kubeconfig,
+            "c2",
+            &format!("echo knock | nc -w 3 {ip} 9000; echo done"),
+        ),
+        EXEC_LIMIT,
+        "the knock",
     )
-    .output()
-    .await
-    .unwrap();
+    .await;
     assert!(
         !text(&knock).contains("pong"),
         "the VM answered: {}",

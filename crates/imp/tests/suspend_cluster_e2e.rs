@@ -153,6 +153,7 @@ async fn counter(kubeconfig: &Path) -> u64 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn desired_state_suspends_and_resumes_an_impvm_across_an_agent_restart() {
+    let _run = common::test_run("suspend_cluster_e2e", Duration::from_secs(600));
     if common::guest_boot_ready().is_none() {
         return;
     }

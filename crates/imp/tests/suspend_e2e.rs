@@ -103,6 +103,7 @@ fn timed(env: &Env, args: &[&str]) -> (Output, Duration) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn suspend_frees_the_vmm_and_resume_brings_back_the_same_guest() {
+    let _run = common::test_run("suspend_e2e", Duration::from_secs(600));
     if common::guest_boot_ready().is_none() {
         return;
     }

@@ -148,12 +148,116 @@ pub async fn install_crds(client: &kube::Client, namespaces: &[&str]) {
     }
 }
 
-/// Where a test's child processes log: inherited with `IMP_TEST_LOGS` set, else nowhere.
+/// Where a test's child processes log: inherited with `IMP_TEST_LOGS` set; else, while a
+/// [`TestRun`] is on, appended to this test process's log file ([`log_file`]), whose tail a
+/// failing or hung test prints; else nowhere.
 pub fn logs() -> std::process::Stdio {
     if std::env::var_os("IMP_TEST_LOGS").is_some() {
-        std::process::Stdio::inherit()
-    } else {
-        std::process::Stdio::null()
+        return std::process::Stdio::inherit();
+    }
+    if !LOGGING.load(std::sync::atomic::Ordering::SeqCst) {
+        return std::process::Stdio::null();
+    }
+    std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(log_file())
+        .map(std::process::Stdio::from)
+        .unwrap_or_else(|_| std::process::Stdio::null())
+}
+
+/// The file the child processes of this test process log to (without `IMP_TEST_LOGS`).
+pub fn log_file() -> PathBuf {
+    std::env::temp_dir().join(format!("imp-test-{}.log", std::process::id()))
+}
+
+/// Whether a [`TestRun`] keeps the children's log.
+static LOGGING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// How many lines of the children's log a failing test prints.
+const LOG_TAIL_LINES: usize = 200;
+
+/// Prints the last lines the test's children logged, so a failure in CI says what the agents
+/// and the operator saw.
+fn print_log_tail(why: &str) {
+    let Ok(all) = std::fs::read(log_file()) else {
+        return;
+    };
+    let all = String::from_utf8_lossy(&all);
+    let lines: Vec<&str> = all.lines().collect();
+    let from = lines.len().saturating_sub(LOG_TAIL_LINES);
+    eprintln!(
+        "---- {why}: the last {} lines the test's processes logged ({}) ----",
+        lines.len() - from,
+        log_file().display()
+    );
+    for l in &lines[from..] {
+        eprintln!("| {l}");
+    }
+    eprintln!("---- end of the log ----");
+}
+
+/// One end-to-end test's run: if the test fails, the tail of its children's log is printed
+/// (when this is dropped during the panic); if it runs past `limit`, a watchdog prints where
+/// it is (the log tail and the test's process tree) and ends the test process, so a hang
+/// fails in minutes instead of holding CI until its own timeout. Take it first, so it is
+/// dropped last.
+pub struct TestRun {
+    name: &'static str,
+    done: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+/// Starts [`TestRun`] `name` with a hard limit of `limit`.
+pub fn test_run(name: &'static str, limit: Duration) -> TestRun {
+    LOGGING.store(true, std::sync::atomic::Ordering::SeqCst);
+    let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let flag = done.clone();
+    std::thread::spawn(move || {
+        let start = Instant::now();
+        while start.elapsed() < limit {
+            std::thread::sleep(Duration::from_millis(500));
+            if flag.load(std::sync::atomic::Ordering::SeqCst) {
+                return;
+            }
+        }
+        let why = format!("{name} is still running after {limit:?}: a hang");
+        print_log_tail(&why);
+        let tree = std::process::Command::new("ps")
+            .args(["-e", "--forest", "-o", "pid,stat,etimes,wchan:24,args"])
+            .output();
+        if let Ok(t) = tree {
+            eprintln!(
+                "---- processes ----\n{}",
+                String::from_utf8_lossy(&t.stdout)
+            );
+        }
+        eprintln!("{why}; the test process ends now");
+        std::process::exit(101);
+    });
+    TestRun { name, done }
+}
+
+impl Drop for TestRun {
+    fn drop(&mut self) {
+        self.done.store(true, std::sync::atomic::Ordering::SeqCst);
+        if std::thread::panicking() {
+            print_log_tail(&format!("{} failed", self.name));
+        }
+        LOGGING.store(false, std::sync::atomic::Ordering::SeqCst);
+        let _ = std::fs::remove_file(log_file());
+    }
+}
+
+/// Runs `cmd` to its end, or panics after `limit` naming `what` (the child is killed).
+pub async fn output_within(
+    mut cmd: tokio::process::Command,
+    limit: Duration,
+    what: &str,
+) -> std::process::Output {
+    cmd.kill_on_drop(true);
+    match tokio::time::timeout(limit, cmd.output()).await {
+        Ok(out) => out.unwrap_or_else(|e| panic!("running {what}: {e}")),
+        Err(_) => panic!("{what} did not end within {limit:?}"),
     }
 }
 
