@@ -19,7 +19,7 @@ pub const MAX_POLL_BYTES: u64 = 1 << 20;
 /// one) is handed on in pieces of this size, so the pending line cannot grow without bound.
 pub const MAX_LINE_BYTES: usize = 64 * 1024;
 
-/// Reads a log file from an offset as it grows.
+/// Reads a log file from an offset as it grows (from its start again when it is emptied).
 #[derive(Debug)]
 pub struct Follower {
     path: PathBuf,
@@ -48,6 +48,12 @@ impl Follower {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
             Err(e) => return Err(e),
         };
+        // A log shorter than what was read of it has been started afresh (a VM booted again
+        // after its guest asked for it empties its console): follow it from its start.
+        if file.metadata()?.len() < self.offset {
+            self.offset = 0;
+            self.partial.clear();
+        }
         file.seek(SeekFrom::Start(self.offset))?;
         let mut buf = Vec::new();
         let n = file.take(MAX_POLL_BYTES).read_to_end(&mut buf)?;
@@ -228,6 +234,29 @@ mod tests {
         assert_eq!(last_lines("a\nb\nc\n", 2), "b\nc");
         std::fs::remove_file(&path).unwrap();
         assert_eq!(tail(&path, 10).unwrap(), "");
+    }
+
+    #[test]
+    fn a_console_emptied_by_a_new_boot_is_followed_from_its_start() {
+        let path =
+            std::env::temp_dir().join(format!("imp-follow-reboot-{}.log", std::process::id()));
+        std::fs::write(
+            &path,
+            "[    1.2] IMP_BOOT_RETRY no timer\n[    1.3] reboot: Power down\npart",
+        )
+        .unwrap();
+        let mut f = Follower::new(&path);
+        assert_eq!(f.poll().unwrap().len(), 2);
+        // The next boot empties the log and writes less than was read before.
+        std::fs::write(&path, "").unwrap();
+        assert!(f.poll().unwrap().is_empty());
+        std::fs::write(&path, "hello\n").unwrap();
+        assert_eq!(
+            f.poll().unwrap(),
+            ["hello\n"],
+            "the old boot's partial line is dropped"
+        );
+        std::fs::remove_file(&path).unwrap();
     }
 
     /// A guest that prints megabytes without a newline: the follower hands them on in
