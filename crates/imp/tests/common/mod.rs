@@ -177,6 +177,13 @@ static LOGGING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::n
 /// How many lines of the children's log a failing test prints.
 const LOG_TAIL_LINES: usize = 200;
 
+/// Writes `text` to the test process's real stderr: libtest captures `eprintln!` of test
+/// threads (and of the threads they spawn), and a hung test's capture is never printed.
+fn to_stderr(text: &str) {
+    use std::io::Write;
+    let _ = std::io::stderr().lock().write_all(text.as_bytes());
+}
+
 /// Prints the last lines the test's children logged, so a failure in CI says what the agents
 /// and the operator saw.
 fn print_log_tail(why: &str) {
@@ -186,15 +193,16 @@ fn print_log_tail(why: &str) {
     let all = String::from_utf8_lossy(&all);
     let lines: Vec<&str> = all.lines().collect();
     let from = lines.len().saturating_sub(LOG_TAIL_LINES);
-    eprintln!(
-        "---- {why}: the last {} lines the test's processes logged ({}) ----",
+    let mut out = format!(
+        "---- {why}: the last {} lines the test's processes logged ({}) ----\n",
         lines.len() - from,
         log_file().display()
     );
     for l in &lines[from..] {
-        eprintln!("| {l}");
+        out.push_str(&format!("| {l}\n"));
     }
-    eprintln!("---- end of the log ----");
+    out.push_str("---- end of the log ----\n");
+    to_stderr(&out);
 }
 
 /// One end-to-end test's run: if the test fails, the tail of its children's log is printed
@@ -222,16 +230,23 @@ pub fn test_run(name: &'static str, limit: Duration) -> TestRun {
         }
         let why = format!("{name} is still running after {limit:?}: a hang");
         print_log_tail(&why);
+        // The test's own session: its agents, shims and VMMs (not the rest of the machine).
+        let session = std::fs::read_to_string("/proc/self/stat")
+            .ok()
+            .and_then(|st| st.rsplit_once(") ").map(|(_, r)| r.to_owned()))
+            .and_then(|r| r.split_whitespace().nth(3).map(str::to_owned))
+            .unwrap_or_else(|| "0".to_owned());
         let tree = std::process::Command::new("ps")
-            .args(["-e", "--forest", "-o", "pid,stat,etimes,wchan:24,args"])
+            .args(["--forest", "-s", &session])
+            .args(["-o", "pid,stat,etimes,wchan:24,args"])
             .output();
         if let Ok(t) = tree {
-            eprintln!(
+            to_stderr(&format!(
                 "---- processes ----\n{}",
                 String::from_utf8_lossy(&t.stdout)
-            );
+            ));
         }
-        eprintln!("{why}; the test process ends now");
+        to_stderr(&format!("{why}; the test process ends now\n"));
         std::process::exit(101);
     });
     TestRun { name, done }
