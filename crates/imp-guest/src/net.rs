@@ -1,5 +1,5 @@
 //! Static network setup with plain ioctls (no netlink): bring interfaces up, give eth0 its
-//! address and default route, write /etc/resolv.conf and /etc/hosts.
+//! address and default route, announce it, write /etc/resolv.conf and /etc/hosts.
 #![allow(unsafe_code)]
 
 use imp_proto::config::NetworkConfig;
@@ -144,7 +144,21 @@ pub fn netmask(prefix_len: u8) -> Ipv4Addr {
     })
 }
 
-/// Gives the interface its address, netmask and MTU, brings it up, adds the default route.
+/// Makes the kernel send a gratuitous ARP for the interface's address when it comes up
+/// (`arp_notify`). Addresses are handed out again once their VM is gone, and a new VM has a
+/// new MAC: without the announcement every neighbour that still has the old MAC for the
+/// address (the node, VMs that talked to the old VM) sends into the void for seconds, until
+/// its own entry times out and it asks again. Best effort: a kernel without the knob still
+/// works, only slower to be found.
+fn announce_on_up(interface: &str) {
+    let knob = format!("/proc/sys/net/ipv4/conf/{interface}/arp_notify");
+    if let Err(e) = std::fs::write(&knob, "1") {
+        eprintln!("imp-guest: {knob}: {e}; the address is not announced");
+    }
+}
+
+/// Gives the interface its address, netmask and MTU, announces the address as it brings the
+/// interface up, adds the default route.
 pub fn configure(net: &NetworkConfig) -> Result<(), NetError> {
     let name = net.interface.as_str();
     let fd = control_socket().map_err(io_err("Opening a control socket", name))?;
@@ -180,6 +194,7 @@ pub fn configure(net: &NetworkConfig) -> Result<(), NetError> {
             name,
         )?;
     }
+    announce_on_up(name);
     bring_up(name)?;
 
     if let Some(gateway) = net.gateway {

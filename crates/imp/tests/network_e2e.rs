@@ -431,8 +431,40 @@ async fn vms_talk_within_their_network_across_nodes_and_out_through_nat_and_nowh
     assert_talks(&kubeconfig, "b1", "a2", &ip("a2")).await;
     assert_talks(&kubeconfig, "a2", "b1", &ip("b1")).await;
 
+    // A VM that takes over a freed address is found at once. a2 goes; a3 gets its address
+    // (the lowest free one) with a MAC of its own, and announces it as its interface comes
+    // up. b1, which has just talked to a2 and still holds a2's MAC for the address, learns
+    // a3's from the announcement instead of sending into the void until its entry expires.
+    vms.delete("a2", &DeleteParams::default()).await.unwrap();
+    common::wait_for("a2 gone", Duration::from_secs(90), || {
+        let vms = vms.clone();
+        async move { vms.get_opt("a2").await.unwrap().is_none().then_some(()) }
+    })
+    .await;
+    let a3: ImpVM = serde_json::from_value(json!({
+        "apiVersion": "imp.dev/v1alpha1", "kind": "ImpVM",
+        "metadata": {"name": "a3", "namespace": NS}, "spec": vm("node-a", "net1", None)
+    }))
+    .unwrap();
+    vms.create(&PostParams::default(), &a3).await.unwrap();
+    let a3 = wait_vm(&vms, "a3", "Running", 240, |v| {
+        phase(v) == Some(VmPhase::Running)
+    })
+    .await;
+    assert_eq!(ip_of(&a3), ip("a2"), "a3 takes the address a2 freed");
+    let neigh = text(&exec(&kubeconfig, "b1", &format!("ip neigh show {}", ip("a2"))).await);
+    let (old_mac, new_mac) = (
+        imp_api::network::vm_mac(NS, "a2"),
+        imp_api::network::vm_mac(NS, "a3"),
+    );
+    assert!(
+        neigh.contains(&new_mac) && !neigh.contains(&old_mac),
+        "b1's entry for the reused address names a3's MAC {new_mac} (a2's was {old_mac}): {neigh}"
+    );
+    assert_talks(&kubeconfig, "b1", "a3", &ip("a2")).await;
+
     // Everything goes: no interface, forwarding entry, route or table is left behind.
-    for (name, _) in &plan {
+    for name in ["a1", "a3", "g1", "b1", "b2", "g2"] {
         vms.delete(name, &DeleteParams::default()).await.unwrap();
     }
     common::wait_for("every VM gone", Duration::from_secs(90), || {
