@@ -106,6 +106,9 @@ impl Guest {
         // The guest reports its workload's end here; this one never ends during the test.
         let report = std::os::unix::net::UnixListener::bind(dir.join("report.sock")).unwrap();
         std::mem::forget(report);
+        // Its own words (a failed exec is only logged there) go to a file the test prints
+        // when it fails.
+        let log = std::fs::File::create(dir.join("guest.log")).unwrap();
         let child = Command::new(binary)
             .arg("--no-pid1")
             .arg("--config")
@@ -114,8 +117,8 @@ impl Guest {
             .arg(dir.join("api.sock"))
             .arg("--report-unix")
             .arg(dir.join("report.sock"))
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
             .kill_on_drop(true)
             .spawn()
             .unwrap();
@@ -309,6 +312,10 @@ impl Env {
 impl Drop for Env {
     fn drop(&mut self) {
         let _ = self.guest.child.start_kill();
+        if std::thread::panicking() {
+            let log = std::fs::read_to_string(self.guest.dir.join("guest.log"));
+            eprintln!("--- the guest's log ---\n{}", log.unwrap_or_default());
+        }
         let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
