@@ -153,7 +153,14 @@ where
     Ok(())
 }
 
-/// Copies both ways; done when the guest's side ends (the exec is over or the guest is gone).
+/// How long a caller may go on sending once the guest has ended the exec. What it sends then is
+/// read and dropped: closing a TCP connection with unread bytes makes the kernel reset it and
+/// discard what it had not sent yet, which can be the end of the output and the exit that a
+/// caller whose stdin ended late (a quick `exec -t`) is still waiting for.
+const LINGER: Duration = Duration::from_secs(5);
+
+/// Copies both ways; done when the guest's side ends (the exec is over or the guest is gone)
+/// and the caller has hung up too, or [`LINGER`] after the guest's end.
 /// When the caller stops sending, the guest's write side is shut so it sees the hang-up.
 async fn splice<C, G>(caller: C, guest: G) -> Result<(), RelayError>
 where
@@ -167,25 +174,55 @@ where
         let _ = caller_tx.shutdown().await;
         copied
     };
-    let up = async {
-        let copied = tokio::io::copy(&mut caller_rx, &mut guest_tx).await;
-        let _ = guest_tx.shutdown().await;
-        copied
-    };
+    let up = caller_to_guest(&mut caller_rx, &mut guest_tx);
     tokio::pin!(down, up);
     tokio::select! {
         copied = &mut down => {
+            // The guest is done; the caller's last bytes may still be on their way.
+            if tokio::time::timeout(LINGER, &mut up).await.is_err() {
+                tracing::debug!("the caller kept its exec connection open after the exit");
+            }
             copied?;
         }
         copied = &mut up => {
-            // The caller's last bytes (stdin's EOF, say) may reach a guest that has already
-            // sent the exit and closed: that write fails, but what the guest sent is still on
-            // its way to the caller, so the guest's side is always drained to its end.
             if let Err(e) = copied {
-                tracing::debug!(error = %e, "caller to guest copy ended with an error");
+                tracing::debug!(error = %e, "reading the caller ended with an error");
             }
+            // What the guest sent is still on its way to the caller: drain it to its end.
             down.await?;
         }
+    }
+    Ok(())
+}
+
+/// Copies what the caller sends to the guest until the caller ends, then shuts the guest's
+/// write side. Once the guest takes no more (it sent the exit and closed), the caller's bytes
+/// are read and dropped, so the caller is never left with unread bytes at our close.
+async fn caller_to_guest<R, W>(caller: &mut R, guest: &mut W) -> io::Result<()>
+where
+    R: AsyncRead + Unpin,
+    W: AsyncWrite + Unpin,
+{
+    let mut buf = vec![0u8; 32 * 1024];
+    let mut guest_takes = true;
+    loop {
+        let n = caller.read(&mut buf).await?;
+        if n == 0 {
+            break;
+        }
+        if guest_takes {
+            let sent = async {
+                guest.write_all(&buf[..n]).await?;
+                guest.flush().await
+            };
+            if let Err(e) = sent.await {
+                tracing::debug!(error = %e, "the guest takes no more of the caller's bytes");
+                guest_takes = false;
+            }
+        }
+    }
+    if guest_takes {
+        let _ = guest.shutdown().await;
     }
     Ok(())
 }
@@ -439,7 +476,51 @@ mod tests {
         let mut got = Vec::new();
         caller.read_to_end(&mut got).await.unwrap();
         assert_eq!(got, exit, "the exit was lost");
+        drop(caller);
         task.await.unwrap().unwrap();
+    }
+
+    /// A caller whose stdin ends after the guest ended the exec (`imp exec -t` of a quick
+    /// command): the relay reads its late bytes instead of closing on them, which would reset
+    /// the connection and could destroy the output and exit still on their way; it closes once
+    /// the caller has hung up.
+    #[tokio::test]
+    async fn a_caller_still_sending_after_the_exit_is_read_until_it_hangs_up_not_reset() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let mut caller = tokio::net::TcpStream::connect(listener.local_addr().unwrap())
+            .await
+            .unwrap();
+        let (near, _) = listener.accept().await.unwrap();
+        let (mut guest_far, guest_near) = duplex(1 << 16);
+        let task = tokio::spawn(splice(near, guest_near));
+        let mut output = frame(&Message::Stdout(b"tty\r\n".to_vec()));
+        output.extend(frame(&Message::Exit {
+            status: ExitStatus::Code(0),
+        }));
+        guest_far.write_all(&output).await.unwrap();
+        drop(guest_far);
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        // The guest has ended; the caller's stdin EOF comes only now, and then another frame
+        // once a reset (if the relay had closed on the first) would have come back.
+        caller.write_all(&frame(&Message::StdinEof)).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        caller
+            .write_all(&frame(&Message::Resize(imp_proto::WindowSize {
+                rows: 1,
+                cols: 1,
+            })))
+            .await
+            .expect("the relay closed on the caller's late bytes: the connection was reset");
+        assert!(!task.is_finished(), "the relay closed before the caller");
+        let mut got = Vec::new();
+        caller.read_to_end(&mut got).await.unwrap();
+        assert_eq!(got, output, "the output or the exit was lost");
+        drop(caller);
+        tokio::time::timeout(Duration::from_secs(2), task)
+            .await
+            .expect("the relay did not end once the caller hung up")
+            .unwrap()
+            .unwrap();
     }
 
     #[tokio::test]

@@ -92,14 +92,11 @@ pub fn exec(args: ExecArgs) -> anyhow::Result<i32> {
     theirs
         .set_nonblocking(true)
         .context("making the socket pair non-blocking")?;
-    let mut theirs = {
+    let theirs = {
         let _guard = rt.enter();
         tokio::net::UnixStream::from_std(theirs).context("registering the socket pair")?
     };
-    rt.spawn(async move {
-        let mut upgraded = upgraded;
-        let _ = tokio::io::copy_bidirectional(&mut theirs, &mut upgraded).await;
-    });
+    rt.spawn(carry(theirs, upgraded));
     ours.set_read_timeout(Some(args.timeout))
         .context("setting the handshake timeout")?;
     let handle = ours.try_clone().context("cloning the socket")?;
@@ -116,6 +113,28 @@ pub fn exec(args: ExecArgs) -> anyhow::Result<i32> {
         .context("clearing the handshake timeout")?;
     let status = local::exec::exec(local::exec::Connection { client, handle }, &opts)?;
     Ok(status.code())
+}
+
+/// Carries an exec between the local end of the socket pair and the agent's connection. The
+/// agent's side is read to its end whatever happens to ours: a failed write of our stdin's end
+/// (the agent may have closed first) must not drop the output and exit still on their way.
+async fn carry<L, R>(local: L, remote: R)
+where
+    L: tokio::io::AsyncRead + tokio::io::AsyncWrite,
+    R: tokio::io::AsyncRead + tokio::io::AsyncWrite,
+{
+    use tokio::io::AsyncWriteExt;
+    let (mut local_rx, mut local_tx) = tokio::io::split(local);
+    let (mut remote_rx, mut remote_tx) = tokio::io::split(remote);
+    let up = async {
+        let _ = tokio::io::copy(&mut local_rx, &mut remote_tx).await;
+        let _ = remote_tx.shutdown().await;
+    };
+    let down = async {
+        let _ = tokio::io::copy(&mut remote_rx, &mut local_tx).await;
+        let _ = local_tx.shutdown().await;
+    };
+    tokio::join!(up, down);
 }
 
 /// `imp console -n NS VM` against the cluster: the serial log to stdout, following it unless
@@ -383,6 +402,51 @@ fn bearer_token(auth: &AuthInfo) -> anyhow::Result<String> {
 mod tests {
     use super::*;
     use std::collections::BTreeMap;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    /// An agent connection that takes no more bytes (it has closed) but still has the exit on
+    /// its way to us.
+    struct ClosedForWrites;
+
+    impl tokio::io::AsyncWrite for ClosedForWrites {
+        fn poll_write(
+            self: std::pin::Pin<&mut Self>,
+            _: &mut std::task::Context<'_>,
+            _: &[u8],
+        ) -> std::task::Poll<std::io::Result<usize>> {
+            std::task::Poll::Ready(Err(std::io::ErrorKind::ConnectionReset.into()))
+        }
+        fn poll_flush(
+            self: std::pin::Pin<&mut Self>,
+            _: &mut std::task::Context<'_>,
+        ) -> std::task::Poll<std::io::Result<()>> {
+            std::task::Poll::Ready(Ok(()))
+        }
+        fn poll_shutdown(
+            self: std::pin::Pin<&mut Self>,
+            _: &mut std::task::Context<'_>,
+        ) -> std::task::Poll<std::io::Result<()>> {
+            std::task::Poll::Ready(Ok(()))
+        }
+    }
+
+    #[tokio::test]
+    async fn the_agents_output_reaches_us_even_when_our_last_write_fails() {
+        let (mut ours, theirs) = tokio::io::duplex(1 << 16);
+        let (mut agent, remote_rx) = tokio::io::duplex(1 << 16);
+        let task = tokio::spawn(carry(theirs, tokio::io::join(remote_rx, ClosedForWrites)));
+        // Our stdin's end goes out first and fails at the closed connection...
+        ours.write_all(b"stdin eof").await.unwrap();
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        // ...while the output and the exit are still on their way.
+        agent.write_all(b"output and exit").await.unwrap();
+        drop(agent);
+        let mut got = Vec::new();
+        ours.read_to_end(&mut got).await.unwrap();
+        assert_eq!(got, b"output and exit");
+        drop(ours);
+        task.await.unwrap();
+    }
 
     #[test]
     fn cluster_mode_needs_a_cluster_flag_or_the_plugin_name() {
