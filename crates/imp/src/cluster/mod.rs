@@ -404,37 +404,14 @@ mod tests {
     use std::collections::BTreeMap;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-    /// An agent connection that takes no more bytes (it has closed) but still has the exit on
-    /// its way to us.
-    struct ClosedForWrites;
-
-    impl tokio::io::AsyncWrite for ClosedForWrites {
-        fn poll_write(
-            self: std::pin::Pin<&mut Self>,
-            _: &mut std::task::Context<'_>,
-            _: &[u8],
-        ) -> std::task::Poll<std::io::Result<usize>> {
-            std::task::Poll::Ready(Err(std::io::ErrorKind::ConnectionReset.into()))
-        }
-        fn poll_flush(
-            self: std::pin::Pin<&mut Self>,
-            _: &mut std::task::Context<'_>,
-        ) -> std::task::Poll<std::io::Result<()>> {
-            std::task::Poll::Ready(Ok(()))
-        }
-        fn poll_shutdown(
-            self: std::pin::Pin<&mut Self>,
-            _: &mut std::task::Context<'_>,
-        ) -> std::task::Poll<std::io::Result<()>> {
-            std::task::Poll::Ready(Ok(()))
-        }
-    }
-
     #[tokio::test]
     async fn the_agents_output_reaches_us_even_when_our_last_write_fails() {
         let (mut ours, theirs) = tokio::io::duplex(1 << 16);
         let (mut agent, remote_rx) = tokio::io::duplex(1 << 16);
-        let task = tokio::spawn(carry(theirs, tokio::io::join(remote_rx, ClosedForWrites)));
+        // An agent connection that takes no more bytes (its reader is gone: writes fail) but
+        // still has the output and the exit on their way to us.
+        let (closed_for_writes, _) = tokio::io::duplex(1 << 16);
+        let task = tokio::spawn(carry(theirs, tokio::io::join(remote_rx, closed_for_writes)));
         // Our stdin's end goes out first and fails at the closed connection...
         ours.write_all(b"stdin eof").await.unwrap();
         tokio::time::sleep(Duration::from_millis(100)).await;
