@@ -205,11 +205,13 @@ where
 {
     let mut buf = vec![0u8; 32 * 1024];
     let mut guest_takes = true;
-    loop {
-        let n = caller.read(&mut buf).await?;
-        if n == 0 {
-            break;
-        }
+    let ended = loop {
+        let n = match caller.read(&mut buf).await {
+            Ok(0) => break Ok(()),
+            Ok(n) => n,
+            // Gone without a clean end (a TLS peer that did not say close_notify): a hang-up.
+            Err(e) => break Err(e),
+        };
         if guest_takes {
             let sent = async {
                 guest.write_all(&buf[..n]).await?;
@@ -220,11 +222,12 @@ where
                 guest_takes = false;
             }
         }
-    }
+    };
+    // However the caller went, the guest must see the hang-up (it kills the command).
     if guest_takes {
         let _ = guest.shutdown().await;
     }
-    Ok(())
+    ended
 }
 
 /// Reads one whole frame without reading past it: its raw bytes (to forward unchanged) and
