@@ -7,7 +7,9 @@
 //!   [`inject`] delivers that exact SYN to it; the TAP's kernel counters agree;
 //! - ARP and IPv4 for other addresses, and IPv4 for the VM's MAC but another address, do not
 //!   wake it; a flood of datagrams for the VM is held up to the bound and the rest counted;
-//! - a packet from the node itself (the bridge's gateway address) wakes it too.
+//! - a packet from the node itself (the bridge's gateway address) wakes it too;
+//! - a frame sent while the VMM suspends waits in the TAP when a duplicate of the VMM's
+//!   descriptor was kept, and wakes the sleeper that adopts it (and is lost without one).
 //!
 //! Each test runs itself again inside a fresh namespace (`nsenter --net`, plus a private mount
 //! namespace with sysfs mounted again so that `/sys/class/net` shows that namespace), then
@@ -478,6 +480,104 @@ fn a_packet_from_the_node_itself_wakes_the_vm() {
     let missing = runtime().block_on(Sleeper::hold(TAP, VM, HoldBounds::default()));
     let e = missing.err().expect("holding a TAP that does not exist");
     assert!(e.to_string().contains(TAP), "{e}");
+}
+
+/// Plays a VMM that suspends: a process holding an attached descriptor on the TAP (as its fd
+/// number in this process, inherited) that never reads it, as a paused QEMU does not.
+fn vmm_holding(fd: OwnedFd) -> std::process::Child {
+    use nix::fcntl::{FcntlArg, FdFlag, fcntl};
+    use std::os::fd::AsRawFd;
+    fcntl(&fd, FcntlArg::F_SETFD(FdFlag::empty())).unwrap();
+    let child = Command::new("sleep")
+        .arg("60")
+        .spawn()
+        .expect("starting the VMM's stand-in");
+    // Only the "VMM" holds the TAP now.
+    assert!(fd.as_raw_fd() > 2);
+    drop(fd);
+    child
+}
+
+/// Ends the stand-in VMM and waits until it is gone.
+fn vmm_exits(mut vmm: std::process::Child) {
+    vmm.kill().unwrap();
+    vmm.wait().unwrap();
+}
+
+/// A frame sent while the VMM pauses, snapshots and exits: with a duplicate of the VMM's
+/// descriptor kept as the suspend begins (what the agent does), the frame waits in the TAP
+/// and wakes the sleeper that adopts the duplicate, and the bridge port never stops
+/// forwarding; without one, the VMM's exit takes the frame with it.
+#[test]
+fn a_frame_sent_while_the_vmm_suspends_waits_in_the_kept_tap_and_wakes_the_vm() {
+    if !inside(
+        "a_frame_sent_while_the_vmm_suspends_waits_in_the_kept_tap_and_wakes_the_vm",
+        "kept",
+    ) {
+        return;
+    }
+    node();
+    let client = Client::new("kept");
+    // Nobody answers ARP while the VMM is paused: this client has the VM's MAC already.
+    client.run(&[
+        "ip",
+        "neigh",
+        "replace",
+        &VM.ip.to_string(),
+        "lladdr",
+        &VM.mac.to_string(),
+        "dev",
+        "eth0",
+    ]);
+    let send =
+        |text: &str| client.run(&["bash", "-c", &format!("echo {text} > /dev/udp/{}/9", VM.ip)]);
+    let state = format!("/sys/class/net/{TAP}/brport/state");
+    runtime().block_on(async {
+        let attached = || async {
+            let sleeper = Sleeper::hold(TAP, VM, HoldBounds::default()).await.unwrap();
+            forwarding().await;
+            let handover = sleeper.hand_over(Release::KeepOpen).await.unwrap();
+            handover.tap.unwrap()
+        };
+
+        // Kept: the agent's duplicate, taken from the running VMM.
+        let vmm = vmm_holding(attached().await);
+        let kept = tap::duplicate_from(vmm.id(), TAP)
+            .unwrap()
+            .expect("the VMM's descriptor on the TAP");
+        send("during-the-suspend");
+        vmm_exits(vmm);
+        assert_eq!(
+            std::fs::read_to_string(&state).unwrap().trim(),
+            "3",
+            "the port kept forwarding after the VMM's exit"
+        );
+        let sleeper = Sleeper::hold_fd(TAP, kept, VM, HoldBounds::default())
+            .await
+            .unwrap();
+        let woken = tokio::time::timeout(Duration::from_secs(2), sleeper.woken())
+            .await
+            .expect("the frame sent during the suspend did not wake the VM")
+            .unwrap();
+        assert_eq!((woken.source, woken.protocol), (CLIENT, 17));
+        let handover = sleeper.hand_over(Release::Close).await.unwrap();
+        assert_eq!(handover.frames.len(), 1);
+        assert!(handover.frames[0].ends_with(b"during-the-suspend\n"));
+
+        // Not kept: the frame goes with the VMM; the sleeper that attaches by name sees nothing.
+        let vmm = vmm_holding(attached().await);
+        send("lost-with-the-vmm");
+        vmm_exits(vmm);
+        let sleeper = Sleeper::hold(TAP, VM, HoldBounds::default()).await.unwrap();
+        let woken = tokio::time::timeout(Duration::from_millis(500), sleeper.woken()).await;
+        assert!(
+            woken.is_err(),
+            "a frame survived the VMM without a kept descriptor"
+        );
+        drop(sleeper);
+    });
+    drop(client);
+    sh(&["ip", "link", "del", TAP]);
 }
 
 /// The TAP's counters, read over netlink as the agent reads them.

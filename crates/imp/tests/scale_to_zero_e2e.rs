@@ -422,6 +422,13 @@ async fn an_idle_vm_sleeps_and_its_first_syn_wakes_it_from_anywhere_without_a_re
         metrics.contains("imp_agent_resumes_total{trigger=\"exec\"} 1"),
         "{metrics}"
     );
+    // This agent's idle suspends kept the VMM's TAP for the sleeper (its first hold, of a VM
+    // that slept through its start, was by name).
+    let kept = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("imp_agent_sleeper_holds_total{descriptor=\"kept\"} "))
+        .and_then(|n| n.trim().parse::<u64>().ok());
+    assert!(kept >= Some(2), "{metrics}");
     let _ = std::fs::remove_dir_all(&layout);
     let _ = std::fs::remove_dir_all(&cache);
 }

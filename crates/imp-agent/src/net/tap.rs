@@ -1,10 +1,13 @@
 //! Persistent TAP devices, made with the `/dev/net/tun` ioctls (the kernel does not create
 //! TAPs over rtnetlink). A persistent TAP outlives the agent and is opened by name by the VMM.
+//! [`duplicate_from`] takes a copy of the descriptor a VMM holds on one, so the TAP stays
+//! attached, with the frames queued in it, once that VMM is gone.
 #![allow(unsafe_code)]
 
 use std::fs::OpenOptions;
 use std::io;
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::path::Path;
 
 const TUN_PATH: &str = "/dev/net/tun";
 
@@ -35,4 +38,82 @@ pub fn create_persistent(name: &str) -> io::Result<()> {
         return Err(io::Error::last_os_error());
     }
     Ok(())
+}
+
+/// A duplicate of the descriptor process `pid` holds on TAP `name`, taken with pidfd_getfd(2)
+/// (which needs ptrace rights over the process: root has them). It shares the VMM's open file:
+/// while either is open the TAP stays attached, keeps its carrier, and queues what the bridge
+/// sends to it, also after the VMM has exited. `Ok(None)` when the process holds no descriptor
+/// on that TAP.
+pub fn duplicate_from(pid: u32, name: &str) -> io::Result<Option<OwnedFd>> {
+    let Some(target) = descriptor_on(Path::new(&format!("/proc/{pid}/fdinfo")), name)? else {
+        return Ok(None);
+    };
+    let pid = libc::pid_t::try_from(pid)
+        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "pid out of range"))?;
+    // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1.
+    let pidfd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+    if pidfd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: the kernel just returned this descriptor to us; nothing else owns it.
+    let pidfd = unsafe { OwnedFd::from_raw_fd(pidfd as RawFd) };
+    // SAFETY: pidfd_getfd takes a pidfd, a descriptor number in that process and flags, and
+    // returns a new close-on-exec descriptor or -1.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_getfd, pidfd.as_raw_fd(), target, 0) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: as above, a new descriptor that is ours alone.
+    Ok(Some(unsafe { OwnedFd::from_raw_fd(fd as RawFd) }))
+}
+
+/// The number of a descriptor attached to TAP `name`, from a process's `fdinfo` directory
+/// (a TUN/TAP descriptor's says `iff:\tNAME`).
+fn descriptor_on(fdinfo: &Path, name: &str) -> io::Result<Option<RawFd>> {
+    for entry in std::fs::read_dir(fdinfo)? {
+        let entry = entry?;
+        let Some(fd) = entry.file_name().to_str().and_then(|n| n.parse().ok()) else {
+            continue;
+        };
+        // A descriptor closed since the listing is simply not the one.
+        let Ok(info) = std::fs::read_to_string(entry.path()) else {
+            continue;
+        };
+        if attached_to(&info, name) {
+            return Ok(Some(fd));
+        }
+    }
+    Ok(None)
+}
+
+/// Whether an `fdinfo` text is a TUN/TAP descriptor's attached to `name`.
+fn attached_to(fdinfo: &str, name: &str) -> bool {
+    fdinfo
+        .lines()
+        .any(|l| l.strip_prefix("iff:").is_some_and(|n| n.trim() == name))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_tap_descriptor_is_told_by_its_fdinfo() {
+        let tap = "pos:\t0\nflags:\t0104002\nmnt_id:\t25\nino:\t1045\niff:\timptap-ab12\n";
+        assert!(attached_to(tap, "imptap-ab12"));
+        assert!(!attached_to(tap, "imptap-ab1"));
+        assert!(!attached_to("pos:\t0\nflags:\t02\n", "imptap-ab12"));
+    }
+
+    #[test]
+    fn a_process_without_the_tap_has_no_descriptor_on_it() {
+        assert!(
+            duplicate_from(std::process::id(), "imptap-none")
+                .unwrap()
+                .is_none()
+        );
+        let e = duplicate_from(u32::MAX - 1, "imptap-none").unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::NotFound, "{e}");
+    }
 }

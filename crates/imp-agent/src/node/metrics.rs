@@ -58,6 +58,11 @@ struct TriggerLabels {
     trigger: String,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct DescriptorLabels {
+    descriptor: String,
+}
+
 /// What asked for a suspend or a resume.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Trigger {
@@ -93,6 +98,7 @@ pub struct Metrics {
     failures: Family<ReasonLabels, Counter>,
     suspends: Family<TriggerLabels, Counter>,
     resumes: Family<TriggerLabels, Counter>,
+    sleeper_holds: Family<DescriptorLabels, Counter>,
     suspend_time: Histogram,
     resume_time: Histogram,
 }
@@ -158,6 +164,12 @@ impl Metrics {
             "Resumes the agent started: requested (desiredState), scale_to_zero (woken by traffic) or exec (woken by an exec)",
             resumes.clone(),
         );
+        let sleeper_holds = Family::<DescriptorLabels, Counter>::default();
+        registry.register(
+            "imp_agent_sleeper_holds",
+            "Sleeping VMs' TAPs held: on the descriptor kept from the suspending VMM (kept: no frame lost) or attached by name (by_name: after an agent restart, or when keeping failed)",
+            sleeper_holds.clone(),
+        );
         let suspend_time = Histogram::new(exponential_buckets(0.05, 2.0, 10));
         registry.register_with_unit(
             "imp_agent_suspend_duration",
@@ -177,6 +189,7 @@ impl Metrics {
             vms,
             suspends,
             resumes,
+            sleeper_holds,
             suspend_time,
             resume_time,
             phases: Mutex::new(BTreeMap::new()),
@@ -251,6 +264,16 @@ impl Metrics {
     /// Counts a resume the agent started.
     pub fn resume_started(&self, trigger: Trigger) {
         self.resumes.get_or_create(&trigger.label()).inc();
+    }
+
+    /// Counts a sleeping VM's TAP held, on the descriptor kept from its VMM or by name.
+    pub fn sleeper_held(&self, kept: bool) {
+        let descriptor = if kept { "kept" } else { "by_name" };
+        self.sleeper_holds
+            .get_or_create(&DescriptorLabels {
+                descriptor: descriptor.to_owned(),
+            })
+            .inc();
     }
 
     /// Records how long a suspend took on the node.
@@ -381,12 +404,17 @@ mod tests {
         m.resume_started(Trigger::ScaleToZero);
         m.resume_started(Trigger::Requested);
         m.resume_started(Trigger::Exec);
+        m.sleeper_held(true);
+        m.sleeper_held(true);
+        m.sleeper_held(false);
         m.observe_resume(250);
         let text = m.encode();
         for want in [
             "imp_agent_suspends_total{trigger=\"scale_to_zero\"} 1",
             "imp_agent_resumes_total{trigger=\"requested\"} 1",
             "imp_agent_resumes_total{trigger=\"exec\"} 1",
+            "imp_agent_sleeper_holds_total{descriptor=\"kept\"} 2",
+            "imp_agent_sleeper_holds_total{descriptor=\"by_name\"} 1",
             "imp_agent_resume_duration_seconds_sum 0.25",
         ] {
             assert!(text.contains(want), "{want} in {text}");

@@ -14,6 +14,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::net::Ipv4Addr;
+use std::os::fd::OwnedFd;
 use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, Instant, SystemTime};
 
@@ -68,6 +69,9 @@ pub struct ScaleToZero {
     knocked: Mutex<HashMap<String, Instant>>,
     /// Whether each VM reconciled since the agent started is a ScaleToZero VM.
     policy: Mutex<HashMap<String, bool>>,
+    /// Duplicates of suspending VMMs' descriptors on their TAPs ([`ScaleToZero::keep_tap`]),
+    /// until a sleeper or a resume takes them.
+    kept: Mutex<HashMap<String, OwnedFd>>,
 }
 
 /// What [`ScaleToZero::knock`] did.
@@ -81,6 +85,15 @@ pub enum Knock {
     NotAsleep,
     /// The agent has not reconciled the VM since it started: ask again once it has.
     NotYet,
+}
+
+/// How a sleeper came to hold a sleeping VM's TAP.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Attached {
+    /// On the descriptor kept from the suspending VMM ([`ScaleToZero::keep_tap`]).
+    Kept,
+    /// By the TAP's name, once the VMM was gone.
+    ByName,
 }
 
 /// What woke a sleeping VM.
@@ -135,6 +148,45 @@ impl ScaleToZero {
             stashed: Mutex::new(HashMap::new()),
             knocked: Mutex::new(HashMap::new()),
             policy: Mutex::new(HashMap::new()),
+            kept: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// Keeps a duplicate of VMM `vmm_pid`'s descriptor on VM `uid`'s TAP as its suspend
+    /// begins. The TAP then never loses its carrier, and what arrives while the VMM pauses,
+    /// snapshots and exits waits in the TAP's queue for the sleeper, which adopts the
+    /// duplicate: a wake that races the suspend is answered like any other, instead of going
+    /// with the VMM and waiting for its sender's retransmission. Best effort: without it the
+    /// sleeper attaches by name.
+    pub async fn keep_tap(&self, uid: &str, vmm_pid: u32, tap: &str) {
+        let name = tap.to_owned();
+        let taken =
+            tokio::task::spawn_blocking(move || crate::net::tap::duplicate_from(vmm_pid, &name))
+                .await;
+        match taken {
+            Ok(Ok(Some(fd))) => {
+                tracing::debug!(uid, tap, vmm_pid, "kept the VMM's TAP for the suspend");
+                let old = lock(&self.kept).insert(uid.to_owned(), fd);
+                if let Some(old) = old {
+                    close(old).await;
+                }
+            }
+            Ok(Ok(None)) => {
+                tracing::debug!(uid, tap, vmm_pid, "the VMM holds no descriptor on its TAP");
+            }
+            Ok(Err(e)) => {
+                tracing::warn!(uid, tap, vmm_pid, error = %e, "cannot keep the VMM's TAP across the suspend; frames sent meanwhile will be retransmitted");
+            }
+            Err(_) => {}
+        }
+    }
+
+    /// Lets go of what [`ScaleToZero::keep_tap`] kept for VM `uid` (its suspend failed, or it
+    /// is gone); closed before this returns.
+    pub async fn drop_kept(&self, uid: &str) {
+        let kept = lock(&self.kept).remove(uid);
+        if let Some(fd) = kept {
+            close(fd).await;
         }
     }
 
@@ -229,17 +281,17 @@ impl ScaleToZero {
         lock(&self.held).contains_key(uid)
     }
 
-    /// Holds sleeping VM `uid`'s TAP (nothing if it is held already) and runs `on_wake`
-    /// when the first frame for it arrives. Returns once the bridge forwards to the TAP, so a
-    /// VM reported Suspended can be woken.
+    /// Holds sleeping VM `uid`'s TAP (nothing if it is held already: `None`) and runs
+    /// `on_wake` when the first frame for it arrives. Returns once the bridge forwards to the
+    /// TAP, so a VM reported Suspended can be woken.
     pub async fn hold(
         &self,
         uid: &str,
         tap: &SleepingTap,
         on_wake: impl std::future::Future<Output = ()> + Send + 'static,
-    ) -> Result<(), SleepError> {
+    ) -> Result<Option<Attached>, SleepError> {
         if self.holds(uid) {
-            return Ok(());
+            return Ok(None);
         }
         let vm = SleepingVm {
             ip: tap.ip,
@@ -248,7 +300,7 @@ impl ScaleToZero {
                 found: format!("a VM MAC {:?} that does not parse", tap.mac),
             })?,
         };
-        let sleeper = self.attach(&tap.tap, vm).await?;
+        let (sleeper, attached) = self.attach(uid, &tap.tap, vm).await?;
         let mut signal = sleeper.wake_signal();
         let watcher = tokio::spawn(async move {
             if signal.wait_for(Option::is_some).await.is_ok() {
@@ -258,11 +310,26 @@ impl ScaleToZero {
         self.wait_forwarding(&tap.tap).await;
         lock(&self.held).insert(uid.to_owned(), Held { sleeper, watcher });
         lock(&self.seen).remove(uid);
-        Ok(())
+        Ok(Some(attached))
     }
 
-    /// Attaches to the TAP, waiting while the VMM that just ended still holds it (EBUSY).
-    async fn attach(&self, tap: &str, vm: SleepingVm) -> Result<Sleeper, SleepError> {
+    /// Attaches to the TAP: on the descriptor kept from the VMM if there is one, else by name,
+    /// waiting while the VMM that just ended still holds it (EBUSY).
+    async fn attach(
+        &self,
+        uid: &str,
+        tap: &str,
+        vm: SleepingVm,
+    ) -> Result<(Sleeper, Attached), SleepError> {
+        let kept = lock(&self.kept).remove(uid);
+        if let Some(fd) = kept {
+            match Sleeper::hold_fd(tap, fd, vm, self.bounds).await {
+                Ok(sleeper) => return Ok((sleeper, Attached::Kept)),
+                Err(e) => {
+                    tracing::warn!(uid, tap, error = %crate::net::chain(&e), "the TAP kept from the VMM cannot be held; attaching by name");
+                }
+            }
+        }
         let deadline = Instant::now() + HOLD_WAIT;
         loop {
             match Sleeper::hold(tap, vm, self.bounds).await {
@@ -271,7 +338,7 @@ impl ScaleToZero {
                 {
                     tokio::time::sleep(Duration::from_millis(20)).await;
                 }
-                other => return other,
+                other => return other.map(|sleeper| (sleeper, Attached::ByName)),
             }
         }
     }
@@ -330,7 +397,18 @@ impl ScaleToZero {
         };
         let knocked = lock(&self.knocked).get(uid).copied();
         let Some((tap, h)) = self.hand_over(uid, release).await else {
+            // Woken before a sleeper held the TAP: what was kept from the VMM, with whatever
+            // queued in it meanwhile, goes to a VMM that inherits it.
+            let kept = lock(&self.kept).remove(uid);
+            let tap = match kept {
+                Some(fd) if by_name => {
+                    close(fd).await;
+                    None
+                }
+                kept => kept,
+            };
             return Wake {
+                tap,
                 at: knocked,
                 by: knocked.map(|_| WokenBy::Exec),
                 ..Wake::default()
@@ -386,7 +464,14 @@ impl ScaleToZero {
         lock(&self.policy).remove(uid);
         lock(&self.stashed).remove(uid);
         lock(&self.seen).remove(uid);
+        self.drop_kept(uid).await;
     }
+}
+
+/// Closes a TAP descriptor off the runtime: the last close detaches the TAP, which waits for
+/// an RCU grace period.
+async fn close(fd: OwnedFd) {
+    let _ = tokio::task::spawn_blocking(move || drop(fd)).await;
 }
 
 #[cfg(test)]

@@ -372,9 +372,12 @@ pub async fn reconcile(vm: Arc<ImpVM>, ctx: Arc<Context>) -> Result<Action, Erro
                 runs_again(&ctx, &uid).await;
             }
             if retry {
-                // The VM runs on: execs may start again.
+                // The VM runs on: execs may start again, and its TAP is its VMM's alone.
                 ctx.vms
                     .suspend_over(&vm.namespace().unwrap_or_default(), &vm.name_any());
+                if let Some(scale) = &ctx.scale {
+                    scale.drop_kept(&uid).await;
+                }
                 let again = ctx.settings.suspend_retry + Duration::from_millis(500);
                 return Ok(Action::requeue(again));
             }
@@ -391,7 +394,14 @@ pub async fn reconcile(vm: Arc<ImpVM>, ctx: Arc<Context>) -> Result<Action, Erro
             let Some((record, _)) = local else {
                 return Ok(Action::requeue(Duration::from_secs(1)));
             };
-            suspend(&ctx, &vm, record, facts.idle_since).await
+            // Kept for the sleeper: a ScaleToZero VM's TAP under QEMU, whose descriptor has no
+            // virtio-net header (Firecracker's has one, and it opens the TAP by name anyway).
+            let qemu = facts
+                .spec
+                .as_ref()
+                .is_some_and(|s| s.runtime == crate::runtime::spec::Runtime::Qemu);
+            let tap = facts.tap.as_ref().filter(|_| obs.scale_to_zero && qemu);
+            suspend(&ctx, &vm, record, facts.idle_since, tap).await
         }
         Decision::Resume => {
             let Some((record, _)) = local else {

@@ -113,9 +113,13 @@ pub(super) async fn sync_sleeper(
                     f.await;
                 }
             };
-            if let Err(e) = scale.hold(uid, tap, on_wake).await {
-                tracing::warn!(vm = %key(vm), node = %ctx.settings.node, tap = %tap.tap, error = %error_chain(&e), "cannot hold a sleeping VM's TAP; it cannot be woken by traffic yet");
-                return false;
+            match scale.hold(uid, tap, on_wake).await {
+                Ok(Some(how)) => ctx.metrics.sleeper_held(how == scale::Attached::Kept),
+                Ok(None) => {}
+                Err(e) => {
+                    tracing::warn!(vm = %key(vm), node = %ctx.settings.node, tap = %tap.tap, error = %error_chain(&e), "cannot hold a sleeping VM's TAP; it cannot be woken by traffic yet");
+                    return false;
+                }
             }
         }
         _ if !wanted && *decision != Decision::Resume && scale.holds(uid) => {
@@ -136,16 +140,22 @@ pub(super) async fn runs_again(ctx: &Context, uid: &str) {
 
 /// Asks the VM's shim to suspend it and says `Suspending`; the record tells how it ended.
 /// An idle ScaleToZero VM's last activity (`idle_since`) is written as `lastActivityTime`.
+/// A VM that a sleeper will hold (`tap`) has its VMM's TAP descriptor kept for the sleeper.
 pub(super) async fn suspend(
     ctx: &Context,
     vm: &ImpVM,
     record: VmRecord,
     idle_since: Option<std::time::SystemTime>,
+    tap: Option<&SleepingTap>,
 ) -> Result<Action, Error> {
     let (ns, name) = (vm.namespace().unwrap_or_default(), vm.name_any());
     if !ctx.vms.suspend_begin(&ns, &name, idle_since.is_none()) {
         tracing::debug!(vm = %key(vm), node = %ctx.settings.node, "an exec session is open: the VM stays up");
         return Ok(Action::requeue(Duration::from_secs(1)));
+    }
+    let uid = record.name.clone();
+    if let (Some(scale), Some(tap), Some(pid)) = (&ctx.scale, tap, record.vmm_pid) {
+        scale.keep_tap(&uid, pid, &tap.tap).await;
     }
     let state = ctx.settings.state.clone();
     let asked = tokio::task::spawn_blocking(move || {
@@ -161,6 +171,9 @@ pub(super) async fn suspend(
         Ok(t) => t,
         Err(e) => {
             ctx.vms.suspend_over(&ns, &name);
+            if let Some(scale) = &ctx.scale {
+                scale.drop_kept(&uid).await;
+            }
             return Err(local_error("asking for the suspend of", vm, e));
         }
     };
