@@ -144,6 +144,11 @@ async fn not_startable(
 
 /// Starts the VM's shim and records phase `Starting`.
 pub(super) async fn start(ctx: &Context, vm: &ImpVM, uid: &str) -> Result<Action, Error> {
+    // A descriptor kept from a VMM whose suspend never ended (the VM stopped meanwhile) would
+    // hold the TAP the new VMM opens by name.
+    if let Some(scale) = &ctx.scale {
+        scale.drop_kept(uid).await;
+    }
     let (spec, class) = match resolve(ctx, vm).await {
         Ok(r) => r,
         // The operator reports missing references (InvalidSpec); try again later.
