@@ -303,8 +303,9 @@ impl Sleeper {
 
 /// Closes a TAP descriptor on the blocking pool: detaching from a TAP waits for an RCU grace
 /// period (`synchronize_net`), milliseconds to tens of milliseconds.
-async fn close(file: File) {
-    let _ = tokio::task::spawn_blocking(move || drop(file)).await;
+pub(crate) async fn close(fd: impl Into<OwnedFd>) {
+    let fd: OwnedFd = fd.into();
+    let _ = tokio::task::spawn_blocking(move || drop(fd)).await;
 }
 
 /// The reader task's state.

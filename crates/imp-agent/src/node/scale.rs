@@ -23,7 +23,7 @@ use tokio::task::JoinHandle;
 use crate::net::idle::{self, Activity, TapSample};
 use crate::net::link::Netlink;
 use crate::net::plan::Mac;
-use crate::net::sleeper::{Handover, Release, SleepError, Sleeper, inject};
+use crate::net::sleeper::{Handover, Release, SleepError, Sleeper, close, inject};
 use crate::net::wake::{HoldBounds, SleepingVm};
 
 /// `spec.idleTimeout` when it is unset.
@@ -399,13 +399,11 @@ impl ScaleToZero {
         let Some((tap, h)) = self.hand_over(uid, release).await else {
             // Woken before a sleeper held the TAP: what was kept from the VMM, with whatever
             // queued in it meanwhile, goes to a VMM that inherits it.
-            let kept = lock(&self.kept).remove(uid);
-            let tap = match kept {
-                Some(fd) if by_name => {
-                    close(fd).await;
-                    None
-                }
-                kept => kept,
+            let tap = if by_name {
+                self.drop_kept(uid).await;
+                None
+            } else {
+                lock(&self.kept).remove(uid)
             };
             return Wake {
                 tap,
@@ -466,12 +464,6 @@ impl ScaleToZero {
         lock(&self.seen).remove(uid);
         self.drop_kept(uid).await;
     }
-}
-
-/// Closes a TAP descriptor off the runtime: the last close detaches the TAP, which waits for
-/// an RCU grace period.
-async fn close(fd: OwnedFd) {
-    let _ = tokio::task::spawn_blocking(move || drop(fd)).await;
 }
 
 #[cfg(test)]
