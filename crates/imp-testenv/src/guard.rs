@@ -41,7 +41,7 @@ pub fn which(name: &str) -> Option<std::path::PathBuf> {
 
 /// Returns from the enclosing test unless `$cond` holds: skips locally, panics under `CI=true`.
 ///
-/// `require!(imp_testkube::guard::is_root(), "root for network namespaces");`
+/// `require!(imp_testenv::guard::is_root(), "root for network namespaces");`
 #[macro_export]
 macro_rules! require {
     ($cond:expr, $what:expr) => {

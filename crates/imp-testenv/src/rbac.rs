@@ -1,0 +1,135 @@
+//! imp's own RBAC on a test control plane: the ClusterRoles the product ships
+//! (`charts/imp/files/rbac/*.yaml`, the one place they are written), a ServiceAccount per
+//! component bound to its role, and kubeconfigs with those ServiceAccounts' tokens, so the
+//! operator and the agents run in the tests with exactly the permissions they get in a cluster
+//! and a missing rule fails a test.
+
+use std::path::PathBuf;
+
+use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, RoleRef, Subject};
+use kube::api::{Api, Patch, PatchParams};
+
+use crate::controlplane::{ControlPlane, Error};
+
+/// The operator's ClusterRole, as the chart ships it.
+pub const OPERATOR_ROLE: &str = include_str!("../../../charts/imp/files/rbac/operator.yaml");
+/// The agent's ClusterRole, as the chart ships it.
+pub const AGENT_ROLE: &str = include_str!("../../../charts/imp/files/rbac/agent.yaml");
+
+/// The field manager of what the harness applies.
+const MANAGER: &str = "imp-testenv";
+
+/// Kubeconfigs of imp's components, each with its own ServiceAccount's token.
+#[derive(Debug, Clone)]
+pub struct Identities {
+    /// `imp-operator` in the install namespace.
+    pub operator: PathBuf,
+    /// `imp-agent` in the install namespace.
+    pub agent: PathBuf,
+}
+
+/// Parses a ClusterRole from the chart's YAML.
+pub fn cluster_role(yaml: &str) -> Result<ClusterRole, serde_yaml_ng::Error> {
+    serde_yaml_ng::from_str(yaml)
+}
+
+/// Applies `role` (server-side apply: the same content again changes nothing).
+pub async fn apply_role(client: &kube::Client, role: &ClusterRole) -> Result<(), Error> {
+    let name = role.metadata.name.clone().unwrap_or_default();
+    let api: Api<ClusterRole> = Api::all(client.clone());
+    api.patch(&name, &PatchParams::apply(MANAGER).force(), &Patch::Apply(role))
+        .await
+        .map(|_| ())
+        .map_err(|source| Error::Kube {
+            what: format!("applying ClusterRole {name}"),
+            source,
+        })
+}
+
+/// Binds ClusterRole `role` to ServiceAccount `namespace/sa` (a binding named as the role).
+pub async fn bind(
+    client: &kube::Client,
+    role: &str,
+    namespace: &str,
+    sa: &str,
+) -> Result<(), Error> {
+    let name = role.to_owned();
+    let binding = ClusterRoleBinding {
+        metadata: kube::api::ObjectMeta {
+            name: Some(name.clone()),
+            ..Default::default()
+        },
+        role_ref: RoleRef {
+            api_group: "rbac.authorization.k8s.io".into(),
+            kind: "ClusterRole".into(),
+            name: role.into(),
+        },
+        subjects: Some(vec![Subject {
+            kind: "ServiceAccount".into(),
+            name: sa.into(),
+            namespace: Some(namespace.into()),
+            ..Default::default()
+        }]),
+    };
+    let api: Api<ClusterRoleBinding> = Api::all(client.clone());
+    api.patch(
+        &name,
+        &PatchParams::apply(MANAGER).force(),
+        &Patch::Apply(&binding),
+    )
+    .await
+    .map(|_| ())
+    .map_err(|source| Error::Kube {
+        what: format!("binding ClusterRole {role} to {namespace}/{sa}"),
+        source,
+    })
+}
+
+/// Installs imp's roles, makes ServiceAccounts `imp-operator` and `imp-agent` in `namespace`,
+/// binds them, and returns kubeconfigs with their tokens.
+pub async fn install(cp: &ControlPlane, namespace: &str) -> Result<Identities, Error> {
+    install_roles(cp, namespace, OPERATOR_ROLE, AGENT_ROLE).await
+}
+
+/// As [`install`], with the roles given as YAML (a test that drops a rule passes its own).
+pub async fn install_roles(
+    cp: &ControlPlane,
+    namespace: &str,
+    operator_yaml: &str,
+    agent_yaml: &str,
+) -> Result<Identities, Error> {
+    let client = cp.admin().await?;
+    cp.ensure_namespace(&client, namespace).await?;
+    let mut out = Vec::new();
+    for (yaml, sa) in [(operator_yaml, "imp-operator"), (agent_yaml, "imp-agent")] {
+        let mut role = cluster_role(yaml).map_err(|e| Error::Io {
+            op: "parsing the ClusterRole of",
+            path: PathBuf::from(sa),
+            source: std::io::Error::other(e),
+        })?;
+        // One role per install namespace, so tests that bind different rules do not meet.
+        let role_name = format!("{}-{namespace}", role.metadata.name.clone().unwrap_or_default());
+        role.metadata.name = Some(role_name.clone());
+        apply_role(&client, &role).await?;
+        bind(&client, &role_name, namespace, sa).await?;
+        out.push(cp.service_account_kubeconfig(namespace, sa).await?);
+    }
+    let agent = out.pop().unwrap_or_default();
+    let operator = out.pop().unwrap_or_default();
+    Ok(Identities { operator, agent })
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[test]
+    fn the_charts_roles_parse_and_grant_something() {
+        for (yaml, name) in [(OPERATOR_ROLE, "imp-operator"), (AGENT_ROLE, "imp-agent")] {
+            let r = cluster_role(yaml).unwrap();
+            assert_eq!(r.metadata.name.as_deref(), Some(name));
+            assert!(!r.rules.unwrap_or_default().is_empty(), "{name} has rules");
+        }
+    }
+}
