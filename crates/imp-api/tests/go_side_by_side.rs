@@ -1,18 +1,18 @@
-//! The same YAML on both: one imp-testkube serves the Go project's CRDs
-//! (`../shared/reference/go-crds/`), another serves ours, and every manifest of
-//! `tests/fixtures/valid` and `tests/fixtures/go` is created on both. Whatever the Go CRDs
-//! accept, ours must accept; what our server stores must hold every field that was written and
-//! deserialise into our types, so the operator can read it, and pass our admission webhook's
-//! rules unless the Go project's webhook refuses it too. Every difference is printed, not only
-//! the first.
+//! The same YAML on both: one real kube-apiserver (imp-testenv) serves the Go project's CRDs
+//! (`../shared/reference/go-crds/`), another serves ours (CRDs are cluster-wide, so one server
+//! cannot hold both), and every manifest of `tests/fixtures/valid` and `tests/fixtures/go` is
+//! created on both. Whatever the Go CRDs accept, ours must accept; what our server stores must
+//! hold every field that was written and deserialise into our types, so the operator can read
+//! it, and pass our admission webhook's rules unless the Go project's webhook refuses it too.
+//! Every difference is printed, not only the first. Without `../shared/reference` beside the
+//! checkout the test skips (and fails under `CI=true`).
 #![allow(clippy::unwrap_used, clippy::expect_used)] // Test code: a failed unwrap is a failed test.
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
 use imp_api::*;
-use imp_testkube::TestKube;
-use k8s_openapi::api::core::v1::Namespace;
+use imp_testenv::{ControlPlane, Options};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::api::{Api, ApiResource, DynamicObject, GroupVersionKind, PostParams};
 use kube::{Client, discovery};
@@ -51,27 +51,31 @@ fn fixture_dir(name: &str) -> PathBuf {
         .join(name)
 }
 
-/// A server with `crds` registered and every namespace the fixtures use.
+/// Registers `crds` on a control plane and creates every namespace the fixtures use.
 async fn server(
+    cp: &ControlPlane,
     crds: &[CustomResourceDefinition],
     namespaces: &BTreeSet<String>,
-) -> (TestKube, Client) {
-    let k = TestKube::start().await.unwrap();
-    let c = k.client().await.unwrap();
-    let api: Api<CustomResourceDefinition> = Api::all(c.clone());
-    for crd in crds {
-        let name = crd.metadata.name.clone().unwrap_or_default();
-        api.create(&PostParams::default(), crd)
-            .await
-            .unwrap_or_else(|e| panic!("the server refused CRD {name}: {e}"));
-    }
-    let ns: Api<Namespace> = Api::all(c.clone());
+) -> Client {
+    let c = cp.admin().await.unwrap();
+    cp.install_crds(&c, crds)
+        .await
+        .unwrap_or_else(|e| panic!("the server refused the CRDs: {}", chain(&e)));
     for n in namespaces {
-        let obj: Namespace =
-            serde_json::from_value(serde_json::json!({"metadata": {"name": n}})).unwrap();
-        let _ = ns.create(&PostParams::default(), &obj).await; // "default" may exist already
+        cp.ensure_namespace(&c, n).await.unwrap();
     }
-    (k, c)
+    c
+}
+
+/// An error and its causes, one after the other.
+fn chain(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        out.push_str(&format!(": {c}"));
+        cur = c.source();
+    }
+    out
 }
 
 /// Creates `doc`, replacing an object of the same name an earlier fixture made (the fixtures
@@ -183,6 +187,20 @@ fn cluster_scoped(kind: &str) -> bool {
 
 #[tokio::test]
 async fn whatever_the_go_crds_accept_ours_accept_and_store_unchanged() {
+    imp_testenv::require!(
+        go_crd_dir().is_dir(),
+        "../shared/reference/go-crds beside the checkout (the Go project's CRDs)"
+    );
+    // Ours on the shared control plane, Go's on one of its own.
+    let Some(our_cp) = ControlPlane::shared() else {
+        return;
+    };
+    let go_cp = ControlPlane::start(Options {
+        controller_manager: false,
+        ..Default::default()
+    })
+    .await
+    .unwrap_or_else(|e| panic!("starting the Go CRDs' control plane: {}", chain(&e)));
     let go_crds: Vec<CustomResourceDefinition> = yaml_files(&go_crd_dir())
         .iter()
         .map(|p| serde_yaml_ng::from_str(&std::fs::read_to_string(p).unwrap()).unwrap())
@@ -214,8 +232,8 @@ async fn whatever_the_go_crds_accept_ours_accept_and_store_unchanged() {
         .iter()
         .filter_map(|(_, d, _)| d["metadata"]["namespace"].as_str().map(str::to_owned))
         .collect();
-    let (_go_server, go) = server(&go_crds, &namespaces).await;
-    let (_our_server, ours) = server(&imp_api::crd::all(), &namespaces).await;
+    let go = server(&go_cp, &go_crds, &namespaces).await;
+    let ours = server(our_cp, &imp_api::crd::all(), &namespaces).await;
 
     let mut problems = Vec::new();
     let (mut both, mut go_refused) = (0, 0);

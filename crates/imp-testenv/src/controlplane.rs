@@ -425,9 +425,13 @@ impl ControlPlane {
 
     /// Fails when a component has exited or `what` has taken too long; else waits a moment.
     async fn check(&mut self, what: &'static str, t0: Instant) -> Result<(), Error> {
-        for p in [Some(&mut self.etcd), Some(&mut self.apiserver), self.kcm.as_mut()]
-            .into_iter()
-            .flatten()
+        for p in [
+            Some(&mut self.etcd),
+            Some(&mut self.apiserver),
+            self.kcm.as_mut(),
+        ]
+        .into_iter()
+        .flatten()
         {
             if let Some(status) = p.exited() {
                 return Err(Error::Exited {
@@ -585,7 +589,9 @@ impl ControlPlane {
         let token = sas
             .create_token_request(name, &PostParams::default(), &req)
             .await
-            .map_err(kerr(format!("a token for ServiceAccount {namespace}/{name}")))?
+            .map_err(kerr(format!(
+                "a token for ServiceAccount {namespace}/{name}"
+            )))?
             .status
             .map(|s| s.token)
             .unwrap_or_default();
@@ -679,6 +685,21 @@ impl ControlPlane {
             .collect()
     }
 
+    /// Requests audited so far, by User-Agent (each request once, whatever stages it logged),
+    /// so a benchmark can count a client's calls at the server.
+    pub fn requests_by_user_agent(&self) -> std::collections::BTreeMap<String, u64> {
+        let mut seen = std::collections::HashSet::new();
+        let mut out = std::collections::BTreeMap::new();
+        for e in self.audit_events() {
+            let id = e["auditID"].as_str().unwrap_or_default().to_owned();
+            if seen.insert(id) {
+                let ua = e["userAgent"].as_str().unwrap_or_default().to_owned();
+                *out.entry(ua).or_insert(0) += 1;
+            }
+        }
+        out
+    }
+
     /// The last `lines` lines of each component's log.
     pub fn logs(&self, lines: usize) -> String {
         let mut out = String::new();
@@ -737,12 +758,10 @@ async fn start_etcd(bin: &Path, dir: &Path) -> Result<(Proc, String), Error> {
         .arg(format!("--initial-cluster=default={peer_url}"))
         .arg("--unsafe-no-fsync")
         .arg("--log-level=warn");
-    let mut p = process::start("etcd", cmd, &dir.join("etcd.log")).map_err(|source| {
-        Error::Io {
-            op: "starting",
-            path: bin.to_path_buf(),
-            source,
-        }
+    let mut p = process::start("etcd", cmd, &dir.join("etcd.log")).map_err(|source| Error::Io {
+        op: "starting",
+        path: bin.to_path_buf(),
+        source,
     })?;
     let t0 = Instant::now();
     loop {
@@ -815,9 +834,15 @@ fn start_apiserver(
         .arg(format!("--client-ca-file={}", ca.display()))
         .arg(format!("--cert-dir={}", dir.join("certs").display()))
         .arg("--authorization-mode=RBAC")
-        .arg(format!("--service-account-issuer=https://{}:{port}", opts.host))
+        .arg(format!(
+            "--service-account-issuer=https://{}:{port}",
+            opts.host
+        ))
         .arg(format!("--service-account-key-file={}", sa_pub.display()))
-        .arg(format!("--service-account-signing-key-file={}", sa.display()))
+        .arg(format!(
+            "--service-account-signing-key-file={}",
+            sa.display()
+        ))
         .arg("--service-cluster-ip-range=10.0.0.0/24")
         .arg("--allow-privileged=true")
         .arg("--endpoint-reconciler-type=none")
@@ -832,12 +857,10 @@ fn start_apiserver(
             .arg("--audit-log-mode=blocking")
             .arg("--audit-log-format=json");
     }
-    process::start("kube-apiserver", cmd, &dir.join("apiserver.log")).map_err(|source| {
-        Error::Io {
-            op: "starting",
-            path: bin.to_path_buf(),
-            source,
-        }
+    process::start("kube-apiserver", cmd, &dir.join("apiserver.log")).map_err(|source| Error::Io {
+        op: "starting",
+        path: bin.to_path_buf(),
+        source,
     })
 }
 

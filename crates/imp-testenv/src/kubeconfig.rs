@@ -18,7 +18,13 @@ pub enum Credential {
 }
 
 /// A kubeconfig for `user` at `server` (https), trusting `ca_pem`, in namespace `namespace`.
-pub fn render(server: &str, ca_pem: &str, user: &str, cred: &Credential, namespace: &str) -> String {
+pub fn render(
+    server: &str,
+    ca_pem: &str,
+    user: &str,
+    cred: &Credential,
+    namespace: &str,
+) -> String {
     let b64 = |s: &str| base64::engine::general_purpose::STANDARD.encode(s);
     let user_body = match cred {
         Credential::Certificate { cert, key } => serde_json::json!({
@@ -41,6 +47,13 @@ pub fn render(server: &str, ca_pem: &str, user: &str, cred: &Credential, namespa
         "users": [{"name": user, "user": user_body}],
     });
     serde_json::to_string_pretty(&doc).unwrap_or_default()
+}
+
+/// The bearer token of the kubeconfig this module wrote at `path`, if it has one.
+pub fn token_of(path: &std::path::Path) -> Option<String> {
+    let text = std::fs::read_to_string(path).ok()?;
+    let v: serde_json::Value = serde_json::from_str(&text).ok()?;
+    v["users"][0]["user"]["token"].as_str().map(str::to_owned)
 }
 
 #[cfg(test)]

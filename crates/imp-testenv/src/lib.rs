@@ -16,6 +16,7 @@
 pub mod controlplane;
 pub mod guard;
 pub mod kubeconfig;
+pub mod nodes;
 pub mod pki;
 mod process;
 pub mod rbac;

@@ -6,7 +6,7 @@
 
 use std::path::PathBuf;
 
-use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, RoleRef, Subject};
+use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, RoleBinding, RoleRef, Subject};
 use kube::api::{Api, Patch, PatchParams};
 
 use crate::controlplane::{ControlPlane, Error};
@@ -15,6 +15,9 @@ use crate::controlplane::{ControlPlane, Error};
 pub const OPERATOR_ROLE: &str = include_str!("../../../charts/imp/files/rbac/operator.yaml");
 /// The agent's ClusterRole, as the chart ships it.
 pub const AGENT_ROLE: &str = include_str!("../../../charts/imp/files/rbac/agent.yaml");
+
+/// The roles for people (imp-view, imp-edit, imp-admin, imp-cli), as the chart ships them.
+pub const USER_ROLES: &str = include_str!("../../../charts/imp/files/rbac/users.yaml");
 
 /// The field manager of what the harness applies.
 const MANAGER: &str = "imp-testenv";
@@ -37,13 +40,17 @@ pub fn cluster_role(yaml: &str) -> Result<ClusterRole, serde_yaml_ng::Error> {
 pub async fn apply_role(client: &kube::Client, role: &ClusterRole) -> Result<(), Error> {
     let name = role.metadata.name.clone().unwrap_or_default();
     let api: Api<ClusterRole> = Api::all(client.clone());
-    api.patch(&name, &PatchParams::apply(MANAGER).force(), &Patch::Apply(role))
-        .await
-        .map(|_| ())
-        .map_err(|source| Error::Kube {
-            what: format!("applying ClusterRole {name}"),
-            source,
-        })
+    api.patch(
+        &name,
+        &PatchParams::apply(MANAGER).force(),
+        &Patch::Apply(role),
+    )
+    .await
+    .map(|_| ())
+    .map_err(|source| Error::Kube {
+        what: format!("applying ClusterRole {name}"),
+        source,
+    })
 }
 
 /// Binds ClusterRole `role` to ServiceAccount `namespace/sa` (a binding named as the role).
@@ -108,7 +115,10 @@ pub async fn install_roles(
             source: std::io::Error::other(e),
         })?;
         // One role per install namespace, so tests that bind different rules do not meet.
-        let role_name = format!("{}-{namespace}", role.metadata.name.clone().unwrap_or_default());
+        let role_name = format!(
+            "{}-{namespace}",
+            role.metadata.name.clone().unwrap_or_default()
+        );
         role.metadata.name = Some(role_name.clone());
         apply_role(&client, &role).await?;
         bind(&client, &role_name, namespace, sa).await?;
@@ -117,6 +127,87 @@ pub async fn install_roles(
     let agent = out.pop().unwrap_or_default();
     let operator = out.pop().unwrap_or_default();
     Ok(Identities { operator, agent })
+}
+
+/// Applies the roles for people ([`USER_ROLES`]).
+pub async fn install_user_roles(client: &kube::Client) -> Result<(), Error> {
+    for doc in serde_yaml_ng::Deserializer::from_str(USER_ROLES) {
+        let role: ClusterRole = serde::Deserialize::deserialize(doc).map_err(|e| Error::Io {
+            op: "parsing a ClusterRole of",
+            path: PathBuf::from("charts/imp/files/rbac/users.yaml"),
+            source: std::io::Error::other(e),
+        })?;
+        apply_role(client, &role).await?;
+    }
+    Ok(())
+}
+
+/// A person for the tests: ServiceAccount `namespace/name` (a token user, as `kubectl` and
+/// `imp exec -n` send), given each ClusterRole of `roles` in `namespace` with a RoleBinding and
+/// `imp-cli` cluster-wide; returns its kubeconfig.
+pub async fn user(
+    cp: &ControlPlane,
+    namespace: &str,
+    name: &str,
+    roles: &[&str],
+) -> Result<PathBuf, Error> {
+    let client = cp.admin().await?;
+    install_user_roles(&client).await?;
+    let kubeconfig = cp.service_account_kubeconfig(namespace, name).await?;
+    let subject = Subject {
+        kind: "ServiceAccount".into(),
+        name: name.into(),
+        namespace: Some(namespace.into()),
+        ..Default::default()
+    };
+    let role_ref = |role: &str| RoleRef {
+        api_group: "rbac.authorization.k8s.io".into(),
+        kind: "ClusterRole".into(),
+        name: role.into(),
+    };
+    let bindings: Api<RoleBinding> = Api::namespaced(client.clone(), namespace);
+    for role in roles {
+        let b = RoleBinding {
+            metadata: kube::api::ObjectMeta {
+                name: Some(format!("{name}-{role}")),
+                ..Default::default()
+            },
+            role_ref: role_ref(role),
+            subjects: Some(vec![subject.clone()]),
+        };
+        bindings
+            .patch(
+                &format!("{name}-{role}"),
+                &PatchParams::apply(MANAGER).force(),
+                &Patch::Apply(&b),
+            )
+            .await
+            .map_err(|source| Error::Kube {
+                what: format!("binding {role} to {namespace}/{name}"),
+                source,
+            })?;
+    }
+    let cli = format!("imp-cli-{namespace}-{name}");
+    let b = ClusterRoleBinding {
+        metadata: kube::api::ObjectMeta {
+            name: Some(cli.clone()),
+            ..Default::default()
+        },
+        role_ref: role_ref("imp-cli"),
+        subjects: Some(vec![subject]),
+    };
+    Api::<ClusterRoleBinding>::all(client)
+        .patch(
+            &cli,
+            &PatchParams::apply(MANAGER).force(),
+            &Patch::Apply(&b),
+        )
+        .await
+        .map_err(|source| Error::Kube {
+            what: format!("binding imp-cli to {namespace}/{name}"),
+            source,
+        })?;
+    Ok(kubeconfig)
 }
 
 #[cfg(test)]
@@ -131,5 +222,13 @@ mod tests {
             assert_eq!(r.metadata.name.as_deref(), Some(name));
             assert!(!r.rules.unwrap_or_default().is_empty(), "{name} has rules");
         }
+        let users: Vec<ClusterRole> = serde_yaml_ng::Deserializer::from_str(USER_ROLES)
+            .map(|d| serde::Deserialize::deserialize(d).unwrap())
+            .collect();
+        let names: Vec<_> = users
+            .iter()
+            .filter_map(|r| r.metadata.name.clone())
+            .collect();
+        assert_eq!(names, ["imp-view", "imp-edit", "imp-admin", "imp-cli"]);
     }
 }

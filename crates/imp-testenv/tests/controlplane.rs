@@ -31,7 +31,11 @@ async fn the_server_reports_its_pinned_version_and_answers_the_admin() {
     };
     let c = cp.admin().await.unwrap();
     let v = c.apiserver_version().await.unwrap();
-    assert_eq!(v.git_version, cp.version(), "the version stamped by scripts/kube/build");
+    assert_eq!(
+        v.git_version,
+        cp.version(),
+        "the version stamped by scripts/kube/build"
+    );
     eprintln!("started in {:.1} s", cp.started_in().as_secs_f64());
 }
 
@@ -52,7 +56,10 @@ async fn a_service_account_without_a_binding_is_refused_by_rbac_and_reviewed_as_
     // The token is a real one: a TokenReview names the ServiceAccount.
     let token = std::fs::read_to_string(&kc).unwrap();
     let token: serde_json::Value = serde_json::from_str(&token).unwrap();
-    let token = token["users"][0]["user"]["token"].as_str().unwrap().to_owned();
+    let token = token["users"][0]["user"]["token"]
+        .as_str()
+        .unwrap()
+        .to_owned();
     let reviews: Api<TokenReview> = Api::all(admin);
     let review = TokenReview {
         spec: TokenReviewSpec {
@@ -61,7 +68,10 @@ async fn a_service_account_without_a_binding_is_refused_by_rbac_and_reviewed_as_
         },
         ..Default::default()
     };
-    let r = reviews.create(&PostParams::default(), &review).await.unwrap();
+    let r = reviews
+        .create(&PostParams::default(), &review)
+        .await
+        .unwrap();
     let status = r.status.unwrap();
     assert_eq!(status.authenticated, Some(true));
     assert_eq!(
@@ -110,9 +120,11 @@ async fn namespaces_are_deleted_and_dependents_collected_by_the_controller_manag
     let uid = owner.metadata.uid.unwrap();
     cms.create(
         &PostParams::default(),
-        &serde_json::from_value(json!({"metadata": {"name": "dependent", "ownerReferences": [
-            {"apiVersion": "v1", "kind": "ConfigMap", "name": "owner", "uid": uid}
-        ]}}))
+        &serde_json::from_value(
+            json!({"metadata": {"name": "dependent", "ownerReferences": [
+                {"apiVersion": "v1", "kind": "ConfigMap", "name": "owner", "uid": uid}
+            ]}}),
+        )
         .unwrap(),
     )
     .await

@@ -1,5 +1,5 @@
 //! Node agent benchmark: an ImpVM from create to Running through the real `imp operator` and
-//! `imp agent` (against an in-process imp-testkube), split into scheduling, image, disk, boot
+//! `imp agent` (against a real kube-apiserver, with their own ServiceAccounts), split into scheduling, image, disk, boot
 //! and guest-ready, for a cached image; the same VM through `imp run -d` in the same run,
 //! interleaved, and the ratio of the two; the agent's RSS with no VM and with three running.
 //!
@@ -18,10 +18,9 @@ use std::time::{Duration, Instant};
 
 use imp_agent::runtime::state::{StateDir, VmRecord};
 use imp_api::vm::{ImpVM, VmPhase};
-use imp_testkube::TestKube;
-use imp_testkube::registry::{TestImage, TestLayer, TestRegistry, push, scratch_dir};
+use imp_testenv::registry::{TestImage, TestLayer, TestRegistry, push, scratch_dir};
 use k8s_openapi::api::core::v1::Node;
-use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
+use kube::api::{Api, DeleteParams, PostParams};
 use kube::{Client, ResourceExt};
 use serde_json::json;
 
@@ -63,24 +62,13 @@ fn ms(d: Duration) -> u128 {
 }
 
 async fn setup(c: &Client) {
-    common::install_crds(c, &[]).await;
     let nodes: Api<Node> = Api::all(c.clone());
     let n: Node = serde_json::from_value(
         json!({"metadata": {"name": "bench-node", "labels": {"imp/enabled": "true"}}}),
     )
     .unwrap();
     nodes.create(&PostParams::default(), &n).await.unwrap();
-    let status = json!({"status": {
-        "allocatable": {"cpu": "8", "memory": "16Gi"},
-        "conditions": [{"type": "Ready", "status": "True", "reason": "Bench",
-                        "lastTransitionTime": k8s_openapi::jiff::Timestamp::now().to_string()}]
-    }});
-    nodes
-        .patch_status(
-            "bench-node",
-            &PatchParams::default(),
-            &Patch::Merge(&status),
-        )
+    imp_testenv::nodes::set_ready(c, "bench-node", "8", "16Gi", true)
         .await
         .unwrap();
     let classes: Api<imp_api::class::ImpVMClass> = Api::all(c.clone());
@@ -170,8 +158,11 @@ async fn main() {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(3);
-    let kube = TestKube::start().await.unwrap();
-    let c = kube.client().await.unwrap();
+    if common::control_plane_ready().is_none() {
+        return;
+    }
+    let kube = common::cluster(&["imp-system"]).await;
+    let c = kube.client.clone();
     setup(&c).await;
     let registry = TestRegistry::start().await.unwrap();
     let image_ref = format!("{}/bench:1", registry.host());
@@ -193,7 +184,7 @@ async fn main() {
         .arg("operator")
         .args(["--metrics-addr", &format!("127.0.0.1:{}", free_port())])
         .args(["--requeue-pending", "1", "--requeue-active", "1"])
-        .env("KUBECONFIG", kube.kubeconfig())
+        .env("KUBECONFIG", kube.operator_kubeconfig())
         .env("RUST_LOG", "warn")
         .stdout(Stdio::null())
         .stderr(Stdio::inherit())
@@ -203,7 +194,7 @@ async fn main() {
     let agent = tokio::process::Command::new(env!("CARGO_BIN_EXE_imp"))
         .arg("agent")
         .env("NODE_NAME", "bench-node")
-        .env("KUBECONFIG", kube.kubeconfig())
+        .env("KUBECONFIG", kube.agent_kubeconfig())
         .env("FC_KERNEL", common::kernel())
         .env("IMP_GUEST", common::guest())
         .env("RUST_LOG", "warn")

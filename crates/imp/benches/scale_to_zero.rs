@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 use common::nodes::{Agent, Topology, ready};
 use imp_agent::runtime::state::StateDir;
 use imp_api::vm::{ImpVM, VmPhase};
-use imp_testkube::registry::scratch_dir;
+use imp_testenv::registry::scratch_dir;
 use kube::ResourceExt;
 use kube::api::{Api, DeleteParams, PostParams};
 use serde_json::json;
@@ -128,7 +128,8 @@ async fn main() {
         .unwrap_or(3)
         .max(1);
     let topo = Topology::create();
-    let (kube, c) = common::nodes::cluster(&topo).await;
+    let kube = common::nodes::cluster(&topo).await;
+    let c = kube.client.clone();
     common::create_imp(
         &c,
         "ImpVMClass",
@@ -153,9 +154,9 @@ async fn main() {
         .unwrap();
     let image = format!("oci:{}:1", layout.display());
     let cache = scratch_dir("imp-s2z-bench-cache").unwrap();
-    let _operator = common::start_operator(kube.kubeconfig());
+    let _operator = common::start_operator(kube.operator_kubeconfig());
     let mut agent = Agent::new(&topo, "a", topo.underlay(1));
-    agent.start(kube.kubeconfig(), &cache);
+    agent.start(kube.agent_kubeconfig(), &cache);
     let state = StateDir::new(&agent.state);
     let vms: Api<ImpVM> = Api::namespaced(c.clone(), NS);
     let netns = topo.ns("a");

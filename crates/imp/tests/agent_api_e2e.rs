@@ -1,6 +1,8 @@
 //! End-to-end: the real `imp exec` / `imp console` binary against the node agent's API.
 //!
-//! imp-testkube answers TokenReviews and SubjectAccessReviews from its token table and rules;
+//! A real kube-apiserver answers the agent's TokenReviews and SubjectAccessReviews (the agent
+//! asks with its own ServiceAccount's token; alice and bob are ServiceAccount token users with
+//! imp's user roles);
 //! the agent API is served in-process (TLS, self-signed) with a `VmLookup` whose VM is a real
 //! `imp-guest` in dev mode behind a small `CONNECT <port>` shim, as a VMM's vsock socket would
 //! be. The Node carries the agent's endpoint and certificate fingerprint; the ImpVM names the
@@ -21,7 +23,6 @@ use imp_api::shared::{ANNOTATION_AGENT_CERT_SHA256, ANNOTATION_AGENT_ENDPOINT};
 use imp_api::vm::ImpVM;
 use imp_proto::config::{GuestConfig, ImageConfig};
 use imp_proto::message::{ExecRequest, Hello, Message};
-use imp_testkube::TestKube;
 use k8s_openapi::api::core::v1::Node;
 use kube::Client;
 use kube::api::{Api, Patch, PatchParams, PostParams};
@@ -43,7 +44,7 @@ fn guest_binary() -> Option<PathBuf> {
     ]
     .into_iter()
     .find(|p| p.is_file());
-    if !imp_testkube::guard::require(
+    if !imp_testenv::guard::require(
         found.is_some(),
         "target/imp-guest/imp-guest (scripts/build-guest.sh) or `cargo build -p imp-guest`",
     ) {
@@ -165,9 +166,10 @@ async fn connect_shim(stream: UnixStream, api: PathBuf) {
 }
 
 struct Env {
-    _kube: TestKube,
+    _kube: common::Cluster,
     client: Client,
-    url: String,
+    /// kubeconfig and token of "alice-token" and "bob-token".
+    users: HashMap<&'static str, (PathBuf, String)>,
     dir: PathBuf,
     vms: Arc<Vms>,
     guest: Guest,
@@ -181,16 +183,15 @@ impl Env {
             std::env::temp_dir().join(format!("imp-agent-api-e2e-{tag}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
-        let auth = common::exec_users();
-        let kube = TestKube::start_with(imp_testkube::Config {
-            auth,
-            kubeconfig_token: Some("admin-token".into()),
-            ..Default::default()
-        })
-        .await
-        .unwrap();
-        let client = kube.client().await.unwrap();
-        common::install_crds(&client, &[NS]).await;
+        let kube = common::cluster(&[NS]).await;
+        let client = kube.client.clone();
+        let (alice, bob) = common::exec_users(&kube, NS).await;
+        let users = HashMap::from([("alice-token", alice), ("bob-token", bob)].map(|(k, p)| {
+            let token = imp_testenv::kubeconfig::token_of(&p).expect("a token kubeconfig");
+            (k, (p, token))
+        }));
+        // The agent reviews with its own ServiceAccount, as in a cluster.
+        let agent_client = kube.cp.client_from(kube.agent_kubeconfig()).await.unwrap();
 
         let guest = Guest::start(binary, &dir.join("vm1")).await;
         let vms = Arc::new(Vms::default());
@@ -202,7 +203,7 @@ impl Env {
         let endpoint = listener.local_addr().unwrap().to_string();
         let api = AgentApi::new(
             vms.clone(),
-            Arc::new(KubeReviewer::new(client.clone())),
+            Arc::new(KubeReviewer::new(agent_client)),
             ApiConfig {
                 console_poll: Duration::from_millis(50),
                 ..Default::default()
@@ -215,9 +216,9 @@ impl Env {
         ));
 
         let env = Env {
-            url: kube.url().to_owned(),
             _kube: kube,
             client,
+            users,
             dir,
             vms,
             guest,
@@ -271,11 +272,16 @@ impl Env {
         .unwrap();
     }
 
-    /// A kubeconfig for `token`.
-    fn kubeconfig(&self, token: &str) -> PathBuf {
-        let path = self.dir.join(format!("kubeconfig-{token}"));
-        std::fs::write(&path, imp_testkube::kubeconfig_yaml(&self.url, Some(token))).unwrap();
-        path
+    /// The kubeconfig of user `name` ("alice-token", "bob-token").
+    fn kubeconfig(&self, name: &str) -> PathBuf {
+        self.users[name].0.clone()
+    }
+
+    /// The bearer token of user `name`, or `name` itself when it is no user's (a bad token).
+    fn token(&self, name: &str) -> String {
+        self.users
+            .get(name)
+            .map_or_else(|| name.to_owned(), |u| u.1.clone())
     }
 
     /// Runs the real `imp` with a kubeconfig for `token`.
@@ -343,6 +349,7 @@ async fn raw_exec(env: &Env, token: Option<&str>, marker: &Path) -> String {
     )
     .into_bytes();
     if let Some(t) = token {
+        let t = env.token(t);
         request.extend_from_slice(format!("Authorization: Bearer {t}\r\n").as_bytes());
     }
     request.extend_from_slice(b"\r\n");
@@ -370,6 +377,9 @@ async fn cluster_exec_and_console_through_the_authenticated_agent_api() {
     let Some(binary) = guest_binary() else {
         return;
     };
+    if common::control_plane_ready().is_none() {
+        return;
+    }
     let _ = rustls::crypto::ring::default_provider().install_default();
     let env = Env::start(&binary, "stream").await;
 
@@ -523,6 +533,9 @@ async fn no_token_a_wrong_token_a_denied_user_or_a_wrong_certificate_run_nothing
     let Some(binary) = guest_binary() else {
         return;
     };
+    if common::control_plane_ready().is_none() {
+        return;
+    }
     let _ = rustls::crypto::ring::default_provider().install_default();
     let env = Env::start(&binary, "refuse").await;
 

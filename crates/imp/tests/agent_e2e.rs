@@ -1,5 +1,5 @@
 //! End-to-end: the real `imp operator` and two real `imp agent` processes (standing for two
-//! nodes) against imp-testkube, booting real Linux guests under QEMU/TCG from an image the test
+//! nodes) against a real kube-apiserver, booting real Linux guests under QEMU/TCG from an image the test
 //! pushed to a real registry. The agents run in cgroups the test made, so a container restart
 //! can be played by killing every process in an agent's cgroup.
 //!
@@ -18,8 +18,7 @@ use std::time::Duration;
 
 use imp_agent::runtime::cgroup::VmCgroup;
 use imp_api::vm::{ImpVM, VmPhase};
-use imp_testkube::TestKube;
-use imp_testkube::registry::{TestImage, TestLayer, TestRegistry, push, scratch_dir};
+use imp_testenv::registry::{TestImage, TestLayer, TestRegistry, push, scratch_dir};
 use k8s_openapi::api::core::v1::Secret;
 use kube::api::{Api, DeleteParams, PostParams};
 use kube::{Client, ResourceExt};
@@ -33,7 +32,7 @@ fn ready() -> Option<()> {
     common::guest_boot_ready()?;
     let cgroups = Path::new("/sys/fs/cgroup/memory").is_dir()
         || Path::new("/sys/fs/cgroup/cgroup.procs").is_file();
-    imp_testkube::guard::require(cgroups, "a mounted cgroup hierarchy").then_some(())
+    imp_testenv::guard::require(cgroups, "a mounted cgroup hierarchy").then_some(())
 }
 
 /// A busybox image whose workload is whatever `$SCRIPT` says, so one image serves every VM.
@@ -90,13 +89,13 @@ impl Agent {
         }
     }
 
-    fn start(&mut self, kube: &TestKube, kernel: &Path) {
+    fn start(&mut self, kube: &common::Cluster, kernel: &Path) {
         let child = Command::new(env!("CARGO_BIN_EXE_imp"))
             .arg("agent")
             .env("NODE_NAME", &self.node)
             .env("FC_KERNEL", kernel)
             .env("IMP_GUEST", common::guest())
-            .env("KUBECONFIG", kube.kubeconfig())
+            .env("KUBECONFIG", kube.agent_kubeconfig())
             .env("RUST_LOG", common::rust_log())
             .args(["--state-dir", self.state.to_str().unwrap()])
             .args(["--runtime", "qemu"])
@@ -224,24 +223,18 @@ async fn impvms_boot_end_survive_an_agent_restart_and_clean_up_on_their_nodes() 
         return;
     }
     let _ = rustls::crypto::ring::default_provider().install_default();
-    // The operator and agents use admin's token; alice may exec and read consoles, bob not.
-    let auth = common::exec_users();
-    let kube = TestKube::start_with(imp_testkube::Config {
-        auth,
-        kubeconfig_token: Some("admin-token".into()),
-        ..Default::default()
-    })
-    .await
-    .unwrap();
-    let kubeconfigs = scratch_dir("imp-agent-e2e-kubeconfigs").unwrap();
-    for token in ["alice-token", "bob-token"] {
-        let yaml = imp_testkube::kubeconfig_yaml(kube.url(), Some(token));
-        std::fs::write(kubeconfigs.join(token), yaml).unwrap();
+    if common::control_plane_ready().is_none() {
+        return;
     }
+    // The operator and the agents run with their own ServiceAccounts' tokens; alice may exec
+    // and read consoles, bob may read the VMs but not exec.
+    let kube = common::cluster(&[NS, "imp-system"]).await;
+    let (alice, bob) = common::exec_users(&kube, NS).await;
+    let kubeconfigs = std::collections::HashMap::from([("alice-token", alice), ("bob-token", bob)]);
     let imp_as = |token: &str, args: &[&str]| {
         let out = std::process::Command::new(env!("CARGO_BIN_EXE_imp"))
             .args(args)
-            .env("KUBECONFIG", kubeconfigs.join(token))
+            .env("KUBECONFIG", &kubeconfigs[token])
             .stdin(Stdio::null())
             .output()
             .unwrap();
@@ -253,8 +246,7 @@ async fn impvms_boot_end_survive_an_agent_restart_and_clean_up_on_their_nodes() 
         );
         out
     };
-    let c = kube.client().await.unwrap();
-    common::install_crds(&c, &[NS, "imp-system"]).await;
+    let c = kube.client.clone();
     node(&c, "node-a").await;
     node(&c, "node-b").await;
     let classes: Api<imp_api::class::ImpVMClass> = Api::all(c.clone());
@@ -278,7 +270,7 @@ async fn impvms_boot_end_survive_an_agent_restart_and_clean_up_on_their_nodes() 
         std::fs::remove_dir_all(&layout).unwrap();
     }
 
-    let mut operator = common::start_operator(kube.kubeconfig());
+    let mut operator = common::start_operator(kube.operator_kubeconfig());
     let mut a = Agent::new("node-a", "a");
     let mut b = Agent::new("node-b", "b");
     a.start(&kube, &common::kernel());
@@ -605,6 +597,5 @@ async fn impvms_boot_end_survive_an_agent_restart_and_clean_up_on_their_nodes() 
     )
     .await;
     let _ = operator.start_kill();
-    let _ = std::fs::remove_dir_all(&kubeconfigs);
     let _ = std::fs::remove_dir_all(shared_cache());
 }

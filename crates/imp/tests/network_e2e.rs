@@ -1,6 +1,6 @@
 //! End-to-end networking: two "nodes", each a network namespace joined to the others by veth
 //! through a hub namespace, each running a real `imp agent`; the real `imp operator` and
-//! imp-testkube (listening on an address inside the test's underlay) in between; real Linux
+//! a real kube-apiserver (listening on an address inside the test's underlay) in between; real Linux
 //! guests under QEMU/TCG. An "outside" namespace stands for the world beyond node a's default
 //! route. All traffic stays inside namespaces the test made (and one veth into the hub).
 //!
@@ -27,7 +27,7 @@ use std::process::{Output, Stdio};
 use std::time::Duration;
 
 use imp_api::vm::{ImpVM, VmPhase};
-use imp_testkube::registry::{TestImage, scratch_dir};
+use imp_testenv::registry::{TestImage, scratch_dir};
 use kube::Client;
 use kube::api::{Api, DeleteParams, PostParams};
 use serde_json::json;
@@ -217,8 +217,10 @@ async fn vms_talk_within_their_network_across_nodes_and_out_through_nat_and_nowh
     }
     let _ = rustls::crypto::ring::default_provider().install_default();
     let topo = Topology::create();
-    let (kube, c) = common::nodes::cluster(&topo).await;
-    let kubeconfig = kube.kubeconfig().to_path_buf();
+    let kube = common::nodes::cluster(&topo).await;
+    let c = kube.client.clone();
+    // `imp exec -n` as a person would run it: a token user allowed to exec in the namespace.
+    let (kubeconfig, _) = common::exec_users(&kube, NS).await;
     common::create_imp(
         &c,
         "ImpVMClass",
@@ -261,11 +263,11 @@ async fn vms_talk_within_their_network_across_nodes_and_out_through_nat_and_nowh
     let image = format!("oci:{}:1", layout.display());
     let cache = scratch_dir("imp-net-e2e-cache").unwrap();
 
-    let _operator = common::start_operator(&kubeconfig);
+    let _operator = common::start_operator(kube.operator_kubeconfig());
     let mut a = Agent::new(&topo, "a", topo.underlay(1));
     let mut b = Agent::new(&topo, "b", topo.underlay(2));
-    a.start(&kubeconfig, &cache);
-    b.start(&kubeconfig, &cache);
+    a.start(kube.agent_kubeconfig(), &cache);
+    b.start(kube.agent_kubeconfig(), &cache);
 
     let vms: Api<ImpVM> = Api::namespaced(c.clone(), NS);
     let vm = |node: &str, network: &str, group: Option<&str>| {
@@ -420,7 +422,7 @@ async fn vms_talk_within_their_network_across_nodes_and_out_through_nat_and_nowh
     // The agent of node a dies by SIGKILL and comes back: nothing moves, everything talks.
     let taps_before = topo.imp_links("a");
     a.kill().await;
-    a.start(&kubeconfig, &cache);
+    a.start(kube.agent_kubeconfig(), &cache);
     tokio::time::sleep(Duration::from_secs(3)).await;
     for (name, _) in &plan {
         let v = vms.get(name).await.unwrap();

@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::time::Instant;
 
-use imp_testkube::registry::{TestImage, TestLayer, TestRegistry, push, scratch_dir};
+use imp_testenv::registry::{TestImage, TestLayer, TestRegistry, push, scratch_dir};
 
 /// One guest at a time: two TCG guests on the 2-core CI machine make each boot slow and its
 /// timing unpredictable.

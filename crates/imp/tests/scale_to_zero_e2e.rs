@@ -10,7 +10,7 @@
 //! and runs, and the VM stays up while the exec lasts, longer than its idle timeout.
 //!
 //! Two "nodes" (network namespaces) each run a real `imp agent`, with the real `imp operator`
-//! and imp-testkube; guests are real Linux under QEMU/TCG. Needs root, iproute2, nftables and
+//! and a real kube-apiserver; guests are real Linux under QEMU/TCG. Needs root, iproute2, nftables and
 //! what a guest boot needs (`scripts/setup`): without them it skips on a developer machine and
 //! fails under `CI=true`.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 use common::nodes::{Agent, Topology, ready, text};
 use common::{phase, wait_vm};
 use imp_api::vm::{ImpVM, VmPhase};
-use imp_testkube::registry::scratch_dir;
+use imp_testenv::registry::scratch_dir;
 use k8s_openapi::api::core::v1::Event;
 use kube::api::{Api, PostParams};
 use kube::{Client, ResourceExt};
@@ -175,8 +175,10 @@ async fn an_idle_vm_sleeps_and_its_first_syn_wakes_it_from_anywhere_without_a_re
     }
     let _ = rustls::crypto::ring::default_provider().install_default();
     let topo = Topology::create();
-    let (kube, c) = common::nodes::cluster(&topo).await;
-    let kubeconfig = kube.kubeconfig().to_path_buf();
+    let kube = common::nodes::cluster(&topo).await;
+    let c = kube.client.clone();
+    // `imp exec -n` as a person would run it: a token user allowed to exec in the namespace.
+    let (kubeconfig, _) = common::exec_users(&kube, NS).await;
     common::create_imp(
         &c,
         "ImpVMClass",
@@ -205,11 +207,11 @@ async fn an_idle_vm_sleeps_and_its_first_syn_wakes_it_from_anywhere_without_a_re
     let image = format!("oci:{}:1", layout.display());
     let cache = scratch_dir("imp-s2z-e2e-cache").unwrap();
 
-    let _operator = common::start_operator(&kubeconfig);
+    let _operator = common::start_operator(kube.operator_kubeconfig());
     let mut a = Agent::new(&topo, "a", topo.underlay(1));
     let mut b = Agent::new(&topo, "b", topo.underlay(2));
-    a.start(&kubeconfig, &cache);
-    b.start(&kubeconfig, &cache);
+    a.start(kube.agent_kubeconfig(), &cache);
+    b.start(kube.agent_kubeconfig(), &cache);
 
     let vms: Api<ImpVM> = Api::namespaced(c.clone(), NS);
     for (name, node, script, desired) in [
@@ -290,7 +292,7 @@ async fn an_idle_vm_sleeps_and_its_first_syn_wakes_it_from_anywhere_without_a_re
         phase(&vms.get(SLEEPER).await.unwrap()),
         Some(VmPhase::Suspended)
     );
-    a.start(&kubeconfig, &cache);
+    a.start(kube.agent_kubeconfig(), &cache);
     let out = text(
         &tokio::time::timeout(EXEC_LIMIT, pending.wait_with_output())
             .await
@@ -316,7 +318,7 @@ async fn an_idle_vm_sleeps_and_its_first_syn_wakes_it_from_anywhere_without_a_re
     a.kill_container().await;
     wait_tap(&topo, &a, &uid, false).await;
     a.extra_args = vec!["--resume-reserve-mib".into(), "100000000".into()];
-    a.start(&kubeconfig, &cache);
+    a.start(kube.agent_kubeconfig(), &cache);
     wait_tap(&topo, &a, &uid, true).await;
     let refused = assert_stays_asleep(&kubeconfig, &vms, &ip).await;
     assert!(
@@ -327,7 +329,7 @@ async fn an_idle_vm_sleeps_and_its_first_syn_wakes_it_from_anywhere_without_a_re
     a.kill_container().await;
     wait_tap(&topo, &a, &uid, false).await;
     a.extra_args.clear();
-    a.start(&kubeconfig, &cache);
+    a.start(kube.agent_kubeconfig(), &cache);
     let resumed = occurrences(&c, SLEEPER, "Resumed").await;
     wait_tap(&topo, &a, &uid, true).await;
     // The restarted agent's API knows the VMs on its node at once.

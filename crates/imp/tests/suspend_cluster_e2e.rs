@@ -1,5 +1,5 @@
 //! End-to-end: `spec.desiredState` of an ImpVM, set by `imp suspend|resume -n NS VM`, acted on
-//! by the real `imp agent` and `imp operator` against imp-testkube, with a real Linux guest
+//! by the real `imp agent` and `imp operator` against a real kube-apiserver, with a real Linux guest
 //! under QEMU/TCG. The VM is suspended (phase Suspended with suspendedAt and the snapshot's
 //! place, its QEMU gone), survives its agent's container being killed and restarted, and is
 //! resumed on the same node with its processes and files, exec answering.
@@ -17,8 +17,7 @@ use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use imp_api::vm::{ImpVM, VmPhase};
-use imp_testkube::TestKube;
-use imp_testkube::registry::{TestImage, TestRegistry, push, scratch_dir};
+use imp_testenv::registry::{TestImage, TestRegistry, push, scratch_dir};
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
 use serde_json::json;
@@ -50,13 +49,13 @@ impl Agent {
         }
     }
 
-    fn start(&mut self, kube: &TestKube) {
+    fn start(&mut self, kube: &common::Cluster) {
         let child = Command::new(env!("CARGO_BIN_EXE_imp"))
             .arg("agent")
             .env("NODE_NAME", "sp-node")
             .env("FC_KERNEL", common::kernel())
             .env("IMP_GUEST", common::guest())
-            .env("KUBECONFIG", kube.kubeconfig())
+            .env("KUBECONFIG", kube.agent_kubeconfig())
             .env("RUST_LOG", common::rust_log())
             .args(["--state-dir", self.state.to_str().unwrap()])
             .args(["--runtime", "qemu", "--no-network"])
@@ -158,22 +157,12 @@ async fn desired_state_suspends_and_resumes_an_impvm_across_an_agent_restart() {
         return;
     }
     let _ = rustls::crypto::ring::default_provider().install_default();
-    let kube = TestKube::start_with(imp_testkube::Config {
-        auth: common::exec_users(),
-        kubeconfig_token: Some("admin-token".into()),
-        ..Default::default()
-    })
-    .await
-    .unwrap();
-    let kubeconfigs = scratch_dir("imp-suspend-cluster-kubeconfigs").unwrap();
-    let alice = kubeconfigs.join("alice");
-    std::fs::write(
-        &alice,
-        imp_testkube::kubeconfig_yaml(kube.url(), Some("alice-token")),
-    )
-    .unwrap();
-    let c = kube.client().await.unwrap();
-    common::install_crds(&c, &[NS, "imp-system"]).await;
+    if common::control_plane_ready().is_none() {
+        return;
+    }
+    let kube = common::cluster(&[NS, "imp-system"]).await;
+    let (alice, _) = common::exec_users(&kube, NS).await;
+    let c = kube.client.clone();
     node(&c, "sp-node").await;
     let classes: Api<imp_api::class::ImpVMClass> = Api::all(c.clone());
     let small: imp_api::class::ImpVMClass = serde_json::from_value(json!({
@@ -192,7 +181,7 @@ async fn desired_state_suspends_and_resumes_an_impvm_across_an_agent_restart() {
     push(&layout, "1", &dest, None).await.unwrap();
     std::fs::remove_dir_all(&layout).unwrap();
 
-    let _operator = common::start_operator(kube.kubeconfig());
+    let _operator = common::start_operator(kube.operator_kubeconfig());
     let mut agent = Agent::new();
     agent.start(&kube);
 
@@ -413,5 +402,4 @@ async fn desired_state_suspends_and_resumes_an_impvm_across_an_agent_restart() {
     })
     .await;
     assert!(!Path::new(&path).exists(), "snapshot left after deletion");
-    let _ = std::fs::remove_dir_all(&kubeconfigs);
 }

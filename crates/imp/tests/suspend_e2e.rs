@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
-use imp_testkube::registry::{TestImage, TestRegistry, push, scratch_dir};
+use imp_testenv::registry::{TestImage, TestRegistry, push, scratch_dir};
 
 fn image() -> TestImage {
     common::counter_image()

@@ -1,17 +1,13 @@
 //! What the `imp` binary's end-to-end tests and benchmarks share: where the build tree is,
-//! the check that a real guest can boot here, polling with a deadline, free ports, and the
-//! test API server's users for the agent API.
+//! the check that a real guest can boot here, polling with a deadline, free ports, and a real
+//! control plane with imp's CRDs, RBAC and users.
 #![allow(dead_code)] // each test binary uses its own part of this module
 
 pub mod nodes;
 
-use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use imp_testkube::{Auth, Rule, User};
-use k8s_openapi::api::core::v1::Namespace;
-use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::api::{Api, PostParams};
 
 /// The workspace's root (the checkout).
@@ -37,21 +33,21 @@ pub fn guest() -> PathBuf {
 /// skip (the guard has said why; under CI=true it fails instead).
 pub fn guest_boot_ready() -> Option<()> {
     let checks = [
-        (imp_testkube::guard::is_root(), "root"),
+        (imp_testenv::guard::is_root(), "root"),
         (
-            imp_testkube::guard::which("qemu-system-x86_64").is_some(),
+            imp_testenv::guard::which("qemu-system-x86_64").is_some(),
             "qemu-system-x86_64 (scripts/setup)",
         ),
         (
-            imp_testkube::guard::which("docker-registry").is_some(),
+            imp_testenv::guard::which("docker-registry").is_some(),
             "docker-registry (apt-get install docker-registry)",
         ),
         (
-            imp_testkube::guard::which("skopeo").is_some(),
+            imp_testenv::guard::which("skopeo").is_some(),
             "skopeo (apt-get install skopeo)",
         ),
         (
-            imp_testkube::guard::which("mkfs.ext4").is_some(),
+            imp_testenv::guard::which("mkfs.ext4").is_some(),
             "mkfs.ext4 (apt-get install e2fsprogs)",
         ),
         (
@@ -68,7 +64,7 @@ pub fn guest_boot_ready() -> Option<()> {
         ),
     ];
     for (ok, what) in checks {
-        if !imp_testkube::guard::require(ok, what) {
+        if !imp_testenv::guard::require(ok, what) {
             return None;
         }
     }
@@ -102,50 +98,82 @@ pub fn free_port() -> u16 {
         .expect("binding 127.0.0.1:0")
 }
 
-/// The test API server's users: `admin-token` (system:masters, for the operator and the
-/// agents), `alice-token` (may `create` impvms/exec and impvms/console) and `bob-token`
-/// (authenticated, allowed nothing).
-pub fn exec_users() -> Auth {
-    let user = |name: &str, groups: &[&str]| User {
-        name: name.to_owned(),
-        groups: groups.iter().map(|g| g.to_string()).collect(),
-    };
-    Auth {
-        tokens: HashMap::from([
-            ("admin-token".to_owned(), user("admin", &["system:masters"])),
-            ("alice-token".to_owned(), user("alice", &["dev"])),
-            ("bob-token".to_owned(), user("bob", &["dev"])),
-        ]),
-        rules: vec![Rule {
-            subject: "alice".into(),
-            verbs: vec!["create".into()],
-            groups: vec!["imp.dev".into()],
-            resources: vec!["impvms/exec".into(), "impvms/console".into()],
-        }],
-        enforce: false,
+/// A real Kubernetes control plane of the test's own (etcd, kube-apiserver,
+/// kube-controller-manager from `scripts/kube/build`) with imp's CRDs, the namespaces the
+/// test names, and imp's RBAC: the operator and the agents run with the tokens of their own
+/// ServiceAccounts (`imp-system/imp-operator`, `imp-system/imp-agent`) and only the rules the
+/// product ships (`charts/imp/files/rbac/`), so a missing permission fails the test. A test
+/// takes one of its own because the operator watches every namespace and Nodes are
+/// cluster-wide: two tests on one server would place each other's VMs.
+pub struct Cluster {
+    /// The control plane.
+    pub cp: imp_testenv::ControlPlane,
+    /// A client as the admin (`system:masters`), for the test's own reads and writes.
+    pub client: kube::Client,
+    /// Kubeconfigs of the operator's and the agents' ServiceAccounts.
+    pub ids: imp_testenv::rbac::Identities,
+}
+
+impl Cluster {
+    /// The kubeconfig the operator runs with.
+    pub fn operator_kubeconfig(&self) -> &Path {
+        &self.ids.operator
+    }
+
+    /// The kubeconfig every agent runs with.
+    pub fn agent_kubeconfig(&self) -> &Path {
+        &self.ids.agent
+    }
+
+    /// The admin's kubeconfig.
+    pub fn admin_kubeconfig(&self) -> &Path {
+        self.cp.admin_kubeconfig()
     }
 }
 
-/// Installs imp's CRDs on a fresh test API server and makes sure `namespaces` exist.
-pub async fn install_crds(client: &kube::Client, namespaces: &[&str]) {
-    let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
-    for crd in imp_api::crd::all() {
-        crds.create(&PostParams::default(), &crd)
+/// Whether the test control plane is built; `None` means skip (under `CI=true` the guard
+/// fails the test instead).
+pub fn control_plane_ready() -> Option<()> {
+    imp_testenv::controlplane::available(imp_testenv::Release::Newest).then_some(())
+}
+
+/// [`Cluster`] with default options (the API server on 127.0.0.1).
+pub async fn cluster(namespaces: &[&str]) -> Cluster {
+    cluster_with(imp_testenv::Options::default(), namespaces).await
+}
+
+/// [`Cluster`] with `opts` (e.g. the API server on an address network namespaces reach).
+pub async fn cluster_with(opts: imp_testenv::Options, namespaces: &[&str]) -> Cluster {
+    let cp = imp_testenv::ControlPlane::start(opts)
+        .await
+        .unwrap_or_else(|e| panic!("starting the test control plane: {e}"));
+    let client = cp.admin().await.expect("an admin client");
+    cp.install_crds(&client, &imp_api::crd::all())
+        .await
+        .unwrap_or_else(|e| panic!("installing imp's CRDs: {e}"));
+    for ns in namespaces {
+        cp.ensure_namespace(&client, ns)
             .await
-            .expect("creating an imp CRD");
+            .unwrap_or_else(|e| panic!("{e}"));
     }
-    let api: Api<Namespace> = Api::all(client.clone());
-    for name in namespaces {
-        let mut ns = Namespace::default();
-        ns.metadata.name = Some((*name).to_owned());
-        // The server may have some already ("default").
-        match api.create(&PostParams::default(), &ns).await {
-            Err(kube::Error::Api(e)) if e.code == 409 => {}
-            other => {
-                other.expect("creating a namespace");
-            }
-        }
-    }
+    let ids = imp_testenv::rbac::install(&cp, "imp-system")
+        .await
+        .unwrap_or_else(|e| panic!("installing imp's RBAC: {e}"));
+    Cluster { cp, client, ids }
+}
+
+/// The people of the exec tests, as ServiceAccount token users in namespace `ns`: alice holds
+/// `imp-edit` there (she may exec and open consoles), bob `imp-view` (he may read the VM but
+/// the agent's SubjectAccessReview refuses him); both hold `imp-cli` (read Nodes and Events, as
+/// `imp exec -n` does). Returns their kubeconfigs (alice, bob).
+pub async fn exec_users(c: &Cluster, ns: &str) -> (PathBuf, PathBuf) {
+    let alice = imp_testenv::rbac::user(&c.cp, ns, "alice", &["imp-view", "imp-edit"])
+        .await
+        .unwrap_or_else(|e| panic!("making user alice: {e}"));
+    let bob = imp_testenv::rbac::user(&c.cp, ns, "bob", &["imp-view"])
+        .await
+        .unwrap_or_else(|e| panic!("making user bob: {e}"));
+    (alice, bob)
 }
 
 /// Where a test's child processes log: inherited with `IMP_TEST_LOGS` set; else, while a
@@ -303,8 +331,8 @@ pub fn remove_agent_leftovers(state: &Path, cgroup_parent: &str) {
 
 /// A busybox image with `applets` linked and the directories a workload expects (`/tmp`,
 /// `/mnt`, root's home), whose workload is `sh -c CMD`.
-pub fn busybox_image(applets: &[&str], cmd: &str) -> imp_testkube::registry::TestImage {
-    let mut layer = imp_testkube::registry::TestLayer::new()
+pub fn busybox_image(applets: &[&str], cmd: &str) -> imp_testenv::registry::TestImage {
+    let mut layer = imp_testenv::registry::TestLayer::new()
         .dir("bin", 0o755)
         .file(
             "bin/busybox",
@@ -320,7 +348,7 @@ pub fn busybox_image(applets: &[&str], cmd: &str) -> imp_testkube::registry::Tes
     for applet in applets {
         layer = layer.symlink(&format!("bin/{applet}"), "busybox");
     }
-    imp_testkube::registry::TestImage::new()
+    imp_testenv::registry::TestImage::new()
         .layer(layer)
         .entrypoint(&["/bin/sh", "-c"])
         .cmd(&[cmd])
@@ -330,7 +358,6 @@ pub fn busybox_image(applets: &[&str], cmd: &str) -> imp_testkube::registry::Tes
 /// Creates a Ready Node `name` labelled `imp/enabled=true`, with room for every test VM.
 pub async fn ready_node(c: &kube::Client, name: &str) {
     use k8s_openapi::api::core::v1::Node;
-    use kube::api::{Patch, PatchParams};
     let api: Api<Node> = Api::all(c.clone());
     let n: Node = serde_json::from_value(
         serde_json::json!({"metadata": {"name": name, "labels": {"imp/enabled": "true"}}}),
@@ -339,15 +366,9 @@ pub async fn ready_node(c: &kube::Client, name: &str) {
     api.create(&PostParams::default(), &n)
         .await
         .expect("creating a Node");
-    let status = serde_json::json!({"status": {
-        "allocatable": {"cpu": "8", "memory": "16Gi"},
-        "capacity": {"cpu": "8", "memory": "16Gi"},
-        "conditions": [{"type": "Ready", "status": "True", "reason": "Test",
-                        "lastTransitionTime": k8s_openapi::jiff::Timestamp::now().to_string()}]
-    }});
-    api.patch_status(name, &PatchParams::default(), &Patch::Merge(&status))
+    imp_testenv::nodes::set_ready(c, name, "8", "16Gi", true)
         .await
-        .expect("making a Node Ready");
+        .unwrap_or_else(|e| panic!("{e}"));
 }
 
 /// Pids of processes whose command line names `needle` (a VM's directory).
@@ -525,7 +546,7 @@ pub const COUNTER: &str = "mkdir -p /mnt/t && mount -t tmpfs tmpfs /mnt/t && i=0
      sleep 1; done";
 
 /// A busybox image whose workload is [`COUNTER`] (with `date` for clock checks).
-pub fn counter_image() -> imp_testkube::registry::TestImage {
+pub fn counter_image() -> imp_testenv::registry::TestImage {
     busybox_image(
         &["sh", "echo", "cat", "sleep", "mount", "mkdir", "mv", "date"],
         COUNTER,

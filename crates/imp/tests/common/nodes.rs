@@ -8,37 +8,33 @@ use std::net::Ipv4Addr;
 use std::path::{Path, PathBuf};
 use std::process::{Output, Stdio};
 
-use imp_testkube::registry::scratch_dir;
+use imp_testenv::registry::scratch_dir;
 use tokio::process::Command;
 
 /// The port of every agent's API inside its node namespace.
 pub const AGENT_API_PORT: u16 = 10251;
 
-/// The test API server listening on the underlay (so node namespaces reach it), with the
-/// exec users, the CRDs, and Ready nodes `node-a` and `node-b`.
-pub async fn cluster(topo: &Topology) -> (imp_testkube::TestKube, kube::Client) {
-    let kube = imp_testkube::TestKube::start_with(imp_testkube::Config {
+/// A real control plane whose API server listens on the underlay (so node namespaces reach
+/// it), with imp's CRDs and RBAC, and Ready nodes `node-a` and `node-b`.
+pub async fn cluster(topo: &Topology) -> super::Cluster {
+    let opts = imp_testenv::Options {
         host: topo.underlay(254).into(),
-        auth: super::exec_users(),
-        kubeconfig_token: Some("admin-token".into()),
         ..Default::default()
-    })
-    .await
-    .expect("starting the test API server");
-    let c = kube.client().await.expect("a client");
-    super::install_crds(&c, &["default", "imp-system"]).await;
-    super::ready_node(&c, "node-a").await;
-    super::ready_node(&c, "node-b").await;
-    (kube, c)
+    };
+    let c = super::cluster_with(opts, &["default", "imp-system"]).await;
+    super::ready_node(&c.client, "node-a").await;
+    super::ready_node(&c.client, "node-b").await;
+    c
 }
 
 /// Whether `ip` and `nft` are here (on top of what a guest boot needs).
 pub fn ready() -> Option<()> {
     super::guest_boot_ready()?;
-    let ip = imp_testkube::guard::which("ip").is_some();
-    let nft = imp_testkube::guard::which("nft").is_some();
-    (imp_testkube::guard::require(ip, "ip (apt-get install iproute2)")
-        && imp_testkube::guard::require(nft, "nft (apt-get install nftables)"))
+    super::control_plane_ready()?;
+    let ip = imp_testenv::guard::which("ip").is_some();
+    let nft = imp_testenv::guard::which("nft").is_some();
+    (imp_testenv::guard::require(ip, "ip (apt-get install iproute2)")
+        && imp_testenv::guard::require(nft, "nft (apt-get install nftables)"))
     .then_some(())
 }
 
