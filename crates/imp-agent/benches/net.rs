@@ -18,12 +18,12 @@ use imp_api::network::{ImpNetwork, ImpNetworkSpec};
 const MARK: &str = "IMP_BENCH_NET_INSIDE";
 
 fn main() {
-    let root = imp_testkube::guard::is_root();
-    let tools = imp_testkube::guard::which("ip").is_some()
-        && imp_testkube::guard::which("nft").is_some()
-        && imp_testkube::guard::which("nsenter").is_some();
-    if !imp_testkube::guard::require(root, "root")
-        || !imp_testkube::guard::require(tools, "ip, nft and nsenter")
+    let root = imp_testenv::guard::is_root();
+    let tools = imp_testenv::guard::which("ip").is_some()
+        && imp_testenv::guard::which("nft").is_some()
+        && imp_testenv::guard::which("nsenter").is_some();
+    if !imp_testenv::guard::require(root, "root")
+        || !imp_testenv::guard::require(tools, "ip, nft and nsenter")
     {
         return;
     }

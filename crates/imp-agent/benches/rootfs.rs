@@ -8,7 +8,7 @@
 use std::time::{Duration, Instant};
 
 use imp_agent::image::{ImageSource, ImageStore, Limits, RegistryAuth, clone_disk};
-use imp_testkube::registry::{TestImage, TestLayer, scratch_dir};
+use imp_testenv::registry::{TestImage, TestLayer, scratch_dir};
 
 /// Files and bytes of the synthetic image.
 const FILES: usize = 400;
@@ -40,7 +40,7 @@ fn median(mut v: Vec<Duration>) -> Duration {
 #[tokio::main]
 async fn main() {
     for tool in ["mkfs.ext4", "resize2fs"] {
-        if imp_testkube::guard::which(tool).is_none() {
+        if imp_testenv::guard::which(tool).is_none() {
             eprintln!("rootfs bench: `{tool}` missing, nothing measured");
             return;
         }
@@ -58,7 +58,7 @@ async fn main() {
             0o644,
         );
     }
-    if let Some(busybox) = imp_testkube::guard::which("busybox") {
+    if let Some(busybox) = imp_testenv::guard::which("busybox") {
         upper = upper.file("bin/busybox", std::fs::read(busybox).unwrap(), 0o755);
     }
     let layout = dir.join("layout");

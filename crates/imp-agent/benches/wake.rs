@@ -31,12 +31,12 @@ const VM: SleepingVm = SleepingVm {
 const ROUNDS: usize = 30;
 
 fn main() {
-    let root = imp_testkube::guard::is_root();
+    let root = imp_testenv::guard::is_root();
     let tools = ["ip", "nsenter", "unshare"]
         .iter()
-        .all(|t| imp_testkube::guard::which(t).is_some());
-    if !imp_testkube::guard::require(root, "root")
-        || !imp_testkube::guard::require(tools, "ip, nsenter and unshare")
+        .all(|t| imp_testenv::guard::which(t).is_some());
+    if !imp_testenv::guard::require(root, "root")
+        || !imp_testenv::guard::require(tools, "ip, nsenter and unshare")
     {
         return;
     }

@@ -20,7 +20,7 @@ use imp_agent::vmm::firecracker::{self, Firecracker, JailerConfig, Launcher, Lay
 use imp_agent::vmm::{
     DriveConfig, NetConfig, SnapshotFiles, StopOutcome, VmConfig, VmState, Vmm, VsockConfig,
 };
-use imp_testkube::guard;
+use imp_testenv::guard;
 use serde_yaml_ng::Value;
 
 const GUEST_SRC: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/guest/baremetal.S");

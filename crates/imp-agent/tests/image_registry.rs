@@ -9,14 +9,14 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use axum::body::Body;
 use axum::http::{HeaderValue, Request, Response, StatusCode};
 use imp_agent::image::{ImageSource, ImageStore, Limits, RegistryAuth, auth_from_docker_config};
-use imp_testkube::registry::{TestImage, TestLayer, TestRegistry, push, scratch_dir, write_index};
-use imp_testkube::require_tool;
+use imp_testenv::registry::{TestImage, TestLayer, TestRegistry, push, scratch_dir, write_index};
+use imp_testenv::require_tool;
 
 /// True when every tool these tests run is present; skips locally, fails under CI.
 fn tools() -> bool {
     ["docker-registry", "skopeo", "mkfs.ext4"].iter().all(|t| {
-        imp_testkube::guard::require(
-            imp_testkube::guard::which(t).is_some(),
+        imp_testenv::guard::require(
+            imp_testenv::guard::which(t).is_some(),
             &format!("tool `{t}` on PATH"),
         )
     })

@@ -7,14 +7,14 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use imp_agent::image::{ImageError, ImageSource, ImageStore, Limits, RegistryAuth, clone_disk};
-use imp_testkube::registry::{TestImage, TestLayer, scratch_dir, write_archive};
+use imp_testenv::registry::{TestImage, TestLayer, scratch_dir, write_archive};
 
 fn tools() -> bool {
     ["mkfs.ext4", "debugfs", "dumpe2fs", "resize2fs", "e2fsck"]
         .iter()
         .all(|t| {
-            imp_testkube::guard::require(
-                imp_testkube::guard::which(t).is_some(),
+            imp_testenv::guard::require(
+                imp_testenv::guard::which(t).is_some(),
                 &format!("tool `{t}` on PATH"),
             )
         })
@@ -475,7 +475,7 @@ async fn zstd_layers_unpack() {
     if !tools() {
         return;
     }
-    let _ = imp_testkube::require_tool!("zstd");
+    let _ = imp_testenv::require_tool!("zstd");
     let f = Fixture::new();
     let img = TestImage::new()
         .zstd()

@@ -76,13 +76,13 @@ fn inputs() -> Option<Inputs> {
             "static busybox (apt-get install -y busybox-static)".to_string(),
         ),
         (
-            imp_testkube::guard::which("mkfs.ext4").is_some()
-                && imp_testkube::guard::which("e2fsck").is_some(),
+            imp_testenv::guard::which("mkfs.ext4").is_some()
+                && imp_testenv::guard::which("e2fsck").is_some(),
             "mkfs.ext4 and e2fsck (apt-get install -y e2fsprogs)".to_string(),
         ),
     ];
     for (ok, what) in checks {
-        if !imp_testkube::guard::require(ok, &what) {
+        if !imp_testenv::guard::require(ok, &what) {
             return None;
         }
     }

@@ -90,7 +90,7 @@ struct Inputs {
 
 fn inputs() -> Option<Inputs> {
     let root = workspace_root();
-    let qemu = imp_testkube::guard::which("qemu-system-x86_64");
+    let qemu = imp_testenv::guard::which("qemu-system-x86_64");
     let kernel = env_path("IMP_GUEST_KERNEL_DIR", root.join("target/guest-kernel")).join("vmlinuz");
     let guest = env_path("IMP_GUEST_BIN", root.join("target/imp-guest/imp-guest"));
     let busybox = env_path("IMP_BUSYBOX", PathBuf::from("/bin/busybox"));
@@ -119,7 +119,7 @@ fn inputs() -> Option<Inputs> {
         ),
     ];
     for (ok, what) in checks {
-        if !imp_testkube::guard::require(ok, &what) {
+        if !imp_testenv::guard::require(ok, &what) {
             return None;
         }
     }

@@ -48,14 +48,14 @@ fn inside(test: &str, tag: &str) -> bool {
     if std::env::var(MARK).is_ok_and(|m| m == tag) {
         return true;
     }
-    let root = imp_testkube::guard::is_root();
+    let root = imp_testenv::guard::is_root();
     let tools = ["ip", "nsenter", "unshare", "bash"]
         .iter()
-        .all(|t| imp_testkube::guard::which(t).is_some());
+        .all(|t| imp_testenv::guard::which(t).is_some());
     let tun = std::path::Path::new("/dev/net/tun").exists();
-    if !imp_testkube::guard::require(root, "root for network namespaces")
-        || !imp_testkube::guard::require(tools, "ip, nsenter, unshare and bash")
-        || !imp_testkube::guard::require(tun, "/dev/net/tun")
+    if !imp_testenv::guard::require(root, "root for network namespaces")
+        || !imp_testenv::guard::require(tools, "ip, nsenter, unshare and bash")
+        || !imp_testenv::guard::require(tun, "/dev/net/tun")
     {
         return false;
     }

@@ -1,6 +1,7 @@
 //! IPAM benchmark (printed figures, no assertions on time): the pure allocation decision, and
 //! 1,000 concurrent VMs allocating through the real protocol (per-network lock, fresh read,
-//! resourceVersion-preconditioned status write) against imp-testkube.
+//! resourceVersion-preconditioned status write) against a real kube-apiserver (imp-testenv), the
+//! IPAM running as the operator's ServiceAccount with the chart's role.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::collections::BTreeSet;
@@ -13,7 +14,6 @@ use imp_operator::ipam::{
     Ipam, allocator, batch,
     pool::{Internal, PoolSource},
 };
-use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kube::api::{Api, Patch, PatchParams, PostParams};
 
@@ -136,15 +136,19 @@ fn main() {
         .enable_all()
         .build()
         .unwrap();
+    let Some(cp) = imp_testenv::ControlPlane::shared() else {
+        return;
+    };
     rt.block_on(async {
-        let kube = imp_testkube::TestKube::start().await.unwrap();
-        let client = kube.client().await.unwrap();
-        let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
-        for crd in imp_api::crd::all() {
-            crds.create(&PostParams::default(), &crd).await.unwrap();
-        }
+        // The admin creates the networks; the IPAM writes as the operator.
+        let client = cp.admin().await.unwrap();
+        cp.install_crds(&client, &imp_api::crd::all())
+            .await
+            .unwrap();
+        let ids = imp_testenv::rbac::install(cp, "imp-system").await.unwrap();
+        let operator = cp.client_from(&ids.operator).await.unwrap();
         ready_network(&client, "one", "10.0.0.0/20").await;
-        let ipam = Arc::new(Ipam::new(client.clone(), None));
+        let ipam = Arc::new(Ipam::new(operator, None));
         let d = concurrent(ipam.clone(), &["one"]).await;
         println!(
             "ipam over the API, {VMS} concurrent VMs on one network: {}",

@@ -1,15 +1,21 @@
-//! Leader election against the in-process test API server: one leader among two electors,
+//! Leader election against a real kube-apiserver (imp-testenv): one leader among two electors,
 //! takeover after a kill, fast hand-over on graceful shutdown, stepping down when the lease is
 //! stolen or the API server disappears.
+//!
+//! The electors run as the operator's ServiceAccount with the ClusterRole the chart ships, so a
+//! Lease call the role does not allow fails here. Each test competes for the Lease in a
+//! namespace of its own on the binary's shared control plane (the Lease keeps the name the
+//! role's `resourceNames` allows); the test that kills the API server starts its own.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use imp_operator::leader::{LeaderElector, LeaseConfig};
 use imp_operator::metrics::Metrics;
-use imp_testkube::TestKube;
+use imp_testenv::{ControlPlane, Options, rbac};
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
 use k8s_openapi::jiff::Timestamp;
@@ -19,7 +25,6 @@ use tokio::sync::{oneshot, watch};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
-const NS: &str = "kube-system";
 const LEASE: &str = "imp-operator";
 const LEASE_DURATION: Duration = Duration::from_secs(2);
 const RENEW_DEADLINE: Duration = Duration::from_millis(1500);
@@ -27,13 +32,56 @@ const RETRY: Duration = Duration::from_millis(250);
 /// Room for request latency and scheduling on a loaded 2-core machine.
 const SLACK: Duration = Duration::from_millis(700);
 
-fn config(identity: &str) -> LeaseConfig {
+fn config(ns: &str, identity: &str) -> LeaseConfig {
     LeaseConfig {
         lease_duration: LEASE_DURATION,
         renew_deadline: RENEW_DEADLINE,
         retry_period: RETRY,
-        ..LeaseConfig::new(NS, LEASE, identity)
+        ..LeaseConfig::new(ns, LEASE, identity)
     }
+}
+
+/// One test's cluster: a control plane, the namespace of its Lease, the operator's identity
+/// there, and an admin client that observes (and, as a third party, steals) the Lease.
+struct Kube<'a> {
+    cp: &'a ControlPlane,
+    ns: String,
+    operator: PathBuf,
+    admin: kube::Client,
+}
+
+impl<'a> Kube<'a> {
+    /// A namespace of its own on `cp`, with imp's RBAC installed for it.
+    async fn on(cp: &'a ControlPlane) -> Result<Self> {
+        let admin = cp.admin().await?;
+        let ns = cp.namespace(&admin, "leader").await?;
+        let ids = rbac::install(cp, &ns).await?;
+        Ok(Self {
+            cp,
+            ns,
+            operator: ids.operator,
+            admin,
+        })
+    }
+
+    /// A client as the operator's ServiceAccount, as an operator replica runs.
+    async fn operator(&self) -> Result<kube::Client> {
+        Ok(self.cp.client_from(&self.operator).await?)
+    }
+
+    fn leases(&self) -> Api<Lease> {
+        Api::namespaced(self.admin.clone(), &self.ns)
+    }
+}
+
+/// The test's cluster on the shared control plane; leaves the test when it should skip.
+macro_rules! kube {
+    () => {{
+        let Some(cp) = ControlPlane::shared() else {
+            return Ok(());
+        };
+        Kube::on(cp).await?
+    }};
 }
 
 /// A running elector: its leadership flag, a way to stop it gracefully, and its task.
@@ -46,10 +94,11 @@ struct Replica {
 }
 
 impl Replica {
-    async fn start(kube: &TestKube, identity: &str) -> Result<Self> {
-        let client = kube.client().await?;
+    async fn start(kube: &Kube<'_>, identity: &str) -> Result<Self> {
+        let client = kube.operator().await?;
         let metrics = Arc::new(Metrics::new());
-        let elector = LeaderElector::new(client, config(identity)).with_metrics(metrics.clone());
+        let elector =
+            LeaderElector::new(client, config(&kube.ns, identity)).with_metrics(metrics.clone());
         let leading = elector.subscribe();
         let (stop, stopped) = oneshot::channel::<()>();
         let task = tokio::spawn(elector.run(async move {
@@ -101,9 +150,8 @@ impl Replica {
     }
 }
 
-async fn lease(kube: &TestKube) -> Result<Lease> {
-    let api: Api<Lease> = Api::namespaced(kube.client().await?, NS);
-    Ok(api.get(LEASE).await?)
+async fn lease(kube: &Kube<'_>) -> Result<Lease> {
+    Ok(kube.leases().get(LEASE).await?)
 }
 
 fn holder(lease: &Lease) -> Option<String> {
@@ -119,7 +167,7 @@ fn transitions(lease: &Lease) -> i32 {
 }
 
 /// Starts two replicas and waits until one leads; returns (leader, follower).
-async fn two_replicas(kube: &TestKube) -> Result<(Replica, Replica)> {
+async fn two_replicas(kube: &Kube<'_>) -> Result<(Replica, Replica)> {
     let a = Replica::start(kube, "replica-a").await?;
     let b = Replica::start(kube, "replica-b").await?;
     let deadline = Instant::now() + LEASE_DURATION + SLACK;
@@ -139,7 +187,7 @@ async fn two_replicas(kube: &TestKube) -> Result<(Replica, Replica)> {
 
 #[tokio::test]
 async fn two_electors_exactly_one_leads() -> Result<()> {
-    let kube = TestKube::start().await?;
+    let kube = kube!();
     let (leader, follower) = two_replicas(&kube).await?;
     // Watch both flags for several lease periods: never both, never neither.
     let until = Instant::now() + LEASE_DURATION * 2;
@@ -174,7 +222,7 @@ async fn two_electors_exactly_one_leads() -> Result<()> {
 
 #[tokio::test]
 async fn killed_leader_is_replaced_within_lease_duration_plus_retry() -> Result<()> {
-    let kube = TestKube::start().await?;
+    let kube = kube!();
     let (leader, mut follower) = two_replicas(&kube).await?;
     let before = lease(&kube).await?;
     // Like kill -9: the task vanishes without releasing the lease.
@@ -206,7 +254,7 @@ async fn killed_leader_is_replaced_within_lease_duration_plus_retry() -> Result<
 
 #[tokio::test]
 async fn graceful_shutdown_releases_so_the_other_leads_within_retry_period() -> Result<()> {
-    let kube = TestKube::start().await?;
+    let kube = kube!();
     let (leader, mut follower) = two_replicas(&kube).await?;
     let old_flag = leader.leading.clone();
     let old_metrics = leader.metrics.clone();
@@ -247,11 +295,11 @@ async fn graceful_shutdown_releases_so_the_other_leads_within_retry_period() -> 
 
 #[tokio::test]
 async fn stolen_lease_makes_the_leader_step_down() -> Result<()> {
-    let kube = TestKube::start().await?;
+    let kube = kube!();
     let mut replica = Replica::start(&kube, "replica-a").await?;
     replica.wait_leading(true, LEASE_DURATION + SLACK).await?;
     // A third party writes itself in as holder with a fresh claim.
-    let api: Api<Lease> = Api::namespaced(kube.client().await?, NS);
+    let api = kube.leases();
     let mut stolen = api.get(LEASE).await?;
     let spec = stolen.spec.as_mut().unwrap();
     spec.holder_identity = Some("thief".into());
@@ -281,11 +329,22 @@ async fn stolen_lease_makes_the_leader_step_down() -> Result<()> {
 
 #[tokio::test]
 async fn leader_steps_down_when_renewals_fail_past_the_deadline() -> Result<()> {
-    let kube = TestKube::start().await?;
+    // A control plane of its own, since this test kills it (no controller-manager needed).
+    if !imp_testenv::controlplane::available(imp_testenv::Release::Newest) {
+        return Ok(());
+    }
+    let cp = ControlPlane::start(Options {
+        controller_manager: false,
+        ..Options::default()
+    })
+    .await?;
+    let kube = Kube::on(&cp).await?;
+    let lease_name = format!("{}/{LEASE}", kube.ns);
     let mut replica = Replica::start(&kube, "replica-a").await?;
     replica.wait_leading(true, LEASE_DURATION + SLACK).await?;
     // The API server goes away: every renewal now fails.
     drop(kube);
+    drop(cp);
     let took = replica
         .wait_leading(false, RENEW_DEADLINE + RETRY * 2 + SLACK)
         .await?;
@@ -310,25 +369,21 @@ async fn leader_steps_down_when_renewals_fail_past_the_deadline() -> Result<()> 
     // The elector's last write was accepted before the server vanished, so it still holds
     // the lease and must try (and fail) to release it.
     let err = result.expect_err("release cannot succeed without an API server");
-    assert!(
-        err.to_string().contains("kube-system/imp-operator"),
-        "{err}"
-    );
+    assert!(err.to_string().contains(&lease_name), "{err}");
     Ok(())
 }
 
 #[tokio::test]
 async fn invalid_timings_are_refused_before_touching_the_lease() -> Result<()> {
-    let kube = TestKube::start().await?;
-    let mut cfg = config("replica-a");
+    let kube = kube!();
+    let mut cfg = config(&kube.ns, "replica-a");
     cfg.renew_deadline = Duration::from_secs(5);
-    let elector = LeaderElector::new(kube.client().await?, cfg);
+    let elector = LeaderElector::new(kube.operator().await?, cfg);
     let err = elector
         .run(std::future::pending())
         .await
         .expect_err("renew_deadline longer than the lease must be refused");
     assert!(err.to_string().contains("renew_deadline"), "{err}");
-    let api: Api<Lease> = Api::namespaced(kube.client().await?, NS);
-    assert!(api.get_opt(LEASE).await?.is_none());
+    assert!(kube.leases().get_opt(LEASE).await?.is_none());
     Ok(())
 }

@@ -1,6 +1,14 @@
-//! The admission webhook as the API server sees it: a real HTTPS server with a certificate made
-//! by `openssl`, real AdmissionReview JSON posted by a client that trusts only that certificate,
-//! and a real (imp-testkube) API server holding the template and class that mutation reads.
+//! The admission webhook as the API server sees it, two ways:
+//!
+//! - directly: a real HTTPS server with a certificate made by `openssl`, real AdmissionReview
+//!   JSON posted by a client that trusts only that certificate;
+//! - through a real kube-apiserver (imp-testenv): registered by URL with a
+//!   ValidatingWebhookConfiguration and a MutatingWebhookConfiguration, so the server itself
+//!   calls it on creates and updates from the kube client and from `kubectl apply`, and its
+//!   failurePolicy decides what happens when it cannot be called.
+//!
+//! Either way the webhook reads the template and class that mutation inherits from the real
+//! API server, as the operator's ServiceAccount with the role the chart ships.
 #![allow(clippy::unwrap_used, clippy::expect_used)] // Test code: a failed unwrap is a failed test.
 
 use std::net::SocketAddr;
@@ -15,10 +23,11 @@ use http_body_util::{BodyExt, Full};
 use hyper::StatusCode;
 use hyper_util::rt::TokioIo;
 use imp_operator::webhook::{self, WebhookConfig, WebhookError};
-use imp_testkube::TestKube;
-use k8s_openapi::api::core::v1::Namespace;
-use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
-use kube::api::{Api, PostParams};
+use imp_testenv::{ControlPlane, rbac};
+use k8s_openapi::api::admissionregistration::v1::{
+    MutatingWebhookConfiguration, ValidatingWebhookConfiguration,
+};
+use kube::api::{Api, ApiResource, DynamicObject, Patch, PatchParams, PostParams};
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, ServerName};
 use serde_json::{Value, json};
@@ -67,70 +76,89 @@ fn make_cert(openssl: &Path, dir: &Path, cn: &str) -> (PathBuf, PathBuf) {
     (cert, key)
 }
 
-/// A running webhook against a test API server that holds class `small` (with a restart
-/// policy) and template `edge/web` (image, expireAfter, classRef small).
+/// A running webhook, as the operator's ServiceAccount, on a real control plane that holds
+/// class `small` (with a restart policy) and template `edge/web` (image, expireAfter, classRef
+/// small). The objects are shared by the tests of this binary (same content, created once).
 struct Fixture {
-    _kube: TestKube,
-    client: kube::Client,
+    cp: &'static ControlPlane,
+    /// The admin, for what the tests set up (the operator may only read templates and classes).
+    admin: kube::Client,
     addr: SocketAddr,
-    cert: PathBuf,
+    /// The certificate a client (or the API server, as `caBundle`) trusts.
+    trust: PathBuf,
     stop: Option<oneshot::Sender<()>>,
     server: tokio::task::JoinHandle<()>,
-    openssl: PathBuf,
+}
+
+/// Creates `obj` unless it exists (tests running at once create the same shared objects).
+async fn create_once<K>(api: &Api<K>, obj: Value) -> Result<()>
+where
+    K: kube::Resource + Clone + serde::de::DeserializeOwned + serde::Serialize + std::fmt::Debug,
+{
+    match api
+        .create(&PostParams::default(), &serde_json::from_value(obj)?)
+        .await
+    {
+        Err(kube::Error::Api(s)) if s.code == 409 => Ok(()),
+        other => other.map(|_| ()).map_err(Into::into),
+    }
+}
+
+/// Template `web` in `ns`: the image, `expireAfter: 10m` and class `small`.
+async fn web_template(admin: &kube::Client, ns: &str) -> Result<()> {
+    let templates: Api<imp_api::ImpVMTemplate> = Api::namespaced(admin.clone(), ns);
+    create_once(
+        &templates,
+        json!({
+            "apiVersion": "imp.dev/v1alpha1", "kind": "ImpVMTemplate",
+            "metadata": {"name": "web", "namespace": ns},
+            "spec": {"classRef": {"name": "small"}, "image": "registry.local/web:1",
+                     "expireAfter": "10m"}
+        }),
+    )
+    .await
+    .with_context(|| format!("creating template {ns}/web"))
 }
 
 impl Fixture {
-    async fn start(openssl: PathBuf) -> Result<Self> {
-        let kube = TestKube::start().await?;
-        let client = kube.client().await?;
-        let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
-        for crd in imp_api::crd::all() {
-            crds.create(&PostParams::default(), &crd).await?;
-        }
-        let ns: Api<Namespace> = Api::all(client.clone());
-        let _ = ns
-            .create(
-                &PostParams::default(),
-                &serde_json::from_value(json!({"metadata": {"name": "edge"}}))?,
-            )
-            .await;
-        let classes: Api<imp_api::ImpVMClass> = Api::all(client.clone());
-        classes
-            .create(
-                &PostParams::default(),
-                &serde_json::from_value(json!({
-                    "apiVersion": "imp.dev/v1alpha1", "kind": "ImpVMClass",
-                    "metadata": {"name": "small"},
-                    "spec": {"vcpu": 1, "memoryMiB": 256, "diskGiB": 1, "arch": "amd64",
-                             "restartPolicy": {"mode": "in-place", "onExhaustion": "cool-down",
-                                               "coolDownPeriod": "7m"}}
-                }))?,
-            )
-            .await
-            .context("creating class small")?;
-        let templates: Api<imp_api::ImpVMTemplate> = Api::namespaced(client.clone(), "edge");
-        templates
-            .create(
-                &PostParams::default(),
-                &serde_json::from_value(json!({
-                    "apiVersion": "imp.dev/v1alpha1", "kind": "ImpVMTemplate",
-                    "metadata": {"name": "web", "namespace": "edge"},
-                    "spec": {"classRef": {"name": "small"}, "image": "registry.local/web:1",
-                             "expireAfter": "10m"}
-                }))?,
-            )
-            .await
-            .context("creating template edge/web")?;
+    /// The webhook serving `cert`/`key`, trusted through `trust`.
+    async fn start(
+        cp: &'static ControlPlane,
+        cert: PathBuf,
+        key: PathBuf,
+        trust: PathBuf,
+    ) -> Result<Self> {
+        let admin = cp.admin().await?;
+        cp.install_crds(&admin, &imp_api::crd::all()).await?;
+        cp.ensure_namespace(&admin, "edge").await?;
+        let classes: Api<imp_api::ImpVMClass> = Api::all(admin.clone());
+        create_once(
+            &classes,
+            json!({
+                "apiVersion": "imp.dev/v1alpha1", "kind": "ImpVMClass",
+                "metadata": {"name": "small"},
+                "spec": {"vcpu": 1, "memoryMiB": 256, "diskGiB": 1, "arch": "amd64",
+                         "restartPolicy": {"mode": "in-place", "onExhaustion": "cool-down",
+                                           "coolDownPeriod": "7m"}}
+            }),
+        )
+        .await
+        .context("creating class small")?;
+        web_template(&admin, "edge").await?;
 
-        let dir = scratch("srv");
-        let (cert, key) = make_cert(&openssl, &dir, "127.0.0.1");
+        // The webhook reads templates and classes as the operator does in a cluster: with its
+        // own ServiceAccount and the chart's role (a namespace of its own per test, so the
+        // kubeconfigs of tests running at once never meet).
+        let install = cp.namespace(&admin, "imp-system").await?;
+        let ids = rbac::install(cp, &install).await?;
+        let operator = cp.client_from(&ids.operator).await?;
         let hook = webhook::bind(
             WebhookConfig {
                 addr: "127.0.0.1:0".parse()?,
-                cert: cert.clone(),
+                cert,
                 key,
             },
-            client.clone(),
+            operator,
         )
         .await?;
         let addr = hook.local_addr()?;
@@ -139,13 +167,12 @@ impl Fixture {
             let _ = rx.await;
         }));
         Ok(Self {
-            _kube: kube,
-            client,
+            cp,
+            admin,
             addr,
-            cert,
+            trust,
             stop: Some(tx),
             server,
-            openssl,
         })
     }
 
@@ -182,7 +209,7 @@ impl Fixture {
     }
 
     async fn post(&self, path: &str, body: Vec<u8>) -> Result<(StatusCode, Bytes)> {
-        self.post_trusting(&self.cert, path, body).await
+        self.post_trusting(&self.trust, path, body).await
     }
 
     /// POSTs an AdmissionReview and returns its `response` object.
@@ -296,16 +323,25 @@ fn decode_patch(resp: &Value) -> Value {
     serde_json::from_slice(&bytes).unwrap()
 }
 
+/// The webhook with an openssl self-signed certificate on the shared control plane; leaves
+/// the test (skip, or fail under `CI=true`) without openssl or the control plane.
 macro_rules! fixture {
     () => {{
-        let openssl = imp_testkube::require_tool!("openssl");
-        Fixture::start(openssl).await.unwrap()
+        let openssl = imp_testenv::require_tool!("openssl");
+        let Some(cp) = ControlPlane::shared() else {
+            return;
+        };
+        let (cert, key) = make_cert(&openssl, &scratch("srv"), "127.0.0.1");
+        (
+            Fixture::start(cp, cert.clone(), key, cert).await.unwrap(),
+            openssl,
+        )
     }};
 }
 
 #[tokio::test]
 async fn valid_objects_of_every_kind_are_allowed() {
-    let f = fixture!();
+    let (f, _) = fixture!();
     let mut n = 0;
     for path in fixture_dir("valid") {
         for doc in documents(&path) {
@@ -334,7 +370,7 @@ async fn valid_objects_of_every_kind_are_allowed() {
 
 #[tokio::test]
 async fn invalid_objects_are_denied_with_the_field_path() {
-    let f = fixture!();
+    let (f, _) = fixture!();
     let mut checked = 0;
     for path in fixture_dir("invalid") {
         let text = std::fs::read_to_string(&path).unwrap();
@@ -384,7 +420,7 @@ async fn invalid_objects_are_denied_with_the_field_path() {
 
 #[tokio::test]
 async fn controllers_updates_are_never_blocked_but_moving_a_node_is() {
-    let f = fixture!();
+    let (f, _) = fixture!();
     let spec =
         json!({"classRef": {"name": "small"}, "image": "registry.local/a:1", "nodeName": "node-a"});
     let old = vm(spec.clone());
@@ -483,7 +519,7 @@ async fn controllers_updates_are_never_blocked_but_moving_a_node_is() {
 
 #[tokio::test]
 async fn the_placed_size_annotation_is_neither_rejected_nor_stripped() {
-    let f = fixture!();
+    let (f, _) = fixture!();
     let ann = json!({"imp.dev/placed-resources": r#"{"vcpu":1,"memoryMiB":256}"#});
     // The operator's placement: nodeName, finalizer and the booked size in one update.
     let old = vm(json!({"classRef": {"name": "small"}, "image": "registry.local/a:1"}));
@@ -530,7 +566,7 @@ async fn the_placed_size_annotation_is_neither_rejected_nor_stripped() {
 
 #[tokio::test]
 async fn warnings_come_from_the_validation_module() {
-    let f = fixture!();
+    let (f, _) = fixture!();
     let resp = f
         .review(
             "/validate",
@@ -554,7 +590,7 @@ async fn warnings_come_from_the_validation_module() {
 
 #[tokio::test]
 async fn mutation_really_inherits_from_the_template_and_class() {
-    let f = fixture!();
+    let (f, _) = fixture!();
     let obj = vm(json!({"templateRef": {"name": "web"}}));
     let resp = f.review("/mutate", request("CREATE", &obj, None)).await;
     assert_eq!(resp["allowed"], true, "{resp}");
@@ -606,7 +642,7 @@ async fn mutation_really_inherits_from_the_template_and_class() {
     assert!(patched["spec"].get("expireAfter").is_none(), "{patched}");
 
     // A template created after this webhook started is read too (no caching of absence).
-    let templates: Api<imp_api::ImpVMTemplate> = Api::namespaced(f.client.clone(), "edge");
+    let templates: Api<imp_api::ImpVMTemplate> = Api::namespaced(f.admin.clone(), "edge");
     templates
         .create(
             &PostParams::default(),
@@ -628,7 +664,7 @@ async fn mutation_really_inherits_from_the_template_and_class() {
 
 #[tokio::test]
 async fn a_missing_template_is_allowed_with_a_warning() {
-    let f = fixture!();
+    let (f, _) = fixture!();
     let obj = vm(json!({"templateRef": {"name": "nope"}}));
     let resp = f.review("/mutate", request("CREATE", &obj, None)).await;
     assert_eq!(resp["allowed"], true, "{resp}");
@@ -662,7 +698,7 @@ async fn a_missing_template_is_allowed_with_a_warning() {
 
 #[tokio::test]
 async fn bad_requests_get_a_clear_400() {
-    let f = fixture!();
+    let (f, _) = fixture!();
     let (s, body) = f.post("/validate", b"{not json".to_vec()).await.unwrap();
     assert_eq!(s, StatusCode::BAD_REQUEST);
     assert!(
@@ -741,10 +777,10 @@ async fn bad_requests_get_a_clear_400() {
 
 #[tokio::test]
 async fn health_answers_and_only_tls_with_the_right_cert_gets_in() {
-    let f = fixture!();
+    let (f, openssl) = fixture!();
     // /healthz over HTTPS.
     let mut roots = rustls::RootCertStore::empty();
-    for c in CertificateDer::pem_file_iter(&f.cert).unwrap() {
+    for c in CertificateDer::pem_file_iter(&f.trust).unwrap() {
         roots.add(c.unwrap()).unwrap();
     }
     let (s, body) = {
@@ -782,7 +818,7 @@ async fn health_answers_and_only_tls_with_the_right_cert_gets_in() {
 
     // A client that trusts a different certificate refuses the server.
     let other = scratch("other");
-    let (other_cert, _) = make_cert(&f.openssl, &other, "127.0.0.1");
+    let (other_cert, _) = make_cert(&openssl, &other, "127.0.0.1");
     let err = f
         .post_trusting(&other_cert, "/validate", b"{}".to_vec())
         .await
@@ -810,9 +846,11 @@ async fn health_answers_and_only_tls_with_the_right_cert_gets_in() {
 
 #[tokio::test]
 async fn bad_certificate_files_are_named_in_the_error() {
-    let openssl = imp_testkube::require_tool!("openssl");
-    let kube = TestKube::start().await.unwrap();
-    let client = kube.client().await.unwrap();
+    let openssl = imp_testenv::require_tool!("openssl");
+    // bind() reads the files and never calls the API server: a client of an address where no
+    // server listens is enough.
+    let client =
+        kube::Client::try_from(kube::Config::new("https://127.0.0.1:1".parse().unwrap())).unwrap();
     let dir = scratch("bad");
     let (cert, key) = make_cert(&openssl, &dir, "127.0.0.1");
     let missing = dir.join("missing.crt");
@@ -859,4 +897,340 @@ async fn bad_certificate_files_are_named_in_the_error() {
         .await
         .unwrap_err();
     assert!(err.to_string().contains("missing.crt"), "{err}");
+}
+
+// ---- Admission through the API server ----
+//
+// kube-apiserver itself calls the webhook: registered by URL with a ValidatingWebhookConfiguration
+// and a MutatingWebhookConfiguration, its certificate signed by the control plane's CA (the
+// `caBundle`). Each test registers its own configurations, limited to a namespace of its own by
+// a namespaceSelector and to namespaced kinds (a selector cannot limit cluster-scoped ones), so
+// the tests of this binary never judge each other's objects, and a configuration left behind by
+// a failed test is harmless.
+
+/// The name of the webhook in the ValidatingWebhookConfiguration (the server quotes it).
+const VALIDATING: &str = "validate.imp.dev";
+/// The name of the webhook in the MutatingWebhookConfiguration.
+const MUTATING: &str = "mutate.imp.dev";
+
+/// Registers the webhook at `base` (`https://127.0.0.1:PORT`) for namespace `ns` as a chart
+/// would (one rule each: `/validate` judges every imp kind on CREATE and UPDATE, `/mutate`
+/// defaults ImpVMs on CREATE), trusting `ca_pem`, with `policy` (`Fail` or `Ignore`) when the
+/// server cannot call it. Server-side apply: registering again with another policy updates the
+/// configurations.
+async fn register(admin: &kube::Client, base: &str, ca_pem: &str, ns: &str, policy: &str) {
+    let ca = base64::engine::general_purpose::STANDARD.encode(ca_pem);
+    let hook = |name: &str, path: &str, operations: Value, resources: Value| {
+        json!({
+            "name": name,
+            "clientConfig": {"url": format!("{base}{path}"), "caBundle": ca},
+            "rules": [{"apiGroups": ["imp.dev"], "apiVersions": ["v1alpha1"],
+                       "operations": operations, "resources": resources, "scope": "Namespaced"}],
+            "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": ns}},
+            "failurePolicy": policy,
+            "sideEffects": "None",
+            "admissionReviewVersions": ["v1"],
+            "timeoutSeconds": 5,
+        })
+    };
+    let name = format!("imp-{ns}");
+    let validating: ValidatingWebhookConfiguration = serde_json::from_value(json!({
+        "metadata": {"name": name},
+        "webhooks": [hook(VALIDATING, "/validate", json!(["CREATE", "UPDATE"]), json!(["*"]))],
+    }))
+    .unwrap();
+    let mutating: MutatingWebhookConfiguration = serde_json::from_value(json!({
+        "metadata": {"name": name},
+        "webhooks": [hook(MUTATING, "/mutate", json!(["CREATE"]), json!(["impvms"]))],
+    }))
+    .unwrap();
+    let pp = PatchParams::apply("imp-webhook-test").force();
+    Api::<ValidatingWebhookConfiguration>::all(admin.clone())
+        .patch(&name, &pp, &Patch::Apply(&validating))
+        .await
+        .unwrap();
+    Api::<MutatingWebhookConfiguration>::all(admin.clone())
+        .patch(&name, &pp, &Patch::Apply(&mutating))
+        .await
+        .unwrap();
+}
+
+/// ImpVMs in `ns`, as untyped objects: what the server stores, field for field.
+fn vms(client: &kube::Client, ns: &str) -> Api<DynamicObject> {
+    Api::namespaced_with(
+        client.clone(),
+        ns,
+        &ApiResource::erase::<imp_api::ImpVM>(&()),
+    )
+}
+
+fn vm_in(ns: &str, name: &str, spec: Value) -> DynamicObject {
+    serde_json::from_value(json!({"apiVersion": "imp.dev/v1alpha1", "kind": "ImpVM",
+                                  "metadata": {"name": name, "namespace": ns}, "spec": spec}))
+    .unwrap()
+}
+
+/// Polls `f` until it gives `Some` (a configuration reaches the server's webhook cache a moment
+/// after it is written).
+async fn eventually<T, F, Fut>(what: &str, mut f: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Option<T>>,
+{
+    let t0 = std::time::Instant::now();
+    loop {
+        if let Some(v) = f().await {
+            return v;
+        }
+        assert!(
+            t0.elapsed() < std::time::Duration::from_secs(30),
+            "timed out: {what}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+}
+
+/// Waits until a dry-run create of `obj` fails with a message containing `needle`; returns it.
+async fn refused_eventually(api: &Api<DynamicObject>, obj: &DynamicObject, needle: &str) -> String {
+    let dry = PostParams {
+        dry_run: true,
+        ..PostParams::default()
+    };
+    eventually(&format!("the server refuses with {needle:?}"), || async {
+        match api.create(&dry, obj).await {
+            Err(kube::Error::Api(s)) if s.message.contains(needle) => Some(s.message),
+            _ => None,
+        }
+    })
+    .await
+}
+
+/// Runs kubectl (as the admin) off the runtime's thread: the webhook the server calls meanwhile
+/// is served by this test's runtime.
+async fn kubectl(cp: &ControlPlane, args: &[&str]) -> std::process::Output {
+    let mut cmd = cp.kubectl().unwrap();
+    cmd.args(args);
+    tokio::task::spawn_blocking(move || cmd.output())
+        .await
+        .unwrap()
+        .unwrap()
+}
+
+/// The webhook with a certificate from the control plane's CA, registered (failurePolicy Fail)
+/// for a namespace of its own that holds template `web`; returns the fixture and the namespace.
+async fn registered() -> Option<(Fixture, String)> {
+    let cp = ControlPlane::shared()?;
+    let dir = scratch("served");
+    let pair = cp.serving_pair(&["127.0.0.1".into()]).unwrap();
+    let (cert, key, ca) = (dir.join("tls.crt"), dir.join("tls.key"), dir.join("ca.crt"));
+    std::fs::write(&cert, &pair.cert).unwrap();
+    std::fs::write(&key, &pair.key).unwrap();
+    std::fs::write(&ca, cp.ca_pem()).unwrap();
+    let f = Fixture::start(cp, cert, key, ca).await.unwrap();
+    let ns = cp.namespace(&f.admin, "admit").await.unwrap();
+    web_template(&f.admin, &ns).await.unwrap();
+    let base = format!("https://{}", f.addr);
+    register(&f.admin, &base, cp.ca_pem(), &ns, "Fail").await;
+    Some((f, ns))
+}
+
+/// The rule of `backoff-inverted.yaml` that only the webhook enforces (the CRD schema lets it
+/// through), and its message.
+const BACKOFF_INVERTED: &str =
+    "spec.restartPolicy.backoff.initialDelay: must not exceed backoff.maxDelay (10s), got 5m";
+
+fn backoff_inverted(ns: &str) -> DynamicObject {
+    vm_in(
+        ns,
+        "backoff",
+        json!({"classRef": {"name": "small"}, "image": "busybox", "lifecycle": "persistent",
+               "restartPolicy": {"backoff": {"initialDelay": "5m", "maxDelay": "10s"}}}),
+    )
+}
+
+#[tokio::test]
+async fn the_api_server_refuses_an_invalid_vm_with_the_webhooks_message() {
+    let Some((f, ns)) = registered().await else {
+        return;
+    };
+    let api = vms(&f.admin, &ns);
+    let invalid = backoff_inverted(&ns);
+    let denied = format!("admission webhook \"{VALIDATING}\" denied the request");
+    refused_eventually(&api, &invalid, &denied).await;
+
+    // Through the kube client: the webhook's status (422 Invalid) with its field-named message.
+    match api.create(&PostParams::default(), &invalid).await {
+        Err(kube::Error::Api(s)) => {
+            println!("refused by the server: {}", s.message);
+            assert_eq!(s.code, 422, "{s:?}");
+            assert!(s.message.contains(&denied), "{}", s.message);
+            assert!(s.message.contains(BACKOFF_INVERTED), "{}", s.message);
+        }
+        other => panic!("an invalid VM was admitted: {other:?}"),
+    }
+    assert!(api.get_opt("backoff").await.unwrap().is_none());
+
+    // Through `kubectl apply -f`, as a user meets it.
+    let file = scratch("kubectl").join("backoff.yaml");
+    std::fs::write(&file, serde_yaml_ng::to_string(&invalid).unwrap()).unwrap();
+    let out = kubectl(f.cp, &["apply", "-f", file.to_str().unwrap()]).await;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    println!("kubectl apply: {}", stderr.trim());
+    assert!(!out.status.success(), "kubectl apply succeeded: {stderr}");
+    assert!(
+        stderr.contains(&denied) && stderr.contains(BACKOFF_INVERTED),
+        "{stderr}"
+    );
+
+    // A valid VM goes through, and the webhook's warnings reach kubectl's user.
+    let valid = vm_in(
+        &ns,
+        "sleepy",
+        json!({"templateRef": {"name": "web"}, "desiredState": "ScaleToZero"}),
+    );
+    let file = file.with_file_name("sleepy.yaml");
+    std::fs::write(&file, serde_yaml_ng::to_string(&valid).unwrap()).unwrap();
+    let out = kubectl(f.cp, &["apply", "-f", file.to_str().unwrap()]).await;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("Warning: spec.idleTimeout is unset"),
+        "{stderr}"
+    );
+
+    // Updates through the server: moving nodeName is refused, a controller's clear is not.
+    let placed = vm_in(
+        &ns,
+        "placed",
+        json!({"classRef": {"name": "small"}, "image": "registry.local/a:1", "nodeName": "node-a"}),
+    );
+    api.create(&PostParams::default(), &placed).await.unwrap();
+    match api
+        .patch(
+            "placed",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"nodeName": "node-b"}})),
+        )
+        .await
+    {
+        Err(kube::Error::Api(s)) => assert!(
+            s.message
+                .contains("spec.nodeName: cannot move from node-a to node-b"),
+            "{}",
+            s.message
+        ),
+        other => panic!("a move of nodeName was admitted: {other:?}"),
+    }
+    let cleared = api
+        .patch(
+            "placed",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"nodeName": null}})),
+        )
+        .await
+        .unwrap();
+    assert!(
+        cleared.data["spec"].get("nodeName").is_none(),
+        "{cleared:?}"
+    );
+    f.shutdown().await;
+}
+
+#[tokio::test]
+async fn the_api_server_stores_the_defaults_the_mutating_webhook_adds() {
+    let Some((f, ns)) = registered().await else {
+        return;
+    };
+    let api = vms(&f.admin, &ns);
+    let obj = vm_in(&ns, "web-1", json!({"templateRef": {"name": "web"}}));
+    let dry = PostParams {
+        dry_run: true,
+        ..PostParams::default()
+    };
+    eventually("the server calls the mutating webhook", || async {
+        let got = api.create(&dry, &obj).await.ok()?;
+        got.data["spec"].get("expireAfter").map(|_| ())
+    })
+    .await;
+
+    api.create(&PostParams::default(), &obj).await.unwrap();
+    let stored = api.get("web-1").await.unwrap();
+    let spec = &stored.data["spec"];
+    assert_eq!(spec["expireAfter"], "10m", "from the template: {spec}");
+    assert_eq!(spec["lifecycle"], "ephemeral", "the Go default: {spec}");
+    assert_eq!(
+        spec["restartPolicy"]["onExhaustion"], "cool-down",
+        "from the class: {spec}"
+    );
+    assert_eq!(
+        spec["restartPolicy"]["coolDownPeriod"], "7m",
+        "from the class: {spec}"
+    );
+    assert!(spec.get("classRef").is_none(), "{spec}");
+    assert_eq!(spec["templateRef"]["name"], "web", "{spec}");
+
+    // The VM's own values win over the template's.
+    let own = vm_in(
+        &ns,
+        "web-2",
+        json!({"templateRef": {"name": "web"}, "expireAfter": "2h", "lifecycle": "persistent"}),
+    );
+    api.create(&PostParams::default(), &own).await.unwrap();
+    let spec = api.get("web-2").await.unwrap().data["spec"].clone();
+    assert_eq!(spec["expireAfter"], "2h", "{spec}");
+    assert_eq!(spec["lifecycle"], "persistent", "{spec}");
+    assert_eq!(spec["restartPolicy"]["coolDownPeriod"], "7m", "{spec}");
+    f.shutdown().await;
+}
+
+#[tokio::test]
+async fn failure_policy_decides_whether_a_create_waits_for_a_webhook_that_is_down() {
+    let Some(cp) = ControlPlane::shared() else {
+        return;
+    };
+    let admin = cp.admin().await.unwrap();
+    cp.install_crds(&admin, &imp_api::crd::all()).await.unwrap();
+    let ns = cp.namespace(&admin, "down").await.unwrap();
+    // An address where nothing listens: the server's call is refused at once.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let base = format!("https://127.0.0.1:{port}");
+    let api = vms(&admin, &ns);
+    let valid = vm_in(
+        &ns,
+        "a",
+        json!({"classRef": {"name": "small"}, "image": "registry.local/a:1"}),
+    );
+
+    // Fail: nothing is admitted without the webhook's word, and the error says why.
+    register(&admin, &base, cp.ca_pem(), &ns, "Fail").await;
+    let calling = format!("failed calling webhook \"{MUTATING}\"");
+    refused_eventually(&api, &valid, &calling).await;
+    match api.create(&PostParams::default(), &valid).await {
+        Err(kube::Error::Api(s)) => {
+            println!("refused by the server: {}", s.message);
+            assert_eq!(s.code, 500, "{s:?}");
+            assert!(
+                s.message.contains(&calling) && s.message.contains(&format!("{base}/mutate")),
+                "{}",
+                s.message
+            );
+        }
+        other => panic!("admitted while the webhook was down: {other:?}"),
+    }
+    assert!(api.get_opt("a").await.unwrap().is_none());
+
+    // Ignore: the create goes through unjudged, even one the webhook would refuse.
+    register(&admin, &base, cp.ca_pem(), &ns, "Ignore").await;
+    eventually("the server ignores the webhook that is down", || async {
+        api.create(&PostParams::default(), &valid).await.ok()
+    })
+    .await;
+    assert!(api.get_opt("a").await.unwrap().is_some());
+    api.create(&PostParams::default(), &backoff_inverted(&ns))
+        .await
+        .unwrap();
 }
