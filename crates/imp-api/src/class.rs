@@ -7,6 +7,10 @@ use serde::{Deserialize, Serialize};
 
 use crate::shared::{Arch, GuestAgentConfig, ProbeSpec, RestartPolicy, VmRuntime};
 
+/// The least memory a VM may have, in MiB: below it the guest kernel and init do not fit.
+/// Checked once here (admission, the agent's boot and `imp run` all use it).
+pub const MIN_MEMORY_MIB: i32 = 128;
+
 /// A machine class, cluster-scoped so every namespace can use it.
 #[derive(CustomResource, Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[kube(

@@ -25,6 +25,24 @@ pub fn no_pattern(schema: &mut Schema) {
     schema.remove("pattern");
 }
 
+/// An object the API server stores as written, without a schema of its own: a copy of a type
+/// whose schema (with its CEL rules) is already in the CRD elsewhere, such as the booked class
+/// and spec in `ImpVM.status.booking` (its rules held when the originals were admitted; writing
+/// them twice would double the CRD and its CEL cost).
+pub fn opaque_object(schema: &mut Schema) {
+    let description = schema.get("description").cloned();
+    *schema = Schema::from(serde_json::Map::from_iter([
+        ("type".to_owned(), json!("object")),
+        (
+            "x-kubernetes-preserve-unknown-fields".to_owned(),
+            json!(true),
+        ),
+    ]));
+    if let Some(d) = description {
+        schema.insert("description".to_owned(), d);
+    }
+}
+
 /// A `status.conditions` list: metav1.Condition, with `status` limited to True, False and
 /// Unknown as in the Go project (k8s-openapi's schema leaves it a free string).
 pub fn conditions(schema: &mut Schema) {

@@ -172,10 +172,14 @@ pub fn class(spec: &ImpVMClassSpec) -> Result<(), ValidationErrors> {
             format!("must be at least 1, got {}", spec.vcpu),
         );
     }
-    if spec.memory_mib < 128 {
+    if spec.memory_mib < crate::class::MIN_MEMORY_MIB {
         e.push(
             "spec.memoryMiB",
-            format!("must be at least 128, got {}", spec.memory_mib),
+            format!(
+                "must be at least {}, got {}",
+                crate::class::MIN_MEMORY_MIB,
+                spec.memory_mib
+            ),
         );
     }
     if spec.disk_gib < 1 {

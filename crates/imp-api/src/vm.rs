@@ -259,4 +259,35 @@ pub struct ImpVMStatus {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]), transform = crate::schema::conditions)]
     pub conditions: Vec<Condition>,
+    /// What the operator booked when it placed the VM: the node agent boots exactly this
+    /// (imp extension).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub booking: Option<Booking>,
+}
+
+/// What the operator placed a VM with and booked on its node: its ImpVMClass and its spec with
+/// the template merged, as they were at placement. The node agent boots exactly this, so
+/// editing or deleting the class or the template afterwards changes nothing for a placed VM,
+/// and the scheduler's books stay true. It lives in the status, which only the operator and the
+/// agents may write (a user who may edit the VM may not resize it past the scheduler). A VM
+/// placed anew (a restart that clears its node, `imp/reset-retries`) is booked anew.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct Booking {
+    /// The ImpVMClass's spec at placement (vCPU, memory, disk, runtime, probes…).
+    #[schemars(transform = crate::schema::opaque_object)]
+    pub class: crate::class::ImpVMClassSpec,
+    /// The VM's spec with its template applied, at placement.
+    #[schemars(transform = crate::schema::opaque_object)]
+    pub spec: ImpVMSpec,
+}
+
+impl Booking {
+    /// The vCPU and memory it books on the node.
+    pub fn size(&self) -> crate::shared::PlacedSize {
+        crate::shared::PlacedSize {
+            vcpu: i64::from(self.class.vcpu),
+            memory_mib: i64::from(self.class.memory_mib),
+        }
+    }
 }

@@ -79,6 +79,8 @@ const ADDED: &[(&str, &str)] = &[
     // When the VM ended, and the VMM the node agent runs it with (written by the agent).
     ("ImpVM", ".status.finishedAt"),
     ("ImpVM", ".status.runtime"),
+    // What the operator booked at placement (class and resolved spec); the agent boots it.
+    ("ImpVM", ".status.booking"),
     // firecracker or qemu per class.
     ("ImpVMClass", ".spec.runtime"),
     // Placement inherited from a template, unioned with class and VM.

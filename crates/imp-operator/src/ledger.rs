@@ -13,12 +13,15 @@
 //! VM holds memory only (see [`crate::schedule`]).
 //!
 //! Its size, in this order:
-//! 1. its live ImpVMClass (its own `classRef`, else its template's), so a resized class counts;
-//! 2. the size recorded in annotation [`ANNOTATION_PLACED_RESOURCES`] with the placement, so a
-//!    VM whose class was deleted keeps its node booked, across operator restarts too;
-//! 3. the last live size this process saw (VMs pinned by a user, or placed before the annotation
-//!    existed);
-//! 4. zero.
+//! 1. its booking (`status.booking`, [`imp_api::vm::Booking`]): the size it was placed with and
+//!    that its node agent boots, whatever happens to its class afterwards (edited or deleted),
+//!    across operator restarts too;
+//! 2. the size recorded in annotation [`ANNOTATION_PLACED_RESOURCES`] with the placement (VMs
+//!    placed by an operator that wrote no booking);
+//! 3. its live ImpVMClass (its own `classRef`, else its template's): a VM pinned by a user
+//!    before the operator has booked it;
+//! 4. the last live size this process saw;
+//! 5. zero.
 //!
 //! # Versions known to be stale
 //! Per VM the ledger also remembers resourceVersions this process knows are outdated: those it
@@ -92,7 +95,8 @@ struct Entry {
     refs: SizeRef,
     /// Size of its class in the cache now.
     live: Option<PlacedSize>,
-    /// Size in its placed-resources annotation (or of the booking not shown yet).
+    /// Size of its booking, else of its placed-resources annotation (or of the booking this
+    /// process wrote and the watch does not show yet).
     placed: Option<PlacedSize>,
     last_live: Option<PlacedSize>,
     written: Option<Written>,
@@ -103,8 +107,8 @@ struct Entry {
 
 impl Entry {
     fn size(&self) -> PlacedSize {
-        self.live
-            .or(self.placed)
+        self.placed
+            .or(self.live)
             .or(self.last_live)
             .unwrap_or_default()
     }
@@ -163,10 +167,16 @@ impl Ledger {
         if e.written.as_ref().is_some_and(|w| w.node == e.node) {
             e.written = None;
         }
-        let placed = vm
-            .annotations()
-            .get(ANNOTATION_PLACED_RESOURCES)
-            .and_then(|a| PlacedSize::from_annotation(a));
+        let booked = vm
+            .status
+            .as_ref()
+            .and_then(|s| s.booking.as_ref())
+            .map(imp_api::vm::Booking::size);
+        let placed = booked.or_else(|| {
+            vm.annotations()
+                .get(ANNOTATION_PLACED_RESOURCES)
+                .and_then(|a| PlacedSize::from_annotation(a))
+        });
         if placed.is_some() || e.written.is_none() {
             // A booking not shown yet keeps the size it placed with.
             e.placed = placed;
@@ -408,32 +418,50 @@ mod tests {
     }
 
     #[test]
-    fn the_live_class_wins_then_the_placed_size_then_the_last_seen() {
+    fn the_booked_size_wins_then_the_live_class_then_the_last_seen() {
         let big = PlacedSize {
             vcpu: 4,
             memory_mib: 4096,
         };
         let mut l = Ledger::default();
-        // The live class wins over the annotation.
+        // The size it was placed with wins over its class resized since.
         let placed = vm("1", Some("n1"), VmPhase::Running, Some(SMALL));
         l.observe("ns/a", &placed, Some(big));
-        assert_eq!(on(&l, "n1"), used(4, 4096, 1));
-        // The class is deleted: the annotation counts.
+        assert_eq!(on(&l, "n1"), used(1, 256, 1));
+        // The class is deleted: still the placed size.
         l.classes_changed();
         l.refresh_sizes(|_| None);
         assert_eq!(on(&l, "n1"), used(1, 256, 1));
-        // Without the annotation (pinned by a user), the last live size this process saw.
+        // Without a booking (pinned by a user), the live class, then the last one seen.
         l.observe(
             "ns/a",
             &vm("2", Some("n1"), VmPhase::Running, None),
             Some(big),
         );
+        assert_eq!(on(&l, "n1"), used(4, 4096, 1));
         l.observe("ns/a", &vm("3", Some("n1"), VmPhase::Running, None), None);
         assert_eq!(on(&l, "n1"), used(4, 4096, 1));
-        // A fresh process that never saw the class and has no annotation counts zero vCPU.
+        // A fresh process that never saw the class and has no booking counts zero vCPU.
         let mut fresh = Ledger::default();
         fresh.observe("ns/a", &vm("3", Some("n1"), VmPhase::Running, None), None);
         assert_eq!(on(&fresh, "n1"), used(0, 0, 1));
+    }
+
+    #[test]
+    fn the_status_booking_wins_over_the_annotation_a_user_may_edit() {
+        let mut v = vm("1", Some("n1"), VmPhase::Running, Some(SMALL));
+        v.status.as_mut().unwrap().booking = Some(imp_api::vm::Booking {
+            class: imp_api::class::ImpVMClassSpec {
+                vcpu: 2,
+                memory_mib: 1024,
+                disk_gib: 1,
+                ..Default::default()
+            },
+            spec: v.spec.clone(),
+        });
+        let mut l = Ledger::default();
+        l.observe("ns/a", &v, None);
+        assert_eq!(on(&l, "n1"), used(2, 1024, 1));
     }
 
     #[test]

@@ -20,7 +20,7 @@ use imp_agent::runtime::cgroup::VmCgroup;
 use imp_api::vm::{ImpVM, VmPhase};
 use imp_testenv::registry::{TestImage, TestLayer, TestRegistry, push, scratch_dir};
 use k8s_openapi::api::core::v1::Secret;
-use kube::api::{Api, DeleteParams, PostParams};
+use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
 use serde_json::{Value, json};
 use tokio::process::{Child, Command};
@@ -406,12 +406,25 @@ async fn impvms_boot_end_survive_an_agent_restart_and_clean_up_on_their_nodes() 
     holder.abort();
 
     // Node b cannot run VMs: its VM says why, naming the path and the setting, and /readyz fails.
-    create_vm(
-        &vms,
-        "job-ok",
-        spec("node-b", "ephemeral", "echo job done; exit 0"),
-    )
-    .await;
+    // It is of class `booked` (384 MiB), which is edited and then deleted while the VM waits:
+    // the VM boots with what was booked at its placement, and its workload checks its memory.
+    let booked: imp_api::class::ImpVMClass = serde_json::from_value(json!({
+        "apiVersion": "imp.dev/v1alpha1", "kind": "ImpVMClass",
+        "metadata": {"name": "booked"}, "spec": {"vcpu": 1, "memoryMiB": 384, "diskGiB": 1}
+    }))
+    .unwrap();
+    classes
+        .create(&PostParams::default(), &booked)
+        .await
+        .unwrap();
+    let mut job_ok = spec(
+        "node-b",
+        "ephemeral",
+        "while read k v u; do [ \"$k\" = MemTotal: ] && m=$v; done < /proc/meminfo; \
+         echo \"job done with $m kB\"; [ \"$m\" -gt 300000 ] && exit 0; exit 3",
+    );
+    job_ok["classRef"]["name"] = json!("booked");
+    create_vm(&vms, "job-ok", job_ok).await;
     let blocked = wait_vm(&vms, "job-ok", "RuntimeStartFailed", 30, |v| {
         ready_reason(v).is_some_and(|r| r.1 == "RuntimeStartFailed")
     })
@@ -425,6 +438,20 @@ async fn impvms_boot_end_survive_an_agent_restart_and_clean_up_on_their_nodes() 
     assert_eq!(code, 503, "{body}");
     assert!(body.contains("/nonexistent/imp-e2e/vmlinux"), "{body}");
     event_note(&c, "job-ok", "RuntimeStartFailed").await;
+    let booking = blocked.status.as_ref().unwrap().booking.clone().unwrap();
+    assert_eq!(booking.class.memory_mib, 384, "{booking:?}");
+    classes
+        .patch(
+            "booked",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"memoryMiB": 256}})),
+        )
+        .await
+        .unwrap();
+    classes
+        .delete("booked", &DeleteParams::default())
+        .await
+        .unwrap();
 
     // A job that fails, on node a, while svc keeps running.
     create_vm(

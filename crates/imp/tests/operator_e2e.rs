@@ -1056,3 +1056,87 @@ async fn cool_down_after_exhausted_retries_runs_the_vm_again() {
         );
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_placed_vm_keeps_its_booking_when_its_class_changes_and_users_cannot_edit_it() {
+    let Some(e) = env().await else {
+        return;
+    };
+    let c = &e.client;
+    // 4 vCPU × 0.9 = 3.6.
+    node(c, "only", "4", "16Gi", true, true).await;
+    class(c, "grow", 1, 256).await;
+    let _op = Operator::start(&e, "solo", &[]).await;
+    vm(
+        c,
+        "first",
+        json!({"classRef": {"name": "grow"}, "image": "busybox"}),
+    )
+    .await;
+    let first = wait_vm(c, "first", "first Scheduled with its booking", |v| {
+        phase(v) == Some(VmPhase::Scheduled)
+            && v.status.as_ref().is_some_and(|s| s.booking.is_some())
+    })
+    .await;
+    let booked = first.status.unwrap().booking.unwrap();
+    assert_eq!((booked.class.vcpu, booked.class.memory_mib), (1, 256));
+    assert_eq!(booked.spec.image.as_deref(), Some("busybox"));
+    // The class grows to 2 vCPU: the placed VM keeps 1 booked, so two more 2-vCPU VMs find
+    // 2.6 vCPU free (room for one). Counting the live class would leave 1.6 (room for none).
+    Api::<ImpVMClass>::all(c.clone())
+        .patch(
+            "grow",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"vcpu": 2}})),
+        )
+        .await
+        .unwrap();
+    for name in ["second", "third"] {
+        vm(
+            c,
+            name,
+            json!({"classRef": {"name": "grow"}, "image": "busybox"}),
+        )
+        .await;
+    }
+    common::wait_for("one of two placed", Duration::from_secs(20), || async {
+        let items = vms(c).list(&ListParams::default()).await.unwrap().items;
+        let placed = items.iter().filter(|v| v.spec.node_name.is_some()).count();
+        let refused = items
+            .iter()
+            .filter(|v| cond(v, "Scheduled").is_some_and(|c| c.reason == "NoNodeAvailable"))
+            .count();
+        (placed == 2 && refused == 1).then_some(())
+    })
+    .await;
+    // The class is deleted: the placed VMs keep their bookings and stay valid.
+    Api::<ImpVMClass>::all(c.clone())
+        .delete("grow", &DeleteParams::default())
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let first = vms(c).get("first").await.unwrap();
+    assert!(
+        cond(&first, "Ready").is_none_or(|c| c.reason != "InvalidSpec"),
+        "{:?}",
+        first.status
+    );
+    let status = first.status.unwrap();
+    assert_eq!(status.booking.unwrap().class.vcpu, 1);
+    assert_eq!(status.phase, Some(VmPhase::Scheduled));
+    assert_eq!(placements(c).await.get("only"), Some(&2), "node overbooked");
+    // A user who may edit the VM may not write its status, so not its booking either.
+    let (alice, _) = common::exec_users(&e.kube, NS).await;
+    let as_alice = e.kube.cp.client_from(&alice).await.unwrap();
+    let refused = Api::<ImpVM>::namespaced(as_alice, NS)
+        .patch_status(
+            "first",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"status": {"booking": {"class": {"vcpu": 64}}}})),
+        )
+        .await;
+    match refused {
+        Err(kube::Error::Api(s)) => assert_eq!(s.code, 403, "{s:?}"),
+        other => panic!("a user rewrote the booking: {other:?}"),
+    }
+}

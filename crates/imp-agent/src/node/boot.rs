@@ -81,10 +81,16 @@ pub fn vm_spec(
         .ok()
         .filter(|&v| v >= 1)
         .ok_or_else(|| SpecError(format!("class vcpu {} is out of range 1-255", class.vcpu)))?;
+    let min = imp_api::class::MIN_MEMORY_MIB;
     let memory_mib = u32::try_from(class.memory_mib)
         .ok()
-        .filter(|&m| m >= 128)
-        .ok_or_else(|| SpecError(format!("class memoryMiB {} is below 128", class.memory_mib)))?;
+        .filter(|&m| i64::from(m) >= i64::from(min))
+        .ok_or_else(|| {
+            SpecError(format!(
+                "class memoryMiB {} is below {min}",
+                class.memory_mib
+            ))
+        })?;
     let disk_gib = u32::try_from(class.disk_gib)
         .ok()
         .filter(|&d| d >= 1)

@@ -23,7 +23,16 @@ pub(super) enum Outcome {
 impl Context {
     /// Writes `plan` for `vm`: metadata, `spec.nodeName`, status, Event, deletion, then the
     /// reset annotation. Each write carries the resourceVersion of the one before.
-    pub(super) async fn apply(&self, mut vm: ImpVM, plan: Plan) -> Result<Outcome, Error> {
+    ///
+    /// A VM whose node is cleared loses its booking with it: it is booked anew where it is
+    /// placed next.
+    pub(super) async fn apply(&self, mut vm: ImpVM, mut plan: Plan) -> Result<Outcome, Error> {
+        if plan.clear_node {
+            let status = plan
+                .status
+                .get_or_insert_with(|| vm.status.clone().unwrap_or_default());
+            status.booking = None;
+        }
         if let Some(meta) = plan.metadata {
             vm = self
                 .patch_main(&vm, json!({ "metadata": meta }), plan.doing)

@@ -182,6 +182,9 @@ pub(super) fn decide(vm: &ImpVM, w: &World) -> Decision {
             ..Plan::default()
         }));
     }
+    if let Some(plan) = book(vm, &status, w.resolved) {
+        return Decision::Write(Box::new(plan));
+    }
     // Terminal phases: never scheduled again on their own.
     match (phase, w.resolved) {
         (VmPhase::Succeeded | VmPhase::RetryExhausted, _) | (VmPhase::Failed, Err(_)) => {
@@ -203,6 +206,31 @@ pub(super) fn decide(vm: &ImpVM, w: &World) -> Decision {
         return Decision::Address;
     }
     Decision::Write(Box::new(on_node(vm, status, node, w)))
+}
+
+/// A VM on a node without a booking (pinned by a user, or placed by an operator that wrote
+/// none) is booked with what it resolves to now; terminal VMs are not.
+fn book(vm: &ImpVM, status: &ImpVMStatus, resolved: &Result<Resolved, MissingRef>) -> Option<Plan> {
+    vm.spec.node_name.as_ref()?;
+    let terminal = matches!(
+        status.phase.unwrap_or_default(),
+        VmPhase::Succeeded | VmPhase::Failed | VmPhase::RetryExhausted
+    );
+    let r = resolved.as_ref().ok()?;
+    if status.booking.is_some() || terminal {
+        return None;
+    }
+    let mut status = status.clone();
+    status.booking = Some(imp_api::vm::Booking {
+        class: r.class.clone(),
+        spec: r.spec.clone(),
+    });
+    Some(Plan {
+        status: Some(status),
+        doing: "recording the booking of",
+        next: Next::Continue,
+        ..Plan::default()
+    })
 }
 
 /// The reset annotation: run again from scratch (clears the node so it is really placed anew).
@@ -645,6 +673,10 @@ mod tests {
         vm.status = Some(ImpVMStatus {
             phase,
             node_name: node.map(str::to_owned),
+            booking: node.map(|_| imp_api::vm::Booking {
+                class: resolved(ImpVMSpec::default()).unwrap().class,
+                spec: ImpVMSpec::default(),
+            }),
             ..Default::default()
         });
         vm
@@ -653,6 +685,12 @@ mod tests {
     fn resolved(spec: ImpVMSpec) -> Result<Resolved, MissingRef> {
         Ok(Resolved {
             spec,
+            class: imp_api::class::ImpVMClassSpec {
+                vcpu: 1,
+                memory_mib: 512,
+                disk_gib: 1,
+                ..Default::default()
+            },
             vcpu: 1,
             memory_mib: 512,
         })
@@ -761,6 +799,15 @@ mod tests {
         let meta = p.metadata.unwrap();
         assert_eq!(meta["finalizers"], json!([FINALIZER]));
         assert!(meta["annotations"][ANNOTATION_PLACED_RESOURCES].is_string());
+        assert_eq!(p.next, Next::Continue);
+
+        // Then its booking: what it resolves to now, which it keeps from then on.
+        let mut unbooked = vm(Some("n1"), Some(VmPhase::Pending));
+        unbooked.status.as_mut().unwrap().booking = None;
+        let p = plan(decide_with(&unbooked, &resolved(v.spec.clone()), None, now));
+        assert_eq!(p.doing, "recording the booking of");
+        let booking = p.status.unwrap().booking.unwrap();
+        assert_eq!((booking.class.vcpu, booking.class.memory_mib), (1, 512));
         assert_eq!(p.next, Next::Continue);
 
         let mut pending = vm(Some("n1"), Some(VmPhase::Pending));

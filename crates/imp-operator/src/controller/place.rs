@@ -20,10 +20,12 @@ use crate::schedule::{self, Request};
 pub(super) fn placed_status(
     mut status: ImpVMStatus,
     node: &str,
+    booking: imp_api::vm::Booking,
     generation: Option<i64>,
     now: Timestamp,
 ) -> ImpVMStatus {
     status.phase = Some(VmPhase::Scheduled);
+    status.booking = Some(booking);
     status.node_name = Some(node.to_owned());
     status.scheduled_at.get_or_insert(Time(now));
     let conds = [
@@ -111,7 +113,11 @@ impl Context {
         match choice {
             Ok(node) => {
                 let first = status.scheduled_at.is_none();
-                let status = placed_status(status, &node, generation, now);
+                let booked = imp_api::vm::Booking {
+                    class: r.class.clone(),
+                    spec: r.spec.clone(),
+                };
+                let status = placed_status(status, &node, booked, generation, now);
                 let vm = self
                     .patch_status(&vm, &status, "recording the placement of")
                     .await?;

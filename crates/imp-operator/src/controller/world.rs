@@ -2,7 +2,7 @@
 
 use std::sync::Mutex;
 
-use imp_api::class::ImpVMClass;
+use imp_api::class::{ImpVMClass, ImpVMClassSpec};
 use imp_api::cluster::CLUSTER_CONFIG_NAME;
 use imp_api::shared::PlacedSize;
 use imp_api::template::ImpVMTemplate;
@@ -24,6 +24,8 @@ use crate::schedule::{self, NodeView, Policy};
 pub(super) struct Resolved {
     /// class ← template ← VM.
     pub spec: ImpVMSpec,
+    /// The class's spec.
+    pub class: ImpVMClassSpec,
     /// vCPUs of the class.
     pub vcpu: i64,
     /// MiB of the class.
@@ -86,7 +88,11 @@ pub(super) fn resized<T>(ledger: std::sync::Arc<Mutex<Ledger>>) -> impl FnMut(&T
 
 impl Context {
     /// class ← template ← VM from the caches, or the first reference that is missing.
+    /// A placed VM with a booking resolves to its booking.
     pub(super) fn resolve(&self, vm: &ImpVM) -> Result<Resolved, MissingRef> {
+        if let Some(booked) = self.booked(vm) {
+            return booked;
+        }
         let ns = vm.namespace().unwrap_or_default();
         let template = match &vm.spec.template_ref {
             Some(t) => Some(
@@ -135,7 +141,34 @@ impl Context {
             spec: resolve::resolve(&vm.spec, template.as_ref().map(|t| &t.spec), &class.spec),
             vcpu: i64::from(class.spec.vcpu),
             memory_mib: i64::from(class.spec.memory_mib),
+            class: class.spec.clone(),
         })
+    }
+
+    /// A placed VM's booking ([`imp_api::vm::Booking`]) in place of its live class and template,
+    /// which it no longer follows (its network must still exist); `None` for a VM without one.
+    fn booked(&self, vm: &ImpVM) -> Option<Result<Resolved, MissingRef>> {
+        vm.spec.node_name.as_ref()?;
+        let b = vm.status.as_ref()?.booking.as_ref()?;
+        let ns = vm.namespace().unwrap_or_default();
+        if let Some(n) = &b.spec.network_ref
+            && self
+                .networks
+                .get(&ObjectRef::new(&n.name).within(&ns))
+                .is_none()
+        {
+            return Some(Err(MissingRef::Network {
+                namespace: ns,
+                name: n.name.clone(),
+            }));
+        }
+        let size = b.size();
+        Some(Ok(Resolved {
+            spec: b.spec.clone(),
+            class: b.class.clone(),
+            vcpu: size.vcpu,
+            memory_mib: size.memory_mib,
+        }))
     }
 
     /// The scheduling lock: the ledger (never held across an await).

@@ -21,10 +21,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures::StreamExt;
-use imp_api::class::ImpVMClass;
 use imp_api::conditions::{self, ConditionReason, ConditionStatus, ConditionType};
 use imp_api::shared::{VmDesiredState, VmLifecycle};
-use imp_api::template::ImpVMTemplate;
 use imp_api::vm::{ImpVM, ImpVMSpec, ImpVMStatus, VmPhase};
 use k8s_openapi::api::core::v1::{ConfigMap, Secret};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;

@@ -1,40 +1,20 @@
-//! Starting a VM: its spec and class, environment, pull credentials and network resolved from
-//! the API, then its spec written and its shim spawned; or why it cannot start yet.
+//! Starting a VM: its booked spec and class, environment, pull credentials and network
+//! resolved from the API, then its spec written and its shim spawned; or why it cannot start
+//! yet.
 
 use super::*;
 
-/// The resolved spec and class of a VM, or why they cannot be had yet.
-async fn resolve(
-    ctx: &Context,
-    vm: &ImpVM,
-) -> Result<(ImpVMSpec, imp_api::class::ImpVMClassSpec), String> {
-    let ns = vm.namespace().unwrap_or_default();
-    let template = match &vm.spec.template_ref {
-        Some(t) => {
-            let api: Api<ImpVMTemplate> = Api::namespaced(ctx.client.clone(), &ns);
-            match api.get_opt(&t.name).await {
-                Ok(Some(t)) => Some(t.spec),
-                Ok(None) => return Err(format!("ImpVMTemplate {ns}/{} does not exist", t.name)),
-                Err(e) => return Err(format!("reading ImpVMTemplate {ns}/{}: {e}", t.name)),
-            }
-        }
-        None => None,
-    };
-    let class_name = vm
-        .spec
-        .class_ref
+/// The spec and class a VM boots with: exactly what the operator booked when it placed it
+/// (`status.booking`), never a second lookup of its class or template, which may have been
+/// edited or deleted since; or why it cannot start yet (not booked: the operator writes the
+/// booking with the placement, or right after a user pins a VM to this node).
+fn booked(vm: &ImpVM) -> Result<(ImpVMSpec, imp_api::class::ImpVMClassSpec), &'static str> {
+    let b = vm
+        .status
         .as_ref()
-        .map(|c| c.name.clone())
-        .or_else(|| template.as_ref().map(|t| t.class_ref.name.clone()))
-        .ok_or_else(|| "spec.classRef is not set (and no template gives one)".to_owned())?;
-    let classes: Api<ImpVMClass> = Api::all(ctx.client.clone());
-    let class = match classes.get_opt(&class_name).await {
-        Ok(Some(c)) => c.spec,
-        Ok(None) => return Err(format!("ImpVMClass {class_name} does not exist")),
-        Err(e) => return Err(format!("reading ImpVMClass {class_name}: {e}")),
-    };
-    let spec = imp_api::resolve::resolve(&vm.spec, template.as_ref(), &class);
-    Ok((spec, class))
+        .and_then(|s| s.booking.as_ref())
+        .ok_or("waiting for the operator's booking")?;
+    Ok((b.spec.clone(), b.class.clone()))
 }
 
 /// The workload's environment, reading the Secrets and ConfigMaps `env` and `envFrom` name.
@@ -149,12 +129,13 @@ pub(super) async fn start(ctx: &Context, vm: &ImpVM, uid: &str) -> Result<Action
     if let Some(scale) = &ctx.scale {
         scale.drop_kept(uid).await;
     }
-    let (spec, class) = match resolve(ctx, vm).await {
+    let (spec, class) = match booked(vm) {
         Ok(r) => r,
-        // The operator reports missing references (InvalidSpec); try again later.
+        // The booking's write raises a watch event that reconciles the VM again; the requeue
+        // only covers an operator that is down.
         Err(why) => {
             tracing::info!(vm = %key(vm), node = %ctx.settings.node, why, "not starting yet");
-            return Ok(Action::requeue(Duration::from_secs(10)));
+            return Ok(Action::requeue(Duration::from_secs(5)));
         }
     };
     let runtime = boot::runtime_for(&class, &ctx.caps);
@@ -315,4 +296,38 @@ async fn end_invalid(ctx: &Context, vm: &ImpVM, message: String) -> Result<Actio
     };
     write_report(ctx, vm, report, None).await?;
     Ok(Action::await_change())
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[test]
+    fn a_vm_boots_from_its_booking_and_waits_without_one() {
+        let mut vm = ImpVM::new("v", ImpVMSpec::default());
+        vm.spec.class_ref = Some(imp_api::shared::ClusterObjectRef {
+            name: "resized-since".into(),
+        });
+        assert_eq!(
+            booked(&vm).unwrap_err(),
+            "waiting for the operator's booking"
+        );
+        let class = imp_api::class::ImpVMClassSpec {
+            vcpu: 2,
+            memory_mib: 384,
+            disk_gib: 3,
+            ..Default::default()
+        };
+        let mut spec = ImpVMSpec::default();
+        spec.image = Some("booked:1".into());
+        vm.status = Some(imp_api::vm::ImpVMStatus {
+            booking: Some(imp_api::vm::Booking {
+                class: class.clone(),
+                spec: spec.clone(),
+            }),
+            ..Default::default()
+        });
+        assert_eq!(booked(&vm).unwrap(), (spec, class));
+    }
 }
