@@ -1,15 +1,20 @@
-//! The imp node agent as a library: everything the `imp agent` process does on one node.
+//! The imp node agent as a library: everything that happens to a VM on one node, used by the
+//! `imp agent` process and by `imp run`.
 //!
-//! Today it holds [`vmm`], the [`vmm::Vmm`] trait and the Firecracker driver that boots, pauses,
-//! snapshots, restores and stops microVMs and connects to their guest vsock ports, and
-//! [`image`], which pulls OCI images (registry, layout, archive) into a verified blob
-//! cache, builds cached ext4 bases and gives every VM its own disk, and [`runtime`], one VM's
-//! life from image to exit under its own supervisor process (the shim), shared by `imp run`
-//! and `imp agent`, [`node`], the node agent's reconciler, and [`api`], the authenticated
-//! HTTPS API through which people exec in a VM and read its console, and [`net`], the node's
-//! bridges, TAPs, VXLAN overlay and nftables rules for ImpNetworks. It is not the binary
-//! (that is the `imp` crate), not the operator, and not the in-guest agent (`imp-guest`); it
-//! holds no Kubernetes types of its own beyond those of `imp-api`.
+//! Floors, each using only those below it: [`node`], the agent's reconciler (the ImpVMs placed on
+//! this node, booted from their booking, with status, Events, metrics and scale-to-zero); [`net`],
+//! the node's bridges, TAPs, VXLAN overlay and nftables rules for ImpNetworks, and the sleeping
+//! VM's TAP; [`runtime`], one VM's life from image to exit under its own supervisor process (the
+//! shim), shared by `imp run` and `imp agent`, and [`api`], the authenticated HTTPS API through
+//! which people exec in a VM and read its console; then [`image`], which pulls OCI images
+//! (registry, layout, archive) into a verified blob cache, builds cached ext4 bases and gives
+//! every VM its own disk, [`guest`], the guest initramfs and kernel modules, and [`vmm`], the
+//! [`vmm::Vmm`] trait with its QEMU and Firecracker drivers and the guest channel they share
+//! (hybrid vsock's `CONNECT <port>` sockets; under QEMU a stream multiplexer over virtio-serial).
+//!
+//! It is not the binary (that is the `imp` crate), not the operator (it never places or resolves
+//! a VM), and not the in-guest agent (`imp-guest`); it holds no Kubernetes types of its own
+//! beyond those of `imp-api`.
 
 pub mod api;
 pub mod guest;

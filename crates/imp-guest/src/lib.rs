@@ -1,11 +1,15 @@
 //! The imp guest agent: the static binary that runs as PID 1 inside every imp microVM.
 //!
-//! It prepares the guest (pseudo filesystems, kernel modules, hostname, loopback and a static
+//! It prepares the guest (pseudo filesystems, a check that the kernel has a timer, kernel
+//! modules, the switch from the initramfs to the VM's disk, hostname, loopback and a static
 //! eth0, resolv.conf), runs the image's ENTRYPOINT/CMD with the image's Env, WorkingDir and
 //! User plus the VM's env and a default PATH, reaps zombies, forwards SIGTERM/SIGINT, and
 //! when the workload ends prints `IMP_EXIT <code>` on the console, reports the code to the
-//! host over vsock and powers the VM off. Meanwhile it serves exec (streamed, with stdin and
-//! TTY), health, metrics and graceful shutdown over vsock using [`imp_proto`].
+//! host over the guest channel and powers the VM off. Meanwhile it serves exec (streamed, with
+//! stdin and TTY), health, metrics, clock setting and graceful shutdown over that channel using
+//! [`imp_proto`]. The channel is AF_VSOCK under Firecracker ([`transport`]) and, under QEMU, a
+//! stream multiplexer over the `imp.mux` virtio-serial port ([`mux`]), which QEMU can snapshot
+//! where it cannot migrate its vsock.
 //!
 //! It is not a container runtime (no namespaces, cgroups or seccomp: the VM is the boundary),
 //! not a service manager (one workload), and it uses no async runtime: threads and blocking

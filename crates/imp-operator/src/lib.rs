@@ -2,10 +2,16 @@
 //!
 //! [`resolve`] merges class ← template ← VM, [`schedule`] picks a node from the per-node usage
 //! [`ledger`] keeps, [`lifecycle`] decides restarts, backoff and expiry, [`ipam`] gives every VM
-//! on an ImpNetwork its address, [`controller`] runs those against the API server, [`network`]
-//! keeps ImpNetwork status (group CIDRs, VTEP table, Ready), [`leader`] makes sure only one replica writes, [`metrics`]
-//! serves `/metrics`, `/healthz` and `/readyz`, and [`webhook`] validates and defaults ImpVMs at
-//! admission.
+//! on an ImpNetwork its address, [`controller`] runs those against the API server and books each
+//! placed VM (`status.booking`: the class and resolved spec its node agent boots), [`network`]
+//! keeps ImpNetwork status (group CIDRs, VTEP table, Ready), [`leader`] makes sure only one
+//! replica writes, [`metrics`] serves `/metrics`, `/healthz` and `/readyz`, and [`webhook`]
+//! validates and defaults ImpVMs at admission.
+//!
+//! It is not the node agent: it never touches a node, boots nothing and reads no VM's local
+//! state; everything it decides is written to the API, and what it keeps in memory (caches, the
+//! ledger) is rebuilt from the API after a restart. It is not the binary either (`imp operator`
+//! in the `imp` crate runs it), and the snapshot, migration and pool kinds have no controller yet.
 
 pub mod controller;
 pub mod ipam;
@@ -14,7 +20,8 @@ pub mod ledger;
 pub mod lifecycle;
 pub mod metrics;
 pub mod network;
-/// Resolution of class ← template ← VM (shared with the node agent, so it lives in imp-api).
+/// Resolution of class ← template ← VM (in imp-api, beside the types it merges; the node agent
+/// does not resolve: it boots the booking the operator wrote from it).
 pub use imp_api::resolve;
 pub mod schedule;
 pub mod webhook;

@@ -17,8 +17,8 @@
 //! that is set and non-zero wins over the derived value, so a profile with only vcpuCapacity still
 //! fits VMs by memory). Otherwise capacity is `status.allocatable × fraction`, where the fraction
 //! is the profile's `capacityFraction`, else ClusterImpConfig `cluster`'s `defaultFraction`, else
-//! 0.9. Usage is the sum of each VM's **own** size (not the size of the VM being placed): its
-//! live class, else the size it was placed with (see [`crate::ledger`]).
+//! 0.9. Usage is the sum of each VM's **own** size (not the size of the VM being placed): the
+//! size it was booked with when placed, else its live class (see [`crate::ledger`]).
 //!
 //! Suspended VMs, per the Go project's overcommit rule: their vCPUs are free, and their memory is
 //! free too when [`Policy::overcommit_suspended`] is on (the Go behaviour and our default); when

@@ -29,7 +29,8 @@
 //! Only on CREATE, and only the fields the Go defaulter wrote: `lifecycle` (default
 //! `ephemeral`), `expireAfter` (from the template) and `restartPolicy` (template, else class).
 //! `classRef` is never copied from the template (a VM with both refs is invalid); the other
-//! inherited fields stay live, resolved by the operator on every reconcile. Metadata is never
+//! inherited fields stay live until the VM is placed, when the operator books what they resolve
+//! to (`status.booking`) and the VM keeps that. Metadata is never
 //! judged nor patched, so the operator's annotations (`imp.dev/placed-resources`, the size a
 //! placement booked, written with `spec.nodeName`) pass as they are.
 

@@ -1,8 +1,8 @@
 //! The host side of a guest connection: handshake, unary requests and streamed exec.
 //!
 //! Synchronous and generic over any `Read + Write` stream, so the agent can wrap it around
-//! whatever carries the bytes (Firecracker's vsock Unix socket after [`uds_connect`], or a
-//! plain Unix socket in tests).
+//! whatever carries the bytes (the VM's hybrid-vsock Unix socket after [`uds_connect`], served
+//! by Firecracker or by the QEMU driver's mux, or a plain Unix socket in tests).
 
 use crate::frame::{FrameError, read_frame, write_data, write_frame};
 use crate::handshake::{HandshakeError, handshake};

@@ -1,17 +1,20 @@
 //! The wire protocol between the imp node agent (host) and the imp guest agent (inside the VM).
 //!
-//! This crate is the message types, the length-prefixed framing over any byte stream (a vsock
-//! connection in production, a Unix socket in tests), the version handshake, a small synchronous
-//! host-side client, the serial-console exit marker and the guest configuration file the host
-//! writes into the rootfs. It is not a transport: it opens no sockets, knows nothing of
-//! Kubernetes, HTTP or TLS, and needs no async runtime, so the static guest binary stays small
-//! (a tokio codec for the same frames is behind the `tokio` feature for the host).
+//! This crate is the message types, the length-prefixed framing over any byte stream (a stream
+//! of the guest channel in a VM, a Unix socket in tests), the version handshake, a small
+//! synchronous host-side client, the serial-console exit marker, the guest configuration file
+//! the host puts in the VM's initramfs, and the frames of [`mux`], the stream multiplexer that
+//! carries the guest channel over a virtio-serial port under QEMU (Firecracker gives a vsock).
+//! It is not a transport: it opens no sockets, knows nothing of Kubernetes, HTTP or TLS, and
+//! needs no async runtime, so the static guest binary stays small (a tokio codec for the same
+//! frames is behind the `tokio` feature for the host).
 //!
 //! A connection starts with both sides sending [`Message::Hello`]; then the host sends one
 //! request ([`Message::Exec`], [`Message::Health`], [`Message::Metrics`],
-//! [`Message::Shutdown`] or, since 1.1, [`Message::SetClock`]). Unary requests may be repeated on one connection; an exec takes the
-//! connection over until its [`Message::Exit`]. The guest reports its workload's end on a
-//! connection of its own to the host with [`Message::WorkloadExited`].
+//! [`Message::Shutdown`] or, since 1.1, [`Message::SetClock`]). Unary requests may be repeated
+//! on one connection; an exec takes the connection over until its [`Message::Exit`]. The guest
+//! reports its workload's end on a connection of its own to the host with
+//! [`Message::WorkloadExited`].
 
 pub mod client;
 #[cfg(feature = "tokio")]

@@ -1,5 +1,6 @@
 //! A stream multiplexer over one byte stream: many vsock-like connections on one virtio-serial
-//! port, for VMMs whose vsock cannot be snapshotted (QEMU's vhost-user-vsock).
+//! port. It is the guest channel under QEMU, which cannot migrate its vsock device (so a VM with
+//! one could not be snapshotted) but migrates a virtio-serial port with the rest of the VM.
 //!
 //! A frame is a kind byte, a big-endian `u32` stream id, a big-endian `u32` payload length and
 //! the payload. Streams opened by the host have even ids, streams opened by the guest odd ones,

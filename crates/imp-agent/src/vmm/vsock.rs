@@ -1,11 +1,12 @@
 //! The host side of hybrid vsock: reaching a guest's vsock port through a Unix socket.
 //!
 //! Firecracker exposes a guest's vsock as one Unix socket on the host, and the QEMU driver's
-//! guest-channel mux ([`super::qemu::mux`]) serves the same socket. To reach guest port P, the host connects to it, sends `CONNECT P\n` and reads
-//! `OK <host-port>\n`; from then on the Unix stream is the vsock stream. While nothing listens
-//! on P in the guest the VMM closes the connection instead, so [`connect`] retries until a
-//! deadline. Guest-initiated connections to the host (CID 2) port P arrive on the Unix socket
-//! at [`host_listener_path`], which the host must listen on.
+//! guest-channel mux ([`super::qemu::mux`]) serves the same socket. To reach guest port P, the
+//! host connects to it, sends `CONNECT P\n` and reads `OK <host-port>\n`; from then on the Unix
+//! stream is the vsock stream. While nothing listens on P in the guest the VMM closes the
+//! connection instead, so [`connect`] retries until a deadline. Guest-initiated connections to
+//! the host (CID 2) port P arrive on the Unix socket at [`host_listener_path`], which the host
+//! must listen on.
 
 use std::io;
 use std::path::{Path, PathBuf};
@@ -62,9 +63,9 @@ pub fn host_listener_path(uds: &Path, port: u32) -> PathBuf {
 /// guest does not listen, for at most `timeout`.
 ///
 /// An attempt whose `CONNECT` is still unanswered at the deadline is not closed: it is left to
-/// finish in the background (see [`linger`]), so a VMM never sees the host side of a stream
-/// vanish while its guest is answering (vhost-device-vsock 0.3.0, QEMU's former vsock backend,
-/// panicked on that; a lingering attempt costs nothing).
+/// finish in the background (see [`linger`]) and closed once the VMM answers, so a guest's late
+/// accept meets a host side that is still there and then an ordinary close, never a stream that
+/// vanished mid-handshake. A lingering attempt costs a task and a socket.
 pub async fn connect(uds: &Path, port: u32, timeout: Duration) -> Result<UnixStream> {
     let deadline = Instant::now() + timeout;
     let mut backoff = FIRST_BACKOFF;
@@ -143,8 +144,7 @@ async fn attempt(
 }
 
 /// Keeps an unanswered `CONNECT` open until the VMM answers it (then closes it cleanly), for
-/// at most [`LINGER`]: closing it first would let the guest's late answer crash
-/// vhost-device-vsock 0.3.0 (`write_all(..).unwrap()` on the closed stream).
+/// at most [`LINGER`], so the guest's late answer is taken and its stream ended in order.
 fn linger(mut stream: UnixStream, uds: &Path, port: u32) {
     let uds = uds.to_owned();
     tokio::spawn(async move {
@@ -322,8 +322,8 @@ mod tests {
         server.await.unwrap();
     }
 
-    /// An answer that comes after the caller gave up still finds the host side open (closing
-    /// it first crashes vhost-device-vsock), and the abandoned stream is closed after it.
+    /// An answer that comes after the caller gave up still finds the host side open, and the
+    /// abandoned stream is closed after it.
     #[tokio::test]
     async fn a_late_answer_finds_the_abandoned_attempt_open() {
         let dir = Scratch::new("late");

@@ -7,12 +7,12 @@
 //! over by whoever held it), and a guest channel whose host side is a Unix socket speaking
 //! Firecracker's `CONNECT <port>` protocol, so [`super::vsock`] serves both.
 //!
-//! QEMU's vsock for TCG guests (`vhost-user-vsock-device`) cannot be migrated, so a VM with it
-//! could not be snapshotted. Instead the guest gets a virtio-serial port named
-//! [`MUX_PORT`] on a chardev socket, and [`mux::HostMux`] multiplexes vsock-like streams over
-//! it ([`imp_proto::mux`]); imp-guest speaks the other end when it finds that port. The host
-//! interface is unchanged: `vsock.sock` for host→guest streams, `vsock.sock_P` for guest
-//! streams to host port P.
+//! The guest channel is not a virtio-vsock device: QEMU cannot migrate one, so a VM with it
+//! could not be snapshotted. When the VM's config asks for vsock, the guest gets a
+//! virtio-serial port named [`MUX_PORT`] on a chardev socket instead, and [`mux::HostMux`]
+//! multiplexes vsock-like streams over it ([`imp_proto::mux`]); imp-guest speaks the other end
+//! when it finds that port. To the host it looks like Firecracker's vsock: `vsock.sock` for
+//! host→guest streams, `vsock.sock_P` for guest streams to host port P.
 //!
 //! Files in the VM's run directory: `qmp.sock` (control), `vsock.sock` (host side of the
 //! guest channel; guest connections to host port P arrive on `vsock.sock_P`), `mux.sock`
