@@ -1,47 +1,56 @@
-//! The imp host binary: one command per component (`imp operator`, `imp agent`, `imp crds`, the
-//! local VM commands `imp run|exec|ps|stop|console`, and `imp exec|console` against a cluster,
-//! also as the kubectl plugin `kubectl-imp`).
+//! The imp host binary: microVMs under QEMU or Firecracker, on this machine or in a cluster.
+//!
+//! One command per component: `imp operator` and `imp agent` (the cluster's controller and node
+//! agent), `imp crds`; the local VM commands `imp run|exec|ps|stop|rm|console|suspend|resume`
+//! and `imp image`; the same `exec|console|ps|suspend|resume` against a cluster's ImpVMs with
+//! `-n`/`--kubeconfig`/`--context` (also as the kubectl plugin `kubectl-imp`); and
+//! `imp version`, `imp completion`. How it ends (exit codes, one-line failures) is [`exit`].
 
 use std::io::Write;
+use std::process::ExitCode;
 
 use anyhow::Context;
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, Parser, Subcommand};
 
 mod agent;
 mod cluster;
+mod exit;
 mod local;
+mod manual;
 mod operator;
 mod shutdown;
+mod version;
+
+/// What `imp --help` opens with.
+const ABOUT: &str = "MicroVMs from OCI images, under QEMU or Firecracker: on this machine \
+(imp run) or as Kubernetes resources (imp operator + imp agent)";
 
 #[derive(Parser)]
-#[command(
-    name = "imp",
-    version,
-    about = "Firecracker microVMs as Kubernetes resources"
-)]
+#[command(name = "imp", version, about = ABOUT, after_help = exit::HELP)]
 struct Cli {
+    /// On failure print every cause and a backtrace; log at debug level (also IMP_LOG=debug).
+    #[arg(long, global = true)]
+    debug: bool,
     #[command(subcommand)]
     command: Command,
 }
 
 #[derive(Subcommand)]
 enum Command {
-    /// Print every imp.dev CustomResourceDefinition as one YAML stream (for kubectl apply -f -).
-    Crds,
-    /// Run the operator (controller-manager): scheduling, lifecycle, webhook, metrics.
-    Operator(Box<operator::Args>),
-    /// Run the node agent: boots the ImpVMs placed on this node and reports their status.
-    Agent(Box<agent::Args>),
     /// Boot IMAGE as a microVM on this machine (no cluster) and run its workload.
+    #[command(after_help = exit::HELP)]
     Run(Box<local::RunArgs>),
     /// Run a command in a VM: a local one, or an ImpVM with -n/--kubeconfig/--context.
+    #[command(after_help = exit::HELP)]
     Exec(local::ExecArgs),
-    /// List local VMs.
+    /// List VMs: the local ones, or a cluster's ImpVMs with -n/-A/--kubeconfig/--context.
     Ps(local::PsArgs),
     /// Stop local VMs (SIGTERM to the workload, then power off).
     Stop(local::StopArgs),
     /// Remove local VMs that have ended (their disk, logs and record).
     Rm(local::RmArgs),
+    /// Show a VM's serial console: a local one, or an ImpVM with -n/--kubeconfig/--context.
+    Console(local::ConsoleArgs),
     /// Suspend a VM to a snapshot on its node (its memory is freed): a local one, or an ImpVM
     /// with -n/--kubeconfig/--context (sets spec.desiredState).
     Suspend(local::SuspendArgs),
@@ -51,8 +60,20 @@ enum Command {
     /// Manage the local image cache.
     #[command(subcommand)]
     Image(ImageCommand),
-    /// Show a VM's serial console: a local one, or an ImpVM with -n/--kubeconfig/--context.
-    Console(local::ConsoleArgs),
+    /// Show imp's version and commit, and what this machine runs VMs with (QEMU, Firecracker,
+    /// guest kernel and init, KVM).
+    Version(version::VersionArgs),
+    /// Print a shell completion script (bash, zsh, fish, elvish, powershell).
+    Completion(manual::CompletionArgs),
+    /// Print every imp.dev CustomResourceDefinition as one YAML stream (for kubectl apply -f -).
+    Crds,
+    /// Run the operator (controller-manager): scheduling, lifecycle, webhook, metrics.
+    Operator(Box<operator::Args>),
+    /// Run the node agent: boots the ImpVMs placed on this node and reports their status.
+    Agent(Box<agent::Args>),
+    /// Write the man pages into a directory (docs/man/ holds them, checked against the CLI).
+    #[command(hide = true)]
+    Man(manual::ManArgs),
     /// The per-VM supervisor that `imp run` and `imp agent` start (not for direct use).
     #[command(hide = true)]
     Shim(ShimArgs),
@@ -61,8 +82,10 @@ enum Command {
 /// `imp image …`.
 #[derive(Subcommand)]
 enum ImageCommand {
+    /// Pull an image into the local cache and build its root filesystem, showing progress.
+    Pull(local::image::PullArgs),
     /// Remove stale unpack directories and the cached root filesystems (`--all`: blobs too).
-    Prune(local::ImagePruneArgs),
+    Prune(local::image::PruneArgs),
 }
 
 /// `imp shim`: supervises one VM whose spec its starter wrote into the VM's directory.
@@ -79,8 +102,40 @@ struct ShimArgs {
     id: String,
 }
 
-fn main() -> anyhow::Result<()> {
-    match Cli::parse().command {
+fn main() -> ExitCode {
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => {
+            // --help and --version print to stdout and succeed; a usage error is imp's failure.
+            let _ = e.print();
+            return if e.use_stderr() {
+                ExitCode::from(exit::IMP_FAILED)
+            } else {
+                ExitCode::SUCCESS
+            };
+        }
+    };
+    let debug = cli.debug || exit::debug_from_env(std::env::var("IMP_LOG").ok().as_deref());
+    if debug {
+        backtraces_on();
+    }
+    match run(cli.command, debug) {
+        Ok(code) => ExitCode::from(code),
+        Err(e) => ExitCode::from(exit::report(&e, debug)),
+    }
+}
+
+/// Lets errors capture where they happened, for `--debug` (whatever RUST_BACKTRACE says).
+#[allow(unsafe_code)]
+fn backtraces_on() {
+    // SAFETY: called first thing in main, before any thread exists that could read the
+    // environment at the same time.
+    unsafe { std::env::set_var("RUST_LIB_BACKTRACE", "1") };
+}
+
+/// Runs the command; returns the exit code (a workload's, for `run` and `exec`).
+fn run(command: Command, debug: bool) -> anyhow::Result<u8> {
+    match command {
         Command::Crds => {
             let yaml = imp_api::crd::yaml_stream().context("generating CRDs")?;
             write_stdout(yaml.as_bytes()).context("writing CRDs to stdout")?;
@@ -88,13 +143,14 @@ fn main() -> anyhow::Result<()> {
         Command::Operator(args) => operator::main(*args)?,
         Command::Agent(args) => agent::main(*args)?,
         Command::Run(args) => {
-            local_logs();
-            std::process::exit(local::run::main(*args)?)
+            local_logs(debug);
+            return local::run::main(*args).map(exit_code);
         }
         Command::Exec(args) if cluster::wanted(&args.cluster) => {
-            std::process::exit(cluster::exec(args)?)
+            return cluster::exec(args).map(exit_code);
         }
-        Command::Exec(args) => std::process::exit(local::exec(args)?),
+        Command::Exec(args) => return local::exec(args).map(exit_code),
+        Command::Ps(args) if cluster::ps::wanted(&args) => cluster::ps::ps(args)?,
         Command::Ps(args) => local::ps(args)?,
         Command::Stop(args) => local::stop(args)?,
         Command::Rm(args) => local::rm(args)?,
@@ -106,12 +162,25 @@ fn main() -> anyhow::Result<()> {
             cluster::set_desired_state(args, imp_api::shared::VmDesiredState::Running)?
         }
         Command::Resume(args) => local::resume(args)?,
-        Command::Image(ImageCommand::Prune(args)) => local::image_prune(args)?,
+        Command::Image(ImageCommand::Pull(args)) => {
+            local_logs(debug);
+            local::image::pull(args)?
+        }
+        Command::Image(ImageCommand::Prune(args)) => local::image::prune(args)?,
         Command::Console(args) if cluster::wanted(&args.cluster) => cluster::console(args)?,
         Command::Console(args) => local::console(args)?,
+        Command::Version(args) => version::main(args)?,
+        Command::Completion(args) => manual::completion(Cli::command(), &args)?,
+        Command::Man(args) => manual::man(Cli::command(), &args)?,
         Command::Shim(args) => shim(args)?,
     }
-    Ok(())
+    Ok(0)
+}
+
+/// A workload's exit code as the process's: 0–255 as they are (a code outside that range,
+/// which no Linux process can have, is imp's failure).
+fn exit_code(code: i32) -> u8 {
+    u8::try_from(code).unwrap_or(exit::IMP_FAILED)
 }
 
 /// Runs a VM's shim until the VM has ended and its record says how.
@@ -152,10 +221,16 @@ fn write_stdout(bytes: &[u8]) -> std::io::Result<()> {
     }
 }
 
-/// Local commands log warnings to stderr (more with RUST_LOG), keeping stdout for the workload.
-fn local_logs() {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+/// Local commands log warnings to stderr (more with IMP_LOG or RUST_LOG, or all debug lines
+/// with `--debug`), keeping stdout for the workload.
+fn local_logs(debug: bool) {
+    let filter = if debug {
+        tracing_subscriber::EnvFilter::new("debug")
+    } else {
+        tracing_subscriber::EnvFilter::try_from_env("IMP_LOG")
+            .or_else(|_| tracing_subscriber::EnvFilter::try_from_default_env())
+            .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"))
+    };
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)

@@ -10,6 +10,7 @@ use sha2::{Digest as _, Sha256};
 use tokio::io::AsyncWriteExt;
 
 use super::manifest::{Descriptor, Digest};
+use super::progress::{Event, Meter, Metered, Reporter};
 use super::{ImageError, Result, blocking};
 
 /// Distinguishes temporary files of concurrent writers in one process.
@@ -166,16 +167,35 @@ impl BlobStore {
 
     /// Copies the local file `src` into the cache as blob `desc`, with the same checks.
     pub async fn import_file(&self, desc: &Descriptor, src: &Path, what: &str) -> Result<()> {
+        let meter = Reporter::default().meter(0, |index, bytes| Event::Fetching { index, bytes });
+        self.import_file_metered(desc, src, what, meter).await
+    }
+
+    /// [`Self::import_file`], counting the bytes copied into `meter`.
+    pub(crate) async fn import_file_metered(
+        &self,
+        desc: &Descriptor,
+        src: &Path,
+        what: &str,
+        meter: Meter,
+    ) -> Result<()> {
         self.ensure_dir().await?;
         let store = self.clone();
         let (desc, src, what) = (desc.clone(), src.to_path_buf(), what.to_owned());
-        blocking(move || store.import_blocking(&desc, &src, &what)).await
+        blocking(move || store.import_blocking(&desc, &src, &what, meter)).await
     }
 
-    fn import_blocking(&self, desc: &Descriptor, src: &Path, what: &str) -> Result<()> {
+    fn import_blocking(
+        &self,
+        desc: &Descriptor,
+        src: &Path,
+        what: &str,
+        meter: Meter,
+    ) -> Result<()> {
         let tmp = temp_path(&self.dir, desc.digest.hex());
         let result = (|| {
             let input = std::fs::File::open(src).map_err(ImageError::io("Opening blob", src))?;
+            let input = Metered::new(input, meter);
             let mut out = std::fs::File::create(&tmp)
                 .map_err(ImageError::io("Creating blob temp file", &tmp))?;
             let mut reader = HashingReader::new(input.take(desc.size + 1));

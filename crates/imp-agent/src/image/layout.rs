@@ -10,6 +10,7 @@ use serde::Deserialize;
 
 use super::blobs::BlobStore;
 use super::manifest::{Descriptor, MAX_DOCUMENT_BYTES, RawDescriptor};
+use super::progress::Meter;
 use super::{ImageError, Result, blocking};
 
 /// The annotation naming a tag in a layout's `index.json`.
@@ -127,17 +128,21 @@ impl LayoutFetcher {
         Ok(bytes)
     }
 
-    /// Imports blob `desc` into `blobs` unless cached; true when it was copied.
+    /// Imports blob `desc` into `blobs` unless cached, counting its bytes into `meter`; true
+    /// when it was copied.
     pub(crate) async fn blob(
         &self,
         blobs: &BlobStore,
         desc: &Descriptor,
         what: &str,
+        meter: Meter,
     ) -> Result<bool> {
         if blobs.has(desc).await {
             return Ok(false);
         }
-        blobs.import_file(desc, &self.blob_path(desc), what).await?;
+        blobs
+            .import_file_metered(desc, &self.blob_path(desc), what, meter)
+            .await?;
         Ok(true)
     }
 }

@@ -15,6 +15,7 @@ pub mod ext4;
 pub mod layers;
 pub mod layout;
 pub mod manifest;
+pub mod progress;
 pub mod reference;
 pub mod registry;
 pub mod store;
@@ -26,6 +27,7 @@ pub use auth::{RegistryAuth, auth_from_docker_config};
 pub use disk::clone_disk;
 pub use layers::Limits;
 pub use manifest::Platform;
+pub use progress::{Event as ProgressEvent, Observer, Reporter};
 pub use reference::ImageSource;
 pub use store::{BaseRootfs, ImageStore, LayerDescriptor, Pruned, PulledImage};
 

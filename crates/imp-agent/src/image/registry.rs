@@ -5,6 +5,8 @@
 
 use std::sync::Once;
 
+use futures::StreamExt;
+
 use oci_client::client::{ClientConfig, ClientProtocol};
 use oci_client::manifest::OciDescriptor;
 use oci_client::{Client, Reference};
@@ -12,6 +14,7 @@ use oci_client::{Client, Reference};
 use super::auth::RegistryAuth;
 use super::blobs::BlobStore;
 use super::manifest::{ACCEPT, Descriptor, Digest, MAX_DOCUMENT_BYTES};
+use super::progress::Meter;
 use super::reference::is_loopback_registry;
 use super::{ImageError, Result};
 
@@ -117,12 +120,14 @@ impl RegistryFetcher {
         Ok(self.get_manifest(&r, what).await?.0)
     }
 
-    /// Downloads blob `desc` into `blobs` unless it is cached; true when it was downloaded.
+    /// Downloads blob `desc` into `blobs` unless it is cached, counting its bytes into `meter`;
+    /// true when it was downloaded.
     pub(crate) async fn blob(
         &self,
         blobs: &BlobStore,
         desc: &Descriptor,
         what: &str,
+        mut meter: Meter,
     ) -> Result<bool> {
         if blobs.has(desc).await {
             return Ok(false);
@@ -139,6 +144,12 @@ impl RegistryFetcher {
             .pull_blob_stream(&self.reference, &od)
             .await
             .map_err(self.fail(format!("fetching {what} {}", desc.digest)))?;
+        let stream = stream.map(move |chunk| {
+            if let Ok(c) = &chunk {
+                meter.add(c.len());
+            }
+            chunk
+        });
         blobs.put_stream(desc, stream, what).await?;
         Ok(true)
     }

@@ -23,6 +23,7 @@ use super::layout::{LayoutFetcher, extract_archive};
 use super::manifest::{
     Descriptor, Digest, Document, Platform, parse_config, parse_diff_ids, select_platform,
 };
+use super::progress::{Event, LayerInfo, Meter, Metered, Reporter};
 use super::reference::ImageSource;
 use super::registry::RegistryFetcher;
 use super::{ImageError, Result, blocking, ext4};
@@ -93,10 +94,10 @@ impl Fetcher {
             Self::Layout(f) => f.manifest(d).await,
         }
     }
-    async fn blob(&self, blobs: &BlobStore, d: &Descriptor, what: &str) -> Result<bool> {
+    async fn blob(&self, blobs: &BlobStore, d: &Descriptor, what: &str, m: Meter) -> Result<bool> {
         match self {
-            Self::Registry(f) => f.blob(blobs, d, what).await,
-            Self::Layout(f) => f.blob(blobs, d, what).await,
+            Self::Registry(f) => f.blob(blobs, d, what, m).await,
+            Self::Layout(f) => f.blob(blobs, d, what, m).await,
         }
     }
 }
@@ -108,6 +109,7 @@ pub struct ImageStore {
     limits: Limits,
     platform: Platform,
     blobs: BlobStore,
+    reporter: Reporter,
 }
 
 impl ImageStore {
@@ -118,7 +120,20 @@ impl ImageStore {
             root,
             limits,
             platform: Platform::host(),
+            reporter: Reporter::default(),
         }
+    }
+
+    /// Reports what [`Self::pull`] and [`Self::rootfs`] do to `reporter` (by default nobody
+    /// is told).
+    pub fn with_reporter(mut self, reporter: Reporter) -> Self {
+        self.reporter = reporter;
+        self
+    }
+
+    /// Where this store reports progress.
+    pub fn reporter(&self) -> &Reporter {
+        &self.reporter
     }
 
     /// Picks `platform` from multi-platform indexes instead of linux on the host architecture.
@@ -254,7 +269,8 @@ impl ImageStore {
         };
         let mut fetched = 0;
         let what = format!("config of {name}");
-        fetched += usize::from(f.blob(&self.blobs, &config, &what).await?);
+        let unreported = Reporter::default().meter(0, fetching);
+        fetched += usize::from(f.blob(&self.blobs, &config, &what, unreported).await?);
         let config_bytes = self.blobs.read_verified(&config, &what).await?;
         let (image_config, platform) = parse_config(&config_bytes, &what)?;
         let diff_ids = parse_diff_ids(&config_bytes, &what)?;
@@ -276,10 +292,26 @@ impl ImageStore {
                 platform: self.platform.to_string(),
             });
         }
+        self.reporter.emit(Event::Resolved {
+            digest: digest.to_string(),
+            layers: layers
+                .iter()
+                .map(|l| LayerInfo {
+                    digest: l.digest.to_string(),
+                    size: l.size,
+                })
+                .collect(),
+        });
         for (i, layer) in layers.iter().enumerate() {
             layer_codec(layer)?;
             let what = format!("layer {i} of {name}");
-            fetched += usize::from(f.blob(&self.blobs, layer, &what).await?);
+            let meter = self.reporter.meter(i, fetching);
+            let got = f.blob(&self.blobs, layer, &what, meter).await?;
+            fetched += usize::from(got);
+            self.reporter.emit(Event::Fetched {
+                index: i,
+                bytes: if got { layer.size } else { 0 },
+            });
         }
         tracing::info!(image = name, manifest = %digest, layers = layers.len(), blobs_fetched = fetched, "pulled image");
         Ok(PulledImage {
@@ -321,6 +353,10 @@ impl ImageStore {
         if let Ok(md) = tokio::fs::metadata(&path).await
             && md.is_file()
         {
+            self.reporter.emit(Event::Built {
+                size_bytes: md.len(),
+                cached: true,
+            });
             return Ok(BaseRootfs {
                 path,
                 key,
@@ -348,7 +384,7 @@ impl ImageStore {
         }
         let unpack = temp_path(&self.tmp_dir(), &format!("unpack-{key}"));
         let image_tmp = temp_path(&dir, &key);
-        let (blobs, limits) = (self.blobs.clone(), self.limits);
+        let (blobs, limits, reporter) = (self.blobs.clone(), self.limits, self.reporter.clone());
         let (u, t, p, d) = (unpack.clone(), image_tmp.clone(), path.clone(), dir.clone());
         let started = std::time::Instant::now();
         let result = blocking(move || {
@@ -356,7 +392,8 @@ impl ImageStore {
             // headers) before the first file is written.
             let mut census = Census::default();
             for (i, (layer, diff_id)) in layers.iter().enumerate() {
-                verify_layer(&blobs, &mut census, limits, layer, diff_id, i)?;
+                let meter = reporter.meter(i, verifying);
+                verify_layer(&blobs, &mut census, limits, layer, diff_id, i, meter)?;
             }
             std::fs::DirBuilder::new()
                 .mode(0o700)
@@ -364,8 +401,16 @@ impl ImageStore {
                 .map_err(ImageError::io("Creating the unpack directory", &u))?;
             let mut applier = Applier::new(&u, limits).map_err(ImageError::Layer)?;
             for (i, (layer, _)) in layers.iter().enumerate() {
-                apply_layer(&blobs, &mut applier, layer, i)?;
+                apply_layer(
+                    &blobs,
+                    &mut applier,
+                    layer,
+                    i,
+                    reporter.meter(i, extracting),
+                )?;
+                reporter.emit(Event::Extracted { index: i });
             }
+            reporter.emit(Event::Building);
             let size = ext4::build_blocking(&u, &t, applier.specials())?;
             std::fs::rename(&t, &p)
                 .map_err(ImageError::io("Renaming the rootfs into the cache", &p))?;
@@ -387,6 +432,10 @@ impl ImageStore {
             }
         };
         tracing::info!(image = %image.source, key, size_bytes, elapsed_ms = started.elapsed().as_millis() as u64, "built rootfs");
+        self.reporter.emit(Event::Built {
+            size_bytes,
+            cached: false,
+        });
         Ok(BaseRootfs {
             path,
             key,
@@ -487,16 +536,29 @@ fn layer_codec(layer: &Descriptor) -> Result<Codec> {
     }
 }
 
-/// A cached layer blob, read through a hasher (of the compressed bytes).
-type BlobReader = HashingReader<std::io::Take<BufReader<std::fs::File>>>;
+/// A cached layer blob, read through a hasher (of the compressed bytes) and a progress meter.
+type BlobReader = HashingReader<std::io::Take<BufReader<Metered<std::fs::File>>>>;
 
-fn open_blob(blobs: &BlobStore, layer: &Descriptor) -> Result<(PathBuf, BlobReader)> {
+fn open_blob(blobs: &BlobStore, layer: &Descriptor, meter: Meter) -> Result<(PathBuf, BlobReader)> {
     let path = blobs.path(&layer.digest);
     let file = std::fs::File::open(&path).map_err(ImageError::io("Opening layer blob", &path))?;
     Ok((
         path,
-        HashingReader::new(BufReader::new(file).take(layer.size + 1)),
+        HashingReader::new(BufReader::new(Metered::new(file, meter)).take(layer.size + 1)),
     ))
+}
+
+/// The progress events of the three passes over a layer's bytes.
+fn fetching(index: usize, bytes: u64) -> Event {
+    Event::Fetching { index, bytes }
+}
+
+fn verifying(index: usize, bytes: u64) -> Event {
+    Event::Verifying { index, bytes }
+}
+
+fn extracting(index: usize, bytes: u64) -> Event {
+    Event::Extracting { index, bytes }
 }
 
 /// The uncompressed tar stream of a layer.
@@ -546,8 +608,9 @@ fn verify_layer(
     layer: &Descriptor,
     diff_id: &Digest,
     index: usize,
+    meter: Meter,
 ) -> Result<()> {
-    let (path, mut raw) = open_blob(blobs, layer)?;
+    let (path, mut raw) = open_blob(blobs, layer, meter)?;
     let digest = layer.digest.to_string();
     let (counted, drained, actual) = {
         let mut plain = HashingReader::new(decoder(layer_codec(layer)?, &mut raw, layer, index)?);
@@ -586,8 +649,9 @@ fn apply_layer(
     applier: &mut Applier,
     layer: &Descriptor,
     index: usize,
+    meter: Meter,
 ) -> Result<()> {
-    let (path, mut raw) = open_blob(blobs, layer)?;
+    let (path, mut raw) = open_blob(blobs, layer, meter)?;
     let digest = layer.digest.to_string();
     let applied = {
         let plain = decoder(layer_codec(layer)?, &mut raw, layer, index)?;

@@ -108,13 +108,8 @@ pub async fn probe_boot(qemu: &Path, kernel: &Path, deadline: Duration) -> Probe
     result
 }
 
-/// [`probe_boot`], remembered in `cache_dir` per kernel file (path, size and mtime).
-pub async fn probe_boot_cached(
-    qemu: &Path,
-    kernel: &Path,
-    deadline: Duration,
-    cache_dir: &Path,
-) -> bool {
+/// The cache key of `kernel` (path, size and mtime) and the file the verdict is kept in.
+fn cache_entry(kernel: &Path, cache_dir: &Path) -> (String, PathBuf) {
     let key = std::fs::metadata(kernel)
         .ok()
         .map(|m| {
@@ -122,13 +117,29 @@ pub async fn probe_boot_cached(
             format!("{}:{}:{}", kernel.display(), m.len(), m.mtime())
         })
         .unwrap_or_default();
-    let file: PathBuf = cache_dir.join("kvm-probe");
-    if let Ok(text) = std::fs::read_to_string(&file)
-        && let Some((k, v)) = text.trim().rsplit_once('=')
-        && k == key
-    {
-        return v == "kvm";
+    (key, cache_dir.join("kvm-probe"))
+}
+
+/// The verdict [`probe_boot_cached`] remembered for `kernel` in `cache_dir`, if any: whether
+/// KVM boots it.
+pub fn cached_verdict(kernel: &Path, cache_dir: &Path) -> Option<bool> {
+    let (key, file) = cache_entry(kernel, cache_dir);
+    let text = std::fs::read_to_string(&file).ok()?;
+    let (k, v) = text.trim().rsplit_once('=')?;
+    (k == key).then_some(v == "kvm")
+}
+
+/// [`probe_boot`], remembered in `cache_dir` per kernel file (path, size and mtime).
+pub async fn probe_boot_cached(
+    qemu: &Path,
+    kernel: &Path,
+    deadline: Duration,
+    cache_dir: &Path,
+) -> bool {
+    if let Some(kvm) = cached_verdict(kernel, cache_dir) {
+        return kvm;
     }
+    let (key, file) = cache_entry(kernel, cache_dir);
     let probe = probe_boot(qemu, kernel, deadline).await;
     tracing::info!(?probe, kernel = %kernel.display(), "kvm boot probe");
     let _ = std::fs::create_dir_all(cache_dir);

@@ -1,9 +1,10 @@
-//! `imp exec` and `imp console` against a cluster: find the ImpVM's node, reach that node's
-//! agent over TLS pinned to the certificate the Node publishes, as the kubeconfig's user.
+//! The CLI against a cluster: `imp exec` and `imp console` find the ImpVM's node and reach that
+//! node's agent over TLS pinned to the certificate the Node publishes, as the kubeconfig's
+//! user; `imp suspend|resume` set the ImpVM's desired state; `imp ps` lists ImpVMs ([`ps`]).
 //!
-//! Cluster mode is chosen when `-n/--namespace`, `--kubeconfig` or `--context` is given, or
-//! when the binary runs as `kubectl-imp` (so `kubectl imp exec …` works as a kubectl plugin);
-//! otherwise the commands act on the local VMs of `imp run`. The ImpVM's `status.nodeName`
+//! Cluster mode is chosen when `-n/--namespace`, `--kubeconfig` or `--context` is given (or
+//! `imp ps -A`), or when the binary runs as `kubectl-imp` (so `kubectl imp exec …` works as a
+//! kubectl plugin); otherwise the commands act on the local VMs of `imp run`. The ImpVM's `status.nodeName`
 //! (or `spec.nodeName`) names the node; its annotations `imp.dev/agent-endpoint` and
 //! `imp.dev/agent-cert-sha256` say where the agent listens and which certificate it has. The
 //! API server vouches for both, so no certificate authority is involved and nothing is
@@ -31,6 +32,8 @@ use kube::config::{AuthInfo, KubeConfigOptions, Kubeconfig};
 use secrecy::ExposeSecret;
 
 use crate::local::{self, ConsoleArgs, ExecArgs, SuspendArgs};
+
+pub mod ps;
 
 /// How the commands' help tells local and cluster mode apart.
 pub const MODE_HELP: &str = "Local or cluster: with -n/--namespace, --kubeconfig or --context, or \
@@ -423,6 +426,36 @@ mod tests {
         assert_eq!(got, b"output and exit");
         drop(ours);
         task.await.unwrap();
+    }
+
+    /// The agent half-closes (the guest ended its side): we see the end of the stream, what
+    /// we send still reaches the agent, and our end ends the carrying.
+    #[tokio::test]
+    async fn the_agents_half_close_is_ours_and_our_side_stays_open() {
+        let (mut ours, theirs) = tokio::io::duplex(1 << 16);
+        let (agent, remote) = tokio::io::duplex(1 << 16);
+        let task = tokio::spawn(carry(theirs, remote));
+        let (mut agent_rx, mut agent_tx) = tokio::io::split(agent);
+        agent_tx.write_all(b"last output").await.unwrap();
+        agent_tx.shutdown().await.unwrap();
+        let mut got = Vec::new();
+        ours.read_to_end(&mut got).await.unwrap();
+        assert_eq!(got, b"last output");
+        ours.write_all(b"still sending").await.unwrap();
+        let mut heard = [0u8; 13];
+        agent_rx.read_exact(&mut heard).await.unwrap();
+        assert_eq!(&heard, b"still sending");
+        assert!(!task.is_finished());
+        ours.shutdown().await.unwrap();
+        assert_eq!(
+            agent_rx.read(&mut [0u8; 4]).await.unwrap(),
+            0,
+            "our end reached the agent"
+        );
+        tokio::time::timeout(Duration::from_secs(2), task)
+            .await
+            .expect("carrying outlived both sides")
+            .unwrap();
     }
 
     #[test]

@@ -7,6 +7,8 @@
 //! writes and talk to the shim with signals.
 
 pub mod exec;
+pub mod image;
+pub mod progress;
 pub mod run;
 
 use std::path::PathBuf;
@@ -104,45 +106,20 @@ pub struct SuspendArgs {
     pub cluster: crate::cluster::ClusterArgs,
 }
 
-/// `imp image prune`.
-#[derive(Args, Debug)]
-pub struct ImagePruneArgs {
-    /// Also remove the pulled blobs (fetched again when next needed), not only temporaries
-    /// and the built bases.
-    #[arg(long)]
-    pub all: bool,
-    #[command(flatten)]
-    common: Common,
-}
-
-/// `imp image prune`: removes what unpacks killed half-way left and the cached bases (rebuilt
-/// from the blobs when next needed), and with `--all` the blobs too; prints what it freed.
-pub fn image_prune(args: ImagePruneArgs) -> anyhow::Result<()> {
-    let state = StateDir::resolve(args.common.state_dir)?;
-    let store = run::image_store(&state);
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .context("starting the async runtime")?;
-    let pruned = runtime
-        .block_on(store.prune(args.all))
-        .with_context(|| format!("pruning the image cache {}", store.root().display()))?;
-    println!(
-        "removed {} entries, {:.1} MiB",
-        pruned.entries,
-        pruned.bytes as f64 / f64::from(1u32 << 20)
-    );
-    Ok(())
-}
-
 /// `imp ps`.
 #[derive(Args, Debug)]
+#[command(after_help = crate::cluster::ps::HELP)]
 pub struct PsArgs {
-    /// Also list VMs that have ended.
+    /// Also list local VMs that have ended (a cluster's ImpVMs are listed in every phase).
     #[arg(short, long)]
     pub all: bool,
+    /// List the ImpVMs of every namespace; selects cluster mode.
+    #[arg(short = 'A', long, conflicts_with = "namespace")]
+    pub all_namespaces: bool,
     #[command(flatten)]
     common: Common,
+    #[command(flatten)]
+    pub cluster: crate::cluster::ClusterArgs,
 }
 
 /// `imp console`.
@@ -245,7 +222,8 @@ pub fn ps(args: PsArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn age(secs: u64) -> String {
+/// An age as `ps` shows it: `42s`, `5m`, `3h`, `2d`.
+pub(crate) fn age(secs: u64) -> String {
     match secs {
         0..60 => format!("{secs}s"),
         60..3600 => format!("{}m", secs / 60),
