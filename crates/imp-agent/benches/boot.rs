@@ -148,6 +148,7 @@ async fn main() {
                 guest_cid: 3 + i as u32,
             }),
             netns: None,
+            confine: None,
         };
         let t = Instant::now();
         let vm = Qemu::boot(&launcher, &vm_config).await.unwrap();

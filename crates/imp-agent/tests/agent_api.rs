@@ -15,6 +15,7 @@ use http::{Request, StatusCode};
 use http_body_util::BodyExt;
 use imp_agent::api::auth::{ReviewError, Reviewer};
 use imp_agent::api::client::{self, ClientError, Target};
+use imp_agent::api::sessions::SessionLimits;
 use imp_agent::api::{AgentApi, ApiConfig, GuestEndpoint, Identity, VmLookup, Waking};
 use imp_proto::frame::{check_len, decode, encode};
 use imp_proto::message::{ExecRequest, ExitStatus, Hello, Message, WindowSize};
@@ -135,7 +136,9 @@ impl VmLookup for Vms {
 }
 
 /// A scripted guest agent behind a `CONNECT` socket: handshake, then records every message;
-/// answers an exec with `Started`, echoes stdin to stdout, and on `StdinEof` exits with 7.
+/// answers an exec with `Started`, echoes stdin to stdout, and on `StdinEof` exits with 7. An
+/// exec of `half-close` gets `Started` and `bye` on stdout, then the guest shuts its sending
+/// side and goes on reading (and recording) until the host's side ends.
 fn scripted_guest(vsock: PathBuf) -> Arc<Mutex<Vec<Message>>> {
     let seen = Arc::new(Mutex::new(Vec::new()));
     let listener = UnixListener::bind(&vsock).unwrap();
@@ -150,9 +153,17 @@ fn scripted_guest(vsock: PathBuf) -> Arc<Mutex<Vec<Message>>> {
                 assert_eq!(line, format!("CONNECT {PORT}\n"));
                 stream.write_all(b"OK 1\n").unwrap();
                 handshake(&mut stream, &Hello::new("scripted-guest")).unwrap();
+                let mut sending = true;
                 while let Ok(Some(m)) = read_frame(&mut stream) {
                     record.lock().unwrap().push(m.clone());
                     let reply = match m {
+                        Message::Exec(r) if r.argv == ["half-close"] => {
+                            write_frame(&mut stream, &Message::Started { pid: 2 }).unwrap();
+                            write_frame(&mut stream, &Message::Stdout(b"bye".to_vec())).unwrap();
+                            stream.shutdown(std::net::Shutdown::Write).unwrap();
+                            sending = false;
+                            continue;
+                        }
                         Message::Exec(_) => vec![Message::Started { pid: 1 }],
                         Message::Stdin(d) => vec![Message::Stdout(d)],
                         Message::StdinEof => vec![Message::Exit {
@@ -160,7 +171,7 @@ fn scripted_guest(vsock: PathBuf) -> Arc<Mutex<Vec<Message>>> {
                         }],
                         _ => vec![],
                     };
-                    for r in reply {
+                    for r in reply.into_iter().filter(|_| sending) {
                         write_frame(&mut stream, &r).unwrap();
                     }
                 }
@@ -185,6 +196,10 @@ impl Drop for Env {
 }
 
 async fn env(tag: &str) -> Env {
+    env_with(tag, SessionLimits::default()).await
+}
+
+async fn env_with(tag: &str, sessions: SessionLimits) -> Env {
     let dir = std::env::temp_dir().join(format!("imp-agent-api-{tag}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
@@ -197,6 +212,7 @@ async fn env(tag: &str) -> Env {
         running,
     };
     vms.add("vm", endpoint(true));
+    vms.add("vm2", endpoint(true));
     vms.add("suspending", endpoint(true));
     for asleep in ["sleeping", "stuck", "stopped"] {
         vms.add(asleep, endpoint(false));
@@ -211,6 +227,7 @@ async fn env(tag: &str) -> Env {
             guest_connect_timeout: Duration::from_millis(300),
             console_poll: Duration::from_millis(20),
             wake_timeout: Duration::from_millis(500),
+            sessions,
             ..Default::default()
         },
     );
@@ -485,5 +502,118 @@ async fn refusals_have_their_status_and_a_message_naming_the_vm() {
         }
         Err(e) => panic!("unexpected error {e}"),
         Ok(_) => panic!("a wrong pin was accepted"),
+    }
+}
+
+/// The guest shuts its sending side but still reads: the caller sees the end of the stream
+/// (not a reset, not a hang) while what it sends still reaches the guest, and the caller ending
+/// its side ends the guest's and the session.
+#[tokio::test]
+async fn a_guest_that_half_closes_is_half_closed_to_the_caller() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let env = env("halfclose").await;
+    let mut s = greeted(&env, "vm").await;
+    let request = ExecRequest {
+        argv: vec!["half-close".into()],
+        stdin: true,
+        ..Default::default()
+    };
+    send(&mut s, &Message::Exec(request.clone())).await;
+    assert_eq!(recv(&mut s).await, Some(Message::Started { pid: 2 }));
+    assert_eq!(recv(&mut s).await, Some(Message::Stdout(b"bye".to_vec())));
+    let mut rest = Vec::new();
+    let end = tokio::time::timeout(Duration::from_secs(5), s.read_to_end(&mut rest)).await;
+    let end = end.expect("the guest's half-close never reached the caller");
+    assert_eq!(
+        end.unwrap(),
+        0,
+        "a clean end of stream, after nothing: {rest:?}"
+    );
+    // The other direction is still open, end to end, beyond the relay's linger after an exit.
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    send(&mut s, &Message::Stdin(b"still heard".to_vec())).await;
+    wait_until("the guest heard the caller after its half-close", || {
+        env.seen
+            .lock()
+            .unwrap()
+            .contains(&Message::Stdin(b"still heard".to_vec()))
+    })
+    .await;
+    assert_eq!(env.api.exec_sessions(), 1, "the session is still open");
+    // The caller ends its side: the guest sees the end, and the session is over.
+    send(&mut s, &Message::StdinEof).await;
+    s.shutdown().await.unwrap();
+    wait_until("the session ended with both sides", || {
+        env.api.exec_sessions() == 0
+    })
+    .await;
+    let seen = env.seen.lock().unwrap().clone();
+    assert_eq!(
+        seen,
+        vec![
+            Message::Exec(request),
+            Message::Stdin(b"still heard".to_vec()),
+            Message::StdinEof
+        ]
+    );
+}
+
+/// More sessions than a VM or a caller may have open are refused 429, naming the limit and
+/// its flag; a console counts like an exec, and an ended session frees its place.
+#[tokio::test]
+async fn sessions_over_the_per_vm_or_per_caller_limit_are_refused_429() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let env = env_with(
+        "limits",
+        SessionLimits {
+            per_vm: 2,
+            per_caller: 3,
+        },
+    )
+    .await;
+    let first = greeted(&env, "vm").await;
+    let second = greeted(&env, "vm").await;
+    let over_vm = refused(client::exec(&env.target, "ns", "vm").await);
+    says(
+        over_vm,
+        StatusCode::TOO_MANY_REQUESTS,
+        &[
+            "ImpVM ns/vm",
+            "2 exec and console sessions",
+            "--api-max-sessions-per-vm",
+        ],
+    );
+    match client::console(&env.target, "ns", "vm", false).await {
+        Err(ClientError::Refused { status, message }) => {
+            assert_eq!(status, StatusCode::TOO_MANY_REQUESTS, "{message}")
+        }
+        Err(e) => panic!("unexpected error {e}"),
+        Ok(_) => panic!("a third session into vm was let in"),
+    }
+    // Alice's third session, into another VM, is within both limits; a fourth is not.
+    let third = greeted(&env, "vm2").await;
+    let over_caller = refused(client::exec(&env.target, "ns", "vm2").await);
+    says(
+        over_caller,
+        StatusCode::TOO_MANY_REQUESTS,
+        &[
+            "\"alice\"",
+            "3 exec and console sessions",
+            "--api-max-sessions-per-caller",
+        ],
+    );
+    assert_eq!(env.api.exec_sessions(), 3, "the refusals opened nothing");
+    // One ends: its place is free again.
+    drop(first);
+    wait_until("the first session ended", || env.api.exec_sessions() == 2).await;
+    let again = greeted(&env, "vm").await;
+    drop((second, third, again));
+    wait_until("every session ended", || env.api.exec_sessions() == 0).await;
+    // Unauthorized callers are refused before they count (401, not 429).
+    let mut t = env.target.clone();
+    t.token = "nope".into();
+    for _ in 0..4 {
+        let (status, _) = refused(client::exec(&t, "ns", "vm").await);
+        assert_eq!(status, StatusCode::UNAUTHORIZED);
     }
 }

@@ -177,6 +177,7 @@ fn base_config(id: &str, dir: &Path, kernel: &Path) -> VmConfig {
         net: None,
         vsock: None,
         netns: None,
+        confine: None,
     }
 }
 
@@ -506,6 +507,12 @@ async fn jailer_boot_snapshot_restore() {
             .any(|l| l.starts_with("Uid:") && l.contains("40123")),
         "not running as uid 40123:\n{status}"
     );
+    // Unprivileged and filtered: no capability, no_new_privs, Firecracker's seccomp filters.
+    let confined = imp_testenv::procfs::Status::of(pid);
+    eprintln!("jailed Firecracker {}", confined.summary());
+    assert_eq!(confined.field("CapEff"), "0000000000000000");
+    assert_eq!(confined.field("NoNewPrivs"), "1");
+    assert_eq!(confined.field("Seccomp"), "2");
     let cgroups = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap();
     assert!(
         cgroups.contains("imp-test/jailed"),

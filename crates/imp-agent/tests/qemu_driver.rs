@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 use imp_agent::guest::initramfs::{BaseInitramfs, build_for_vm};
 use imp_agent::guest::kernel::VM_MODULES;
 use imp_agent::vmm::qemu::{self, Launcher, Qemu};
-use imp_agent::vmm::{DriveConfig, StopOutcome, VmConfig, VmState, Vmm, VsockConfig};
+use imp_agent::vmm::{Confine, DriveConfig, StopOutcome, VmConfig, VmState, Vmm, VsockConfig};
 use imp_proto::config::{GuestConfig, ImageConfig, RootDisk};
 use imp_proto::{Client, EnvVar, ExecEvent, ExecRequest, ExitStatus, Hello};
 
@@ -180,6 +180,11 @@ async fn vm_config(inputs: &Inputs, dir: &Path, id: &str, cid: u32, script: &str
         net: None,
         vsock: Some(VsockConfig { guest_cid: cid }),
         netns: None,
+        // As the product runs it: a uid of its own in a jail (one per test VM, by its cid).
+        confine: Some(Confine {
+            uid: 3_900_000 + cid,
+            gid: 3_900_000 + cid,
+        }),
     }
 }
 
@@ -246,6 +251,65 @@ async fn counter(vm: &Qemu) -> u64 {
         .unwrap()
 }
 
+/// The VMM runs as the product runs it: its own uid, no capability, `no_new_privs`, seccomp
+/// (QEMU's `-sandbox`), a root holding only `/usr`, its devices and its VM's files, and it
+/// cannot open a host file by path, whatever a QMP client (or an escaped guest) asks.
+async fn assert_confined(vm: &mut Qemu, cid: u32, disk: &Path) {
+    let pid = vm.pid().unwrap();
+    let status = imp_testenv::procfs::Status::of(pid);
+    let uid = (3_900_000 + cid).to_string();
+    eprintln!("QEMU {}", status.summary());
+    assert!(
+        status.field("Uid").split_whitespace().all(|u| u == uid),
+        "{status:?}"
+    );
+    assert!(
+        status.field("Gid").split_whitespace().all(|g| g == uid),
+        "{status:?}"
+    );
+    assert_eq!(status.field("Groups"), "");
+    assert_eq!(status.field("CapEff"), "0000000000000000");
+    assert_eq!(status.field("CapPrm"), "0000000000000000");
+    assert_eq!(status.field("CapBnd"), "0000000000000000");
+    assert_eq!(status.field("NoNewPrivs"), "1");
+    assert_eq!(status.field("Seccomp"), "2");
+    let mut root: Vec<String> = fs::read_dir(format!("/proc/{pid}/root"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    root.sort();
+    eprintln!("QEMU {pid} sees / as {root:?}");
+    assert_eq!(
+        root,
+        [
+            "bin", "boot", "dev", "drives", "lib", "lib64", "log", "tmp", "usr", "vm"
+        ]
+    );
+    // Host files by path: /etc/shadow, and its own VM directory's disk by its host path.
+    let pid_cmdline = fs::read(format!("/proc/{pid}/cmdline")).unwrap();
+    assert!(
+        String::from_utf8_lossy(&pid_cmdline).contains("file=/drives/root"),
+        "the drive is named by its path inside the jail"
+    );
+    for path in ["/etc/shadow".to_owned(), disk.display().to_string()] {
+        let refused = vm
+            .qmp(
+                "blockdev-add",
+                Some(serde_json::json!({"driver": "file", "node-name": "steal",
+                                         "filename": path, "read-only": true})),
+            )
+            .await
+            .unwrap_err();
+        let refused: Vec<String> =
+            std::iter::successors(Some(&refused as &dyn std::error::Error), |e| e.source())
+                .map(ToString::to_string)
+                .collect();
+        let refused = refused.join(": ");
+        eprintln!("QMP blockdev-add {path}: {refused}");
+        assert!(refused.contains("No such file"), "{path}: {refused}");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn qemu_vm_boots_from_its_disk_and_serves_exec_health_metrics_pause_and_graceful_stop() {
     let _one = ONE_VM_AT_A_TIME.lock().await;
@@ -266,6 +330,7 @@ async fn qemu_vm_boots_from_its_disk_and_serves_exec_health_metrics_pause_and_gr
         .await
         .unwrap();
     eprintln!("guest agent answered health {ready:?} after QEMU start: {health:?}");
+    assert_confined(&mut vm, 3, &config.drives[0].path).await;
 
     let (chunks, status) = exec(&vm, &["sh", "-c", "echo hello; sleep 0.3; echo world"]).await;
     assert_eq!(status, ExitStatus::Code(0));

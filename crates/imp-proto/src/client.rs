@@ -32,8 +32,8 @@ pub enum ClientError {
         /// What arrived.
         got: &'static str,
     },
-    /// The guest reported an error.
-    #[error("Guest agent refused the request ({:?}): {}", .0.kind, .0.message)]
+    /// The guest reported an error (its message escaped when shown: the guest's words).
+    #[error("Guest agent refused the request ({:?}): {}", .0.kind, crate::message::escape(&.0.message))]
     Remote(ErrorReply),
     /// The vsock multiplexer refused the `CONNECT`.
     #[error("Vsock CONNECT to guest port {port} failed: {reason}")]

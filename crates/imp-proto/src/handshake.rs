@@ -1,7 +1,7 @@
 //! The version handshake that opens every connection.
 
 use crate::frame::{FrameError, read_frame, write_frame};
-use crate::message::{ErrorKind, Hello, Message, Version};
+use crate::message::{ErrorKind, Hello, Message, Version, escape};
 use std::io::{Read, Write};
 
 /// Why the handshake failed.
@@ -16,7 +16,7 @@ pub enum HandshakeError {
     /// The peer's first message was not a hello.
     #[error("Expected a hello from the peer, got a {0} message")]
     NotHello(&'static str),
-    /// The peer rejected us and said why.
+    /// The peer rejected us and said why (escaped: the peer's words).
     #[error("Peer rejected the handshake: {0}")]
     Rejected(String),
     /// The peer speaks another major version.
@@ -29,7 +29,7 @@ pub enum HandshakeError {
         ours: Version,
         /// The peer's version.
         theirs: Version,
-        /// The peer's software string.
+        /// The peer's software string, escaped ([`crate::message::escape`]).
         software: String,
     },
 }
@@ -45,14 +45,14 @@ pub fn handshake<S: Read + Write + ?Sized>(
     let theirs = match read_frame(stream)? {
         None => return Err(HandshakeError::Closed),
         Some(Message::Hello(h)) => h,
-        Some(Message::Error(e)) => return Err(HandshakeError::Rejected(e.message)),
+        Some(Message::Error(e)) => return Err(HandshakeError::Rejected(escape(&e.message))),
         Some(other) => return Err(HandshakeError::NotHello(other.name())),
     };
     if !ours.version.is_compatible_with(&theirs.version) {
         let err = HandshakeError::Incompatible {
             ours: ours.version,
             theirs: theirs.version,
-            software: theirs.software,
+            software: theirs.software_escaped(),
         };
         let _ = write_frame(
             stream,
@@ -101,6 +101,39 @@ mod tests {
             t.join().unwrap(),
             Err(HandshakeError::Incompatible { .. })
         ));
+    }
+
+    #[test]
+    fn a_hostile_peers_software_string_is_escaped_and_bounded_in_the_error() {
+        let (mut a, mut b) = UnixStream::pair().unwrap();
+        let evil = format!("guest\u{1b}[2J\n\u{202e}fake\r{}", "x".repeat(100_000));
+        let t = thread::spawn(move || handshake(&mut b, &hello(2, 0, &evil)));
+        let err = handshake(&mut a, &hello(1, 0, "host")).unwrap_err();
+        let text = err.to_string();
+        assert!(
+            text.contains("guest\\u{1b}[2J\\n\\u{202e}fake\\r"),
+            "{}",
+            &text[..200]
+        );
+        assert!(
+            !text.chars().any(|c| c.is_control()),
+            "a control character got through"
+        );
+        assert!(text.len() < 1000, "{} bytes", text.len());
+        assert!(text.contains("more bytes)"), "the cut is said");
+        let _ = t.join();
+        // A refusal's message is the peer's words too.
+        let (mut a, mut b) = UnixStream::pair().unwrap();
+        write_frame(
+            &mut b,
+            &Message::error(ErrorKind::Incompatible, "no\u{7}\u{1b}]0;owned\u{7}"),
+        )
+        .unwrap();
+        let err = handshake(&mut a, &hello(1, 0, "host")).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "Peer rejected the handshake: no\\u{7}\\u{1b}]0;owned\\u{7}"
+        );
     }
 
     #[test]

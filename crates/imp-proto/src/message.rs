@@ -25,6 +25,29 @@ impl fmt::Display for Version {
     }
 }
 
+/// The most characters of a peer's text that [`escape`] passes on.
+pub const ESCAPED_MAX_CHARS: usize = 512;
+
+/// A peer's text as it may be logged or shown: control and other unprintable characters
+/// escaped (`\u{1b}`, `\n`, bidirectional overrides), quotes kept, at most
+/// [`ESCAPED_MAX_CHARS`] characters and then a note of how much was cut. The guest is untrusted:
+/// its hello's software string and its error messages pass through this before they reach a
+/// log line or a terminal.
+pub fn escape(text: &str) -> String {
+    let mut out = String::with_capacity(text.len().min(ESCAPED_MAX_CHARS) + 8);
+    let mut chars = text.char_indices();
+    for (_, c) in chars.by_ref().take(ESCAPED_MAX_CHARS) {
+        match c {
+            '"' | '\'' => out.push(c),
+            _ => out.extend(c.escape_debug()),
+        }
+    }
+    if let Some((cut, _)) = chars.next() {
+        out.push_str(&format!("… ({} more bytes)", text.len() - cut));
+    }
+    out
+}
+
 /// The first message on every connection, sent by both sides.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Hello {
@@ -42,6 +65,11 @@ impl Hello {
             version: crate::PROTOCOL_VERSION,
             software: software.into(),
         }
+    }
+
+    /// The software string as it may be logged ([`escape`]d): the peer chose it.
+    pub fn software_escaped(&self) -> String {
+        escape(&self.software)
     }
 }
 
@@ -318,6 +346,29 @@ impl Message {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn untrusted_text_is_escaped_and_bounded() {
+        assert_eq!(escape("imp-guest 0.1.0"), "imp-guest 0.1.0");
+        assert_eq!(escape("say \"hi\" it's"), "say \"hi\" it's", "quotes stay");
+        assert_eq!(
+            escape("a\u{1b}[31mred\r\n\t\u{0}\u{7f}\u{202e}\\"),
+            "a\\u{1b}[31mred\\r\\n\\t\\0\\u{7f}\\u{202e}\\\\"
+        );
+        assert_eq!(escape("grüße ✓"), "grüße ✓", "printable non-ASCII stays");
+        let long = "é".repeat(ESCAPED_MAX_CHARS + 10);
+        let got = escape(&long);
+        assert!(got.starts_with(&"é".repeat(ESCAPED_MAX_CHARS)));
+        assert!(got.ends_with("… (20 more bytes)"), "{got}");
+        assert_eq!(
+            escape(&"x".repeat(ESCAPED_MAX_CHARS)),
+            "x".repeat(ESCAPED_MAX_CHARS)
+        );
+        // Escaping a whole frame's worth of control bytes stays bounded.
+        assert!(escape(&"\u{1b}".repeat(1 << 20)).len() < 8 * ESCAPED_MAX_CHARS);
+        let hello = Hello::new("evil\u{1b}]0;title\u{7}");
+        assert_eq!(hello.software_escaped(), "evil\\u{1b}]0;title\\u{7}");
+    }
 
     #[test]
     fn exit_status_codes_follow_the_shell() {

@@ -19,6 +19,7 @@ pub mod kubeconfig;
 pub mod nodes;
 pub mod pki;
 mod process;
+pub mod procfs;
 pub mod rbac;
 pub mod registry;
 

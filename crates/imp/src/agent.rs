@@ -14,7 +14,7 @@ use std::time::Duration;
 use anyhow::Context as _;
 use imp_agent::api::auth::KubeReviewer;
 use imp_agent::api::server::{AgentApi, ApiConfig};
-use imp_agent::api::tls::Identity;
+use imp_agent::api::tls::{Identity, Kept};
 use imp_agent::net::{NetSettings, NodeNet};
 use imp_agent::node::boot::BootSettings;
 use imp_agent::node::capabilities::{self, DefaultRuntime, HostFiles};
@@ -95,12 +95,21 @@ pub struct Args {
     /// and the API's port, or the bound address).
     #[arg(long)]
     api_advertise: Option<String>,
-    /// The API's TLS certificate (PEM); without it a self-signed one is made at start.
+    /// The API's TLS certificate (PEM); without it a self-signed one is made on the first
+    /// start and kept in `tls/` of the state directory.
     #[arg(long, requires = "tls_key")]
     tls_cert: Option<PathBuf>,
     /// The API's TLS key (PEM).
     #[arg(long, requires = "tls_cert")]
     tls_key: Option<PathBuf>,
+    /// The most exec and console sessions open at once into one VM (0: no limit); more are
+    /// answered 429.
+    #[arg(long, default_value_t = imp_agent::api::sessions::DEFAULT_PER_VM)]
+    api_max_sessions_per_vm: usize,
+    /// The most exec and console sessions one caller has open at once on this node (0: no
+    /// limit); more are answered 429.
+    #[arg(long, default_value_t = imp_agent::api::sessions::DEFAULT_PER_CALLER)]
+    api_max_sessions_per_caller: usize,
     /// How long a guest may take until its agent answers.
     #[arg(long, default_value = "180s", value_parser = parse_duration)]
     boot_timeout: Duration,
@@ -286,7 +295,17 @@ async fn run(args: Args) -> anyhow::Result<()> {
         _ => {
             let mut names = vec![node.clone()];
             names.extend(args.node_ip.clone());
-            Identity::self_signed(&names)?
+            let dir = state_dir.root().join("tls");
+            let (identity, kept) = Identity::persistent(&dir, &names)?;
+            match kept {
+                Kept::Reused => {}
+                Kept::Created => {
+                    tracing::info!(dir = %dir.display(), "made the agent API's certificate")
+                }
+                Kept::Replaced(why) => tracing::warn!(dir = %dir.display(), why,
+                    "the kept agent API certificate was unusable; made a new one (clients pin its new fingerprint once the Node shows it)"),
+            }
+            identity
         }
     };
     let advertise = args
@@ -322,7 +341,13 @@ async fn run(args: Args) -> anyhow::Result<()> {
     let api = AgentApi::new(
         ctx.vms(),
         Arc::new(KubeReviewer::new(client)),
-        ApiConfig::default(),
+        ApiConfig {
+            sessions: imp_agent::api::sessions::SessionLimits {
+                per_vm: args.api_max_sessions_per_vm,
+                per_caller: args.api_max_sessions_per_caller,
+            },
+            ..ApiConfig::default()
+        },
     );
     tracing::info!(addr = %bound, advertise, "serving the authenticated exec and console API");
 

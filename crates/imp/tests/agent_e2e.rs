@@ -216,6 +216,20 @@ async fn node(c: &Client, name: &str) {
     common::ready_node(c, name).await;
 }
 
+/// The agent API's endpoint and certificate fingerprint as Node `name` publishes them.
+async fn published_agent(c: &Client, name: &str) -> Option<(String, String)> {
+    use imp_api::shared::{ANNOTATION_AGENT_CERT_SHA256, ANNOTATION_AGENT_ENDPOINT};
+    let node = Api::<k8s_openapi::api::core::v1::Node>::all(c.clone())
+        .get(name)
+        .await
+        .ok()?;
+    let annotations = node.metadata.annotations?;
+    Some((
+        annotations.get(ANNOTATION_AGENT_ENDPOINT)?.clone(),
+        annotations.get(ANNOTATION_AGENT_CERT_SHA256)?.clone(),
+    ))
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn impvms_boot_end_survive_an_agent_restart_and_clean_up_on_their_nodes() {
     let _run = common::test_run("agent_e2e", Duration::from_secs(600));
@@ -353,6 +367,7 @@ async fn impvms_boot_end_survive_an_agent_restart_and_clean_up_on_their_nodes() 
         vec![vmm_pid],
         "exactly one VMM, the one in status"
     );
+    let svc_vmm_uid = common::assert_vmm_confined(vmm_pid);
     assert!(
         b.vm_dirs().is_empty(),
         "node b's agent touched a VM of node a: {:?}",
@@ -402,7 +417,7 @@ async fn impvms_boot_end_survive_an_agent_restart_and_clean_up_on_their_nodes() 
     })
     .await;
     assert!(!slow_dir.exists(), "{} remains", slow_dir.display());
-    assert!(common::processes_naming(slow_dir.to_str().unwrap()).is_empty());
+    assert!(common::vm_processes(&a.state, &slow.uid().unwrap()).is_empty());
     holder.abort();
 
     // Node b cannot run VMs: its VM says why, naming the path and the setting, and /readyz fails.
@@ -475,8 +490,43 @@ async fn impvms_boot_end_survive_an_agent_restart_and_clean_up_on_their_nodes() 
     assert!(bad.status.as_ref().unwrap().finished_at.is_some());
 
     // Fixing node b's configuration (a restart with the right kernel) recovers its VM as is.
+    let (endpoint_before, cert_before) =
+        common::wait_for("node b's agent published", Duration::from_secs(30), || {
+            published_agent(&c, "node-b")
+        })
+        .await;
     b.kill_container().await;
+    // The annotations go, so what is read next is what the restarted agent published.
+    {
+        use imp_api::shared::{ANNOTATION_AGENT_CERT_SHA256, ANNOTATION_AGENT_ENDPOINT};
+        let nodes = Api::<k8s_openapi::api::core::v1::Node>::all(c.clone());
+        let patch = json!({"metadata": {"annotations": {
+            ANNOTATION_AGENT_ENDPOINT: null, ANNOTATION_AGENT_CERT_SHA256: null}}});
+        nodes
+            .patch("node-b", &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+            .unwrap();
+    }
     b.start(&kube, &common::kernel());
+    // The restarted agent listens on another port (127.0.0.1:0) but keeps its certificate
+    // (kept under its state dir), so the fingerprint clients pin does not change.
+    let (endpoint_after, cert_after) = common::wait_for(
+        "node b's restarted agent published",
+        Duration::from_secs(30),
+        || published_agent(&c, "node-b"),
+    )
+    .await;
+    eprintln!("node b's agent: {endpoint_before} -> {endpoint_after}, certificate {cert_after}");
+    assert_eq!(
+        cert_after, cert_before,
+        "imp.dev/agent-cert-sha256 changed across the agent's restart"
+    );
+    let key_mode = {
+        use std::os::unix::fs::PermissionsExt;
+        let key = b.state.join("tls").join(imp_agent::api::tls::KEY_FILE);
+        std::fs::metadata(&key).unwrap().permissions().mode() & 0o777
+    };
+    assert_eq!(key_mode, 0o600, "the kept key is private");
     let ok = wait_vm(&vms, "job-ok", "Succeeded", 180, |v| {
         phase(v) == Some(VmPhase::Succeeded)
     })
@@ -550,6 +600,11 @@ async fn impvms_boot_end_survive_an_agent_restart_and_clean_up_on_their_nodes() 
     })
     .await;
     let vmm2 = u32::try_from(r2.status.unwrap().runtime_pid.unwrap()).unwrap();
+    assert_ne!(
+        common::assert_vmm_confined(vmm2),
+        svc_vmm_uid,
+        "two VMs' VMMs share a uid"
+    );
     a.kill_container().await;
     assert!(a.cgroup.pids().is_empty());
     assert_eq!(
@@ -609,7 +664,7 @@ async fn impvms_boot_end_survive_an_agent_restart_and_clean_up_on_their_nodes() 
         .await;
     }
     assert!(
-        common::processes_naming(svc_dir.to_str().unwrap()).is_empty(),
+        common::vm_processes(&a.state, &svc_uid).is_empty(),
         "processes of svc remain"
     );
     assert!(!svc_dir.exists(), "{} remains", svc_dir.display());

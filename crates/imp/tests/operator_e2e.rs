@@ -713,6 +713,29 @@ async fn leader_election_failover_within_the_lease_duration() {
     eprintln!("takeover after kill -9: {took:?}");
 }
 
+/// Creates VMs `second` and `third` of class `class` and waits until one of them is placed
+/// beside `first` and the other refused (NoNodeAvailable).
+async fn second_and_third_one_placed(c: &Client, class: &str) {
+    for name in ["second", "third"] {
+        vm(
+            c,
+            name,
+            json!({"classRef": {"name": class}, "image": "busybox"}),
+        )
+        .await;
+    }
+    common::wait_for("one of two placed", Duration::from_secs(20), || async {
+        let items = vms(c).list(&ListParams::default()).await.unwrap().items;
+        let placed = items.iter().filter(|v| v.spec.node_name.is_some()).count();
+        let refused = items
+            .iter()
+            .filter(|v| cond(v, "Scheduled").is_some_and(|c| c.reason == "NoNodeAvailable"))
+            .count();
+        (placed == 2 && refused == 1).then_some(())
+    })
+    .await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_deleted_class_still_counts_against_its_node() {
     let Some(e) = env().await else {
@@ -739,24 +762,7 @@ async fn a_deleted_class_still_counts_against_its_node() {
         .await
         .unwrap();
     class(c, "new", 1, 256).await;
-    for name in ["second", "third"] {
-        vm(
-            c,
-            name,
-            json!({"classRef": {"name": "new"}, "image": "busybox"}),
-        )
-        .await;
-    }
-    common::wait_for("one of two placed", Duration::from_secs(20), || async {
-        let items = vms(c).list(&ListParams::default()).await.unwrap().items;
-        let placed = items.iter().filter(|v| v.spec.node_name.is_some()).count();
-        let refused = items
-            .iter()
-            .filter(|v| cond(v, "Scheduled").is_some_and(|c| c.reason == "NoNodeAvailable"))
-            .count();
-        (placed == 2 && refused == 1).then_some(())
-    })
-    .await;
+    second_and_third_one_placed(c, "new").await;
     tokio::time::sleep(Duration::from_secs(2)).await;
     assert_eq!(placements(c).await.get("only"), Some(&2), "node overbooked");
 }
@@ -1091,24 +1097,7 @@ async fn a_placed_vm_keeps_its_booking_when_its_class_changes_and_users_cannot_e
         )
         .await
         .unwrap();
-    for name in ["second", "third"] {
-        vm(
-            c,
-            name,
-            json!({"classRef": {"name": "grow"}, "image": "busybox"}),
-        )
-        .await;
-    }
-    common::wait_for("one of two placed", Duration::from_secs(20), || async {
-        let items = vms(c).list(&ListParams::default()).await.unwrap().items;
-        let placed = items.iter().filter(|v| v.spec.node_name.is_some()).count();
-        let refused = items
-            .iter()
-            .filter(|v| cond(v, "Scheduled").is_some_and(|c| c.reason == "NoNodeAvailable"))
-            .count();
-        (placed == 2 && refused == 1).then_some(())
-    })
-    .await;
+    second_and_third_one_placed(c, "grow").await;
     // The class is deleted: the placed VMs keep their bookings and stay valid.
     Api::<ImpVMClass>::all(c.clone())
         .delete("grow", &DeleteParams::default())

@@ -233,6 +233,10 @@ async fn imp_run_detached_then_exec_ps_stop_and_rm() {
             .any(|l| l.starts_with("e2e-sleeper") && l.contains("running")),
         "{ps}"
     );
+    // `imp run` confines its VMM as the agent does.
+    let qemu = common::qemu_of(&env.state, "e2e-sleeper");
+    assert_eq!(qemu.len(), 1, "{qemu:?}");
+    common::assert_vmm_confined(qemu[0]);
 
     // exec streams output and returns the command's exit code while the workload runs.
     let out = imp(
@@ -449,7 +453,24 @@ async fn a_vm_whose_supervisor_was_killed_is_reported_and_its_vmm_reaped_by_stop
         std::thread::sleep(std::time::Duration::from_millis(50));
     }
     assert!(!alive(vmm), "the orphaned VMM is still running");
+    // The killed shim could not remove its VM's cgroup: empty now, it goes with the next
+    // `imp run` of this state dir, or here.
+    let cgroup = serde_json::from_slice::<serde_json::Value>(
+        &std::fs::read(env.state.join("vms/e2e-orphan/spec.json")).unwrap(),
+    )
+    .unwrap()["cgroup"]["path"]
+        .as_str()
+        .map(str::to_owned);
     assert!(imp(&env, &["rm", "e2e-orphan"]).status.success());
+    if let Some(path) = cgroup {
+        let cg = imp_agent::runtime::cgroup::VmCgroup::at(&path).unwrap();
+        assert!(
+            cg.pids().is_empty(),
+            "processes left in {path}: {:?}",
+            cg.pids()
+        );
+        cg.destroy().unwrap();
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -8,6 +8,13 @@
 //! streams until the guest ends the exec. Stdin, resizes, signals and the exit travel as the
 //! protocol already defines them; the caller hanging up hangs up on the guest, which kills the
 //! command.
+//!
+//! Each side's end of stream is passed on as a half-close of the other: the caller ending its
+//! side shuts the guest's, the guest ending its side shuts the caller's. After the guest's
+//! [`Message::Exit`] the exec is over and the caller's late bytes are read and dropped for at
+//! most [`LINGER`]; a guest that ends its side before its exit still reads, so the caller's
+//! bytes go on reaching it until the caller ends too (the session limits bound what a caller
+//! that never does can hold).
 
 use std::io;
 use std::time::Duration;
@@ -159,9 +166,8 @@ where
 /// caller whose stdin ended late (a quick `exec -t`) is still waiting for.
 const LINGER: Duration = Duration::from_secs(5);
 
-/// Copies both ways; done when the guest's side ends (the exec is over or the guest is gone)
-/// and the caller has hung up too, or [`LINGER`] after the guest's end.
-/// When the caller stops sending, the guest's write side is shut so it sees the hang-up.
+/// Copies both ways; done when both sides have ended, or [`LINGER`] after the guest's end
+/// once it has sent its exit. Each side's end is passed on as a half-close of the other's.
 async fn splice<C, G>(caller: C, guest: G) -> Result<(), RelayError>
 where
     C: AsyncRead + AsyncWrite + Unpin,
@@ -170,15 +176,25 @@ where
     let (mut caller_rx, mut caller_tx) = tokio::io::split(caller);
     let (mut guest_rx, mut guest_tx) = tokio::io::split(guest);
     let down = async {
-        let copied = tokio::io::copy(&mut guest_rx, &mut caller_tx).await;
+        let mut watch = ExitWatch::default();
+        let copied = copy_watching(&mut guest_rx, &mut caller_tx, &mut watch).await;
         let _ = caller_tx.shutdown().await;
-        copied
+        copied.map(|()| watch.exited)
     };
     let up = caller_to_guest(&mut caller_rx, &mut guest_tx);
     tokio::pin!(down, up);
     tokio::select! {
         copied = &mut down => {
-            // The guest is done; the caller's last bytes may still be on their way.
+            if matches!(copied, Ok(false)) {
+                // The guest ended its side before its exit: a half-close. It still reads, so
+                // the caller's side goes on until the caller ends it.
+                tracing::debug!("the guest half-closed the exec; relaying the caller's side until it ends");
+                if let Err(e) = (&mut up).await {
+                    tracing::debug!(error = %e, "reading the caller ended with an error");
+                }
+                return Ok(());
+            }
+            // The exec is over; the caller's last bytes may still be on their way.
             if tokio::time::timeout(LINGER, &mut up).await.is_err() {
                 tracing::debug!("the caller kept its exec connection open after the exit");
             }
@@ -193,6 +209,71 @@ where
         }
     }
     Ok(())
+}
+
+/// Copies the guest's bytes to the caller until the guest's side ends, watching for its exit.
+async fn copy_watching<R, W>(guest: &mut R, caller: &mut W, watch: &mut ExitWatch) -> io::Result<()>
+where
+    R: AsyncRead + Unpin,
+    W: AsyncWrite + Unpin,
+{
+    let mut buf = vec![0u8; 32 * 1024];
+    loop {
+        let n = guest.read(&mut buf).await?;
+        if n == 0 {
+            return caller.flush().await;
+        }
+        watch.feed(&buf[..n]);
+        caller.write_all(&buf[..n]).await?;
+    }
+}
+
+/// Follows the frames of the guest's side as they go by, keeping none, to tell whether the
+/// exec's [`Message::Exit`] has passed: only a control frame's first bytes are looked at
+/// (`{"type":"exit"` as imp-proto's JSON puts the tag first), so a guest cannot make the relay
+/// hold more than a few bytes. What a guest that lies gets is only its own session's end.
+#[derive(Debug, Default)]
+struct ExitWatch {
+    /// Bytes of the current frame's length prefix read so far.
+    header: Vec<u8>,
+    /// Body bytes of the current frame still to come.
+    left: usize,
+    /// The first bytes of the current frame's body, up to [`EXIT_HEAD`]'s length + 1.
+    head: Vec<u8>,
+    /// Whether an exit frame has gone by.
+    exited: bool,
+}
+
+/// How an exit frame's body starts: the control kind (0), then the JSON's tag.
+const EXIT_HEAD: &[u8] = b"\0{\"type\":\"exit\"";
+
+impl ExitWatch {
+    fn feed(&mut self, mut bytes: &[u8]) {
+        while !bytes.is_empty() {
+            if self.left == 0 {
+                let take = (4 - self.header.len()).min(bytes.len());
+                self.header.extend_from_slice(&bytes[..take]);
+                bytes = &bytes[take..];
+                if let Ok(len) = <[u8; 4]>::try_from(self.header.as_slice()) {
+                    self.left = u32::from_be_bytes(len) as usize;
+                    self.header.clear();
+                    self.head.clear();
+                }
+                continue;
+            }
+            let take = self.left.min(bytes.len());
+            let want = (EXIT_HEAD.len() + 1).saturating_sub(self.head.len());
+            self.head.extend_from_slice(&bytes[..take.min(want)]);
+            if self.head.len() == EXIT_HEAD.len() + 1
+                && self.head.starts_with(EXIT_HEAD)
+                && matches!(self.head.last(), Some(b',' | b'}'))
+            {
+                self.exited = true;
+            }
+            self.left -= take;
+            bytes = &bytes[take..];
+        }
+    }
 }
 
 /// Copies what the caller sends to the guest until the caller ends, then shuts the guest's
@@ -522,6 +603,85 @@ mod tests {
         tokio::time::timeout(Duration::from_secs(2), task)
             .await
             .expect("the relay did not end once the caller hung up")
+            .unwrap()
+            .unwrap();
+    }
+
+    #[test]
+    fn the_exit_is_seen_go_by_in_any_split_and_nothing_else_counts() {
+        let stream = |ms: &[Message]| ms.iter().flat_map(frame).collect::<Vec<u8>>();
+        let exit = Message::Exit {
+            status: ExitStatus::Signal(9),
+        };
+        let lookalikes = [
+            Message::Started { pid: 1 },
+            Message::Stdout(frame(&exit)),
+            Message::Stdout(br#"{"type":"exit","status":{"code":0}}"#.to_vec()),
+            Message::Stderr(vec![0; 70_000]),
+            Message::WorkloadExited {
+                status: ExitStatus::Code(0),
+            },
+            Message::error(ErrorKind::Internal, r#"{"type":"exit"}"#),
+        ];
+        let before = stream(&lookalikes);
+        let mut all = before.clone();
+        all.extend(frame(&exit));
+        for chunk in [1, 2, 3, 5, 4096, all.len()] {
+            let mut w = ExitWatch::default();
+            for piece in before.chunks(chunk) {
+                w.feed(piece);
+            }
+            assert!(
+                !w.exited,
+                "no exit among the lookalikes (chunks of {chunk})"
+            );
+            let mut w = ExitWatch::default();
+            for piece in all.chunks(chunk) {
+                w.feed(piece);
+            }
+            assert!(w.exited, "the exit went by in chunks of {chunk}");
+            assert!(w.head.len() <= EXIT_HEAD.len() + 1, "it holds a few bytes");
+        }
+    }
+
+    /// The guest ends its side before its exit: the caller sees the end of the stream, and
+    /// what it sends still reaches the guest until it ends its side too, which ends the relay.
+    #[tokio::test]
+    async fn a_guest_half_close_is_passed_on_and_the_callers_side_stays_open() {
+        let (mut caller, caller_near) = duplex(1 << 16);
+        let (guest_near, guest_far) = duplex(1 << 16);
+        let task = tokio::spawn(splice(caller_near, guest_near));
+        let (mut guest_rx, mut guest_tx) = tokio::io::split(guest_far);
+        let out = frame(&Message::Stdout(b"bye".to_vec()));
+        guest_tx.write_all(&out).await.unwrap();
+        guest_tx.shutdown().await.unwrap();
+        let mut got = vec![0u8; out.len()];
+        caller.read_exact(&mut got).await.unwrap();
+        assert_eq!(got, out);
+        assert_eq!(
+            caller.read(&mut [0u8; 8]).await.unwrap(),
+            0,
+            "the end reached the caller"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let late = frame(&Message::Stdin(b"late".to_vec()));
+        caller.write_all(&late).await.unwrap();
+        let mut heard = vec![0u8; late.len()];
+        guest_rx.read_exact(&mut heard).await.unwrap();
+        assert_eq!(heard, late);
+        assert!(
+            !task.is_finished(),
+            "the relay ended with one side still open"
+        );
+        caller.shutdown().await.unwrap();
+        assert_eq!(
+            guest_rx.read(&mut [0u8; 8]).await.unwrap(),
+            0,
+            "the guest saw the end"
+        );
+        tokio::time::timeout(Duration::from_secs(2), task)
+            .await
+            .expect("the relay did not end once both sides had")
             .unwrap()
             .unwrap();
     }

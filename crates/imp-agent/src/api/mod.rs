@@ -11,8 +11,9 @@
 //!
 //! Rooms: [`route`] parses request paths, [`auth`] decides who may do what, [`tls`] holds the
 //! certificate and the clients' pinning verifier, [`exec`] relays an exec between the caller and
-//! the guest agent, [`console`] streams the serial log, [`server`] accepts connections and ties
-//! them together, and [`client`] is the caller's side that the CLI uses. How VMs are found is
+//! the guest agent, [`console`] streams the serial log, [`sessions`] bounds how many of both are
+//! open per VM and per caller, [`server`] accepts connections and ties them together, and
+//! [`client`] is the caller's side that the CLI uses. How VMs are found is
 //! not this module's business: the agent's runtime implements [`VmLookup`].
 
 pub mod auth;
@@ -21,6 +22,7 @@ pub mod console;
 pub mod exec;
 pub mod route;
 pub mod server;
+pub mod sessions;
 pub mod tls;
 
 pub use auth::{Authorizer, KubeReviewer, Reviewer};

@@ -3,8 +3,9 @@
 //!
 //! Order per request: route ([`super::route::parse`]; 404/405/400), authorization (401/403, or
 //! 503 when the API server cannot be asked), and only then the VM lookup (404 naming
-//! namespace/name), so an unauthenticated caller learns nothing about which VMs exist. Refusals
-//! are Kubernetes `Status` objects (JSON) whose `message` says why.
+//! namespace/name), so an unauthenticated caller learns nothing about which VMs exist, then the
+//! session limits ([`super::sessions`]; 429). Refusals are Kubernetes `Status` objects (JSON)
+//! whose `message` says why.
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -26,6 +27,7 @@ use tokio_rustls::TlsAcceptor;
 use super::auth::{Attributes, Authorizer, Denial, Reviewer};
 use super::console::Tail;
 use super::route::{self, Action, Route};
+use super::sessions::{Session, SessionLimits, Sessions};
 use super::{EXEC_UPGRADE, VmLookup, exec};
 
 /// The body of every response.
@@ -46,6 +48,8 @@ pub struct ApiConfig {
     pub auth_cache_ttl: Duration,
     /// How long an exec waits for a VM that scale-to-zero put to sleep to run again.
     pub wake_timeout: Duration,
+    /// How many exec and console sessions may be open per VM and per caller.
+    pub sessions: SessionLimits,
 }
 
 impl Default for ApiConfig {
@@ -57,6 +61,7 @@ impl Default for ApiConfig {
             console_poll: Duration::from_millis(200),
             auth_cache_ttl: Duration::from_secs(10),
             wake_timeout: Duration::from_secs(60),
+            sessions: SessionLimits::default(),
         }
     }
 }
@@ -68,6 +73,7 @@ pub struct AgentApi {
     config: ApiConfig,
     exec_sessions: Arc<AtomicUsize>,
     console_streams: Arc<AtomicUsize>,
+    sessions: Arc<Sessions>,
 }
 
 impl AgentApi {
@@ -80,6 +86,7 @@ impl AgentApi {
         Arc::new(Self {
             lookup,
             auth: Authorizer::new(reviewer, config.auth_cache_ttl),
+            sessions: Sessions::new(config.sessions),
             config,
             exec_sessions: Arc::default(),
             console_streams: Arc::default(),
@@ -189,19 +196,34 @@ impl AgentApi {
             return not_on_this_node(&route);
         };
         let user = user.username;
+        if let Action::Exec = route.action
+            && let Err(e) = exec::check_upgrade(req.headers())
+        {
+            return status(e.status(), &e.to_string());
+        }
+        let key = format!("{}/{}", route.namespace, route.name);
+        let session = match self.sessions.open(&key, &user) {
+            Ok(s) => s,
+            Err(refusal) => {
+                tracing::warn!(vm = %route.name, namespace = %route.namespace, user,
+                    subresource = attrs.subresource.as_str(), reason = %refusal,
+                    "agent API request refused: too many sessions");
+                return status(StatusCode::TOO_MANY_REQUESTS, &refusal.to_string());
+            }
+        };
         match route.action {
             Action::Exec => {
-                if let Err(e) = exec::check_upgrade(req.headers()) {
-                    return status(e.status(), &e.to_string());
-                }
                 let (vm, in_use) = match self.admit(&route, &user).await {
                     Ok(admitted) => admitted,
                     Err(refusal) => return refusal,
                 };
                 let on_upgrade = hyper::upgrade::on(&mut req);
-                self.start_exec(route, user, vm, in_use, on_upgrade).await
+                self.start_exec(route, user, vm, (in_use, session), on_upgrade)
+                    .await
             }
-            Action::Console { follow } => self.start_console(route, user, vm, follow).await,
+            Action::Console { follow } => {
+                self.start_console(route, user, vm, follow, session).await
+            }
         }
     }
 
@@ -262,7 +284,7 @@ impl AgentApi {
         route: Route,
         user: String,
         vm: super::GuestEndpoint,
-        in_use: InUse,
+        held: (InUse, Session),
         on_upgrade: hyper::upgrade::OnUpgrade,
     ) -> Response<Body> {
         let guest = match crate::vmm::vsock::connect(
@@ -289,7 +311,7 @@ impl AgentApi {
         let opening = self.config.exec_opening_timeout;
         tokio::spawn(async move {
             let _sessions = sessions;
-            let _in_use = in_use;
+            let _held = held;
             let caller = match on_upgrade.await {
                 Ok(up) => TokioIo::new(up),
                 Err(e) => {
@@ -322,6 +344,7 @@ impl AgentApi {
         user: String,
         vm: super::GuestEndpoint,
         follow: bool,
+        session: Session,
     ) -> Response<Body> {
         let exists = tokio::fs::try_exists(&vm.serial_log).await.unwrap_or(false);
         if !exists && !vm.running {
@@ -348,7 +371,7 @@ impl AgentApi {
         }
         .stream()
         .map_ok(move |chunk| {
-            let _alive = &counted;
+            let _alive = (&counted, &session);
             Frame::data(chunk)
         });
         let mut resp = Response::new(BodyExt::boxed_unsync(StreamBody::new(chunks)));
@@ -414,6 +437,7 @@ fn status(code: StatusCode, message: &str) -> Response<Body> {
         StatusCode::METHOD_NOT_ALLOWED => "MethodNotAllowed",
         StatusCode::SERVICE_UNAVAILABLE => "ServiceUnavailable",
         StatusCode::GATEWAY_TIMEOUT => "Timeout",
+        StatusCode::TOO_MANY_REQUESTS => "TooManyRequests",
         StatusCode::BAD_REQUEST | StatusCode::UPGRADE_REQUIRED => "BadRequest",
         _ => "InternalError",
     };

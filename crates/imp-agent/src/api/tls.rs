@@ -1,13 +1,16 @@
 //! The API's TLS: the agent's certificate and its fingerprint, and the clients' verifier that
 //! accepts exactly the certificate whose fingerprint the Node publishes.
 //!
-//! The certificate is self-signed at start ([`Identity::self_signed`]) or read from PEM files
-//! ([`Identity::from_pem_files`]). Trust does not come from a CA: the agent writes the
+//! The certificate is self-signed once and kept in the agent's state directory
+//! ([`Identity::persistent`]: the same certificate after a restart, so the fingerprint clients
+//! pin stays), or read from PEM files ([`Identity::from_pem_files`]). Trust does not come from
+//! a CA: the agent writes the
 //! certificate's SHA-256 into its Node's annotations, the API server vouches for that, and
 //! [`pinned_client_config`] refuses any other certificate. Handshake signatures are still
 //! verified, so only the holder of the pinned certificate's key can answer. Both sides use ring
 //! explicitly, so no process-wide crypto provider needs installing.
 
+use std::os::unix::fs::DirBuilderExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -41,6 +44,32 @@ pub enum TlsError {
     /// A fingerprint is not 64 hex digits.
     #[error("Invalid certificate fingerprint {0:?}: expected a SHA-256 as 64 hex digits")]
     Fingerprint(String),
+    /// The kept certificate or key could not be written.
+    #[error("Keeping the agent's certificate in {path} failed")]
+    Store {
+        /// The file or directory.
+        path: PathBuf,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// The kept certificate's file in [`Identity::persistent`]'s directory (PEM).
+pub const CERT_FILE: &str = "agent-api.crt";
+
+/// The kept private key's file in [`Identity::persistent`]'s directory (PEM, PKCS#8, 0600).
+pub const KEY_FILE: &str = "agent-api.key";
+
+/// Where [`Identity::persistent`]'s certificate came from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Kept {
+    /// The files were there and valid: the same certificate as before.
+    Reused,
+    /// There were no files: a new certificate, now kept.
+    Created,
+    /// The files were unreadable or did not match: a new certificate replaced them (why).
+    Replaced(String),
 }
 
 /// The agent's certificate, its private key and the certificate's fingerprint.
@@ -60,6 +89,48 @@ impl Identity {
         let cert = certified.cert.der().clone();
         let key = PrivateKeyDer::Pkcs8(certified.signing_key.serialize_der().into());
         Ok(Self::new(cert, key))
+    }
+
+    /// The certificate kept in `dir` ([`CERT_FILE`], [`KEY_FILE`]): read if both files are
+    /// there and the key is the certificate's, else self-signed anew for `names` and written
+    /// there (the directory 0700, the key 0600, each file replaced atomically), so an agent
+    /// restarted on the same state directory presents the same certificate and its Node's
+    /// fingerprint annotation stays what clients pin.
+    pub fn persistent(dir: &Path, names: &[String]) -> Result<(Self, Kept), TlsError> {
+        let (cert, key) = (dir.join(CERT_FILE), dir.join(KEY_FILE));
+        let why = if cert.exists() || key.exists() {
+            match Self::from_pem_files(&cert, &key).and_then(|id| id.server_config().map(|_| id)) {
+                Ok(id) => {
+                    restrict(&key, 0o600)?;
+                    return Ok((id, Kept::Reused));
+                }
+                Err(e) => Some(chain(&e)),
+            }
+        } else {
+            None
+        };
+        let certified =
+            rcgen::generate_simple_self_signed(names.to_vec()).map_err(TlsError::Generate)?;
+        let key_der = certified.signing_key.serialize_der();
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(dir)
+            .map_err(store(dir))?;
+        restrict(dir, 0o700)?;
+        // The key first: a crash between the two leaves a pair that does not match, which the
+        // next start replaces.
+        write_atomic(&key, pem("PRIVATE KEY", &key_der).as_bytes(), 0o600)?;
+        write_atomic(
+            &cert,
+            pem("CERTIFICATE", certified.cert.der()).as_bytes(),
+            0o644,
+        )?;
+        let id = Self::new(
+            certified.cert.der().clone(),
+            PrivateKeyDer::Pkcs8(key_der.into()),
+        );
+        Ok((id, why.map_or(Kept::Created, Kept::Replaced)))
     }
 
     /// The first certificate of `cert` and the private key of `key` (PEM files).
@@ -103,6 +174,65 @@ impl Identity {
         config.alpn_protocols = vec![b"http/1.1".to_vec()];
         Ok(Arc::new(config))
     }
+}
+
+/// `der` as a PEM block labelled `label`.
+fn pem(label: &str, der: &[u8]) -> String {
+    use base64::Engine;
+    let b64 = base64::engine::general_purpose::STANDARD.encode(der);
+    let mut out = format!("-----BEGIN {label}-----\n");
+    for line in b64.as_bytes().chunks(64) {
+        out.push_str(&String::from_utf8_lossy(line));
+        out.push('\n');
+    }
+    out.push_str(&format!("-----END {label}-----\n"));
+    out
+}
+
+fn store(path: &Path) -> impl FnOnce(std::io::Error) -> TlsError {
+    let path = path.to_owned();
+    move |source| TlsError::Store { path, source }
+}
+
+fn restrict(path: &Path, mode: u32) -> Result<(), TlsError> {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).map_err(store(path))
+}
+
+/// Writes `path` through a temporary file in its directory, created with `mode`, synced and
+/// renamed over it.
+fn write_atomic(path: &Path, bytes: &[u8], mode: u32) -> Result<(), TlsError> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let tmp = path.with_extension(format!("tmp-{}", std::process::id()));
+    let written = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(mode)
+        .open(&tmp)
+        .and_then(|mut f| {
+            f.write_all(bytes)?;
+            f.sync_all()
+        })
+        .and_then(|()| std::fs::rename(&tmp, path));
+    if let Err(e) = written {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(store(path)(e));
+    }
+    Ok(())
+}
+
+/// An error and its sources on one line.
+fn chain(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        out.push_str(": ");
+        out.push_str(&s.to_string());
+        source = s.source();
+    }
+    out
 }
 
 /// The SHA-256 of a DER certificate as lowercase hex.
@@ -264,18 +394,66 @@ mod tests {
         assert!(pinned_client_config("nope").is_err());
     }
 
-    fn pem(label: &str, der: &[u8]) -> String {
-        use base64::Engine;
-        let b64 = base64::engine::general_purpose::STANDARD.encode(der);
-        let lines: Vec<&str> = b64
-            .as_bytes()
-            .chunks(64)
-            .map(|c| std::str::from_utf8(c).unwrap())
+    #[test]
+    fn a_kept_certificate_is_reused_and_replaced_when_it_is_unusable() {
+        use std::os::unix::fs::PermissionsExt;
+        let root = std::env::temp_dir().join(format!("imp-api-kept-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        let dir = root.join("state/tls");
+        let names = ["node-1".to_owned()];
+        let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+
+        let (first, kept) = Identity::persistent(&dir, &names).unwrap();
+        assert_eq!(kept, Kept::Created);
+        assert_eq!(mode(&dir), 0o700);
+        assert_eq!(mode(&dir.join(KEY_FILE)), 0o600);
+        first.server_config().unwrap();
+        // The files are ordinary PEM, usable as --tls-cert/--tls-key too.
+        let from_files =
+            Identity::from_pem_files(&dir.join(CERT_FILE), &dir.join(KEY_FILE)).unwrap();
+        assert_eq!(from_files.fingerprint(), first.fingerprint());
+
+        // A restart: the same certificate; a key left readable by others is restricted again.
+        std::fs::set_permissions(dir.join(KEY_FILE), std::fs::Permissions::from_mode(0o644))
+            .unwrap();
+        let (again, kept) = Identity::persistent(&dir, &names).unwrap();
+        assert_eq!(kept, Kept::Reused);
+        assert_eq!(again.fingerprint(), first.fingerprint());
+        assert_eq!(mode(&dir.join(KEY_FILE)), 0o600);
+
+        // Garbage in the key: a new certificate replaces both, and is kept from then on.
+        std::fs::write(dir.join(KEY_FILE), "not a key").unwrap();
+        let (replaced, kept) = Identity::persistent(&dir, &names).unwrap();
+        assert!(
+            matches!(&kept, Kept::Replaced(why) if why.contains(KEY_FILE)),
+            "{kept:?}"
+        );
+        assert_ne!(replaced.fingerprint(), first.fingerprint());
+        let (after, kept) = Identity::persistent(&dir, &names).unwrap();
+        assert_eq!(
+            (after.fingerprint(), kept),
+            (replaced.fingerprint(), Kept::Reused)
+        );
+
+        // Another certificate's key: the pair does not match and is replaced.
+        let (other, _) = Identity::persistent(&root.join("other"), &names).unwrap();
+        std::fs::copy(root.join("other").join(KEY_FILE), dir.join(KEY_FILE)).unwrap();
+        let (fixed, kept) = Identity::persistent(&dir, &names).unwrap();
+        assert!(matches!(kept, Kept::Replaced(_)), "{kept:?}");
+        assert_ne!(fixed.fingerprint(), other.fingerprint());
+        assert_ne!(fixed.fingerprint(), replaced.fingerprint());
+        fixed.server_config().unwrap();
+
+        // Only one file left (the other deleted): replaced as well.
+        std::fs::remove_file(dir.join(CERT_FILE)).unwrap();
+        let (_, kept) = Identity::persistent(&dir, &names).unwrap();
+        assert!(matches!(kept, Kept::Replaced(_)), "{kept:?}");
+        let left: Vec<_> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
             .collect();
-        format!(
-            "-----BEGIN {label}-----\n{}\n-----END {label}-----\n",
-            lines.join("\n")
-        )
+        assert_eq!(left.len(), 2, "no temporaries are left: {left:?}");
+        std::fs::remove_dir_all(&root).unwrap();
     }
 
     #[test]

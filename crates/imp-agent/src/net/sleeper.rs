@@ -23,7 +23,6 @@
 //!    the TAP (frames arriving in between are lost; their senders retransmit).
 #![allow(unsafe_code)]
 
-use std::ffi::CString;
 use std::fs::{File, OpenOptions};
 use std::io::{self, Read, Write};
 use std::net::Ipv4Addr;
@@ -36,6 +35,7 @@ use tokio::io::unix::AsyncFd;
 use tokio::sync::{oneshot, watch};
 use tokio::task::JoinHandle;
 
+use super::tap::index_of;
 use super::wake::{Action, Counters, HoldBounds, Sleep, SleepingVm};
 
 const TUN_PATH: &str = "/dev/net/tun";
@@ -559,14 +559,6 @@ fn ifname(name: &str) -> io::Result<[libc::c_char; libc::IFNAMSIZ]> {
         *dst = *src as libc::c_char;
     }
     Ok(out)
-}
-
-/// The index of interface `name` in this thread's network namespace.
-fn index_of(name: &str) -> Option<u32> {
-    let c = CString::new(name).ok()?;
-    // SAFETY: `c` is a NUL-terminated string that lives for the call.
-    let index = unsafe { libc::if_nametoindex(c.as_ptr()) };
-    (index != 0).then_some(index)
 }
 
 /// An `AF_PACKET` socket bound to one interface: what it sends is transmitted on that

@@ -11,9 +11,8 @@ use std::path::Path;
 
 const TUN_PATH: &str = "/dev/net/tun";
 
-/// Creates persistent TAP `name` (no packet information header, single queue). Creating one
-/// that exists already with the same flags succeeds and changes nothing.
-pub fn create_persistent(name: &str) -> io::Result<()> {
+/// An ifreq naming TAP `name` with flags `IFF_TAP | IFF_NO_PI` (single queue).
+fn tap_request(name: &str) -> io::Result<libc::ifreq> {
     let bytes = name.as_bytes();
     if bytes.is_empty() || bytes.len() >= libc::IFNAMSIZ {
         return Err(io::Error::new(
@@ -21,7 +20,6 @@ pub fn create_persistent(name: &str) -> io::Result<()> {
             format!("TAP name {name:?} is empty or longer than 15 bytes"),
         ));
     }
-    let tun = OpenOptions::new().read(true).write(true).open(TUN_PATH)?;
     // SAFETY: ifreq is a plain C struct (name array + union of plain fields); all-zero is a
     // valid value for it.
     let mut req: libc::ifreq = unsafe { std::mem::zeroed() };
@@ -29,15 +27,52 @@ pub fn create_persistent(name: &str) -> io::Result<()> {
         *dst = *src as libc::c_char;
     }
     req.ifr_ifru.ifru_flags = (libc::IFF_TAP | libc::IFF_NO_PI) as libc::c_short;
+    Ok(req)
+}
+
+/// `/dev/net/tun` attached to TAP `name` (made if missing, not persistent then).
+fn attach_tun(name: &str) -> io::Result<std::fs::File> {
+    let mut req = tap_request(name)?;
+    let tun = OpenOptions::new().read(true).write(true).open(TUN_PATH)?;
     // SAFETY: TUNSETIFF takes a pointer to an ifreq that lives for the call; the fd is ours.
     if unsafe { libc::ioctl(tun.as_raw_fd(), libc::TUNSETIFF, &mut req) } < 0 {
         return Err(io::Error::last_os_error());
     }
+    Ok(tun)
+}
+
+/// The index of interface `name` in this network namespace, if it exists.
+pub fn index_of(name: &str) -> Option<u32> {
+    let c = std::ffi::CString::new(name).ok()?;
+    // SAFETY: `c` is a NUL-terminated string that lives for the call.
+    let index = unsafe { libc::if_nametoindex(c.as_ptr()) };
+    (index != 0).then_some(index)
+}
+
+/// Creates persistent TAP `name` (no packet information header, single queue). Creating one
+/// that exists already with the same flags succeeds and changes nothing.
+pub fn create_persistent(name: &str) -> io::Result<()> {
+    let tun = attach_tun(name)?;
     // SAFETY: TUNSETPERSIST takes an integer argument; the fd is ours.
     if unsafe { libc::ioctl(tun.as_raw_fd(), libc::TUNSETPERSIST, 1 as libc::c_ulong) } < 0 {
         return Err(io::Error::last_os_error());
     }
     Ok(())
+}
+
+/// Opens persistent TAP `name` as its VMM would (no packet information header, no virtio-net
+/// header: see the QEMU driver's `-netdev`), for a VMM that is handed the descriptor because it
+/// may open nothing itself. Refuses a TAP that does not exist (TUNSETIFF would make a new,
+/// non-persistent one).
+pub fn open_persistent(name: &str) -> io::Result<OwnedFd> {
+    tap_request(name)?;
+    if index_of(name).is_none() {
+        return Err(io::Error::new(
+            io::ErrorKind::NotFound,
+            format!("TAP {name} does not exist"),
+        ));
+    }
+    Ok(attach_tun(name)?.into())
 }
 
 /// A duplicate of the descriptor process `pid` holds on TAP `name`, taken with pidfd_getfd(2)

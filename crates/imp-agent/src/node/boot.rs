@@ -8,6 +8,7 @@ use imp_api::class::ImpVMClassSpec;
 use imp_api::shared::VmRuntime;
 use imp_api::vm::ImpVMSpec;
 
+use crate::runtime::cgroup::Limits;
 use crate::runtime::spec::{BootFiles, CgroupSpec, Runtime, VmSpec};
 use crate::runtime::state::Owner;
 
@@ -16,6 +17,38 @@ use super::capabilities::{Capabilities, HostFiles};
 /// Memory the VMM itself needs beyond the guest's, in MiB: QEMU's TCG translation cache and
 /// device state, the shim. The cgroup limit is guest + this + a quarter.
 pub const VMM_OVERHEAD_MIB: u64 = 384;
+
+/// CPU the VMM's own threads get beyond the guest's vCPUs, in thousandths of a CPU: QEMU's main
+/// loop (device emulation, the disk's I/O), its I/O workers and the shim. A quota of the vCPUs
+/// alone throttles the vCPU threads whenever the others run; under TCG a guest stalled through
+/// its timer calibration at boot comes up without a timer and asks for another boot
+/// (`IMP_BOOT_RETRY`).
+pub const VMM_CPU_HEADROOM_MILLIS: u32 = 500;
+
+/// The most tasks in a VM's cgroup: QEMU's vCPU, main-loop and RCU threads and its pool of up
+/// to 64 I/O workers, the shim's runtime and blocking threads, with room to spare. A VMM taken
+/// over by its guest cannot fork the node out of pids.
+pub const VM_PIDS_MAX: u32 = 512;
+
+/// The cgroup of a VM at `path` with `vcpus` and `memory_mib`: memory for the guest and the
+/// VMM ([`VMM_OVERHEAD_MIB`] + a quarter), CPU time for the vCPUs plus
+/// [`VMM_CPU_HEADROOM_MILLIS`], [`VM_PIDS_MAX`] tasks, and CPU and disk weights in proportion
+/// to the vCPUs (100, the default share, per vCPU). `imp agent` and `imp run` both use it.
+pub fn vm_cgroup(path: String, vcpus: u8, memory_mib: u32) -> CgroupSpec {
+    let memory_limit_bytes =
+        (u64::from(memory_mib) + VMM_OVERHEAD_MIB + u64::from(memory_mib) / 4) << 20;
+    let weight = 100 * u32::from(vcpus.max(1));
+    CgroupSpec {
+        path,
+        memory_limit_bytes,
+        limits: Limits {
+            cpu_millis: Some(1000 * u32::from(vcpus.max(1)) + VMM_CPU_HEADROOM_MILLIS),
+            cpu_weight: Some(weight),
+            pids_max: Some(VM_PIDS_MAX),
+            io_weight: Some(weight),
+        },
+    }
+}
 
 /// The agent settings a spec needs.
 #[derive(Debug, Clone)]
@@ -95,12 +128,10 @@ pub fn vm_spec(
         .ok()
         .filter(|&d| d >= 1)
         .ok_or_else(|| SpecError(format!("class diskGiB {} is below 1", class.disk_gib)))?;
-    let memory_limit_bytes =
-        (u64::from(memory_mib) + VMM_OVERHEAD_MIB + u64::from(memory_mib) / 4) << 20;
-    let cgroup = settings.cgroup_parent.as_ref().map(|parent| CgroupSpec {
-        path: format!("{parent}/{}", owner.uid),
-        memory_limit_bytes,
-    });
+    let cgroup = settings
+        .cgroup_parent
+        .as_ref()
+        .map(|parent| vm_cgroup(format!("{parent}/{}", owner.uid), vcpus, memory_mib));
     Ok(VmSpec {
         image,
         auth_file,
@@ -128,6 +159,7 @@ pub fn vm_spec(
         image_max_bytes: settings.image_max_bytes,
         owner: Some(owner),
         network: None,
+        progress: false,
     })
 }
 
@@ -191,6 +223,15 @@ mod tests {
         let cg = s.cgroup.unwrap();
         assert_eq!(cg.path, "imp/0a-uid");
         assert_eq!(cg.memory_limit_bytes, (512 + 384 + 128) << 20);
+        assert_eq!(
+            cg.limits,
+            Limits {
+                cpu_millis: Some(2500),
+                cpu_weight: Some(200),
+                pids_max: Some(VM_PIDS_MAX),
+                io_weight: Some(200),
+            }
+        );
         assert_eq!(s.boot.firecracker, None);
         assert_eq!(s.owner.unwrap().attempt, 2);
         let fc = vm_spec(
@@ -201,6 +242,22 @@ mod tests {
             &settings(),
         );
         assert_eq!(fc.unwrap().boot.firecracker, Some("/fc".into()));
+    }
+
+    #[test]
+    fn a_vms_cgroup_limits_follow_its_size_with_headroom_for_the_vmm() {
+        let one = vm_cgroup("imp/a".into(), 1, 256);
+        assert_eq!(one.path, "imp/a");
+        assert_eq!(one.memory_limit_bytes, (256 + 384 + 64) << 20);
+        // One vCPU and half a CPU more for QEMU's main loop and the shim.
+        assert_eq!(one.limits.cpu_millis, Some(1500));
+        assert_eq!(one.limits.cpu_weight, Some(100));
+        assert_eq!(one.limits.io_weight, Some(100));
+        assert_eq!(one.limits.pids_max, Some(512));
+        let big = vm_cgroup("imp/b".into(), 255, 1 << 20);
+        assert_eq!(big.limits.cpu_millis, Some(255_500));
+        assert_eq!(big.limits.cpu_weight, Some(25_500), "clamped when written");
+        assert_eq!(big.memory_limit_bytes, ((1 << 20) + 384 + (1 << 18)) << 20);
     }
 
     #[test]

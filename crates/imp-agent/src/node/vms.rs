@@ -199,6 +199,10 @@ impl VmLookup for NodeVms {
         let Some(found) = self.get(namespace, name) else {
             return Waking::No;
         };
+        if found.endpoint.running {
+            // It runs: the exec met a suspend that has ended since (it failed); go round again.
+            return Waking::Soon;
+        }
         let Some(waker) = self.waker.get() else {
             return Waking::No;
         };

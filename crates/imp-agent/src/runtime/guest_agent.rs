@@ -94,6 +94,9 @@ async fn exchange<T: Send + 'static>(
     let stream = vmm::vsock::DeadlineStream::new(stream, left).map_err(GuestAgentError::Socket)?;
     tokio::task::spawn_blocking(move || {
         let mut client = imp_proto::Client::handshake(stream, &hello())?;
+        // The guest names its own software: escaped, bounded, never logged raw.
+        let peer = client.peer();
+        tracing::debug!(guest = %peer.software_escaped(), protocol = %peer.version, "guest agent said hello");
         ask(&mut client)
     })
     .await

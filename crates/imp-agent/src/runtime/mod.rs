@@ -13,6 +13,7 @@
 pub mod cgroup;
 pub mod console;
 pub mod guest_agent;
+pub mod progress;
 pub mod shim;
 pub mod spec;
 pub mod state;

@@ -257,7 +257,11 @@ pub fn kill_orphans(state: &StateDir, record: &VmRecord) -> Vec<(u32, &'static s
     let mut killed = Vec::new();
     for (pid, what) in vmm.into_iter().chain(helpers) {
         let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-        let ours = String::from_utf8_lossy(&cmdline).contains(&*dir.to_string_lossy());
+        let cmdline = String::from_utf8_lossy(&cmdline);
+        // A VMM names the VM's directory, or (a confined QEMU, which sees no host path) its
+        // name: the pid may have been reused by an unrelated process.
+        let ours = cmdline.contains(&*dir.to_string_lossy())
+            || cmdline.contains(&format!("\0-name\0{}\0", record.name));
         if ours && let Ok(raw) = i32::try_from(pid) {
             let _ = nix::sys::signal::kill(
                 nix::unistd::Pid::from_raw(raw),

@@ -58,6 +58,9 @@ pub struct CgroupSpec {
     pub path: String,
     /// Memory limit for the VMM and its helpers, in bytes.
     pub memory_limit_bytes: u64,
+    /// CPU, task and disk limits (none in specs written before they existed).
+    #[serde(default)]
+    pub limits: super::cgroup::Limits,
 }
 
 /// One VM to boot, as its shim reads it.
@@ -113,6 +116,10 @@ pub struct VmSpec {
     /// The VM's network interface, wired by the agent before the shim starts.
     #[serde(default)]
     pub network: Option<NetAttachment>,
+    /// Report the image pipeline's progress into the VM's directory for the front end to show
+    /// ([`super::progress`]; `imp run` asks for it, the agent does not).
+    #[serde(default)]
+    pub progress: bool,
 }
 
 /// A VM's place on an ImpNetwork: the TAP the VMM opens, on the network's bridge, and the
@@ -173,11 +180,13 @@ mod tests {
             cgroup: Some(CgroupSpec {
                 path: "imp/x".into(),
                 memory_limit_bytes: 1 << 30,
+                limits: Default::default(),
             }),
             cache_dir: None,
             image_max_bytes: None,
             owner: None,
             network: None,
+            progress: true,
         };
         let json = serde_json::to_string(&spec).unwrap();
         assert!(json.contains("\"runtime\":\"qemu\""), "{json}");

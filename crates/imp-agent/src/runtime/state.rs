@@ -61,6 +61,9 @@ pub enum StateError {
     /// No free generated name was found.
     #[error("could not find a free VM name under {}", .0.display())]
     NoFreeName(PathBuf),
+    /// Every VMM uid is claimed.
+    #[error("every VMM uid is claimed under {}", .0.display())]
+    NoFreeUid(PathBuf),
 }
 
 /// This module's result type.
@@ -74,6 +77,13 @@ fn io(action: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> State
         source,
     }
 }
+
+/// The first uid a confined VMM runs as (far above any login or container range).
+pub const VMM_UID_BASE: u32 = 200_000_000;
+/// How many VMM uids there are on one node.
+pub const VMM_UIDS: u32 = 1_000_000;
+/// The file in a VM's directory that keeps its VMM's uid.
+const VMM_UID_FILE: &str = "vmm-uid";
 
 /// Where VMs and the image cache live.
 #[derive(Debug, Clone)]
@@ -208,6 +218,53 @@ impl StateDir {
         Ok((good, bad))
     }
 
+    /// The uid (and gid: the same number) VM `id`'s confined VMM runs as. The one it was given
+    /// before, kept in its directory (a restored VMM finds its disk and sockets its own); else
+    /// the lowest free one from [`VMM_UID_BASE`], claimed with an exclusive create in
+    /// `vmm-uids/`, so two VMs never share one; a claim whose VM directory is gone is taken
+    /// back. Released by [`Self::remove`].
+    pub fn vmm_uid(&self, id: &str) -> Result<u32> {
+        validate_name(id)?;
+        let mine = self.vm_dir(id).join(VMM_UID_FILE);
+        if let Ok(text) = std::fs::read_to_string(&mine)
+            && let Ok(uid) = text.trim().parse::<u32>()
+        {
+            return Ok(uid);
+        }
+        let claims = self.root.join("vmm-uids");
+        std::fs::create_dir_all(&claims).map_err(io("creating", &claims))?;
+        for uid in VMM_UID_BASE..VMM_UID_BASE + VMM_UIDS {
+            let claim = claims.join(uid.to_string());
+            let taken = match std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .open(&claim)
+            {
+                Ok(mut f) => {
+                    std::io::Write::write_all(&mut f, id.as_bytes())
+                        .map_err(io("writing", &claim))?;
+                    false
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                    let owner = std::fs::read_to_string(&claim).unwrap_or_default();
+                    if owner.is_empty() || self.vm_dir(owner.trim()).exists() {
+                        true
+                    } else {
+                        // Its VM is gone without releasing it.
+                        std::fs::write(&claim, id).map_err(io("writing", &claim))?;
+                        false
+                    }
+                }
+                Err(e) => return Err(io("creating", &claim)(e)),
+            };
+            if !taken {
+                std::fs::write(&mine, uid.to_string()).map_err(io("writing", &mine))?;
+                return Ok(uid);
+            }
+        }
+        Err(StateError::NoFreeUid(claims))
+    }
+
     /// Deletes VM `id`'s directory (disk, logs, record); a missing one is not an error. The
     /// directory is first renamed out of the VMs' namespace, so a removal cut short leaves
     /// trash ([`Self::sweep_trash`]) rather than a VM without a record.
@@ -218,6 +275,12 @@ impl StateDir {
             .root
             .join("vms")
             .join(format!(".trash-{id}-{}", std::process::id()));
+        if let Ok(uid) = std::fs::read_to_string(dir.join(VMM_UID_FILE)) {
+            let claim = self.root.join("vmm-uids").join(uid.trim());
+            if std::fs::read_to_string(&claim).is_ok_and(|owner| owner == id) {
+                let _ = std::fs::remove_file(&claim);
+            }
+        }
         let snapshot = self.snapshot_dir(id);
         match std::fs::remove_dir_all(&snapshot) {
             Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
@@ -585,6 +648,32 @@ pub fn now_unix() -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn each_vm_gets_a_vmm_uid_of_its_own_keeps_it_and_frees_it_on_removal() {
+        let root = std::env::temp_dir().join(format!("imp-uid-test-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        let state = StateDir::new(&root);
+        state.create_vm_dir("a").unwrap();
+        state.create_vm_dir("b").unwrap();
+        let a = state.vmm_uid("a").unwrap();
+        let b = state.vmm_uid("b").unwrap();
+        assert_eq!(a, VMM_UID_BASE);
+        assert_eq!(b, VMM_UID_BASE + 1);
+        assert_eq!(
+            state.vmm_uid("a").unwrap(),
+            a,
+            "kept across boots and restores"
+        );
+        state.remove("a").unwrap();
+        state.create_vm_dir("c").unwrap();
+        assert_eq!(state.vmm_uid("c").unwrap(), a, "freed by the removal");
+        // A claim whose VM vanished without a removal is taken back.
+        std::fs::remove_dir_all(state.vm_dir("b")).unwrap();
+        state.create_vm_dir("d").unwrap();
+        assert_eq!(state.vmm_uid("d").unwrap(), b);
+        let _ = std::fs::remove_dir_all(&root);
+    }
 
     #[test]
     fn names_must_be_dns_labels() {

@@ -24,11 +24,12 @@ use tokio::signal::unix::{Signal, SignalKind, signal};
 use super::cgroup::VmCgroup;
 use super::console;
 use super::guest_agent;
+use super::progress;
 use super::spec::{Runtime, SPEC_FILE, VmSpec};
 use super::state::{self, Stage, StateDir, SuspendFailure, SuspendRecord, VmRecord, VmStatus};
 use super::suspend;
 use crate::guest;
-use crate::image::{self, ImageSource, ImageStore, RegistryAuth};
+use crate::image::{self, ImageSource, ImageStore, ProgressEvent, RegistryAuth};
 use crate::vmm::{
     self, DriveConfig, NetConfig, SnapshotFiles, StopOutcome, VmConfig, Vmm, VsockConfig,
 };
@@ -198,6 +199,7 @@ pub async fn run(
         Err(f) => Ended::Failed(f),
     };
     finish(&mut record, ended).await;
+    leave_cgroup(&spec).await;
     if spec.remove_on_exit && record.status.is_final() {
         state.remove(&id)
     } else {
@@ -241,9 +243,24 @@ fn join_cgroup(spec: &VmSpec) -> Result<(), Failure> {
     let Some(cg) = &spec.cgroup else {
         return Ok(());
     };
-    VmCgroup::create(&cg.path, cg.memory_limit_bytes)
+    VmCgroup::create_limited(&cg.path, cg.memory_limit_bytes, &cg.limits)
         .and_then(|c| c.add(std::process::id()))
         .map_err(at(Stage::Config, format!("joining cgroup {}", cg.path)))
+}
+
+/// At the shim's end (its VMM is gone): out of the VM's cgroup, which is then removed with
+/// anything still in it, so no front end has to remember it.
+async fn leave_cgroup(spec: &VmSpec) {
+    let Some(path) = spec.cgroup.as_ref().map(|c| c.path.clone()) else {
+        return;
+    };
+    let left = tokio::task::spawn_blocking(move || {
+        VmCgroup::at(&path).and_then(|c| c.leave_and_destroy(std::process::id()))
+    })
+    .await;
+    if let Ok(Err(e)) = left {
+        tracing::warn!(error = %e, "removing the VM's cgroup");
+    }
 }
 
 /// Writes how the VM ended into its record, with the console's tail for failures.
@@ -334,7 +351,7 @@ async fn supervise(
             let Some(fc) = &spec.boot.firecracker else {
                 return Ended::Failed(Failure::new(Stage::Config, "no Firecracker binary given"));
             };
-            let launcher = vmm::firecracker::Launcher::new(fc.clone());
+            let launcher = firecracker_launcher(fc, state, spec, config.confine);
             let run = Run {
                 state,
                 dir,
@@ -378,12 +395,16 @@ async fn resume(
             ),
         ));
     }
+    let confine = match confinement(state, spec, &record.name).await {
+        Ok(c) => c,
+        Err(f) => return Ended::Failed(f),
+    };
     let mut config = vm_config(
         spec,
         dir,
         &record.name,
-        dir.join("initramfs.cpio"),
-        dir.join("disk.ext4"),
+        (dir.join("initramfs.cpio"), dir.join("disk.ext4")),
+        confine,
     );
     if let (Some(net), Some(fd), Runtime::Qemu) = (config.net.as_mut(), tap, spec.runtime) {
         net.tap_fd = Some(vmm::TapFd(std::sync::Arc::new(fd)));
@@ -406,10 +427,44 @@ async fn resume(
             let Some(fc) = &spec.boot.firecracker else {
                 return Ended::Failed(Failure::new(Stage::Config, "no Firecracker binary given"));
             };
-            let launcher = vmm::firecracker::Launcher::new(fc.clone());
+            let launcher = firecracker_launcher(fc, state, spec, config.confine);
             drive::<vmm::firecracker::Firecracker>(&launcher, config, &run, record, stop).await
         }
     }
+}
+
+/// The `jailer` that ships beside `firecracker` in Firecracker's release bundles, if there.
+fn jailer_beside(firecracker: &Path) -> Option<PathBuf> {
+    Some(firecracker.with_file_name("jailer")).filter(|j| j.is_file())
+}
+
+/// Firecracker's launcher: under its jailer (the VM's own uid, a chroot of its own, its
+/// namespaces and seccomp filters) when `confine` says who it runs as; the jailer creates no
+/// cgroup of its own (none is named), so Firecracker stays in the VM's cgroup with its shim.
+fn firecracker_launcher(
+    fc: &Path,
+    state: &StateDir,
+    spec: &VmSpec,
+    confine: Option<vmm::Confine>,
+) -> vmm::firecracker::Launcher {
+    let mut launcher = vmm::firecracker::Launcher::new(fc.to_path_buf());
+    if let (Some(binary), Some(c)) = (jailer_beside(fc), confine) {
+        let cgroup_version = if Path::new("/sys/fs/cgroup/cgroup.controllers").exists() {
+            2
+        } else {
+            1
+        };
+        launcher.jailer = Some(vmm::firecracker::JailerConfig {
+            binary,
+            chroot_base: state.root().join("jail"),
+            uid: c.uid,
+            gid: c.gid,
+            cgroup_version,
+            cgroups: Vec::new(),
+            parent_cgroup: spec.cgroup.as_ref().map(|c| c.path.clone()),
+        });
+    }
+    launcher
 }
 
 /// Image → disk → initramfs: everything the VMM needs, as a [`VmConfig`].
@@ -426,7 +481,9 @@ async fn prepare(
         .map_err(at(Stage::Image, format!("image {:?}", spec.image)))?;
     let auth = registry_auth(spec, &source).await?;
     let limits = image::Limits::for_disk(u64::from(spec.disk_gib) << 30, spec.image_max_bytes);
-    let store = ImageStore::new(spec.cache(state).join("images"), limits);
+    let reporter = progress_reporter(spec, dir);
+    let store =
+        ImageStore::new(spec.cache(state).join("images"), limits).with_reporter(reporter.clone());
     let pulled = store
         .pull(&source, &auth)
         .await
@@ -449,12 +506,15 @@ async fn prepare(
         )(e)
     })?;
     let disk = dir.join("disk.ext4");
-    image::clone_disk(&base.path, &disk, u64::from(spec.disk_gib) << 30)
+    let size_bytes = u64::from(spec.disk_gib) << 30;
+    reporter.emit(ProgressEvent::Cloning { size_bytes });
+    image::clone_disk(&base.path, &disk, size_bytes)
         .await
         .map_err(at(
             Stage::Disk,
             format!("giving the VM its own {} GiB disk", spec.disk_gib),
         ))?;
+    reporter.emit(ProgressEvent::Cloned);
     record.timings.disk_ms = ms(t.elapsed());
     tracing::info!(vm = %record.name, digest = %pulled.manifest_digest, cached = base.cached, "root disk ready");
 
@@ -502,12 +562,19 @@ async fn prepare(
         .map_err(at(Stage::Initramfs, "writing the VM's initramfs"))?;
     record.timings.boot_ms = ms(t.elapsed());
 
-    Ok(vm_config(spec, dir, &record.name, initrd, disk))
+    let confine = confinement(state, spec, &record.name).await?;
+    Ok(vm_config(spec, dir, &record.name, (initrd, disk), confine))
 }
 
 /// The VMM's view of VM `name`: the same for its boot and for every restore of its snapshot
 /// (a restore needs the drives, TAP and vsock where the snapshot expects them).
-fn vm_config(spec: &VmSpec, dir: &Path, name: &str, initrd: PathBuf, disk: PathBuf) -> VmConfig {
+fn vm_config(
+    spec: &VmSpec,
+    dir: &Path,
+    name: &str,
+    (initrd, disk): (PathBuf, PathBuf),
+    confine: Option<vmm::Confine>,
+) -> VmConfig {
     let mut kernel_args = format!(
         "console=ttyS0 quiet loglevel=1 panic=-1 reboot=t tsc_early_khz={}",
         vmm::qemu::host_tsc_khz()
@@ -540,6 +607,48 @@ fn vm_config(spec: &VmSpec, dir: &Path, name: &str, initrd: PathBuf, disk: PathB
             guest_cid: GUEST_CID,
         }),
         netns: None,
+        confine,
+    }
+}
+
+/// Who VM `name`'s VMM runs as: the VM's own uid (see [`StateDir::vmm_uid`]); QEMU in a
+/// jail of the driver's, Firecracker under its jailer ([`firecracker_launcher`]).
+async fn confinement(
+    state: &StateDir,
+    spec: &VmSpec,
+    name: &str,
+) -> Result<Option<vmm::Confine>, Failure> {
+    if spec.runtime == Runtime::Firecracker
+        && spec
+            .boot
+            .firecracker
+            .as_deref()
+            .and_then(jailer_beside)
+            .is_none()
+    {
+        return Ok(None);
+    }
+    let (state, id) = (state.clone(), name.to_owned());
+    let uid = tokio::task::spawn_blocking(move || state.vmm_uid(&id))
+        .await
+        .map_err(|e| Failure::new(Stage::Config, format!("claiming a VMM uid: {e}")))?
+        .map_err(at(Stage::Config, "claiming a VMM uid"))?;
+    Ok(Some(vmm::Confine { uid, gid: uid }))
+}
+
+/// Where the image pipeline reports: the VM's progress file when the spec asks for one,
+/// else nowhere.
+fn progress_reporter(spec: &VmSpec, dir: &Path) -> image::Reporter {
+    if !spec.progress {
+        return image::Reporter::default();
+    }
+    let path = dir.join(progress::PROGRESS_FILE);
+    match progress::ProgressFile::create(&path) {
+        Ok(f) => image::Reporter::new(std::sync::Arc::new(f)),
+        Err(e) => {
+            tracing::warn!(path = %path.display(), error = %e, "cannot write the progress file; not reporting progress");
+            image::Reporter::default()
+        }
     }
 }
 

@@ -13,6 +13,7 @@ use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncWrite};
 
 pub mod firecracker;
+pub mod jail;
 pub mod kvm;
 pub mod qemu;
 pub mod vsock;
@@ -46,6 +47,20 @@ pub struct VmConfig {
     pub vsock: Option<VsockConfig>,
     /// Network namespace (a name under `/var/run/netns`) the VMM runs in, where its TAP lives.
     pub netns: Option<String>,
+    /// Run the VMM confined, as this user (QEMU: a [`jail`] of its own with a seccomp
+    /// sandbox; Firecracker ignores it: its launcher's jailer confines it); `None` runs it as
+    /// the caller (the driver's own tests, the KVM probe).
+    pub confine: Option<Confine>,
+}
+
+/// The uid and gid a confined VMM runs as: never root, one per VM so that one VMM cannot
+/// reach another's files or processes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Confine {
+    /// Its uid.
+    pub uid: u32,
+    /// Its gid.
+    pub gid: u32,
 }
 
 /// One virtio block device backed by a host file.

@@ -18,6 +18,7 @@ use imp_agent::runtime::shim::{self, ShimCommand};
 use imp_agent::runtime::spec::{BootFiles, Runtime, VmSpec};
 use imp_agent::runtime::state::{self, StateDir, VmRecord, VmStatus};
 
+use super::progress::{Mode, ShimProgress};
 use super::{Common, parse_duration, parse_env};
 
 /// How long the workload gets to exit after Ctrl-C before the VM is killed.
@@ -110,6 +111,10 @@ pub struct RunArgs {
     /// How long the guest may take to boot until its agent answers.
     #[arg(long, default_value = "180s", value_parser = parse_duration)]
     pub boot_timeout: Duration,
+    /// Show no progress while the image is pulled and unpacked and the disk is made (on a
+    /// terminal it is redrawn in place, elsewhere it is a few log lines on stderr).
+    #[arg(short = 'q', long)]
+    pub quiet: bool,
     #[command(flatten)]
     common: Common,
 }
@@ -163,7 +168,11 @@ pub fn main(args: RunArgs) -> anyhow::Result<i32> {
         }
         None => state::generate_name(&state)?,
     };
-    let spec = spec_for(&args, &name)?;
+    let mode = Mode::detect(args.quiet);
+    let mut spec = spec_for(&args, &name)?;
+    spec.progress = mode != Mode::Quiet;
+    spec.cgroup = imp_agent::runtime::cgroup::local_path(state.root(), &name)
+        .map(|path| imp_agent::node::boot::vm_cgroup(path, spec.vcpus, spec.memory_mib));
     state.create_vm_dir(&name)?;
     let cmd = ShimCommand::current_exe().context("finding the imp binary")?;
     if let Err(e) = shim::start(&cmd, &state, &name, &spec) {
@@ -178,16 +187,23 @@ pub fn main(args: RunArgs) -> anyhow::Result<i32> {
     if let Err(e) = runtime.block_on(image_store(&state).remove_stale()) {
         tracing::warn!(error = %format!("{e:#}"), "removing stale image temporaries");
     }
+    let remote = is_registry_reference(&args.image);
+    let mut progress = ShimProgress::new(&state.vm_dir(&name), mode, remote);
     if args.detach {
-        return runtime.block_on(wait_running(&state, &name, args.boot_timeout));
+        return runtime.block_on(wait_running(
+            &state,
+            &name,
+            args.boot_timeout,
+            &mut progress,
+        ));
     }
     let result = if spec.attach {
-        runtime.block_on(attached(&state, &name, &args))
+        runtime.block_on(attached(&state, &name, &args, &mut progress))
     } else {
         let filter = Filter {
             raw: args.raw_console,
         };
-        runtime.block_on(follow(&state, &name, filter))
+        runtime.block_on(follow(&state, &name, filter, &mut progress))
     };
     if args.rm {
         runtime
@@ -265,6 +281,7 @@ fn spec_for(args: &RunArgs, name: &str) -> anyhow::Result<VmSpec> {
         image_max_bytes: args.image_max_bytes,
         owner: None,
         network: None,
+        progress: false,
     })
 }
 
@@ -277,7 +294,7 @@ fn is_registry_reference(image: &str) -> bool {
 
 /// The shim runs in the VM's directory's world, not ours: `oci:DIR` and `oci-archive:FILE`
 /// paths are made absolute so they mean the same there.
-fn absolute_image(image: &str) -> anyhow::Result<String> {
+pub(crate) fn absolute_image(image: &str) -> anyhow::Result<String> {
     for prefix in ["oci:", "oci-archive:"] {
         if let Some(rest) = image.strip_prefix(prefix)
             && !rest.starts_with('/')
@@ -294,8 +311,13 @@ fn absolute_image(image: &str) -> anyhow::Result<String> {
 }
 
 /// `imp run -d`: waits until the guest agent answers, then prints the VM's name.
-async fn wait_running(state: &StateDir, name: &str, boot_timeout: Duration) -> anyhow::Result<i32> {
-    let record = until_running(state, name, boot_timeout).await?;
+async fn wait_running(
+    state: &StateDir,
+    name: &str,
+    boot_timeout: Duration,
+    progress: &mut ShimProgress,
+) -> anyhow::Result<i32> {
+    let record = until_running(state, name, boot_timeout, progress).await?;
     println!("{name}");
     if record.status == VmStatus::Exited {
         eprintln!(
@@ -306,18 +328,25 @@ async fn wait_running(state: &StateDir, name: &str, boot_timeout: Duration) -> a
     Ok(0)
 }
 
-/// Waits until VM `name` runs (or has already ended); fails if it could not start.
+/// Waits until VM `name` runs (or has already ended), showing its progress; fails if it could
+/// not start.
 async fn until_running(
     state: &StateDir,
     name: &str,
     boot_timeout: Duration,
+    progress: &mut ShimProgress,
 ) -> anyhow::Result<VmRecord> {
     let waited = boot_timeout + Duration::from_secs(600);
     let deadline = Instant::now() + waited;
     let shim_log = imp_agent::runtime::supervisor::shim_log(&state.vm_dir(name));
     loop {
+        progress.poll();
         if let Some(r) = load(state, name).await {
-            match r.effective_status() {
+            let status = r.effective_status();
+            if r.vmm_pid.is_some() || status.is_final() || status == VmStatus::Running {
+                progress.finish();
+            }
+            match status {
                 VmStatus::Running | VmStatus::Exited | VmStatus::Suspended => return Ok(r),
                 VmStatus::Failed => bail!(
                     "VM {name} did not start: {}",
@@ -341,11 +370,16 @@ async fn until_running(
 /// `imp run -i/-t`: runs the workload as an exec session with our terminal attached, then
 /// stops the VM; returns the workload's exit code. Ctrl-C (without -t, where it is a key the
 /// workload reads) stops the VM.
-async fn attached(state: &StateDir, name: &str, args: &RunArgs) -> anyhow::Result<i32> {
+async fn attached(
+    state: &StateDir,
+    name: &str,
+    args: &RunArgs,
+    progress: &mut ShimProgress,
+) -> anyhow::Result<i32> {
     let mut stop = StopSignals::install()?;
     let session = async {
         let record = tokio::select! {
-            r = until_running(state, name, args.boot_timeout) => r?,
+            r = until_running(state, name, args.boot_timeout, progress) => r?,
             () = stop.requested() => return Ok(130),
         };
         let argv = record
@@ -390,7 +424,12 @@ async fn load(state: &StateDir, name: &str) -> Option<VmRecord> {
 
 /// The foreground: prints the workload's console lines until the shim has recorded the end,
 /// and turns Ctrl-C and SIGTERM into a graceful stop.
-async fn follow(state: &StateDir, name: &str, filter: Filter) -> anyhow::Result<i32> {
+async fn follow(
+    state: &StateDir,
+    name: &str,
+    filter: Filter,
+    progress: &mut ShimProgress,
+) -> anyhow::Result<i32> {
     let mut stop = StopSignals::install()?;
     // The console is followed from the path the shim records once the VMM runs.
     let mut follower: Option<Follower> = None;
@@ -418,10 +457,16 @@ async fn follow(state: &StateDir, name: &str, filter: Filter) -> anyhow::Result<
                 }
             }));
         }
+        let ended = !record.supervisor_alive();
+        if record.vmm_pid.is_some() || record.status.is_final() || ended {
+            // Progress ends before the workload's first line.
+            progress.finish();
+        } else {
+            progress.poll();
+        }
         if follower.is_none() && (record.vmm_pid.is_some() || record.status.is_final()) {
             follower = Some(Follower::new(&record.serial_log));
         }
-        let ended = !record.supervisor_alive();
         if ended {
             // The shim writes the end just before it exits: read the record once more.
             record = load(state, name).await.unwrap_or(record);
@@ -540,7 +585,7 @@ fn outcome(state: &StateDir, record: &VmRecord) -> anyhow::Result<i32> {
 }
 
 /// Finds a file from a flag, an environment variable, or the build tree beside the binary.
-fn locate(
+pub(crate) fn locate(
     what: &str,
     flag: Option<PathBuf>,
     env: &str,

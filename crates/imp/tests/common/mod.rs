@@ -386,10 +386,34 @@ pub fn processes_naming(needle: &str) -> Vec<u32> {
     out
 }
 
-/// The QEMU processes of VM `uid` of the agent whose state directory is `state`.
+/// Asserts that VMM process `pid` runs confined as the product starts it: not root (and not
+/// the uid of any other VM's VMM, one per VM from 200000000), no capability (bounding set
+/// empty), `no_new_privs`, a seccomp filter, and a root of its own without the host's `/etc`.
+/// Returns its uid.
+pub fn assert_vmm_confined(pid: u32) -> u32 {
+    let status = imp_testenv::procfs::Status::of(pid);
+    let uids = status.uids();
+    assert!(
+        !uids.is_empty() && uids.iter().all(|&u| u == uids[0] && u >= 200_000_000),
+        "VMM {pid} runs as {uids:?}"
+    );
+    assert_eq!(status.field("CapEff"), "0000000000000000", "VMM {pid}");
+    assert_eq!(status.field("CapBnd"), "0000000000000000", "VMM {pid}");
+    assert_eq!(status.field("NoNewPrivs"), "1", "VMM {pid}");
+    assert_eq!(status.field("Seccomp"), "2", "VMM {pid}");
+    let root = std::path::PathBuf::from(format!("/proc/{pid}/root"));
+    assert!(root.join("usr/bin").is_dir(), "VMM {pid} has no /usr");
+    assert!(
+        !root.join("etc").exists() && !root.join("proc").exists() && !root.join("root").exists(),
+        "VMM {pid} sees the host's root"
+    );
+    uids[0]
+}
+
+/// The QEMU processes of VM `uid` of the agent whose state directory is `state` (a confined
+/// QEMU names no host path: it is told by its `-name`).
 pub fn qemu_of(state: &Path, uid: &str) -> Vec<u32> {
-    let dir = state.join("vms").join(uid);
-    processes_naming(&dir.to_string_lossy())
+    vm_processes(state, uid)
         .into_iter()
         .filter(|p| {
             std::fs::read_to_string(format!("/proc/{p}/comm"))
@@ -397,6 +421,19 @@ pub fn qemu_of(state: &Path, uid: &str) -> Vec<u32> {
                 .starts_with("qemu")
         })
         .collect()
+}
+
+/// Every process of VM `uid` of the state directory `state`: those whose command line names
+/// its directory (its shim) and its QEMU (`-name UID`).
+pub fn vm_processes(state: &Path, uid: &str) -> Vec<u32> {
+    let dir = state.join("vms").join(uid);
+    let mut pids = processes_naming(&dir.to_string_lossy());
+    for p in processes_naming(&format!("\0-name\0{uid}\0")) {
+        if !pids.contains(&p) {
+            pids.push(p);
+        }
+    }
+    pids
 }
 
 /// The real `imp operator` against `kubeconfig`, polling pending and active VMs every 2 s and

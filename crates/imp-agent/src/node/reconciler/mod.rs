@@ -365,14 +365,18 @@ pub async fn reconcile(vm: Arc<ImpVM>, ctx: Arc<Context>) -> Result<Action, Erro
             let record = local.as_ref().map(|(r, _)| r);
             let retry = matches!(report, Report::SuspendFailed { .. });
             let running = matches!(report, Report::Running);
+            if retry {
+                // The VM runs on: execs may start again — before the report says so, or an
+                // exec sent on reading it could still meet the suspend.
+                ctx.vms
+                    .suspend_over(&vm.namespace().unwrap_or_default(), &vm.name_any());
+            }
             write_report(&ctx, &vm, report, record).await?;
             if running {
                 runs_again(&ctx, &uid).await;
             }
             if retry {
-                // The VM runs on: execs may start again, and its TAP is its VMM's alone.
-                ctx.vms
-                    .suspend_over(&vm.namespace().unwrap_or_default(), &vm.name_any());
+                // Its TAP is its VMM's alone again.
                 if let Some(scale) = &ctx.scale {
                     scale.drop_kept(&uid).await;
                 }

@@ -319,8 +319,10 @@ mod tests {
             disk_gib: 3,
             ..Default::default()
         };
-        let mut spec = ImpVMSpec::default();
-        spec.image = Some("booked:1".into());
+        let spec = ImpVMSpec {
+            image: Some("booked:1".into()),
+            ..Default::default()
+        };
         vm.status = Some(imp_api::vm::ImpVMStatus {
             booking: Some(imp_api::vm::Booking {
                 class: class.clone(),

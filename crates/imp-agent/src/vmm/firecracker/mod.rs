@@ -796,6 +796,7 @@ mod tests {
             net: None,
             vsock: None,
             netns: None,
+            confine: None,
         };
         let layout = Layout::new(&launcher, &config);
         assert_eq!(

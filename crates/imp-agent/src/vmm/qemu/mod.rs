@@ -16,11 +16,17 @@
 //!
 //! Files in the VM's run directory: `qmp.sock` (control), `vsock.sock` (host side of the
 //! guest channel; guest connections to host port P arrive on `vsock.sock_P`), `mux.sock`
-//! (QEMU's end of the virtio-serial port), `serial.log` and `qemu.log`.
+//! (QEMU's end of the virtio-serial port), `serial.log` and `qemu.log`; a confined QEMU makes
+//! its sockets (`qmp.sock`, `mux.sock`) in `vmm/`, the one directory it may write.
 //!
 //! Pause and resume are QMP `stop` and `cont`. Snapshots use QEMU's migration stream: `stop`,
-//! `migrate` to `exec:cat > FILE`, and restore by a new QEMU started with the same command line
-//! plus `-incoming`. The whole stream (devices and memory) goes to [`SnapshotFiles::memory`];
+//! then `migrate` to a descriptor of the snapshot file handed over QMP (`getfd`), and restore
+//! by a new QEMU started with the same command line plus `-incoming fd:N`, N the snapshot
+//! file it inherits: QEMU opens no snapshot path itself.
+//!
+//! With [`VmConfig::confine`] QEMU runs confined ([`confine`], [`super::jail`]): a uid of its
+//! own, no capabilities, `no_new_privs`, a root holding only `/usr` and its VM's files, no
+//! network but its TAP's descriptor, and its `-sandbox` seccomp filter ([`SANDBOX`]). The whole stream (devices and memory) goes to [`SnapshotFiles::memory`];
 //! [`SnapshotFiles::state`] records the QEMU version it came from. A restored VM's host mux
 //! connects to the new QEMU's chardev and resets the channel: streams that were open when the
 //! snapshot was taken are closed on both sides (their readers see end of file or a reset),
@@ -28,13 +34,15 @@
 //! [`crate::runtime::guest_agent`] can set it. A restored VM's console is appended to
 //! `serial.log`, after the output from before the snapshot.
 
+pub mod confine;
 pub mod mux;
 pub mod qmp;
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsFd as _, AsRawFd};
+use std::os::unix::fs::OpenOptionsExt as _;
 
 use tokio::net::UnixStream;
 use tokio::process::{Child, Command};
@@ -48,6 +56,12 @@ const FALLBACK_TSC_KHZ: u64 = 2_000_000;
 
 /// The name of the virtio-serial port that carries the guest channel (imp-guest looks for it).
 pub const MUX_PORT: &str = "imp.mux";
+
+/// QEMU's `-sandbox`: its seccomp filter, with every optional class of system calls denied.
+pub const SANDBOX: &str = "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny";
+
+/// The name QEMU's monitor keeps a snapshot's descriptor under until `migrate` takes it.
+const SNAPSHOT_FD: &str = "imp-snapshot";
 
 /// Longest a snapshot may take to save or load (a 256 MiB guest takes under a second).
 const MIGRATION_TIMEOUT: Duration = Duration::from_secs(300);
@@ -288,12 +302,21 @@ impl Qemu {
     ) -> Result<Self> {
         let run_dir = std::path::absolute(&config.run_dir).unwrap_or(config.run_dir.clone());
         std::fs::create_dir_all(&run_dir).map_err(files_err("create", &run_dir))?;
-        for f in [files::QMP, files::VSOCK, files::MUX] {
-            let _ = std::fs::remove_file(run_dir.join(f));
-        }
         let serial = run_dir.join(files::SERIAL);
-        if incoming.is_none() {
+        if incoming.is_none() || !serial.exists() {
             std::fs::write(&serial, b"").map_err(files_err("create", &serial))?;
+        }
+        let paths = confine::paths(config, &run_dir, &serial, launcher.accel == Accel::Kvm);
+        confine::prepare(config, &paths, &serial).map_err(files_err("prepare", &run_dir))?;
+        let _ = std::fs::remove_file(run_dir.join(files::VSOCK));
+        for f in [files::QMP, files::MUX] {
+            let _ = std::fs::remove_file(paths.sock_dir.join(f));
+        }
+        if paths.jail.is_some() && config.netns.is_some() {
+            return Err(Error::Unsupported {
+                id: config.id.clone(),
+                reason: "a confined QEMU cannot be started in another network namespace".into(),
+            });
         }
         let mut cmd = match &config.netns {
             Some(ns) => {
@@ -305,6 +328,8 @@ impl Qemu {
         };
         let mem = config.memory_mib;
         let machine = "microvm";
+        // The VM's name tells its QEMU apart in `ps` (a confined one names no host path).
+        cmd.args(["-name", &config.id.replace(',', ",,")]);
         cmd.arg("-accel")
             .arg(match launcher.accel {
                 Accel::Kvm => "kvm",
@@ -316,23 +341,26 @@ impl Qemu {
         if launcher.accel == Accel::Kvm {
             cmd.args(["-cpu", "host"]);
         }
+        // No exec, no privilege changes, no scheduler or resource games, no obsolete calls:
+        // QEMU's seccomp filter, installed before the guest runs.
+        cmd.args(["-sandbox", SANDBOX]);
         // `append=on`: `-serial file:` truncates the log, so a restore would lose the console
         // from before the snapshot (a boot has emptied it above).
         cmd.args(["-nographic", "-no-reboot", "-monitor", "none"])
             .arg("-chardev")
             .arg(format!(
                 "file,id=serial,path={},append=on",
-                serial.display().to_string().replace(',', ",,")
+                paths.serial_arg.display().to_string().replace(',', ",,")
             ))
             .args(["-serial", "chardev:serial"])
             .arg("-qmp")
             .arg(format!(
                 "unix:{},server=on,wait=off",
-                run_dir.join(files::QMP).display()
+                paths.sock_dir_arg.join(files::QMP).display()
             ))
             .arg("-kernel")
-            .arg(&config.kernel);
-        if let Some(initrd) = &config.initrd {
+            .arg(&paths.kernel_arg);
+        if let Some(initrd) = &paths.initrd_arg {
             cmd.arg("-initrd").arg(initrd);
         }
         let mut append = config.kernel_args.clone();
@@ -346,8 +374,8 @@ impl Qemu {
             append.push_str(" tsc=reliable");
         }
         cmd.arg("-append").arg(append.trim());
-        for d in &config.drives {
-            let mut drive = format!("id={},file={},format=raw,if=none", d.id, d.path.display());
+        for (d, path) in config.drives.iter().zip(&paths.drive_args) {
+            let mut drive = format!("id={},file={},format=raw,if=none", d.id, path.display());
             if d.read_only {
                 drive.push_str(",readonly=on");
             }
@@ -356,7 +384,21 @@ impl Qemu {
                 .arg("-device")
                 .arg(format!("virtio-blk-device,drive={}", d.id));
         }
-        if let Some(n) = &config.net {
+        // A confined QEMU can open no TAP by name (its network namespace is empty): it is
+        // handed the descriptor.
+        let mut net = config.net.clone();
+        if let Some(n) = net.as_mut()
+            && n.tap_fd.is_none()
+            && paths.jail.is_some()
+        {
+            let fd = crate::net::tap::open_persistent(&n.tap).map_err(|source| Error::Files {
+                what: "open the TAP",
+                path: PathBuf::from(&n.tap),
+                source,
+            })?;
+            n.tap_fd = Some(super::TapFd(std::sync::Arc::new(fd)));
+        }
+        if let Some(n) = &net {
             cmd.arg("-netdev").arg(netdev_arg(n));
             let mut dev = format!("virtio-net-device,netdev={}", n.id);
             if let Some(mac) = &n.mac {
@@ -369,14 +411,31 @@ impl Qemu {
                 .arg("-chardev")
                 .arg(format!(
                     "socket,id=mux,path={},server=on,wait=off",
-                    run_dir.join(files::MUX).display()
+                    paths.sock_dir_arg.join(files::MUX).display()
                 ))
                 .arg("-device")
                 .arg(format!("virtserialport,chardev=mux,name={MUX_PORT}"));
         }
-        if let Some(file) = incoming {
-            cmd.arg("-incoming")
-                .arg(format!("exec:cat {}", shell_quote(file)));
+        // A snapshot is read from a descriptor: a confined QEMU cannot open it, and
+        // `-sandbox spawn=deny` forbids the `exec:` migration URI.
+        let snapshot = match incoming {
+            Some(file) => {
+                let f = std::fs::File::open(file).map_err(files_err("open", file))?;
+                let fd: std::os::fd::OwnedFd = f.into();
+                cmd.arg("-incoming").arg(format!("fd:{}", fd.as_raw_fd()));
+                Some(fd)
+            }
+            None => None,
+        };
+        if let Some(fd) = &snapshot {
+            inherit_fd(&mut cmd, fd);
+        }
+        if let Some(jail) = &paths.jail {
+            jail.apply_to(&mut cmd).map_err(|e| Error::Files {
+                what: "describe the jail of",
+                path: run_dir.clone(),
+                source: std::io::Error::other(e),
+            })?;
         }
         let log_path = run_dir.join(files::QEMU_LOG);
         let log = std::fs::File::create(&log_path).map_err(files_err("create", &log_path))?;
@@ -388,17 +447,18 @@ impl Qemu {
             .stderr(log2)
             .process_group(0)
             .kill_on_drop(true);
-        let tap_fd = config.net.as_ref().and_then(|n| n.tap_fd.clone());
+        let tap_fd = net.as_ref().and_then(|n| n.tap_fd.clone());
         if let Some(fd) = &tap_fd {
-            inherit_fd(&mut cmd, fd);
+            inherit_fd(&mut cmd, fd.0.as_ref());
         }
         let mut child = cmd.spawn().map_err(|source| Error::Spawn {
             binary: launcher.qemu.clone(),
             source,
         })?;
         drop(tap_fd);
+        drop(snapshot);
 
-        let qmp_path = run_dir.join(files::QMP);
+        let qmp_path = paths.sock_dir.join(files::QMP);
         let deadline = Instant::now() + launcher.socket_timeout;
         let qmp = loop {
             if let Ok(Some(status)) = child.try_wait() {
@@ -439,7 +499,7 @@ impl Qemu {
             Some(_) => Some(
                 mux::HostMux::spawn(
                     config.id.clone(),
-                    run_dir.join(files::MUX),
+                    paths.sock_dir.join(files::MUX),
                     run_dir.join(files::VSOCK),
                 )
                 .map_err(files_err("listen on", &run_dir.join(files::VSOCK)))?,
@@ -489,7 +549,9 @@ impl Qemu {
         }
     }
 
-    async fn qmp(
+    /// Runs a QMP command on this VM's QEMU (diagnostics and tests: what the VMM will do
+    /// when asked).
+    pub async fn qmp(
         &mut self,
         command: &str,
         args: Option<serde_json::Value>,
@@ -563,12 +625,12 @@ fn netdev_arg(net: &super::NetConfig) -> String {
     }
 }
 
-/// Lets QEMU inherit `fd` under the same number (Rust opens everything close-on-exec).
+/// Lets QEMU inherit `fd` (a TAP, a snapshot) under the same number (Rust opens everything close-on-exec).
 /// Clearing the flag in the child, not the parent, keeps the TAP out of every other process
 /// spawned meanwhile.
 #[allow(unsafe_code)]
-fn inherit_fd(cmd: &mut Command, fd: &super::TapFd) {
-    let raw = fd.0.as_raw_fd();
+fn inherit_fd(cmd: &mut Command, fd: &impl AsRawFd) {
+    let raw = fd.as_raw_fd();
     // SAFETY: the closure runs between fork and exec and only calls fcntl(2), which is
     // async-signal-safe; `raw` stays open in the parent until spawn returns.
     unsafe {
@@ -580,10 +642,6 @@ fn inherit_fd(cmd: &mut Command, fd: &super::TapFd) {
             Ok(())
         });
     }
-}
-
-fn shell_quote(p: &Path) -> String {
-    format!("'{}'", p.display().to_string().replace('\'', r"'\''"))
 }
 
 impl Drop for Qemu {
@@ -682,8 +740,28 @@ impl Vmm for Qemu {
 
     async fn snapshot(&mut self, files: &SnapshotFiles) -> Result<()> {
         self.require("snapshot", &[VmState::Paused])?;
+        // The stream goes to a descriptor QEMU is handed: it can open no host file, and may
+        // not exec a helper.
         let _ = std::fs::remove_file(&files.memory);
-        let uri = format!("exec:cat > {}", shell_quote(&files.memory));
+        let out = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&files.memory)
+            .map_err(files_err("create", &files.memory))?;
+        self.qmp
+            .execute_with_fd(
+                "getfd",
+                Some(serde_json::json!({ "fdname": SNAPSHOT_FD })),
+                out.as_fd(),
+            )
+            .await
+            .map_err(|source| Error::Qmp {
+                id: self.id.clone(),
+                source,
+            })?;
+        drop(out);
+        let uri = format!("fd:{SNAPSHOT_FD}");
         let migrate = self
             .qmp
             .execute("migrate", Some(serde_json::json!({ "uri": uri })))
@@ -822,7 +900,7 @@ mod tests {
         let raw = tap.0.as_raw_fd();
         let mut cmd = Command::new("sh");
         cmd.arg("-c").arg(format!("test -e /proc/self/fd/{raw}"));
-        inherit_fd(&mut cmd, &tap);
+        inherit_fd(&mut cmd, tap.0.as_ref());
         assert!(cmd.status().await.unwrap().success());
         let mut plain = Command::new("sh");
         plain.arg("-c").arg(format!("test -e /proc/self/fd/{raw}"));

@@ -4,8 +4,12 @@
 //! then `execute` commands. Asynchronous events (`{"event": …}`) may arrive between a command
 //! and its answer; they are logged and skipped.
 
+use std::io::IoSlice;
+use std::os::fd::{AsRawFd as _, BorrowedFd};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
+
+use nix::sys::socket::{ControlMessage, MsgFlags, sendmsg};
 
 use serde_json::{Value, json};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
@@ -55,6 +59,17 @@ pub enum QmpError {
         /// QEMU's description.
         desc: String,
     },
+}
+
+/// One command as QMP wants it: a JSON object on a line.
+fn request(command: &str, arguments: Option<Value>) -> Vec<u8> {
+    let mut request = json!({ "execute": command });
+    if let Some(args) = arguments {
+        request["arguments"] = args;
+    }
+    let mut bytes = request.to_string().into_bytes();
+    bytes.push(b'\n');
+    bytes
 }
 
 /// A negotiated QMP connection.
@@ -125,20 +140,66 @@ impl Qmp {
         command: &str,
         arguments: Option<Value>,
     ) -> Result<Value, QmpError> {
-        let mut request = json!({ "execute": command });
-        if let Some(args) = arguments {
-            request["arguments"] = args;
-        }
-        let mut bytes = request.to_string().into_bytes();
-        bytes.push(b'\n');
+        let bytes = request(command, arguments);
         self.writer
             .write_all(&bytes)
             .await
-            .map_err(|source| QmpError::Io {
-                socket: self.socket.clone(),
-                what: "writing",
-                source,
-            })?;
+            .map_err(|source| self.io("writing", source))?;
+        self.answer(command).await
+    }
+
+    /// Runs `command` with `fd` attached (SCM_RIGHTS), as `getfd` and `add-fd` want: QEMU
+    /// keeps its own copy of the descriptor. How a confined QEMU, which can open nothing of
+    /// the host, is handed a file (a snapshot to write).
+    pub async fn execute_with_fd(
+        &mut self,
+        command: &str,
+        arguments: Option<Value>,
+        fd: BorrowedFd<'_>,
+    ) -> Result<Value, QmpError> {
+        let bytes = request(command, arguments);
+        let stream: &UnixStream = self.writer.as_ref();
+        let sent = loop {
+            stream
+                .writable()
+                .await
+                .map_err(|source| self.io("writing", source))?;
+            let attempt = stream.try_io(tokio::io::Interest::WRITABLE, || {
+                let fds = [fd.as_raw_fd()];
+                let cmsg = [ControlMessage::ScmRights(&fds)];
+                sendmsg::<()>(
+                    stream.as_raw_fd(),
+                    &[IoSlice::new(&bytes)],
+                    &cmsg,
+                    MsgFlags::MSG_NOSIGNAL,
+                    None,
+                )
+                .map_err(std::io::Error::from)
+            });
+            match attempt {
+                Ok(n) => break n,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+                Err(source) => return Err(self.io("sending a descriptor", source)),
+            }
+        };
+        // The descriptor went with the first byte; the rest of the line follows plainly.
+        self.writer
+            .write_all(&bytes[sent..])
+            .await
+            .map_err(|source| self.io("writing", source))?;
+        self.answer(command).await
+    }
+
+    fn io(&self, what: &'static str, source: std::io::Error) -> QmpError {
+        QmpError::Io {
+            socket: self.socket.clone(),
+            what,
+            source,
+        }
+    }
+
+    /// Reads until the answer to `command` (events before it are logged and skipped).
+    async fn answer(&mut self, command: &str) -> Result<Value, QmpError> {
         let timeout = self.timeout;
         tokio::time::timeout(timeout, async {
             loop {

@@ -1,0 +1,62 @@
+//! What a test reads of a process in `/proc`: the fields of its `status` (uid, capabilities,
+//! `NoNewPrivs`, `Seccomp`), to prove how a VMM runs.
+
+/// A process's `/proc/PID/status`.
+#[derive(Debug, Clone)]
+pub struct Status {
+    pid: u32,
+    text: String,
+}
+
+impl Status {
+    /// Reads `/proc/PID/status` (empty when the process is gone).
+    pub fn of(pid: u32) -> Self {
+        Status {
+            pid,
+            text: std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default(),
+        }
+    }
+
+    /// Field `name` (e.g. `CapEff`), trimmed; "" when absent.
+    pub fn field(&self, name: &str) -> String {
+        self.text
+            .lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(':'))
+            .map(|v| v.trim().to_owned())
+            .unwrap_or_default()
+    }
+
+    /// The real, effective, saved and filesystem uids.
+    pub fn uids(&self) -> Vec<u32> {
+        self.field("Uid")
+            .split_whitespace()
+            .filter_map(|u| u.parse().ok())
+            .collect()
+    }
+
+    /// One line for a test's log: the fields that say how confined it is.
+    pub fn summary(&self) -> String {
+        format!(
+            "pid {}: Uid {} CapEff {} CapBnd {} NoNewPrivs {} Seccomp {}",
+            self.pid,
+            self.field("Uid"),
+            self.field("CapEff"),
+            self.field("CapBnd"),
+            self.field("NoNewPrivs"),
+            self.field("Seccomp")
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn this_process_has_a_status_with_its_uid() {
+        let s = Status::of(std::process::id());
+        assert_eq!(s.uids().len(), 4);
+        assert!(!s.field("Seccomp").is_empty());
+        assert_eq!(s.field("NoSuchField"), "");
+    }
+}
