@@ -162,7 +162,21 @@ async fn connect_shim(stream: UnixStream, api: PathBuf) {
     if host.write_all(b"OK 1073741824\n").await.is_err() {
         return;
     }
-    let _ = tokio::io::copy_bidirectional(&mut host, &mut guest).await;
+    // Each direction on its own, as a VMM's vsock carries them: a write the guest no longer
+    // takes (it closed after the exit) must not cut the other direction, whose last bytes (the
+    // exit) may still be on their way. copy_bidirectional gave up on both at the first error,
+    // dropping the exit about one run in ten.
+    let (mut host_rx, mut host_tx) = tokio::io::split(host);
+    let (mut guest_rx, mut guest_tx) = tokio::io::split(guest);
+    let up = async {
+        let _ = tokio::io::copy(&mut host_rx, &mut guest_tx).await;
+        let _ = guest_tx.shutdown().await;
+    };
+    let down = async {
+        let _ = tokio::io::copy(&mut guest_rx, &mut host_tx).await;
+        let _ = host_tx.shutdown().await;
+    };
+    tokio::join!(up, down);
 }
 
 struct Env {
