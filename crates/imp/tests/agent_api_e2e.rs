@@ -155,7 +155,7 @@ async fn connect_shim(stream: UnixStream, api: PathBuf) {
     if reader.read_line(&mut line).await.is_err() || line != format!("CONNECT {PORT}\n") {
         return;
     }
-    let Ok(mut guest) = UnixStream::connect(&api).await else {
+    let Ok(guest) = UnixStream::connect(&api).await else {
         return;
     };
     let mut host = reader.into_inner();
