@@ -300,11 +300,7 @@ async fn assert_confined(vm: &mut Qemu, cid: u32, disk: &Path) {
             )
             .await
             .unwrap_err();
-        let refused: Vec<String> =
-            std::iter::successors(Some(&refused as &dyn std::error::Error), |e| e.source())
-                .map(ToString::to_string)
-                .collect();
-        let refused = refused.join(": ");
+        let refused = imp_testenv::report::chain(&refused);
         eprintln!("QMP blockdev-add {path}: {refused}");
         assert!(refused.contains("No such file"), "{path}: {refused}");
     }

@@ -190,16 +190,7 @@ mod server {
         Some(c)
     }
 
-    /// An error and its causes, one after the other.
-    fn chain(e: &dyn std::error::Error) -> String {
-        let mut out = e.to_string();
-        let mut cur = e.source();
-        while let Some(c) = cur {
-            out.push_str(&format!(": {c}"));
-            cur = c.source();
-        }
-        out
-    }
+    use imp_testenv::report::chain;
 
     async fn api_for(c: &Client, doc: &Value) -> Api<DynamicObject> {
         let gvk = GroupVersionKind::gvk("imp.dev", "v1alpha1", doc["kind"].as_str().unwrap());

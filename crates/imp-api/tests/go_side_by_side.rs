@@ -67,16 +67,7 @@ async fn server(
     c
 }
 
-/// An error and its causes, one after the other.
-fn chain(e: &dyn std::error::Error) -> String {
-    let mut out = e.to_string();
-    let mut cur = e.source();
-    while let Some(c) = cur {
-        out.push_str(&format!(": {c}"));
-        cur = c.source();
-    }
-    out
-}
+use imp_testenv::report::chain;
 
 /// Creates `doc`, replacing an object of the same name an earlier fixture made (the fixtures
 /// are independent manifests, and ClusterImpConfig can only be named `cluster`).

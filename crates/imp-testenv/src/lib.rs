@@ -22,5 +22,6 @@ mod process;
 pub mod procfs;
 pub mod rbac;
 pub mod registry;
+pub mod report;
 
 pub use controlplane::{ControlPlane, Options, Release};

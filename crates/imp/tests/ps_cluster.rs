@@ -19,13 +19,7 @@ fn imp(kubeconfig: &Path, args: &[&str]) -> Output {
         .env_remove("KUBECONFIG")
         .output()
         .unwrap();
-    eprintln!(
-        "imp {args:?}: {}\n--- stdout\n{}--- stderr\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    out
+    imp_testenv::report::logged(args, out)
 }
 
 async fn vm(client: &kube::Client, ns: &str, name: &str, status: Option<serde_json::Value>) {

@@ -127,13 +127,7 @@ fn imp(env: &Env, args: &[&str]) -> Output {
         .env("IMP_STATE_DIR", &env.state)
         .output()
         .unwrap();
-    eprintln!(
-        "imp {args:?}: {}\n--- stdout\n{}--- stderr\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    out
+    imp_testenv::report::logged(args, out)
 }
 
 /// Polls the screen every 100 ms until `done` holds for it; returns every distinct screen.
