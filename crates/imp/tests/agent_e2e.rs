@@ -252,13 +252,7 @@ async fn impvms_boot_end_survive_an_agent_restart_and_clean_up_on_their_nodes() 
             .stdin(Stdio::null())
             .output()
             .unwrap();
-        eprintln!(
-            "imp {args:?} as {token}: {:?}\n{}{}",
-            out.status,
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-        out
+        imp_testenv::report::logged((args, token), out)
     };
     let c = kube.client.clone();
     node(&c, "node-a").await;

@@ -20,13 +20,7 @@ fn imp(args: &[&str]) -> Command {
 
 fn run(cmd: &mut Command) -> Output {
     let out = cmd.output().unwrap();
-    eprintln!(
-        "{cmd:?}: {}\n--- stdout\n{}--- stderr\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    out
+    imp_testenv::report::logged(&*cmd, out)
 }
 
 fn stderr(out: &Output) -> String {
