@@ -14,11 +14,11 @@
 mod common;
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
+use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use imp_agent::runtime::cgroup::{self, Hierarchy};
-use imp_testenv::registry::{TestImage, TestLayer, TestRegistry, push, scratch_dir};
+use imp_testenv::registry::{TestImage, TestLayer};
 
 /// The noisy guest's load: how long it burns CPU and writes its disk.
 const LOAD_SECS: u64 = 15;
@@ -50,10 +50,14 @@ fn image() -> TestImage {
         .env("PATH=/bin")
 }
 
-struct Env {
-    state: PathBuf,
-    _registry: TestRegistry,
-    image: String,
+/// The local test env; on drop the test's two VMs are stopped and removed.
+struct Env(common::LocalEnv);
+
+impl std::ops::Deref for Env {
+    type Target = common::LocalEnv;
+    fn deref(&self) -> &common::LocalEnv {
+        &self.0
+    }
 }
 
 impl Drop for Env {
@@ -62,46 +66,12 @@ impl Drop for Env {
             let _ = self.command(&["stop", "--time", "1s", vm]).output();
             let _ = self.command(&["rm", vm]).output();
         }
-        let _ = std::fs::remove_dir_all(&self.state);
     }
 }
 
 impl Env {
     async fn new() -> Self {
-        let registry = TestRegistry::start().await.unwrap();
-        let layout = scratch_dir("imp-limits-e2e-layout").unwrap();
-        image().write_layout(&layout, "1").unwrap();
-        let dest = format!("{}/limits:1", registry.host());
-        push(&layout, "1", &dest, None).await.unwrap();
-        std::fs::remove_dir_all(&layout).unwrap();
-        Env {
-            state: scratch_dir("imp-limits-e2e-state").unwrap(),
-            _registry: registry,
-            image: dest,
-        }
-    }
-
-    fn command(&self, args: &[&str]) -> Command {
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_imp"));
-        cmd.env("IMP_STATE_DIR", &self.state)
-            .env("IMP_KERNEL", common::kernel())
-            .env("IMP_GUEST", common::guest())
-            .args(args)
-            .stdin(Stdio::null());
-        cmd
-    }
-
-    fn imp(&self, args: &[&str]) -> Output {
-        let started = Instant::now();
-        let out = self.command(args).output().unwrap();
-        eprintln!(
-            "imp {args:?}: {:?} in {:.1}s\n--- stdout\n{}--- stderr\n{}",
-            out.status,
-            started.elapsed().as_secs_f64(),
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-        out
+        Env(common::LocalEnv::new("limits-e2e", "limits", image()).await)
     }
 
     /// Boots VM `name` detached, running the image's `sleep 600`.

@@ -8,20 +8,25 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
-use imp_testenv::registry::{TestImage, TestRegistry, push, scratch_dir};
+use imp_testenv::registry::TestImage;
 
 fn image() -> TestImage {
     common::counter_image()
 }
 
-struct Env {
-    state: PathBuf,
-    _registry: TestRegistry,
-    image: String,
+/// The local test env, and on drop the VM a failed assertion left behind stopped and the
+/// snapshot directory's test mount undone.
+struct Env(common::LocalEnv);
+
+impl std::ops::Deref for Env {
+    type Target = common::LocalEnv;
+    fn deref(&self) -> &common::LocalEnv {
+        &self.0
+    }
 }
 
 impl Drop for Env {
@@ -33,29 +38,13 @@ impl Drop for Env {
             .arg(self.state.join("snapshots"))
             .stderr(std::process::Stdio::null())
             .status();
-        let _ = std::fs::remove_dir_all(&self.state);
     }
 }
 
 const VM: &str = "sp-sleeper";
 
 fn imp(env: &Env, args: &[&str]) -> Output {
-    let started = Instant::now();
-    let out = Command::new(env!("CARGO_BIN_EXE_imp"))
-        .env("IMP_STATE_DIR", &env.state)
-        .env("IMP_KERNEL", common::kernel())
-        .env("IMP_GUEST", common::guest())
-        .args(args)
-        .output()
-        .unwrap();
-    eprintln!(
-        "imp {args:?}: {:?} in {:.2}s\n--- stdout\n{}--- stderr\n{}",
-        out.status,
-        started.elapsed().as_secs_f64(),
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    out
+    env.0.imp(args)
 }
 
 fn stdout(out: &Output) -> String {
@@ -107,17 +96,7 @@ async fn suspend_frees_the_vmm_and_resume_brings_back_the_same_guest() {
     if common::guest_boot_ready().is_none() {
         return;
     }
-    let registry = TestRegistry::start().await.unwrap();
-    let layout = scratch_dir("imp-suspend-e2e-layout").unwrap();
-    image().write_layout(&layout, "1").unwrap();
-    let dest = format!("{}/counter:1", registry.host());
-    push(&layout, "1", &dest, None).await.unwrap();
-    std::fs::remove_dir_all(&layout).unwrap();
-    let env = Env {
-        state: scratch_dir("imp-suspend-e2e-state").unwrap(),
-        _registry: registry,
-        image: dest,
-    };
+    let env = Env(common::LocalEnv::new("suspend-e2e", "counter", image()).await);
 
     let out = imp(&env, &["run", "-d", "--name", VM, &env.image]);
     assert!(out.status.success(), "{}", stderr(&out));

@@ -589,3 +589,64 @@ pub fn counter_image() -> imp_testenv::registry::TestImage {
         COUNTER,
     )
 }
+
+/// What the local (`imp run`) end-to-end tests share: a real registry holding one test image,
+/// a state directory of their own (removed when dropped), and the real `imp` pointed at both
+/// and at the guest kernel and init.
+pub struct LocalEnv {
+    /// The state directory (`IMP_STATE_DIR`).
+    pub state: PathBuf,
+    _registry: imp_testenv::registry::TestRegistry,
+    /// The image's reference in the registry.
+    pub image: String,
+}
+
+impl LocalEnv {
+    /// A registry with `image` pushed as `REPO:1`; `tag` names the scratch directories.
+    pub async fn new(tag: &str, repo: &str, image: imp_testenv::registry::TestImage) -> Self {
+        use imp_testenv::registry::{TestRegistry, push, scratch_dir};
+        let registry = TestRegistry::start()
+            .await
+            .expect("starting a test registry");
+        let layout = scratch_dir(&format!("imp-{tag}-layout")).expect("a scratch directory");
+        image
+            .write_layout(&layout, "1")
+            .expect("writing the test image");
+        let dest = format!("{}/{repo}:1", registry.host());
+        push(&layout, "1", &dest, None)
+            .await
+            .expect("pushing the test image");
+        let _ = std::fs::remove_dir_all(&layout);
+        LocalEnv {
+            state: scratch_dir(&format!("imp-{tag}-state")).expect("a scratch directory"),
+            _registry: registry,
+            image: dest,
+        }
+    }
+
+    /// The real `imp` binary with `args`, pointed at this state dir, kernel and guest.
+    pub fn command(&self, args: &[&str]) -> std::process::Command {
+        let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_imp"));
+        cmd.env("IMP_STATE_DIR", &self.state)
+            .env("IMP_KERNEL", kernel())
+            .env("IMP_GUEST", guest())
+            .args(args);
+        cmd
+    }
+
+    /// Runs `imp ARGS` to its end; what it said and how long it took go to the test's log.
+    pub fn imp(&self, args: &[&str]) -> std::process::Output {
+        let started = Instant::now();
+        let out = self.command(args).output().expect("running imp");
+        imp_testenv::report::logged(
+            format_args!("imp {args:?} in {:.1}s", started.elapsed().as_secs_f64()),
+            out,
+        )
+    }
+}
+
+impl Drop for LocalEnv {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.state);
+    }
+}
