@@ -439,12 +439,7 @@ async fn lifecycle_terminal_restart_reset_node_loss_and_deletion() {
         "{}",
         ready.message
     );
-    let reasons: Vec<String> = events_for(c, "stuck")
-        .await
-        .into_iter()
-        .filter_map(|e| e.reason)
-        .collect();
-    assert!(reasons.iter().any(|r| r == "StartTimeout"), "{reasons:?}");
+    common::events_with(c, NS, "stuck", &["StartTimeout"]).await;
     // Failed ephemeral VMs are terminal too.
     tokio::time::sleep(Duration::from_secs(2)).await;
     assert_eq!(
@@ -519,22 +514,18 @@ async fn lifecycle_terminal_restart_reset_node_loss_and_deletion() {
     })
     .await;
     assert_eq!(reset.spec.node_name.as_deref(), Some("a"));
-    let reasons: Vec<String> = events_for(c, "svc")
-        .await
-        .into_iter()
-        .filter_map(|e| e.reason)
-        .collect();
-    for r in [
-        "Scheduled",
-        "Restarting",
-        "RetriesExhausted",
-        "RetriesReset",
-    ] {
-        assert!(
-            reasons.iter().any(|x| x == r),
-            "no {r} event in {reasons:?}"
-        );
-    }
+    common::events_with(
+        c,
+        NS,
+        "svc",
+        &[
+            "Scheduled",
+            "Restarting",
+            "RetriesExhausted",
+            "RetriesReset",
+        ],
+    )
+    .await;
 
     // Node loss: the opted-in persistent VM moves, the other fails.
     vm(c, "mover", json!({"classRef": {"name": "small"}, "image": "busybox", "lifecycle": "persistent", "rescheduleOnNodeLoss": true})).await;
@@ -668,8 +659,7 @@ async fn leader_election_failover_within_the_lease_duration() {
     })
     .await;
     // Only the leader wrote: every event comes from it.
-    let evs = events_for(c, "before").await;
-    assert!(!evs.is_empty());
+    let evs = common::events_with(c, NS, "before", &["Scheduled"]).await;
     for ev in &evs {
         assert_eq!(
             ev.reporting_instance.as_deref(),
@@ -935,7 +925,7 @@ async fn expire_after_deletes_a_vm_that_has_run_that_long() {
         deleted_at >= expires_at,
         "deleted at {deleted_at}, before expiresAt {expires_at}"
     );
-    let expired = events_for(c, "short")
+    let expired = common::events_with(c, NS, "short", &["Expired"])
         .await
         .into_iter()
         .find(|e| e.reason.as_deref() == Some("Expired"))
@@ -1047,7 +1037,13 @@ async fn cool_down_after_exhausted_retries_runs_the_vm_again() {
             && st.exhausted_at.is_none()
     })
     .await;
-    let events = events_for(c, "flaky").await;
+    let events = common::events_with(
+        c,
+        NS,
+        "flaky",
+        &["Restarting", "CoolingDown", "CoolDownOver"],
+    )
+    .await;
     for (reason, type_) in [
         ("Restarting", "Normal"),
         ("CoolingDown", "Warning"),

@@ -325,7 +325,7 @@ async fn an_idle_vm_sleeps_and_its_first_syn_wakes_it_from_anywhere_without_a_re
         refused.contains("not enough free memory to resume") && refused.contains("node-a"),
         "{refused}"
     );
-    assert!(!events(&c, SLEEPER, "InsufficientMemory").await.is_empty());
+    common::events_with(&c, NS, SLEEPER, &["InsufficientMemory"]).await;
     a.kill_container().await;
     wait_tap(&topo, &a, &uid, false).await;
     a.extra_args.clear();

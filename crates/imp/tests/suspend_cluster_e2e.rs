@@ -105,14 +105,6 @@ async fn node(c: &Client, name: &str) {
     common::ready_node(c, name).await;
 }
 
-async fn reasons(c: &Client) -> Vec<String> {
-    common::events_of(c, NS, VM)
-        .await
-        .into_iter()
-        .filter_map(|e| e.reason)
-        .collect()
-}
-
 /// Runs `imp ARGS` with `kubeconfig`, off the async runtime.
 async fn imp(kubeconfig: &Path, args: &[&str]) -> std::process::Output {
     let (kubeconfig, args) = (
@@ -247,7 +239,7 @@ async fn desired_state_suspends_and_resumes_an_impvm_across_an_agent_restart() {
         "the VM was not left running"
     );
     assert!(counter(&alice).await >= before);
-    assert!(reasons(&c).await.iter().any(|r| r == "SuspendFailed"));
+    common::events_with(&c, NS, VM, &["SuspendFailed"]).await;
     // With room again, the agent tries again by itself (--suspend-retry 3s).
     let unmounted = std::process::Command::new("umount")
         .arg(&snapshots)
@@ -298,20 +290,11 @@ async fn desired_state_suspends_and_resumes_an_impvm_across_an_agent_restart() {
     assert!(after >= before, "counter {before} then {after}");
     let out = imp(&alice, &["exec", "-n", NS, VM, "--", "cat", "/mnt/t/file"]).await;
     assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "kept");
-    // Events are published after the status write the CLI saw: wait for the last of them.
-    common::wait_for(
-        "the suspend and resume Events",
-        Duration::from_secs(20),
-        || {
-            let c = c.clone();
-            async move {
-                let seen = reasons(&c).await;
-                ["Suspending", "Suspended", "Resuming", "Resumed"]
-                    .iter()
-                    .all(|r| seen.iter().any(|s| s == r))
-                    .then_some(())
-            }
-        },
+    common::events_with(
+        &c,
+        NS,
+        VM,
+        &["Suspending", "Suspended", "Resuming", "Resumed"],
     )
     .await;
     let record: serde_json::Value = serde_json::from_slice(

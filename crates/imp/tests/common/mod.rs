@@ -498,6 +498,29 @@ pub async fn events_of(
         .collect()
 }
 
+/// `name`'s Events once there is one with each of `reasons`. The operator and the agent
+/// publish an Event after the status write it tells of, so a test that has just seen the
+/// status waits for the Event rather than racing the writer.
+pub async fn events_with(
+    c: &kube::Client,
+    ns: &str,
+    name: &str,
+    reasons: &[&str],
+) -> Vec<k8s_openapi::api::core::v1::Event> {
+    wait_for(
+        &format!("Events {reasons:?} of {ns}/{name}"),
+        Duration::from_secs(20),
+        || async {
+            let evs = events_of(c, ns, name).await;
+            reasons
+                .iter()
+                .all(|r| evs.iter().any(|e| e.reason.as_deref() == Some(*r)))
+                .then_some(evs)
+        },
+    )
+    .await
+}
+
 /// A process in a cgroup of its own, killed as a container runtime kills a container: every
 /// process in the cgroup at once. The cgroup goes when this is dropped.
 pub struct Container {
