@@ -465,21 +465,27 @@ pub async fn wait_vm(
     secs: u64,
     pred: impl Fn(&imp_api::vm::ImpVM) -> bool,
 ) -> imp_api::vm::ImpVM {
-    wait_for(
-        &format!("{name}: {what}"),
-        Duration::from_secs(secs),
-        || {
-            let api = api.clone();
-            let pred = &pred;
-            async move {
-                api.get_opt(name)
-                    .await
-                    .expect("reading an ImpVM")
-                    .filter(|v| pred(v))
+    let timeout = Duration::from_secs(secs);
+    let start = Instant::now();
+    loop {
+        let last = api.get_opt(name).await.expect("reading an ImpVM");
+        match last {
+            Some(v) if pred(&v) => return v,
+            _ if start.elapsed() >= timeout => {
+                let ns = api.namespace().unwrap_or("default").to_owned();
+                let events = events_of(&api.clone().into_client(), &ns, name).await;
+                panic!(
+                    "timed out after {timeout:?} waiting for {name}: {what}\nlast seen: {:#?}\nEvents: {:#?}",
+                    last.map(|v| v.status),
+                    events
+                        .iter()
+                        .map(|e| (&e.reason, &e.message))
+                        .collect::<Vec<_>>()
+                );
             }
-        },
-    )
-    .await
+            _ => tokio::time::sleep(Duration::from_millis(100)).await,
+        }
+    }
 }
 
 /// The Events of object `name` in namespace `ns`.
