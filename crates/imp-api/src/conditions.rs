@@ -111,6 +111,10 @@ string_enum! {
         DiskSetupFailed,
         /// The guest booted but its agent never answered within the boot timeout.
         GuestAgentTimeout,
+        /// (Operator) the VM stayed `Starting` past the operator's start timeout: the operator
+        /// cannot confirm that the node ran the start (its agent is down, stuck, or cannot
+        /// write the VM's status); the message names the node and the timeout.
+        AgentTimeout,
         /// The VMM ended without the workload's exit report.
         VmmExited,
         /// The node agent has no trace of a VM it had started (its state was lost), or the

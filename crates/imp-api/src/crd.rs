@@ -19,7 +19,13 @@ pub struct RenderError {
     source: serde_yaml_ng::Error,
 }
 
-/// All ten CRDs, in a stable order.
+/// The annotation that makes `helm uninstall` (and an upgrade that drops a CRD) leave the
+/// CRD, and with it every object of its kind, in place: the chart ships the CRDs as templates
+/// so that `helm upgrade` updates them (Helm never touches its `crds/` directory after the first
+/// install), and a template is otherwise deleted with its release.
+pub const HELM_KEEP: (&str, &str) = ("helm.sh/resource-policy", "keep");
+
+/// All ten CRDs, in a stable order, each annotated [`HELM_KEEP`].
 pub fn all() -> Vec<CustomResourceDefinition> {
     let mut crds = vec![
         ImpVM::crd(),
@@ -34,6 +40,10 @@ pub fn all() -> Vec<CustomResourceDefinition> {
         ClusterImpNodeProfile::crd(),
     ];
     for crd in &mut crds {
+        crd.metadata
+            .annotations
+            .get_or_insert_with(Default::default)
+            .insert(HELM_KEEP.0.to_owned(), HELM_KEEP.1.to_owned());
         for v in &mut crd.spec.versions {
             if let Some(root) = v
                 .schema

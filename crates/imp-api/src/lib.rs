@@ -49,6 +49,7 @@ pub mod network;
 // as never read. The public types themselves are not dead.
 #[allow(dead_code)]
 pub mod pools;
+pub mod refusal;
 pub mod resolve;
 pub mod schema;
 pub mod shared;

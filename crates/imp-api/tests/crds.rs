@@ -1,12 +1,13 @@
-//! The committed CRDs (charts/imp/crds/imp.dev.yaml) are exactly what the types generate, and
-//! each CRD carries the names, scope, subresources and columns of the Go project's.
+//! The committed CRDs (charts/imp/files/crds/imp.dev.yaml, which the chart's `templates/crds.yaml`
+//! emits) are exactly what the types generate, each kept by `helm uninstall`, and each CRD
+//! carries the names, scope, subresources and columns of the Go project's.
 #![allow(clippy::unwrap_used, clippy::expect_used)] // Test code: a failed unwrap is a failed test.
 
 use std::path::Path;
 
 const COMMITTED: &str = concat!(
     env!("CARGO_MANIFEST_DIR"),
-    "/../../charts/imp/crds/imp.dev.yaml"
+    "/../../charts/imp/files/crds/imp.dev.yaml"
 );
 
 #[test]
@@ -19,9 +20,25 @@ fn committed_crds_match_the_types() {
     }
     assert!(
         committed == generated,
-        "charts/imp/crds/imp.dev.yaml is stale: run `cargo run -p imp -- crds > charts/imp/crds/imp.dev.yaml` \
+        "charts/imp/files/crds/imp.dev.yaml is stale: run \
+         `cargo run -p imp -- crds > charts/imp/files/crds/imp.dev.yaml` \
          (or IMP_UPDATE_CRDS=1 cargo test -p imp-api --test crds) and commit it"
     );
+}
+
+#[test]
+fn every_crd_is_kept_by_helm_uninstall() {
+    for crd in imp_api::crd::all() {
+        let annotations = crd.metadata.annotations.unwrap_or_default();
+        assert_eq!(
+            annotations
+                .get("helm.sh/resource-policy")
+                .map(String::as_str),
+            Some("keep"),
+            "{:?}",
+            crd.metadata.name
+        );
+    }
 }
 
 /// kind, plural, short name, namespaced, status subresource, printer columns.

@@ -20,7 +20,7 @@ use serde_json::{Value, json};
 
 const COMMITTED: &str = concat!(
     env!("CARGO_MANIFEST_DIR"),
-    "/../../charts/imp/crds/imp.dev.yaml"
+    "/../../charts/imp/files/crds/imp.dev.yaml"
 );
 
 /// The CRD stream to install: the committed chart file, which must be what `imp crds` prints.
@@ -28,7 +28,7 @@ fn crd_stream() -> String {
     let committed = std::fs::read_to_string(Path::new(COMMITTED)).unwrap();
     assert!(
         committed == imp_api::crd::yaml_stream().unwrap(),
-        "charts/imp/crds/imp.dev.yaml differs from `imp crds` (tests/crds.rs says how to refresh it)"
+        "charts/imp/files/crds/imp.dev.yaml differs from `imp crds` (tests/crds.rs says how to refresh it)"
     );
     committed
 }

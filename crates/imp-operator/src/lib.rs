@@ -5,14 +5,16 @@
 //! on an ImpNetwork its address, [`controller`] runs those against the API server and books each
 //! placed VM (`status.booking`: the class and resolved spec its node agent boots), [`network`]
 //! keeps ImpNetwork status (group CIDRs, VTEP table, Ready), [`leader`] makes sure only one
-//! replica writes, [`metrics`] serves `/metrics`, `/healthz` and `/readyz`, and [`webhook`]
-//! validates and defaults ImpVMs at admission.
+//! replica writes, [`metrics`] serves `/metrics`, `/healthz` and `/readyz` (with [`backlog`]
+//! counting the reconciles waiting to start), and [`webhook`] validates and defaults ImpVMs at
+//! admission, with a certificate it can make, rotate and publish itself ([`webhook::certs`]).
 //!
 //! It is not the node agent: it never touches a node, boots nothing and reads no VM's local
 //! state; everything it decides is written to the API, and what it keeps in memory (caches, the
 //! ledger) is rebuilt from the API after a restart. It is not the binary either (`imp operator`
 //! in the `imp` crate runs it), and the snapshot, migration and pool kinds have no controller yet.
 
+pub mod backlog;
 pub mod controller;
 pub mod ipam;
 pub mod leader;

@@ -86,6 +86,34 @@ struct NetworkLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ConflictLabels {
+    resource: String,
+    write: String,
+}
+
+/// Which part of an object a refused write was for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Write {
+    /// The object itself (spec, metadata).
+    Main,
+    /// Its status subresource.
+    Status,
+}
+
+impl Write {
+    /// The metric label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Main => "main",
+            Self::Status => "status",
+        }
+    }
+}
+
+/// The resources whose preconditioned writes are counted in `imp_operator_conflicts_total`.
+pub const CONFLICT_RESOURCES: [&str; 2] = ["impvm", "impnetwork"];
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ErrorLabels {
     controller: String,
     reason: String,
@@ -100,6 +128,8 @@ pub struct Metrics {
     schedule_latency: Histogram,
     reconciles: Family<ControllerLabels, Counter>,
     reconcile_errors: Family<ErrorLabels, Counter>,
+    conflicts: Family<ConflictLabels, Counter>,
+    backlog: Family<ControllerLabels, Gauge>,
     queue_depth: Gauge,
     is_leader: Gauge,
     ipam_allocations: Family<NetworkLabels, Gauge>,
@@ -149,10 +179,42 @@ impl Metrics {
             "Reconciles that ended in an error, by controller and reason",
             reconcile_errors.clone(),
         );
+        let conflicts = Family::<ConflictLabels, Counter>::default();
+        for resource in CONFLICT_RESOURCES {
+            for write in [Write::Main, Write::Status] {
+                let _ = conflicts.get_or_create(&ConflictLabels {
+                    resource: resource.to_owned(),
+                    write: write.as_str().to_owned(),
+                });
+            }
+        }
+        registry.register(
+            "imp_operator_conflicts",
+            "Writes the API server refused with 409 Conflict because the object changed since \
+             the operator read it (every write carries the resourceVersion it was decided on), \
+             by resource and by write (main: the object; status: its status subresource). Each \
+             is read again and decided again; a steady rise is a conflict loop between writers",
+            conflicts.clone(),
+        );
+        let backlog = Family::<ControllerLabels, Gauge>::default();
+        let _ = backlog.get_or_create(&ControllerLabels {
+            controller: crate::controller::CONTROLLER_NAME.to_owned(),
+        });
+        registry.register(
+            "imp_operator_reconcile_backlog",
+            "Objects a watch event asked the controller to reconcile (their own change, or a \
+             change of a Node, class, template, network or config that affects them) whose \
+             reconcile has not started yet. kube-runtime keeps its queue private, so this counts \
+             the triggers imp hands it, merged per object as the queue merges them; timed \
+             requeues are not counted. 0 when idle; sustained growth means reconciles cannot \
+             keep up",
+            backlog.clone(),
+        );
         let queue_depth = Gauge::default();
         registry.register(
             "imp_operator_queue_depth",
-            "Objects waiting in the reconcile queues",
+            "ImpVMs waiting for a node: unplaced and not finished (the reconcile backlog is \
+             imp_operator_reconcile_backlog)",
             queue_depth.clone(),
         );
         let is_leader = Gauge::default();
@@ -182,9 +244,30 @@ impl Metrics {
             schedule_latency,
             reconciles,
             reconcile_errors,
+            conflicts,
+            backlog,
             queue_depth,
             is_leader,
         }
+    }
+
+    /// Counts one write to `resource` (`impvm`, `impnetwork`) refused with 409 Conflict.
+    pub fn conflict(&self, resource: &str, write: Write) {
+        self.conflicts
+            .get_or_create(&ConflictLabels {
+                resource: resource.to_owned(),
+                write: write.as_str().to_owned(),
+            })
+            .inc();
+    }
+
+    /// Sets how many objects of `controller` wait for a reconcile to start.
+    pub fn set_backlog(&self, controller: &str, waiting: usize) {
+        self.backlog
+            .get_or_create(&ControllerLabels {
+                controller: controller.to_owned(),
+            })
+            .set(i64::try_from(waiting).unwrap_or(i64::MAX));
     }
 
     /// Sets `imp_operator_ipam_allocations{network}` and `imp_operator_ipam_free_addresses`.
@@ -255,7 +338,7 @@ impl Metrics {
             .inc();
     }
 
-    /// Sets how many objects wait in the reconcile queues.
+    /// Sets how many ImpVMs wait for a node (unplaced, not finished).
     pub fn set_queue_depth(&self, depth: i64) {
         self.queue_depth.set(depth);
     }
@@ -432,6 +515,8 @@ mod tests {
             "# UNIT imp_operator_schedule_latency_seconds seconds",
             "# TYPE imp_operator_queue_depth gauge",
             "# TYPE imp_operator_is_leader gauge",
+            "# TYPE imp_operator_conflicts counter",
+            "# TYPE imp_operator_reconcile_backlog gauge",
         ] {
             assert!(text.contains(line), "missing {line:?} in\n{text}");
         }
@@ -443,6 +528,49 @@ mod tests {
             let key = format!("imp_operator_vms{{phase=\"{}\"}}", phase.as_str());
             assert_eq!(sample(&text, &key), Some(0.0), "{key}");
         }
+        // The conflict and backlog series exist from the start, so a rate() has a base.
+        for resource in CONFLICT_RESOURCES {
+            for write in ["main", "status"] {
+                let key = format!(
+                    "imp_operator_conflicts_total{{resource=\"{resource}\",write=\"{write}\"}}"
+                );
+                assert_eq!(sample(&text, &key), Some(0.0), "{key}");
+            }
+        }
+        assert_eq!(
+            sample(
+                &text,
+                "imp_operator_reconcile_backlog{controller=\"impvm\"}"
+            ),
+            Some(0.0)
+        );
+    }
+
+    #[test]
+    fn conflicts_count_by_resource_and_write_and_the_backlog_is_set() {
+        let m = Metrics::new();
+        m.conflict("impvm", Write::Status);
+        m.conflict("impvm", Write::Status);
+        m.conflict("impnetwork", Write::Main);
+        m.set_backlog("impvm", 5);
+        let text = m.encode().unwrap();
+        let at = |k: &str| sample(&text, k);
+        assert_eq!(
+            at("imp_operator_conflicts_total{resource=\"impvm\",write=\"status\"}"),
+            Some(2.0)
+        );
+        assert_eq!(
+            at("imp_operator_conflicts_total{resource=\"impvm\",write=\"main\"}"),
+            Some(0.0)
+        );
+        assert_eq!(
+            at("imp_operator_conflicts_total{resource=\"impnetwork\",write=\"main\"}"),
+            Some(1.0)
+        );
+        assert_eq!(
+            at("imp_operator_reconcile_backlog{controller=\"impvm\"}"),
+            Some(5.0)
+        );
     }
 
     #[test]

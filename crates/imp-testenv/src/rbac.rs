@@ -1,17 +1,20 @@
-//! imp's own RBAC on a test control plane: the ClusterRoles the product ships
+//! imp's own RBAC on a test control plane: the ClusterRoles and Roles the product ships
 //! (`charts/imp/files/rbac/*.yaml`, the one place they are written), a ServiceAccount per
-//! component bound to its role, and kubeconfigs with those ServiceAccounts' tokens, so the
-//! operator and the agents run in the tests with exactly the permissions they get in a cluster
-//! and a missing rule fails a test.
+//! component bound to its roles (a ClusterRole cluster-wide, a Role in the install namespace),
+//! and kubeconfigs with those ServiceAccounts' tokens, so the operator and the agents run in the
+//! tests with exactly the permissions they get in a cluster and a missing rule fails a test.
 
 use std::path::PathBuf;
 
-use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, RoleBinding, RoleRef, Subject};
+use k8s_openapi::api::rbac::v1::{
+    ClusterRole, ClusterRoleBinding, Role, RoleBinding, RoleRef, Subject,
+};
 use kube::api::{Api, Patch, PatchParams};
+use serde::Deserialize as _;
 
 use crate::controlplane::{ControlPlane, Error};
 
-/// The operator's ClusterRole, as the chart ships it.
+/// The operator's ClusterRole and its Role in the install namespace, as the chart ships them.
 pub const OPERATOR_ROLE: &str = include_str!("../../../charts/imp/files/rbac/operator.yaml");
 /// The agent's ClusterRole, as the chart ships it.
 pub const AGENT_ROLE: &str = include_str!("../../../charts/imp/files/rbac/agent.yaml");
@@ -31,9 +34,43 @@ pub struct Identities {
     pub agent: PathBuf,
 }
 
-/// Parses a ClusterRole from the chart's YAML.
+/// The roles of one of the chart's RBAC files.
+#[derive(Debug, Clone, Default)]
+pub struct Roles {
+    /// Its ClusterRoles.
+    pub cluster: Vec<ClusterRole>,
+    /// Its Roles, without a namespace: the installer puts them in the install namespace.
+    pub namespaced: Vec<Role>,
+}
+
+/// Parses a file of the chart's RBAC: ClusterRole and Role documents, nothing else.
+pub fn roles(yaml: &str) -> Result<Roles, serde_yaml_ng::Error> {
+    let mut out = Roles::default();
+    for doc in serde_yaml_ng::Deserializer::from_str(yaml) {
+        let value = serde_yaml_ng::Value::deserialize(doc)?;
+        if value.is_null() {
+            continue;
+        }
+        match value.get("kind").and_then(serde_yaml_ng::Value::as_str) {
+            Some("ClusterRole") => out.cluster.push(serde_yaml_ng::from_value(value)?),
+            Some("Role") => out.namespaced.push(serde_yaml_ng::from_value(value)?),
+            other => {
+                return Err(serde::de::Error::custom(format!(
+                    "a document of kind {other:?}: only ClusterRole and Role belong there"
+                )));
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// The first ClusterRole of one of the chart's RBAC files.
 pub fn cluster_role(yaml: &str) -> Result<ClusterRole, serde_yaml_ng::Error> {
-    serde_yaml_ng::from_str(yaml)
+    roles(yaml)?
+        .cluster
+        .into_iter()
+        .next()
+        .ok_or_else(|| serde::de::Error::custom("no ClusterRole document"))
 }
 
 /// Applies `role` (server-side apply: the same content again changes nothing).
@@ -93,7 +130,9 @@ pub async fn bind(
 }
 
 /// Installs imp's roles, makes ServiceAccounts `imp-operator` and `imp-agent` in `namespace`,
-/// binds them, and returns kubeconfigs with their tokens.
+/// binds them (each ClusterRole, renamed `<name>-<namespace>`, with a ClusterRoleBinding; each
+/// Role in `namespace` with a RoleBinding of its name), and returns kubeconfigs with their
+/// tokens.
 pub async fn install(cp: &ControlPlane, namespace: &str) -> Result<Identities, Error> {
     install_roles(cp, namespace, OPERATOR_ROLE, AGENT_ROLE).await
 }
@@ -109,24 +148,79 @@ pub async fn install_roles(
     cp.ensure_namespace(&client, namespace).await?;
     let mut out = Vec::new();
     for (yaml, sa) in [(operator_yaml, "imp-operator"), (agent_yaml, "imp-agent")] {
-        let mut role = cluster_role(yaml).map_err(|e| Error::Io {
-            op: "parsing the ClusterRole of",
+        let parsed = roles(yaml).map_err(|e| Error::Io {
+            op: "parsing the roles of",
             path: PathBuf::from(sa),
             source: std::io::Error::other(e),
         })?;
-        // One role per install namespace, so tests that bind different rules do not meet.
-        let role_name = format!(
-            "{}-{namespace}",
-            role.metadata.name.clone().unwrap_or_default()
-        );
-        role.metadata.name = Some(role_name.clone());
-        apply_role(&client, &role).await?;
-        bind(&client, &role_name, namespace, sa).await?;
+        for mut role in parsed.cluster {
+            // One role per install namespace, so tests that bind different rules do not meet.
+            let role_name = format!(
+                "{}-{namespace}",
+                role.metadata.name.clone().unwrap_or_default()
+            );
+            role.metadata.name = Some(role_name.clone());
+            apply_role(&client, &role).await?;
+            bind(&client, &role_name, namespace, sa).await?;
+        }
+        for role in parsed.namespaced {
+            apply_namespaced_role(&client, namespace, role, sa).await?;
+        }
         out.push(cp.service_account_kubeconfig(namespace, sa).await?);
     }
     let agent = out.pop().unwrap_or_default();
     let operator = out.pop().unwrap_or_default();
     Ok(Identities { operator, agent })
+}
+
+/// Applies `role` in `namespace` and binds it there to ServiceAccount `namespace/sa` with a
+/// RoleBinding of the role's name (as the chart does in the release namespace).
+pub async fn apply_namespaced_role(
+    client: &kube::Client,
+    namespace: &str,
+    mut role: Role,
+    sa: &str,
+) -> Result<(), Error> {
+    let name = role.metadata.name.clone().unwrap_or_default();
+    role.metadata.namespace = Some(namespace.to_owned());
+    let kube_err = |what: String| move |source| Error::Kube { what, source };
+    Api::<Role>::namespaced(client.clone(), namespace)
+        .patch(
+            &name,
+            &PatchParams::apply(MANAGER).force(),
+            &Patch::Apply(&role),
+        )
+        .await
+        .map_err(kube_err(format!("applying Role {namespace}/{name}")))?;
+    let binding = RoleBinding {
+        metadata: kube::api::ObjectMeta {
+            name: Some(name.clone()),
+            namespace: Some(namespace.to_owned()),
+            ..Default::default()
+        },
+        role_ref: RoleRef {
+            api_group: "rbac.authorization.k8s.io".into(),
+            kind: "Role".into(),
+            name: name.clone(),
+        },
+        subjects: Some(vec![Subject {
+            kind: "ServiceAccount".into(),
+            name: sa.into(),
+            namespace: Some(namespace.into()),
+            ..Default::default()
+        }]),
+    };
+    Api::<RoleBinding>::namespaced(client.clone(), namespace)
+        .patch(
+            &name,
+            &PatchParams::apply(MANAGER).force(),
+            &Patch::Apply(&binding),
+        )
+        .await
+        .map_err(kube_err(format!(
+            "binding Role {namespace}/{name} to {namespace}/{sa}"
+        )))?;
+    Ok(())
 }
 
 /// Applies the roles for people ([`USER_ROLES`]).
@@ -222,6 +316,22 @@ mod tests {
             assert_eq!(r.metadata.name.as_deref(), Some(name));
             assert!(!r.rules.unwrap_or_default().is_empty(), "{name} has rules");
         }
+        // The operator's Secret rules are a Role of the install namespace, not cluster-wide.
+        let operator = roles(OPERATOR_ROLE).unwrap();
+        assert_eq!(operator.namespaced.len(), 1);
+        let role = &operator.namespaced[0];
+        assert_eq!(role.metadata.name.as_deref(), Some("imp-operator"));
+        assert_eq!(role.metadata.namespace, None, "the installer sets it");
+        let grants_secrets = |rules: &[k8s_openapi::api::rbac::v1::PolicyRule]| {
+            rules
+                .iter()
+                .any(|r| r.resources.iter().flatten().any(|x| x == "secrets"))
+        };
+        assert!(grants_secrets(role.rules.as_deref().unwrap_or_default()));
+        assert!(!grants_secrets(
+            operator.cluster[0].rules.as_deref().unwrap_or_default()
+        ));
+        assert!(roles("kind: Pod\n").is_err());
         let users: Vec<ClusterRole> = serde_yaml_ng::Deserializer::from_str(USER_ROLES)
             .map(|d| serde::Deserialize::deserialize(d).unwrap())
             .collect();

@@ -21,6 +21,7 @@ use imp_agent::node::capabilities::{self, DefaultRuntime, HostFiles};
 use imp_agent::node::metrics::{self, Health, Metrics};
 use imp_agent::node::network;
 use imp_agent::node::reconciler::{self, Context, Settings};
+use imp_agent::node::serial;
 use imp_agent::runtime::shim::ShimCommand;
 use imp_agent::runtime::spec::Runtime;
 use imp_agent::runtime::state::StateDir;
@@ -37,6 +38,17 @@ pub enum RuntimeChoice {
     Qemu,
     /// Firecracker.
     Firecracker,
+}
+
+/// Which VMs' serial consoles reach the agent's log.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum SerialLogChoice {
+    /// One-shot (ephemeral) VMs: what they printed, their exit marker included.
+    Ephemeral,
+    /// Every VM, services too.
+    All,
+    /// None.
+    Off,
 }
 
 /// `imp agent`.
@@ -124,6 +136,16 @@ pub struct Args {
     /// suspended VM that does not fit stays Suspended with a condition saying so.
     #[arg(long, env = "IMP_RESUME_RESERVE_MIB", default_value_t = 128)]
     resume_reserve_mib: u64,
+    /// Which VMs' serial console lines are logged by the agent (escaped, rate-limited per VM).
+    #[arg(long, env = "IMP_SERIAL_LOG", value_enum, default_value_t = SerialLogChoice::Ephemeral)]
+    serial_log: SerialLogChoice,
+    /// Serial console lines per second one VM may put in the agent's log; the rest are counted
+    /// in a line saying how many were dropped.
+    #[arg(long, default_value_t = serial::Policy::default().lines_per_sec)]
+    serial_log_rate: u32,
+    /// Serial console lines one VM may log at once (a boot's worth) before the rate applies.
+    #[arg(long, default_value_t = serial::Policy::default().burst)]
+    serial_log_burst: u32,
     /// Log as JSON lines.
     #[arg(long)]
     log_json: bool,
@@ -140,16 +162,7 @@ pub struct Args {
 
 /// Runs the agent until SIGTERM or Ctrl-C.
 pub fn main(args: Args) -> anyhow::Result<()> {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let fmt = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
-    if args.log_json {
-        fmt.json().init();
-    } else {
-        fmt.compact().init();
-    }
+    crate::logging::init(args.log_json);
     let _ = rustls::crypto::ring::default_provider().install_default();
     tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -224,6 +237,9 @@ async fn run(args: Args) -> anyhow::Result<()> {
         ),
         Some(ref p) => tracing::error!(node, problem = %p, "node cannot run VMs as configured"),
     }
+    if let Some(note) = capabilities::unavailable_note(&caps) {
+        tracing::info!(node, problem = %note, "a runtime is unavailable");
+    }
     let health = Arc::new(Health::new());
     let metrics = Arc::new(Metrics::new());
     let listener = metrics::bind(args.metrics_addr).await?;
@@ -253,6 +269,15 @@ async fn run(args: Args) -> anyhow::Result<()> {
         stop_grace: args.stop_grace,
         suspend_retry: args.suspend_retry,
         resume_reserve_mib: args.resume_reserve_mib,
+        serial: serial::Policy {
+            mode: match args.serial_log {
+                SerialLogChoice::Ephemeral => serial::Mode::Ephemeral,
+                SerialLogChoice::All => serial::Mode::All,
+                SerialLogChoice::Off => serial::Mode::Off,
+            },
+            lines_per_sec: args.serial_log_rate,
+            burst: args.serial_log_burst,
+        },
         poll: Duration::from_millis(250),
     };
     health.set_ready(caps.not_ready());

@@ -1,10 +1,12 @@
 //! The imp host binary: microVMs under QEMU or Firecracker, on this machine or in a cluster.
 //!
 //! One command per component: `imp operator` and `imp agent` (the cluster's controller and node
-//! agent), `imp crds`; the local VM commands `imp run|exec|ps|stop|rm|console|suspend|resume`
-//! and `imp image`; the same `exec|console|ps|suspend|resume` against a cluster's ImpVMs with
-//! `-n`/`--kubeconfig`/`--context` (also as the kubectl plugin `kubectl-imp`); and
-//! `imp version`, `imp completion`. How it ends (exit codes, one-line failures) is [`exit`].
+//! agent), `imp crds`; the local VM commands
+//! `imp run|exec|ps|stop|rm|console|logs|suspend|resume` and `imp image`; the same
+//! `exec|console|logs|ps|suspend|resume` against a cluster's ImpVMs with
+//! `-n`/`--kubeconfig`/`--context`, or as the kubectl plugin `kubectl imp`
+//! ([`cluster::plugin`]); and `imp version`, `imp completion`. How it ends (exit codes,
+//! one-line failures) is [`exit`].
 
 use std::io::Write;
 use std::process::ExitCode;
@@ -16,6 +18,7 @@ mod agent;
 mod cluster;
 mod exit;
 mod local;
+mod logging;
 mod manual;
 mod operator;
 mod shutdown;
@@ -51,6 +54,9 @@ enum Command {
     Rm(local::RmArgs),
     /// Show a VM's serial console: a local one, or an ImpVM with -n/--kubeconfig/--context.
     Console(local::ConsoleArgs),
+    /// Print a VM's serial console (-f: follow it): a local one, or an ImpVM with
+    /// -n/--kubeconfig/--context.
+    Logs(local::LogsArgs),
     /// Suspend a VM to a snapshot on its node (its memory is freed): a local one, or an ImpVM
     /// with -n/--kubeconfig/--context (sets spec.desiredState).
     Suspend(local::SuspendArgs),
@@ -103,8 +109,13 @@ struct ShimArgs {
 }
 
 fn main() -> ExitCode {
-    let cli = match Cli::try_parse() {
-        Ok(cli) => cli,
+    let parsed = if cluster::plugin::invoked(std::env::args_os().next().as_deref()) {
+        cluster::plugin::parse(std::env::args_os())
+    } else {
+        Cli::try_parse().map(|cli| (cli.debug, cli.command))
+    };
+    let (debug, command) = match parsed {
+        Ok(parsed) => parsed,
         Err(e) => {
             // --help and --version print to stdout and succeed; a usage error is imp's failure.
             let _ = e.print();
@@ -115,11 +126,11 @@ fn main() -> ExitCode {
             };
         }
     };
-    let debug = cli.debug || exit::debug_from_env(std::env::var("IMP_LOG").ok().as_deref());
+    let debug = debug || exit::debug_from_env(std::env::var("IMP_LOG").ok().as_deref());
     if debug {
         backtraces_on();
     }
-    match run(cli.command, debug) {
+    match run(command, debug) {
         Ok(code) => ExitCode::from(code),
         Err(e) => ExitCode::from(exit::report(&e, debug)),
     }
@@ -169,6 +180,8 @@ fn run(command: Command, debug: bool) -> anyhow::Result<u8> {
         Command::Image(ImageCommand::Prune(args)) => local::image::prune(args)?,
         Command::Console(args) if cluster::wanted(&args.cluster) => cluster::console(args)?,
         Command::Console(args) => local::console(args)?,
+        Command::Logs(args) if cluster::wanted(&args.cluster) => cluster::console(args.into())?,
+        Command::Logs(args) => local::console(args.into())?,
         Command::Version(args) => version::main(args)?,
         Command::Completion(args) => manual::completion(Cli::command(), &args)?,
         Command::Man(args) => manual::man(Cli::command(), &args)?,

@@ -6,7 +6,6 @@
 //! controller-runtime) so that a restart starts from a clean cache.
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -14,10 +13,11 @@ use anyhow::Context;
 use imp_operator::controller::{self, Settings};
 use imp_operator::leader::{LeaderElector, LeaseConfig};
 use imp_operator::metrics::{self, Health, Metrics};
-use imp_operator::webhook::{self, WebhookConfig};
 use tokio::sync::watch;
 
 use crate::shutdown;
+
+mod webhook;
 
 /// Flags of `imp operator`.
 #[derive(clap::Args)]
@@ -25,15 +25,8 @@ pub struct Args {
     /// Address of `/metrics`, `/healthz` and `/readyz`.
     #[arg(long, default_value = "0.0.0.0:8080")]
     metrics_addr: SocketAddr,
-    /// Address of the admission webhook (HTTPS); off unless set.
-    #[arg(long, requires_all = ["webhook_cert", "webhook_key"])]
-    webhook_addr: Option<SocketAddr>,
-    /// PEM certificate chain of the webhook.
-    #[arg(long)]
-    webhook_cert: Option<PathBuf>,
-    /// PEM private key of the webhook.
-    #[arg(long)]
-    webhook_key: Option<PathBuf>,
+    #[command(flatten)]
+    webhook: webhook::WebhookArgs,
     /// Run controllers only while holding the coordination.k8s.io Lease.
     #[arg(long)]
     leader_elect: bool,
@@ -91,21 +84,7 @@ fn secs(name: &str, v: f64) -> anyhow::Result<Duration> {
 
 /// Runs the operator until it is told to stop.
 pub fn main(args: Args) -> anyhow::Result<()> {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    if args.log_json {
-        tracing_subscriber::fmt()
-            .with_env_filter(filter)
-            .with_writer(std::io::stderr)
-            .json()
-            .init();
-    } else {
-        tracing_subscriber::fmt()
-            .with_env_filter(filter)
-            .with_writer(std::io::stderr)
-            .compact()
-            .init();
-    }
+    crate::logging::init(args.log_json);
     let _ = rustls::crypto::ring::default_provider().install_default();
     tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -155,31 +134,12 @@ async fn run(args: Args) -> anyhow::Result<()> {
         stopped(stop_rx.clone()),
     ));
 
-    if let Some(addr) = args.webhook_addr {
-        let config = WebhookConfig {
-            addr,
-            cert: args
-                .webhook_cert
-                .clone()
-                .context("--webhook-cert is required with --webhook-addr")?,
-            key: args
-                .webhook_key
-                .clone()
-                .context("--webhook-key is required with --webhook-addr")?,
-        };
-        let client = client.clone();
-        let done = stopped(stop_rx.clone());
-        let stop_tx = stop_tx.clone();
-        tokio::spawn(async move {
-            if let Err(e) = webhook::serve(config, client, done).await {
-                tracing::error!(
-                    error = format!("{:#}", anyhow::Error::new(e)),
-                    "admission webhook failed"
-                );
-                let _ = stop_tx.send(true);
-            }
-        });
-    }
+    webhook::spawn(
+        &args.webhook,
+        client.clone(),
+        stop_tx.clone(),
+        stop_rx.clone(),
+    )?;
 
     if args.leader_elect {
         let lease = LeaseConfig {

@@ -1,4 +1,5 @@
-//! End-to-end: the real `imp exec` / `imp console` binary against the node agent's API.
+//! End-to-end: the real `imp exec` / `imp console` binary (also as `kubectl imp exec|logs`)
+//! against the node agent's API.
 //!
 //! A real kube-apiserver answers the agent's TokenReviews and SubjectAccessReviews (the agent
 //! asks with its own ServiceAccount's token; alice and bob are ServiceAccount token users with
@@ -475,6 +476,35 @@ async fn cluster_exec_and_console_through_the_authenticated_agent_api() {
         text(&out.stdout),
         "[    0.1] Linux booting\nworkload says hi\n"
     );
+
+    // The same through kubectl, with imp linked as its plugin: `--` and the command's exit
+    // code pass through kubectl; logs is the console without following.
+    if let Some(plugin) = common::plugin::Plugin::install("agent-api") {
+        let kubectl_imp = |args: &[&str]| {
+            let mut cmd = plugin.kubectl(&[&["imp"], args].concat());
+            cmd.env("KUBECONFIG", env.kubeconfig("alice-token"));
+            common::output_within(cmd.into(), Duration::from_secs(60), "kubectl imp")
+        };
+        let out = kubectl_imp(&[
+            "exec",
+            "vm1",
+            "-n",
+            NS,
+            "--",
+            "sh",
+            "-c",
+            "echo via kubectl; exit 4",
+        ])
+        .await;
+        assert_eq!(out.status.code(), Some(4), "stderr: {}", text(&out.stderr));
+        assert_eq!(text(&out.stdout), "via kubectl\n");
+        let out = kubectl_imp(&["logs", "vm1", "-n", NS]).await;
+        assert_eq!(out.status.code(), Some(0), "stderr: {}", text(&out.stderr));
+        assert_eq!(
+            text(&out.stdout),
+            "[    0.1] Linux booting\nworkload says hi\n"
+        );
+    }
 
     // console following: appended bytes arrive, and the stream ends when the VM stops.
     let follower = {

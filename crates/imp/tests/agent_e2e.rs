@@ -74,6 +74,8 @@ struct Agent {
     cgroup: VmCgroup,
     metrics_port: u16,
     child: Option<Child>,
+    /// Its stderr, across restarts: what `kubectl logs ds/imp-agent` shows.
+    log: common::LogLines,
 }
 
 impl Agent {
@@ -86,11 +88,12 @@ impl Agent {
             cgroup: VmCgroup::create(&format!("{id}-agent"), 1 << 30).unwrap(),
             metrics_port: common::free_port(),
             child: None,
+            log: common::LogLines::default(),
         }
     }
 
     fn start(&mut self, kube: &common::Cluster, kernel: &Path) {
-        let child = Command::new(env!("CARGO_BIN_EXE_imp"))
+        let mut child = Command::new(env!("CARGO_BIN_EXE_imp"))
             .arg("agent")
             .env("NODE_NAME", &self.node)
             .env("FC_KERNEL", kernel)
@@ -110,10 +113,11 @@ impl Agent {
             .arg("--image-cache")
             .arg(shared_cache())
             .stdout(Stdio::null())
-            .stderr(common::logs())
+            .stderr(Stdio::piped())
             .kill_on_drop(true)
             .spawn()
             .unwrap();
+        common::tee_stderr(&mut child, &self.log);
         self.cgroup.add(child.id().unwrap()).unwrap();
         self.child = Some(child);
     }
@@ -482,6 +486,14 @@ async fn impvms_boot_end_survive_an_agent_restart_and_clean_up_on_their_nodes() 
         "{note}"
     );
     assert!(bad.status.as_ref().unwrap().finished_at.is_some());
+    // A one-shot VM's console reaches its agent's log (the guide's
+    // `kubectl logs ds/imp-agent | grep -E "IMP_SUCCESS|serial"`); a service's does not.
+    common::logged(&a.log, &["serial console", "vm=job-bad", "about to fail"]).await;
+    common::logged(&a.log, &["serial console", "vm=job-bad", "line=IMP_EXIT 7"]).await;
+    assert!(
+        !a.log.lock().unwrap().iter().any(|l| l.contains("svc up")),
+        "a service's console is in the agent's log"
+    );
 
     // Fixing node b's configuration (a restart with the right kernel) recovers its VM as is.
     let (endpoint_before, cert_before) =
@@ -527,6 +539,14 @@ async fn impvms_boot_end_survive_an_agent_restart_and_clean_up_on_their_nodes() 
     .await;
     assert_eq!(ok.status.as_ref().unwrap().exit_code, Some(0));
     assert_eq!(ok.uid(), blocked.uid(), "the same object recovered");
+    let done = [
+        "serial console",
+        "vm=job-ok",
+        "namespace=default",
+        "node=node-b",
+    ];
+    common::logged(&b.log, &[&done[..], &["job done with"]].concat()).await;
+    common::logged(&b.log, &[&done[..], &["line=IMP_SUCCESS"]].concat()).await;
     let (code, body) = b.get("/readyz").await;
     assert_eq!(code, 200, "{body}");
 

@@ -1,7 +1,7 @@
 //! The `imp` binary as a person meets it, without booting anything: exit codes, one-line
 //! failures (a backtrace only with `--debug` or `IMP_LOG=debug`, whatever `RUST_BACKTRACE`
 //! says), plain progress through a pipe (and none with `-q`), shell completions, the committed
-//! man pages matching the CLI, and `imp version`.
+//! man pages matching the CLI, `imp version`, and `imp logs` choosing a local VM or an ImpVM.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::path::{Path, PathBuf};
@@ -123,6 +123,37 @@ fn a_failure_is_one_line_and_a_backtrace_only_when_asked() {
     assert!(
         err.starts_with("imp: reading the kubeconfig") && err.contains("No such file"),
         "{err}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn logs_reads_a_local_vm_unless_a_cluster_flag_or_the_plugin_name_asks_for_an_impvm() {
+    let dir = scratch_dir("imp-cli-logs").unwrap();
+    // No cluster flag: a local VM, looked up in the state directory.
+    let out = run(imp(&["logs", "web", "--state-dir"]).arg(dir.join("state")));
+    assert_eq!(out.status.code(), Some(125));
+    assert_eq!(stderr(&out), "imp: no VM named \"web\" (see `imp ps -a`)\n");
+    // A cluster flag: an ImpVM, read with the kubeconfig (here one that cannot be read).
+    let out = run(imp(&["logs", "web", "-n", "team", "--kubeconfig"]).arg(dir.join("missing")));
+    assert_eq!(out.status.code(), Some(125));
+    assert!(
+        stderr(&out).starts_with("imp: reading the kubeconfig"),
+        "{}",
+        stderr(&out)
+    );
+    // Invoked as kubectl-imp: an ImpVM without any flag (KUBECONFIG names the missing file).
+    std::os::unix::fs::symlink(env!("CARGO_BIN_EXE_imp"), dir.join("kubectl-imp")).unwrap();
+    let mut plugin = Command::new(dir.join("kubectl-imp"));
+    plugin
+        .args(["logs", "web"])
+        .env("KUBECONFIG", dir.join("missing"));
+    let out = run(&mut plugin);
+    assert_eq!(out.status.code(), Some(125));
+    assert!(
+        stderr(&out).starts_with("imp: reading the kubeconfig"),
+        "{}",
+        stderr(&out)
     );
     std::fs::remove_dir_all(&dir).unwrap();
 }

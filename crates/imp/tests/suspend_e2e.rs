@@ -228,12 +228,33 @@ async fn suspend_frees_the_vmm_and_resume_brings_back_the_same_guest() {
     let memory = snapshot.join("memory");
     assert!(memory.is_file(), "no memory file in {}", snapshot.display());
     std::fs::write(&memory, b"this is not a QEMU migration stream").unwrap();
+    // The record names the snapshot's writer; made to name an older QEMU (as after an
+    // upgrade of the node), the failed restore says which VMM wrote it and which refused it.
+    let record_path = env.state.join("vms").join(VM).join("vm.json");
+    let mut record: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&record_path).unwrap()).unwrap();
+    let writer = record["suspend"]["vmm"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned();
+    assert!(
+        writer.starts_with("qemu "),
+        "the snapshot's writer: {record}"
+    );
+    record["suspend"]["vmm"] = serde_json::json!("qemu 1.0.0");
+    std::fs::write(&record_path, serde_json::to_vec(&record).unwrap()).unwrap();
     let out = imp(&env, &["resume", "--timeout", "60s", VM]);
     assert!(!out.status.success(), "a damaged snapshot resumed");
     let err = stderr(&out);
     assert!(
         err.contains("restoring") && err.contains("snapshot"),
         "the failure does not say what failed: {err}"
+    );
+    assert!(
+        err.contains(&format!(
+            "written by qemu 1.0.0 and this node runs {writer}"
+        )),
+        "the failure does not name the snapshot's writer and reader: {err}"
     );
     assert!(ps_line(&env).contains("failed"), "{}", ps_line(&env));
     let out = imp(&env, &["exec", VM, "--", "true"]);

@@ -68,17 +68,52 @@ impl Capabilities {
 
 /// Checks that a file exists, naming it and how to set it otherwise.
 pub fn check_file(what: &str, path: &Path, how: &str) -> Option<String> {
-    match std::fs::metadata(path) {
-        Ok(m) if m.is_file() => None,
-        Ok(_) => Some(format!(
-            "{what} {} is not a file: set {how}",
-            path.display()
-        )),
-        Err(e) => Some(format!(
-            "{what} {} cannot be used ({e}): set {how}",
-            path.display()
-        )),
+    file_problem(what, path, how, std::fs::metadata(path), false)
+}
+
+/// Checks that a program exists and may be executed, naming it and how to set it otherwise.
+pub fn check_executable(what: &str, path: &Path, how: &str) -> Option<String> {
+    file_problem(what, path, how, std::fs::metadata(path), true)
+}
+
+/// What is wrong with `path` as `what`, from its metadata: missing, not a regular file, or
+/// (for a program) without an execute bit. The message names the path and `how` to set it,
+/// so a log line or a VM's condition says which setting to fix (`FC_BIN`, `FC_KERNEL` …).
+fn file_problem(
+    what: &str,
+    path: &Path,
+    how: &str,
+    meta: std::io::Result<std::fs::Metadata>,
+    program: bool,
+) -> Option<String> {
+    use std::os::unix::fs::PermissionsExt;
+    let path = path.display();
+    match meta {
+        Ok(m) if !m.is_file() => Some(format!("{what} {path} is not a file: set {how}")),
+        Ok(m) if program && m.permissions().mode() & 0o111 == 0 => {
+            Some(format!("{what} {path} is not executable: set {how}"))
+        }
+        Ok(_) => None,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            Some(format!("{what} {path} not found: set {how}"))
+        }
+        Err(e) => Some(format!("{what} {path} cannot be used ({e}): set {how}")),
     }
+}
+
+/// What the agent says at startup about a runtime other than the default that cannot run
+/// here (today: Firecracker on a node without its binary or a KVM that boots Linux), so that
+/// `kubectl logs ds/imp-agent | grep FC_BIN` finds it even where the node runs QEMU: VMs
+/// whose class asks for that runtime fail with `RuntimeStartFailed` and the same words.
+pub fn unavailable_note(caps: &Capabilities) -> Option<String> {
+    if caps.default_runtime == Runtime::Firecracker {
+        return None;
+    }
+    let why = caps.firecracker.as_ref().err()?;
+    Some(format!(
+        "runtime firecracker cannot run VMs on this node: {why}; VMs whose class asks for it \
+         fail with RuntimeStartFailed"
+    ))
 }
 
 /// Probes the node. `cache_dir` remembers the KVM boot probe's answer per kernel.
@@ -97,13 +132,14 @@ pub async fn probe(files: &HostFiles, default: DefaultRuntime, cache_dir: &Path)
         Ok(l) => Ok(l.qemu),
         Err(e) => Err(e.to_string()),
     };
-    let fc_file = check_file(
+    let fc_file = check_executable(
         "Firecracker binary",
         &files.firecracker,
         "--firecracker or FC_BIN",
     );
-    let kvm_boots = match (&qemu, &file_problem) {
-        (Ok(q), None) if vmm::kvm::device_usable() => {
+    // The KVM boot probe matters to Firecracker only: without its binary it is not run.
+    let kvm_boots = match (&qemu, &file_problem, &fc_file) {
+        (Ok(q), None, None) if vmm::kvm::device_usable() => {
             vmm::kvm::probe_boot_cached(q, &files.kernel, Duration::from_secs(10), cache_dir).await
         }
         _ => false,
@@ -159,5 +195,63 @@ mod tests {
         };
         assert_eq!(broken.problem(Runtime::Qemu), Some(p.clone()));
         assert_eq!(broken.not_ready(), Some(p));
+    }
+
+    /// The guide's `kubectl logs ds/imp-agent | grep FC_BIN`: a missing, non-executable or
+    /// non-file Firecracker binary is named with the variable that sets it.
+    #[test]
+    fn a_firecracker_binary_that_cannot_run_names_fc_bin() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = std::env::temp_dir().join(format!("imp-caps-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let how = "--firecracker or FC_BIN";
+        let missing = check_executable("Firecracker binary", &dir.join("nope"), how).unwrap();
+        assert!(
+            missing.contains("not found") && missing.contains("FC_BIN"),
+            "{missing}"
+        );
+        let plain = dir.join("firecracker");
+        std::fs::write(&plain, b"#!/bin/sh\n").unwrap();
+        std::fs::set_permissions(&plain, std::fs::Permissions::from_mode(0o644)).unwrap();
+        let not_exec = check_executable("Firecracker binary", &plain, how).unwrap();
+        assert!(
+            not_exec.contains("not executable") && not_exec.contains("FC_BIN"),
+            "{not_exec}"
+        );
+        // A data file need not be executable.
+        assert_eq!(check_file("guest kernel", &plain, "--kernel"), None);
+        std::fs::set_permissions(&plain, std::fs::Permissions::from_mode(0o755)).unwrap();
+        assert_eq!(check_executable("Firecracker binary", &plain, how), None);
+        let a_dir = check_executable("Firecracker binary", &dir, how).unwrap();
+        assert!(a_dir.contains("is not a file"), "{a_dir}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn an_unusable_firecracker_is_noted_unless_it_is_the_default() {
+        let why = "Firecracker binary /x not found: set --firecracker or FC_BIN".to_owned();
+        let qemu_node = Capabilities {
+            files: None,
+            qemu: Ok("/usr/bin/qemu".into()),
+            firecracker: Err(why.clone()),
+            default_runtime: Runtime::Qemu,
+        };
+        let note = unavailable_note(&qemu_node).unwrap();
+        assert!(
+            note.contains(&why) && note.contains("RuntimeStartFailed"),
+            "{note}"
+        );
+        // As the default runtime the problem is the node's readiness, said there.
+        let fc_node = Capabilities {
+            default_runtime: Runtime::Firecracker,
+            ..qemu_node.clone()
+        };
+        assert_eq!(unavailable_note(&fc_node), None);
+        assert_eq!(fc_node.not_ready(), Some(why));
+        let fine = Capabilities {
+            firecracker: Ok("/usr/local/bin/firecracker".into()),
+            ..qemu_node
+        };
+        assert_eq!(unavailable_note(&fine), None);
     }
 }

@@ -426,6 +426,7 @@ mod tests {
             error: None,
             error_stage: None,
             console_tail: None,
+            vmm: None,
             remove_on_exit: false,
             attach_argv: None,
             timings: Default::default(),
@@ -457,6 +458,7 @@ mod tests {
             snapshot_dir: "/snap".into(),
             suspended_unix: 900,
             bytes: 1,
+            vmm: None,
         });
         r
     }
@@ -631,6 +633,7 @@ mod tests {
             snapshot_dir: "/var/lib/imp/agent/snapshots/uid-1".into(),
             suspended_unix: 900,
             bytes: 1,
+            vmm: None,
         });
         let mut s = vm(VmPhase::Suspending, true);
         s.suspend_wanted = true;

@@ -6,7 +6,8 @@
 //! [`boot`] maps an ImpVM and its class to the runtime's spec, with the workload's environment
 //! from [`env`] and its network wired by [`network`]; [`metrics`] serves `/metrics`,
 //! `/healthz` and `/readyz`. [`scale`] runs scale-to-zero on the node, and [`vms`] is what the
-//! agent API knows of the node's VMs.
+//! agent API knows of the node's VMs. [`serial`] relays VMs' serial consoles to the agent's
+//! log, escaped and rate-limited.
 
 pub mod boot;
 pub mod capabilities;
@@ -16,4 +17,5 @@ pub mod metrics;
 pub mod network;
 pub mod reconciler;
 pub mod scale;
+pub mod serial;
 pub mod vms;

@@ -39,6 +39,34 @@ impl Follower {
         }
     }
 
+    /// Starts after what `path` already holds (at the start of its last, unfinished line), for
+    /// a log whose earlier lines were handed on by someone else (an agent before a restart). A
+    /// missing file is followed from its start.
+    pub fn from_end(path: &Path) -> std::io::Result<Self> {
+        let mut f = Self::new(path);
+        let mut file = match std::fs::File::open(path) {
+            Ok(file) => file,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(f),
+            Err(e) => return Err(e),
+        };
+        let len = file.metadata()?.len();
+        let window = len.min(MAX_LINE_BYTES as u64);
+        file.seek(SeekFrom::Start(len - window))?;
+        let mut buf = Vec::new();
+        file.take(window).read_to_end(&mut buf)?;
+        f.offset = match buf.iter().rposition(|&b| b == b'\n') {
+            Some(pos) => len - window + pos as u64 + 1,
+            // No line end within a line's length: what is there is handed on in pieces anyway.
+            None => len,
+        };
+        Ok(f)
+    }
+
+    /// How many bytes of the file have been read.
+    pub fn offset(&self) -> u64 {
+        self.offset
+    }
+
     /// Returns the complete lines (with their newline) written since the last call, reading
     /// at most [`MAX_POLL_BYTES`]; a line longer than [`MAX_LINE_BYTES`] comes in pieces
     /// (only the last one ends in a newline).
@@ -234,6 +262,32 @@ mod tests {
         assert_eq!(last_lines("a\nb\nc\n", 2), "b\nc");
         std::fs::remove_file(&path).unwrap();
         assert_eq!(tail(&path, 10).unwrap(), "");
+    }
+
+    #[test]
+    fn a_follower_from_the_end_hands_on_only_what_comes_next() {
+        let path = std::env::temp_dir().join(format!("imp-follow-end-{}.log", std::process::id()));
+        let _ = std::fs::remove_file(&path);
+        assert_eq!(
+            Follower::from_end(&path).unwrap().offset(),
+            0,
+            "missing file"
+        );
+        std::fs::write(&path, "old one\nold two\nhalf").unwrap();
+        let mut f = Follower::from_end(&path).unwrap();
+        assert_eq!(f.offset(), 16);
+        use std::io::Write;
+        let mut file = std::fs::OpenOptions::new()
+            .append(true)
+            .open(&path)
+            .unwrap();
+        file.write_all(b" done\nnew\n").unwrap();
+        assert_eq!(
+            f.poll().unwrap(),
+            ["half done\n", "new\n"],
+            "the unfinished line is handed on whole"
+        );
+        std::fs::remove_file(&path).unwrap();
     }
 
     #[test]

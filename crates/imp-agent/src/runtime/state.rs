@@ -441,6 +441,10 @@ pub struct SuspendRecord {
     pub suspended_unix: u64,
     /// The snapshot's size on disk in bytes.
     pub bytes: u64,
+    /// The VMM that wrote it, `kind version` ([`crate::vmm::version`]); absent in records
+    /// written before it was kept.
+    #[serde(default)]
+    pub vmm: Option<String>,
 }
 
 /// The outcome of the last suspend request that failed: the VM was resumed and runs on.
@@ -517,6 +521,9 @@ pub struct VmRecord {
     /// The last lines of the serial console when it failed (for the failure Event).
     #[serde(default)]
     pub console_tail: Option<String>,
+    /// The VMM running the VM, `kind version` ([`crate::vmm::version`]), once launched.
+    #[serde(default)]
+    pub vmm: Option<String>,
     /// Whether the VM's directory is deleted when it ends.
     pub remove_on_exit: bool,
     /// For an attached VM (`imp run -i/-t`): the workload's argv, which the front end runs.
@@ -778,6 +785,7 @@ mod tests {
             error: None,
             error_stage: None,
             console_tail: None,
+            vmm: None,
             remove_on_exit: false,
             attach_argv: None,
             timings: Timings::default(),
@@ -785,6 +793,22 @@ mod tests {
             suspend: None,
             suspend_failure: None,
         }
+    }
+
+    #[test]
+    fn a_record_of_an_earlier_release_is_read_with_its_later_fields_defaulted() {
+        // A suspended VM's record as the release before `vmm` (and other defaulted fields)
+        // wrote it: the upgraded agent reads it and resumes the VM.
+        let earlier = r#"{"name":"v","image":"i","digest":null,"runtime":"qemu",
+            "supervisor_pid":1,"vmm_pid":null,"vsock":"/v","agent_port":1,"serial_log":"/s",
+            "created_unix":0,"status":"suspended","exit_code":null,"error":null,
+            "remove_on_exit":false,
+            "suspend":{"snapshot_dir":"/snap","suspended_unix":5,"bytes":9}}"#;
+        let r: VmRecord = serde_json::from_str(earlier).unwrap();
+        assert_eq!(r.status, VmStatus::Suspended);
+        assert_eq!(r.vmm, None);
+        let s = r.suspend.unwrap();
+        assert_eq!((s.bytes, s.vmm), (9, None));
     }
 
     #[test]

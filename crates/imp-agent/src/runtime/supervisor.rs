@@ -229,6 +229,7 @@ pub fn initial_record(id: &str, dir: &Path, spec: &VmSpec, shim_pid: u32) -> VmR
         error: None,
         error_stage: None,
         console_tail: None,
+        vmm: None,
         remove_on_exit: spec.remove_on_exit,
         attach_argv: None,
         timings: Default::default(),
@@ -344,6 +345,7 @@ async fn supervise(
                 dir,
                 spec,
                 launch: Launch::Boot,
+                vmm: identify(spec.runtime, &launcher.qemu).await,
             };
             boot::<vmm::qemu::Qemu>(&launcher, config, &run, record, stop).await
         }
@@ -357,6 +359,7 @@ async fn supervise(
                 dir,
                 spec,
                 launch: Launch::Boot,
+                vmm: identify(spec.runtime, fc).await,
             };
             boot::<vmm::firecracker::Firecracker>(&launcher, config, &run, record, stop).await
         }
@@ -409,11 +412,19 @@ async fn resume(
     if let (Some(net), Some(fd), Runtime::Qemu) = (config.net.as_mut(), tap, spec.runtime) {
         net.tap_fd = Some(vmm::TapFd(std::sync::Arc::new(fd)));
     }
-    let run = Run {
+    let writer = record.suspend.as_ref().and_then(|s| s.vmm.clone());
+    if let Some(why) = vmm::version::refuse_kind(writer.as_deref(), spec.runtime.as_str()) {
+        return Ended::Failed(Failure::new(
+            Stage::Resume,
+            format!("cannot resume {}: {why}", record.name),
+        ));
+    }
+    let run = |vmm| Run {
         state,
         dir,
         spec,
         launch: Launch::Restore(&files),
+        vmm,
     };
     match spec.runtime {
         Runtime::Qemu => {
@@ -421,6 +432,7 @@ async fn resume(
                 Ok(l) => l.probe_accel(&config.kernel, &spec.cache(state)).await,
                 Err(e) => return Ended::Failed(at(Stage::Resume, "finding QEMU")(e)),
             };
+            let run = run(identify(spec.runtime, &launcher.qemu).await);
             drive::<vmm::qemu::Qemu>(&launcher, config, &run, record, stop).await
         }
         Runtime::Firecracker => {
@@ -428,6 +440,7 @@ async fn resume(
                 return Ended::Failed(Failure::new(Stage::Config, "no Firecracker binary given"));
             };
             let launcher = firecracker_launcher(fc, state, spec, config.confine);
+            let run = run(identify(spec.runtime, fc).await);
             drive::<vmm::firecracker::Firecracker>(&launcher, config, &run, record, stop).await
         }
     }
@@ -678,6 +691,17 @@ struct Run<'a> {
     dir: &'a Path,
     spec: &'a VmSpec,
     launch: Launch<'a>,
+    /// The VMM that runs the VM, `kind version` ([`vmm::version`]).
+    vmm: String,
+}
+
+/// The identity of the VMM `binary` of `runtime` (it runs `binary --version`, off the runtime).
+async fn identify(runtime: Runtime, binary: &Path) -> String {
+    let binary = binary.to_path_buf();
+    let kind = runtime.as_str();
+    tokio::task::spawn_blocking(move || vmm::version::of_binary(kind, &binary))
+        .await
+        .unwrap_or_else(|_| vmm::version::identity(kind, ""))
 }
 
 impl Run<'_> {
@@ -760,11 +784,17 @@ async fn drive<V: Vmm>(
         Err(e) => {
             let what = match run.launch {
                 Launch::Boot => format!("booting {}", record.name),
-                Launch::Restore(files) => format!(
-                    "restoring {} from its snapshot {}",
-                    record.name,
-                    files.memory.display()
-                ),
+                Launch::Restore(files) => {
+                    let writer = record.suspend.as_ref().and_then(|s| s.vmm.as_deref());
+                    let skew = vmm::version::skew_note(writer, &run.vmm)
+                        .map(|n| format!(" ({n})"))
+                        .unwrap_or_default();
+                    format!(
+                        "restoring {} from its snapshot {}{skew}",
+                        record.name,
+                        files.memory.display()
+                    )
+                }
             };
             return Ended::Failed(at(run.stage(Stage::Boot), what)(e));
         }
@@ -773,6 +803,7 @@ async fn drive<V: Vmm>(
         record.timings.boot_ms += ms(t.elapsed());
     }
     record.vmm_pid = vm.pid();
+    record.vmm = Some(run.vmm.clone());
     record.helper_pids = vm.helper_pids();
     record.serial_log = vm.serial_log_path().to_path_buf();
     let Some(vsock) = vm.vsock_path() else {
@@ -813,7 +844,8 @@ async fn drive<V: Vmm>(
             let _ = vm.stop(Duration::ZERO).await;
             return Ended::Failed(f);
         }
-        LoopEnd::Suspended(s) => {
+        LoopEnd::Suspended(mut s) => {
+            s.vmm = Some(run.vmm.clone());
             // The snapshot holds the VM: its VMM goes, and its memory with it.
             let t = Instant::now();
             if let Err(e) = vm.stop(Duration::ZERO).await {

@@ -434,6 +434,8 @@ pub async fn suspend_vm<V: Vmm>(
         snapshot_dir: dir.to_path_buf(),
         suspended_unix: state::now_unix(),
         bytes,
+        // The supervisor, which knows the VMM, names the writer.
+        vmm: None,
     })
 }
 

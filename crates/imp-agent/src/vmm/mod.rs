@@ -16,6 +16,7 @@ pub mod firecracker;
 pub mod jail;
 pub mod kvm;
 pub mod qemu;
+pub mod version;
 pub mod vsock;
 
 /// What [`Vmm::stop`] waits beyond the grace period: the guest gives its workload the whole

@@ -435,12 +435,16 @@ fn on_node(vm: &ImpVM, mut status: ImpVMStatus, node: &str, w: &World) -> Plan {
 fn start_timeout(vm: &ImpVM, mut status: ImpVMStatus, node: &str, w: &World) -> Plan {
     let timeout = w.settings.start_timeout;
     status.phase = Some(VmPhase::Failed);
-    let msg = format!("still Starting after {timeout:?} on node {node}");
+    let msg = format!(
+        "still Starting after {timeout:?} on node {node}: the node's agent did not report the \
+         VM running or failed (check the agent on {node})"
+    );
+    let reason = ConditionReason::AgentTimeout;
     set_cond(
         &mut status,
         ConditionType::Ready,
         false,
-        ConditionReason::Failed,
+        reason,
         msg.clone(),
         vm.metadata.generation,
         w.now,
@@ -448,7 +452,7 @@ fn start_timeout(vm: &ImpVM, mut status: ImpVMStatus, node: &str, w: &World) -> 
     Plan {
         status: Some(status),
         doing: "failing a stuck start of",
-        event: Some(Note::warning("StartTimeout", msg)),
+        event: Some(Note::warning(reason.as_str(), msg)),
         next: Next::Requeue(Duration::ZERO),
         ..Plan::default()
     }
@@ -900,7 +904,14 @@ mod tests {
             now,
         ));
         assert_eq!(phase(&p), Some(VmPhase::Failed));
-        assert_eq!(p.event.unwrap().reason, "StartTimeout");
+        let cond = p
+            .status
+            .as_ref()
+            .and_then(|s| s.conditions.iter().find(|c| c.type_ == "Ready"))
+            .unwrap();
+        assert_eq!(cond.reason, "AgentTimeout");
+        assert!(cond.message.contains("node n1"), "{}", cond.message);
+        assert_eq!(p.event.unwrap().reason, "AgentTimeout");
 
         let mut r = vm(Some("n1"), Some(VmPhase::Running));
         r.status.as_mut().unwrap().running_at = Some(Time(now - Duration::from_secs(120)));

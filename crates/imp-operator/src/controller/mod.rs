@@ -12,6 +12,8 @@
 //! from, so a write based on a stale read fails with 409 instead of clobbering someone else's.
 //! On 409 the reconcile re-reads the VM from the API server and decides again, at most
 //! [`CONFLICT_ATTEMPTS`] times with jittered backoff ([`crate::lifecycle::conflict_backoff`]).
+//! Each 409 is counted in `imp_operator_conflicts_total`, and the VMs whose watch triggers wait
+//! for a reconcile to start in `imp_operator_reconcile_backlog` ([`crate::backlog`]).
 //! Status is written to the status subresource only. Reconciles are idempotent: each step
 //! checks whether its effect is already there.
 //!
@@ -55,7 +57,8 @@
 //!   agent starts it again. Reschedule: the operator clears `spec.nodeName` and the VM is placed
 //!   anew.
 //! - Conditions: the operator owns `Scheduled` and `NodeHealthy`, and writes `Ready` only to say
-//!   why a VM cannot get going (`InvalidSpec`, `NoNodeAvailable`, `NodeNotReady`, start timeout);
+//!   why a VM cannot get going (`InvalidSpec`, `NoNodeAvailable`, `NodeNotReady`, and
+//!   `AgentTimeout` when a start is not confirmed within the start timeout);
 //!   the agent owns `Ready` from `Starting` on.
 
 mod address;
@@ -74,6 +77,7 @@ use futures::{StreamExt, TryStreamExt};
 use imp_api::class::ImpVMClass;
 use imp_api::cluster::{ClusterImpConfig, ClusterImpNodeProfile};
 use imp_api::network::ImpNetwork;
+use imp_api::refusal;
 use imp_api::template::ImpVMTemplate;
 use imp_api::vm::{ImpVM, VmPhase};
 use k8s_openapi::api::core::v1::Node;
@@ -81,13 +85,14 @@ use k8s_openapi::jiff::Timestamp;
 use kube::ResourceExt;
 use kube::api::Api;
 use kube::runtime::controller::{Action, Controller};
-use kube::runtime::events::{Recorder, Reporter};
+use kube::runtime::events::{EventType, Recorder, Reporter};
 use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 
 use self::apply::Outcome;
 use self::decide::{Decision, World};
 use self::world::{observe, resized};
+use crate::backlog::Tracker;
 use crate::ipam::{self, Ipam};
 use crate::ledger::Ledger;
 use crate::lifecycle;
@@ -188,7 +193,22 @@ impl Error {
     }
 
     fn is_conflict(&self) -> bool {
-        matches!(self, Self::Kube { source: kube::Error::Api(s), .. } if s.code == 409)
+        matches!(self, Self::Kube { source: kube::Error::Api(s), .. } if refusal::conflict(s))
+    }
+
+    /// The API server's words when it refused a request for RBAC.
+    fn forbidden(&self) -> Option<&str> {
+        match self {
+            Self::Kube {
+                source: kube::Error::Api(s),
+                ..
+            } => refusal::forbidden(s),
+            Self::Ipam(ipam::Error::Kube { source, .. }) => match source.as_ref() {
+                kube::Error::Api(s) => refusal::forbidden(s),
+                _ => None,
+            },
+            _ => None,
+        }
     }
 }
 
@@ -263,7 +283,22 @@ async fn reconcile(vm: Arc<ImpVM>, ctx: Arc<Context>) -> Result<Action, Error> {
     Err(Error::Conflicts(key(&current)))
 }
 
+/// How long a VM waits after the API server refused the operator for RBAC: a rule comes back
+/// when an admin fixes the install, not in a moment.
+const REFUSED_RETRY: Duration = Duration::from_secs(30);
+
 fn error_policy(vm: Arc<ImpVM>, err: &Error, ctx: Arc<Context>) -> Action {
+    if let Some(refused) = err.forbidden() {
+        // A rule missing from the operator's RBAC: said where an operator looks (its log and
+        // the VM's Events) in the server's words, which name the verb and the resource.
+        let note = format!("{err}: forbidden by RBAC: {refused}");
+        tracing::error!(vm = %key(&vm), error = %note, "reconcile refused by the API server");
+        tokio::spawn(async move {
+            ctx.event(&vm, EventType::Warning, refusal::FORBIDDEN_REASON, note)
+                .await;
+        });
+        return Action::requeue(REFUSED_RETRY);
+    }
     tracing::warn!(vm = %key(&vm), error = %err, source = ?std::error::Error::source(err), "reconcile failed");
     if let Some(m) = &ctx.metrics {
         m.reconcile_error(CONTROLLER_NAME, err.metric_label());
@@ -325,6 +360,25 @@ fn all_unplaced(store: &Store<ImpVM>) -> Vec<ObjectRef<ImpVM>> {
         .collect()
 }
 
+/// `map` (a watch's mapping to the VMs a change affects), marking each VM it names as waiting
+/// in `backlog`.
+fn tracked<T>(
+    backlog: Arc<Tracker>,
+    map: impl Fn(T) -> Vec<ObjectRef<ImpVM>>,
+) -> impl Fn(T) -> Vec<ObjectRef<ImpVM>> {
+    move |obj| {
+        let refs = map(obj);
+        for r in &refs {
+            backlog.triggered(&format!(
+                "{}/{}",
+                r.namespace.as_deref().unwrap_or_default(),
+                r.name
+            ));
+        }
+        refs
+    }
+}
+
 /// Whether a cache has had its first full list (without registering a waker).
 fn filled<K: kube::Resource + Clone + 'static>(
     store: &Store<K>,
@@ -383,12 +437,15 @@ pub async fn run(
         Api::<ClusterImpNodeProfile>::all(client.clone())
     );
 
+    // Every trigger handed to the controller marks its VM waiting until its reconcile starts.
+    let backlog = Arc::new(Tracker::new(CONTROLLER_NAME, metrics.clone()));
     // The VM watch feeds the ledger as the cache takes each event in, so per-node usage never
     // needs a scan of every VM; class and template changes make it look sizes up again.
     let ledger = Arc::new(std::sync::Mutex::new(Ledger::default()));
     let (vms, vm_writer) = reflector::store::<ImpVM>();
     let vm_stream = {
         let (ledger, classes, templates) = (ledger.clone(), classes.clone(), templates.clone());
+        let backlog = backlog.clone();
         reflector::reflector(
             vm_writer,
             watcher(Api::<ImpVM>::all(client.clone()), wc.clone()),
@@ -398,6 +455,7 @@ pub async fn run(
             event
         })
         .applied_objects()
+        .inspect_ok(move |vm| backlog.triggered(&key(vm)))
     };
     let class_stream = class_stream.inspect(resized(ledger.clone()));
     let template_stream = template_stream.inspect(resized(ledger.clone()));
@@ -484,13 +542,23 @@ pub async fn run(
     let (v1, v2) = (vms.clone(), vms.clone());
     let on_config = move |_: ClusterImpConfig| all_unplaced(&v1);
     let on_profile = move |_: ClusterImpNodeProfile| all_unplaced(&v2);
+    let on_node = tracked(backlog.clone(), on_node);
+    let on_class = tracked(backlog.clone(), on_class);
+    let on_template = tracked(backlog.clone(), on_template);
+    let on_network = tracked(backlog.clone(), on_network);
+    let on_config = tracked(backlog.clone(), on_config);
+    let on_profile = tracked(backlog.clone(), on_profile);
 
-    // Phase-count gauge and queue depth, from the cache.
+    // Phase-count gauge and queue depth, from the cache; the backlog forgets deleted VMs.
     if let Some(m) = metrics.clone() {
         let v = vms.clone();
+        let backlog = backlog.clone();
         tokio::spawn(async move {
             loop {
                 let state = v.state();
+                let present: std::collections::BTreeSet<String> =
+                    state.iter().map(|vm| key(vm)).collect();
+                backlog.retain(|k| present.contains(k));
                 m.set_phase_counts(&phase_counts(&state));
                 let waiting = state
                     .iter()
@@ -554,10 +622,12 @@ pub async fn run(
     });
     let gated = move |vm: Arc<ImpVM>, ctx: Arc<Context>| {
         let ready = ready.clone();
+        let backlog = backlog.clone();
         async move {
             while ready.get().is_none() {
                 tokio::time::sleep(Duration::from_millis(20)).await;
             }
+            backlog.started(&key(&vm));
             tracing::debug!(vm = %key(&vm), "reconciling");
             reconcile(vm, ctx).await
         }

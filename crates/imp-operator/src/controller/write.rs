@@ -10,6 +10,10 @@ use serde_json::{Value, json};
 
 use super::{Context, Error, FIELD_MANAGER, FINALIZER, key};
 use crate::ledger::Booking;
+use crate::metrics::Write;
+
+/// The resource label of the controller's writes in `imp_operator_conflicts_total`.
+const CONFLICT_RESOURCE: &str = "impvm";
 
 pub(super) fn kube_err(doing: &'static str, vm: &ImpVM) -> impl FnOnce(kube::Error) -> Error {
     let vm = key(vm);
@@ -53,18 +57,18 @@ impl Context {
             .api(vm)
             .patch(&vm.name_any(), &patch_params(), &Patch::Merge(&body))
             .await;
-        self.note_write(vm, &out);
+        self.note_write(vm, Write::Main, &out);
         out.map_err(kube_err(doing, vm))
     }
 
     /// A write that succeeded, or was refused with 409, shows the version it was based on is
-    /// outdated.
-    pub(super) fn note_write(&self, vm: &ImpVM, out: &Result<ImpVM, kube::Error>) {
-        let outdated = match out {
-            Ok(_) => true,
-            Err(kube::Error::Api(s)) => s.code == 409,
-            Err(_) => false,
-        };
+    /// outdated; a 409 is counted in `imp_operator_conflicts_total`.
+    pub(super) fn note_write(&self, vm: &ImpVM, write: Write, out: &Result<ImpVM, kube::Error>) {
+        let conflict = matches!(out, Err(kube::Error::Api(s)) if s.code == 409);
+        if conflict && let Some(m) = &self.metrics {
+            m.conflict(CONFLICT_RESOURCE, write);
+        }
+        let outdated = out.is_ok() || conflict;
         if outdated {
             self.ledger()
                 .outdated(&key(vm), vm.metadata.resource_version.as_deref());
@@ -105,7 +109,7 @@ impl Context {
             .api(vm)
             .patch_status(&vm.name_any(), &patch_params(), &Patch::Merge(&body))
             .await;
-        self.note_write(vm, &out);
+        self.note_write(vm, Write::Status, &out);
         out.map_err(kube_err(doing, vm))
     }
 

@@ -131,6 +131,9 @@ pub fn not_ready(net: &ImpNetwork) -> Option<String> {
     }
 }
 
+/// The resource label of ImpNetwork writes in `imp_operator_conflicts_total`.
+pub const CONFLICT_RESOURCE: &str = "impnetwork";
+
 /// Writes `status` over `net`'s as a merge patch preconditioned on `net`'s resourceVersion
 /// (lists and the allocation map replaced by their new value, removed keys set to null).
 pub async fn write_status(
@@ -323,6 +326,7 @@ impl Ipam {
                     return decision.results;
                 }
                 Err(e) if is_conflict(&e) => {
+                    self.conflict();
                     tracing::debug!(network = %network, attempt, batch = wants.len(), "allocation conflict; re-reading");
                 }
                 Err(source) => {
@@ -384,7 +388,7 @@ impl Ipam {
                     }
                     return Ok(());
                 }
-                Err(e) if is_conflict(&e) => {}
+                Err(e) if is_conflict(&e) => self.conflict(),
                 Err(source) => {
                     return Err(Error::Kube {
                         doing: "releasing addresses on",
@@ -395,6 +399,13 @@ impl Ipam {
             }
         }
         Err(Error::Conflicts(network))
+    }
+
+    /// Counts a write of an ImpNetwork's status refused with 409.
+    fn conflict(&self) {
+        if let Some(m) = &self.metrics {
+            m.conflict(CONFLICT_RESOURCE, crate::metrics::Write::Status);
+        }
     }
 
     fn observe(&self, network: &str, pool: &pool::Pool, table: &BTreeMap<String, String>) {

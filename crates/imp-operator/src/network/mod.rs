@@ -28,7 +28,7 @@ use kube::{Resource, ResourceExt};
 use serde_json::json;
 
 use crate::ipam::{self, Ipam, allocator, network_key, pool};
-use crate::metrics::Metrics;
+use crate::metrics::{Metrics, Write};
 
 /// Finalizer that keeps an ImpNetwork until no VM holds an address on it.
 pub const FINALIZER: &str = "imp.dev/network-addresses";
@@ -146,6 +146,13 @@ impl Ctx {
         }
     }
 
+    /// Counts a write of an ImpNetwork refused with 409.
+    fn conflict(&self, write: Write) {
+        if let Some(m) = &self.metrics {
+            m.conflict(ipam::CONFLICT_RESOURCE, write);
+        }
+    }
+
     async fn set_finalizers(&self, net: &ImpNetwork, fins: Vec<String>) -> Result<(), Error> {
         let body =
             json!({"metadata": {"finalizers": fins, "resourceVersion": net.resource_version()}});
@@ -161,7 +168,11 @@ impl Ctx {
         .await
         {
             Ok(_) => Ok(()),
-            Err(kube::Error::Api(s)) if s.code == 404 || s.code == 409 => Ok(()),
+            Err(kube::Error::Api(s)) if s.code == 409 => {
+                self.conflict(Write::Main);
+                Ok(())
+            }
+            Err(kube::Error::Api(s)) if s.code == 404 => Ok(()),
             Err(e) => Err(kube_err("writing the finalizers of", network_key(net))(e)),
         }
     }
@@ -242,6 +253,7 @@ async fn reconcile(cached: Arc<ImpNetwork>, ctx: Arc<Ctx>) -> Result<Action, Err
         match ipam::write_status(&ctx.client, &net, &want, "writing the status of").await {
             Ok(_) => {}
             Err(kube::Error::Api(s)) if s.code == 409 => {
+                ctx.conflict(Write::Status);
                 return Ok(Action::requeue(Duration::from_millis(100)));
             }
             Err(e) => return Err(kube_err("writing the status of", key)(e)),

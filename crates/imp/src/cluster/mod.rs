@@ -1,10 +1,11 @@
 //! The CLI against a cluster: `imp exec` and `imp console` find the ImpVM's node and reach that
 //! node's agent over TLS pinned to the certificate the Node publishes, as the kubeconfig's
-//! user; `imp suspend|resume` set the ImpVM's desired state; `imp ps` lists ImpVMs ([`ps`]).
+//! user (`imp logs` reads the same console); `imp suspend|resume` set the ImpVM's desired
+//! state; `imp ps` lists ImpVMs ([`ps`]).
 //!
 //! Cluster mode is chosen when `-n/--namespace`, `--kubeconfig` or `--context` is given (or
-//! `imp ps -A`), or when the binary runs as `kubectl-imp` (so `kubectl imp exec …` works as a
-//! kubectl plugin); otherwise the commands act on the local VMs of `imp run`. The ImpVM's `status.nodeName`
+//! `imp ps -A`), or when the binary runs as `kubectl-imp`, the kubectl plugin ([`plugin`]);
+//! otherwise the commands act on the local VMs of `imp run`. The ImpVM's `status.nodeName`
 //! (or `spec.nodeName`) names the node; its annotations `imp.dev/agent-endpoint` and
 //! `imp.dev/agent-cert-sha256` say where the agent listens and which certificate it has. The
 //! API server vouches for both, so no certificate authority is involved and nothing is
@@ -16,7 +17,7 @@
 
 use std::ffi::OsStr;
 use std::io::Write;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::{Context, bail};
@@ -33,15 +34,13 @@ use secrecy::ExposeSecret;
 
 use crate::local::{self, ConsoleArgs, ExecArgs, SuspendArgs};
 
+pub mod plugin;
 pub mod ps;
 
 /// How the commands' help tells local and cluster mode apart.
 pub const MODE_HELP: &str = "Local or cluster: with -n/--namespace, --kubeconfig or --context, or \
 when run as kubectl-imp (`kubectl imp ...`), VM is an ImpVM in the cluster, reached through its \
 node's agent with the kubeconfig user's bearer token; otherwise VM is a local VM of `imp run`.";
-
-/// The file name under which kubectl finds imp as its `imp` plugin.
-pub const PLUGIN_NAME: &str = "kubectl-imp";
 
 /// Flags that point `imp exec` and `imp console` at a cluster instead of a local VM.
 #[derive(Args, Debug, Clone, Default)]
@@ -68,9 +67,7 @@ fn selects_cluster(args: &ClusterArgs, argv0: Option<&OsStr>) -> bool {
     args.namespace.is_some()
         || args.kubeconfig.is_some()
         || args.context.is_some()
-        || argv0
-            .and_then(|a| Path::new(a).file_name())
-            .is_some_and(|name| name == PLUGIN_NAME)
+        || plugin::invoked(argv0)
 }
 
 /// `imp exec -n NS VM -- CMD…` against the cluster: the remote command's exit code.
@@ -84,10 +81,16 @@ pub fn exec(args: ExecArgs) -> anyhow::Result<i32> {
         stdin: args.interactive || args.tty,
     };
     let rt = runtime()?;
-    let (target, namespace) = rt.block_on(resolve(&args.cluster, &args.vm, args.timeout))?;
+    let agent = rt.block_on(resolve(&args.cluster, &args.vm, args.timeout))?;
+    let namespace = &agent.namespace;
     let upgraded = rt
-        .block_on(client::exec(&target, &namespace, &args.vm))
-        .with_context(|| format!("starting an exec in ImpVM {namespace}/{}", args.vm))?;
+        .block_on(client::exec(&agent.target, namespace, &args.vm))
+        .with_context(|| {
+            format!(
+                "starting an exec in ImpVM {namespace}/{} on node {}",
+                args.vm, agent.node
+            )
+        })?;
     // The local exec speaks imp-proto on a blocking Unix socket; give it one whose other end
     // is spliced onto the upgraded connection.
     let (ours, theirs) =
@@ -140,16 +143,22 @@ where
     tokio::join!(up, down);
 }
 
-/// `imp console -n NS VM` against the cluster: the serial log to stdout, following it unless
-/// `--no-follow`.
+/// `imp console -n NS VM` (and `imp logs`) against the cluster: the serial log to stdout,
+/// following it unless `--no-follow` (`logs`: only with `-f`).
 pub fn console(args: ConsoleArgs) -> anyhow::Result<()> {
     use http_body_util::BodyExt;
     let rt = runtime()?;
     rt.block_on(async {
-        let (target, namespace) = resolve(&args.cluster, &args.vm, Duration::from_secs(30)).await?;
-        let mut body = client::console(&target, &namespace, &args.vm, !args.no_follow)
+        let agent = resolve(&args.cluster, &args.vm, Duration::from_secs(30)).await?;
+        let namespace = &agent.namespace;
+        let mut body = client::console(&agent.target, namespace, &args.vm, !args.no_follow)
             .await
-            .with_context(|| format!("reading the console of ImpVM {namespace}/{}", args.vm))?;
+            .with_context(|| {
+                format!(
+                    "reading the console of ImpVM {namespace}/{} on node {}",
+                    args.vm, agent.node
+                )
+            })?;
         let mut out = std::io::stdout().lock();
         while let Some(frame) = body.frame().await {
             let frame = frame.context("reading the console stream")?;
@@ -172,12 +181,18 @@ fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
         .context("starting the async runtime")
 }
 
-/// Finds the agent of the node that runs `vm`; returns it and the VM's namespace.
-async fn resolve(
-    args: &ClusterArgs,
-    vm: &str,
-    timeout: Duration,
-) -> anyhow::Result<(Target, String)> {
+/// The node agent that runs an ImpVM, and where the VM is.
+struct Agent {
+    /// How to reach the agent, as whom.
+    target: Target,
+    /// The VM's namespace.
+    namespace: String,
+    /// The node the VM runs on.
+    node: String,
+}
+
+/// Finds the agent of the node that runs `vm`.
+async fn resolve(args: &ClusterArgs, vm: &str, timeout: Duration) -> anyhow::Result<Agent> {
     let config = load_config(args).await?;
     let token = bearer_token(&config.auth_info)?;
     let namespace = args
@@ -199,14 +214,15 @@ async fn resolve(
         .await
         .with_context(|| format!("reading Node {node_name}, where ImpVM {namespace}/{vm} runs"))?;
     let (endpoint, fingerprint) = agent_of(&node)?;
-    Ok((
-        Target {
+    Ok(Agent {
+        target: Target {
             endpoint,
             fingerprint,
             token,
         },
         namespace,
-    ))
+        node: node_name,
+    })
 }
 
 /// The kubeconfig the cluster flags select.

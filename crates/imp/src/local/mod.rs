@@ -1,5 +1,5 @@
 //! Local VMs, no cluster: `imp run IMAGE` boots one microVM on this machine, and
-//! `imp exec|ps|stop|rm|console` act on the VMs it started.
+//! `imp exec|ps|stop|rm|console|logs` act on the VMs it started.
 //!
 //! Every VM is owned by its shim, the per-VM supervisor of `imp-agent`'s runtime
 //! ([`imp_agent::runtime`]): `imp run` starts it and follows the console (or, with `-d`, returns
@@ -135,6 +135,34 @@ pub struct ConsoleArgs {
     common: Common,
     #[command(flatten)]
     pub cluster: crate::cluster::ClusterArgs,
+}
+
+/// `imp logs`: the serial console as `kubectl logs` shows a container's output (what it has so
+/// far, or following it with `-f`).
+#[derive(Args, Debug)]
+#[command(after_help = crate::cluster::MODE_HELP)]
+pub struct LogsArgs {
+    /// The VM: a local VM, or an ImpVM in cluster mode.
+    pub vm: String,
+    /// Keep printing what the console writes until the VM stops (or Ctrl-C).
+    #[arg(short = 'f', long)]
+    pub follow: bool,
+    #[command(flatten)]
+    common: Common,
+    #[command(flatten)]
+    pub cluster: crate::cluster::ClusterArgs,
+}
+
+impl From<LogsArgs> for ConsoleArgs {
+    /// `logs` is `console` that follows only when asked.
+    fn from(args: LogsArgs) -> Self {
+        ConsoleArgs {
+            vm: args.vm,
+            no_follow: !args.follow,
+            common: args.common,
+            cluster: args.cluster,
+        }
+    }
 }
 
 /// Parses `10s`, `500ms`, `2m` or a bare number of seconds.

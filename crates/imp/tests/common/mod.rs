@@ -4,6 +4,7 @@
 #![allow(dead_code)] // each test binary uses its own part of this module
 
 pub mod nodes;
+pub mod plugin;
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -192,6 +193,60 @@ pub fn logs() -> std::process::Stdio {
         .open(log_file())
         .map(std::process::Stdio::from)
         .unwrap_or_else(|_| std::process::Stdio::null())
+}
+
+/// The lines a child process wrote to its stderr, as `kubectl logs` shows a container's.
+pub type LogLines = std::sync::Arc<std::sync::Mutex<Vec<String>>>;
+
+/// Reads `child`'s piped stderr into `lines` and passes each line on to where [`logs`] would
+/// have sent it, so a test can look for a log line (a restarted child appends to the same
+/// lines).
+pub fn tee_stderr(child: &mut tokio::process::Child, lines: &LogLines) {
+    use tokio::io::AsyncBufReadExt;
+    let Some(stderr) = child.stderr.take() else {
+        panic!("tee_stderr needs a child started with a piped stderr");
+    };
+    let kept = lines.clone();
+    tokio::spawn(async move {
+        let mut reader = tokio::io::BufReader::new(stderr).lines();
+        while let Ok(Some(line)) = reader.next_line().await {
+            log_line(&line);
+            kept.lock().unwrap_or_else(|e| e.into_inner()).push(line);
+        }
+    });
+}
+
+/// Waits up to 60 s for a line of `lines` that contains every one of `needles` (as `grep`
+/// would find it), and returns it.
+pub async fn logged(lines: &LogLines, needles: &[&str]) -> String {
+    wait_for(
+        &format!("a log line with {needles:?}"),
+        Duration::from_secs(60),
+        || async {
+            lines
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .iter()
+                .find(|l| needles.iter().all(|n| l.contains(n)))
+                .cloned()
+        },
+    )
+    .await
+}
+
+/// Writes one line of a child's log where [`logs`] sends children's output.
+fn log_line(line: &str) {
+    use std::io::Write;
+    if std::env::var_os("IMP_TEST_LOGS").is_some() {
+        to_stderr(&format!("{line}\n"));
+    } else if LOGGING.load(std::sync::atomic::Ordering::SeqCst)
+        && let Ok(mut f) = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(log_file())
+    {
+        let _ = writeln!(f, "{line}");
+    }
 }
 
 /// The file the child processes of this test process log to (without `IMP_TEST_LOGS`).

@@ -9,7 +9,9 @@
 //! VM whose record changed, so a VM that ends is reported at once, not on the next unrelated
 //! event. On start nothing is assumed: records on disk are the truth, live shims are simply
 //! re-adopted (a VM is never started twice), and records whose ImpVM no longer belongs here
-//! are torn down once the watch has listed the node's VMs.
+//! are torn down once the watch has listed the node's VMs. The poller also relays the VMs'
+//! serial consoles to the agent's log ([`super::serial`]), and removing a VM reads the rest of
+//! its console first.
 //!
 //! Here: the context, the reconcile that applies each [`Decision`], teardown and the record
 //! poller. `start` starts VMs, `sleep` suspends, resumes and runs scale-to-zero, `status`
@@ -22,6 +24,7 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use imp_api::conditions::{self, ConditionReason, ConditionStatus, ConditionType};
+use imp_api::refusal;
 use imp_api::shared::{VmDesiredState, VmLifecycle};
 use imp_api::vm::{ImpVM, ImpVMSpec, ImpVMStatus, VmPhase};
 use k8s_openapi::api::core::v1::{ConfigMap, Secret};
@@ -43,6 +46,7 @@ use super::env;
 use super::metrics::{Metrics, Trigger};
 use super::network::{self, NotWired};
 use super::scale::{self, ScaleToZero, SleepingTap};
+use super::serial::{self, Consoles};
 use super::vms::NodeVms;
 use crate::net::NodeNet;
 use crate::runtime::shim::{self, ShimCommand};
@@ -78,6 +82,8 @@ pub struct Settings {
     pub suspend_retry: Duration,
     /// Memory (MiB) a resume leaves free on the node beyond the VM's own and its VMM's.
     pub resume_reserve_mib: u64,
+    /// Which VMs' serial consoles reach the agent's log, and how many lines per second.
+    pub serial: serial::Policy,
 }
 
 /// Failures of one reconcile; all are retried.
@@ -128,6 +134,8 @@ pub struct Context {
     scale: Option<Arc<ScaleToZero>>,
     /// Asks the controller for a reconcile (a sleeping VM's wake); set when it runs.
     reconcile_tx: std::sync::OnceLock<mpsc::Sender<ObjectRef<ImpVM>>>,
+    /// The VMs' serial consoles, followed into the agent's log.
+    consoles: Arc<Consoles>,
 }
 
 fn key(vm: &ImpVM) -> String {
@@ -151,6 +159,7 @@ impl Context {
         );
         Self {
             client,
+            consoles: Arc::new(Consoles::new(settings.serial)),
             settings,
             caps,
             metrics,
@@ -498,16 +507,76 @@ async fn remove_vm(
     {
         shim::kill_orphans(state, r);
     }
+    relay_rest_of_console(ctx, uid).await;
     shim::remove(state, uid, cgroup.as_deref()).await?;
     ctx.unwire(uid).await;
     Ok(())
 }
 
+/// Logs what VM `uid`'s console printed since the last poll, before its files go.
+async fn relay_rest_of_console(ctx: &Context, uid: &str) {
+    let (consoles, id) = (ctx.consoles.clone(), uid.to_owned());
+    let now = std::time::Instant::now();
+    if let Ok(outs) = tokio::task::spawn_blocking(move || consoles.finish(&id, now)).await {
+        serial::log(&outs, &ctx.settings.node);
+    }
+}
+
+/// Logs what the consoles of `records` printed since the last poll; a VM's lifecycle comes
+/// from its ImpVM in `store` (its booking's, else its spec's).
+async fn relay_consoles(ctx: &Context, store: &Store<ImpVM>, records: Vec<VmRecord>) {
+    let lifecycles: HashMap<String, VmLifecycle> = records
+        .iter()
+        .filter_map(|r| r.owner.as_ref())
+        .filter_map(|o| {
+            let vm = store.get(&ObjectRef::new(&o.name).within(&o.namespace))?;
+            (vm.uid().as_deref() == Some(o.uid.as_str())).then(|| (o.uid.clone(), lifecycle(&vm)))
+        })
+        .collect();
+    let consoles = ctx.consoles.clone();
+    let now = std::time::Instant::now();
+    let pumped = tokio::task::spawn_blocking(move || {
+        consoles.pump(&records, |o| lifecycles.get(&o.uid).copied(), now)
+    })
+    .await;
+    if let Ok(outs) = pumped {
+        serial::log(&outs, &ctx.settings.node);
+    }
+}
+
+/// The VM's lifecycle as it was booked (the template's applies), else as its spec says.
+fn lifecycle(vm: &ImpVM) -> VmLifecycle {
+    vm.status
+        .as_ref()
+        .and_then(|s| s.booking.as_ref())
+        .map_or(vm.spec.lifecycle, |b| b.spec.lifecycle)
+}
+
+/// How long a VM waits after the API server refused the agent for RBAC: a rule comes back when
+/// an admin fixes the install, not in a moment.
+const REFUSED_RETRY: Duration = Duration::from_secs(30);
+
 /// Retries a failed reconcile after a short pause.
 pub fn error_policy(vm: Arc<ImpVM>, error: &Error, ctx: Arc<Context>) -> Action {
-    let conflict =
-        matches!(error, Error::Kube { source: kube::Error::Api(s), .. } if s.code == 409);
-    if conflict {
+    let refused = match error {
+        Error::Kube {
+            source: kube::Error::Api(s),
+            ..
+        } => Some(s),
+        _ => None,
+    };
+    if let Some(refused) = refused.and_then(|s| refusal::forbidden(s)) {
+        // A rule missing from the agent's RBAC: said in its log and on the VM's Events, in the
+        // server's words (they name the verb and the resource).
+        let note = format!("{error}: forbidden by RBAC: {refused}");
+        tracing::error!(vm = %key(&vm), node = %ctx.settings.node, error = %note, "reconcile refused by the API server");
+        tokio::spawn(async move {
+            ctx.event(&vm, EventType::Warning, refusal::FORBIDDEN_REASON, note)
+                .await;
+        });
+        return Action::requeue(REFUSED_RETRY);
+    }
+    if refused.is_some_and(|s| refusal::conflict(s)) {
         // Someone wrote the VM since we read it: decide again on the newer version, at once.
         tracing::debug!(vm = %key(&vm), node = %ctx.settings.node, "conflict; reconciling the newer version");
         return Action::requeue(Duration::from_millis(50));
@@ -554,6 +623,9 @@ async fn watch_records(ctx: Arc<Context>, store: Store<ImpVM>, tx: mpsc::Sender<
             continue;
         };
         let records: Vec<VmRecord> = listed.iter().map(|(r, _)| r.clone()).collect();
+        // Before the changes are sent: a VM that ended is removed by the reconcile they ask
+        // for (which reads the rest of its console itself).
+        relay_consoles(&ctx, &store, records.clone()).await;
         for (r, alive) in &listed {
             let fp = fingerprint(r, *alive);
             let Some(owner) = &r.owner else { continue };

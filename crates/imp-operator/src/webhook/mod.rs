@@ -33,6 +33,16 @@
 //! to (`status.booking`) and the VM keeps that. Metadata is never
 //! judged nor patched, so the operator's annotations (`imp.dev/placed-resources`, the size a
 //! placement booked, written with `spec.nodeName`) pass as they are.
+//!
+//! # Its certificate
+//!
+//! Served through [`tls::LiveCert`], which a rotation swaps without closing the listener. It
+//! comes either from PEM files ([`bind`]: cert-manager's Secret mounted into the Pod) or from
+//! the operator itself ([`certs`]: a CA and serving certificate it keeps in a Secret, rotates,
+//! and whose CA it publishes as the `caBundle` of its webhook configurations).
+
+pub mod certs;
+pub mod tls;
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -53,12 +63,12 @@ use json_patch::{AddOperation, Patch, PatchOperation};
 use kube::Api;
 use kube::core::DynamicObject;
 use kube::core::admission::{AdmissionRequest, AdmissionResponse, AdmissionReview, Operation};
-use rustls::pki_types::pem::PemObject;
-use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use serde::de::DeserializeOwned;
 use serde_json::Value;
 use tokio::net::TcpListener;
 use tokio_rustls::TlsAcceptor;
+
+use self::tls::LiveCert;
 
 /// Largest request body accepted: an AdmissionReview carries the object and the old object, each
 /// at most ~1.5 MiB in etcd.
@@ -125,6 +135,9 @@ pub enum WebhookError {
         #[source]
         source: rustls::Error,
     },
+    /// rustls refused the server configuration (no protocol version the provider supports).
+    #[error("Building the webhook TLS server configuration")]
+    TlsConfig(#[source] rustls::Error),
     /// The listening socket could not be bound.
     #[error("Binding the webhook listener on {addr}")]
     Bind {
@@ -160,13 +173,21 @@ pub async fn serve(
 
 /// Loads the certificate and key and binds the listener, without serving yet.
 pub async fn bind(config: WebhookConfig, client: kube::Client) -> Result<Webhook, WebhookError> {
-    let tls = tls_config(&config).await?;
-    let listener = TcpListener::bind(config.addr)
+    let key = tls::load_files(&config.cert, &config.key).await?;
+    bind_live(config.addr, Arc::new(LiveCert::new(key)), client).await
+}
+
+/// Binds the listener to serve whatever certificate `live` holds at each handshake (the
+/// self-managed mode: [`certs::Keeper`] swaps it on rotation), without serving yet.
+pub async fn bind_live(
+    addr: SocketAddr,
+    live: Arc<LiveCert>,
+    client: kube::Client,
+) -> Result<Webhook, WebhookError> {
+    let tls = tls::server_config(live).map_err(WebhookError::TlsConfig)?;
+    let listener = TcpListener::bind(addr)
         .await
-        .map_err(|source| WebhookError::Bind {
-            addr: config.addr,
-            source,
-        })?;
+        .map_err(|source| WebhookError::Bind { addr, source })?;
     Ok(Webhook {
         listener,
         acceptor: TlsAcceptor::from(Arc::new(tls)),
@@ -229,52 +250,6 @@ impl Webhook {
         }
         tracing::info!(?addr, "admission webhook stopped");
     }
-}
-
-/// Reads the PEM files (off the runtime's worker threads) and builds a ring-only TLS config.
-async fn tls_config(config: &WebhookConfig) -> Result<rustls::ServerConfig, WebhookError> {
-    let (cert_path, key_path) = (config.cert.clone(), config.key.clone());
-    let loaded = tokio::task::spawn_blocking(move || {
-        let certs = CertificateDer::pem_file_iter(&cert_path)
-            .and_then(|it| it.collect::<Result<Vec<_>, _>>())
-            .map_err(|source| WebhookError::Cert {
-                path: cert_path.clone(),
-                source,
-            })?;
-        if certs.is_empty() {
-            return Err(WebhookError::NoCert { path: cert_path });
-        }
-        let key = PrivateKeyDer::from_pem_file(&key_path).map_err(|source| WebhookError::Key {
-            path: key_path,
-            source,
-        })?;
-        Ok((certs, key))
-    })
-    .await;
-    let (certs, key) = match loaded {
-        Ok(r) => r?,
-        Err(join) => {
-            return Err(WebhookError::Cert {
-                path: config.cert.clone(),
-                source: rustls::pki_types::pem::Error::Io(std::io::Error::other(join)),
-            });
-        }
-    };
-    let tls_err = |source| WebhookError::Tls {
-        cert: config.cert.clone(),
-        key: config.key.clone(),
-        source,
-    };
-    let mut tls = rustls::ServerConfig::builder_with_provider(Arc::new(
-        rustls::crypto::ring::default_provider(),
-    ))
-    .with_safe_default_protocol_versions()
-    .map_err(tls_err)?
-    .with_no_client_auth()
-    .with_single_cert(certs, key)
-    .map_err(tls_err)?;
-    tls.alpn_protocols = vec![b"http/1.1".to_vec()];
-    Ok(tls)
 }
 
 /// Which admission question a path asks.

@@ -1,0 +1,82 @@
+//! Which VMM, at which version, runs a VM and wrote its snapshot (`qemu 7.2.19`,
+//! `firecracker 1.12.1`). A snapshot loads only in a VMM that can read what the writer wrote:
+//! QEMU reads migration streams of older releases of the same machine type, Firecracker reads
+//! snapshots of the versions its release notes list. The suspend record keeps the writer, so a
+//! restore that fails after an upgrade says which VMM wrote the snapshot and which one refused
+//! it, and a snapshot of one kind is never handed to the other.
+
+use std::path::Path;
+
+/// `kind version` from what `binary --version` printed (`kind` is `qemu` or `firecracker`);
+/// the version is the first word that starts with a digit (a leading `v` dropped), else
+/// `unknown`.
+pub fn identity(kind: &str, version_output: &str) -> String {
+    let first = version_output.lines().next().unwrap_or_default();
+    let version = first
+        .split_whitespace()
+        .map(|w| w.strip_prefix('v').unwrap_or(w))
+        .find(|w| w.starts_with(|c: char| c.is_ascii_digit()))
+        .unwrap_or("unknown");
+    format!("{kind} {version}")
+}
+
+/// The identity of `binary` (blocking: it runs `binary --version`).
+pub fn of_binary(kind: &str, binary: &Path) -> String {
+    let out = std::process::Command::new(binary).arg("--version").output();
+    match out {
+        Ok(o) => identity(kind, &String::from_utf8_lossy(&o.stdout)),
+        Err(_) => identity(kind, ""),
+    }
+}
+
+/// Why a snapshot written by `writer` cannot go to a VMM of kind `kind`, if it cannot.
+/// Records from before the writer was kept (`None`) pass.
+pub fn refuse_kind(writer: Option<&str>, kind: &str) -> Option<String> {
+    let writer = writer?;
+    let written_by = writer.split_whitespace().next().unwrap_or_default();
+    (written_by != kind).then(|| {
+        format!("its snapshot was written by {writer} and the VM now runs under {kind}: a snapshot loads only in the VMM kind that wrote it")
+    })
+}
+
+/// What a failed restore adds to its error when the snapshot's writer is not the VMM that
+/// tried to load it.
+pub fn skew_note(writer: Option<&str>, loader: &str) -> Option<String> {
+    let writer = writer?;
+    (writer != loader).then(|| {
+        format!("the snapshot was written by {writer} and this node runs {loader}; a newer VMM may not read an older snapshot (docs/upgrade.md: version skew)")
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn identities_are_read_from_what_the_binaries_print() {
+        assert_eq!(
+            identity(
+                "qemu",
+                "QEMU emulator version 7.2.19 (Debian 1:7.2+dfsg-7+deb12u18)\nCopyright (c) 2003-2022"
+            ),
+            "qemu 7.2.19"
+        );
+        assert_eq!(
+            identity("firecracker", "Firecracker v1.12.1\n\n"),
+            "firecracker 1.12.1"
+        );
+        assert_eq!(identity("qemu", ""), "qemu unknown");
+    }
+
+    #[test]
+    fn a_snapshot_goes_only_to_its_kind_and_a_skew_is_named() {
+        assert_eq!(refuse_kind(None, "qemu"), None);
+        assert_eq!(refuse_kind(Some("qemu 7.2.19"), "qemu"), None);
+        let refused = refuse_kind(Some("firecracker 1.12.1"), "qemu").unwrap();
+        assert!(refused.contains("firecracker 1.12.1") && refused.contains("under qemu"));
+        assert_eq!(skew_note(Some("qemu 7.2.19"), "qemu 7.2.19"), None);
+        assert_eq!(skew_note(None, "qemu 8.2.2"), None);
+        let note = skew_note(Some("qemu 7.2.19"), "qemu 8.2.2").unwrap();
+        assert!(note.contains("written by qemu 7.2.19") && note.contains("runs qemu 8.2.2"));
+    }
+}
