@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Builds the imp guest agent as a static binary (glibc with crt-static: there is no musl
-# target here) and checks that it really is static.
+# Builds the imp guest agent as a static binary (glibc with crt-static, which needs no target
+# beyond the host's) and checks that it really is static.
 #
 # Usage: scripts/build-guest.sh [--release] [OUT]
 #   OUT defaults to target/imp-guest/imp-guest. Prints the path and size on success.
+#   IMP_GUEST_RUSTFLAGS adds rustc flags (scripts/images remaps paths for a reproducible build).
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
@@ -18,7 +19,7 @@ out="${1:-target/imp-guest/imp-guest}"
 target=x86_64-unknown-linux-gnu
 
 # A separate target dir keeps the static build from invalidating the normal one's cache.
-RUSTFLAGS="-C target-feature=+crt-static" \
+RUSTFLAGS="-C target-feature=+crt-static ${IMP_GUEST_RUSTFLAGS:-}" \
     cargo build --locked -p imp-guest --bin imp-guest --profile "$profile" --target "$target" \
     --target-dir target/static
 
