@@ -362,6 +362,8 @@ impl Metrics {
 pub struct Health {
     live: Mutex<Option<String>>,
     ready: Mutex<Option<String>>,
+    /// Parts that hold readiness back on their own (the webhook until it serves), by name.
+    held: Mutex<std::collections::BTreeMap<&'static str, String>>,
 }
 
 impl Default for Health {
@@ -376,6 +378,7 @@ impl Health {
         Self {
             live: Mutex::new(None),
             ready: Mutex::new(Some("starting".to_string())),
+            held: Mutex::new(std::collections::BTreeMap::new()),
         }
     }
 
@@ -404,9 +407,27 @@ impl Health {
         lock(&self.live).clone().map_or(Ok(()), Err)
     }
 
-    /// `Ok` when ready, else the reason.
+    /// Holds readiness back while `part` is not there (`reason` says why), whatever
+    /// [`Health::set_ready`] says: a replica whose webhook does not serve yet must get no
+    /// admission traffic.
+    pub fn hold(&self, part: &'static str, reason: impl Into<String>) {
+        lock(&self.held).insert(part, one_line(reason.into()));
+    }
+
+    /// `part` no longer holds readiness back.
+    pub fn release(&self, part: &'static str) {
+        lock(&self.held).remove(part);
+    }
+
+    /// `Ok` when ready and nothing holds readiness back, else the reason.
     pub fn readiness(&self) -> Result<(), String> {
-        lock(&self.ready).clone().map_or(Ok(()), Err)
+        if let Some(why) = lock(&self.ready).clone() {
+            return Err(why);
+        }
+        lock(&self.held)
+            .iter()
+            .next()
+            .map_or(Ok(()), |(part, why)| Err(format!("{part}: {why}")))
     }
 }
 
@@ -667,6 +688,19 @@ mod tests {
             sample(&m.encode().unwrap(), "imp_operator_is_leader"),
             Some(0.0)
         );
+    }
+
+    #[test]
+    fn a_held_part_keeps_a_ready_process_unready_until_released() {
+        let h = Health::new();
+        h.hold("webhook", "no serving\n certificate yet");
+        h.set_ready();
+        assert_eq!(
+            h.readiness(),
+            Err("webhook: no serving certificate yet".into())
+        );
+        h.release("webhook");
+        assert_eq!(h.readiness(), Ok(()));
     }
 
     #[test]

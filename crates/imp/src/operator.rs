@@ -137,6 +137,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
     webhook::spawn(
         &args.webhook,
         client.clone(),
+        health.clone(),
         stop_tx.clone(),
         stop_rx.clone(),
     )?;

@@ -26,6 +26,7 @@ use k8s_openapi::api::admissionregistration::v1::{
     MutatingWebhookConfiguration, ValidatingWebhookConfiguration,
 };
 use k8s_openapi::api::core::v1::Secret;
+use k8s_openapi::api::rbac::v1::RoleBinding;
 use kube::api::{Api, ApiResource, DeleteParams, DynamicObject, PostParams};
 use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
 use serde_json::{Value, json};
@@ -73,6 +74,7 @@ impl Drop for Env {
 struct Operator {
     _child: Child,
     port: u16,
+    metrics_port: u16,
     log: PathBuf,
 }
 
@@ -80,6 +82,29 @@ impl Operator {
     /// The log so far.
     fn log(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// `/readyz`'s status code and body, once the ops server answers.
+    async fn readyz(&self) -> (u16, String) {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let port = self.metrics_port;
+        let mut s = common::wait_for("the ops server", Duration::from_secs(20), || async move {
+            tokio::net::TcpStream::connect(("127.0.0.1", port))
+                .await
+                .ok()
+        })
+        .await;
+        s.write_all(b"GET /readyz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            .await
+            .unwrap();
+        let mut out = String::new();
+        s.read_to_string(&mut out).await.unwrap();
+        let code = out
+            .split_whitespace()
+            .nth(1)
+            .and_then(|c| c.parse().ok())
+            .unwrap_or(0);
+        (code, out)
     }
 }
 
@@ -119,13 +144,11 @@ impl Env {
     /// self-managed mode, with the chart's flags and `extra`.
     fn operator(&mut self, identity: &str, extra: &[&str]) -> Operator {
         let port = common::free_port();
+        let metrics_port = common::free_port();
         let log = self.dir.join(format!("operator-{identity}.log"));
         let child = Command::new(env!("CARGO_BIN_EXE_imp"))
             .arg("operator")
-            .args([
-                "--metrics-addr",
-                &format!("127.0.0.1:{}", common::free_port()),
-            ])
+            .args(["--metrics-addr", &format!("127.0.0.1:{metrics_port}")])
             .args(["--identity", identity, "--leader-elect"])
             .args(["--webhook-addr", &format!("127.0.0.1:{port}")])
             .args([
@@ -148,6 +171,7 @@ impl Env {
         Operator {
             _child: child,
             port,
+            metrics_port,
             log,
         }
     }
@@ -691,4 +715,42 @@ async fn rotation_swaps_the_certificate_with_no_admission_failing() {
             "no {what:?} line"
         );
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_without_its_certificate_is_not_ready_until_its_webhook_serves() {
+    let Some(mut e) = env("unready").await else {
+        return;
+    };
+    // The operator may not touch its Secret: it cannot get a certificate, so it must not be
+    // ready (the Service would send it admission requests its port refuses).
+    let bindings: Api<RoleBinding> = Api::namespaced(e.c.client.clone(), NS);
+    bindings
+        .delete("imp-operator", &DeleteParams::default())
+        .await
+        .unwrap();
+    let a = e.operator("a", &[]);
+    let log = common::wait_for("the refusal logged", Duration::from_secs(20), || async {
+        let log = a.log();
+        log.contains("getting the webhook certificate failed")
+            .then_some(log)
+    })
+    .await;
+    assert!(log.contains("forbidden"), "{log}");
+    let (code, body) = a.readyz().await;
+    assert_eq!(code, 503, "{body}");
+    assert!(
+        body.contains("webhook: no serving certificate from Secret imp-system/imp-webhook-tls"),
+        "{body}"
+    );
+    // Its rights back, it issues the certificate, serves, and is ready.
+    imp_testenv::rbac::install(&e.c.cp, NS).await.unwrap();
+    let ready = common::wait_for("ready once serving", Duration::from_secs(90), || async {
+        let (code, body) = a.readyz().await;
+        (code == 200).then_some(body)
+    })
+    .await;
+    assert!(ready.starts_with("HTTP/1.1 200"), "{ready}");
+    let ca = field(&e.secret().await, "ca.crt");
+    handshake_until_served(a.port, &ca).await;
 }

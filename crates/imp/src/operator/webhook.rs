@@ -3,9 +3,11 @@
 
 use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
+use imp_operator::metrics::Health;
 use imp_operator::webhook::certs::{Keeper, KeeperConfig, Names, Policy};
 use imp_operator::webhook::{self, WebhookConfig};
 use tokio::sync::watch;
@@ -115,6 +117,7 @@ pub fn parse_validity(s: &str) -> Result<Duration, String> {
 pub fn spawn(
     args: &WebhookArgs,
     client: kube::Client,
+    health: Arc<Health>,
     stop: watch::Sender<bool>,
     stopping: watch::Receiver<bool>,
 ) -> anyhow::Result<()> {
@@ -124,7 +127,16 @@ pub fn spawn(
     match (&args.webhook_secret, &args.webhook_cert, &args.webhook_key) {
         (Some(secret), _, _) => {
             let keeper = Keeper::new(client.clone(), keeper_config(args, secret)?);
-            tokio::spawn(self_managed(addr, keeper, client, stop, stopping));
+            // Until it serves, the Service must not send this replica admission requests.
+            health.hold(
+                HEALTH_PART,
+                format!(
+                    "no serving certificate from Secret {}/{secret} yet",
+                    args.namespace
+                ),
+            );
+            let serving = Serving { addr, health };
+            tokio::spawn(self_managed(serving, keeper, client, stop, stopping));
         }
         (None, Some(cert), Some(key)) => {
             let config = WebhookConfig {
@@ -164,8 +176,17 @@ fn keeper_config(args: &WebhookArgs, secret: &str) -> anyhow::Result<KeeperConfi
 
 /// Gets a certificate from the Secret (making one if needed), then serves with it while the
 /// keeper rotates it.
-async fn self_managed(
+/// The part of readiness the self-managed webhook holds back until it serves.
+const HEALTH_PART: &str = "webhook";
+
+/// Where the self-managed webhook serves, and the readiness it releases once it does.
+struct Serving {
     addr: SocketAddr,
+    health: Arc<Health>,
+}
+
+async fn self_managed(
+    serving: Serving,
     keeper: Keeper,
     client: kube::Client,
     stop: watch::Sender<bool>,
@@ -174,8 +195,9 @@ async fn self_managed(
     let Some(live) = keeper.start(stopped(stopping.clone())).await else {
         return;
     };
-    match webhook::bind_live(addr, live.clone(), client).await {
+    match webhook::bind_live(serving.addr, live.clone(), client).await {
         Ok(hook) => {
+            serving.health.release(HEALTH_PART);
             tokio::spawn(keeper.run(live, stopped(stopping.clone())));
             hook.run(stopped(stopping)).await;
         }
