@@ -100,6 +100,38 @@ pub async fn load_files(cert: &Path, key: &Path) -> Result<CertifiedKey, Webhook
     })
 }
 
+/// Keeps `live` equal to the files (the files mode: cert-manager renews the mounted Secret, the
+/// kubelet swaps the files in place): every `every` they are read again, and a new leaf is served
+/// from the next handshake on. A read that fails (mid-update, removed) keeps what is served and
+/// says so; the next read tries again. Ends when `shutdown` resolves.
+pub async fn follow_files(
+    cert: PathBuf,
+    key: PathBuf,
+    live: Arc<LiveCert>,
+    every: std::time::Duration,
+    shutdown: impl std::future::Future<Output = ()>,
+) {
+    tokio::pin!(shutdown);
+    loop {
+        tokio::select! {
+            () = &mut shutdown => return,
+            () = tokio::time::sleep(every) => {}
+        }
+        match load_files(&cert, &key).await {
+            Ok(read) => {
+                let leaf = read.cert.first().map(|c| c.as_ref().to_vec());
+                if leaf.is_some() && leaf != live.leaf_der() {
+                    live.set(read);
+                    tracing::info!(cert = %cert.display(), "serving the webhook certificate renewed in its file");
+                }
+            }
+            Err(e) => {
+                tracing::warn!(cert = %cert.display(), error = %e, "reading the webhook certificate files again failed; serving the one read before");
+            }
+        }
+    }
+}
+
 fn read_pem_files(
     cert_path: PathBuf,
     key_path: PathBuf,
@@ -143,6 +175,51 @@ mod tests {
         assert_eq!(live.leaf_der(), Some(b_der));
         // What a handshake already took stays whole.
         assert_eq!(before.cert[0].to_vec(), a_der);
+    }
+
+    /// Writes a new self-signed certificate for `name` into `dir`'s tls.crt and tls.key, as the
+    /// kubelet does for a renewed Secret (whole files); its DER.
+    fn write_pair(dir: &Path, name: &str) -> Vec<u8> {
+        let made = rcgen::generate_simple_self_signed(vec![name.to_owned()]).unwrap();
+        std::fs::write(dir.join("tls.crt"), made.cert.pem()).unwrap();
+        std::fs::write(dir.join("tls.key"), made.signing_key.serialize_pem()).unwrap();
+        made.cert.der().to_vec()
+    }
+
+    #[tokio::test]
+    async fn a_certificate_renewed_in_its_files_is_served_and_a_bad_read_keeps_the_last() {
+        let dir = std::env::temp_dir().join(format!("imp-tls-follow-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let first = write_pair(&dir, "a.test");
+        let (cert, key) = (dir.join("tls.crt"), dir.join("tls.key"));
+        let live = Arc::new(LiveCert::new(load_files(&cert, &key).await.unwrap()));
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let follower = tokio::spawn(follow_files(
+            cert.clone(),
+            key.clone(),
+            live.clone(),
+            std::time::Duration::from_millis(20),
+            async {
+                let _ = stopped.await;
+            },
+        ));
+        assert_eq!(live.leaf_der(), Some(first));
+        let renewed = write_pair(&dir, "a.test");
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while live.leaf_der().as_ref() != Some(&renewed) {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the renewal was not served"
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        // A file caught mid-update does not take the certificate away.
+        std::fs::write(&cert, "not a certificate").unwrap();
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        assert_eq!(live.leaf_der(), Some(renewed));
+        let _ = stop.send(());
+        follower.await.unwrap();
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

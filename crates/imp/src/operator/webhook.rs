@@ -8,8 +8,9 @@ use std::time::Duration;
 
 use anyhow::Context;
 use imp_operator::metrics::Health;
+use imp_operator::webhook;
 use imp_operator::webhook::certs::{Keeper, KeeperConfig, Names, Policy};
-use imp_operator::webhook::{self, WebhookConfig};
+use imp_operator::webhook::tls::{self, LiveCert};
 use tokio::sync::watch;
 
 use crate::shutdown::stopped;
@@ -29,6 +30,10 @@ pub struct WebhookArgs {
     /// PEM private key of the webhook.
     #[arg(long, requires = "webhook_cert")]
     webhook_key: Option<PathBuf>,
+    /// How often --webhook-cert and --webhook-key are read again, so a certificate renewed in
+    /// them (cert-manager's mounted Secret) is served without a restart.
+    #[arg(long, default_value = "1m", value_name = "DURATION", value_parser = parse_validity, requires = "webhook_cert")]
+    webhook_cert_reload: Duration,
     /// Secret in --namespace where the operator keeps the webhook's CA and serving certificate,
     /// made and rotated by itself, publishing the CA as the caBundle of
     /// --webhook-configurations.
@@ -139,16 +144,13 @@ pub fn spawn(
             tokio::spawn(self_managed(serving, keeper, client, stop, stopping));
         }
         (None, Some(cert), Some(key)) => {
-            let config = WebhookConfig {
+            let files = Files {
                 addr,
                 cert: cert.clone(),
                 key: key.clone(),
+                reload: args.webhook_cert_reload,
             };
-            tokio::spawn(async move {
-                if let Err(e) = webhook::serve(config, client, stopped(stopping)).await {
-                    failed(&anyhow::Error::new(e), &stop);
-                }
-            });
+            tokio::spawn(from_files(files, client, stop, stopping));
         }
         _ => anyhow::bail!(
             "--webhook-addr needs --webhook-cert and --webhook-key, or --webhook-secret"
@@ -199,6 +201,42 @@ async fn self_managed(
         Ok(hook) => {
             serving.health.release(HEALTH_PART);
             tokio::spawn(keeper.run(live, stopped(stopping.clone())));
+            hook.run(stopped(stopping)).await;
+        }
+        Err(e) => failed(&anyhow::Error::new(e), &stop),
+    }
+}
+
+/// The files mode: where to serve, the certificate's files and how often to read them again.
+struct Files {
+    addr: SocketAddr,
+    cert: PathBuf,
+    key: PathBuf,
+    reload: Duration,
+}
+
+async fn from_files(
+    files: Files,
+    client: kube::Client,
+    stop: watch::Sender<bool>,
+    stopping: watch::Receiver<bool>,
+) {
+    let bound = async {
+        let key = tls::load_files(&files.cert, &files.key).await?;
+        let live = Arc::new(LiveCert::new(key));
+        webhook::bind_live(files.addr, live.clone(), client)
+            .await
+            .map(|hook| (hook, live))
+    };
+    match bound.await {
+        Ok((hook, live)) => {
+            tokio::spawn(tls::follow_files(
+                files.cert,
+                files.key,
+                live,
+                files.reload,
+                stopped(stopping.clone()),
+            ));
             hook.run(stopped(stopping)).await;
         }
         Err(e) => failed(&anyhow::Error::new(e), &stop),
