@@ -135,23 +135,7 @@ impl Agent {
     }
 
     async fn get(&self, path: &str) -> (u16, String) {
-        let mut s = tokio::net::TcpStream::connect(("127.0.0.1", self.metrics_port))
-            .await
-            .unwrap();
-        use tokio::io::{AsyncReadExt, AsyncWriteExt};
-        s.write_all(
-            format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes(),
-        )
-        .await
-        .unwrap();
-        let mut out = String::new();
-        s.read_to_string(&mut out).await.unwrap();
-        let code = out
-            .split_whitespace()
-            .nth(1)
-            .and_then(|c| c.parse().ok())
-            .unwrap_or(0);
-        (code, out)
+        common::http_get(self.metrics_port, path).await.unwrap()
     }
 
     /// `(uid, vm dir)` of every VM directory this agent has.

@@ -74,16 +74,10 @@ impl Operator {
     }
 
     async fn scrape(&self) -> Option<String> {
-        let mut s = tokio::net::TcpStream::connect(("127.0.0.1", self.metrics_port))
+        common::http_get(self.metrics_port, "/metrics")
             .await
-            .ok()?;
-        use tokio::io::{AsyncReadExt, AsyncWriteExt};
-        s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-            .await
-            .ok()?;
-        let mut out = String::new();
-        s.read_to_string(&mut out).await.ok()?;
-        Some(out)
+            .ok()
+            .map(|(_, out)| out)
     }
 }
 

@@ -84,22 +84,9 @@ impl Agent {
     }
 
     async fn readyz(&self) -> (u16, String) {
-        use tokio::io::{AsyncReadExt, AsyncWriteExt};
-        let mut s = tokio::net::TcpStream::connect(("127.0.0.1", self.metrics_port))
+        common::http_get(self.metrics_port, "/readyz")
             .await
-            .ok()
-            .unwrap_or_else(|| panic!("the agent's ops port {} is closed", self.metrics_port));
-        s.write_all(b"GET /readyz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-            .await
-            .unwrap();
-        let mut out = String::new();
-        s.read_to_string(&mut out).await.unwrap();
-        let code = out
-            .split_whitespace()
-            .nth(1)
-            .and_then(|c| c.parse().ok())
-            .unwrap_or(0);
-        (code, out)
+            .unwrap_or_else(|e| panic!("the agent's ops port {}: {e}", self.metrics_port))
     }
 }
 

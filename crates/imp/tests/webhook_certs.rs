@@ -86,25 +86,11 @@ impl Operator {
 
     /// `/readyz`'s status code and body, once the ops server answers.
     async fn readyz(&self) -> (u16, String) {
-        use tokio::io::{AsyncReadExt, AsyncWriteExt};
         let port = self.metrics_port;
-        let mut s = common::wait_for("the ops server", Duration::from_secs(20), || async move {
-            tokio::net::TcpStream::connect(("127.0.0.1", port))
-                .await
-                .ok()
+        common::wait_for("the ops server", Duration::from_secs(20), || async move {
+            common::http_get(port, "/readyz").await.ok()
         })
-        .await;
-        s.write_all(b"GET /readyz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-            .await
-            .unwrap();
-        let mut out = String::new();
-        s.read_to_string(&mut out).await.unwrap();
-        let code = out
-            .split_whitespace()
-            .nth(1)
-            .and_then(|c| c.parse().ok())
-            .unwrap_or(0);
-        (code, out)
+        .await
     }
 }
 
