@@ -38,6 +38,7 @@ use kube::api::PostParams;
 use tokio::sync::watch;
 use tokio::time::Instant;
 
+use crate::chain::DisplayChain;
 use crate::metrics::Metrics;
 
 /// Field manager recorded on the Lease writes of the operator's elector.
@@ -576,21 +577,6 @@ fn jittered(base: Duration) -> Duration {
         std::collections::hash_map::RandomState::new().hash_one(std::time::SystemTime::now());
     let fraction = (random % 1000) as f64 / 1000.0 * 0.2;
     base.mul_f64(1.0 + fraction)
-}
-
-/// Prints an error with its sources, for one-line logs.
-struct DisplayChain<'a>(&'a dyn std::error::Error);
-
-impl std::fmt::Display for DisplayChain<'_> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}", self.0)?;
-        let mut source = self.0.source();
-        while let Some(s) = source {
-            write!(f, ": {s}")?;
-            source = s.source();
-        }
-        Ok(())
-    }
 }
 
 #[cfg(test)]

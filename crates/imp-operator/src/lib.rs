@@ -15,6 +15,7 @@
 //! in the `imp` crate runs it), and the snapshot, migration and pool kinds have no controller yet.
 
 pub mod backlog;
+mod chain;
 pub mod controller;
 pub mod ipam;
 pub mod leader;

@@ -22,6 +22,7 @@ use rustls::sign::CertifiedKey;
 use super::decide::{self, Kind, Published, Step, Stored};
 use super::material::{IssueError, Material};
 use super::{Policy, rfc3339};
+use crate::chain::DisplayChain;
 use crate::webhook::tls::{self, LiveCert};
 
 /// The field manager of the Secret and `caBundle` writes.
@@ -135,7 +136,7 @@ impl Keeper {
                 Ok(key) => return Some(Arc::new(LiveCert::new(key))),
                 Err(error) => tracing::warn!(
                     secret = %self.secret(),
-                    error = %Chain(&error),
+                    error = %DisplayChain(&error),
                     "getting the webhook certificate failed; retrying"
                 ),
             }
@@ -167,7 +168,7 @@ impl Keeper {
             if let Err(error) = &settled {
                 tracing::warn!(
                     secret = %self.secret(),
-                    error = %Chain(error),
+                    error = %DisplayChain(error),
                     "keeping the webhook certificates failed; retrying"
                 );
             }
@@ -523,20 +524,5 @@ fn from_mutating(c: MutatingWebhookConfiguration) -> Published {
                 )
             })
             .collect(),
-    }
-}
-
-/// An error with its sources, for one-line logs.
-struct Chain<'a>(&'a dyn std::error::Error);
-
-impl std::fmt::Display for Chain<'_> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}", self.0)?;
-        let mut source = self.0.source();
-        while let Some(s) = source {
-            write!(f, ": {s}")?;
-            source = s.source();
-        }
-        Ok(())
     }
 }
