@@ -345,7 +345,7 @@ async fn supervise(
                 dir,
                 spec,
                 launch: Launch::Boot,
-                vmm: identify(spec.runtime, &launcher.qemu).await,
+                vmm_binary: &launcher.qemu,
             };
             boot::<vmm::qemu::Qemu>(&launcher, config, &run, record, stop).await
         }
@@ -359,7 +359,7 @@ async fn supervise(
                 dir,
                 spec,
                 launch: Launch::Boot,
-                vmm: identify(spec.runtime, fc).await,
+                vmm_binary: fc,
             };
             boot::<vmm::firecracker::Firecracker>(&launcher, config, &run, record, stop).await
         }
@@ -419,12 +419,12 @@ async fn resume(
             format!("cannot resume {}: {why}", record.name),
         ));
     }
-    let run = |vmm| Run {
+    let run = |vmm_binary| Run {
         state,
         dir,
         spec,
         launch: Launch::Restore(&files),
-        vmm,
+        vmm_binary,
     };
     match spec.runtime {
         Runtime::Qemu => {
@@ -432,7 +432,7 @@ async fn resume(
                 Ok(l) => l.probe_accel(&config.kernel, &spec.cache(state)).await,
                 Err(e) => return Ended::Failed(at(Stage::Resume, "finding QEMU")(e)),
             };
-            let run = run(identify(spec.runtime, &launcher.qemu).await);
+            let run = run(&launcher.qemu);
             drive::<vmm::qemu::Qemu>(&launcher, config, &run, record, stop).await
         }
         Runtime::Firecracker => {
@@ -440,7 +440,7 @@ async fn resume(
                 return Ended::Failed(Failure::new(Stage::Config, "no Firecracker binary given"));
             };
             let launcher = firecracker_launcher(fc, state, spec, config.confine);
-            let run = run(identify(spec.runtime, fc).await);
+            let run = run(fc);
             drive::<vmm::firecracker::Firecracker>(&launcher, config, &run, record, stop).await
         }
     }
@@ -691,8 +691,9 @@ struct Run<'a> {
     dir: &'a Path,
     spec: &'a VmSpec,
     launch: Launch<'a>,
-    /// The VMM that runs the VM, `kind version` ([`vmm::version`]).
-    vmm: String,
+    /// The VMM's binary, whose `kind version` ([`vmm::version`]) the record and the snapshot
+    /// keep.
+    vmm_binary: &'a Path,
 }
 
 /// The identity of the VMM `binary` of `runtime` (it runs `binary --version`, off the runtime).
@@ -772,8 +773,15 @@ async fn drive<V: Vmm>(
     let t = Instant::now();
     // A stop during the boot drops the boot future, and with it the VMM's process handle,
     // which kills the VMM: nothing is left running.
-    let booted = tokio::select! {
-        r = launch::<V>(launcher, &config, run.launch) => r,
+    // The VMM's version is asked beside the launch, not before it: a resume is a wake's path.
+    let launched = async {
+        tokio::join!(
+            launch::<V>(launcher, &config, run.launch),
+            identify(run.spec.runtime, run.vmm_binary)
+        )
+    };
+    let (booted, identity) = tokio::select! {
+        r = launched => r,
         () = stop.requested() => return Ended::Exited(STOPPED_EXIT_CODE),
     };
     // The VMM has what it needs; an inherited TAP fd in the config is closed here, so once
@@ -786,7 +794,7 @@ async fn drive<V: Vmm>(
                 Launch::Boot => format!("booting {}", record.name),
                 Launch::Restore(files) => {
                     let writer = record.suspend.as_ref().and_then(|s| s.vmm.as_deref());
-                    let skew = vmm::version::skew_note(writer, &run.vmm)
+                    let skew = vmm::version::skew_note(writer, &identity)
                         .map(|n| format!(" ({n})"))
                         .unwrap_or_default();
                     format!(
@@ -803,7 +811,7 @@ async fn drive<V: Vmm>(
         record.timings.boot_ms += ms(t.elapsed());
     }
     record.vmm_pid = vm.pid();
-    record.vmm = Some(run.vmm.clone());
+    record.vmm = Some(identity.clone());
     record.helper_pids = vm.helper_pids();
     record.serial_log = vm.serial_log_path().to_path_buf();
     let Some(vsock) = vm.vsock_path() else {
@@ -845,7 +853,7 @@ async fn drive<V: Vmm>(
             return Ended::Failed(f);
         }
         LoopEnd::Suspended(mut s) => {
-            s.vmm = Some(run.vmm.clone());
+            s.vmm = Some(identity);
             // The snapshot holds the VM: its VMM goes, and its memory with it.
             let t = Instant::now();
             if let Err(e) = vm.stop(Duration::ZERO).await {
