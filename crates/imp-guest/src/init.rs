@@ -210,7 +210,7 @@ pub fn run(opts: &Options) -> i32 {
         proc_dir: PathBuf::from("/proc"),
         disk_path: opts.root.clone(),
         shutdown: Mutex::new(shutdown_tx),
-        may_set_clock: opts.pid1,
+        owns_system: opts.pid1,
     });
     if config.agent.enabled || opts.listen_unix.is_some() {
         start_api(opts, &config, Arc::clone(&ctx));

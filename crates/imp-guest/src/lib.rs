@@ -6,8 +6,9 @@
 //! User plus the VM's env and a default PATH, reaps zombies, forwards SIGTERM/SIGINT, and
 //! when the workload ends prints `IMP_EXIT <code>` on the console, reports the code to the
 //! host over the guest channel and powers the VM off. Meanwhile it serves exec (streamed, with
-//! stdin and TTY), health, metrics, clock setting and graceful shutdown over that channel using
-//! [`imp_proto`]. The channel is AF_VSOCK under Firecracker ([`transport`]) and, under QEMU, a
+//! stdin and TTY), health, metrics, clock setting, graceful shutdown and, for a clone restored
+//! from a shared snapshot, a new identity ([`identity`]: entropy, clock, hostname, MAC,
+//! address, the source's TCP connections destroyed) over that channel using [`imp_proto`]. The channel is AF_VSOCK under Firecracker ([`transport`]) and, under QEMU, a
 //! stream multiplexer over the `imp.mux` virtio-serial port ([`mux`]), which QEMU can snapshot
 //! where it cannot migrate its vsock.
 //!
@@ -18,7 +19,9 @@
 
 pub mod cmdline;
 pub mod console;
+pub mod entropy;
 pub mod exec;
+pub mod identity;
 pub mod init;
 pub mod metrics;
 pub mod mux;
@@ -26,6 +29,7 @@ pub mod net;
 pub mod pty;
 pub mod reaper;
 pub mod server;
+pub mod sockdiag;
 pub mod system;
 pub mod transport;
 pub mod user;

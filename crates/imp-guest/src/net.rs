@@ -1,5 +1,7 @@
 //! Static network setup with plain ioctls (no netlink): bring interfaces up, give eth0 its
-//! address and default route, announce it, write /etc/resolv.conf and /etc/hosts.
+//! address and default route, announce it, write /etc/resolv.conf and /etc/hosts; and, for a
+//! clone taking its own identity, take the interface down, change its MAC and remove its
+//! addresses.
 #![allow(unsafe_code)]
 
 use imp_proto::config::NetworkConfig;
@@ -96,6 +98,16 @@ fn io_err(action: &'static str, interface: &str) -> impl FnOnce(io::Error) -> Ne
 
 /// Sets IFF_UP on an interface (loopback gets 127.0.0.1 from the kernel when it comes up).
 pub fn bring_up(interface: &str) -> Result<(), NetError> {
+    set_up(interface, true)
+}
+
+/// Clears IFF_UP on an interface: nothing is sent through it any more, and the kernel drops
+/// its routes and neighbour entries (its addresses stay).
+pub fn bring_down(interface: &str) -> Result<(), NetError> {
+    set_up(interface, false)
+}
+
+fn set_up(interface: &str, up: bool) -> Result<(), NetError> {
     let fd = control_socket().map_err(io_err("Opening a control socket", interface))?;
     let mut req = ifreq(interface)?;
     ioctl(
@@ -105,17 +117,102 @@ pub fn bring_up(interface: &str) -> Result<(), NetError> {
         "Reading flags",
         interface,
     )?;
+    let bits = (libc::IFF_UP | libc::IFF_RUNNING) as libc::c_short;
     // SAFETY: SIOCGIFFLAGS filled the flags member of the union.
     unsafe {
-        req.ifr_ifru.ifru_flags |= (libc::IFF_UP | libc::IFF_RUNNING) as libc::c_short;
+        if up {
+            req.ifr_ifru.ifru_flags |= bits;
+        } else {
+            req.ifr_ifru.ifru_flags &= !bits;
+        }
     }
+    let action = if up {
+        "Setting IFF_UP"
+    } else {
+        "Clearing IFF_UP"
+    };
     ioctl(
         &fd,
         libc::SIOCSIFFLAGS,
         (&raw mut req).cast(),
-        "Setting IFF_UP",
+        action,
         interface,
     )
+}
+
+/// Gives an interface a new Ethernet address. Most drivers want the interface down; virtio-net
+/// passes the address to the device (QEMU filters received frames by it) and refuses when the
+/// device has no control queue for it (Firecracker's).
+pub fn set_mac(interface: &str, mac: [u8; 6]) -> Result<(), NetError> {
+    let fd = control_socket().map_err(io_err("Opening a control socket", interface))?;
+    let mut req = ifreq(interface)?;
+    // SAFETY: writing plain fields of the union member this request reads (a sockaddr).
+    unsafe {
+        req.ifr_ifru.ifru_hwaddr.sa_family = libc::ARPHRD_ETHER;
+        for (dst, src) in req.ifr_ifru.ifru_hwaddr.sa_data.iter_mut().zip(mac) {
+            *dst = src as libc::c_char;
+        }
+    }
+    ioctl(
+        &fd,
+        libc::SIOCSIFHWADDR,
+        (&raw mut req).cast(),
+        "Setting the MAC",
+        interface,
+    )
+}
+
+/// The interface's first IPv4 address, `None` when it has none.
+pub fn address_of(interface: &str) -> Result<Option<Ipv4Addr>, NetError> {
+    let fd = control_socket().map_err(io_err("Opening a control socket", interface))?;
+    let mut req = ifreq(interface)?;
+    match ioctl(
+        &fd,
+        libc::SIOCGIFADDR,
+        (&raw mut req).cast(),
+        "Reading the address",
+        interface,
+    ) {
+        Ok(()) => {}
+        Err(NetError::Ioctl { source, .. })
+            if source.raw_os_error() == Some(libc::EADDRNOTAVAIL) =>
+        {
+            return Ok(None);
+        }
+        Err(e) => return Err(e),
+    }
+    // SAFETY: SIOCGIFADDR filled the addr member with an AF_INET sockaddr_in.
+    let sin =
+        unsafe { std::mem::transmute::<libc::sockaddr, libc::sockaddr_in>(req.ifr_ifru.ifru_addr) };
+    Ok(Some(Ipv4Addr::from(u32::from_be(sin.sin_addr.s_addr))))
+}
+
+/// The most addresses [`remove_addresses`] removes from one interface.
+const MAX_ADDRESSES: usize = 256;
+
+/// Removes every IPv4 address of the interface (those labelled with its name, as the kernel
+/// and `ip addr add` label them); returns them. The prefix routes go with them.
+pub fn remove_addresses(interface: &str) -> Result<Vec<Ipv4Addr>, NetError> {
+    let fd = control_socket().map_err(io_err("Opening a control socket", interface))?;
+    let mut removed = Vec::new();
+    while let Some(address) = address_of(interface)? {
+        if removed.len() >= MAX_ADDRESSES {
+            break;
+        }
+        // Setting 0.0.0.0 deletes the first address of this label (what `ifconfig eth0
+        // 0.0.0.0` does).
+        let mut req = ifreq(interface)?;
+        req.ifr_ifru.ifru_addr = sockaddr_in(Ipv4Addr::UNSPECIFIED);
+        ioctl(
+            &fd,
+            libc::SIOCSIFADDR,
+            (&raw mut req).cast(),
+            "Removing an address",
+            interface,
+        )?;
+        removed.push(address);
+    }
+    Ok(removed)
 }
 
 /// Whether an interface is up (for tests and diagnostics).
@@ -234,8 +331,49 @@ pub fn resolv_conf(net: &NetworkConfig) -> String {
 pub fn hosts(hostname: Option<&str>, address: Option<Ipv4Addr>) -> String {
     let mut out = String::from("127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n");
     if let Some(h) = hostname {
-        let ip = address.map_or_else(|| "127.0.1.1".to_string(), |a| a.to_string());
-        out.push_str(&format!("{ip}\t{h}\n"));
+        out.push_str(&own_entry(h, address));
+    }
+    out
+}
+
+/// The machine's own line in /etc/hosts: its address (127.0.1.1 without one) and name.
+fn own_entry(hostname: &str, address: Option<Ipv4Addr>) -> String {
+    let ip = address.map_or_else(|| "127.0.1.1".to_string(), |a| a.to_string());
+    format!("{ip}\t{hostname}\n")
+}
+
+/// /etc/hosts with the machine's own entry changed from (`old_name`, `old_address`) to
+/// (`new_name`, `new_address`), as [`hosts`] writes it: the lines that gave the old address
+/// (127.0.1.1 without one) the old name are replaced by one new line where the first of them
+/// was, or the new line is appended; every other line is kept.
+pub fn hosts_with_own_entry(
+    current: &str,
+    old_name: Option<&str>,
+    old_address: Option<Ipv4Addr>,
+    new_name: &str,
+    new_address: Option<Ipv4Addr>,
+) -> String {
+    let old_ip = old_address.map_or_else(|| "127.0.1.1".to_string(), |a| a.to_string());
+    let is_own = |line: &str| {
+        let mut fields = line.split_whitespace();
+        fields.next() == Some(old_ip.as_str()) && old_name.is_some_and(|n| fields.any(|f| f == n))
+    };
+    let new_line = own_entry(new_name, new_address);
+    let mut out = String::with_capacity(current.len() + new_line.len());
+    let mut replaced = false;
+    for line in current.lines() {
+        if is_own(line) {
+            if !replaced {
+                out.push_str(&new_line);
+                replaced = true;
+            }
+        } else {
+            out.push_str(line);
+            out.push('\n');
+        }
+    }
+    if !replaced {
+        out.push_str(&new_line);
     }
     out
 }
@@ -277,6 +415,50 @@ mod tests {
         let h = hosts(Some("vm1"), Some(Ipv4Addr::new(10, 0, 0, 5)));
         assert!(h.starts_with("127.0.0.1\tlocalhost\n"));
         assert!(h.ends_with("10.0.0.5\tvm1\n"), "{h}");
+    }
+
+    #[test]
+    fn a_clone_rewrites_only_its_own_hosts_entry() {
+        let old = Some(Ipv4Addr::new(10, 0, 0, 5));
+        let new = Some(Ipv4Addr::new(10, 0, 0, 7));
+        let booted = hosts(Some("vm1"), old);
+        let with_extra = format!("{booted}10.9.9.9\tdb db.local\n# note\n");
+        assert_eq!(
+            hosts_with_own_entry(&with_extra, Some("vm1"), old, "clone1", new),
+            "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n\
+             10.0.0.7\tclone1\n10.9.9.9\tdb db.local\n# note\n"
+        );
+        // What the boot would have written for the new identity.
+        assert_eq!(
+            hosts_with_own_entry(&booted, Some("vm1"), old, "clone1", new),
+            hosts(Some("clone1"), new)
+        );
+        // No address before: the 127.0.1.1 line is the own one; a missing line is appended.
+        assert_eq!(
+            hosts_with_own_entry(&hosts(Some("vm1"), None), Some("vm1"), None, "c", None),
+            hosts(Some("c"), None)
+        );
+        assert_eq!(
+            hosts_with_own_entry("127.0.0.1 localhost", Some("vm1"), old, "c", new),
+            "127.0.0.1 localhost\n10.0.0.7\tc\n"
+        );
+        // Another machine's line with the same name is not ours.
+        assert_eq!(
+            hosts_with_own_entry("10.1.1.1 vm1\n", Some("vm1"), old, "c", new),
+            "10.1.1.1 vm1\n10.0.0.7\tc\n"
+        );
+    }
+
+    #[test]
+    fn the_loopback_address_is_read() {
+        // lo always has 127.0.0.1 once up; reading needs no privilege.
+        if is_up("lo").unwrap_or(false) {
+            assert_eq!(address_of("lo").unwrap(), Some(Ipv4Addr::LOCALHOST));
+        }
+        assert!(matches!(
+            address_of("impnone0"),
+            Err(NetError::Ioctl { .. })
+        ));
     }
 
     #[test]

@@ -1,7 +1,9 @@
-//! The guest agent's API: accept connections, handshake, answer health, metrics and
-//! shutdown, hand execs to [`crate::exec`]. One thread per connection.
+//! The guest agent's API: accept connections, handshake, answer health, metrics, shutdown,
+//! clock setting and reidentification ([`crate::identity`]), hand execs to [`crate::exec`].
+//! One thread per connection.
 
 use crate::exec::{self, ExecDefaults};
+use crate::identity;
 use crate::metrics;
 use crate::reaper::Reaper;
 use crate::transport::{Connection, Listener};
@@ -9,7 +11,9 @@ use crate::transport::{Connection, Listener};
 use imp_proto::ErrorReply;
 use imp_proto::frame::{FrameError, read_frame, write_frame};
 use imp_proto::handshake::HandshakeError;
-use imp_proto::{ErrorKind, HealthReport, Hello, Message, WorkloadState, handshake};
+use imp_proto::{
+    Entropy, ErrorKind, HealthReport, Hello, Identity, Message, WorkloadState, handshake,
+};
 use std::io;
 use std::path::PathBuf;
 use std::sync::mpsc::Sender;
@@ -39,9 +43,10 @@ pub struct Context {
     pub disk_path: PathBuf,
     /// Tells the init to shut down with this grace period.
     pub shutdown: Mutex<Sender<Duration>>,
-    /// Whether [`Message::SetClock`] may set the clock: only as PID 1 in a VM, never in dev
-    /// mode, where the clock is the host's.
-    pub may_set_clock: bool,
+    /// Whether requests may change the system ([`Message::SetClock`],
+    /// [`Message::Reidentify`]): only as PID 1 in a VM, never in dev mode, where the clock,
+    /// hostname, network and entropy pool are the host's.
+    pub owns_system: bool,
 }
 
 impl Context {
@@ -133,7 +138,12 @@ pub fn handle<C: Connection>(mut conn: C, ctx: &Context) {
                     }
                 }
             }
-            Message::SetClock { unix_nanos } => set_clock(ctx.may_set_clock, unix_nanos),
+            Message::SetClock { unix_nanos } => set_clock(ctx.owns_system, unix_nanos),
+            Message::Reidentify {
+                identity,
+                entropy,
+                unix_nanos,
+            } => reidentify(ctx.owns_system, &identity, &entropy, unix_nanos),
             Message::Exec(request) => {
                 let _ = conn.set_read_timeout(None);
                 if let Err(e) = exec::run(conn, &request, &ctx.exec_defaults, &ctx.reaper) {
@@ -144,7 +154,8 @@ pub fn handle<C: Connection>(mut conn: C, ctx: &Context) {
             other => Message::error(
                 ErrorKind::BadRequest,
                 format!(
-                    "A {} message is not a request (expected exec, health, metrics or shutdown)",
+                    "A {} message is not a request (expected exec, health, metrics, shutdown, \
+                     set_clock or reidentify)",
                     other.name()
                 ),
             ),
@@ -163,20 +174,30 @@ fn set_clock(allowed: bool, unix_nanos: u64) -> Message {
             "Setting the clock is refused outside a VM (imp-guest runs with --no-pid1)",
         );
     }
-    match nix::time::clock_settime(nix::time::ClockId::CLOCK_REALTIME, timespec(unix_nanos)) {
+    match crate::system::set_clock(unix_nanos) {
         Ok(()) => Message::ClockSet,
-        Err(e) => Message::error(
-            ErrorKind::Internal,
-            format!("Setting the clock to {unix_nanos} ns since the epoch failed: {e}"),
-        ),
+        Err(e) => Message::error(ErrorKind::Internal, identity::chain(&e)),
     }
 }
 
-/// The `timespec` of a time in nanoseconds since the Unix epoch.
-fn timespec(unix_nanos: u64) -> nix::sys::time::TimeSpec {
-    let secs = i64::try_from(unix_nanos / 1_000_000_000).unwrap_or(i64::MAX);
-    let nanos = i64::try_from(unix_nanos % 1_000_000_000).unwrap_or(0);
-    nix::sys::time::TimeSpec::new(secs, nanos)
+/// Takes a clone's own identity, if this guest may, and reports each step.
+fn reidentify(allowed: bool, id: &Identity, entropy: &Entropy, unix_nanos: u64) -> Message {
+    if !allowed {
+        return Message::error(
+            ErrorKind::PermissionDenied,
+            "Reidentifying is refused outside a VM (imp-guest runs with --no-pid1): the \
+             hostname, network and entropy pool are the host's",
+        );
+    }
+    if let Err(reason) = id.validate().and_then(|()| entropy.validate()) {
+        return Message::error(
+            ErrorKind::BadRequest,
+            format!("Refusing to reidentify: {reason}"),
+        );
+    }
+    let report = identity::reidentify(&mut identity::Live, id, &entropy.0, unix_nanos);
+    eprintln!("imp-guest: reidentified: {report}");
+    Message::Reidentified(report)
 }
 
 /// Whether the handshake failed only because the peer closed the connection before its hello.
@@ -200,23 +221,46 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_clock_is_set_only_inside_a_vm() {
-        use nix::sys::time::TimeValLike;
-        let t = timespec(1_700_000_000_123_456_789);
-        assert_eq!(t.tv_sec(), 1_700_000_000);
-        assert_eq!(t.tv_nsec(), 123_456_789);
-        assert_eq!(
-            timespec(u64::MAX).num_seconds(),
-            (u64::MAX / 1_000_000_000) as i64
-        );
-        // Outside a VM nothing is touched, whatever the time asked for.
-        assert!(matches!(
-            set_clock(false, 0),
-            Message::Error(ErrorReply {
-                kind: ErrorKind::PermissionDenied,
-                ..
-            })
-        ));
+    fn the_clock_and_the_identity_change_only_inside_a_vm() {
+        // Outside a VM nothing is touched, whatever was asked for.
+        let refused = |m: Message| {
+            matches!(
+                m,
+                Message::Error(ErrorReply {
+                    kind: ErrorKind::PermissionDenied,
+                    ..
+                })
+            )
+        };
+        assert!(refused(set_clock(false, 0)));
+        let id = Identity {
+            hostname: Some("clone".into()),
+            ..Identity::default()
+        };
+        assert!(refused(reidentify(false, &id, &Entropy(vec![1; 64]), 0)));
+    }
+
+    #[test]
+    fn a_bad_reidentify_is_refused_before_anything_changes() {
+        // As if inside a VM: the checks come first, so nothing is applied here.
+        let bad = |id: &Identity, entropy: Vec<u8>, want: &str| match reidentify(
+            true,
+            id,
+            &Entropy(entropy),
+            0,
+        ) {
+            Message::Error(e) => {
+                assert_eq!(e.kind, ErrorKind::BadRequest);
+                assert!(e.message.contains(want), "{want}: {}", e.message);
+            }
+            other => panic!("{want}: {other:?}"),
+        };
+        bad(&Identity::default(), vec![0; 8], "8 bytes of entropy");
+        let id = Identity {
+            hostname: Some("two words".into()),
+            ..Identity::default()
+        };
+        bad(&id, vec![0; 64], "hostname");
     }
 
     #[test]

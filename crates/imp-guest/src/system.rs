@@ -43,6 +43,9 @@ pub enum SystemError {
     /// The hostname could not be set.
     #[error("Setting the hostname to {0:?} failed")]
     Hostname(String, #[source] Errno),
+    /// The wall clock could not be set.
+    #[error("Setting the clock to {0} ns since the epoch failed")]
+    Clock(u64, #[source] Errno),
     /// The root disk could not be made `/`.
     #[error("Switching the root to {device} ({step}) failed")]
     SwitchRoot {
@@ -244,6 +247,26 @@ pub fn set_hostname(name: &str) -> Result<(), SystemError> {
     sethostname(name).map_err(|e| SystemError::Hostname(name.to_string(), e))
 }
 
+/// The kernel hostname, if it can be read.
+pub fn hostname() -> Option<String> {
+    nix::unistd::gethostname()
+        .ok()
+        .and_then(|h| h.into_string().ok())
+}
+
+/// Sets the wall clock (`CLOCK_REALTIME`) to a time in nanoseconds since the Unix epoch.
+pub fn set_clock(unix_nanos: u64) -> Result<(), SystemError> {
+    nix::time::clock_settime(nix::time::ClockId::CLOCK_REALTIME, timespec(unix_nanos))
+        .map_err(|e| SystemError::Clock(unix_nanos, e))
+}
+
+/// The `timespec` of a time in nanoseconds since the Unix epoch.
+fn timespec(unix_nanos: u64) -> nix::sys::time::TimeSpec {
+    let secs = i64::try_from(unix_nanos / 1_000_000_000).unwrap_or(i64::MAX);
+    let nanos = i64::try_from(unix_nanos % 1_000_000_000).unwrap_or(0);
+    nix::sys::time::TimeSpec::new(secs, nanos)
+}
+
 /// Writes a file through a temporary and a rename, replacing a symlink rather than following it.
 pub fn write_file(path: &Path, contents: &str) -> Result<(), SystemError> {
     let fail = |source| SystemError::Write {
@@ -345,6 +368,18 @@ mod tests {
              tick_broadcast_mask: 0\n\nTick Device: mode:     0\nPer CPU device: 0\n\
              Clock Event Device: {device}\n max_delta_ns:   137438953451\n"
         )
+    }
+
+    #[test]
+    fn clock_times_become_timespecs() {
+        use nix::sys::time::TimeValLike;
+        let t = timespec(1_700_000_000_123_456_789);
+        assert_eq!(t.tv_sec(), 1_700_000_000);
+        assert_eq!(t.tv_nsec(), 123_456_789);
+        assert_eq!(
+            timespec(u64::MAX).num_seconds(),
+            (u64::MAX / 1_000_000_000) as i64
+        );
     }
 
     #[test]

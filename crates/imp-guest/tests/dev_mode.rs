@@ -280,8 +280,19 @@ fn exec_runs_as_the_requested_user() {
 fn health_and_metrics_answer_on_one_connection() {
     let guest = Guest::start("health", &config(&["sleep", "30"]));
     let mut c = guest.connect();
-    let h = c.health().unwrap();
-    assert!(matches!(h.workload, WorkloadState::Running { .. }), "{h:?}");
+    // The agent answers from the start; the workload is Starting until its process runs
+    // (on a loaded machine that is a few milliseconds after the socket opens).
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let h = loop {
+        let h = c.health().unwrap();
+        match h.workload {
+            WorkloadState::Running { .. } => break h,
+            WorkloadState::Starting if std::time::Instant::now() < deadline => {
+                std::thread::sleep(std::time::Duration::from_millis(10));
+            }
+            _ => panic!("the workload did not come to run: {h:?}"),
+        }
+    };
     let m = c.metrics().unwrap();
     assert!(m.memory_total_bytes > 0 && m.disk_total_bytes > 0, "{m:?}");
     assert!((0.0..=1.0).contains(&m.cpu_usage_ratio));
@@ -418,4 +429,29 @@ fn a_missing_config_is_reported_as_127() {
     assert_eq!(out.status.code(), Some(127));
     assert!(String::from_utf8_lossy(&out.stdout).contains("IMP_EXIT 127"));
     assert!(String::from_utf8_lossy(&out.stderr).contains("missing.json"));
+}
+
+#[test]
+fn a_dev_mode_guest_refuses_to_change_the_hosts_identity_and_keeps_serving() {
+    let guest = Guest::start("reidentify", &config(&["sleep", "30"]));
+    let mut c = guest.connect();
+    assert_eq!(c.peer().version, imp_proto::PROTOCOL_VERSION);
+    let identity = imp_proto::Identity {
+        hostname: Some("not-this-host".into()),
+        ..imp_proto::Identity::default()
+    };
+    let err = c
+        .reidentify(
+            &identity,
+            imp_proto::Entropy(vec![0; 64]),
+            std::time::SystemTime::now(),
+        )
+        .unwrap_err();
+    assert!(
+        matches!(&err, ClientError::Remote(e) if e.kind == ErrorKind::PermissionDenied
+            && e.message.contains("outside a VM")),
+        "{err}"
+    );
+    // The connection goes on.
+    assert!(c.health().is_ok());
 }

@@ -7,7 +7,8 @@
 use crate::frame::{FrameError, read_frame, write_data, write_frame};
 use crate::handshake::{HandshakeError, handshake};
 use crate::message::{
-    ErrorReply, ExecRequest, ExitStatus, HealthReport, Hello, Message, MetricsReport, WindowSize,
+    Entropy, ErrorReply, ExecRequest, ExitStatus, HealthReport, Hello, Identity, Message,
+    MetricsReport, ReidentifyReport, Version, WindowSize,
 };
 use std::io::{self, Read, Write};
 use std::time::Duration;
@@ -35,6 +36,29 @@ pub enum ClientError {
     /// The guest reported an error (its message escaped when shown: the guest's words).
     #[error("Guest agent refused the request ({:?}): {}", .0.kind, crate::message::escape(&.0.message))]
     Remote(ErrorReply),
+    /// The guest's protocol predates the request, so it could not parse it; nothing was sent.
+    #[error(
+        "The guest agent ({software}) speaks protocol {peer}, and {request} needs {needed} or \
+         later: the VM runs an older imp-guest"
+    )]
+    Unsupported {
+        /// The request.
+        request: &'static str,
+        /// The version that introduced it.
+        needed: Version,
+        /// The guest's version.
+        peer: Version,
+        /// The guest's software string, escaped ([`crate::message::escape`]).
+        software: String,
+    },
+    /// The request was refused before it was sent: it cannot be right.
+    #[error("Refusing to send {request}: {reason}")]
+    Invalid {
+        /// The request.
+        request: &'static str,
+        /// What is wrong with it.
+        reason: String,
+    },
     /// The vsock multiplexer refused the `CONNECT`.
     #[error("Vsock CONNECT to guest port {port} failed: {reason}")]
     Connect {
@@ -121,14 +145,41 @@ impl<S: Read + Write> Client<S> {
     /// Sets the guest's wall clock to `now` (after a restore its clock is as old as the
     /// snapshot).
     pub fn set_clock(&mut self, now: std::time::SystemTime) -> Result<()> {
-        let unix_nanos = now
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))
-            .unwrap_or(0);
-        write_frame(&mut self.stream, &Message::SetClock { unix_nanos })?;
+        let request = Message::SetClock {
+            unix_nanos: unix_nanos(now),
+        };
+        self.send(&request)?;
         match self.answer("the clock acknowledgement")? {
             Message::ClockSet => Ok(()),
             other => Err(unexpected("the clock acknowledgement", &other)),
+        }
+    }
+
+    /// Makes a guest restored from a snapshot that other VMs share a machine of its own:
+    /// reseeds its entropy pool with `entropy`, sets its clock to `now`, gives it `identity`
+    /// and ends the TCP connections it carried over. Returns what the guest did, step by step;
+    /// a step that failed is in the report, not an error.
+    pub fn reidentify(
+        &mut self,
+        identity: &Identity,
+        entropy: Entropy,
+        now: std::time::SystemTime,
+    ) -> Result<ReidentifyReport> {
+        let invalid = |reason| ClientError::Invalid {
+            request: "reidentify",
+            reason,
+        };
+        identity.validate().map_err(invalid)?;
+        entropy.validate().map_err(invalid)?;
+        let request = Message::Reidentify {
+            identity: identity.clone(),
+            entropy,
+            unix_nanos: unix_nanos(now),
+        };
+        self.send(&request)?;
+        match self.answer("the reidentification report")? {
+            Message::Reidentified(report) => Ok(report),
+            other => Err(unexpected("the reidentification report", &other)),
         }
     }
 
@@ -159,6 +210,21 @@ impl<S: Read + Write> Client<S> {
         self.stream
     }
 
+    /// Sends a request the guest's version can read; an older guest would fail to parse it
+    /// and drop the connection, so it is told apart here instead.
+    fn send(&mut self, request: &Message) -> Result<()> {
+        let needed = request.since();
+        if !self.peer.version.supports(needed) {
+            return Err(ClientError::Unsupported {
+                request: request.name(),
+                needed,
+                peer: self.peer.version,
+                software: self.peer.software_escaped(),
+            });
+        }
+        Ok(write_frame(&mut self.stream, request)?)
+    }
+
     fn answer(&mut self, expected: &'static str) -> Result<Message> {
         match read_frame(&mut self.stream)? {
             None => Err(ClientError::Closed(expected)),
@@ -166,6 +232,13 @@ impl<S: Read + Write> Client<S> {
             Some(m) => Ok(m),
         }
     }
+}
+
+/// Nanoseconds since the Unix epoch (0 before it, saturated far after it).
+fn unix_nanos(t: std::time::SystemTime) -> u64 {
+    t.duration_since(std::time::UNIX_EPOCH)
+        .map(|d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))
+        .unwrap_or(0)
 }
 
 fn unexpected(expected: &'static str, got: &Message) -> ClientError {
@@ -453,6 +526,121 @@ mod tests {
             "{err}"
         );
         g.join().unwrap();
+    }
+
+    fn identity() -> Identity {
+        Identity {
+            hostname: Some("clone-2".into()),
+            mac: Some("02:00:0a:00:00:07".into()),
+            network: Some(crate::config::NetworkConfig {
+                interface: "eth0".into(),
+                address: std::net::Ipv4Addr::new(10, 0, 0, 7),
+                prefix_len: 24,
+                gateway: Some(std::net::Ipv4Addr::new(10, 0, 0, 1)),
+                dns: vec![],
+                search: vec![],
+                mtu: None,
+            }),
+        }
+    }
+
+    #[test]
+    fn reidentify_sends_identity_entropy_and_time_and_returns_the_report() {
+        use crate::message::{Step, StepStatus};
+        let (host, guest) = UnixStream::pair().unwrap();
+        let report = ReidentifyReport {
+            steps: vec![Step {
+                name: "entropy".into(),
+                status: StepStatus::Done,
+                detail: "512 bits credited".into(),
+            }],
+        };
+        let g = fake_guest(
+            guest,
+            vec![("reidentify", vec![Message::Reidentified(report.clone())])],
+        );
+        let mut c = Client::handshake(host, &Hello::new("host")).unwrap();
+        let now = std::time::UNIX_EPOCH + Duration::from_nanos(1_700_000_000_000_000_007);
+        let got = c
+            .reidentify(&identity(), Entropy(vec![7; 64]), now)
+            .unwrap();
+        assert_eq!(got, report);
+        let seen = g.join().unwrap();
+        assert_eq!(
+            seen[0],
+            Message::Reidentify {
+                identity: identity(),
+                entropy: Entropy(vec![7; 64]),
+                unix_nanos: 1_700_000_000_000_000_007,
+            }
+        );
+    }
+
+    /// A guest that says hello with `version`, then reports whether anything else arrived.
+    fn old_guest(
+        mut s: UnixStream,
+        version: crate::message::Version,
+    ) -> thread::JoinHandle<Option<Message>> {
+        thread::spawn(move || {
+            let hello = Hello {
+                version,
+                software: "imp-guest 0.0.9".into(),
+            };
+            handshake(&mut s, &hello).unwrap();
+            read_frame(&mut s).unwrap()
+        })
+    }
+
+    #[test]
+    fn an_older_guest_is_not_sent_what_it_cannot_read_and_the_error_says_so() {
+        use crate::message::Version;
+        let (host, guest) = UnixStream::pair().unwrap();
+        let g = old_guest(guest, Version { major: 1, minor: 1 });
+        let mut c = Client::handshake(host, &Hello::new("host")).unwrap();
+        let err = c
+            .reidentify(
+                &identity(),
+                Entropy(vec![1; 64]),
+                std::time::SystemTime::now(),
+            )
+            .unwrap_err();
+        assert!(matches!(err, ClientError::Unsupported { .. }), "{err}");
+        assert_eq!(
+            err.to_string(),
+            "The guest agent (imp-guest 0.0.9) speaks protocol 1.1, and reidentify needs 1.2 or \
+             later: the VM runs an older imp-guest"
+        );
+        // The clock (1.1) still works on a 1.1 guest; on a 1.0 guest it is refused alike.
+        drop(c);
+        assert_eq!(g.join().unwrap(), None, "nothing was sent");
+        let (host, guest) = UnixStream::pair().unwrap();
+        let g = old_guest(guest, Version { major: 1, minor: 0 });
+        let mut c = Client::handshake(host, &Hello::new("host")).unwrap();
+        let err = c.set_clock(std::time::SystemTime::now()).unwrap_err();
+        assert!(err.to_string().contains("set_clock needs 1.1"), "{err}");
+        drop(c);
+        assert_eq!(g.join().unwrap(), None);
+    }
+
+    #[test]
+    fn a_bad_identity_or_too_little_entropy_is_refused_before_sending() {
+        let (host, guest) = UnixStream::pair().unwrap();
+        let g = old_guest(guest, crate::PROTOCOL_VERSION);
+        let mut c = Client::handshake(host, &Hello::new("host")).unwrap();
+        let now = std::time::SystemTime::now();
+        let err = c
+            .reidentify(&identity(), Entropy(vec![1; 63]), now)
+            .unwrap_err();
+        assert!(
+            matches!(&err, ClientError::Invalid { reason, .. } if reason.contains("63 bytes")),
+            "{err}"
+        );
+        let mut bad = identity();
+        bad.mac = Some("01:00:5e:00:00:01".into());
+        let err = c.reidentify(&bad, Entropy(vec![1; 64]), now).unwrap_err();
+        assert!(err.to_string().contains("multicast"), "{err}");
+        drop(c);
+        assert_eq!(g.join().unwrap(), None);
     }
 
     #[test]

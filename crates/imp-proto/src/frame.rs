@@ -251,6 +251,32 @@ mod tests {
                 disk_total_bytes: 10,
             }),
             Message::ShutdownAccepted,
+            Message::SetClock { unix_nanos: 7 },
+            Message::ClockSet,
+            Message::Reidentify {
+                identity: Identity {
+                    hostname: Some("clone".into()),
+                    mac: Some("02:00:00:00:00:01".into()),
+                    network: Some(crate::config::NetworkConfig {
+                        interface: "eth0".into(),
+                        address: std::net::Ipv4Addr::new(10, 0, 0, 9),
+                        prefix_len: 24,
+                        gateway: None,
+                        dns: vec![],
+                        search: vec![],
+                        mtu: Some(1400),
+                    }),
+                },
+                entropy: Entropy((0..=255).collect()),
+                unix_nanos: u64::MAX,
+            },
+            Message::Reidentified(ReidentifyReport {
+                steps: vec![Step {
+                    name: "crng".into(),
+                    status: StepStatus::Skipped,
+                    detail: "not supported".into(),
+                }],
+            }),
             Message::WorkloadExited {
                 status: ExitStatus::Code(1),
             },

@@ -1,5 +1,6 @@
 //! The messages exchanged on a guest connection, in both directions.
 
+use crate::config::{GuestConfig, NetworkConfig};
 use serde::{Deserialize, Serialize};
 use std::fmt;
 
@@ -16,6 +17,12 @@ impl Version {
     /// Whether a peer speaking `other` can talk to us.
     pub fn is_compatible_with(&self, other: &Version) -> bool {
         self.major == other.major
+    }
+
+    /// Whether a peer speaking this version understands what was added in `needed`: the same
+    /// major and at least its minor.
+    pub fn supports(&self, needed: Version) -> bool {
+        self.major == needed.major && self.minor >= needed.minor
     }
 }
 
@@ -237,6 +244,206 @@ pub struct ErrorReply {
     pub message: String,
 }
 
+/// The fewest bytes of host randomness a [`Message::Reidentify`] carries (512 bits).
+pub const MIN_ENTROPY_BYTES: usize = 64;
+
+/// The most bytes of randomness a [`Message::Reidentify`] may carry.
+pub const MAX_ENTROPY_BYTES: usize = 4096;
+
+/// Bytes from the host's random number generator for the guest's entropy pool. Shown by
+/// length only: the bytes seed the guest's generator and must not reach a log.
+#[derive(Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct Entropy(pub Vec<u8>);
+
+impl fmt::Debug for Entropy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Entropy(<{} bytes>)", self.0.len())
+    }
+}
+
+impl Entropy {
+    /// Checks the length against [`MIN_ENTROPY_BYTES`] and [`MAX_ENTROPY_BYTES`].
+    pub fn validate(&self) -> Result<(), String> {
+        let n = self.0.len();
+        if (MIN_ENTROPY_BYTES..=MAX_ENTROPY_BYTES).contains(&n) {
+            Ok(())
+        } else {
+            Err(format!(
+                "{n} bytes of entropy; between {MIN_ENTROPY_BYTES} and {MAX_ENTROPY_BYTES} are needed"
+            ))
+        }
+    }
+}
+
+/// What a guest restored from a snapshot that other VMs share becomes: the names and
+/// addresses the host gave this VM. Anything left out keeps its current value.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Identity {
+    /// The new hostname.
+    pub hostname: Option<String>,
+    /// The new MAC (`aa:bb:cc:dd:ee:ff`) of the network's interface; only with `network`,
+    /// because changing it takes the interface down, which drops its routes.
+    pub mac: Option<String>,
+    /// The new static network of its interface. Without it the interface, its addresses and
+    /// its TCP connections are left alone.
+    pub network: Option<NetworkConfig>,
+}
+
+impl Identity {
+    /// Checks what parsing alone cannot: the hostname and network by the guest config's rules
+    /// (and no whitespace or control character in a name written to /etc files), the MAC's
+    /// form (unicast, not all zeros).
+    pub fn validate(&self) -> Result<(), String> {
+        let as_config = GuestConfig {
+            hostname: self.hostname.clone(),
+            network: self.network.clone(),
+            ..GuestConfig::default()
+        };
+        as_config.validate().map_err(|e| e.to_string())?;
+        let unprintable = |s: &str| s.chars().any(|c| c.is_whitespace() || c.is_control());
+        if let Some(h) = &self.hostname
+            && unprintable(h)
+        {
+            return Err(format!(
+                "hostname {h:?} holds whitespace or a control character"
+            ));
+        }
+        if let Some(n) = &self.network
+            && let Some(s) = n.search.iter().find(|s| s.is_empty() || unprintable(s))
+        {
+            return Err(format!(
+                "search domain {s:?} is empty or holds whitespace or a control character"
+            ));
+        }
+        if let Some(mac) = &self.mac {
+            let bytes =
+                parse_mac(mac).ok_or_else(|| format!("MAC {mac:?} is not aa:bb:cc:dd:ee:ff"))?;
+            if bytes[0] & 1 != 0 || bytes == [0; 6] {
+                return Err(format!("MAC {mac} is multicast or all zeros"));
+            }
+            if self.network.is_none() {
+                return Err(
+                    "a new MAC needs the network too: the interface goes down to change it, \
+                     which drops its routes"
+                        .to_string(),
+                );
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The six bytes of a MAC written `aa:bb:cc:dd:ee:ff` (either case); `None` if it is not one.
+pub fn parse_mac(text: &str) -> Option<[u8; 6]> {
+    let mut out = [0u8; 6];
+    let mut parts = text.split(':');
+    for byte in &mut out {
+        let part = parts.next()?;
+        if part.len() != 2 || !part.bytes().all(|b| b.is_ascii_hexdigit()) {
+            return None;
+        }
+        *byte = u8::from_str_radix(part, 16).ok()?;
+    }
+    parts.next().is_none().then_some(out)
+}
+
+/// How one step of a [`Message::Reidentify`] went.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StepStatus {
+    /// It was done.
+    Done,
+    /// It was not asked for, or could not apply; the detail says why.
+    Skipped,
+    /// It was tried and failed; the detail is the error.
+    Failed,
+}
+
+/// One step of a [`Message::Reidentify`] and how it went.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Step {
+    /// Which step (one of [`steps`]; a newer guest may report others).
+    pub name: String,
+    /// How it went.
+    pub status: StepStatus,
+    /// What was done, why it was skipped, or the error.
+    #[serde(default)]
+    pub detail: String,
+}
+
+/// The names of the steps a [`Message::Reidentify`] runs, in the order the guest runs them.
+pub mod steps {
+    /// Host bytes mixed into the entropy pool and credited (`RNDADDENTROPY`).
+    pub const ENTROPY: &str = "entropy";
+    /// The kernel's CRNG reseeded from the pool at once (`RNDRESEEDCRNG`).
+    pub const CRNG: &str = "crng";
+    /// The wall clock set.
+    pub const CLOCK: &str = "clock";
+    /// The interface taken down, so nothing leaves it with the source's addresses.
+    pub const LINK_DOWN: &str = "link_down";
+    /// The TCP connections carried over from the source on its address destroyed.
+    pub const CONNECTIONS: &str = "connections";
+    /// The interface's new MAC.
+    pub const MAC: &str = "mac";
+    /// The source's addresses removed from the interface (its routes went with the link).
+    pub const ADDRESSES: &str = "addresses";
+    /// The new address, netmask and default route set and the interface brought up.
+    pub const NETWORK: &str = "network";
+    /// The kernel hostname set.
+    pub const HOSTNAME: &str = "hostname";
+    /// /etc/hosts' own entry rewritten.
+    pub const HOSTS: &str = "hosts";
+    /// /etc/resolv.conf rewritten.
+    pub const RESOLV_CONF: &str = "resolv_conf";
+}
+
+/// The guest's answer to [`Message::Reidentify`]: every step in the order it ran.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct ReidentifyReport {
+    /// The steps.
+    pub steps: Vec<Step>,
+}
+
+impl ReidentifyReport {
+    /// The step of this name, if the guest reported it.
+    pub fn step(&self, name: &str) -> Option<&Step> {
+        self.steps.iter().find(|s| s.name == name)
+    }
+
+    /// The steps that failed.
+    pub fn failed(&self) -> impl Iterator<Item = &Step> {
+        self.steps.iter().filter(|s| s.status == StepStatus::Failed)
+    }
+
+    /// Whether no step failed.
+    pub fn is_complete(&self) -> bool {
+        self.failed().next().is_none()
+    }
+}
+
+/// One line per step, the guest's words [`escape`]d: it is shown and logged on the host.
+impl fmt::Display for ReidentifyReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for (i, s) in self.steps.iter().enumerate() {
+            if i > 0 {
+                f.write_str("; ")?;
+            }
+            let status = match s.status {
+                StepStatus::Done => "done",
+                StepStatus::Skipped => "skipped",
+                StepStatus::Failed => "FAILED",
+            };
+            write!(f, "{}: {status}", escape(&s.name))?;
+            if !s.detail.is_empty() {
+                write!(f, " ({})", escape(&s.detail))?;
+            }
+        }
+        Ok(())
+    }
+}
+
 /// Every message of the protocol; the data variants travel as raw bytes, the rest as JSON.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
@@ -257,6 +464,17 @@ pub enum Message {
     /// Host → guest: set the guest's wall clock (stale after a snapshot is restored).
     SetClock {
         /// Nanoseconds since the Unix epoch.
+        unix_nanos: u64,
+    },
+    /// Host → guest (since 1.2): become a new machine after a restore from a snapshot that
+    /// other VMs share: mix `entropy` into the entropy pool and reseed the CRNG, set the clock,
+    /// take `identity`, destroy the TCP connections carried over on the source's address.
+    Reidentify {
+        /// The VM's own names and addresses.
+        identity: Identity,
+        /// Fresh randomness from the host, at least [`MIN_ENTROPY_BYTES`].
+        entropy: Entropy,
+        /// The wall clock, in nanoseconds since the Unix epoch.
         unix_nanos: u64,
     },
     /// Host → guest: bytes for the exec's stdin.
@@ -295,6 +513,8 @@ pub enum Message {
     ShutdownAccepted,
     /// Guest → host: the clock was set.
     ClockSet,
+    /// Guest → host: what [`Message::Reidentify`] did, step by step.
+    Reidentified(ReidentifyReport),
     /// Guest → host, on the guest's own connection: the workload ended.
     WorkloadExited {
         /// How it ended.
@@ -316,6 +536,7 @@ impl Message {
             Message::Metrics => "metrics",
             Message::Shutdown { .. } => "shutdown",
             Message::SetClock { .. } => "set_clock",
+            Message::Reidentify { .. } => "reidentify",
             Message::Stdin(_) => "stdin",
             Message::StdinEof => "stdin_eof",
             Message::Resize(_) => "resize",
@@ -328,9 +549,24 @@ impl Message {
             Message::MetricsReport(_) => "metrics_report",
             Message::ShutdownAccepted => "shutdown_accepted",
             Message::ClockSet => "clock_set",
+            Message::Reidentified(_) => "reidentified",
             Message::WorkloadExited { .. } => "workload_exited",
             Message::Ack => "ack",
             Message::Error(_) => "error",
+        }
+    }
+
+    /// The protocol version that introduced this message: a peer speaking an older minor
+    /// cannot read it (it fails to parse it and drops the connection).
+    pub fn since(&self) -> Version {
+        let minor = match self {
+            Message::SetClock { .. } | Message::ClockSet => 1,
+            Message::Reidentify { .. } | Message::Reidentified(_) => 2,
+            _ => 0,
+        };
+        Version {
+            major: crate::PROTOCOL_VERSION.major,
+            minor,
         }
     }
 
@@ -383,6 +619,162 @@ mod tests {
         let v = Version { major: 1, minor: 0 };
         assert!(v.is_compatible_with(&Version { major: 1, minor: 7 }));
         assert!(!v.is_compatible_with(&Version { major: 2, minor: 0 }));
+    }
+
+    fn network(address: [u8; 4]) -> NetworkConfig {
+        NetworkConfig {
+            interface: "eth0".into(),
+            address: address.into(),
+            prefix_len: 24,
+            gateway: Some([10, 0, 0, 1].into()),
+            dns: vec!["10.0.0.1".parse().unwrap()],
+            search: vec!["svc.local".into()],
+            mtu: None,
+        }
+    }
+
+    #[test]
+    fn macs_parse_only_in_their_usual_form() {
+        assert_eq!(parse_mac("02:00:0A:ff:00:07"), Some([2, 0, 10, 255, 0, 7]));
+        for bad in [
+            "",
+            "02:00:0a:ff:00",
+            "02:00:0a:ff:00:07:08",
+            "02-00-0a-ff-00-07",
+            "2:00:0a:ff:00:07",
+            "02:00:0a:ff:00:0g",
+            "+2:00:0a:ff:00:07",
+        ] {
+            assert_eq!(parse_mac(bad), None, "{bad}");
+        }
+    }
+
+    #[test]
+    fn identities_are_checked_before_they_are_applied() {
+        let good = Identity {
+            hostname: Some("clone-1".into()),
+            mac: Some("02:00:0a:00:00:07".into()),
+            network: Some(network([10, 0, 0, 7])),
+        };
+        good.validate().unwrap();
+        Identity::default().validate().unwrap();
+        type Spoil = fn(&mut Identity);
+        let cases: [(Spoil, &str); 7] = [
+            (|i| i.hostname = Some("a\nb".into()), "whitespace"),
+            (|i| i.hostname = Some(String::new()), "`hostname`"),
+            (|i| i.mac = Some("03:00:0a:00:00:07".into()), "multicast"),
+            (|i| i.mac = Some("00:00:00:00:00:00".into()), "all zeros"),
+            (|i| i.mac = Some("nope".into()), "is not aa:bb"),
+            (|i| i.network = None, "needs the network"),
+            (
+                |i| {
+                    if let Some(n) = &mut i.network {
+                        n.search = vec!["a\nnameserver 6.6.6.6".into()];
+                    }
+                },
+                "search domain",
+            ),
+        ];
+        for (spoil, want) in cases {
+            let mut bad = good.clone();
+            spoil(&mut bad);
+            let err = bad.validate().unwrap_err();
+            assert!(err.contains(want), "{want}: {err}");
+        }
+    }
+
+    #[test]
+    fn entropy_is_bounded_and_never_shown() {
+        assert!(Entropy(vec![0; MIN_ENTROPY_BYTES]).validate().is_ok());
+        assert!(Entropy(vec![0; MAX_ENTROPY_BYTES]).validate().is_ok());
+        assert!(Entropy(vec![0; MIN_ENTROPY_BYTES - 1]).validate().is_err());
+        assert!(Entropy(vec![0; MAX_ENTROPY_BYTES + 1]).validate().is_err());
+        let m = Message::Reidentify {
+            identity: Identity::default(),
+            entropy: Entropy(vec![0xab; 64]),
+            unix_nanos: 5,
+        };
+        let shown = format!("{m:?}");
+        assert!(shown.contains("Entropy(<64 bytes>)"), "{shown}");
+        assert!(!shown.contains("171"), "the bytes leak: {shown}");
+    }
+
+    #[test]
+    fn new_messages_say_which_version_brought_them() {
+        let v = |minor| Version { major: 1, minor };
+        assert_eq!(Message::Health.since(), v(0));
+        assert_eq!(Message::SetClock { unix_nanos: 1 }.since(), v(1));
+        assert_eq!(
+            Message::Reidentified(ReidentifyReport::default()).since(),
+            v(2)
+        );
+        assert!(v(2).supports(v(1)) && v(2).supports(v(2)));
+        assert!(!v(1).supports(v(2)));
+        assert!(!Version { major: 2, minor: 5 }.supports(v(1)));
+        assert!(
+            crate::PROTOCOL_VERSION.supports(
+                Message::Reidentify {
+                    identity: Identity::default(),
+                    entropy: Entropy::default(),
+                    unix_nanos: 0
+                }
+                .since()
+            )
+        );
+    }
+
+    #[test]
+    fn a_report_tells_its_failures_and_shows_the_guests_words_escaped() {
+        let step = |name: &str, status, detail: &str| Step {
+            name: name.into(),
+            status,
+            detail: detail.into(),
+        };
+        let report = ReidentifyReport {
+            steps: vec![
+                step(steps::ENTROPY, StepStatus::Done, "512 bits credited"),
+                step(steps::MAC, StepStatus::Failed, "refused\u{1b}[2J"),
+                step(steps::HOSTNAME, StepStatus::Skipped, ""),
+            ],
+        };
+        assert!(!report.is_complete());
+        assert_eq!(
+            report.failed().map(|s| s.name.as_str()).collect::<Vec<_>>(),
+            ["mac"]
+        );
+        assert_eq!(
+            report.step("entropy").map(|s| s.status),
+            Some(StepStatus::Done)
+        );
+        assert_eq!(
+            report.to_string(),
+            "entropy: done (512 bits credited); mac: FAILED (refused\\u{1b}[2J); hostname: skipped"
+        );
+    }
+
+    #[test]
+    fn a_reidentify_request_reads_as_json() {
+        let m = Message::Reidentify {
+            identity: Identity {
+                hostname: Some("c1".into()),
+                mac: None,
+                network: None,
+            },
+            entropy: Entropy(vec![1, 2]),
+            unix_nanos: 9,
+        };
+        let json = serde_json::to_string(&m).unwrap();
+        assert_eq!(
+            json,
+            r#"{"type":"reidentify","identity":{"hostname":"c1","mac":null,"network":null},"entropy":[1,2],"unix_nanos":9}"#
+        );
+        assert_eq!(serde_json::from_str::<Message>(&json).unwrap(), m);
+        // A newer guest's unknown step names still parse.
+        let report: Message = serde_json::from_str(
+            r#"{"type":"reidentified","steps":[{"name":"machine_id","status":"done"}]}"#,
+        )
+        .unwrap();
+        assert!(matches!(report, Message::Reidentified(r) if r.steps[0].detail.is_empty()));
     }
 
     #[test]

@@ -11,13 +11,16 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
 /// The modules every imp VM loads: the MMIO transport, the root disk, the NIC, vsock
-/// (Firecracker) and virtio-serial (QEMU's guest channel, the `imp.mux` port).
+/// (Firecracker), virtio-serial (QEMU's guest channel, the `imp.mux` port) and the TCP socket
+/// diagnostics with which a clone destroys the connections it carried over from its source
+/// (`tcp_diag`, with `inet_diag`; the guest has no modprobe to load them on demand).
 pub const VM_MODULES: &[&str] = &[
     "virtio_mmio",
     "virtio_blk",
     "virtio_net",
     "vmw_vsock_virtio_transport",
     "virtio_console",
+    "tcp_diag",
 ];
 
 /// Why the module set could not be worked out.

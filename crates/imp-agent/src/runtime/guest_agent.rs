@@ -1,6 +1,6 @@
 //! The runtime's few calls to a VM's guest agent: the health check that makes a VM Running,
-//! setting the guest's clock after a restore, and the exit report the guest sends when its
-//! workload ends.
+//! setting the guest's clock after a restore, giving a clone restored from a shared snapshot
+//! its own identity, and the exit report the guest sends when its workload ends.
 //!
 //! The connection goes through the VMM's vsock socket with [`crate::vmm::vsock::connect`]
 //! (async, never abandoning an unanswered `CONNECT`); the synchronous protocol client of
@@ -10,7 +10,9 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use imp_proto::message::{ExitStatus, HealthReport, Hello};
+use imp_proto::message::{
+    Entropy, ExitStatus, HealthReport, Hello, Identity, MIN_ENTROPY_BYTES, ReidentifyReport,
+};
 use tokio::sync::{Semaphore, mpsc};
 
 use crate::vmm;
@@ -30,6 +32,12 @@ pub enum GuestAgentError {
     /// The guest did not set its clock.
     #[error("setting the guest's clock")]
     SetClock(#[source] imp_proto::ClientError),
+    /// The guest did not take its new identity (an older guest says so: `Unsupported`).
+    #[error("giving the guest its own identity")]
+    Reidentify(#[source] imp_proto::ClientError),
+    /// The host's randomness for the guest could not be read.
+    #[error("reading {MIN_ENTROPY_BYTES} bytes of randomness for the guest from /dev/urandom")]
+    Entropy(#[source] std::io::Error),
     /// The blocking task died.
     #[error("the guest agent task failed")]
     Task(#[source] tokio::task::JoinError),
@@ -73,6 +81,47 @@ pub async fn set_clock(
     exchange(vsock, port, timeout, move |client| client.set_clock(now))
         .await?
         .map_err(GuestAgentError::SetClock)
+}
+
+/// Makes a guest restored from a snapshot that other VMs share a machine of its own, through
+/// the guest agent on `port`, for at most `timeout` in all: [`MIN_ENTROPY_BYTES`] fresh bytes
+/// of the host's randomness for its entropy pool (the CRNG reseeded at once), its clock set to
+/// now, `identity`'s hostname, MAC and network, and the TCP connections it carried over from
+/// the source destroyed. Call it after resuming each clone, before its network is joined to
+/// the others' (until then it sends as the source).
+///
+/// The report says what each step did; a step that failed is there, not an error: the caller
+/// decides (a failed `entropy` step means the clone's random numbers may repeat its source's).
+/// A guest too old for the request fails with `Reidentify(ClientError::Unsupported)` and
+/// nothing sent.
+pub async fn reidentify(
+    vsock: &Path,
+    port: u32,
+    identity: &Identity,
+    timeout: Duration,
+) -> Result<ReidentifyReport, GuestAgentError> {
+    let started = tokio::time::Instant::now();
+    let entropy = tokio::task::spawn_blocking(host_entropy)
+        .await
+        .map_err(GuestAgentError::Task)?
+        .map_err(GuestAgentError::Entropy)?;
+    let identity = identity.clone();
+    let left = timeout.saturating_sub(started.elapsed());
+    exchange(vsock, port, left, move |client| {
+        // The time is read as late as possible: the guest sets its clock to it.
+        client.reidentify(&identity, entropy, std::time::SystemTime::now())
+    })
+    .await?
+    .map_err(GuestAgentError::Reidentify)
+}
+
+/// [`MIN_ENTROPY_BYTES`] from the host's generator (`/dev/urandom` never blocks once the
+/// kernel's generator is seeded, which a host running VMs long is).
+fn host_entropy() -> std::io::Result<Entropy> {
+    use std::io::Read;
+    let mut bytes = vec![0u8; MIN_ENTROPY_BYTES];
+    std::fs::File::open("/dev/urandom")?.read_exact(&mut bytes)?;
+    Ok(Entropy(bytes))
 }
 
 /// Connects to the guest agent on `port`, shakes hands and runs `ask` on a blocking thread,
@@ -360,6 +409,122 @@ mod tests {
             .unwrap_err();
         assert!(chain(&err).contains("got a ack message"), "{}", chain(&err));
         guest.abort();
+    }
+
+    /// A guest behind a fake VMM that says hello with `version` and answers one request with
+    /// `answer` (none: reads until the host hangs up); returns what it received.
+    fn scripted_guest(
+        vsock: &Path,
+        version: imp_proto::message::Version,
+        answer: Option<Message>,
+    ) -> tokio::task::JoinHandle<Vec<Message>> {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let guest = fake_guest(vsock, move |s| async move {
+            let s = s.into_std().unwrap();
+            s.set_nonblocking(false).unwrap();
+            let seen = tokio::task::spawn_blocking(move || {
+                let mut s = s;
+                let hello = Hello {
+                    version,
+                    software: "imp-guest test".into(),
+                };
+                imp_proto::handshake(&mut s, &hello).unwrap();
+                let mut seen = Vec::new();
+                while let Ok(Some(m)) = imp_proto::read_frame(&mut s) {
+                    seen.push(m);
+                    if let Some(a) = &answer {
+                        imp_proto::write_frame(&mut s, a).unwrap();
+                    }
+                }
+                seen
+            })
+            .await
+            .unwrap();
+            let _ = tx.send(seen);
+        });
+        tokio::spawn(async move {
+            let seen = rx.await.unwrap();
+            guest.abort();
+            seen
+        })
+    }
+
+    fn identity() -> Identity {
+        Identity {
+            hostname: Some("clone-1".into()),
+            mac: None,
+            network: None,
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn reidentify_sends_fresh_entropy_and_the_time_and_returns_the_guests_report() {
+        use imp_proto::message::{Step, StepStatus};
+        let report = ReidentifyReport {
+            steps: vec![Step {
+                name: "entropy".into(),
+                status: StepStatus::Done,
+                detail: "512 bits credited".into(),
+            }],
+        };
+        let mut sent = Vec::new();
+        for round in 0..2 {
+            let dir = Scratch::new(&format!("reid{round}"));
+            let guest = scripted_guest(
+                &dir.vsock(),
+                imp_proto::PROTOCOL_VERSION,
+                Some(Message::Reidentified(report.clone())),
+            );
+            let before = std::time::SystemTime::now();
+            let got = reidentify(&dir.vsock(), 52, &identity(), Duration::from_secs(10))
+                .await
+                .unwrap();
+            assert_eq!(got, report);
+            let seen = guest.await.unwrap();
+            let [
+                Message::Reidentify {
+                    identity: id,
+                    entropy,
+                    unix_nanos,
+                },
+            ] = &seen[..]
+            else {
+                panic!("{seen:?}");
+            };
+            assert_eq!(*id, identity());
+            assert_eq!(entropy.0.len(), MIN_ENTROPY_BYTES);
+            let since = before.duration_since(std::time::UNIX_EPOCH).unwrap();
+            assert!(
+                u128::from(*unix_nanos) >= since.as_nanos(),
+                "the clock is now"
+            );
+            sent.push(entropy.clone());
+        }
+        assert_ne!(sent[0], sent[1], "every clone gets bytes of its own");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_older_guest_is_reported_as_too_old_and_sent_nothing() {
+        let dir = Scratch::new("reid-old");
+        let old = imp_proto::message::Version { major: 1, minor: 1 };
+        let guest = scripted_guest(&dir.vsock(), old, None);
+        let err = reidentify(&dir.vsock(), 52, &identity(), Duration::from_secs(10))
+            .await
+            .unwrap_err();
+        let text = chain(&err);
+        assert!(
+            matches!(
+                &err,
+                GuestAgentError::Reidentify(imp_proto::ClientError::Unsupported { .. })
+            ),
+            "{text}"
+        );
+        assert_eq!(
+            text,
+            "giving the guest its own identity: The guest agent (imp-guest test) speaks \
+             protocol 1.1, and reidentify needs 1.2 or later: the VM runs an older imp-guest"
+        );
+        assert!(guest.await.unwrap().is_empty(), "nothing was sent");
     }
 
     /// Whether the host has started reading this connection (it sends its hello first);
