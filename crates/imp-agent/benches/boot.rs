@@ -149,6 +149,7 @@ async fn main() {
             }),
             netns: None,
             confine: None,
+            memory: Default::default(),
         };
         let t = Instant::now();
         let vm = Qemu::boot(&launcher, &vm_config).await.unwrap();

@@ -178,6 +178,7 @@ fn base_config(id: &str, dir: &Path, kernel: &Path) -> VmConfig {
         vsock: None,
         netns: None,
         confine: None,
+        memory: Default::default(),
     }
 }
 

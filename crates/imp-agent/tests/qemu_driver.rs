@@ -19,8 +19,10 @@ use std::time::{Duration, Instant};
 
 use imp_agent::guest::initramfs::{BaseInitramfs, build_for_vm};
 use imp_agent::guest::kernel::VM_MODULES;
-use imp_agent::vmm::qemu::{self, Launcher, Qemu};
-use imp_agent::vmm::{Confine, DriveConfig, StopOutcome, VmConfig, VmState, Vmm, VsockConfig};
+use imp_agent::vmm::qemu::{self, Launcher, Qemu, RamIn, SnapshotState};
+use imp_agent::vmm::{
+    Confine, DriveConfig, GuestMemory, StopOutcome, VmConfig, VmState, Vmm, VsockConfig,
+};
 use imp_proto::config::{GuestConfig, ImageConfig, RootDisk};
 use imp_proto::{Client, EnvVar, ExecEvent, ExecRequest, ExitStatus, Hello};
 
@@ -185,6 +187,8 @@ async fn vm_config(inputs: &Inputs, dir: &Path, id: &str, cid: u32, script: &str
             uid: 3_900_000 + cid,
             gid: 3_900_000 + cid,
         }),
+        // As the product runs it: the RAM mapped from a file beside the VM.
+        memory: GuestMemory::Shared(dir.join("memory.ram")),
     }
 }
 
@@ -282,7 +286,7 @@ async fn assert_confined(vm: &mut Qemu, cid: u32, disk: &Path) {
     assert_eq!(
         root,
         [
-            "bin", "boot", "dev", "drives", "lib", "lib64", "log", "tmp", "usr", "vm"
+            "bin", "boot", "dev", "drives", "lib", "lib64", "log", "mem", "tmp", "usr", "vm"
         ]
     );
     // Host files by path: /etc/shadow, and its own VM directory's disk by its host path.
@@ -480,6 +484,13 @@ async fn qemu_vm_with_the_guest_agent_snapshots_and_restores_in_a_new_process() 
     vm.snapshot(&files).await.unwrap();
     let snapshot_took = t.elapsed();
     let size = fs::metadata(&files.memory).unwrap().len();
+    // The RAM is the shared file: the stream holds only the devices.
+    let state = SnapshotState::parse(&fs::read_to_string(&files.state).unwrap());
+    assert_eq!(state.ram, RamIn::File, "{state:?}");
+    assert!(
+        size < 8 << 20,
+        "a {size}-byte stream for device state alone"
+    );
     let pid = vm.pid().unwrap();
     // Killed, not shut down: the snapshot is all that is left.
     vm.stop(Duration::ZERO).await.unwrap();
@@ -760,6 +771,8 @@ async fn qemu_vm_without_vsock_snapshots_and_restores_in_a_new_process() {
     let script = "i=0; while true; do i=$((i+1)); echo tick $i; sleep 0.2; done";
     let mut config = vm_config(&inputs, &dir, "qemu-snapshot", 7, script).await;
     config.vsock = None;
+    // Anonymous RAM, as every release before mapped memory ran it: the stream holds it all.
+    config.memory = GuestMemory::Anonymous;
     let log = config.run_dir.join("serial.log");
     let mut vm = Qemu::boot(&inputs.launcher, &config).await.unwrap();
     assert!(vm.vsock_path().is_none());
@@ -780,6 +793,11 @@ async fn qemu_vm_without_vsock_snapshots_and_restores_in_a_new_process() {
         state.contains("qemu"),
         "no QEMU version in the state: {state}"
     );
+    assert_eq!(SnapshotState::parse(&state).ram, RamIn::Stream, "{state}");
+    assert!(
+        stream > 16 << 20,
+        "the RAM is not in the {stream}-byte stream"
+    );
     let pid = vm.pid().unwrap();
     vm.stop(Duration::from_secs(2)).await.unwrap();
     assert!(
@@ -793,6 +811,10 @@ async fn qemu_vm_without_vsock_snapshots_and_restores_in_a_new_process() {
         stream >> 20
     );
 
+    // Restored into RAM mapped from a file, as an upgraded agent wakes a VM an earlier
+    // release suspended: the stream's pages land in the file.
+    let ram = dir.join("memory.ram");
+    config.memory = GuestMemory::Shared(ram.clone());
     let t = Instant::now();
     let mut vm = Qemu::restore(&inputs.launcher, &config, &files, true)
         .await

@@ -439,6 +439,22 @@ pub async fn suspend_vm<V: Vmm>(
     })
 }
 
+/// Writes a stopped VM's RAM file back to disk and drops it from the page cache, so that a
+/// sleeping VM holds no memory; returns the bytes of it that hold data (the pages the
+/// guest touched; the rest are reserved but unwritten). Blocking: run it off the async runtime.
+pub fn release_memory_file(file: &Path) -> std::io::Result<u64> {
+    let f = std::fs::File::open(file)?;
+    f.sync_data()?;
+    nix::fcntl::posix_fadvise(
+        &f,
+        0,
+        0,
+        nix::fcntl::PosixFadviseAdvice::POSIX_FADV_DONTNEED,
+    )
+    .map_err(std::io::Error::from)?;
+    crate::snapshot::sparse::data_bytes(file)
+}
+
 /// Whether a snapshot's files are present (what a restore needs before it starts a VMM).
 pub fn snapshot_present(files: &SnapshotFiles) -> std::result::Result<(), PathBuf> {
     for f in [&files.state, &files.memory] {

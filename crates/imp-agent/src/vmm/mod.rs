@@ -52,6 +52,38 @@ pub struct VmConfig {
     /// sandbox; Firecracker ignores it: its launcher's jailer confines it); `None` runs it as
     /// the caller (the driver's own tests, the KVM probe).
     pub confine: Option<Confine>,
+    /// Where the guest's RAM lives (QEMU; Firecracker keeps its own and maps a snapshot's
+    /// memory file on restore by itself).
+    pub memory: GuestMemory,
+}
+
+/// Where a guest's RAM lives, which decides what a snapshot must write and what a restore
+/// must read.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum GuestMemory {
+    /// The VMM's own anonymous memory: a snapshot streams all of it into its memory file and
+    /// a restore reads it all back before the guest runs.
+    #[default]
+    Anonymous,
+    /// A file on disk mapped shared: the guest's writes land in the file (the kernel writes
+    /// them back like any dirty page cache), so a snapshot of a paused VM stores only its
+    /// device state, the file being its memory, and a restore maps the file again and
+    /// faults pages in as the guest touches them.
+    Shared(PathBuf),
+    /// A snapshot's memory image mapped private (copy-on-write): the file is never written,
+    /// the guest's writes stay in its own pages, and every VM restored from one image shares
+    /// the pages it has not written.
+    Private(PathBuf),
+}
+
+impl GuestMemory {
+    /// The file the RAM is mapped from, if any.
+    pub fn file(&self) -> Option<&Path> {
+        match self {
+            GuestMemory::Anonymous => None,
+            GuestMemory::Shared(p) | GuestMemory::Private(p) => Some(p),
+        }
+    }
 }
 
 /// The uid and gid a confined VMM runs as: never root, one per VM so that one VMM cannot

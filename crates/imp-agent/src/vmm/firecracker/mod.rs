@@ -797,6 +797,7 @@ mod tests {
             vsock: None,
             netns: None,
             confine: None,
+            memory: Default::default(),
         };
         let layout = Layout::new(&launcher, &config);
         assert_eq!(

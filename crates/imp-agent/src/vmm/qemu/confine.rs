@@ -4,7 +4,7 @@
 //! A confined QEMU sees, besides `/usr` (read-only) and a few devices: its sockets' directory
 //! `/vm` (the host's `RUN_DIR/vmm`, the only directory it may write), its serial log
 //! `/log/serial.log`, its kernel and initramfs under `/boot` (read-only) and each drive as
-//! `/drives/ID`. Everything else in the VM's directory — the records the shim and the agent
+//! `/drives/ID`, and its guest-memory file (when the RAM is one) as `/mem/ram`. Everything else in the VM's directory — the records the shim and the agent
 //! trust (`vm.json`, `spec.json`), the host end of the guest channel (`vsock.sock`), the
 //! snapshot — stays out of its reach; a snapshot reaches it as a descriptor.
 
@@ -33,6 +33,8 @@ pub struct Paths {
     pub initrd_arg: Option<PathBuf>,
     /// Each drive's file as QEMU names it, in the config's order.
     pub drive_args: Vec<PathBuf>,
+    /// The guest memory's file as QEMU names it, when the RAM is a file.
+    pub memory_arg: Option<PathBuf>,
     /// The jail, for a confined QEMU.
     pub jail: Option<Jail>,
 }
@@ -48,6 +50,7 @@ pub fn paths(config: &VmConfig, run_dir: &Path, serial: &Path, kvm: bool) -> Pat
             kernel_arg: config.kernel.clone(),
             initrd_arg: config.initrd.clone(),
             drive_args: config.drives.iter().map(|d| d.path.clone()).collect(),
+            memory_arg: config.memory.file().map(Path::to_path_buf),
             jail: None,
         };
     };
@@ -72,6 +75,12 @@ pub fn paths(config: &VmConfig, run_dir: &Path, serial: &Path, kvm: bool) -> Pat
         binds.push(bind(&d.path, &inside, !d.read_only, false));
         drive_args.push(PathBuf::from(inside));
     }
+    // QEMU 7.2 opens a memory file read-write even to map it private (its `readonly` maps
+    // it read-only too, and the guest could not write its RAM).
+    let memory_arg = config.memory.file().map(|file| {
+        binds.push(bind(file, "/mem/ram", true, false));
+        PathBuf::from("/mem/ram")
+    });
     let mut devices: Vec<PathBuf> = ["/dev/null", "/dev/zero", "/dev/urandom", "/dev/random"]
         .into_iter()
         .map(PathBuf::from)
@@ -86,6 +95,7 @@ pub fn paths(config: &VmConfig, run_dir: &Path, serial: &Path, kvm: bool) -> Pat
         kernel_arg: "/boot/kernel".into(),
         initrd_arg: config.initrd.as_ref().map(|_| "/boot/initrd".into()),
         drive_args,
+        memory_arg,
         jail: Some(Jail {
             uid,
             gid,
@@ -115,6 +125,9 @@ pub fn prepare(config: &VmConfig, p: &Paths, serial: &Path) -> std::io::Result<(
     for d in config.drives.iter().filter(|d| !d.read_only) {
         own(&d.path)?;
     }
+    if let super::super::GuestMemory::Shared(file) = &config.memory {
+        own(file)?;
+    }
     Ok(())
 }
 
@@ -143,6 +156,7 @@ mod tests {
             vsock: None,
             netns: None,
             confine,
+            memory: crate::vmm::GuestMemory::Anonymous,
         }
     }
 
@@ -183,5 +197,24 @@ mod tests {
             writable,
             ["/vm", "/log/serial.log", "/drives/root"].map(PathBuf::from)
         );
+    }
+
+    #[test]
+    fn a_confined_qemu_writes_its_memory_file_under_a_fixed_name() {
+        let mut c = config(Some(Confine { uid: 7, gid: 8 }));
+        c.memory = crate::vmm::GuestMemory::Shared("/s/a/memory.ram".into());
+        let p = paths(&c, Path::new("/s/a"), Path::new("/s/a/serial.log"), false);
+        assert_eq!(p.memory_arg, Some(PathBuf::from("/mem/ram")));
+        let bind = p
+            .jail
+            .unwrap()
+            .binds
+            .into_iter()
+            .find(|b| b.inside == Path::new("/mem/ram"))
+            .unwrap();
+        assert_eq!(bind.host, PathBuf::from("/s/a/memory.ram"));
+        assert!(bind.writable);
+        let unconfined = paths(&config(None), Path::new("/s/a"), Path::new("/s/a/s"), false);
+        assert_eq!(unconfined.memory_arg, None);
     }
 }

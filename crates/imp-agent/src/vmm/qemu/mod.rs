@@ -47,7 +47,7 @@ use std::os::unix::fs::OpenOptionsExt as _;
 use tokio::net::UnixStream;
 use tokio::process::{Child, Command};
 
-use super::{SnapshotFiles, StopOutcome, VmConfig, VmState, Vmm, vsock};
+use super::{GuestMemory, SnapshotFiles, StopOutcome, VmConfig, VmState, Vmm, vsock};
 use qmp::{Qmp, QmpError};
 
 /// Used when the host's TSC rate cannot be read (the guest kernel cannot calibrate it under
@@ -280,6 +280,66 @@ pub struct Qemu {
     state: VmState,
     serial: PathBuf,
     launcher_agent_port: Option<u32>,
+    /// Where its RAM lives: a snapshot of a VM whose RAM is a shared file leaves the RAM out.
+    memory: GuestMemory,
+}
+
+/// The id of the guest's RAM: the one QEMU gives microvm's own RAM, so a stream written from
+/// anonymous RAM (a suspend of an earlier release) loads into a VM whose RAM is a file.
+const RAM_ID: &str = "microvm.ram";
+
+/// `-M` and `-object` for a guest of `mib` MiB whose RAM is `memory`, the file named `path`
+/// as QEMU sees it (a confined QEMU sees it under another name).
+fn memory_args(mib: u32, memory: &GuestMemory, path: Option<&Path>) -> (String, Option<String>) {
+    let share = match memory {
+        GuestMemory::Anonymous => return ("microvm".into(), None),
+        GuestMemory::Shared(_) => "on",
+        GuestMemory::Private(_) => "off",
+    };
+    let path = path.or(memory.file()).unwrap_or(Path::new(""));
+    (
+        format!("microvm,memory-backend={RAM_ID}"),
+        Some(format!(
+            "memory-backend-file,id={RAM_ID},size={mib}M,mem-path={},share={share}",
+            path.display().to_string().replace(',', ",,")
+        )),
+    )
+}
+
+/// Whether a snapshot's migration stream carries the guest's RAM, as its state file says.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum RamIn {
+    /// The stream holds every page (anonymous or private RAM, and every earlier release).
+    Stream,
+    /// The stream leaves the RAM out (QEMU's `x-ignore-shared`): the VM's shared memory file
+    /// is its memory, and a restore maps it.
+    File,
+}
+
+/// What a QEMU snapshot's state file holds: the version that wrote it and where its RAM is.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct SnapshotState {
+    /// QMP `query-version` of the QEMU that wrote it.
+    pub qemu: serde_json::Value,
+    /// Where the RAM is.
+    pub ram: RamIn,
+}
+
+impl SnapshotState {
+    /// Reads a state file; one of an earlier release (only the version) streamed its RAM.
+    pub fn parse(text: &str) -> Self {
+        serde_json::from_str(text).unwrap_or_else(|_| SnapshotState {
+            qemu: serde_json::from_str(text).unwrap_or_default(),
+            ram: RamIn::Stream,
+        })
+    }
+}
+
+/// A restore's input: the migration stream and whether it carries the RAM.
+struct Incoming<'a> {
+    stream: &'a Path,
+    ram: RamIn,
 }
 
 fn files_err(what: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> Error {
@@ -298,13 +358,16 @@ impl Qemu {
     async fn start(
         launcher: &Launcher,
         config: &VmConfig,
-        incoming: Option<&Path>,
+        incoming: Option<Incoming<'_>>,
     ) -> Result<Self> {
         let run_dir = std::path::absolute(&config.run_dir).unwrap_or(config.run_dir.clone());
         std::fs::create_dir_all(&run_dir).map_err(files_err("create", &run_dir))?;
         let serial = run_dir.join(files::SERIAL);
         if incoming.is_none() || !serial.exists() {
             std::fs::write(&serial, b"").map_err(files_err("create", &serial))?;
+        }
+        if let GuestMemory::Shared(file) = &config.memory {
+            reserve_memory_file(file, config.memory_mib).map_err(files_err("reserve", file))?;
         }
         let paths = confine::paths(config, &run_dir, &serial, launcher.accel == Accel::Kvm);
         confine::prepare(config, &paths, &serial).map_err(files_err("prepare", &run_dir))?;
@@ -326,8 +389,11 @@ impl Qemu {
             }
             None => Command::new(&launcher.qemu),
         };
-        let mem = config.memory_mib;
-        let machine = "microvm";
+        let (machine, ram) = memory_args(
+            config.memory_mib,
+            &config.memory,
+            paths.memory_arg.as_deref(),
+        );
         // The VM's name tells its QEMU apart in `ps` (a confined one names no host path).
         cmd.args(["-name", &config.id.replace(',', ",,")]);
         cmd.arg("-accel")
@@ -335,9 +401,12 @@ impl Qemu {
                 Accel::Kvm => "kvm",
                 Accel::Tcg => "tcg",
             })
-            .args(["-M", machine])
-            .args(["-m", &format!("{mem}M")])
+            .args(["-M", &machine])
+            .args(["-m", &format!("{}M", config.memory_mib)])
             .args(["-smp", &config.vcpus.to_string()]);
+        if let Some(ram) = ram {
+            cmd.arg("-object").arg(ram);
+        }
         if launcher.accel == Accel::Kvm {
             cmd.args(["-cpu", "host"]);
         }
@@ -417,12 +486,13 @@ impl Qemu {
                 .arg(format!("virtserialport,chardev=mux,name={MUX_PORT}"));
         }
         // A snapshot is read from a descriptor: a confined QEMU cannot open it, and
-        // `-sandbox spawn=deny` forbids the `exec:` migration URI.
-        let snapshot = match incoming {
-            Some(file) => {
-                let f = std::fs::File::open(file).map_err(files_err("open", file))?;
+        // `-sandbox spawn=deny` forbids the `exec:` migration URI. The migration waits
+        // (`defer`) until QMP has set its capabilities to the stream's.
+        let snapshot = match &incoming {
+            Some(i) => {
+                let f = std::fs::File::open(i.stream).map_err(files_err("open", i.stream))?;
                 let fd: std::os::fd::OwnedFd = f.into();
-                cmd.arg("-incoming").arg(format!("fd:{}", fd.as_raw_fd()));
+                cmd.args(["-incoming", "defer"]);
                 Some(fd)
             }
             None => None,
@@ -456,6 +526,7 @@ impl Qemu {
             source,
         })?;
         drop(tap_fd);
+        let snapshot_fd = snapshot.as_ref().map(|fd| fd.as_raw_fd());
         drop(snapshot);
 
         let qmp_path = paths.sock_dir.join(files::QMP);
@@ -489,6 +560,22 @@ impl Qemu {
             }
             tokio::time::sleep(Duration::from_millis(10)).await;
         };
+        let mut qmp = qmp;
+        if let (Some(i), Some(fd)) = (&incoming, snapshot_fd) {
+            let started = async {
+                set_ignore_shared(&mut qmp, i.ram == RamIn::File).await?;
+                // QEMU inherited the descriptor under the same number.
+                let uri = format!("fd:{fd}");
+                qmp.execute("migrate-incoming", Some(serde_json::json!({ "uri": uri })))
+                    .await
+            };
+            if let Err(source) = started.await {
+                return Err(Error::Qmp {
+                    id: config.id.clone(),
+                    source,
+                });
+            }
+        }
         let state = if incoming.is_some() {
             VmState::Paused
         } else {
@@ -515,6 +602,7 @@ impl Qemu {
             state,
             serial,
             launcher_agent_port: launcher.agent_port,
+            memory: config.memory.clone(),
         })
     }
 
@@ -608,6 +696,34 @@ impl Qemu {
     }
 }
 
+/// Makes `file` hold a guest of `mib` MiB: created if missing, its blocks reserved
+/// (`fallocate`, unwritten extents: nothing is written and reads see zeros), its data kept.
+/// A guest writing to a file that cannot grow would die of SIGBUS on a full disk; reserved,
+/// it cannot, and a lack of space is this error before the guest runs.
+fn reserve_memory_file(file: &Path, mib: u32) -> std::io::Result<()> {
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .mode(0o600)
+        .open(file)?;
+    let len = i64::from(mib) << 20;
+    nix::fcntl::fallocate(&f, nix::fcntl::FallocateFlags::empty(), 0, len)
+        .map_err(std::io::Error::from)
+}
+
+/// Sets QEMU's `x-ignore-shared` migration capability: on, a stream leaves out RAM that is a
+/// shared file (and a restore expects it so).
+async fn set_ignore_shared(qmp: &mut Qmp, on: bool) -> std::result::Result<(), QmpError> {
+    let caps = serde_json::json!({
+        "capabilities": [{ "capability": "x-ignore-shared", "state": on }]
+    });
+    qmp.execute("migrate-set-capabilities", Some(caps))
+        .await
+        .map(|_| ())
+}
+
 /// QEMU's `-netdev` for `net`: the TAP by name, or the inherited fd QEMU is given.
 ///
 /// Never with a virtio-net header (`vnet_hdr=off`): the virtio-net device's features follow
@@ -672,7 +788,28 @@ impl Vmm for Qemu {
         resume: bool,
     ) -> Result<Self> {
         let started = Instant::now();
-        let mut vm = Self::start(launcher, config, Some(&snapshot.memory)).await?;
+        let state =
+            std::fs::read_to_string(&snapshot.state).map_err(files_err("read", &snapshot.state))?;
+        let ram = SnapshotState::parse(&state).ram;
+        if ram == RamIn::File
+            && !matches!(
+                config.memory,
+                GuestMemory::Shared(_) | GuestMemory::Private(_)
+            )
+        {
+            return Err(Error::Unsupported {
+                id: config.id.clone(),
+                reason: format!(
+                    "its snapshot {} leaves the RAM in a memory file, and the VM was given none",
+                    snapshot.state.display()
+                ),
+            });
+        }
+        let incoming = Incoming {
+            stream: &snapshot.memory,
+            ram,
+        };
+        let mut vm = Self::start(launcher, config, Some(incoming)).await?;
         // The incoming migration runs as soon as QEMU starts; wait until it has landed.
         let deadline = Instant::now() + MIGRATION_TIMEOUT;
         loop {
@@ -761,6 +898,17 @@ impl Vmm for Qemu {
                 source,
             })?;
         drop(out);
+        // RAM that is a shared file is the file: the stream leaves it out.
+        let ram = match self.memory {
+            GuestMemory::Shared(_) => RamIn::File,
+            GuestMemory::Anonymous | GuestMemory::Private(_) => RamIn::Stream,
+        };
+        set_ignore_shared(&mut self.qmp, ram == RamIn::File)
+            .await
+            .map_err(|source| Error::Qmp {
+                id: self.id.clone(),
+                source,
+            })?;
         let uri = format!("fd:{SNAPSHOT_FD}");
         let migrate = self
             .qmp
@@ -783,9 +931,9 @@ impl Vmm for Qemu {
             }
         }
         self.wait_migration().await?;
-        let version = self.qmp("query-version", None).await?;
-        std::fs::write(&files.state, version.to_string())
-            .map_err(files_err("write", &files.state))?;
+        let qemu = self.qmp("query-version", None).await?;
+        let state = serde_json::to_string(&SnapshotState { qemu, ram }).unwrap_or_default();
+        std::fs::write(&files.state, state).map_err(files_err("write", &files.state))?;
         Ok(())
     }
 
@@ -905,5 +1053,29 @@ mod tests {
         let mut plain = Command::new("sh");
         plain.arg("-c").arg(format!("test -e /proc/self/fd/{raw}"));
         assert!(!plain.status().await.unwrap().success());
+    }
+
+    #[test]
+    fn guest_ram_is_a_file_mapped_shared_or_private_under_qemus_own_id() {
+        let (m, obj) = memory_args(256, &GuestMemory::Anonymous, None);
+        assert_eq!((m.as_str(), obj), ("microvm", None));
+        let shared = GuestMemory::Shared("/v/memory.ram".into());
+        let (m, obj) = memory_args(2048, &shared, Some(Path::new("/mem/ram")));
+        assert_eq!(m, "microvm,memory-backend=microvm.ram");
+        assert_eq!(
+            obj.unwrap(),
+            "memory-backend-file,id=microvm.ram,size=2048M,mem-path=/mem/ram,share=on"
+        );
+        let private = GuestMemory::Private("/s/a,b/memory".into());
+        let (_, obj) = memory_args(256, &private, None);
+        assert!(obj.unwrap().ends_with("mem-path=/s/a,,b/memory,share=off"));
+    }
+
+    #[test]
+    fn a_state_file_of_an_earlier_release_means_the_ram_is_in_the_stream() {
+        let old = r#"{"qemu":{"major":7,"minor":2,"micro":22},"package":"Debian"}"#;
+        assert_eq!(SnapshotState::parse(old).ram, RamIn::Stream);
+        let new = r#"{"qemu":{"qemu":{"major":7}},"ram":"file"}"#;
+        assert_eq!(SnapshotState::parse(new).ram, RamIn::File);
     }
 }
