@@ -128,6 +128,13 @@ string_enum! {
         SubnetOverlap,
         /// (ImpNetwork) two networks derive the same VXLAN identifier; the message names both.
         VniConflict,
+        /// (ImpVMSnapshot execution) the source VM's node agent is taking it.
+        Snapshotting,
+        /// (ImpVMSnapshot execution) taken and stored; the message says where and the pause.
+        SnapshotSucceeded,
+        /// (ImpVMSnapshot execution) could not be taken or stored; the message says why (the
+        /// source VM runs on).
+        SnapshotFailed,
     }
 }
 

@@ -8,6 +8,9 @@ use crate::duration::GoDuration;
 
 /// Label on a snapshot execution (child) naming its parent ImpVMSnapshot.
 pub const LABEL_SNAPSHOT_PARENT: &str = "imp.dev/snapshot-parent";
+/// Annotation the node agent writes on an ImpVMSnapshot execution it takes: the node that
+/// holds its node-local files (and deletes them), and where a VM restored from it must run.
+pub const ANNOTATION_SNAPSHOT_NODE: &str = "imp.dev/snapshot-node";
 /// Label on a warm-pool member naming its ImpWarmPool.
 pub const LABEL_WARM_POOL: &str = "imp.dev/warm-pool";
 /// Label on a runner VM naming its ImpVMRunnerPool.

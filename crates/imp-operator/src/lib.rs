@@ -4,7 +4,8 @@
 //! [`ledger`] keeps, [`lifecycle`] decides restarts, backoff and expiry, [`ipam`] gives every VM
 //! on an ImpNetwork its address, [`controller`] runs those against the API server and books each
 //! placed VM (`status.booking`: the class and resolved spec its node agent boots), [`network`]
-//! keeps ImpNetwork status (group CIDRs, VTEP table, Ready), [`leader`] makes sure only one
+//! keeps ImpNetwork status (group CIDRs, VTEP table, Ready), [`snapshot`] runs ImpVMSnapshot
+//! schedules (executions on a cron, retention, base election), [`leader`] makes sure only one
 //! replica writes, [`metrics`] serves `/metrics`, `/healthz` and `/readyz` (with [`backlog`]
 //! counting the reconciles waiting to start), and [`webhook`] validates and defaults ImpVMs at
 //! admission, with a certificate it can make, rotate and publish itself ([`webhook::certs`]).
@@ -12,7 +13,8 @@
 //! It is not the node agent: it never touches a node, boots nothing and reads no VM's local
 //! state; everything it decides is written to the API, and what it keeps in memory (caches, the
 //! ledger) is rebuilt from the API after a restart. It is not the binary either (`imp operator`
-//! in the `imp` crate runs it), and the snapshot, migration and pool kinds have no controller yet.
+//! in the `imp` crate runs it), nor what takes a snapshot (the node agent executes them), and the
+//! migration and pool kinds have no controller yet.
 
 pub mod backlog;
 mod chain;
@@ -27,4 +29,5 @@ pub mod network;
 /// does not resolve: it boots the booking the operator wrote from it).
 pub use imp_api::resolve;
 pub mod schedule;
+pub mod snapshot;
 pub mod webhook;

@@ -478,6 +478,12 @@ pub async fn run(
         settings.instance.clone(),
         shutdown.clone(),
     ));
+    let snapshots_done = tokio::spawn(crate::snapshot::run(
+        client.clone(),
+        metrics.clone(),
+        settings.instance.clone(),
+        shutdown.clone(),
+    ));
     let ctx = Arc::new(Context {
         client: client.clone(),
         nodes: nodes.clone(),
@@ -651,6 +657,9 @@ pub async fn run(
         .await;
     if let Err(e) = networks_done.await {
         tracing::warn!(error = %e, "network controller task failed");
+    }
+    if let Err(e) = snapshots_done.await {
+        tracing::warn!(error = %e, "snapshot controller task failed");
     }
     Ok(())
 }
