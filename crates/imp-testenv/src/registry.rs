@@ -83,15 +83,21 @@ pub struct TestRegistry {
 impl TestRegistry {
     /// Starts an anonymous registry.
     pub async fn start() -> Result<Self, RegistryError> {
-        Self::start_inner(None).await
+        Self::start_inner(None, true).await
+    }
+
+    /// Starts an anonymous registry that refuses to delete manifests (`storage.delete.enabled:
+    /// false`, the distribution default), answering DELETE with 405 UNSUPPORTED.
+    pub async fn start_with_delete_disabled() -> Result<Self, RegistryError> {
+        Self::start_inner(None, false).await
     }
 
     /// Starts a registry that requires HTTP basic auth as `user`/`password`.
     pub async fn start_with_basic_auth(user: &str, password: &str) -> Result<Self, RegistryError> {
-        Self::start_inner(Some((user, password))).await
+        Self::start_inner(Some((user, password)), true).await
     }
 
-    async fn start_inner(creds: Option<(&str, &str)>) -> Result<Self, RegistryError> {
+    async fn start_inner(creds: Option<(&str, &str)>, delete: bool) -> Result<Self, RegistryError> {
         let dir = scratch_dir("imp-test-registry")?;
         let port = std::net::TcpListener::bind("127.0.0.1:0")
             .and_then(|l| l.local_addr())
@@ -122,7 +128,7 @@ impl TestRegistry {
             );
         }
         let config = format!(
-            "version: 0.1\nlog:\n  level: error\nstorage:\n  filesystem:\n    rootdirectory: {}\n  delete:\n    enabled: true\nhttp:\n  addr: {addr}\n{auth}",
+            "version: 0.1\nlog:\n  level: error\nstorage:\n  filesystem:\n    rootdirectory: {}\n  delete:\n    enabled: {delete}\nhttp:\n  addr: {addr}\n{auth}",
             dir.join("storage").display()
         );
         let config_path = dir.join("config.yml");
