@@ -17,9 +17,11 @@
 //! beyond those of `imp-api`.
 
 pub mod api;
+pub mod chain;
 pub mod guest;
 pub mod image;
 pub mod net;
 pub mod node;
 pub mod runtime;
+pub mod snapshot;
 pub mod vmm;

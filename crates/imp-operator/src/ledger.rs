@@ -569,6 +569,7 @@ mod tests {
             ..Default::default()
         };
         let req = Request {
+            only_node: None,
             vcpu: 1,
             memory_mib: 256,
             ..Default::default()

@@ -51,6 +51,8 @@ pub struct Request {
     pub node_selector: BTreeMap<String, String>,
     /// Union of class, template and VM tolerations.
     pub tolerations: Vec<Toleration>,
+    /// The one node that can take the VM, and why (its snapshot's files are there).
+    pub only_node: Option<(String, String)>,
 }
 
 /// One Node as the scheduler sees it.
@@ -208,6 +210,11 @@ fn reject_reason(
     req: &Request,
     policy: &Policy,
 ) -> Option<String> {
+    if let Some((only, why)) = &req.only_node
+        && &node.name != only
+    {
+        return Some(format!("are not node {only} ({why})"));
+    }
     if node.labels.get(LABEL_NODE_ENABLED).map(String::as_str) != Some("true") {
         return Some(format!("lack label {LABEL_NODE_ENABLED}=true"));
     }
@@ -433,6 +440,7 @@ mod tests {
 
     fn req(vcpu: i64, mem: i64) -> Request {
         Request {
+            only_node: None,
             vcpu,
             memory_mib: mem,
             ..Default::default()
@@ -532,6 +540,22 @@ mod tests {
         assert_eq!(
             pick(&r, &[], &no_usage(), &policy).unwrap_err().message,
             "0 nodes: the cluster has no Nodes"
+        );
+    }
+
+    #[test]
+    fn a_vm_bound_to_one_node_goes_there_or_nowhere() {
+        let policy = Policy::default();
+        let mut r = req(1, 256);
+        r.only_node = Some(("n2".into(), "its snapshot's files are there".into()));
+        let nodes = vec![node("n1", 8, 8192), node("n2", 8, 8192)];
+        assert_eq!(pick(&r, &nodes, &no_usage(), &policy).unwrap(), "n2");
+        let m = pick(&r, &nodes[..1], &no_usage(), &policy)
+            .unwrap_err()
+            .message;
+        assert!(
+            m.contains("is not node n2 (its snapshot's files are there)"),
+            "{m}"
         );
     }
 

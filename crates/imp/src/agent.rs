@@ -365,7 +365,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
     }
     let api = AgentApi::new(
         ctx.vms(),
-        Arc::new(KubeReviewer::new(client)),
+        Arc::new(KubeReviewer::new(client.clone())),
         ApiConfig {
             sessions: imp_agent::api::sessions::SessionLimits {
                 per_vm: args.api_max_sessions_per_vm,
@@ -396,7 +396,16 @@ async fn run(args: Args) -> anyhow::Result<()> {
             tokio::time::sleep(Duration::from_secs(1)).await;
         }
     });
+    let snapshots = tokio::spawn(imp_agent::node::snapshots::run(
+        Arc::new(imp_agent::node::snapshots::Context::new(
+            client.clone(),
+            args.node_name.clone(),
+            state_dir.clone(),
+        )),
+        stopped(stop_rx.clone()),
+    ));
     reconciler::run(ctx, stopped(stop_rx)).await;
+    snapshots.abort();
     ops.abort();
     server.abort();
     gauges.abort();

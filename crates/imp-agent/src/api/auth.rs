@@ -317,13 +317,13 @@ impl Authorizer {
             .reviewer
             .review_token(token_review(token))
             .await
-            .map_err(|e| Denial::Unavailable(error_chain(&e)))?;
+            .map_err(|e| Denial::Unavailable(crate::chain::chain(&e)))?;
         let user = user_from_review(answered.status.as_ref())?;
         let answered = self
             .reviewer
             .review_access(access_review(&user, attrs))
             .await
-            .map_err(|e| Denial::Unavailable(error_chain(&e)))?;
+            .map_err(|e| Denial::Unavailable(crate::chain::chain(&e)))?;
         access_decision(&user, attrs, answered.status.as_ref())?;
         self.remember(key, &user);
         Ok(user)
@@ -366,18 +366,6 @@ fn cache_key(token: &str, attrs: &Attributes) -> [u8; 32] {
         h.update(part.as_bytes());
     }
     h.finalize().into()
-}
-
-/// An error and its sources, for a message that crosses the wire.
-fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut source = e.source();
-    while let Some(cause) = source {
-        s.push_str(": ");
-        s.push_str(&cause.to_string());
-        source = cause.source();
-    }
-    s
 }
 
 #[cfg(test)]

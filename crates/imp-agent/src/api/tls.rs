@@ -104,7 +104,7 @@ impl Identity {
                     restrict(&key, 0o600)?;
                     return Ok((id, Kept::Reused));
                 }
-                Err(e) => Some(chain(&e)),
+                Err(e) => Some(crate::chain::chain(&e)),
             }
         } else {
             None
@@ -221,18 +221,6 @@ fn write_atomic(path: &Path, bytes: &[u8], mode: u32) -> Result<(), TlsError> {
         return Err(store(path)(e));
     }
     Ok(())
-}
-
-/// An error and its sources on one line.
-fn chain(e: &dyn std::error::Error) -> String {
-    let mut out = e.to_string();
-    let mut source = e.source();
-    while let Some(s) = source {
-        out.push_str(": ");
-        out.push_str(&s.to_string());
-        source = s.source();
-    }
-    out
 }
 
 /// The SHA-256 of a DER certificate as lowercase hex.

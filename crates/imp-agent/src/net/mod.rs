@@ -286,14 +286,5 @@ async fn forwarding_on(iface: &str) -> std::io::Result<()> {
     tokio::fs::write(path, b"1").await
 }
 
-/// An error with its causes, on one line.
-pub fn chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut cur = e.source();
-    while let Some(c) = cur {
-        s.push_str(": ");
-        s.push_str(&c.to_string());
-        cur = c.source();
-    }
-    s
-}
+/// An error with its causes, on one line (the crate's [`crate::chain::chain`]).
+pub use crate::chain::chain;

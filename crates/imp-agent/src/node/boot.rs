@@ -160,6 +160,7 @@ pub fn vm_spec(
         owner: Some(owner),
         network: None,
         progress: false,
+        from_snapshot: None,
     })
 }
 

@@ -387,7 +387,7 @@ pub fn reason_for(stage: Option<Stage>) -> ConditionReason {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
     use crate::runtime::state::Owner;
@@ -405,7 +405,7 @@ mod tests {
         }
     }
 
-    fn record(status: VmStatus, attempt: i32) -> VmRecord {
+    pub(crate) fn record(status: VmStatus, attempt: i32) -> VmRecord {
         VmRecord {
             name: "uid-1".into(),
             image: "img".into(),

@@ -18,4 +18,5 @@ pub mod network;
 pub mod reconciler;
 pub mod scale;
 pub mod serial;
+pub mod snapshots;
 pub mod vms;

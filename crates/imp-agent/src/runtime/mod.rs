@@ -19,3 +19,4 @@ pub mod spec;
 pub mod state;
 pub mod supervisor;
 pub mod suspend;
+pub mod take;

@@ -120,6 +120,10 @@ pub struct VmSpec {
     /// ([`super::progress`]; `imp run` asks for it, the agent does not).
     #[serde(default)]
     pub progress: bool,
+    /// Boot from this snapshot directory (`crate::snapshot`) instead of the image: its disk,
+    /// memory and device state, restored under this VM's identity.
+    #[serde(default)]
+    pub from_snapshot: Option<PathBuf>,
 }
 
 /// A VM's place on an ImpNetwork: the TAP the VMM opens, on the network's bridge, and the
@@ -187,6 +191,7 @@ mod tests {
             owner: None,
             network: None,
             progress: true,
+            from_snapshot: None,
         };
         let json = serde_json::to_string(&spec).unwrap();
         assert!(json.contains("\"runtime\":\"qemu\""), "{json}");

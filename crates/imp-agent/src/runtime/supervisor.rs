@@ -28,10 +28,12 @@ use super::progress;
 use super::spec::{Runtime, SPEC_FILE, VmSpec};
 use super::state::{self, Stage, StateDir, SuspendFailure, SuspendRecord, VmRecord, VmStatus};
 use super::suspend;
+use super::take;
 use crate::guest;
 use crate::image::{self, ImageSource, ImageStore, ProgressEvent, RegistryAuth};
 use crate::vmm::{
-    self, DriveConfig, NetConfig, SnapshotFiles, StopOutcome, VmConfig, Vmm, VsockConfig,
+    self, DriveConfig, GuestMemory, NetConfig, SnapshotFiles, StopOutcome, VmConfig, Vmm,
+    VsockConfig,
 };
 
 /// The guest port the workload's exit report is sent to (CID 2).
@@ -159,6 +161,9 @@ fn boot_again(attempt: u32, why: &str) -> Result<(), Failure> {
 enum Launch<'a> {
     Boot,
     Restore(&'a SnapshotFiles),
+    /// A new VM restored from an ImpVMSnapshot's files (`VmSpec::from_snapshot`), which it
+    /// only reads: once up it takes this VM's identity.
+    Clone(&'a SnapshotFiles),
 }
 
 /// The shim's main: supervises VM `id` of `state` from its `spec.json` until it ends.
@@ -195,6 +200,9 @@ pub async fn run(
     tracing::info!(vm = %id, image = %spec.image, resuming, "shim started");
     let ended = match join_cgroup(&spec) {
         Ok(()) if resuming => resume(&state, &dir, &spec, &mut record, &mut stop, tap).await,
+        Ok(()) if spec.from_snapshot.is_some() => {
+            restore_new(&state, &dir, &spec, &mut record, &mut stop).await
+        }
         Ok(()) => supervise(&state, &dir, &spec, &mut record, &mut stop).await,
         Err(f) => Ended::Failed(f),
     };
@@ -336,9 +344,9 @@ async fn supervise(
     }
     match spec.runtime {
         Runtime::Qemu => {
-            let launcher = match vmm::qemu::Launcher::detect() {
-                Ok(l) => l.probe_accel(&config.kernel, &spec.cache(state)).await,
-                Err(e) => return Ended::Failed(at(Stage::Boot, "finding QEMU")(e)),
+            let launcher = match qemu_launcher(state, spec, &config.kernel, Stage::Boot).await {
+                Ok(l) => l,
+                Err(f) => return Ended::Failed(f),
             };
             let run = Run {
                 state,
@@ -364,6 +372,125 @@ async fn supervise(
             boot::<vmm::firecracker::Firecracker>(&launcher, config, &run, record, stop).await
         }
     }
+}
+
+/// Boots a new VM from the snapshot directory `spec.from_snapshot`: its disk, initramfs and
+/// memory copied into the VM's directory (sparse), its device state restored by a new VMM;
+/// once the guest answers it takes this VM's identity ([`take_identity`]).
+async fn restore_new(
+    state: &StateDir,
+    dir: &Path,
+    spec: &VmSpec,
+    record: &mut VmRecord,
+    stop: &mut StopSignals,
+) -> Ended {
+    let Some(snap) = spec.from_snapshot.clone() else {
+        return Ended::Failed(Failure::new(Stage::Config, "no snapshot to restore"));
+    };
+    let t = Instant::now();
+    let seeded = {
+        let (snap, dir, spec) = (snap.clone(), dir.to_path_buf(), spec.clone());
+        tokio::task::spawn_blocking(move || {
+            let want = crate::snapshot::Shape {
+                vcpus: spec.vcpus,
+                memory_mib: spec.memory_mib,
+                vmm: spec.runtime.as_str(),
+            };
+            let files = vm_files(&spec, &dir);
+            let memory = dir.join(MEMORY_FILE);
+            crate::snapshot::seed(&snap, want, (&files.disk, &files.initrd, &memory))
+        })
+    };
+    let seeded = tokio::select! {
+        r = seeded => r.unwrap_or_else(|e| Err(e.to_string())),
+        () = stop.requested() => return Ended::Exited(STOPPED_EXIT_CODE),
+    };
+    if let Err(why) = seeded {
+        return Ended::Failed(Failure::new(
+            Stage::Disk,
+            format!("restoring {} from {}: {why}", record.name, snap.display()),
+        ));
+    }
+    record.timings.boot_ms = ms(t.elapsed());
+    let confine = match confinement(state, spec, &record.name).await {
+        Ok(c) => c,
+        Err(f) => return Ended::Failed(f),
+    };
+    let config = vm_config(
+        spec,
+        dir,
+        &record.name,
+        (dir.join(INITRD_FILE), dir.join(DISK_FILE)),
+        confine,
+    );
+    let files = take::vmm_files(&snap, &config.memory);
+    if let Err(e) = state.save(record) {
+        return Ended::Failed(at(Stage::Config, "saving the VM record")(e));
+    }
+    match spec.runtime {
+        Runtime::Qemu => {
+            let launcher = match qemu_launcher(state, spec, &config.kernel, Stage::Boot).await {
+                Ok(l) => l,
+                Err(f) => return Ended::Failed(f),
+            };
+            let run = Run {
+                state,
+                dir,
+                spec,
+                launch: Launch::Clone(&files),
+                vmm_binary: &launcher.qemu,
+            };
+            drive::<vmm::qemu::Qemu>(&launcher, config, &run, record, stop).await
+        }
+        Runtime::Firecracker => Ended::Failed(Failure::new(
+            Stage::Config,
+            "restoring a new VM from a snapshot is not supported under Firecracker yet",
+        )),
+    }
+}
+
+/// QEMU, with the accelerator a real boot of `kernel` found to work (cached).
+async fn qemu_launcher(
+    state: &StateDir,
+    spec: &VmSpec,
+    kernel: &Path,
+    stage: Stage,
+) -> Result<vmm::qemu::Launcher, Failure> {
+    match vmm::qemu::Launcher::detect() {
+        Ok(l) => Ok(l.probe_accel(kernel, &spec.cache(state)).await),
+        Err(e) => Err(at(stage, "finding QEMU")(e)),
+    }
+}
+
+/// A VM restored from another's snapshot still has that VM's clock, hostname, entropy,
+/// MAC, address and TCP connections: it takes its own (the guest reseeds its generator, sets
+/// its clock and names, readdresses its interface and drops the source's connections). A
+/// clone that cannot is failed: it would run as a second copy of its source.
+async fn take_identity(run: &Run<'_>, record: &VmRecord) -> Result<(), Failure> {
+    let identity = imp_proto::message::Identity {
+        hostname: Some(run.spec.hostname.clone()),
+        mac: run.spec.network.as_ref().map(|n| n.mac.clone()),
+        network: run.spec.network.as_ref().map(|n| n.config.clone()),
+    };
+    let report = guest_agent::reidentify(
+        &record.vsock,
+        record.agent_port,
+        &identity,
+        Duration::from_secs(30),
+    )
+    .await
+    .map_err(at(
+        Stage::GuestReady,
+        "giving the restored guest its own identity",
+    ))?;
+    if !report.is_complete() {
+        return Err(Failure::new(
+            Stage::GuestReady,
+            format!("the restored guest could not take its own identity: {report}"),
+        ));
+    }
+    tracing::info!(vm = %record.name, hostname = %run.spec.hostname, report = %report.to_string().replace('\n', "; "), "restored guest took its identity");
+    Ok(())
 }
 
 /// Restores a suspended VM from its snapshot in a new VMM and supervises it as after a boot.
@@ -406,7 +533,7 @@ async fn resume(
         spec,
         dir,
         &record.name,
-        (dir.join("initramfs.cpio"), dir.join("disk.ext4")),
+        (dir.join(INITRD_FILE), dir.join(DISK_FILE)),
         confine,
     );
     if let (Some(net), Some(fd), Runtime::Qemu) = (config.net.as_mut(), tap, spec.runtime) {
@@ -428,9 +555,9 @@ async fn resume(
     };
     match spec.runtime {
         Runtime::Qemu => {
-            let launcher = match vmm::qemu::Launcher::detect() {
-                Ok(l) => l.probe_accel(&config.kernel, &spec.cache(state)).await,
-                Err(e) => return Ended::Failed(at(Stage::Resume, "finding QEMU")(e)),
+            let launcher = match qemu_launcher(state, spec, &config.kernel, Stage::Resume).await {
+                Ok(l) => l,
+                Err(f) => return Ended::Failed(f),
             };
             let run = run(&launcher.qemu);
             drive::<vmm::qemu::Qemu>(&launcher, config, &run, record, stop).await
@@ -518,7 +645,7 @@ async fn prepare(
             format!("building the root filesystem of {}", spec.image),
         )(e)
     })?;
-    let disk = dir.join("disk.ext4");
+    let disk = dir.join(DISK_FILE);
     let size_bytes = u64::from(spec.disk_gib) << 30;
     reporter.emit(ProgressEvent::Cloning { size_bytes });
     image::clone_disk(&base.path, &disk, size_bytes)
@@ -569,7 +696,7 @@ async fn prepare(
     .await
     .map_err(at(Stage::Initramfs, "building the guest initramfs"))?;
     config.modules = base_initrd.module_paths().to_vec();
-    let initrd = dir.join("initramfs.cpio");
+    let initrd = dir.join(INITRD_FILE);
     guest::initramfs::build_for_vm(&base_initrd, &config, &initrd)
         .await
         .map_err(at(Stage::Initramfs, "writing the VM's initramfs"))?;
@@ -578,6 +705,14 @@ async fn prepare(
     let confine = confinement(state, spec, &record.name).await?;
     Ok(vm_config(spec, dir, &record.name, (initrd, disk), confine))
 }
+
+/// The file a QEMU guest's RAM is mapped from, in the VM's directory (on disk, not tmpfs: a
+/// sleeping VM's memory must leave RAM).
+pub const MEMORY_FILE: &str = "memory.ram";
+/// The VM's root disk, in its directory.
+pub const DISK_FILE: &str = "disk.ext4";
+/// The VM's initramfs, in its directory.
+pub const INITRD_FILE: &str = "initramfs.cpio";
 
 /// The VMM's view of VM `name`: the same for its boot and for every restore of its snapshot
 /// (a restore needs the drives, TAP and vsock where the snapshot expects them).
@@ -621,6 +756,9 @@ fn vm_config(
         }),
         netns: None,
         confine,
+        // QEMU's RAM is mapped from a file beside the VM: a suspend then writes only the
+        // device state, and a wake maps the file instead of reading it.
+        memory: vm_files(spec, dir).memory,
     }
 }
 
@@ -711,6 +849,7 @@ impl Run<'_> {
         match self.launch {
             Launch::Boot => boot,
             Launch::Restore(_) => Stage::Resume,
+            Launch::Clone(_) => boot,
         }
     }
 }
@@ -723,7 +862,9 @@ async fn launch<V: Vmm>(
 ) -> Result<V, V::Error> {
     match how {
         Launch::Boot => V::boot(launcher, config).await,
-        Launch::Restore(files) => V::restore(launcher, config, files, true).await,
+        Launch::Restore(files) | Launch::Clone(files) => {
+            V::restore(launcher, config, files, true).await
+        }
     }
 }
 
@@ -786,12 +927,18 @@ async fn drive<V: Vmm>(
     };
     // The VMM has what it needs; an inherited TAP fd in the config is closed here, so once
     // the VMM ends nobody holds the TAP and the agent can hold it for the sleeping VM.
+    let memory = config.memory.clone();
     drop(config);
     let mut vm = match booted {
         Ok(vm) => vm,
         Err(e) => {
             let what = match run.launch {
                 Launch::Boot => format!("booting {}", record.name),
+                Launch::Clone(files) => format!(
+                    "restoring {} from the snapshot {}",
+                    record.name,
+                    files.memory.parent().unwrap_or(Path::new("")).display()
+                ),
                 Launch::Restore(files) => {
                     let writer = record.suspend.as_ref().and_then(|s| s.vmm.as_deref());
                     let skew = vmm::version::skew_note(writer, &identity)
@@ -807,7 +954,7 @@ async fn drive<V: Vmm>(
             return Ended::Failed(at(run.stage(Stage::Boot), what)(e));
         }
     };
-    if matches!(run.launch, Launch::Boot) {
+    if matches!(run.launch, Launch::Boot | Launch::Clone(_)) {
         record.timings.boot_ms += ms(t.elapsed());
     }
     record.vmm_pid = vm.pid();
@@ -858,6 +1005,20 @@ async fn drive<V: Vmm>(
             let t = Instant::now();
             if let Err(e) = vm.stop(Duration::ZERO).await {
                 tracing::warn!(vm = %record.name, error = %e, "stopping the suspended VMM failed");
+            }
+            if let GuestMemory::Shared(file) = memory {
+                // The RAM file's pages are still in the page cache, many dirty: written back
+                // and dropped here, the sleeping VM holds no memory.
+                let f = file.clone();
+                match tokio::task::spawn_blocking(move || suspend::release_memory_file(&f)).await {
+                    Ok(Ok(stored)) => s.bytes += stored,
+                    Ok(Err(e)) => {
+                        tracing::warn!(vm = %record.name, file = %file.display(), error = %e, "writing back the suspended VM's memory failed; it stays in the page cache")
+                    }
+                    Err(e) => {
+                        tracing::warn!(vm = %record.name, error = %e, "writing back the suspended VM's memory")
+                    }
+                }
             }
             record.timings.suspend_ms += ms(t.elapsed());
             tracing::info!(vm = %record.name, phase = "Suspended", suspend_ms = record.timings.suspend_ms, bytes = s.bytes, "VM suspended");
@@ -928,6 +1089,7 @@ async fn supervise_loop<V: Vmm>(
             _ = tick.tick() => {}
             () = either(&mut stop.term, &mut stop.int) => break LoopEnd::StopRequested,
             _ = stop.usr1.recv() => {
+                handle_snapshot(vm, run, record).await;
                 if let Some(s) = handle_suspend(vm, run, record).await {
                     break LoopEnd::Suspended(s);
                 }
@@ -936,7 +1098,11 @@ async fn supervise_loop<V: Vmm>(
             r = &mut health, if !healthy => {
                 healthy = true;
                 match r {
-                    Ok(_) => became_ready(run, record, ready_started, launched).await,
+                    Ok(_) => {
+                        if let Err(f) = became_ready(run, record, ready_started, launched).await {
+                            break LoopEnd::Failed(f);
+                        }
+                    }
                     Err(e) if reported.is_none() && !vm.exited().unwrap_or(true) => {
                         break LoopEnd::Failed(at(run.stage(Stage::GuestReady), format!(
                             "the guest did not come up within {:?}; console: {}",
@@ -963,9 +1129,15 @@ async fn became_ready(
     record: &mut VmRecord,
     ready_started: Instant,
     launched: Instant,
-) {
+) -> Result<(), Failure> {
     record.status = VmStatus::Running;
     match run.launch {
+        Launch::Clone(_) => {
+            record.running_unix = Some(state::now_unix());
+            record.timings.ready_ms = ms(ready_started.elapsed());
+            take_identity(run, record).await?;
+            tracing::info!(vm = %record.name, ready_ms = record.timings.ready_ms, boot_ms = record.timings.boot_ms, "restored from a snapshot; guest agent answered");
+        }
         Launch::Boot => {
             record.running_unix = Some(state::now_unix());
             record.timings.ready_ms = ms(ready_started.elapsed());
@@ -994,6 +1166,68 @@ async fn became_ready(
     }
     if let Err(e) = run.state.save(record) {
         tracing::warn!(vm = %record.name, error = %e, "saving the VM record");
+    }
+    Ok(())
+}
+
+/// A snapshot request arrived: snapshot the running VM into its destination and answer; the
+/// VM runs on.
+async fn handle_snapshot<V: Vmm>(vm: &mut V, run: &Run<'_>, record: &VmRecord) {
+    let Some(req) = take::take_request(run.dir) else {
+        return;
+    };
+    let outcome = if record.status == VmStatus::Running {
+        let config = vm_files(run.spec, run.dir);
+        let machine = match run.spec.runtime {
+            Runtime::Qemu => "microvm",
+            Runtime::Firecracker => "firecracker",
+        };
+        let src = take::Sources {
+            vmm: record.vmm.as_deref().unwrap_or("unknown"),
+            machine,
+            vcpus: run.spec.vcpus,
+            memory_mib: run.spec.memory_mib,
+            memory: &config.memory,
+            disk: &config.disk,
+            initrd: &config.initrd,
+        };
+        take::take(vm, &src, &req).await
+    } else {
+        take::Outcome {
+            token: req.token.clone(),
+            result: Err(format!("the VM is {}, not running", record.status.as_str())),
+            bytes: 0,
+        }
+    };
+    match &outcome.result {
+        Ok(m) => {
+            tracing::info!(vm = %record.name, dest = %req.dest.display(), pause_ms = m.pause_ms, bytes = outcome.bytes, "snapshot taken")
+        }
+        Err(e) => {
+            tracing::warn!(vm = %record.name, dest = %req.dest.display(), error = %e, "snapshot failed; the VM runs on")
+        }
+    }
+    let path = run.dir.join(take::OUTCOME_FILE);
+    if let Err(e) = state::write_json(&path, &outcome) {
+        tracing::warn!(vm = %record.name, error = %e, "writing the snapshot outcome");
+    }
+}
+
+/// The files of VM `spec` in `dir` that a snapshot copies.
+struct VmFiles {
+    memory: GuestMemory,
+    disk: PathBuf,
+    initrd: PathBuf,
+}
+
+fn vm_files(spec: &VmSpec, dir: &Path) -> VmFiles {
+    VmFiles {
+        memory: match spec.runtime {
+            Runtime::Qemu => GuestMemory::Shared(dir.join(MEMORY_FILE)),
+            Runtime::Firecracker => GuestMemory::Anonymous,
+        },
+        disk: dir.join(DISK_FILE),
+        initrd: dir.join(INITRD_FILE),
     }
 }
 
@@ -1029,7 +1263,12 @@ async fn handle_suspend<V: Vmm>(
         tracing::warn!(vm = %record.name, error = %e, "saving the VM record");
     }
     let dir = run.state.snapshot_dir(&record.name);
-    match suspend::suspend_vm(vm, &dir, run.spec.memory_mib).await {
+    // RAM mapped from a file is not in the stream; the file has its room already.
+    let streamed_mib = match run.spec.runtime {
+        Runtime::Qemu => 0,
+        Runtime::Firecracker => run.spec.memory_mib,
+    };
+    match suspend::suspend_vm(vm, &dir, streamed_mib).await {
         Ok(s) => {
             record.timings.suspend_ms = ms(t.elapsed());
             tracing::info!(vm = %record.name, snapshot_ms = record.timings.suspend_ms, bytes = s.bytes, "snapshot written");

@@ -4,10 +4,14 @@
 use std::time::Duration;
 
 use imp_api::conditions::{ConditionReason, ConditionType};
+use imp_api::shared::LABEL_SNAPSHOT_PARENT;
 use imp_api::shared::PlacedSize;
+use imp_api::snapshot::{ImpVMSnapshot, SnapshotPhase, StorageType};
 use imp_api::vm::{ImpVM, ImpVMStatus, VmPhase};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
+use kube::ResourceExt as _;
+use kube::api::Api;
 use kube::runtime::controller::Action;
 
 use super::decide::{Note, has_cond, set_cond};
@@ -73,14 +77,84 @@ pub(super) fn unplaced_status(
     (status, note)
 }
 
+/// Where a VM restored from snapshot execution `name` (`spec.snapshotRef`) can run: on the
+/// node holding its files (node-local storage), anywhere (a registry), or not yet / never
+/// (the reason, and whether waiting can help).
+pub(super) fn snapshot_binding(
+    name: &str,
+    exec: Option<&ImpVMSnapshot>,
+) -> Result<Option<(String, String)>, (ConditionReason, String)> {
+    let invalid = |why: String| Err((ConditionReason::InvalidSpec, why));
+    let Some(exec) = exec else {
+        return invalid(format!("spec.snapshotRef: ImpVMSnapshot {name} not found"));
+    };
+    if !exec.labels().contains_key(LABEL_SNAPSHOT_PARENT) {
+        return invalid(format!(
+            "spec.snapshotRef: ImpVMSnapshot {name} is a parent (a schedule), not an execution; \
+             name one of its executions (label {LABEL_SNAPSHOT_PARENT}={name})"
+        ));
+    }
+    let status = exec.status.clone().unwrap_or_default();
+    match status.phase {
+        Some(SnapshotPhase::Succeeded) => {}
+        Some(SnapshotPhase::Failed) => {
+            return invalid(format!("spec.snapshotRef: snapshot {name} failed"));
+        }
+        p => {
+            return Err((
+                ConditionReason::Waiting,
+                format!(
+                    "waiting for snapshot {name} (phase {})",
+                    p.map_or("Pending", |p| match p {
+                        SnapshotPhase::Pending => "Pending",
+                        SnapshotPhase::Running => "Running",
+                        SnapshotPhase::Succeeded | SnapshotPhase::Failed => "",
+                    })
+                ),
+            ));
+        }
+    }
+    if exec.spec.storage.type_ == StorageType::OciRegistry {
+        return Ok(None);
+    }
+    match exec.annotations().get(SNAPSHOT_NODE) {
+        Some(node) => Ok(Some((
+            node.clone(),
+            format!("snapshot {name}'s files are there"),
+        ))),
+        None => invalid(format!(
+            "spec.snapshotRef: snapshot {name} names no node (annotation {SNAPSHOT_NODE})"
+        )),
+    }
+}
+
+use imp_api::shared::ANNOTATION_SNAPSHOT_NODE as SNAPSHOT_NODE;
+
 impl Context {
     /// Places an unplaced VM: under the scheduling lock, spec.nodeName first, then status.
     pub(super) async fn place(&self, vm: ImpVM, r: &Resolved) -> Result<Action, Error> {
+        let only_node = match &r.spec.snapshot_ref {
+            None => None,
+            Some(name) => {
+                let ns = vm.namespace().unwrap_or_default();
+                let api: Api<ImpVMSnapshot> = Api::namespaced(self.client.clone(), &ns);
+                let exec = api.get_opt(name).await.map_err(|source| Error::Kube {
+                    doing: "reading the spec.snapshotRef of",
+                    vm: key(&vm),
+                    source,
+                })?;
+                match snapshot_binding(name, exec.as_ref()) {
+                    Ok(binding) => binding,
+                    Err((reason, why)) => return self.unplaceable(vm, reason, &why).await,
+                }
+            }
+        };
         let req = Request {
             vcpu: r.vcpu,
             memory_mib: r.memory_mib,
             node_selector: r.spec.node_selector.clone(),
             tolerations: r.spec.tolerations.clone(),
+            only_node,
         };
         let k = key(&vm);
         let size = PlacedSize {
@@ -137,23 +211,83 @@ impl Context {
                 Ok(Action::requeue(self.settings.requeue_active))
             }
             Err(no) => {
-                let (status, note) = unplaced_status(
-                    status,
-                    ConditionReason::NoNodeAvailable,
-                    &no.message,
-                    "Unschedulable",
-                    generation,
-                    now,
-                );
-                let vm = self
-                    .patch_status(&vm, &status, "reporting no node for")
-                    .await?;
-                if let Some(note) = note {
-                    tracing::info!(vm = %k, why = %no.message, "no node available");
-                    self.note(&vm, note).await;
-                }
-                Ok(Action::requeue(self.settings.requeue_pending))
+                self.unplaceable(vm, ConditionReason::NoNodeAvailable, &no.message)
+                    .await
             }
         }
+    }
+
+    /// Reports that `vm` stays unplaced for `reason`, and looks again later.
+    async fn unplaceable(
+        &self,
+        vm: ImpVM,
+        reason: ConditionReason,
+        why: &str,
+    ) -> Result<Action, Error> {
+        let generation = vm.metadata.generation;
+        let status = vm.status.clone().unwrap_or_default();
+        let event = match reason {
+            ConditionReason::InvalidSpec => "InvalidSpec",
+            _ => "Unschedulable",
+        };
+        let (status, note) =
+            unplaced_status(status, reason, why, event, generation, Timestamp::now());
+        let vm = self
+            .patch_status(&vm, &status, "reporting no node for")
+            .await?;
+        if let Some(note) = note {
+            tracing::info!(vm = %key(&vm), why, "no node available");
+            self.note(&vm, note).await;
+        }
+        Ok(Action::requeue(self.settings.requeue_pending))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use imp_api::snapshot::ImpVMSnapshotStatus;
+
+    fn exec(phase: Option<SnapshotPhase>, node: Option<&str>) -> ImpVMSnapshot {
+        let mut e = ImpVMSnapshot::new("s-1", Default::default());
+        e.metadata.labels = Some([(LABEL_SNAPSHOT_PARENT.to_owned(), "s".to_owned())].into());
+        if let Some(n) = node {
+            e.metadata.annotations = Some([(SNAPSHOT_NODE.to_owned(), n.to_owned())].into());
+        }
+        e.status = Some(ImpVMSnapshotStatus {
+            phase,
+            ..Default::default()
+        });
+        e
+    }
+
+    #[test]
+    fn a_vm_from_a_snapshot_goes_where_its_files_are_once_it_succeeded() {
+        let ok = exec(Some(SnapshotPhase::Succeeded), Some("n2"));
+        assert_eq!(snapshot_binding("s-1", Some(&ok)).unwrap().unwrap().0, "n2");
+        let (reason, why) = snapshot_binding("s-1", None).unwrap_err();
+        assert_eq!(reason, ConditionReason::InvalidSpec);
+        assert!(
+            why.contains("spec.snapshotRef") && why.contains("s-1"),
+            "{why}"
+        );
+        let running = exec(Some(SnapshotPhase::Running), Some("n2"));
+        assert_eq!(
+            snapshot_binding("s-1", Some(&running)).unwrap_err().0,
+            ConditionReason::Waiting
+        );
+        let failed = exec(Some(SnapshotPhase::Failed), Some("n2"));
+        assert_eq!(
+            snapshot_binding("s-1", Some(&failed)).unwrap_err().0,
+            ConditionReason::InvalidSpec
+        );
+        let mut parent = ok.clone();
+        parent.metadata.labels = None;
+        let why = snapshot_binding("s", Some(&parent)).unwrap_err().1;
+        assert!(why.contains("parent"), "{why}");
+        let mut oci = ok;
+        oci.spec.storage.type_ = StorageType::OciRegistry;
+        assert_eq!(snapshot_binding("s-1", Some(&oci)).unwrap(), None);
     }
 }

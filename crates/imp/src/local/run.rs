@@ -282,6 +282,7 @@ fn spec_for(args: &RunArgs, name: &str) -> anyhow::Result<VmSpec> {
         owner: None,
         network: None,
         progress: false,
+        from_snapshot: None,
     })
 }
 

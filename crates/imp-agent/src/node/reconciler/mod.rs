@@ -496,7 +496,7 @@ async fn remove_vm(
     if let Some(r) = record
         && let Err(e) = shim::stop(state, r, ctx.settings.stop_grace).await
     {
-        tracing::warn!(uid, node = %ctx.settings.node, error = %error_chain(&e), "the shim did not stop; killing the VM");
+        tracing::warn!(uid, node = %ctx.settings.node, error = %crate::chain::chain(&e), "the shim did not stop; killing the VM");
         let _ = shim::signal(r, nix::sys::signal::Signal::SIGKILL);
     }
     let cgroup = shim::read_spec(state, uid)
@@ -581,19 +581,8 @@ pub fn error_policy(vm: Arc<ImpVM>, error: &Error, ctx: Arc<Context>) -> Action 
         tracing::debug!(vm = %key(&vm), node = %ctx.settings.node, "conflict; reconciling the newer version");
         return Action::requeue(Duration::from_millis(50));
     }
-    tracing::warn!(vm = %key(&vm), node = %ctx.settings.node, error = %error_chain(error), "reconcile failed");
+    tracing::warn!(vm = %key(&vm), node = %ctx.settings.node, error = %crate::chain::chain(error), "reconcile failed");
     Action::requeue(Duration::from_secs(2))
-}
-
-fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut out = e.to_string();
-    let mut cur = e.source();
-    while let Some(s) = cur {
-        out.push_str(": ");
-        out.push_str(&s.to_string());
-        cur = s.source();
-    }
-    out
 }
 
 /// A record's fingerprint: a change of any part asks for a reconcile.
@@ -666,7 +655,7 @@ async fn collect_orphans(ctx: Arc<Context>, store: Store<ImpVM>, records: Vec<Vm
         tracing::info!(vm = %format!("{}/{}", owner.namespace, owner.name), node = %ctx.settings.node, uid = %owner.uid, "the ImpVM left this node; removing its VM");
         let alive = r.supervisor_alive();
         if let Err(e) = remove_vm(&ctx, &r.name, alive.then_some(r)).await {
-            tracing::warn!(uid = %owner.uid, error = %error_chain(&e), "removing an orphaned VM failed");
+            tracing::warn!(uid = %owner.uid, error = %crate::chain::chain(&e), "removing an orphaned VM failed");
         }
         ctx.metrics.set_phase(&owner.uid, None);
     }

@@ -117,7 +117,7 @@ pub(super) async fn sync_sleeper(
                 Ok(Some(how)) => ctx.metrics.sleeper_held(how == scale::Attached::Kept),
                 Ok(None) => {}
                 Err(e) => {
-                    tracing::warn!(vm = %key(vm), node = %ctx.settings.node, tap = %tap.tap, error = %error_chain(&e), "cannot hold a sleeping VM's TAP; it cannot be woken by traffic yet");
+                    tracing::warn!(vm = %key(vm), node = %ctx.settings.node, tap = %tap.tap, error = %crate::chain::chain(&e), "cannot hold a sleeping VM's TAP; it cannot be woken by traffic yet");
                     return false;
                 }
             }

@@ -122,6 +122,53 @@ async fn not_startable(
     Ok(Action::requeue(Duration::from_secs(30)))
 }
 
+use crate::node::snapshots::Stored;
+
+/// The snapshot directory on this node a VM with `spec.snapshotRef` boots from, or why it
+/// cannot (the operator placed it here because the files are here).
+async fn snapshot_source(
+    ctx: &Context,
+    vm: &ImpVM,
+    spec: &ImpVMSpec,
+) -> Result<Option<std::path::PathBuf>, String> {
+    let Some(name) = &spec.snapshot_ref else {
+        return Ok(None);
+    };
+    let ns = vm.namespace().unwrap_or_default();
+    let api: Api<imp_api::snapshot::ImpVMSnapshot> = Api::namespaced(ctx.client.clone(), &ns);
+    let exec = api
+        .get_opt(name)
+        .await
+        .map_err(|e| format!("reading spec.snapshotRef {ns}/{name}: {e}"))?
+        .ok_or_else(|| format!("spec.snapshotRef: ImpVMSnapshot {ns}/{name} not found"))?;
+    let stored = crate::node::snapshots::source_on(&exec, &ctx.settings.node)
+        .map_err(|why| format!("spec.snapshotRef {ns}/{name}: {why}"))?;
+    match stored {
+        Stored::Here(dir) => Ok(Some(dir)),
+        Stored::Registry(reference) => {
+            // Pulled once per execution into the node's cache; a directory with its
+            // snapshot.json is complete (a pull writes it last).
+            let dir = ctx
+                .settings
+                .state
+                .root()
+                .join("snapshot-cache")
+                .join(exec.uid().unwrap_or_default());
+            if dir.join(crate::snapshot::MANIFEST).is_file() {
+                return Ok(Some(dir));
+            }
+            let auth = crate::node::snapshots::registry_auth(&ctx.client, &exec, &reference)
+                .await
+                .map_err(|why| format!("spec.snapshotRef {ns}/{name}: {why}"))?;
+            let pulled = crate::snapshot::oci::pull(&reference, &dir, &auth)
+                .await
+                .map_err(|e| format!("spec.snapshotRef {ns}/{name}: pulling {reference}: {e}"))?;
+            tracing::info!(vm = %key(vm), node = %ctx.settings.node, reference, bytes = pulled.bytes_downloaded, "snapshot pulled");
+            Ok(Some(dir))
+        }
+    }
+}
+
 /// Starts the VM's shim and records phase `Starting`.
 pub(super) async fn start(ctx: &Context, vm: &ImpVM, uid: &str) -> Result<Action, Error> {
     // A descriptor kept from a VMM whose suspend never ended (the VM stopped meanwhile) would
@@ -144,6 +191,10 @@ pub(super) async fn start(ctx: &Context, vm: &ImpVM, uid: &str) -> Result<Action
     }
     let env = match environment(ctx, vm, &spec).await {
         Ok(env) => env,
+        Err(why) => return not_startable(ctx, vm, ConditionReason::InvalidSpec, why).await,
+    };
+    let from_snapshot = match snapshot_source(ctx, vm, &spec).await {
+        Ok(s) => s,
         Err(why) => return not_startable(ctx, vm, ConditionReason::InvalidSpec, why).await,
     };
     let credentials = match pull_credentials(ctx, vm, &spec).await {
@@ -181,6 +232,7 @@ pub(super) async fn start(ctx: &Context, vm: &ImpVM, uid: &str) -> Result<Action
         }
     };
     vm_spec.network = network;
+    vm_spec.from_snapshot = from_snapshot.clone();
     let (st, id, cmd) = (state.clone(), uid.to_owned(), ctx.settings.shim.clone());
     let started = tokio::task::spawn_blocking(
         move || -> Result<u32, Box<dyn std::error::Error + Send + Sync>> {
@@ -231,11 +283,19 @@ pub(super) async fn start(ctx: &Context, vm: &ImpVM, uid: &str) -> Result<Action
     status.runtime_pid = None;
     status.node_name = Some(ctx.settings.node.clone());
     status.runtime = Some(runtime.as_str().to_owned());
-    let msg = format!(
-        "pulling {} and booting under {}",
-        spec.image.as_deref().unwrap_or(""),
-        runtime.as_str()
-    );
+    let msg = match &from_snapshot {
+        Some(dir) => format!(
+            "restoring snapshot {} ({}) under {}",
+            spec.snapshot_ref.as_deref().unwrap_or(""),
+            dir.display(),
+            runtime.as_str()
+        ),
+        None => format!(
+            "pulling {} and booting under {}",
+            spec.image.as_deref().unwrap_or(""),
+            runtime.as_str()
+        ),
+    };
     conditions::set(
         &mut status.conditions,
         ConditionType::Ready,

@@ -1,0 +1,618 @@
+//! The node side of ImpVMSnapshot: every execution (labelled `imp.dev/snapshot-parent`) whose
+//! source VM runs on this node is taken here, by the VM's shim ([`crate::runtime::take`]),
+//! into `storage.nodeLocal.path/<namespace>/<parent>/<execution>/`, and its status says how it
+//! went (`phase`, `snapshotPath`, `completedAt`, `terminatedAt`, a `Ready` condition and an
+//! Event). The execution carries the finalizer [`FINALIZER`] and the annotation
+//! [`NODE_ANNOTATION`] from the moment its files may exist: deleting it removes them on this
+//! node first. Parents and schedules are the operator's.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::StreamExt as _;
+use imp_api::conditions::{self, ConditionReason, ConditionStatus, ConditionType};
+use imp_api::shared::LABEL_SNAPSHOT_PARENT;
+use imp_api::snapshot::{ImpVMSnapshot, ImpVMSnapshotStatus, SnapshotPhase, StorageType};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use k8s_openapi::jiff::Timestamp;
+use kube::api::{Api, Patch, PatchParams};
+use kube::runtime::controller::{Action, Controller};
+use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use kube::runtime::watcher;
+use kube::{Resource as _, ResourceExt as _};
+use serde_json::json;
+
+use crate::chain::chain;
+use crate::image::RegistryAuth;
+use crate::runtime::state::{StateDir, VmRecord};
+use crate::runtime::take;
+use crate::snapshot::Source;
+use crate::snapshot::oci;
+use k8s_openapi::api::core::v1::Secret;
+
+/// The finalizer that holds an execution until its files are removed.
+pub const FINALIZER: &str = "imp.dev/snapshot-files";
+/// The node that holds an execution's node-local files.
+pub const NODE_ANNOTATION: &str = imp_api::shared::ANNOTATION_SNAPSHOT_NODE;
+/// The field manager of the agent's writes.
+const FIELD_MANAGER: &str = "imp-agent";
+/// How often an execution no VM of this node is the source of is looked at again (its VM
+/// may come up here meanwhile; the operator fails it if the VM is gone or ended).
+const NOT_HERE_RECHECK: Duration = Duration::from_secs(10);
+/// How long a shim may take to snapshot a VM (its memory and disk copied while it is paused).
+const TAKE_TIMEOUT: Duration = Duration::from_secs(600);
+
+/// What to do with an execution, decided from it and this node's VMs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Step {
+    /// Not this node's business (or nothing left to do).
+    Nothing,
+    /// Waiting to be taken, and its source VM has no record on this node (yet: it may be
+    /// starting here): look again later.
+    NotHere,
+    /// Take it: the source VM (this record's name) runs here.
+    Take(String),
+    /// It is being deleted and its files are on this node: remove them, then the finalizer.
+    Remove(PathBuf),
+}
+
+/// Decides what this node does with execution `exec`; `local` finds a VM record of this node
+/// by namespace and name.
+pub fn decide<'a>(
+    exec: &ImpVMSnapshot,
+    node: &str,
+    local: impl Fn(&str, &str) -> Option<&'a VmRecord>,
+) -> Step {
+    let ours = exec.annotations().get(NODE_ANNOTATION).map(String::as_str) == Some(node);
+    if exec.meta().deletion_timestamp.is_some() {
+        return match exec.finalizers().iter().any(|f| f == FINALIZER) && ours {
+            true => Step::Remove(destination(exec)),
+            false => Step::Nothing,
+        };
+    }
+    if !exec.labels().contains_key(LABEL_SNAPSHOT_PARENT) {
+        return Step::Nothing;
+    }
+    let status = exec.status.clone().unwrap_or_default();
+    if status.terminated_at.is_some() {
+        return Step::Nothing;
+    }
+    let ns = if exec.spec.source_vm_namespace.is_empty() {
+        exec.namespace().unwrap_or_default()
+    } else {
+        exec.spec.source_vm_namespace.clone()
+    };
+    match local(&ns, &exec.spec.source_vm_name) {
+        Some(r) => Step::Take(r.name.clone()),
+        None => Step::NotHere,
+    }
+}
+
+/// Where a VM boots from Succeeded execution `exec`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Stored {
+    /// Its directory on this node.
+    Here(PathBuf),
+    /// Its registry artifact, by digest.
+    Registry(String),
+}
+
+/// Where a VM on node `node` boots from Succeeded execution `exec`, or why it cannot there.
+pub fn source_on(exec: &ImpVMSnapshot, node: &str) -> Result<Stored, String> {
+    let status = exec.status.clone().unwrap_or_default();
+    if status.phase != Some(SnapshotPhase::Succeeded) {
+        return Err("the snapshot has not succeeded".to_owned());
+    }
+    if exec.spec.storage.type_ == StorageType::OciRegistry {
+        let (Some(reference), Some(digest)) = (registry_reference(exec), status.digest) else {
+            return Err("it names no registry artifact (status.digest)".to_owned());
+        };
+        let repo = reference
+            .rsplit_once(':')
+            .map_or(reference.as_str(), |(r, _)| r);
+        return Ok(Stored::Registry(format!("{repo}@{digest}")));
+    }
+    match exec.annotations().get(NODE_ANNOTATION) {
+        Some(n) if n == node => {}
+        Some(n) => return Err(format!("its files are on node {n}, not on {node}")),
+        None => return Err(format!("it names no node ({NODE_ANNOTATION})")),
+    }
+    status
+        .snapshot_path
+        .map(|p| Stored::Here(PathBuf::from(p)))
+        .ok_or_else(|| "it has no status.snapshotPath".to_owned())
+}
+
+/// The registry reference of execution `exec` (`repository:tag`), for oci-registry storage.
+pub fn registry_reference(exec: &ImpVMSnapshot) -> Option<String> {
+    let repo = exec.spec.storage.oci_registry.as_ref()?.repository.clone();
+    let ns = exec.namespace().unwrap_or_default();
+    Some(format!(
+        "{repo}:{}",
+        oci::tag_for(&format!("{ns}-{}", exec.name_any()))
+    ))
+}
+
+/// The credentials for execution `exec`'s registry, from `storage.ociRegistry.pullSecretRef`.
+pub async fn registry_auth(
+    client: &kube::Client,
+    exec: &ImpVMSnapshot,
+    reference: &str,
+) -> Result<RegistryAuth, String> {
+    let ns = exec.namespace().unwrap_or_default();
+    let Some(name) = exec
+        .spec
+        .storage
+        .oci_registry
+        .as_ref()
+        .and_then(|o| o.pull_secret_ref.as_ref())
+        .map(|r| r.name.clone())
+    else {
+        return Ok(RegistryAuth::Anonymous);
+    };
+    let secrets: Api<Secret> = Api::namespaced(client.clone(), &ns);
+    let secret = secrets
+        .get(&name)
+        .await
+        .map_err(|e| format!("reading storage.ociRegistry.pullSecretRef {ns}/{name}: {e}"))?;
+    let json = secret
+        .data
+        .as_ref()
+        .and_then(|d| d.get(".dockerconfigjson"))
+        .ok_or_else(|| {
+            format!("storage.ociRegistry.pullSecretRef {ns}/{name} has no .dockerconfigjson")
+        })?;
+    oci::auth_for(reference, Some(&json.0))
+        .map_err(|e| format!("storage.ociRegistry.pullSecretRef {ns}/{name}: {e}"))
+}
+
+/// Where execution `exec`'s files go on the node.
+pub fn destination(exec: &ImpVMSnapshot) -> PathBuf {
+    let root = exec
+        .spec
+        .storage
+        .node_local
+        .as_ref()
+        .map(|n| n.path.clone())
+        .unwrap_or_else(|| "/var/lib/imp/snapshots".to_owned());
+    let parent = exec
+        .labels()
+        .get(LABEL_SNAPSHOT_PARENT)
+        .cloned()
+        .unwrap_or_default();
+    PathBuf::from(root)
+        .join(exec.namespace().unwrap_or_default())
+        .join(parent)
+        .join(exec.name_any())
+}
+
+/// What the controller needs.
+pub struct Context {
+    client: kube::Client,
+    node: String,
+    state: StateDir,
+    recorder: Recorder,
+}
+
+impl Context {
+    /// The controller's context on node `node` with VM records in `state`.
+    pub fn new(client: kube::Client, node: String, state: StateDir) -> Self {
+        let recorder = Recorder::new(
+            client.clone(),
+            Reporter {
+                controller: FIELD_MANAGER.into(),
+                instance: Some(node.clone()),
+            },
+        );
+        Self {
+            client,
+            node,
+            state,
+            recorder,
+        }
+    }
+}
+
+/// Why a reconcile failed.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// An API call failed.
+    #[error("{action} ImpVMSnapshot {name}")]
+    Kube {
+        /// What was being done.
+        action: &'static str,
+        /// The execution.
+        name: String,
+        /// The API's error.
+        #[source]
+        source: kube::Error,
+    },
+    /// A file could not be removed.
+    #[error("removing the snapshot files {path}")]
+    Files {
+        /// The directory.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+fn kube_err(action: &'static str, exec: &ImpVMSnapshot) -> impl FnOnce(kube::Error) -> Error {
+    let name = format!(
+        "{}/{}",
+        exec.namespace().unwrap_or_default(),
+        exec.name_any()
+    );
+    move |source| Error::Kube {
+        action,
+        name,
+        source,
+    }
+}
+
+async fn reconcile(exec: Arc<ImpVMSnapshot>, ctx: Arc<Context>) -> Result<Action, Error> {
+    let records = {
+        let state = ctx.state.clone();
+        tokio::task::spawn_blocking(move || state.list().map(|(r, _)| r))
+            .await
+            .ok()
+            .and_then(Result::ok)
+            .unwrap_or_default()
+    };
+    let local = |ns: &str, name: &str| {
+        records.iter().find(|r| {
+            r.owner
+                .as_ref()
+                .is_some_and(|o| o.namespace == ns && o.name == name)
+        })
+    };
+    match decide(&exec, &ctx.node, local) {
+        Step::Nothing => Ok(Action::await_change()),
+        Step::NotHere => Ok(Action::requeue(NOT_HERE_RECHECK)),
+        Step::Remove(dir) => remove(&exec, &ctx, dir).await,
+        Step::Take(id) => {
+            let record = records.iter().find(|r| r.name == id).cloned();
+            match record {
+                Some(r) => take_one(&exec, &ctx, &r).await,
+                None => Ok(Action::await_change()),
+            }
+        }
+    }
+}
+
+fn api(exec: &ImpVMSnapshot, ctx: &Context) -> Api<ImpVMSnapshot> {
+    Api::namespaced(ctx.client.clone(), &exec.namespace().unwrap_or_default())
+}
+
+/// Removes the execution's files (or its registry manifest), then its finalizer.
+async fn remove(exec: &ImpVMSnapshot, ctx: &Context, dir: PathBuf) -> Result<Action, Error> {
+    if let (Some(reference), Some(digest)) = (
+        registry_reference(exec),
+        exec.status.as_ref().and_then(|s| s.digest.clone()),
+    ) {
+        let by_digest = match reference.rsplit_once(':') {
+            Some((repo, _tag)) => format!("{repo}@{digest}"),
+            None => reference.clone(),
+        };
+        let deleted = match registry_auth(&ctx.client, exec, &reference).await {
+            Ok(auth) => oci::delete(&by_digest, &auth).await.map_err(|e| chain(&e)),
+            Err(e) => Err(e),
+        };
+        if let Err(why) = deleted {
+            // The registry keeps it; the object goes anyway, and the Warning says what is left.
+            let note = format!("{by_digest} was not deleted from the registry: {why}");
+            tracing::warn!(snapshot = %exec.name_any(), node = %ctx.node, note, "registry deletion failed");
+            let ev = Event {
+                type_: EventType::Warning,
+                reason: "RegistryDeleteFailed".to_owned(),
+                note: Some(note),
+                action: "Delete".to_owned(),
+                secondary: None,
+            };
+            let _ = ctx.recorder.publish(&ev, &exec.object_ref(&())).await;
+        }
+    }
+    let d = dir.clone();
+    let removed = tokio::task::spawn_blocking(move || match std::fs::remove_dir_all(&d) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        other => other,
+    })
+    .await
+    .unwrap_or_else(|e| Err(std::io::Error::other(e)));
+    removed.map_err(|source| Error::Files {
+        path: dir.clone(),
+        source,
+    })?;
+    let finalizers: Vec<&String> = exec
+        .finalizers()
+        .iter()
+        .filter(|f| *f != FINALIZER)
+        .collect();
+    let body = json!({"metadata": {
+        "resourceVersion": exec.resource_version(),
+        "finalizers": finalizers,
+    }});
+    api(exec, ctx)
+        .patch(
+            &exec.name_any(),
+            &PatchParams::default(),
+            &Patch::Merge(&body),
+        )
+        .await
+        .map_err(kube_err("removing the finalizer of", exec))?;
+    tracing::info!(snapshot = %exec.name_any(), namespace = ?exec.namespace(), dir = %dir.display(), node = %ctx.node, "snapshot files removed");
+    Ok(Action::await_change())
+}
+
+/// Takes execution `exec` of VM `record`, with its status and Event.
+async fn take_one(exec: &ImpVMSnapshot, ctx: &Context, record: &VmRecord) -> Result<Action, Error> {
+    let dest = destination(exec);
+    let mut status = exec.status.clone().unwrap_or_default();
+    // From here on its files may exist: the finalizer and the node come first.
+    let mut finalizers: Vec<String> = exec.finalizers().to_vec();
+    if !finalizers.iter().any(|f| f == FINALIZER) {
+        finalizers.push(FINALIZER.to_owned());
+    }
+    let body = json!({"metadata": {
+        "resourceVersion": exec.resource_version(),
+        "finalizers": finalizers,
+        "annotations": {NODE_ANNOTATION: ctx.node},
+    }});
+    let exec_api = api(exec, ctx);
+    let marked = exec_api
+        .patch(
+            &exec.name_any(),
+            &PatchParams::default(),
+            &Patch::Merge(&body),
+        )
+        .await
+        .map_err(kube_err("marking", exec))?;
+    status.phase = Some(SnapshotPhase::Running);
+    condition(
+        &mut status,
+        ConditionStatus::False,
+        ConditionReason::Snapshotting,
+        format!("node {} is taking it", ctx.node),
+    );
+    write_status(&marked, ctx, &status).await?;
+
+    let registry = registry_reference(exec);
+    // A registry's snapshot is written on the node first, pushed, then removed here.
+    let dest = match &registry {
+        Some(_) => ctx
+            .state
+            .root()
+            .join("snapshot-push")
+            .join(exec.uid().unwrap_or_default()),
+        None => dest,
+    };
+    let source = Source {
+        namespace: record
+            .owner
+            .as_ref()
+            .map(|o| o.namespace.clone())
+            .unwrap_or_default(),
+        name: exec.spec.source_vm_name.clone(),
+        image: String::new(),
+    };
+    let d = dest.clone();
+    // A directory left by an interrupted attempt is not this snapshot.
+    let _ = tokio::task::spawn_blocking(move || {
+        let _ = std::fs::remove_dir_all(&d);
+        d.parent().map(std::fs::create_dir_all)
+    })
+    .await;
+    let taken = match take::request(&ctx.state, record, &dest, source) {
+        Ok(token) => take::wait(&ctx.state, &record.name, &token, TAKE_TIMEOUT)
+            .await
+            .map_err(|e| e.to_string()),
+        Err(e) => Err(e.to_string()),
+    };
+    let Some(reference) = registry else {
+        return finish(&marked, ctx, status, taken.map(|t| (t, None)), &dest).await;
+    };
+    let pushed = match taken {
+        Ok(t) => push(exec, ctx, &dest, &reference)
+            .await
+            .map(|o| (t, Some(o))),
+        Err(e) => Err(e),
+    };
+    let d = dest.clone();
+    let _ = tokio::task::spawn_blocking(move || std::fs::remove_dir_all(d)).await;
+    finish(&marked, ctx, status, pushed, &dest).await
+}
+
+/// Pushes the snapshot in `dir` to `reference`.
+async fn push(
+    exec: &ImpVMSnapshot,
+    ctx: &Context,
+    dir: &std::path::Path,
+    reference: &str,
+) -> Result<oci::PushOutcome, String> {
+    let auth = registry_auth(&ctx.client, exec, reference).await?;
+    oci::push(dir, reference, &auth)
+        .await
+        .map_err(|e| format!("pushing to {reference}: {}", chain(&e)))
+}
+
+/// What a finished snapshot is: the manifest, bytes stored and, for a registry, the push.
+type Taken = ((crate::snapshot::Manifest, u64), Option<oci::PushOutcome>);
+
+async fn finish(
+    exec: &ImpVMSnapshot,
+    ctx: &Context,
+    mut status: ImpVMSnapshotStatus,
+    taken: Result<Taken, String>,
+    dest: &std::path::Path,
+) -> Result<Action, Error> {
+    let now = Time(Timestamp::now());
+    let (type_, reason, note) = match &taken {
+        Ok(((m, bytes), pushed)) => {
+            status.phase = Some(SnapshotPhase::Succeeded);
+            status.completed_at = Some(now.clone());
+            let place = match pushed {
+                Some(p) => {
+                    status.digest = Some(p.digest.clone());
+                    format!("{} ({} MiB uploaded)", p.reference, p.bytes_uploaded >> 20)
+                }
+                None => {
+                    status.snapshot_path = Some(dest.display().to_string());
+                    format!("{} on node {}", dest.display(), ctx.node)
+                }
+            };
+            let note = format!(
+                "{place} ({} MiB stored; the VM was paused {} ms; {} {})",
+                bytes >> 20,
+                m.pause_ms,
+                m.vmm,
+                m.machine
+            );
+            condition(
+                &mut status,
+                ConditionStatus::True,
+                ConditionReason::SnapshotSucceeded,
+                note.clone(),
+            );
+            (EventType::Normal, ConditionReason::SnapshotSucceeded, note)
+        }
+        Err(why) => {
+            status.phase = Some(SnapshotPhase::Failed);
+            let note = format!("on node {}: {why}", ctx.node);
+            condition(
+                &mut status,
+                ConditionStatus::False,
+                ConditionReason::SnapshotFailed,
+                note.clone(),
+            );
+            (EventType::Warning, ConditionReason::SnapshotFailed, note)
+        }
+    };
+    status.terminated_at = Some(now);
+    write_status(exec, ctx, &status).await?;
+    match &taken {
+        Ok(_) => {
+            tracing::info!(snapshot = %exec.name_any(), namespace = ?exec.namespace(), node = %ctx.node, note, "snapshot taken")
+        }
+        Err(_) => {
+            tracing::warn!(snapshot = %exec.name_any(), namespace = ?exec.namespace(), node = %ctx.node, note, "snapshot failed")
+        }
+    }
+    let ev = Event {
+        type_,
+        reason: reason.as_str().to_owned(),
+        note: Some(note),
+        action: "Snapshot".to_owned(),
+        secondary: None,
+    };
+    if let Err(e) = ctx.recorder.publish(&ev, &exec.object_ref(&())).await {
+        tracing::warn!(snapshot = %exec.name_any(), error = %e, "publishing an Event failed");
+    }
+    Ok(Action::await_change())
+}
+
+fn condition(
+    status: &mut ImpVMSnapshotStatus,
+    s: ConditionStatus,
+    reason: ConditionReason,
+    message: String,
+) {
+    conditions::set(
+        &mut status.conditions,
+        ConditionType::Ready,
+        s,
+        reason,
+        message,
+        None,
+        Time(Timestamp::now()),
+    );
+}
+
+async fn write_status(
+    exec: &ImpVMSnapshot,
+    ctx: &Context,
+    status: &ImpVMSnapshotStatus,
+) -> Result<(), Error> {
+    let body = json!({"status": status});
+    api(exec, ctx)
+        .patch_status(
+            &exec.name_any(),
+            &PatchParams::default(),
+            &Patch::Merge(&body),
+        )
+        .await
+        .map_err(kube_err("writing the status of", exec))?;
+    Ok(())
+}
+
+fn error_policy(exec: Arc<ImpVMSnapshot>, error: &Error, _ctx: Arc<Context>) -> Action {
+    let msg = chain(error);
+    tracing::warn!(snapshot = %exec.name_any(), namespace = ?exec.namespace(), error = %msg, "snapshot reconcile failed");
+    Action::requeue(Duration::from_secs(5))
+}
+
+/// Runs the node's snapshot controller until `shutdown` completes.
+pub async fn run(
+    ctx: Arc<Context>,
+    shutdown: impl std::future::Future<Output = ()> + Send + Sync + 'static,
+) {
+    let api: Api<ImpVMSnapshot> = Api::all(ctx.client.clone());
+    tracing::info!(node = %ctx.node, "taking the ImpVMSnapshot executions of this node's VMs");
+    Controller::new(api, watcher::Config::default())
+        .graceful_shutdown_on(shutdown)
+        .run(reconcile, error_policy, ctx)
+        .for_each(|_| async {})
+        .await;
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    fn exec(labels: bool) -> ImpVMSnapshot {
+        let mut e = ImpVMSnapshot::new("s-20261204-000000", Default::default());
+        e.metadata.namespace = Some("ns".into());
+        e.spec.source_vm_name = "vm".into();
+        e.spec.source_vm_namespace = "ns".into();
+        if labels {
+            e.metadata.labels = Some([(LABEL_SNAPSHOT_PARENT.to_owned(), "s".to_owned())].into());
+        }
+        e
+    }
+
+    fn record() -> VmRecord {
+        crate::node::decide::tests::record(crate::runtime::state::VmStatus::Running, 0)
+    }
+
+    #[test]
+    fn an_execution_of_a_vm_here_is_taken_here_once() {
+        let r = record();
+        let find = |ns: &str, n: &str| (ns == "ns" && n == "vm").then_some(&r);
+        assert_eq!(decide(&exec(true), "n1", find), Step::Take("uid-1".into()));
+        assert_eq!(
+            decide(&exec(true), "n1", |_, _| None),
+            Step::NotHere,
+            "not here"
+        );
+        assert_eq!(decide(&exec(false), "n1", find), Step::Nothing, "a parent");
+        let mut done = exec(true);
+        done.status = Some(ImpVMSnapshotStatus {
+            terminated_at: Some(Time(Timestamp::now())),
+            ..Default::default()
+        });
+        assert_eq!(decide(&done, "n1", find), Step::Nothing, "terminated");
+    }
+
+    #[test]
+    fn a_deleted_execution_frees_its_files_on_its_node_only() {
+        let mut e = exec(true);
+        e.metadata.deletion_timestamp = Some(Time(Timestamp::now()));
+        e.metadata.finalizers = Some(vec![FINALIZER.into()]);
+        e.metadata.annotations = Some([(NODE_ANNOTATION.to_owned(), "n1".to_owned())].into());
+        let want = PathBuf::from("/var/lib/imp/snapshots/ns/s/s-20261204-000000");
+        assert_eq!(decide(&e, "n1", |_, _| None), Step::Remove(want));
+        assert_eq!(decide(&e, "n2", |_, _| None), Step::Nothing);
+    }
+}

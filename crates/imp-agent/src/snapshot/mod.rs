@@ -1,0 +1,188 @@
+//! Snapshots that outlive their VM: an ImpVMSnapshot execution's files, kept in a directory on
+//! the node (`storage.nodeLocal.path/<namespace>/<parent>/<execution>/`) or pushed to an OCI
+//! registry ([`oci`]), and restored into a new VM (`spec.snapshotRef`).
+//!
+//! A snapshot directory holds:
+//! - [`MANIFEST`] (`snapshot.json`, [`Manifest`]): what took it (the VMM kind and version, the
+//!   machine type), the guest's shape (vCPUs, memory), the source VM and when it was taken;
+//! - [`VMSTATE`]: the VMM's device and vCPU state (QEMU: its migration stream without the RAM;
+//!   Firecracker: its `vmstate`);
+//! - [`MEMORY`]: the guest's RAM as a raw image, sparse (pages the guest never touched are
+//!   holes), which a restore maps privately instead of reading;
+//! - [`DISK`]: the root disk at the same instant, sparse;
+//! - [`INITRD`]: the initramfs the source booted;
+//! - [`VMM_NOTE`] (QEMU): the version that wrote the stream and whether the RAM is in it.
+//!
+//! Suspend (`runtime::suspend`) uses the same VMM calls but keeps its files beside the VM.
+
+pub mod oci;
+pub mod sparse;
+
+/// The manifest's file name.
+pub const MANIFEST: &str = "snapshot.json";
+/// The VMM state's file name.
+pub const VMSTATE: &str = "vmstate";
+/// The guest memory image's file name.
+pub const MEMORY: &str = "memory";
+/// The root disk's file name.
+pub const DISK: &str = "disk.ext4";
+/// The initramfs the source booted (a QEMU restore needs the same one).
+pub const INITRD: &str = "initramfs.cpio";
+/// QEMU's note on its stream (its version, whether the RAM is in it).
+pub const VMM_NOTE: &str = "vmm.json";
+
+/// The format version this agent writes and reads.
+pub const FORMAT: u32 = 1;
+
+/// What a snapshot directory's [`MANIFEST`] says.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Manifest {
+    /// [`FORMAT`] when written.
+    pub format: u32,
+    /// The VMM that wrote it, as `kind version` (`qemu 7.2.22`, `firecracker 1.12.1`).
+    pub vmm: String,
+    /// The machine type (`microvm` for QEMU, `firecracker`).
+    pub machine: String,
+    /// The guest's vCPUs.
+    pub vcpus: u8,
+    /// The guest's memory in MiB.
+    pub memory_mib: u32,
+    /// The VM it was taken of.
+    pub source: Source,
+    /// When it was taken (Unix seconds).
+    pub taken_unix: u64,
+    /// How long the source VM was paused for it, in milliseconds.
+    pub pause_ms: u64,
+}
+
+/// The VM a snapshot was taken of.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Source {
+    /// Its namespace.
+    pub namespace: String,
+    /// Its name.
+    pub name: String,
+    /// Its image reference.
+    pub image: String,
+}
+
+/// The guest a restore is for, to check a snapshot against.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Shape<'a> {
+    /// vCPUs.
+    pub vcpus: u8,
+    /// Memory in MiB.
+    pub memory_mib: u32,
+    /// The VMM kind that will restore it (`qemu`, `firecracker`).
+    pub vmm: &'a str,
+}
+
+/// Why snapshot `m` cannot be restored as `want`, if it cannot.
+pub fn refuse(m: &Manifest, want: Shape<'_>) -> Option<String> {
+    if m.format != FORMAT {
+        return Some(format!(
+            "its format is {}; this agent reads format {FORMAT}",
+            m.format
+        ));
+    }
+    if let Some(why) = crate::vmm::version::refuse_kind(Some(&m.vmm), want.vmm) {
+        return Some(why);
+    }
+    if (m.vcpus, m.memory_mib) != (want.vcpus, want.memory_mib) {
+        return Some(format!(
+            "it was taken of a guest with {} vCPU and {} MiB; this VM's class gives {} vCPU \
+             and {} MiB (use a class of the snapshot's size)",
+            m.vcpus, m.memory_mib, want.vcpus, want.memory_mib
+        ));
+    }
+    None
+}
+
+/// Fills VM directory `dir` from snapshot directory `snap` for a restore as `want`: its disk,
+/// initramfs and memory image copied (sparse) under the names the VM's files have
+/// (`disk`, `initrd`, `memory` in `dir`). Blocking.
+pub fn seed(
+    snap: &std::path::Path,
+    want: Shape<'_>,
+    (disk, initrd, memory): (&std::path::Path, &std::path::Path, &std::path::Path),
+) -> Result<Manifest, String> {
+    let path = snap.join(MANIFEST);
+    let text = std::fs::read(&path).map_err(|e| format!("reading {}: {e}", path.display()))?;
+    let m: Manifest =
+        serde_json::from_slice(&text).map_err(|e| format!("reading {}: {e}", path.display()))?;
+    if let Some(why) = refuse(&m, want) {
+        return Err(format!(
+            "snapshot {} cannot be restored: {why}",
+            snap.display()
+        ));
+    }
+    for (from, to) in [(DISK, disk), (INITRD, initrd), (MEMORY, memory)] {
+        let src = snap.join(from);
+        let _ = std::fs::remove_file(to);
+        sparse::copy(&src, to)
+            .map_err(|e| format!("copying {} to {}: {e}", src.display(), to.display()))?;
+    }
+    // A confined VMM reads its initramfs as itself (it writes its disk and memory, which its
+    // jail's preparation gives it).
+    use std::os::unix::fs::PermissionsExt as _;
+    std::fs::set_permissions(initrd, std::fs::Permissions::from_mode(0o644))
+        .map_err(|e| format!("opening {} to the VMM: {e}", initrd.display()))?;
+    Ok(m)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn manifest() -> Manifest {
+        Manifest {
+            format: FORMAT,
+            vmm: "qemu 7.2.22".into(),
+            machine: "microvm".into(),
+            vcpus: 1,
+            memory_mib: 256,
+            source: Source {
+                namespace: "ns".into(),
+                name: "vm".into(),
+                image: String::new(),
+            },
+            taken_unix: 0,
+            pause_ms: 1,
+        }
+    }
+
+    #[test]
+    fn a_snapshot_restores_only_into_its_own_shape_and_vmm() {
+        let want = Shape {
+            vcpus: 1,
+            memory_mib: 256,
+            vmm: "qemu",
+        };
+        assert_eq!(refuse(&manifest(), want), None);
+        let why = refuse(
+            &manifest(),
+            Shape {
+                memory_mib: 512,
+                ..want
+            },
+        )
+        .unwrap_or_default();
+        assert!(why.contains("256 MiB") && why.contains("512 MiB"), "{why}");
+        let why = refuse(
+            &manifest(),
+            Shape {
+                vmm: "firecracker",
+                ..want
+            },
+        )
+        .unwrap_or_default();
+        assert!(why.contains("qemu"), "{why}");
+        let old = Manifest {
+            format: FORMAT + 1,
+            ..manifest()
+        };
+        assert!(refuse(&old, want).is_some());
+    }
+}

@@ -1,0 +1,557 @@
+//! End-to-end: an ImpVMSnapshot of a running ImpVM, through the real `imp operator` (which
+//! makes the parent's execution) and the real `imp agent` (whose VM's shim takes it), against a
+//! real kube-apiserver with the chart's RBAC and a real Linux guest under QEMU/TCG.
+//!
+//! The guest holds a secret in a tmpfs (memory only); the execution ends Succeeded with its
+//! files under `storage.nodeLocal.path/<ns>/<parent>/<execution>/`, the guest's memory image
+//! holds the secret, the source VM was paused for the reported time and runs on in the same
+//! QEMU, and deleting the execution removes its files (finalizer). A snapshot that cannot be
+//! stored fails with a condition naming the cause, and the VM still runs.
+//!
+//! Needs what `agent_e2e.rs` needs (`scripts/setup`): without it, it skips on a developer
+//! machine and fails under `CI=true`.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use common::phase;
+
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::Duration;
+
+use imp_api::snapshot::{ImpVMSnapshot, SnapshotPhase};
+use imp_api::vm::{ImpVM, VmPhase};
+use imp_testenv::registry::{TestRegistry, push, scratch_dir};
+use kube::api::{Api, DeleteParams, ListParams, PostParams};
+use kube::{Client, ResourceExt};
+use serde_json::json;
+use tokio::process::Command;
+
+const NS: &str = "default";
+const VM: &str = "snap-vm";
+const NODE: &str = "snap-node";
+
+struct Agent {
+    state: PathBuf,
+    cgroup_parent: String,
+    container: common::Container,
+}
+
+impl Agent {
+    fn start(kube: &common::Cluster) -> Self {
+        let id = format!("snap-e2e-{}", std::process::id());
+        let mut a = Self {
+            state: scratch_dir("imp-snapshot-e2e-state").unwrap(),
+            cgroup_parent: format!("{id}-vms"),
+            container: common::Container::new(&format!("{id}-agent")),
+        };
+        let child = Command::new(env!("CARGO_BIN_EXE_imp"))
+            .arg("agent")
+            .env("NODE_NAME", NODE)
+            .env("FC_KERNEL", common::kernel())
+            .env("IMP_GUEST", common::guest())
+            .env("KUBECONFIG", kube.agent_kubeconfig())
+            .env("RUST_LOG", common::rust_log())
+            .args(["--state-dir", a.state.to_str().unwrap()])
+            .args(["--runtime", "qemu", "--no-network"])
+            .args(["--cgroup-parent", &a.cgroup_parent])
+            .args([
+                "--metrics-addr",
+                &format!("127.0.0.1:{}", common::free_port()),
+            ])
+            .args(["--stop-grace", "3s", "--api-addr", "127.0.0.1:0"])
+            .stdout(Stdio::null())
+            .stderr(common::logs())
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap();
+        a.container.run(child);
+        a
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        self.container.destroy();
+        common::remove_agent_leftovers(&self.state, &self.cgroup_parent);
+    }
+}
+
+/// Runs `imp exec` in the VM as `kubeconfig`'s user; its stdout.
+async fn exec(kubeconfig: &Path, script: &str) -> String {
+    exec_in(kubeconfig, VM, script).await
+}
+
+/// Runs `imp exec` in VM `vm` as `kubeconfig`'s user; its stdout.
+async fn exec_in(kubeconfig: &Path, vm: &str, script: &str) -> String {
+    let (k, s, vm) = (kubeconfig.to_path_buf(), script.to_owned(), vm.to_owned());
+    let out = tokio::task::spawn_blocking(move || {
+        std::process::Command::new(env!("CARGO_BIN_EXE_imp"))
+            .args(["exec", "-n", NS, &vm, "--", "sh", "-c", &s])
+            .env("KUBECONFIG", &k)
+            .stdin(Stdio::null())
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    assert!(
+        out.status.success(),
+        "exec {script:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+async fn parent(c: &Client, name: &str, storage: serde_json::Value) {
+    let snaps: Api<ImpVMSnapshot> = Api::namespaced(c.clone(), NS);
+    let obj: ImpVMSnapshot = serde_json::from_value(json!({
+        "apiVersion": "imp.dev/v1alpha1", "kind": "ImpVMSnapshot",
+        "metadata": {"name": name, "namespace": NS},
+        "spec": {"sourceVMName": VM, "sourceVMNamespace": NS, "storage": storage}
+    }))
+    .unwrap();
+    snaps.create(&PostParams::default(), &obj).await.unwrap();
+}
+
+/// The execution of parent `name` once it has terminated.
+async fn terminated_execution(c: &Client, name: &str) -> ImpVMSnapshot {
+    let snaps: Api<ImpVMSnapshot> = Api::namespaced(c.clone(), NS);
+    let selector = format!("{}={name}", imp_api::shared::LABEL_SNAPSHOT_PARENT);
+    common::wait_for(
+        &format!("the execution of {name} terminated"),
+        Duration::from_secs(180),
+        || {
+            let (snaps, selector) = (snaps.clone(), selector.clone());
+            async move {
+                let list = snaps
+                    .list(&ListParams::default().labels(&selector))
+                    .await
+                    .unwrap();
+                list.items
+                    .into_iter()
+                    .find(|e| e.status.as_ref().is_some_and(|s| s.terminated_at.is_some()))
+            }
+        },
+    )
+    .await
+}
+
+/// Whether `needle` occurs in `file` (read in pieces).
+fn file_contains(file: &Path, needle: &[u8]) -> bool {
+    use std::io::Read as _;
+    let mut f = std::fs::File::open(file).unwrap();
+    let mut buf = vec![0u8; 1 << 20];
+    let mut carry: Vec<u8> = Vec::new();
+    loop {
+        let n = f.read(&mut buf).unwrap();
+        if n == 0 {
+            return false;
+        }
+        carry.extend_from_slice(&buf[..n]);
+        if carry.windows(needle.len()).any(|w| w == needle) {
+            return true;
+        }
+        let keep = carry.len().saturating_sub(needle.len());
+        carry.drain(..keep);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_running_vm_is_snapshotted_with_its_memory_and_runs_on() {
+    let _run = common::test_run("snapshot_e2e", Duration::from_secs(600));
+    if common::guest_boot_ready().is_none() {
+        return;
+    }
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    if common::control_plane_ready().is_none() {
+        return;
+    }
+    let kube = common::cluster(&[NS, "imp-system"]).await;
+    let (alice, _) = common::exec_users(&kube, NS).await;
+    let c = kube.client.clone();
+    common::ready_node(&c, NODE).await;
+    common::create_imp(
+        &c,
+        "ImpVMClass",
+        "impvmclasses",
+        json!({"apiVersion": "imp.dev/v1alpha1", "kind": "ImpVMClass",
+               "metadata": {"name": "small"},
+               "spec": {"vcpu": 1, "memoryMiB": 256, "diskGiB": 1}}),
+    )
+    .await;
+    let registry = TestRegistry::start().await.unwrap();
+    let image = format!("{}/counter:1", registry.host());
+    let layout = scratch_dir("imp-snapshot-e2e-layout").unwrap();
+    common::counter_image().write_layout(&layout, "1").unwrap();
+    push(&layout, "1", &image, None).await.unwrap();
+    std::fs::remove_dir_all(&layout).unwrap();
+
+    let _operator = common::start_operator(kube.operator_kubeconfig());
+    let agent = Agent::start(&kube);
+    let vms: Api<ImpVM> = Api::namespaced(c.clone(), NS);
+    let obj: ImpVM = serde_json::from_value(json!({
+        "apiVersion": "imp.dev/v1alpha1", "kind": "ImpVM",
+        "metadata": {"name": VM, "namespace": NS},
+        "spec": {"classRef": {"name": "small"}, "image": image, "lifecycle": "persistent"}
+    }))
+    .unwrap();
+    let uid = vms
+        .create(&PostParams::default(), &obj)
+        .await
+        .unwrap()
+        .uid()
+        .unwrap();
+    common::wait_vm(&vms, VM, "Running", 300, |v| {
+        phase(v) == Some(VmPhase::Running)
+    })
+    .await;
+    // A secret only the guest's memory holds (a tmpfs), written once the tmpfs is mounted.
+    let secret = format!("imp-snapshot-secret-{}", std::process::id());
+    common::wait_for("the workload's tmpfs", Duration::from_secs(60), || async {
+        let out = exec(&alice, "[ -e /mnt/t/count ] && echo ok || true").await;
+        (out.trim() == "ok").then_some(())
+    })
+    .await;
+    exec(&alice, &format!("echo {secret} > /mnt/t/secret")).await;
+    let qemu = common::qemu_of(&agent.state, &uid);
+    assert_eq!(qemu.len(), 1, "one QEMU runs the VM: {qemu:?}");
+
+    let count_before: u64 = exec(&alice, "cat /mnt/t/count")
+        .await
+        .trim()
+        .parse()
+        .unwrap();
+    let store = scratch_dir("imp-snapshot-e2e-store").unwrap();
+    parent(
+        &c,
+        "nightly",
+        json!({"type": "node-local", "nodeLocal": {"path": store.to_str().unwrap()}}),
+    )
+    .await;
+    let exec_obj = terminated_execution(&c, "nightly").await;
+    let status = exec_obj.status.clone().unwrap();
+    assert_eq!(status.phase, Some(SnapshotPhase::Succeeded), "{status:?}");
+    let dir = PathBuf::from(status.snapshot_path.clone().unwrap());
+    assert_eq!(
+        dir,
+        store.join(NS).join("nightly").join(exec_obj.name_any())
+    );
+    assert_eq!(
+        exec_obj
+            .annotations()
+            .get("imp.dev/snapshot-node")
+            .map(String::as_str),
+        Some(NODE)
+    );
+    for f in [
+        "snapshot.json",
+        "vmstate",
+        "vmm.json",
+        "memory",
+        "disk.ext4",
+        "initramfs.cpio",
+    ] {
+        assert!(dir.join(f).is_file(), "{f} missing in {}", dir.display());
+    }
+    let manifest: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("snapshot.json")).unwrap()).unwrap();
+    assert!(
+        manifest["vmm"].as_str().unwrap().starts_with("qemu "),
+        "{manifest}"
+    );
+    assert_eq!(manifest["memoryMib"], 256, "{manifest}");
+    let pause_ms = manifest["pauseMs"].as_u64().unwrap();
+    let stored = imp_agent::snapshot::sparse::data_bytes(&dir.join("memory")).unwrap();
+    assert!(
+        stored < 256 << 20,
+        "the memory image stores {stored} bytes: more than the guest touched?"
+    );
+    assert!(
+        file_contains(&dir.join("memory"), secret.as_bytes()),
+        "the guest's memory image lacks the secret it held"
+    );
+    let ready = status
+        .conditions
+        .iter()
+        .find(|c| c.type_ == "Ready")
+        .unwrap();
+    assert_eq!(
+        (ready.status.as_str(), ready.reason.as_str()),
+        ("True", "SnapshotSucceeded")
+    );
+    assert!(ready.message.contains("paused"), "{}", ready.message);
+    common::events_with(&c, NS, &exec_obj.name_any(), &["SnapshotSucceeded"]).await;
+    // The VM ran on, in the same QEMU, with its memory.
+    assert_eq!(phase(&vms.get(VM).await.unwrap()), Some(VmPhase::Running));
+    assert_eq!(common::qemu_of(&agent.state, &uid), qemu);
+    assert_eq!(exec(&alice, "cat /mnt/t/secret").await.trim(), secret);
+    eprintln!(
+        "FIGURES snapshot of a 256 MiB guest: paused {pause_ms} ms, memory image {} MiB \
+         stored, {}",
+        stored >> 20,
+        ready.message
+    );
+
+    // A new VM from the snapshot (spec.snapshotRef): placed on the node with the files,
+    // restored instead of booted, with the source's memory (the secret in its tmpfs) and its
+    // workload going on; the source VM is untouched.
+    let copy: ImpVM = serde_json::from_value(json!({
+        "apiVersion": "imp.dev/v1alpha1", "kind": "ImpVM",
+        "metadata": {"name": "snap-copy", "namespace": NS},
+        "spec": {"classRef": {"name": "small"}, "image": image, "lifecycle": "persistent",
+                 "snapshotRef": exec_obj.name_any()}
+    }))
+    .unwrap();
+    let t = std::time::Instant::now();
+    let copy_uid = vms
+        .create(&PostParams::default(), &copy)
+        .await
+        .unwrap()
+        .uid()
+        .unwrap();
+    let running = common::wait_vm(&vms, "snap-copy", "Running", 300, |v| {
+        phase(v) == Some(VmPhase::Running)
+    })
+    .await;
+    let restored_in = t.elapsed();
+    assert_eq!(
+        running.status.as_ref().and_then(|s| s.node_name.as_deref()),
+        Some(NODE)
+    );
+    assert_eq!(
+        exec_in(&alice, "snap-copy", "cat /mnt/t/secret")
+            .await
+            .trim(),
+        secret
+    );
+    let counted: u64 = exec_in(&alice, "snap-copy", "cat /mnt/t/count")
+        .await
+        .trim()
+        .parse()
+        .unwrap();
+    assert!(
+        counted >= count_before,
+        "the workload started over instead of going on: {counted} < {count_before}"
+    );
+    // It took its own identity: the source's hostname was in the memory it restored.
+    assert_eq!(
+        exec_in(&alice, "snap-copy", "cat /proc/sys/kernel/hostname")
+            .await
+            .trim(),
+        "snap-copy"
+    );
+    assert_eq!(
+        exec(&alice, "cat /proc/sys/kernel/hostname").await.trim(),
+        VM
+    );
+    let copy_qemu = common::qemu_of(&agent.state, &copy_uid);
+    assert_eq!(copy_qemu.len(), 1, "{copy_qemu:?}");
+    assert_ne!(copy_qemu, qemu);
+    let record: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(agent.state.join("vms").join(&copy_uid).join("vm.json")).unwrap(),
+    )
+    .unwrap();
+    eprintln!(
+        "FIGURES restore of a new VM from a node-local snapshot: ImpVM created → Running {:.2} s \
+         (on the node: files copied and VMM restored {} ms, then guest agent answering {} ms)",
+        restored_in.as_secs_f64(),
+        record["timings"]["boot_ms"],
+        record["timings"]["ready_ms"]
+    );
+    vms.delete("snap-copy", &DeleteParams::default())
+        .await
+        .unwrap();
+
+    // Deleting the execution removes its files, then the object (the finalizer).
+    let snaps: Api<ImpVMSnapshot> = Api::namespaced(c.clone(), NS);
+    snaps
+        .delete(&exec_obj.name_any(), &DeleteParams::default())
+        .await
+        .unwrap();
+    common::wait_for("the execution gone", Duration::from_secs(60), || async {
+        snaps
+            .get_opt(&exec_obj.name_any())
+            .await
+            .unwrap()
+            .is_none()
+            .then_some(())
+    })
+    .await;
+    assert!(!dir.exists(), "{} left behind", dir.display());
+
+    // Storage that cannot be written: the execution fails, saying why, and the VM runs on.
+    let blocked = scratch_dir("imp-snapshot-e2e-blocked").unwrap();
+    std::fs::write(blocked.join(NS), b"a file where a directory must go").unwrap();
+    parent(
+        &c,
+        "blocked",
+        json!({"type": "node-local", "nodeLocal": {"path": blocked.to_str().unwrap()}}),
+    )
+    .await;
+    let failed = terminated_execution(&c, "blocked").await;
+    let status = failed.status.clone().unwrap();
+    assert_eq!(status.phase, Some(SnapshotPhase::Failed), "{status:?}");
+    let ready = status
+        .conditions
+        .iter()
+        .find(|c| c.type_ == "Ready")
+        .unwrap();
+    assert_eq!(ready.reason, "SnapshotFailed");
+    assert!(
+        ready.message.contains(blocked.to_str().unwrap()),
+        "the cause is not named: {}",
+        ready.message
+    );
+    common::events_with(&c, NS, &failed.name_any(), &["SnapshotFailed"]).await;
+    assert_eq!(phase(&vms.get(VM).await.unwrap()), Some(VmPhase::Running));
+    assert_eq!(common::qemu_of(&agent.state, &uid), qemu);
+    assert_eq!(exec(&alice, "cat /mnt/t/secret").await.trim(), secret);
+
+    // A snapshot of a VM that does not exist: the operator fails the execution, naming it.
+    let snaps_api: Api<ImpVMSnapshot> = Api::namespaced(c.clone(), NS);
+    let ghost: ImpVMSnapshot = serde_json::from_value(json!({
+        "apiVersion": "imp.dev/v1alpha1", "kind": "ImpVMSnapshot",
+        "metadata": {"name": "ghost", "namespace": NS},
+        "spec": {"sourceVMName": "no-such-vm", "sourceVMNamespace": NS,
+                 "storage": {"type": "node-local", "nodeLocal": {"path": store.to_str().unwrap()}}}
+    }))
+    .unwrap();
+    snaps_api
+        .create(&PostParams::default(), &ghost)
+        .await
+        .unwrap();
+    let ghost_exec = terminated_execution(&c, "ghost").await;
+    let status = ghost_exec.status.clone().unwrap();
+    assert_eq!(status.phase, Some(SnapshotPhase::Failed), "{status:?}");
+    let ready = status
+        .conditions
+        .iter()
+        .find(|c| c.type_ == "Ready")
+        .unwrap();
+    assert!(
+        ready.message.contains("no-such-vm") && ready.message.contains("not found"),
+        "{}",
+        ready.message
+    );
+    common::events_with(&c, NS, &ghost_exec.name_any(), &["SnapshotFailed"]).await;
+
+    // oci-registry storage: pushed (memory chunked and compressed), restored into a new VM
+    // from the registry, and deleted from it with the execution.
+    let repo = format!("{}/snapshots/snap-vm", registry.host());
+    parent(
+        &c,
+        "pushed",
+        json!({"type": "oci-registry", "ociRegistry": {"repository": repo}}),
+    )
+    .await;
+    let pushed = terminated_execution(&c, "pushed").await;
+    let status = pushed.status.clone().unwrap();
+    assert_eq!(status.phase, Some(SnapshotPhase::Succeeded), "{status:?}");
+    let digest = status.digest.clone().expect("status.digest");
+    assert!(digest.starts_with("sha256:"), "{digest}");
+    assert!(status.snapshot_path.is_none(), "{status:?}");
+    let ready = status
+        .conditions
+        .iter()
+        .find(|c| c.type_ == "Ready")
+        .unwrap();
+    assert!(ready.message.contains(&repo), "{}", ready.message);
+    assert!(
+        !agent
+            .state
+            .join("snapshot-push")
+            .join(pushed.uid().unwrap())
+            .exists(),
+        "the pushed files were left on the node"
+    );
+    let from_registry: ImpVM = serde_json::from_value(json!({
+        "apiVersion": "imp.dev/v1alpha1", "kind": "ImpVM",
+        "metadata": {"name": "snap-pulled", "namespace": NS},
+        "spec": {"classRef": {"name": "small"}, "image": image, "lifecycle": "persistent",
+                 "snapshotRef": pushed.name_any()}
+    }))
+    .unwrap();
+    let t = std::time::Instant::now();
+    vms.create(&PostParams::default(), &from_registry)
+        .await
+        .unwrap();
+    common::wait_vm(&vms, "snap-pulled", "Running", 300, |v| {
+        phase(v) == Some(VmPhase::Running)
+    })
+    .await;
+    let pulled_in = t.elapsed();
+    assert_eq!(
+        exec_in(&alice, "snap-pulled", "cat /mnt/t/secret")
+            .await
+            .trim(),
+        secret
+    );
+    eprintln!(
+        "FIGURES restore of a new VM from a registry snapshot (pull included): ImpVM created → \
+         Running {:.2} s; {}",
+        pulled_in.as_secs_f64(),
+        ready.message
+    );
+    vms.delete("snap-pulled", &DeleteParams::default())
+        .await
+        .unwrap();
+    snaps
+        .delete(&pushed.name_any(), &DeleteParams::default())
+        .await
+        .unwrap();
+    common::wait_for(
+        "the pushed execution gone",
+        Duration::from_secs(60),
+        || async {
+            snaps
+                .get_opt(&pushed.name_any())
+                .await
+                .unwrap()
+                .is_none()
+                .then_some(())
+        },
+    )
+    .await;
+    let gone = scratch_dir("imp-snapshot-e2e-gone").unwrap();
+    let refetch = imp_agent::snapshot::oci::pull(
+        &format!("{repo}@{digest}"),
+        &gone,
+        &imp_agent::image::RegistryAuth::Anonymous,
+    )
+    .await;
+    assert!(refetch.is_err(), "the registry still holds {digest}");
+
+    // A registry that refuses the push: the execution fails naming it, the VM runs on.
+    let locked = TestRegistry::start_with_basic_auth("imp", "secret")
+        .await
+        .unwrap();
+    parent(
+        &c,
+        "refused",
+        json!({"type": "oci-registry",
+               "ociRegistry": {"repository": format!("{}/snapshots/x", locked.host())}}),
+    )
+    .await;
+    let refused = terminated_execution(&c, "refused").await;
+    let status = refused.status.clone().unwrap();
+    assert_eq!(status.phase, Some(SnapshotPhase::Failed), "{status:?}");
+    let ready = status
+        .conditions
+        .iter()
+        .find(|c| c.type_ == "Ready")
+        .unwrap();
+    assert!(
+        ready.message.contains(&locked.host()) && ready.message.contains("401"),
+        "{}",
+        ready.message
+    );
+    assert_eq!(phase(&vms.get(VM).await.unwrap()), Some(VmPhase::Running));
+    assert_eq!(common::qemu_of(&agent.state, &uid), qemu);
+
+    vms.delete(VM, &DeleteParams::default()).await.unwrap();
+    let _ = std::fs::remove_dir_all(&store);
+    let _ = std::fs::remove_dir_all(&blocked);
+    let _ = std::fs::remove_dir_all(&gone);
+}
