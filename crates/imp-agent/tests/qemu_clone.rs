@@ -373,9 +373,27 @@ async fn clone(
     let address = Ipv4Addr::new(10, 213, 0, 10 + n);
     let mac = format!("02:00:0a:d5:00:{:02x}", 10 + n);
     let t = Instant::now();
-    let vm = Qemu::restore(&inputs.launcher, config, files, true)
+    // As the supervisor restores a clone: its link down until it has its own identity.
+    let mut vm = Qemu::restore(&inputs.launcher, config, files, false)
         .await
         .unwrap();
+    vm.set_link(false).await.unwrap();
+    // Frames the TAP received from the guest (/proc/net/dev is this namespace's; sysfs is not).
+    let frames = || {
+        let dev = std::fs::read_to_string("/proc/net/dev").unwrap();
+        let line = dev
+            .lines()
+            .find_map(|l| l.trim_start().strip_prefix(&format!("{TAP}:")))
+            .unwrap_or_else(|| panic!("{TAP} not in /proc/net/dev:\n{dev}"))
+            .to_owned();
+        line.split_whitespace()
+            .nth(1)
+            .unwrap()
+            .parse::<u64>()
+            .unwrap()
+    };
+    let frames_before = frames();
+    vm.resume().await.unwrap();
     // Nothing before this read differs between the clones.
     let before = urandom(&vm).await;
     let restored = t.elapsed();
@@ -405,6 +423,13 @@ async fn clone(
     .await
     .unwrap_or_else(|e| panic!("{}\n{}", imp_testenv::report::chain(&e), serial(&vm)));
     let took = t.elapsed();
+    // Nothing left the guest while it was still its source (the TAP received no frame).
+    assert_eq!(
+        frames(),
+        frames_before,
+        "{name} sent frames before its identity was its own"
+    );
+    vm.set_link(true).await.unwrap();
     let after = urandom(&vm).await;
     let avail_after = as_root(&vm, avail).await;
     eprintln!(

@@ -465,8 +465,13 @@ async fn qemu_launcher(
 /// A VM restored from another's snapshot still has that VM's clock, hostname, entropy,
 /// MAC, address and TCP connections: it takes its own (the guest reseeds its generator, sets
 /// its clock and names, readdresses its interface and drops the source's connections). A
-/// clone that cannot is failed: it would run as a second copy of its source.
-async fn take_identity(run: &Run<'_>, record: &VmRecord) -> Result<(), Failure> {
+/// clone that cannot is failed: it would run as a second copy of its source. Its network
+/// link, down since the restore, comes up only then.
+async fn take_identity<V: Vmm>(
+    vm: &mut V,
+    run: &Run<'_>,
+    record: &VmRecord,
+) -> Result<(), Failure> {
     let identity = imp_proto::message::Identity {
         hostname: Some(run.spec.hostname.clone()),
         mac: run.spec.network.as_ref().map(|n| n.mac.clone()),
@@ -488,6 +493,12 @@ async fn take_identity(run: &Run<'_>, record: &VmRecord) -> Result<(), Failure> 
             Stage::GuestReady,
             format!("the restored guest could not take its own identity: {report}"),
         ));
+    }
+    if run.spec.network.is_some() {
+        vm.set_link(true).await.map_err(at(
+            Stage::GuestReady,
+            "connecting the restored guest's network",
+        ))?;
     }
     tracing::info!(vm = %record.name, hostname = %run.spec.hostname, report = %report.to_string().replace('\n', "; "), "restored guest took its identity");
     Ok(())
@@ -862,8 +873,15 @@ async fn launch<V: Vmm>(
 ) -> Result<V, V::Error> {
     match how {
         Launch::Boot => V::boot(launcher, config).await,
-        Launch::Restore(files) | Launch::Clone(files) => {
-            V::restore(launcher, config, files, true).await
+        Launch::Restore(files) => V::restore(launcher, config, files, true).await,
+        // Off the network until it has its own identity (see `take_identity`).
+        Launch::Clone(files) => {
+            let mut vm = V::restore(launcher, config, files, false).await?;
+            if config.net.is_some() {
+                vm.set_link(false).await?;
+            }
+            vm.resume().await?;
+            Ok(vm)
         }
     }
 }
@@ -1099,9 +1117,12 @@ async fn supervise_loop<V: Vmm>(
                 healthy = true;
                 match r {
                     Ok(_) => {
-                        if let Err(f) = became_ready(run, record, ready_started, launched).await {
+                        if matches!(run.launch, Launch::Clone(_))
+                            && let Err(f) = take_identity(vm, run, record).await
+                        {
                             break LoopEnd::Failed(f);
                         }
+                        became_ready(run, record, ready_started, launched).await;
                     }
                     Err(e) if reported.is_none() && !vm.exited().unwrap_or(true) => {
                         break LoopEnd::Failed(at(run.stage(Stage::GuestReady), format!(
@@ -1129,13 +1150,12 @@ async fn became_ready(
     record: &mut VmRecord,
     ready_started: Instant,
     launched: Instant,
-) -> Result<(), Failure> {
+) {
     record.status = VmStatus::Running;
     match run.launch {
         Launch::Clone(_) => {
             record.running_unix = Some(state::now_unix());
             record.timings.ready_ms = ms(ready_started.elapsed());
-            take_identity(run, record).await?;
             tracing::info!(vm = %record.name, ready_ms = record.timings.ready_ms, boot_ms = record.timings.boot_ms, "restored from a snapshot; guest agent answered");
         }
         Launch::Boot => {
@@ -1167,7 +1187,6 @@ async fn became_ready(
     if let Err(e) = run.state.save(record) {
         tracing::warn!(vm = %record.name, error = %e, "saving the VM record");
     }
-    Ok(())
 }
 
 /// A snapshot request arrived: snapshot the running VM into its destination and answer; the

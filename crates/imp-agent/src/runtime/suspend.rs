@@ -591,6 +591,10 @@ mod tests {
             self.calls.push("resume");
             Ok(())
         }
+        async fn set_link(&mut self, _: bool) -> Result<(), FakeError> {
+            self.calls.push("set_link");
+            Ok(())
+        }
         async fn snapshot(&mut self, files: &SnapshotFiles) -> Result<(), FakeError> {
             self.calls.push("snapshot");
             // Half-way: the memory file is written, then the VMM fails.

@@ -219,6 +219,11 @@ pub trait Vmm: Sized + Send {
     /// Lets a paused guest's vCPUs run again.
     fn resume(&mut self) -> impl Future<Output = Result<(), Self::Error>> + Send;
 
+    /// Connects (`up`) or disconnects the guest's network interface from its backend, as
+    /// pulling a cable would: the guest sees its carrier go, and nothing it sends leaves
+    /// (a restored clone is kept off the network until it has its own identity).
+    fn set_link(&mut self, up: bool) -> impl Future<Output = Result<(), Self::Error>> + Send;
+
     /// Writes a full snapshot (state and memory) of a paused VM to `files`.
     fn snapshot(
         &mut self,

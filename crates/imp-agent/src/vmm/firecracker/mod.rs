@@ -81,6 +81,12 @@ pub enum Error {
         /// Its state.
         state: VmState,
     },
+    /// Firecracker has no call that takes a guest's link down.
+    #[error("VM {id}: Firecracker cannot take a guest's network link down or up")]
+    NoLinkControl {
+        /// The VM.
+        id: String,
+    },
     /// The VM was configured without vsock.
     #[error("VM {id} has no vsock device")]
     NoVsock {
@@ -472,6 +478,12 @@ impl Vmm for Firecracker {
             .await?;
         self.state = VmState::Running;
         Ok(())
+    }
+
+    async fn set_link(&mut self, _up: bool) -> Result<()> {
+        Err(Error::NoLinkControl {
+            id: self.id.clone(),
+        })
     }
 
     async fn snapshot(&mut self, snapshot: &SnapshotFiles) -> Result<()> {

@@ -282,6 +282,8 @@ pub struct Qemu {
     launcher_agent_port: Option<u32>,
     /// Where its RAM lives: a snapshot of a VM whose RAM is a shared file leaves the RAM out.
     memory: GuestMemory,
+    /// Its network backend's id, if it has one ([`Vmm::set_link`]).
+    net: Option<String>,
 }
 
 /// The id of the guest's RAM: the one QEMU gives microvm's own RAM, so a stream written from
@@ -603,6 +605,7 @@ impl Qemu {
             serial,
             launcher_agent_port: launcher.agent_port,
             memory: config.memory.clone(),
+            net: config.net.as_ref().map(|n| n.id.clone()),
         })
     }
 
@@ -873,6 +876,14 @@ impl Vmm for Qemu {
         self.qmp("cont", None).await?;
         self.state = VmState::Running;
         Ok(())
+    }
+
+    async fn set_link(&mut self, up: bool) -> Result<()> {
+        let Some(net) = &self.net else {
+            return Ok(());
+        };
+        let args = serde_json::json!({ "name": net, "up": up });
+        self.qmp("set_link", Some(args)).await.map(|_| ())
     }
 
     async fn snapshot(&mut self, files: &SnapshotFiles) -> Result<()> {
