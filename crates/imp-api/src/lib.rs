@@ -54,6 +54,7 @@ pub mod resolve;
 pub mod schema;
 pub mod shared;
 pub mod snapshot;
+pub mod status_patch;
 // kube::KubeSchema copies a spec's `#[serde(remote = "Self")]` (see spec_may_be_absent) onto its
 // private schema shadow, whose serde code is then never called: rustc reports the shadow's fields
 // as never read. The public types themselves are not dead.

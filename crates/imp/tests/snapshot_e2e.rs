@@ -23,6 +23,7 @@ use std::time::Duration;
 use imp_api::snapshot::{ImpVMSnapshot, SnapshotPhase};
 use imp_api::vm::{ImpVM, VmPhase};
 use imp_testenv::registry::{TestRegistry, push, scratch_dir};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use kube::api::{Api, DeleteParams, ListParams, PostParams};
 use kube::{Client, ResourceExt};
 use serde_json::json;
@@ -136,6 +137,16 @@ async fn terminated_execution(c: &Client, name: &str) -> ImpVMSnapshot {
         },
     )
     .await
+}
+
+/// An execution's `Ready` condition.
+fn ready_of(status: &imp_api::snapshot::ImpVMSnapshotStatus) -> Condition {
+    status
+        .conditions
+        .iter()
+        .find(|c| c.type_ == "Ready")
+        .cloned()
+        .unwrap_or_else(|| panic!("no Ready condition: {status:?}"))
 }
 
 /// Whether `needle` occurs in `file` (read in pieces).
@@ -272,11 +283,7 @@ async fn a_running_vm_is_snapshotted_with_its_memory_and_runs_on() {
         file_contains(&dir.join("memory"), secret.as_bytes()),
         "the guest's memory image lacks the secret it held"
     );
-    let ready = status
-        .conditions
-        .iter()
-        .find(|c| c.type_ == "Ready")
-        .unwrap();
+    let ready = ready_of(&status);
     assert_eq!(
         (ready.status.as_str(), ready.reason.as_str()),
         ("True", "SnapshotSucceeded")
@@ -393,11 +400,7 @@ async fn a_running_vm_is_snapshotted_with_its_memory_and_runs_on() {
     let failed = terminated_execution(&c, "blocked").await;
     let status = failed.status.clone().unwrap();
     assert_eq!(status.phase, Some(SnapshotPhase::Failed), "{status:?}");
-    let ready = status
-        .conditions
-        .iter()
-        .find(|c| c.type_ == "Ready")
-        .unwrap();
+    let ready = ready_of(&status);
     assert_eq!(ready.reason, "SnapshotFailed");
     assert!(
         ready.message.contains(blocked.to_str().unwrap()),
@@ -425,11 +428,7 @@ async fn a_running_vm_is_snapshotted_with_its_memory_and_runs_on() {
     let ghost_exec = terminated_execution(&c, "ghost").await;
     let status = ghost_exec.status.clone().unwrap();
     assert_eq!(status.phase, Some(SnapshotPhase::Failed), "{status:?}");
-    let ready = status
-        .conditions
-        .iter()
-        .find(|c| c.type_ == "Ready")
-        .unwrap();
+    let ready = ready_of(&status);
     assert!(
         ready.message.contains("no-such-vm") && ready.message.contains("not found"),
         "{}",
@@ -452,11 +451,7 @@ async fn a_running_vm_is_snapshotted_with_its_memory_and_runs_on() {
     let digest = status.digest.clone().expect("status.digest");
     assert!(digest.starts_with("sha256:"), "{digest}");
     assert!(status.snapshot_path.is_none(), "{status:?}");
-    let ready = status
-        .conditions
-        .iter()
-        .find(|c| c.type_ == "Ready")
-        .unwrap();
+    let ready = ready_of(&status);
     assert!(ready.message.contains(&repo), "{}", ready.message);
     assert!(
         !agent
@@ -537,11 +532,7 @@ async fn a_running_vm_is_snapshotted_with_its_memory_and_runs_on() {
     let refused = terminated_execution(&c, "refused").await;
     let status = refused.status.clone().unwrap();
     assert_eq!(status.phase, Some(SnapshotPhase::Failed), "{status:?}");
-    let ready = status
-        .conditions
-        .iter()
-        .find(|c| c.type_ == "Ready")
-        .unwrap();
+    let ready = ready_of(&status);
     assert!(
         ready.message.contains(&locked.host()) && ready.message.contains("401"),
         "{}",

@@ -32,7 +32,7 @@ use std::time::Duration;
 use futures::StreamExt;
 use imp_api::refusal;
 use imp_api::shared::LABEL_SNAPSHOT_PARENT;
-use imp_api::snapshot::{ImpVMSnapshot, ImpVMSnapshotStatus};
+use imp_api::snapshot::ImpVMSnapshot;
 use imp_api::vm::ImpVM;
 use k8s_openapi::api::core::v1::ObjectReference;
 use k8s_openapi::jiff::Timestamp;
@@ -42,7 +42,7 @@ use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::runtime::reflector::ObjectRef;
 use kube::runtime::watcher;
 use kube::{Resource, ResourceExt};
-use serde_json::{Value, json};
+use serde_json::json;
 
 use self::decide::{Note, Plan};
 use crate::controller::FIELD_MANAGER;
@@ -121,26 +121,6 @@ fn params() -> PatchParams {
         field_manager: Some(FIELD_MANAGER.to_owned()),
         ..Default::default()
     }
-}
-
-/// The merge patch turning `old` into `new`, top-level fields only (`None` when equal).
-fn status_diff(old: &ImpVMSnapshotStatus, new: &ImpVMSnapshotStatus) -> Option<Value> {
-    let old = serde_json::to_value(old).unwrap_or(Value::Null);
-    let new = serde_json::to_value(new).unwrap_or(Value::Null);
-    let mut diff = serde_json::Map::new();
-    if let (Value::Object(o), Value::Object(n)) = (&old, &new) {
-        for (k, v) in n {
-            if o.get(k) != Some(v) {
-                diff.insert(k.clone(), v.clone());
-            }
-        }
-        for k in o.keys() {
-            if !n.contains_key(k) {
-                diff.insert(k.clone(), Value::Null);
-            }
-        }
-    }
-    (!diff.is_empty()).then_some(Value::Object(diff))
 }
 
 impl Ctx {
@@ -261,7 +241,7 @@ impl Ctx {
             }
         }
         let old = parent.status.clone().unwrap_or_default();
-        if let Some(diff) = status_diff(&old, &plan.status) {
+        if let Some(diff) = imp_api::status_patch::diff(&old, &plan.status) {
             let body = json!({
                 "metadata": {"resourceVersion": parent.resource_version()},
                 "status": diff,

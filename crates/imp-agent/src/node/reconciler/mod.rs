@@ -238,26 +238,14 @@ impl Context {
     /// Writes the fields of `status` that differ from the VM's, with a resourceVersion
     /// precondition (409 on a stale read: the reconcile is retried on the newer version).
     async fn patch_status(&self, vm: &ImpVM, status: &ImpVMStatus) -> Result<(), Error> {
-        let old =
-            serde_json::to_value(vm.status.clone().unwrap_or_default()).unwrap_or(Value::Null);
-        let new = serde_json::to_value(status).unwrap_or(Value::Null);
-        let mut diff = serde_json::Map::new();
-        if let (Value::Object(o), Value::Object(n)) = (&old, &new) {
-            for (k, v) in n {
-                if o.get(k) != Some(v) {
-                    diff.insert(k.clone(), v.clone());
-                }
-            }
-            for k in o.keys().filter(|k| !n.contains_key(*k)) {
-                diff.insert(k.clone(), Value::Null);
-            }
-        }
-        if diff.is_empty() {
+        let Some(diff) =
+            imp_api::status_patch::diff(&vm.status.clone().unwrap_or_default(), status)
+        else {
             return Ok(());
-        }
+        };
         let body = json!({
             "metadata": {"resourceVersion": vm.resource_version()},
-            "status": Value::Object(diff),
+            "status": diff,
         });
         self.api(vm)
             .patch_status(
