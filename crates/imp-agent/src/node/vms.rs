@@ -121,27 +121,25 @@ impl NodeVms {
         sorted.sort_by_key(|(r, _)| r.created_unix);
         let map: HashMap<Key, Found> = sorted
             .into_iter()
-            .filter_map(|(r, alive)| {
-                let o = r.owner.as_ref()?;
-                let endpoint = GuestEndpoint {
-                    vsock: r.vsock.clone(),
-                    agent_port: r.agent_port,
-                    serial_log: r.serial_log.clone(),
-                    running: *alive && r.status == VmStatus::Running,
-                };
-                let found = Found {
-                    endpoint,
-                    uid: r.name.clone(),
-                    status: r.status,
-                };
-                Some((key(&o.namespace, &o.name), found))
-            })
+            .filter_map(|(r, alive)| entry(r, *alive))
             .collect();
         // A suspend is over once the shim has taken it up (or the VM is gone).
         lock(&self.uses).0.retain(|k, u| {
             *u != Use::Suspending || map.get(k).is_some_and(|f| f.status == VmStatus::Running)
         });
         *self.map.write().unwrap_or_else(PoisonError::into_inner) = map;
+    }
+
+    /// Takes in one VM's record as its reconcile reads it, before that reconcile publishes
+    /// anything from it: an exec that follows a `Running` status must find the VM running
+    /// here, not wait for the next full [`Self::refresh`].
+    pub(super) fn observe(&self, record: &VmRecord, alive: bool) {
+        if let Some((k, found)) = entry(record, alive) {
+            self.map
+                .write()
+                .unwrap_or_else(PoisonError::into_inner)
+                .insert(k, found);
+        }
     }
 
     fn get(&self, namespace: &str, name: &str) -> Option<Found> {
@@ -173,6 +171,23 @@ impl NodeVms {
     pub(super) fn suspend_over(&self, namespace: &str, name: &str) {
         lock(&self.uses).suspend_over(&key(namespace, name));
     }
+}
+
+/// What the API knows of the VM of record `r` (its shim alive or not), under its ImpVM's key.
+fn entry(r: &VmRecord, alive: bool) -> Option<(Key, Found)> {
+    let o = r.owner.as_ref()?;
+    let endpoint = GuestEndpoint {
+        vsock: r.vsock.clone(),
+        agent_port: r.agent_port,
+        serial_log: r.serial_log.clone(),
+        running: alive && r.status == VmStatus::Running,
+    };
+    let found = Found {
+        endpoint,
+        uid: r.name.clone(),
+        status: r.status,
+    };
+    Some((key(&o.namespace, &o.name), found))
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -258,5 +273,21 @@ mod tests {
         assert!(u.suspending(&vm));
         u.suspend_over(&vm);
         assert!(!u.suspending(&vm) && !u.busy(&vm));
+    }
+
+    #[test]
+    fn a_record_a_reconcile_read_is_what_exec_finds_before_the_next_refresh() {
+        let vms = NodeVms::default();
+        let mut r = crate::node::decide::tests::record(VmStatus::Starting, 0);
+        vms.refresh(&[(r.clone(), true)]);
+        assert!(!vms.find("ns", "vm").unwrap().running);
+        r.status = VmStatus::Running;
+        vms.observe(&r, true);
+        assert!(vms.find("ns", "vm").unwrap().running);
+        vms.observe(&r, false);
+        assert!(
+            !vms.find("ns", "vm").unwrap().running,
+            "a dead shim runs nothing"
+        );
     }
 }

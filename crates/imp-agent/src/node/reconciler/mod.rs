@@ -335,6 +335,9 @@ fn observed(vm: &ImpVM) -> Observed {
 pub async fn reconcile(vm: Arc<ImpVM>, ctx: Arc<Context>) -> Result<Action, Error> {
     let uid = vm.uid().ok_or_else(|| Error::NoUid(key(&vm)))?;
     let local = local_state(&ctx.settings.state, &uid).await?;
+    if let Some((record, alive)) = &local {
+        ctx.vms.observe(record, *alive);
+    }
     let obs = observed(&vm);
     let facts = scale_facts(&ctx, &vm, &uid, &obs, local.as_ref()).await;
     let here = local.as_ref().map(|(record, alive)| Local {
