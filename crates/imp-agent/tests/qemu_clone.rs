@@ -157,7 +157,8 @@ fn make_disk(dir: &Path, busybox: &Path) -> PathBuf {
     fs::set_permissions(tree.join("tmp"), fs::Permissions::from_mode(0o1777)).unwrap();
     fs::copy(busybox, tree.join("bin/busybox")).unwrap();
     for tool in [
-        "sh", "cat", "sleep", "nc", "ip", "ping", "hexdump", "grep", "date", "setsid",
+        "sh", "cat", "sleep", "nc", "ip", "ping", "hexdump", "grep", "date", "setsid", "mkdir",
+        "mount", "head", "md5sum",
     ] {
         std::os::unix::fs::symlink("busybox", tree.join("bin").join(tool)).unwrap();
     }
@@ -555,25 +556,27 @@ fn node() {
     sh(&["ip", "link", "set", TAP, "up"]);
 }
 
-#[test]
-fn qemu_clones_of_one_snapshot_each_take_their_own_identity() {
+/// One guest at a time on the 2-core machine: each test holds this while its namespace runs.
+static ONE_GUEST_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// Runs test `name` again in a network namespace of its own (where `MARK` is set), or, there,
+/// `body` on a runtime; `ready` says whether its inputs are here (else it skips).
+fn in_own_namespace<F: std::future::Future<Output = ()>>(name: &str, ready: bool, body: F) {
     if std::env::var_os(MARK).is_none() {
-        if inputs().is_none() {
+        if !ready {
             return;
         }
+        let _one = ONE_GUEST_AT_A_TIME
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         let status = Command::new("unshare")
             .arg("--net")
             .arg(std::env::current_exe().unwrap())
-            .args([
-                "qemu_clones_of_one_snapshot_each_take_their_own_identity",
-                "--exact",
-                "--nocapture",
-                "--test-threads=1",
-            ])
+            .args([name, "--exact", "--nocapture", "--test-threads=1"])
             .env(MARK, "1")
             .status()
             .unwrap();
-        assert!(status.success(), "the test failed in its network namespace");
+        assert!(status.success(), "{name} failed in its network namespace");
         return;
     }
     tokio::runtime::Builder::new_multi_thread()
@@ -581,7 +584,17 @@ fn qemu_clones_of_one_snapshot_each_take_their_own_identity() {
         .enable_all()
         .build()
         .unwrap()
-        .block_on(inside());
+        .block_on(body);
+}
+
+#[test]
+fn qemu_clones_of_one_snapshot_each_take_their_own_identity() {
+    let ready = std::env::var_os(MARK).is_some() || inputs().is_some();
+    in_own_namespace(
+        "qemu_clones_of_one_snapshot_each_take_their_own_identity",
+        ready,
+        inside(),
+    );
 }
 
 async fn inside() {
@@ -708,5 +721,334 @@ async fn inside() {
     );
     assert_eq!(a.boot_id, source_boot_id);
     assert_eq!(b.boot_id, source_boot_id);
+    let _ = fs::remove_dir_all(&dir);
+}
+
+// ---- Four clones at once, on one network, sharing the snapshot's pages ----
+
+/// The bridge the four clones' TAPs join in the test's namespace (the node's side).
+const BRIDGE: &str = "impclbr0";
+/// How many clones run at once.
+const CLONES: u8 = 4;
+/// MiB of random data the source holds in a tmpfs, which every clone then reads.
+const BLOB_MIB: u32 = 48;
+
+/// A QEMU that maps a read-only file private (≥ 8.2): `IMP_TEST_QEMU_10`, else the one
+/// `scripts/fetch-qemu-10.sh` unpacks; none skips (fails under `CI=true`).
+fn qemu_10() -> Option<PathBuf> {
+    let path = env_path(
+        "IMP_TEST_QEMU_10",
+        PathBuf::from("/usr/local/lib/imp-test/qemu-10/usr/bin/qemu-system-x86_64"),
+    );
+    imp_testenv::guard::require(
+        path.is_file(),
+        &format!(
+            "QEMU ≥ 8.2 at {} (scripts/fetch-qemu-10.sh, as root)",
+            path.display()
+        ),
+    )
+    .then_some(path)
+}
+
+/// The RAM mapping of QEMU `pid` (the file-backed mapping of the guest's size), from
+/// /proc/PID/smaps: (Rss, Pss, Shared_Clean + Shared_Dirty, Private_Clean + Private_Dirty),
+/// in KiB; and the whole process's Pss (smaps_rollup).
+fn ram_use(pid: u32, memory_mib: u32) -> ([u64; 4], u64) {
+    let smaps = fs::read_to_string(format!("/proc/{pid}/smaps")).unwrap();
+    let field = |block: &[&str], name: &str| -> u64 {
+        block
+            .iter()
+            .find_map(|l| l.strip_prefix(name))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+            .unwrap_or(0)
+    };
+    let lines: Vec<&str> = smaps.lines().collect();
+    let mut ram = None;
+    let mut i = 0;
+    while i < lines.len() {
+        let header: Vec<&str> = lines[i].split_whitespace().collect();
+        let end = lines[i + 1..]
+            .iter()
+            .position(|l| {
+                // A mapping's header starts with its range; its fields with `Name:`.
+                l.split_whitespace()
+                    .next()
+                    .is_some_and(|w| w.contains('-') && !w.ends_with(':'))
+            })
+            .map_or(lines.len(), |p| i + 1 + p);
+        let block = &lines[i + 1..end];
+        let file_backed = header.get(4).is_some_and(|inode| *inode != "0");
+        if file_backed && field(block, "Size:") == u64::from(memory_mib) << 10 {
+            ram = Some([
+                field(block, "Rss:"),
+                field(block, "Pss:"),
+                field(block, "Shared_Clean:") + field(block, "Shared_Dirty:"),
+                field(block, "Private_Clean:") + field(block, "Private_Dirty:"),
+            ]);
+        }
+        i = end;
+    }
+    let rollup = fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).unwrap();
+    let rollup: Vec<&str> = rollup.lines().collect();
+    let ram = ram.unwrap_or_else(|| panic!("no {memory_mib} MiB file mapping in QEMU {pid}"));
+    (ram, field(&rollup, "Pss:"))
+}
+
+/// Reads the whole blob (every page of it: busybox's `cat` to /dev/null would only splice)
+/// and prints its digest.
+const READ_BLOB: &str = "md5sum /mnt/d/blob";
+
+/// How the clones get their RAM from the snapshot's memory image.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Ram {
+    /// The image itself, read-only, mapped private by each (what the agent does under QEMU ≥ 8.2).
+    Mapped,
+    /// A copy each, mapped shared (what it does under 7.2).
+    Copied,
+}
+
+/// What one round of clones measured.
+struct Round {
+    /// Per clone: its RAM mapping's [Rss, Pss, shared, private] KiB.
+    ram: Vec<[u64; 4]>,
+    /// Per clone: the whole QEMU's Pss, KiB.
+    process_pss: Vec<u64>,
+    /// Per clone: 16 random bytes read after its reidentification.
+    random: Vec<String>,
+}
+
+/// Restores `CLONES` clones of the snapshot in `snap` at once, each on its own TAP of the
+/// bridge with its own identity; checks that each answers on its address (from the node and
+/// from another clone) and reads the source's data; measures their memory; stops them.
+async fn clone_round(
+    inputs: &Inputs,
+    source: &VmConfig,
+    snap: &Path,
+    ram: Ram,
+    source_data: &str,
+) -> Round {
+    let files = imp_agent::runtime::take::vmm_files(snap, &GuestMemory::Shared(PathBuf::new()));
+    let mut vms = Vec::new();
+    for n in 1..=CLONES {
+        let dir = snap.parent().unwrap().join(format!("{ram:?}-{n}"));
+        fs::create_dir_all(&dir).unwrap();
+        let disk = dir.join("disk.ext4");
+        fs::copy(&source.drives[0].path, &disk).unwrap();
+        let memory = match ram {
+            Ram::Mapped => GuestMemory::Private(snap.join("memory")),
+            Ram::Copied => {
+                let own = dir.join("memory.ram");
+                imp_agent::snapshot::sparse::copy(&snap.join("memory"), &own).unwrap();
+                GuestMemory::Shared(own)
+            }
+        };
+        let config = VmConfig {
+            id: format!("clone-{ram:?}-{n}"),
+            run_dir: dir.join("run"),
+            drives: vec![DriveConfig {
+                path: disk,
+                ..source.drives[0].clone()
+            }],
+            net: Some(NetConfig {
+                id: "net0".into(),
+                tap: format!("impcl{n}"),
+                mac: Some(SOURCE_MAC.into()),
+                tap_fd: None,
+            }),
+            vsock: Some(VsockConfig {
+                guest_cid: CID + u32::from(n),
+            }),
+            confine: Some(Confine {
+                uid: 3_900_000 + CID + u32::from(n),
+                gid: 3_900_000 + CID + u32::from(n),
+            }),
+            memory,
+            ..source.clone()
+        };
+        let mut vm = Qemu::restore(&inputs.launcher, &config, &files, false)
+            .await
+            .unwrap_or_else(|e| panic!("restoring clone {n} ({ram:?}): {e}"));
+        vm.set_link(false).await.unwrap();
+        vm.resume().await.unwrap();
+        let identity = Identity {
+            hostname: Some(format!("clone-{n}")),
+            mac: Some(format!("02:00:0a:d5:00:{:02x}", 20 + n)),
+            network: Some(NetworkConfig {
+                interface: "eth0".into(),
+                address: clone_address(n),
+                prefix_len: 24,
+                gateway: Some(GATEWAY),
+                dns: vec![],
+                search: vec![],
+                mtu: None,
+            }),
+        };
+        let report = guest_agent::reidentify(
+            &vm.vsock_path().unwrap(),
+            AGENT_PORT,
+            &identity,
+            Duration::from_secs(60),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{}\n{}", imp_testenv::report::chain(&e), serial(&vm)));
+        assert!(report.is_complete(), "clone {n}: {report}");
+        vm.set_link(true).await.unwrap();
+        vms.push(vm);
+    }
+    // All four run at once: each answers on its own address, to the node and to a sibling,
+    // holds the source's data (read through, so its pages are mapped) and its own randomness.
+    let mut round = Round {
+        ram: Vec::new(),
+        process_pss: Vec::new(),
+        random: Vec::new(),
+    };
+    for (i, vm) in vms.iter().enumerate() {
+        let n = u8::try_from(i).unwrap() + 1;
+        let busybox = inputs.busybox.to_str().unwrap();
+        sh(&[
+            busybox,
+            "ping",
+            "-c",
+            "1",
+            "-W",
+            "10",
+            &clone_address(n).to_string(),
+        ]);
+        let sibling = clone_address(n % CLONES + 1);
+        as_root(vm, &format!("ping -c 1 -W 10 {sibling}")).await;
+        let data = as_root(vm, READ_BLOB).await;
+        assert_eq!(data, source_data, "clone {n} lacks the source's data");
+        round.random.push(urandom(vm).await);
+    }
+    for vm in &vms {
+        let (ram_kib, pss) = ram_use(vm.pid().unwrap(), source.memory_mib);
+        round.ram.push(ram_kib);
+        round.process_pss.push(pss);
+    }
+    for vm in vms {
+        vm.stop(Duration::ZERO).await.unwrap();
+    }
+    round
+}
+
+fn clone_address(n: u8) -> Ipv4Addr {
+    Ipv4Addr::new(10, 213, 0, 20 + n)
+}
+
+#[test]
+fn four_clones_at_once_share_their_snapshots_pages_and_each_answer_on_their_own_address() {
+    let inside_ns = std::env::var_os(MARK).is_some();
+    let ready = inside_ns || (inputs().is_some() && qemu_10().is_some());
+    in_own_namespace(
+        "four_clones_at_once_share_their_snapshots_pages_and_each_answer_on_their_own_address",
+        ready,
+        clones_at_once(),
+    );
+}
+
+async fn clones_at_once() {
+    let mut inputs = inputs().unwrap();
+    inputs.launcher.qemu = qemu_10().unwrap();
+    sh(&["ip", "link", "set", "lo", "up"]);
+    sh(&["ip", "link", "add", BRIDGE, "type", "bridge"]);
+    sh(&["ip", "addr", "add", &format!("{GATEWAY}/24"), "dev", BRIDGE]);
+    sh(&["ip", "link", "set", BRIDGE, "up"]);
+    for tap in (0..=CLONES).map(|n| format!("impcl{n}")) {
+        imp_agent::net::tap::create_persistent(&tap).unwrap();
+        sh(&["ip", "link", "set", &tap, "master", BRIDGE, "up"]);
+    }
+    let dir = std::env::temp_dir().join(format!("imp-qemu-clones-{}", std::process::id()));
+    let _ = fs::remove_dir_all(&dir);
+    fs::create_dir_all(&dir).unwrap();
+    let mut source = vm_config(&inputs, &dir).await;
+    let ram_file = dir.join("source.ram");
+    source.memory = GuestMemory::Shared(ram_file.clone());
+    source.net.as_mut().unwrap().tap = "impcl0".into();
+
+    let mut vm = Qemu::boot(&inputs.launcher, &source).await.unwrap();
+    as_root(
+        &vm,
+        &format!(
+            "mkdir -p /mnt/d && mount -t tmpfs -o size=64m t /mnt/d && \
+             head -c {} /dev/urandom > /mnt/d/blob",
+            BLOB_MIB << 20
+        ),
+    )
+    .await;
+    let source_data = as_root(&vm, READ_BLOB).await;
+    assert!(
+        source_data.starts_with(char::is_alphanumeric),
+        "{source_data}"
+    );
+    // The snapshot as the agent takes one of a VM whose RAM is its file: device state in the
+    // stream, the RAM file copied sparse, the directory root's, the image readable (a
+    // confined clone's jail binds it read-only).
+    let snap = dir.join("snapshot");
+    fs::create_dir_all(&snap).unwrap();
+    vm.pause().await.unwrap();
+    vm.snapshot(&imp_agent::runtime::take::vmm_files(&snap, &source.memory))
+        .await
+        .unwrap();
+    imp_agent::snapshot::sparse::copy(&ram_file, &snap.join("memory")).unwrap();
+    vm.stop(Duration::ZERO).await.unwrap();
+    fs::set_permissions(&snap, fs::Permissions::from_mode(0o700)).unwrap();
+    fs::set_permissions(snap.join("memory"), fs::Permissions::from_mode(0o644)).unwrap();
+    let image_sum = || sh(&["sha256sum", snap.join("memory").to_str().unwrap()]);
+    let image_before = image_sum();
+
+    let mapped = clone_round(&inputs, &source, &snap, Ram::Mapped, &source_data).await;
+    assert_eq!(
+        image_sum(),
+        image_before,
+        "a clone wrote the snapshot's image"
+    );
+    let copied = clone_round(&inputs, &source, &snap, Ram::Copied, &source_data).await;
+
+    for round in [&mapped, &copied] {
+        let mut distinct = round.random.clone();
+        distinct.sort();
+        distinct.dedup();
+        assert_eq!(
+            distinct.len(),
+            round.random.len(),
+            "clones read the same random bytes: {:?}",
+            round.random
+        );
+    }
+    let total = |r: &Round, k: usize| r.ram.iter().map(|m| m[k]).sum::<u64>() >> 10;
+    let process = |r: &Round| r.process_pss.iter().sum::<u64>() >> 10;
+    for (name, r) in [
+        ("mapped private (one image)", &mapped),
+        ("copied (own file each)", &copied),
+    ] {
+        eprintln!(
+            "FIGURES {CLONES} clones of a 256 MiB guest ({BLOB_MIB} MiB of data read by each), {name}: \
+             guest RAM Rss {} MiB, Pss {} MiB (shared {} MiB, private {} MiB); QEMU processes' Pss {} MiB",
+            total(r, 0),
+            total(r, 1),
+            total(r, 2),
+            total(r, 3),
+            process(r)
+        );
+    }
+    eprintln!(
+        "FIGURES {CLONES} clones' guest RAM, mapped / copied: {:.2} (Pss), whole QEMUs {:.2}",
+        total(&mapped, 1) as f64 / total(&copied, 1).max(1) as f64,
+        process(&mapped) as f64 / process(&copied).max(1) as f64
+    );
+    // Each clone read the source's data: with one image mapped private those pages are one
+    // copy shared by all, with a file each they are CLONES copies.
+    for m in &mapped.ram {
+        assert!(
+            m[2] >= u64::from(BLOB_MIB) << 10,
+            "a mapped clone shares too little: {m:?}"
+        );
+    }
+    assert!(
+        total(&mapped, 1) * 2 < total(&copied, 1),
+        "clones mapping one image use {} MiB of RAM, clones with copies {} MiB",
+        total(&mapped, 1),
+        total(&copied, 1)
+    );
     let _ = fs::remove_dir_all(&dir);
 }

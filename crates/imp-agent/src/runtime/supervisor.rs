@@ -162,8 +162,9 @@ enum Launch<'a> {
     Boot,
     Restore(&'a SnapshotFiles),
     /// A new VM restored from an ImpVMSnapshot's files (`VmSpec::from_snapshot`), which it
-    /// only reads: once up it takes this VM's identity.
-    Clone(&'a SnapshotFiles),
+    /// only reads, written by the VMM named (`kind version`): once up it takes this VM's
+    /// identity.
+    Clone(&'a SnapshotFiles, &'a str),
 }
 
 /// The shim's main: supervises VM `id` of `state` from its `spec.json` until it ends.
@@ -374,9 +375,11 @@ async fn supervise(
     }
 }
 
-/// Boots a new VM from the snapshot directory `spec.from_snapshot`: its disk, initramfs and
-/// memory copied into the VM's directory (sparse), its device state restored by a new VMM;
-/// once the guest answers it takes this VM's identity ([`take_identity`]).
+/// Boots a new VM from the snapshot directory `spec.from_snapshot`: its disk and initramfs
+/// copied into the VM's directory (sparse), its memory image mapped private where the VMM can
+/// ([`vmm::qemu::PRIVATE_READ_ONLY_RAM`]: every clone of the snapshot then shares the pages
+/// none has written) or else copied too, its device state restored by a new VMM; once the
+/// guest answers it takes this VM's identity ([`take_identity`]).
 async fn restore_new(
     state: &StateDir,
     dir: &Path,
@@ -387,66 +390,83 @@ async fn restore_new(
     let Some(snap) = spec.from_snapshot.clone() else {
         return Ended::Failed(Failure::new(Stage::Config, "no snapshot to restore"));
     };
-    let t = Instant::now();
-    let seeded = {
-        let (snap, dir, spec) = (snap.clone(), dir.to_path_buf(), spec.clone());
-        tokio::task::spawn_blocking(move || {
-            let want = crate::snapshot::Shape {
-                vcpus: spec.vcpus,
-                memory_mib: spec.memory_mib,
-                vmm: spec.runtime.as_str(),
-            };
-            let files = vm_files(&spec, &dir);
-            let memory = dir.join(MEMORY_FILE);
-            crate::snapshot::seed(&snap, want, (&files.disk, &files.initrd, &memory))
-        })
-    };
-    let seeded = tokio::select! {
-        r = seeded => r.unwrap_or_else(|e| Err(e.to_string())),
-        () = stop.requested() => return Ended::Exited(STOPPED_EXIT_CODE),
-    };
-    if let Err(why) = seeded {
+    if spec.runtime == Runtime::Firecracker {
         return Ended::Failed(Failure::new(
-            Stage::Disk,
-            format!("restoring {} from {}: {why}", record.name, snap.display()),
+            Stage::Config,
+            "restoring a new VM from a snapshot is not supported under Firecracker yet",
         ));
     }
+    let t = Instant::now();
+    let kernel = spec.boot.kernel.clone();
+    let launcher = match qemu_launcher(state, spec, &kernel, Stage::Boot).await {
+        Ok(l) => l,
+        Err(f) => return Ended::Failed(f),
+    };
+    let loader = identify(spec.runtime, &launcher.qemu).await;
+    let map = vmm::version::at_least(&loader, vmm::qemu::PRIVATE_READ_ONLY_RAM);
+    let seeded = tokio::select! {
+        r = seed(spec, dir, &snap, map) => r,
+        () = stop.requested() => return Ended::Exited(STOPPED_EXIT_CODE),
+    };
+    let (manifest, ram) = match seeded {
+        Ok(s) => s,
+        Err(why) => {
+            return Ended::Failed(Failure::new(
+                Stage::Disk,
+                format!("restoring {} from {}: {why}", record.name, snap.display()),
+            ));
+        }
+    };
+    tracing::info!(vm = %record.name, snapshot = %snap.display(), writer = %manifest.vmm, %loader, memory = ?ram, "restoring a new VM from a snapshot");
     record.timings.boot_ms = ms(t.elapsed());
     let confine = match confinement(state, spec, &record.name).await {
         Ok(c) => c,
         Err(f) => return Ended::Failed(f),
     };
-    let config = vm_config(
+    let mut config = vm_config(
         spec,
         dir,
         &record.name,
         (dir.join(INITRD_FILE), dir.join(DISK_FILE)),
         confine,
     );
+    if let crate::snapshot::SeededRam::Mapped(image) = ram {
+        config.memory = GuestMemory::Private(image);
+    }
     let files = take::vmm_files(&snap, &config.memory);
     if let Err(e) = state.save(record) {
         return Ended::Failed(at(Stage::Config, "saving the VM record")(e));
     }
-    match spec.runtime {
-        Runtime::Qemu => {
-            let launcher = match qemu_launcher(state, spec, &config.kernel, Stage::Boot).await {
-                Ok(l) => l,
-                Err(f) => return Ended::Failed(f),
-            };
-            let run = Run {
-                state,
-                dir,
-                spec,
-                launch: Launch::Clone(&files),
-                vmm_binary: &launcher.qemu,
-            };
-            drive::<vmm::qemu::Qemu>(&launcher, config, &run, record, stop).await
-        }
-        Runtime::Firecracker => Ended::Failed(Failure::new(
-            Stage::Config,
-            "restoring a new VM from a snapshot is not supported under Firecracker yet",
-        )),
-    }
+    let run = Run {
+        state,
+        dir,
+        spec,
+        launch: Launch::Clone(&files, &manifest.vmm),
+        vmm_binary: &launcher.qemu,
+    };
+    drive::<vmm::qemu::Qemu>(&launcher, config, &run, record, stop).await
+}
+
+/// [`crate::snapshot::seed`] for VM `spec` in `dir` from snapshot `snap`, off the runtime.
+async fn seed(
+    spec: &VmSpec,
+    dir: &Path,
+    snap: &Path,
+    map: bool,
+) -> Result<(crate::snapshot::Manifest, crate::snapshot::SeededRam), String> {
+    let (snap, dir, spec) = (snap.to_path_buf(), dir.to_path_buf(), spec.clone());
+    tokio::task::spawn_blocking(move || {
+        let want = crate::snapshot::Shape {
+            vcpus: spec.vcpus,
+            memory_mib: spec.memory_mib,
+            vmm: spec.runtime.as_str(),
+        };
+        let files = vm_files(&spec, &dir);
+        let memory = dir.join(MEMORY_FILE);
+        crate::snapshot::seed(&snap, want, (&files.disk, &files.initrd, &memory), map)
+    })
+    .await
+    .unwrap_or_else(|e| Err(e.to_string()))
 }
 
 /// QEMU, with the accelerator a real boot of `kernel` found to work (cached).
@@ -845,6 +865,14 @@ struct Run<'a> {
     vmm_binary: &'a Path,
 }
 
+/// ` (why)` when a snapshot written by `writer` failed to load in `loader`, a VMM of
+/// another version; else nothing.
+fn skew(writer: Option<&str>, loader: &str) -> String {
+    vmm::version::skew_note(writer, loader)
+        .map(|n| format!(" ({n})"))
+        .unwrap_or_default()
+}
+
 /// The identity of the VMM `binary` of `runtime` (it runs `binary --version`, off the runtime).
 async fn identify(runtime: Runtime, binary: &Path) -> String {
     let binary = binary.to_path_buf();
@@ -860,7 +888,7 @@ impl Run<'_> {
         match self.launch {
             Launch::Boot => boot,
             Launch::Restore(_) => Stage::Resume,
-            Launch::Clone(_) => boot,
+            Launch::Clone(..) => boot,
         }
     }
 }
@@ -875,7 +903,7 @@ async fn launch<V: Vmm>(
         Launch::Boot => V::boot(launcher, config).await,
         Launch::Restore(files) => V::restore(launcher, config, files, true).await,
         // Off the network until it has its own identity (see `take_identity`).
-        Launch::Clone(files) => {
+        Launch::Clone(files, _) => {
             let mut vm = V::restore(launcher, config, files, false).await?;
             if config.net.is_some() {
                 vm.set_link(false).await?;
@@ -952,27 +980,26 @@ async fn drive<V: Vmm>(
         Err(e) => {
             let what = match run.launch {
                 Launch::Boot => format!("booting {}", record.name),
-                Launch::Clone(files) => format!(
-                    "restoring {} from the snapshot {}",
+                Launch::Clone(files, writer) => format!(
+                    "restoring {} from the snapshot {}{}",
                     record.name,
-                    files.memory.parent().unwrap_or(Path::new("")).display()
+                    files.memory.parent().unwrap_or(Path::new("")).display(),
+                    skew(Some(writer), &identity)
                 ),
                 Launch::Restore(files) => {
                     let writer = record.suspend.as_ref().and_then(|s| s.vmm.as_deref());
-                    let skew = vmm::version::skew_note(writer, &identity)
-                        .map(|n| format!(" ({n})"))
-                        .unwrap_or_default();
                     format!(
-                        "restoring {} from its snapshot {}{skew}",
+                        "restoring {} from its snapshot {}{}",
                         record.name,
-                        files.memory.display()
+                        files.memory.display(),
+                        skew(writer, &identity)
                     )
                 }
             };
             return Ended::Failed(at(run.stage(Stage::Boot), what)(e));
         }
     };
-    if matches!(run.launch, Launch::Boot | Launch::Clone(_)) {
+    if matches!(run.launch, Launch::Boot | Launch::Clone(..)) {
         record.timings.boot_ms += ms(t.elapsed());
     }
     record.vmm_pid = vm.pid();
@@ -1117,7 +1144,7 @@ async fn supervise_loop<V: Vmm>(
                 healthy = true;
                 match r {
                     Ok(_) => {
-                        if matches!(run.launch, Launch::Clone(_))
+                        if matches!(run.launch, Launch::Clone(..))
                             && let Err(f) = take_identity(vm, run, record).await
                         {
                             break LoopEnd::Failed(f);
@@ -1153,7 +1180,7 @@ async fn became_ready(
 ) {
     record.status = VmStatus::Running;
     match run.launch {
-        Launch::Clone(_) => {
+        Launch::Clone(..) => {
             record.running_unix = Some(state::now_unix());
             record.timings.ready_ms = ms(ready_started.elapsed());
             tracing::info!(vm = %record.name, ready_ms = record.timings.ready_ms, boot_ms = record.timings.boot_ms, "restored from a snapshot; guest agent answered");

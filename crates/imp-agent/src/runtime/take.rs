@@ -253,9 +253,12 @@ async fn copy_paused<V: Vmm>(vm: &mut V, src: &Sources<'_>, dest: &Path) -> Resu
     vm.snapshot(&files)
         .await
         .map_err(|e| format!("writing the VMM's state: {e}"))?;
+    // A VM's own memory file is copied; a clone's private mapping of its snapshot's image
+    // is in the stream (QEMU streams private RAM), and the image is then all holes.
     let ram = match src.memory {
-        GuestMemory::Shared(f) => Some(f.clone()),
-        _ => None,
+        GuestMemory::Shared(f) => Some(Ok(f.clone())),
+        GuestMemory::Private(_) => Some(Err(u64::from(src.memory_mib) << 20)),
+        GuestMemory::Anonymous => None,
     };
     let shown = dest.display().to_string();
     let (disk, initrd, dest) = (
@@ -265,8 +268,10 @@ async fn copy_paused<V: Vmm>(vm: &mut V, src: &Sources<'_>, dest: &Path) -> Resu
     );
     blocking(move || {
         let mut bytes = 0;
-        if let Some(ram) = ram {
-            bytes += sparse::copy(&ram, &dest.join(format::MEMORY))?;
+        match ram {
+            Some(Ok(ram)) => bytes += sparse::copy(&ram, &dest.join(format::MEMORY))?,
+            Some(Err(len)) => std::fs::File::create(dest.join(format::MEMORY))?.set_len(len)?,
+            None => {}
         }
         bytes += sparse::copy(&disk, &dest.join(format::DISK))?;
         bytes += sparse::copy(&initrd, &dest.join(format::INITRD))?;

@@ -100,14 +100,35 @@ pub fn refuse(m: &Manifest, want: Shape<'_>) -> Option<String> {
     None
 }
 
-/// Fills VM directory `dir` from snapshot directory `snap` for a restore as `want`: its disk,
-/// initramfs and memory image copied (sparse) under the names the VM's files have
-/// (`disk`, `initrd`, `memory` in `dir`). Blocking.
+/// Where a VM restored from a snapshot takes its RAM from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SeededRam {
+    /// A copy of the memory image, the VM's own file from then on (mapped shared).
+    Copied,
+    /// The snapshot's memory image itself, which the VMM maps private and read-only: every
+    /// VM restored so shares the pages none of them wrote.
+    Mapped(std::path::PathBuf),
+}
+
+/// Whether a memory image of `image_len` bytes can be mapped as the RAM of a guest of
+/// `memory_mib` MiB: only whole (QEMU refuses a file shorter than the RAM, and a page past
+/// its end would fault the guest).
+pub fn maps_whole(image_len: u64, memory_mib: u32) -> bool {
+    image_len == u64::from(memory_mib) << 20
+}
+
+/// Fills VM directory `dir` from snapshot directory `snap` for a restore as `want`: its disk
+/// and initramfs copied (sparse) under the names the VM's files have (`disk`, `initrd` in
+/// `dir`), and its memory image either copied to `memory` too or, when `map` (the VMM maps a
+/// read-only file private) and the image is whole, left where it is to be mapped: then the
+/// snapshot's directory is closed to all but root and the image opened for reading, which
+/// only a VMM whose jail binds it can reach. Blocking.
 pub fn seed(
     snap: &std::path::Path,
     want: Shape<'_>,
     (disk, initrd, memory): (&std::path::Path, &std::path::Path, &std::path::Path),
-) -> Result<Manifest, String> {
+    map: bool,
+) -> Result<(Manifest, SeededRam), String> {
     let path = snap.join(MANIFEST);
     let text = std::fs::read(&path).map_err(|e| format!("reading {}: {e}", path.display()))?;
     let m: Manifest =
@@ -118,18 +139,37 @@ pub fn seed(
             snap.display()
         ));
     }
-    for (from, to) in [(DISK, disk), (INITRD, initrd), (MEMORY, memory)] {
+    let image = snap.join(MEMORY);
+    let len = std::fs::metadata(&image)
+        .map_err(|e| format!("reading {}: {e}", image.display()))?
+        .len();
+    let ram = if map && maps_whole(len, want.memory_mib) {
+        SeededRam::Mapped(image)
+    } else {
+        SeededRam::Copied
+    };
+    let mut copies = vec![(DISK, disk), (INITRD, initrd)];
+    if ram == SeededRam::Copied {
+        copies.push((MEMORY, memory));
+    }
+    for (from, to) in copies {
         let src = snap.join(from);
         let _ = std::fs::remove_file(to);
         sparse::copy(&src, to)
             .map_err(|e| format!("copying {} to {}: {e}", src.display(), to.display()))?;
     }
-    // A confined VMM reads its initramfs as itself (it writes its disk and memory, which its
-    // jail's preparation gives it).
+    // A confined VMM reads its initramfs (and a mapped image) as itself (it writes its disk
+    // and memory, which its jail's preparation gives it).
+    let mut modes = vec![(initrd, 0o644)];
+    if let SeededRam::Mapped(image) = &ram {
+        modes.extend([(snap, 0o700), (image.as_path(), 0o644)]);
+    }
     use std::os::unix::fs::PermissionsExt as _;
-    std::fs::set_permissions(initrd, std::fs::Permissions::from_mode(0o644))
-        .map_err(|e| format!("opening {} to the VMM: {e}", initrd.display()))?;
-    Ok(m)
+    for (path, mode) in modes {
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))
+            .map_err(|e| format!("opening {} to the VMM: {e}", path.display()))?;
+    }
+    Ok((m, ram))
 }
 
 #[cfg(test)]
@@ -151,6 +191,14 @@ mod tests {
             taken_unix: 0,
             pause_ms: 1,
         }
+    }
+
+    #[test]
+    fn only_a_whole_memory_image_is_mapped() {
+        assert!(maps_whole(256 << 20, 256));
+        assert!(!maps_whole((256 << 20) - 4096, 256));
+        assert!(!maps_whole(0, 256));
+        assert!(!maps_whole(512 << 20, 256));
     }
 
     #[test]

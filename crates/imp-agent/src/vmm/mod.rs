@@ -70,9 +70,10 @@ pub enum GuestMemory {
     /// device state, the file being its memory, and a restore maps the file again and
     /// faults pages in as the guest touches them.
     Shared(PathBuf),
-    /// A snapshot's memory image mapped private (copy-on-write): the file is never written,
-    /// the guest's writes stay in its own pages, and every VM restored from one image shares
-    /// the pages it has not written.
+    /// A snapshot's memory image mapped private (copy-on-write): the file is opened
+    /// read-only and never written, the guest's writes stay in its own pages, and every VM
+    /// restored from one image shares the pages it has not written. QEMU ≥ 8.2 only
+    /// ([`qemu::PRIVATE_READ_ONLY_RAM`]): 7.2 opens the file read-write even to map it private.
     Private(PathBuf),
 }
 

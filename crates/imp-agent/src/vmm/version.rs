@@ -20,6 +20,24 @@ pub fn identity(kind: &str, version_output: &str) -> String {
     format!("{kind} {version}")
 }
 
+/// Whether `identity` (`kind version`) names a release of at least `major.minor`; an
+/// unknown version is not.
+pub fn at_least(identity: &str, (major, minor): (u32, u32)) -> bool {
+    let version = identity.split_whitespace().nth(1).unwrap_or_default();
+    let mut parts = version.split('.').map(|p| {
+        p.chars()
+            .take_while(char::is_ascii_digit)
+            .collect::<String>()
+            .parse::<u32>()
+            .ok()
+    });
+    match (parts.next().flatten(), parts.next().flatten()) {
+        (Some(ma), Some(mi)) => (ma, mi) >= (major, minor),
+        (Some(ma), None) => ma > major,
+        _ => false,
+    }
+}
+
 /// The identity of `binary` (blocking: it runs `binary --version`).
 pub fn of_binary(kind: &str, binary: &Path) -> String {
     let out = std::process::Command::new(binary).arg("--version").output();
@@ -66,6 +84,19 @@ mod tests {
             "firecracker 1.12.1"
         );
         assert_eq!(identity("qemu", ""), "qemu unknown");
+    }
+
+    #[test]
+    fn versions_compare_by_major_then_minor() {
+        assert!(at_least("qemu 10.0.2", (8, 2)));
+        assert!(at_least("qemu 8.2.0", (8, 2)));
+        assert!(at_least("qemu 9.1", (8, 2)));
+        assert!(!at_least("qemu 8.1.5", (8, 2)));
+        assert!(!at_least("qemu 7.2.22", (8, 2)));
+        assert!(!at_least("qemu unknown", (8, 2)));
+        assert!(!at_least("qemu", (8, 2)));
+        assert!(at_least("qemu 9", (8, 2)));
+        assert!(!at_least("qemu 8", (8, 2)));
     }
 
     #[test]

@@ -75,10 +75,11 @@ pub fn paths(config: &VmConfig, run_dir: &Path, serial: &Path, kvm: bool) -> Pat
         binds.push(bind(&d.path, &inside, !d.read_only, false));
         drive_args.push(PathBuf::from(inside));
     }
-    // QEMU 7.2 opens a memory file read-write even to map it private (its `readonly` maps
-    // it read-only too, and the guest could not write its RAM).
+    // A VM's own memory file is its RAM, written; a snapshot's image mapped private is
+    // read-only here too, so no clone can write what the others map.
+    let writable = matches!(config.memory, super::super::GuestMemory::Shared(_));
     let memory_arg = config.memory.file().map(|file| {
-        binds.push(bind(file, "/mem/ram", true, false));
+        binds.push(bind(file, "/mem/ram", writable, false));
         PathBuf::from("/mem/ram")
     });
     let mut devices: Vec<PathBuf> = ["/dev/null", "/dev/zero", "/dev/urandom", "/dev/random"]
@@ -216,5 +217,21 @@ mod tests {
         assert!(bind.writable);
         let unconfined = paths(&config(None), Path::new("/s/a"), Path::new("/s/a/s"), false);
         assert_eq!(unconfined.memory_arg, None);
+    }
+
+    #[test]
+    fn a_snapshots_memory_image_mapped_private_is_read_only_in_the_jail() {
+        let mut c = config(Some(Confine { uid: 7, gid: 8 }));
+        c.memory = crate::vmm::GuestMemory::Private("/snaps/e1/memory".into());
+        let p = paths(&c, Path::new("/s/a"), Path::new("/s/a/serial.log"), false);
+        let bind = p
+            .jail
+            .unwrap()
+            .binds
+            .into_iter()
+            .find(|b| b.inside == Path::new("/mem/ram"))
+            .unwrap();
+        assert_eq!(bind.host, PathBuf::from("/snaps/e1/memory"));
+        assert!(!bind.writable);
     }
 }

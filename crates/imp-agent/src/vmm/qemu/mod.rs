@@ -286,6 +286,11 @@ pub struct Qemu {
     net: Option<String>,
 }
 
+/// The first QEMU release that maps a read-only file as private, writable guest RAM
+/// (`memory-backend-file,readonly=on,rom=off`), which clones of one snapshot need to share its
+/// pages ([`GuestMemory::Private`]).
+pub const PRIVATE_READ_ONLY_RAM: (u32, u32) = (8, 2);
+
 /// The id of the guest's RAM: the one QEMU gives microvm's own RAM, so a stream written from
 /// anonymous RAM (a suspend of an earlier release) loads into a VM whose RAM is a file.
 const RAM_ID: &str = "microvm.ram";
@@ -296,7 +301,8 @@ fn memory_args(mib: u32, memory: &GuestMemory, path: Option<&Path>) -> (String, 
     let share = match memory {
         GuestMemory::Anonymous => return ("microvm".into(), None),
         GuestMemory::Shared(_) => "on",
-        GuestMemory::Private(_) => "off",
+        // Opened read-only, yet writable RAM (`rom=off`): the guest's writes are its own.
+        GuestMemory::Private(_) => "off,readonly=on,rom=off",
     };
     let path = path.or(memory.file()).unwrap_or(Path::new(""));
     (
@@ -417,7 +423,10 @@ impl Qemu {
         cmd.args(["-sandbox", SANDBOX]);
         // `append=on`: `-serial file:` truncates the log, so a restore would lose the console
         // from before the snapshot (a boot has emptied it above).
+        // No sound: without an audio backend QEMU ≥ 8 probes the host's (PulseAudio's
+        // module among them) at every start.
         cmd.args(["-nographic", "-no-reboot", "-monitor", "none"])
+            .args(["-audiodev", "none,id=noaudio"])
             .arg("-chardev")
             .arg(format!(
                 "file,id=serial,path={},append=on",
@@ -1079,7 +1088,10 @@ mod tests {
         );
         let private = GuestMemory::Private("/s/a,b/memory".into());
         let (_, obj) = memory_args(256, &private, None);
-        assert!(obj.unwrap().ends_with("mem-path=/s/a,,b/memory,share=off"));
+        assert!(
+            obj.unwrap()
+                .ends_with("mem-path=/s/a,,b/memory,share=off,readonly=on,rom=off")
+        );
     }
 
     #[test]
