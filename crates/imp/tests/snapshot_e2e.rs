@@ -15,6 +15,7 @@
 mod common;
 
 use common::phase;
+use common::snapshots::{self, ready_of};
 
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
@@ -23,8 +24,7 @@ use std::time::Duration;
 use imp_api::snapshot::{ImpVMSnapshot, SnapshotPhase};
 use imp_api::vm::{ImpVM, VmPhase};
 use imp_testenv::registry::{TestRegistry, push, scratch_dir};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
-use kube::api::{Api, DeleteParams, ListParams, PostParams};
+use kube::api::{Api, DeleteParams, PostParams};
 use kube::{Client, ResourceExt};
 use serde_json::json;
 use tokio::process::Command;
@@ -84,69 +84,16 @@ async fn exec(kubeconfig: &Path, script: &str) -> String {
     exec_in(kubeconfig, VM, script).await
 }
 
-/// Runs `imp exec` in VM `vm` as `kubeconfig`'s user; its stdout.
 async fn exec_in(kubeconfig: &Path, vm: &str, script: &str) -> String {
-    let (k, s, vm) = (kubeconfig.to_path_buf(), script.to_owned(), vm.to_owned());
-    let out = tokio::task::spawn_blocking(move || {
-        std::process::Command::new(env!("CARGO_BIN_EXE_imp"))
-            .args(["exec", "-n", NS, &vm, "--", "sh", "-c", &s])
-            .env("KUBECONFIG", &k)
-            .stdin(Stdio::null())
-            .output()
-            .unwrap()
-    })
-    .await
-    .unwrap();
-    assert!(
-        out.status.success(),
-        "exec {script:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
+    snapshots::exec_in(kubeconfig, NS, vm, script).await
 }
 
 async fn parent(c: &Client, name: &str, storage: serde_json::Value) {
-    let snaps: Api<ImpVMSnapshot> = Api::namespaced(c.clone(), NS);
-    let obj: ImpVMSnapshot = serde_json::from_value(json!({
-        "apiVersion": "imp.dev/v1alpha1", "kind": "ImpVMSnapshot",
-        "metadata": {"name": name, "namespace": NS},
-        "spec": {"sourceVMName": VM, "sourceVMNamespace": NS, "storage": storage}
-    }))
-    .unwrap();
-    snaps.create(&PostParams::default(), &obj).await.unwrap();
+    snapshots::parent(c, NS, name, VM, storage).await;
 }
 
-/// The execution of parent `name` once it has terminated.
 async fn terminated_execution(c: &Client, name: &str) -> ImpVMSnapshot {
-    let snaps: Api<ImpVMSnapshot> = Api::namespaced(c.clone(), NS);
-    let selector = format!("{}={name}", imp_api::shared::LABEL_SNAPSHOT_PARENT);
-    common::wait_for(
-        &format!("the execution of {name} terminated"),
-        Duration::from_secs(180),
-        || {
-            let (snaps, selector) = (snaps.clone(), selector.clone());
-            async move {
-                let list = snaps
-                    .list(&ListParams::default().labels(&selector))
-                    .await
-                    .unwrap();
-                list.items
-                    .into_iter()
-                    .find(|e| e.status.as_ref().is_some_and(|s| s.terminated_at.is_some()))
-            }
-        },
-    )
-    .await
-}
-
-/// An execution's `Ready` condition.
-fn ready_of(status: &imp_api::snapshot::ImpVMSnapshotStatus) -> Condition {
-    status
-        .conditions
-        .iter()
-        .find(|c| c.type_ == "Ready")
-        .cloned()
-        .unwrap_or_else(|| panic!("no Ready condition: {status:?}"))
+    snapshots::terminated_execution(c, NS, name).await
 }
 
 /// Whether `needle` occurs in `file` (read in pieces).

@@ -5,6 +5,7 @@
 
 pub mod nodes;
 pub mod plugin;
+pub mod snapshots;
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
