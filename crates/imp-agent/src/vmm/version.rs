@@ -61,9 +61,26 @@ pub fn refuse_kind(writer: Option<&str>, kind: &str) -> Option<String> {
 /// tried to load it.
 pub fn skew_note(writer: Option<&str>, loader: &str) -> Option<String> {
     let writer = writer?;
-    (writer != loader).then(|| {
-        format!("the snapshot was written by {writer} and this node runs {loader}; a newer VMM may not read an older snapshot (docs/upgrade.md: version skew)")
-    })
+    if writer == loader {
+        return None;
+    }
+    let why = match (numbers(writer), numbers(loader)) {
+        (Some(w), Some(l)) if l < w => "an older VMM cannot read a newer one's snapshot",
+        _ => "a newer VMM may not read an older snapshot",
+    };
+    Some(format!(
+        "the snapshot was written by {writer} and this node runs {loader}; {why} (docs/upgrade.md: version skew)"
+    ))
+}
+
+/// The numbers of the version in `identity` (`qemu 7.2.22` → [7, 2, 22]), if it has one.
+fn numbers(identity: &str) -> Option<Vec<u32>> {
+    let version = identity.split_whitespace().nth(1)?;
+    version
+        .split('.')
+        .map(|p| p.parse::<u32>().ok())
+        .collect::<Option<Vec<u32>>>()
+        .filter(|v| !v.is_empty())
 }
 
 #[cfg(test)]
@@ -109,5 +126,10 @@ mod tests {
         assert_eq!(skew_note(None, "qemu 8.2.2"), None);
         let note = skew_note(Some("qemu 7.2.19"), "qemu 8.2.2").unwrap();
         assert!(note.contains("written by qemu 7.2.19") && note.contains("runs qemu 8.2.2"));
+        assert!(note.contains("a newer VMM may not read an older"), "{note}");
+        let back = skew_note(Some("qemu 10.0.2"), "qemu 7.2.22").unwrap();
+        assert!(back.contains("an older VMM cannot read a newer"), "{back}");
+        let unknown = skew_note(Some("qemu unknown"), "qemu 7.2.22").unwrap();
+        assert!(unknown.contains("may not read"), "{unknown}");
     }
 }

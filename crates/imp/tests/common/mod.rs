@@ -150,6 +150,34 @@ impl Cluster {
     }
 }
 
+/// A QEMU ≥ 8.2 beside the system's (`IMP_TEST_QEMU_10`, else where
+/// `scripts/fetch-qemu-10.sh` unpacks 10.0); `None` means skip (under `CI=true` the guard
+/// fails the test instead).
+pub fn qemu_10() -> Option<PathBuf> {
+    let path = std::env::var_os("IMP_TEST_QEMU_10").map_or_else(
+        || PathBuf::from("/usr/local/lib/imp-test/qemu-10/usr/bin/qemu-system-x86_64"),
+        PathBuf::from,
+    );
+    imp_testenv::guard::require(
+        path.is_file(),
+        &format!(
+            "QEMU ≥ 8.2 at {} (scripts/fetch-qemu-10.sh, as root)",
+            path.display()
+        ),
+    )
+    .then_some(path)
+}
+
+/// `PATH` with the directory of `qemu` first: an agent started with it runs that QEMU.
+pub fn path_with(qemu: &Path) -> String {
+    let dir = qemu.parent().expect("a QEMU binary sits in a directory");
+    format!(
+        "{}:{}",
+        dir.display(),
+        std::env::var("PATH").unwrap_or_default()
+    )
+}
+
 /// Whether the test control plane is built; `None` means skip (under `CI=true` the guard
 /// fails the test instead).
 pub fn control_plane_ready() -> Option<()> {

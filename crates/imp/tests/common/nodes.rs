@@ -233,6 +233,8 @@ pub struct Agent {
     container: super::Container,
     /// More arguments for the next start.
     pub extra_args: Vec<String>,
+    /// More environment for the next start (`PATH` with another QEMU first).
+    pub env: Vec<(String, String)>,
 }
 
 impl Agent {
@@ -245,6 +247,7 @@ impl Agent {
             cgroup_parent: format!("{}-{node}-vms", topo.tag),
             container: super::Container::new(&format!("{}-{node}-agent", topo.tag)),
             extra_args: Vec::new(),
+            env: Vec::new(),
         }
     }
 
@@ -268,6 +271,7 @@ impl Agent {
             .arg("--image-cache")
             .arg(cache)
             .args(&self.extra_args)
+            .envs(self.env.iter().map(|(k, v)| (k, v)))
             .stdout(Stdio::null())
             .stderr(super::logs())
             .kill_on_drop(true)
