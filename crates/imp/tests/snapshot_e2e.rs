@@ -424,6 +424,15 @@ async fn a_running_vm_is_snapshotted_with_its_memory_and_runs_on() {
     })
     .await;
     let pulled_in = t.elapsed();
+    let cached = agent
+        .state
+        .join("snapshot-cache")
+        .join(pushed.uid().unwrap());
+    assert!(
+        cached.join("snapshot.json").is_file(),
+        "no pull in {}",
+        cached.display()
+    );
     assert_eq!(
         exec_in(&alice, "snap-pulled", "cat /mnt/t/secret")
             .await
@@ -456,6 +465,12 @@ async fn a_running_vm_is_snapshotted_with_its_memory_and_runs_on() {
         },
     )
     .await;
+    // The node's pulled copy went with the execution (dropped while it was being deleted).
+    assert!(
+        !cached.exists(),
+        "{} outlived its execution",
+        cached.display()
+    );
     let gone = scratch_dir("imp-snapshot-e2e-gone").unwrap();
     let refetch = imp_agent::snapshot::oci::pull(
         &format!("{repo}@{digest}"),

@@ -40,6 +40,12 @@ const FIELD_MANAGER: &str = "imp-agent";
 /// How often an execution no VM of this node is the source of is looked at again (its VM
 /// may come up here meanwhile; the operator fails it if the VM is gone or ended).
 const NOT_HERE_RECHECK: Duration = Duration::from_secs(10);
+/// How often the node's cache of pulled registry snapshots is swept of executions that are
+/// gone (an execution being deleted drops its entry at once; the sweep catches deletions the
+/// agent missed while it was down).
+const CACHE_SWEEP: Duration = Duration::from_secs(600);
+/// The directory, under the state directory, of registry snapshots pulled to this node.
+const CACHE_DIR: &str = "snapshot-cache";
 /// How long a shim may take to snapshot a VM (its memory and disk copied while it is paused).
 const TAKE_TIMEOUT: Duration = Duration::from_secs(600);
 
@@ -122,6 +128,71 @@ pub fn source_on(exec: &ImpVMSnapshot, node: &str) -> Result<Stored, String> {
         .snapshot_path
         .map(|p| Stored::Here(PathBuf::from(p)))
         .ok_or_else(|| "it has no status.snapshotPath".to_owned())
+}
+
+/// Where registry execution `uid` is pulled to on this node (complete once its manifest is
+/// there: a pull writes it last).
+pub fn cache_dir(state: &StateDir, uid: &str) -> PathBuf {
+    state.root().join(CACHE_DIR).join(uid)
+}
+
+/// The cache entries (execution uids) of `cached` that no execution of `live` (uid, being
+/// deleted) keeps: gone, or being deleted.
+pub fn stale_cache_entries(cached: &[String], live: &[(String, bool)]) -> Vec<String> {
+    cached
+        .iter()
+        .filter(|uid| !live.iter().any(|(u, deleting)| u == *uid && !deleting))
+        .cloned()
+        .collect()
+}
+
+/// Removes cache entries `uids` (blocking). A VM restored from one keeps what it mapped.
+fn drop_cache_entries(state: &StateDir, uids: &[String]) {
+    for uid in uids {
+        let dir = cache_dir(state, uid);
+        match std::fs::remove_dir_all(&dir) {
+            Ok(()) => {
+                tracing::info!(dir = %dir.display(), "pulled snapshot dropped from the node's cache")
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => {
+                tracing::warn!(dir = %dir.display(), error = %e, "dropping a pulled snapshot from the node's cache")
+            }
+        }
+    }
+}
+
+/// The execution uids with an entry in this node's cache (blocking).
+fn cached_entries(state: &StateDir) -> Vec<String> {
+    std::fs::read_dir(state.root().join(CACHE_DIR))
+        .map(|d| {
+            d.filter_map(Result::ok)
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Every [`CACHE_SWEEP`], once the controller's view of the executions is complete: drops
+/// the cache entries of executions that are gone.
+async fn sweep_cache(store: kube::runtime::reflector::Store<ImpVMSnapshot>, state: StateDir) {
+    if store.wait_until_ready().await.is_err() {
+        return;
+    }
+    loop {
+        let live: Vec<(String, bool)> = store
+            .state()
+            .iter()
+            .filter_map(|e| Some((e.uid()?, e.meta().deletion_timestamp.is_some())))
+            .collect();
+        let state = state.clone();
+        let _ = tokio::task::spawn_blocking(move || {
+            let stale = stale_cache_entries(&cached_entries(&state), &live);
+            drop_cache_entries(&state, &stale);
+        })
+        .await;
+        tokio::time::sleep(CACHE_SWEEP).await;
+    }
 }
 
 /// The registry reference of execution `exec` (`repository:tag`), for oci-registry storage.
@@ -268,6 +339,12 @@ async fn reconcile(exec: Arc<ImpVMSnapshot>, ctx: Arc<Context>) -> Result<Action
                 .is_some_and(|o| o.namespace == ns && o.name == name)
         })
     };
+    if exec.meta().deletion_timestamp.is_some()
+        && let Some(uid) = exec.uid()
+    {
+        let state = ctx.state.clone();
+        let _ = tokio::task::spawn_blocking(move || drop_cache_entries(&state, &[uid])).await;
+    }
     match decide(&exec, &ctx.node, local) {
         Step::Nothing => Ok(Action::await_change()),
         Step::NotHere => Ok(Action::requeue(NOT_HERE_RECHECK)),
@@ -559,11 +636,14 @@ pub async fn run(
 ) {
     let api: Api<ImpVMSnapshot> = Api::all(ctx.client.clone());
     tracing::info!(node = %ctx.node, "taking the ImpVMSnapshot executions of this node's VMs");
-    Controller::new(api, watcher::Config::default())
+    let controller = Controller::new(api, watcher::Config::default());
+    let sweep = tokio::spawn(sweep_cache(controller.store(), ctx.state.clone()));
+    controller
         .graceful_shutdown_on(shutdown)
         .run(reconcile, error_policy, ctx)
         .for_each(|_| async {})
         .await;
+    sweep.abort();
 }
 
 #[cfg(test)]
@@ -603,6 +683,14 @@ mod tests {
             ..Default::default()
         });
         assert_eq!(decide(&done, "n1", find), Step::Nothing, "terminated");
+    }
+
+    #[test]
+    fn a_pulled_snapshot_stays_cached_while_its_execution_lives() {
+        let cached = ["a", "b", "c"].map(String::from).to_vec();
+        let live = vec![("a".to_owned(), false), ("b".to_owned(), true)];
+        assert_eq!(stale_cache_entries(&cached, &live), ["b", "c"]);
+        assert!(stale_cache_entries(&[], &live).is_empty());
     }
 
     #[test]

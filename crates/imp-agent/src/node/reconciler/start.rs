@@ -148,12 +148,10 @@ async fn snapshot_source(
         Stored::Registry(reference) => {
             // Pulled once per execution into the node's cache; a directory with its
             // snapshot.json is complete (a pull writes it last).
-            let dir = ctx
-                .settings
-                .state
-                .root()
-                .join("snapshot-cache")
-                .join(exec.uid().unwrap_or_default());
+            let dir = crate::node::snapshots::cache_dir(
+                &ctx.settings.state,
+                &exec.uid().unwrap_or_default(),
+            );
             if dir.join(crate::snapshot::MANIFEST).is_file() {
                 return Ok(Some(dir));
             }
