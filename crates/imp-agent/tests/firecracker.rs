@@ -115,6 +115,52 @@ impl Netns {
     }
 }
 
+impl Netns {
+    /// Adds TAP `tap`, up, to the namespace.
+    fn add_tap(&self, tap: &str) {
+        let exec = |args: &[&str]| {
+            let mut all = vec!["netns", "exec", &self.name];
+            all.extend_from_slice(args);
+            run("ip", &all);
+        };
+        exec(&["ip", "tuntap", "add", "dev", tap, "mode", "tap"]);
+        exec(&["ip", "link", "set", tap, "up"]);
+    }
+
+    /// Whether `tap` is administratively up.
+    fn is_up(&self, tap: &str) -> bool {
+        let out = Command::new("ip")
+            .args(["-n", &self.name, "-o", "link", "show", tap])
+            .output()
+            .unwrap();
+        let line = String::from_utf8_lossy(&out.stdout).into_owned();
+        let flags = line.split('<').nth(1).and_then(|f| f.split('>').next());
+        flags.unwrap_or_default().split(',').any(|f| f == "UP")
+    }
+}
+
+/// The TAP names process `pid` holds open through /dev/net/tun (`iff:` in its fdinfo).
+fn taps_of(pid: u32) -> Vec<String> {
+    std::fs::read_dir(format!("/proc/{pid}/fdinfo"))
+        .unwrap()
+        .filter_map(|e| std::fs::read_to_string(e.unwrap().path()).ok())
+        .filter_map(|info| {
+            info.lines()
+                .find_map(|l| l.strip_prefix("iff:").map(|t| t.trim().to_owned()))
+        })
+        .collect()
+}
+
+/// The inodes of the files process `pid` maps (from /proc/PID/maps).
+fn mapped_inodes(pid: u32) -> BTreeSet<u64> {
+    std::fs::read_to_string(format!("/proc/{pid}/maps"))
+        .unwrap()
+        .lines()
+        .filter_map(|l| l.split_whitespace().nth(4)?.parse().ok())
+        .filter(|i| *i != 0)
+        .collect()
+}
+
 impl Drop for Netns {
     fn drop(&mut self) {
         let _ = Command::new("ip")
@@ -459,6 +505,10 @@ async fn jailer_boot_snapshot_restore() {
         parent_cgroup: Some("imp-test".into()),
     });
     let _cgroups = RmdirOnDrop(vec![
+        PathBuf::from("/sys/fs/cgroup/pids/imp-test/clone1"),
+        PathBuf::from("/sys/fs/cgroup/pids/imp-test/clone2"),
+        PathBuf::from("/sys/fs/cgroup/imp-test/clone1"),
+        PathBuf::from("/sys/fs/cgroup/imp-test/clone2"),
         PathBuf::from("/sys/fs/cgroup/pids/imp-test/jailed"),
         PathBuf::from("/sys/fs/cgroup/pids/imp-test"),
         PathBuf::from("/sys/fs/cgroup/imp-test/jailed"),
@@ -559,6 +609,52 @@ async fn jailer_boot_snapshot_restore() {
         StopOutcome::Graceful
     );
     assert!(!root.exists(), "jail not removed after stop");
+
+    // The snapshot restored into two new VMs at once (as the agent restores a VM from an
+    // ImpVMSnapshot): each its own jail and uid, its own TAP (`network_overrides`), its own
+    // disk, both mapping the one memory image (hard-linked into each jail), each kept off its
+    // network (its TAP down) until let on. The agent opens the snapshot's files to the
+    // clones' uids as here.
+    for f in [&snap.state, &snap.memory] {
+        std::fs::set_permissions(
+            f,
+            <std::fs::Permissions as std::os::unix::fs::PermissionsExt>::from_mode(0o644),
+        )
+        .unwrap();
+    }
+    let mut clones = Vec::new();
+    for (i, tap) in [(1u32, "imp-tap2"), (2, "imp-tap3")] {
+        netns.add_tap(tap);
+        let mut l = launcher.clone();
+        let j = l.jailer.as_mut().unwrap();
+        (j.uid, j.gid) = (40123 + i, 40123 + i);
+        let mut c = config.clone();
+        c.id = format!("clone{i}");
+        c.drives[0].path = dir.0.join(format!("clone{i}.ext4"));
+        std::fs::copy(&config.drives[0].path, &c.drives[0].path).unwrap();
+        c.net.as_mut().unwrap().tap = tap.into();
+        let mut vm = Firecracker::restore(&l, &c, &snap, false).await.unwrap();
+        vm.set_link(false).await.unwrap();
+        assert!(!netns.is_up(tap), "{tap} still up");
+        vm.resume().await.unwrap();
+        clones.push((vm, tap));
+    }
+    use std::os::unix::fs::MetadataExt as _;
+    let image = std::fs::metadata(&snap.memory).unwrap().ino();
+    for (vm, tap) in &mut clones {
+        wait_tick(vm.serial_log_path(), paused_at + 2, Duration::from_secs(20)).await;
+        let pid = vm.pid().unwrap();
+        assert_eq!(taps_of(pid), [tap.to_string()], "clone on {tap}");
+        assert!(
+            mapped_inodes(pid).contains(&image),
+            "the clone on {tap} does not map the snapshot's memory image"
+        );
+        vm.set_link(true).await.unwrap();
+        assert!(netns.is_up(tap), "{tap} not back up");
+    }
+    for (vm, _) in clones {
+        vm.stop(Duration::ZERO).await.unwrap();
+    }
     let cgroup = if cgroup_version == 2 {
         PathBuf::from("/sys/fs/cgroup/imp-test/jailed")
     } else {

@@ -357,6 +357,18 @@ impl Netlink {
             .map_err(err("configuring interface", name))
     }
 
+    /// Takes interface `index` (`name`) administratively up or down.
+    pub async fn set_up(&self, index: u32, name: &str, up: bool) -> Result<()> {
+        let msg = LinkUnspec::new_with_index(index);
+        let msg = if up { msg.up() } else { msg.down() };
+        self.handle
+            .link()
+            .set(msg.build())
+            .execute()
+            .await
+            .map_err(err("setting the link state of", name))
+    }
+
     /// Interface `name`'s packet counters and operational state; `None` when it does not
     /// exist. Read over netlink, so it is right in any network namespace (sysfs shows the one
     /// it was mounted in).

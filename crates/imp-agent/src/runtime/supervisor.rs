@@ -375,11 +375,63 @@ async fn supervise(
     }
 }
 
+/// The VMM that restores a new VM from a snapshot.
+enum CloneVmm {
+    Qemu(vmm::qemu::Launcher),
+    Firecracker(vmm::firecracker::Launcher),
+}
+
+impl CloneVmm {
+    fn binary(&self) -> &Path {
+        match self {
+            CloneVmm::Qemu(l) => &l.qemu,
+            CloneVmm::Firecracker(l) => &l.firecracker,
+        }
+    }
+
+    /// Whether it maps the snapshot's memory image itself rather than a copy: Firecracker
+    /// always maps its memory file private; QEMU from 8.2 ([`vmm::qemu::PRIVATE_READ_ONLY_RAM`]).
+    fn maps_image(&self, identity: &str) -> bool {
+        match self {
+            CloneVmm::Qemu(_) => vmm::version::at_least(identity, vmm::qemu::PRIVATE_READ_ONLY_RAM),
+            CloneVmm::Firecracker(_) => true,
+        }
+    }
+}
+
+/// The VMM for a new VM restored from a snapshot. Firecracker only under its jailer: the
+/// snapshot names its source's vsock socket, which only a chroot of the VM's own makes this
+/// VM's.
+async fn clone_vmm(
+    state: &StateDir,
+    spec: &VmSpec,
+    confine: Option<vmm::Confine>,
+) -> Result<CloneVmm, Failure> {
+    match spec.runtime {
+        Runtime::Qemu => qemu_launcher(state, spec, &spec.boot.kernel, Stage::Boot)
+            .await
+            .map(CloneVmm::Qemu),
+        Runtime::Firecracker => {
+            let Some(fc) = &spec.boot.firecracker else {
+                return Err(Failure::new(Stage::Config, "no Firecracker binary given"));
+            };
+            let launcher = firecracker_launcher(fc, state, spec, confine);
+            if launcher.jailer.is_none() {
+                return Err(Failure::new(
+                    Stage::Config,
+                    "restoring a new VM from a snapshot under Firecracker needs its jailer (the snapshot names its source's vsock socket)",
+                ));
+            }
+            Ok(CloneVmm::Firecracker(launcher))
+        }
+    }
+}
+
 /// Boots a new VM from the snapshot directory `spec.from_snapshot`: its disk and initramfs
 /// copied into the VM's directory (sparse), its memory image mapped private where the VMM can
-/// ([`vmm::qemu::PRIVATE_READ_ONLY_RAM`]: every clone of the snapshot then shares the pages
-/// none has written) or else copied too, its device state restored by a new VMM; once the
-/// guest answers it takes this VM's identity ([`take_identity`]).
+/// ([`CloneVmm::maps_image`]: every clone of the snapshot then shares the pages none has
+/// written) or else copied too, its device state restored by a new VMM; once the guest
+/// answers it takes this VM's identity ([`take_identity`]).
 async fn restore_new(
     state: &StateDir,
     dir: &Path,
@@ -390,22 +442,18 @@ async fn restore_new(
     let Some(snap) = spec.from_snapshot.clone() else {
         return Ended::Failed(Failure::new(Stage::Config, "no snapshot to restore"));
     };
-    if spec.runtime == Runtime::Firecracker {
-        return Ended::Failed(Failure::new(
-            Stage::Config,
-            "restoring a new VM from a snapshot is not supported under Firecracker yet",
-        ));
-    }
     let t = Instant::now();
-    let kernel = spec.boot.kernel.clone();
-    let launcher = match qemu_launcher(state, spec, &kernel, Stage::Boot).await {
-        Ok(l) => l,
+    let confine = match confinement(state, spec, &record.name).await {
+        Ok(c) => c,
         Err(f) => return Ended::Failed(f),
     };
-    let loader = identify(spec.runtime, &launcher.qemu).await;
-    let map = vmm::version::at_least(&loader, vmm::qemu::PRIVATE_READ_ONLY_RAM);
+    let vmm = match clone_vmm(state, spec, confine).await {
+        Ok(v) => v,
+        Err(f) => return Ended::Failed(f),
+    };
+    let loader = identify(spec.runtime, vmm.binary()).await;
     let seeded = tokio::select! {
-        r = seed(spec, dir, &snap, map) => r,
+        r = seed(spec, dir, &snap, vmm.maps_image(&loader)) => r,
         () = stop.requested() => return Ended::Exited(STOPPED_EXIT_CODE),
     };
     let (manifest, ram) = match seeded {
@@ -419,10 +467,6 @@ async fn restore_new(
     };
     tracing::info!(vm = %record.name, snapshot = %snap.display(), writer = %manifest.vmm, %loader, memory = ?ram, "restoring a new VM from a snapshot");
     record.timings.boot_ms = ms(t.elapsed());
-    let confine = match confinement(state, spec, &record.name).await {
-        Ok(c) => c,
-        Err(f) => return Ended::Failed(f),
-    };
     let mut config = vm_config(
         spec,
         dir,
@@ -430,10 +474,15 @@ async fn restore_new(
         (dir.join(INITRD_FILE), dir.join(DISK_FILE)),
         confine,
     );
-    if let crate::snapshot::SeededRam::Mapped(image) = ram {
-        config.memory = GuestMemory::Private(image);
+    // QEMU's RAM becomes the image; Firecracker loads its memory file from the snapshot
+    // (linked into its jail) either way.
+    if let (crate::snapshot::SeededRam::Mapped(image), CloneVmm::Qemu(_)) = (&ram, &vmm) {
+        config.memory = GuestMemory::Private(image.clone());
     }
-    let files = take::vmm_files(&snap, &config.memory);
+    let mut files = take::vmm_files(&snap, &config.memory);
+    if let (crate::snapshot::SeededRam::Copied, CloneVmm::Firecracker(_)) = (&ram, &vmm) {
+        files.memory = dir.join(MEMORY_FILE);
+    }
     if let Err(e) = state.save(record) {
         return Ended::Failed(at(Stage::Config, "saving the VM record")(e));
     }
@@ -442,9 +491,14 @@ async fn restore_new(
         dir,
         spec,
         launch: Launch::Clone(&files, &manifest.vmm),
-        vmm_binary: &launcher.qemu,
+        vmm_binary: vmm.binary(),
     };
-    drive::<vmm::qemu::Qemu>(&launcher, config, &run, record, stop).await
+    match &vmm {
+        CloneVmm::Qemu(l) => drive::<vmm::qemu::Qemu>(l, config, &run, record, stop).await,
+        CloneVmm::Firecracker(l) => {
+            drive::<vmm::firecracker::Firecracker>(l, config, &run, record, stop).await
+        }
+    }
 }
 
 /// [`crate::snapshot::seed`] for VM `spec` in `dir` from snapshot `snap`, off the runtime.

@@ -161,8 +161,14 @@ pub fn seed(
     // A confined VMM reads its initramfs (and a mapped image) as itself (it writes its disk
     // and memory, which its jail's preparation gives it).
     let mut modes = vec![(initrd, 0o644)];
+    // The VMM's state too: Firecracker opens it by name, as itself.
+    let state = snap.join(VMSTATE);
     if let SeededRam::Mapped(image) = &ram {
-        modes.extend([(snap, 0o700), (image.as_path(), 0o644)]);
+        modes.extend([
+            (snap, 0o700),
+            (image.as_path(), 0o644),
+            (state.as_path(), 0o644),
+        ]);
     }
     use std::os::unix::fs::PermissionsExt as _;
     for (path, mode) in modes {

@@ -428,6 +428,19 @@ pub struct SnapshotLoadParams {
     pub mem_backend: MemoryBackend,
     /// Whether to resume the vCPUs right after loading.
     pub resume_vm: bool,
+    /// TAPs other than the ones the snapshot was taken with (a new VM restored from another
+    /// VM's snapshot).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub network_overrides: Vec<NetworkOverride>,
+}
+
+/// `NetworkOverride`: the host TAP an interface of a loaded snapshot uses instead.
+#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+pub struct NetworkOverride {
+    /// The interface's id.
+    pub iface_id: String,
+    /// Its new TAP.
+    pub host_dev_name: String,
 }
 
 /// `InstanceInfo`: the answer to `GET /`.

@@ -81,11 +81,24 @@ pub enum Error {
         /// Its state.
         state: VmState,
     },
-    /// Firecracker has no call that takes a guest's link down.
-    #[error("VM {id}: Firecracker cannot take a guest's network link down or up")]
+    /// The guest's TAP is in another network namespace (or it has none): its link cannot
+    /// be taken down or up from here (Firecracker has no call for it).
+    #[error(
+        "VM {id}: its network link cannot be taken down or up (no TAP in this network namespace)"
+    )]
     NoLinkControl {
         /// The VM.
         id: String,
+    },
+    /// Its TAP could not be taken down or up.
+    #[error("VM {id}: setting the link of its TAP {tap}: {reason}")]
+    Link {
+        /// The VM.
+        id: String,
+        /// The TAP.
+        tap: String,
+        /// Why.
+        reason: String,
     },
     /// The VM was configured without vsock.
     #[error("VM {id} has no vsock device")]
@@ -276,6 +289,9 @@ pub struct Firecracker {
     serial: PathBuf,
     /// Set once the process has been reaped and the files cleaned up.
     reaped: bool,
+    /// The guest's TAP and the network namespace it is in (`None`: the caller's): the host
+    /// end of its link ([`Vmm::set_link`]).
+    tap: Option<(String, Option<String>)>,
 }
 
 impl Firecracker {
@@ -323,6 +339,10 @@ impl Firecracker {
             state: VmState::Stopped,
             serial: layout_serial,
             reaped: false,
+            tap: config
+                .net
+                .as_ref()
+                .map(|n| (n.tap.clone(), config.netns.clone())),
         };
         vm.wait_for_api().await?;
         for req in &requests {
@@ -480,9 +500,23 @@ impl Vmm for Firecracker {
         Ok(())
     }
 
-    async fn set_link(&mut self, _up: bool) -> Result<()> {
-        Err(Error::NoLinkControl {
+    /// Firecracker has no call for it: the host end of the link, its TAP, goes down or up
+    /// instead. Down, the kernel drops what the guest sends and delivers it nothing; the guest
+    /// keeps its carrier.
+    async fn set_link(&mut self, up: bool) -> Result<()> {
+        let Some((tap, netns)) = self.tap.clone() else {
+            return Err(Error::NoLinkControl {
+                id: self.id.clone(),
+            });
+        };
+        let name = tap.clone();
+        let set = tokio::task::spawn_blocking(move || set_tap_up(&name, netns.as_deref(), up))
+            .await
+            .unwrap_or_else(|e| Err(e.to_string()));
+        set.map_err(|reason| Error::Link {
             id: self.id.clone(),
+            tap,
+            reason,
         })
     }
 
@@ -651,6 +685,36 @@ fn link_into_jail(host: &Path, inside: &Path) -> Result<()> {
         std::fs::copy(host, inside).map_err(files_err("copy into jail", host))?;
     }
     Ok(())
+}
+
+/// Takes TAP `tap` (in network namespace `netns`, else the caller's) up or down, from a
+/// thread of its own that enters the namespace (blocking).
+fn set_tap_up(tap: &str, netns: Option<&str>, up: bool) -> std::result::Result<(), String> {
+    let (tap, netns) = (tap.to_owned(), netns.map(str::to_owned));
+    let thread = std::thread::spawn(move || -> std::result::Result<(), String> {
+        if let Some(ns) = netns {
+            let path = format!("/var/run/netns/{ns}");
+            let file = std::fs::File::open(&path).map_err(|e| format!("opening {path}: {e}"))?;
+            nix::sched::setns(file, nix::sched::CloneFlags::CLONE_NEWNET)
+                .map_err(|e| format!("entering {path}: {e}"))?;
+        }
+        let index =
+            crate::net::tap::index_of(&tap).ok_or_else(|| "no such interface".to_owned())?;
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(|e| e.to_string())?;
+        runtime.block_on(async {
+            let netlink = crate::net::link::Netlink::connect().map_err(|e| e.to_string())?;
+            netlink
+                .set_up(index, &tap, up)
+                .await
+                .map_err(|e| crate::chain::chain(&e))
+        })
+    });
+    thread
+        .join()
+        .unwrap_or_else(|_| Err("the thread setting the link panicked".into()))
 }
 
 /// Moves a snapshot file out of the jail to where the caller wants it.

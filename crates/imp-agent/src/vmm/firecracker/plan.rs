@@ -51,7 +51,7 @@ pub fn boot(_launcher: &Launcher, config: &VmConfig, layout: &Layout) -> api::Re
 /// Calls that load `snapshot` into a fresh process, in order.
 pub fn restore(
     _launcher: &Launcher,
-    _config: &VmConfig,
+    config: &VmConfig,
     layout: &Layout,
     snapshot: &SnapshotFiles,
     resume: bool,
@@ -64,6 +64,16 @@ pub fn restore(
                 backend_path: layout.vmm_file(&snapshot.memory, files::SNAPSHOT_MEM),
             },
             resume_vm: resume,
+            // The snapshot names its source's TAP; this VM has its own (the same one for a
+            // resume of the same VM).
+            network_overrides: config
+                .net
+                .iter()
+                .map(|n| api::NetworkOverride {
+                    iface_id: n.id.clone(),
+                    host_dev_name: n.tap.clone(),
+                })
+                .collect(),
         },
     )?])
 }
