@@ -53,7 +53,9 @@ pub struct ImpVMClassSpec {
     /// Default guest-agent switch.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub guest_agent: Option<GuestAgentConfig>,
-    /// Default restart policy.
+    /// Restart policy of persistent VMs of this class, unless they or their template set one.
+    /// When none does, a persistent VM restarts in place after 10s, with the delay doubling up
+    /// to 5m, at most 5 attempts, then stays Failed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub restart_policy: Option<RestartPolicy>,
     /// Tolerations every VM of this class gets.

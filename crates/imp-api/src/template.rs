@@ -52,7 +52,9 @@ pub struct ImpVMTemplateSpec {
     /// Guest-agent switch.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub guest_agent: Option<GuestAgentConfig>,
-    /// Restart policy.
+    /// Restart policy of persistent VMs made from this template, unless they set their own. When
+    /// neither they, this template nor the class set one, a persistent VM restarts in place after
+    /// 10s, with the delay doubling up to 5m, at most 5 attempts, then stays Failed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub restart_policy: Option<RestartPolicy>,
     /// Network group to draw IPs from.

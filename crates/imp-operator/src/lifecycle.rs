@@ -1,17 +1,23 @@
 //! Time-based lifecycle decisions: restart backoff and exhaustion, expiry, stuck starts, and the
 //! jittered backoff of conflict retries. Pure functions of the status and "now".
 //!
-//! Restart policy (persistent VMs in phase `Failed` whose resolved spec has a restartPolicy):
-//! attempt `n` (0-based: `restartCount` so far) waits `initialDelay × 2ⁿ`, capped at `maxDelay`,
+//! Restart policy (persistent VMs in phase `Failed`: their resolved spec's restartPolicy, else
+//! [`default_restart_policy`]; ephemeral VMs never restart): attempt `n` (0-based: `restartCount` so far) waits `initialDelay × 2ⁿ`, capped at `maxDelay`,
 //! minus up to 10 % jitter (so two VMs failing together do not retry in lockstep; the delay never
 //! exceeds maxDelay). `maxRetries` 0 means 5. Once `restartCount ≥ maxRetries`, `onExhaustion`
 //! decides: `fail` stays Failed, `manual-reset` moves to `RetryExhausted` until the
 //! `imp/reset-retries: "true"` annotation, `cool-down` stamps `exhaustedAt` and, after
 //! `coolDownPeriod`, zeroes the counters and schedules the VM again.
+//!
+//! Expiry (`expireAfter`, 0 meaning never): a VM is deleted `expireAfter` after it first ran
+//! (`runningAt`), or after it ended (`finishedAt`) when it never ran, whatever its phase then:
+//! still running, or finished like a Job past its TTL.
 
 use std::time::Duration;
 
-use imp_api::shared::{BackoffPolicy, OnExhaustion, RestartMode, RestartPolicy};
+use imp_api::duration::GoDuration;
+use imp_api::shared::{BackoffPolicy, OnExhaustion, RestartMode, RestartPolicy, VmLifecycle};
+use imp_api::vm::ImpVMSpec;
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
 
 /// Share of a restart delay that jitter may take off.
@@ -19,6 +25,35 @@ pub const RESTART_JITTER: f64 = 0.1;
 
 /// `maxRetries` when the policy says 0.
 pub const DEFAULT_MAX_RETRIES: i32 = 5;
+
+/// The restart policy of a persistent VM whose spec, template and class set none: restart in
+/// place after 10s, doubling up to 5m between attempts, at most 5 attempts, then stay Failed.
+/// The `restartPolicy` field descriptions in imp-api say the same (a test checks).
+pub fn default_restart_policy() -> RestartPolicy {
+    RestartPolicy {
+        mode: RestartMode::InPlace,
+        backoff: Some(BackoffPolicy {
+            max_retries: DEFAULT_MAX_RETRIES,
+            initial_delay: GoDuration::from_static("10s"),
+            max_delay: GoDuration::from_static("5m"),
+        }),
+        on_exhaustion: OnExhaustion::Fail,
+        cool_down_period: GoDuration::from_static("1h"),
+    }
+}
+
+/// The restart policy a VM with this resolved spec follows: its own, else
+/// [`default_restart_policy`]; `None` for an ephemeral VM, which ends instead.
+pub fn restart_policy(spec: &ImpVMSpec) -> Option<RestartPolicy> {
+    if spec.lifecycle != VmLifecycle::Persistent {
+        return None;
+    }
+    Some(
+        spec.restart_policy
+            .clone()
+            .unwrap_or_else(default_restart_policy),
+    )
+}
 
 /// A random number in [0, 1) for jitter, without a PRNG dependency.
 pub fn jitter_unit() -> f64 {
@@ -156,13 +191,15 @@ pub fn add(t: Timestamp, d: Duration) -> Timestamp {
     t.checked_add(sd).unwrap_or(Timestamp::MAX)
 }
 
-/// When a VM expires: `runningAt + expireAfter`; `None` for no or a zero expireAfter.
+/// When a VM expires: `runningAt + expireAfter`, or `finishedAt + expireAfter` for a VM that
+/// ended without ever running; `None` for no or a zero expireAfter, or neither time.
 pub fn expires_at(
     expire_after: Option<Duration>,
     running_at: Option<Timestamp>,
+    finished_at: Option<Timestamp>,
 ) -> Option<Timestamp> {
     let d = expire_after.filter(|d| !d.is_zero())?;
-    Some(add(running_at?, d))
+    Some(add(running_at.or(finished_at)?, d))
 }
 
 /// Whether a VM that began starting at `started_at` has been stuck past `timeout`.
@@ -181,7 +218,6 @@ pub fn conflict_backoff(attempt: u32, jitter: f64) -> Duration {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use imp_api::duration::GoDuration;
 
     fn ts(s: i64) -> Timestamp {
         Timestamp::from_second(s).unwrap()
@@ -327,14 +363,85 @@ mod tests {
     }
 
     #[test]
-    fn expiry_counts_from_first_running() {
-        assert_eq!(expires_at(None, Some(ts(10))), None);
-        assert_eq!(expires_at(Some(Duration::ZERO), Some(ts(10))), None);
-        assert_eq!(expires_at(Some(Duration::from_secs(60)), None), None);
+    fn expiry_counts_from_first_running_else_from_the_end() {
+        let min = Some(Duration::from_secs(60));
+        assert_eq!(expires_at(None, Some(ts(10)), None), None);
+        assert_eq!(expires_at(Some(Duration::ZERO), Some(ts(10)), None), None);
+        assert_eq!(expires_at(min, None, None), None);
+        assert_eq!(expires_at(min, Some(ts(10)), None), Some(ts(70)));
+        // Ran, then ended: still from the first run.
+        assert_eq!(expires_at(min, Some(ts(10)), Some(ts(500))), Some(ts(70)));
+        // Ended without ever running.
+        assert_eq!(expires_at(min, None, Some(ts(500))), Some(ts(560)));
+        assert_eq!(expires_at(None, None, Some(ts(500))), None);
+    }
+
+    #[test]
+    fn persistent_vms_restart_by_default_and_ephemeral_ones_never() {
+        let mut spec = ImpVMSpec {
+            lifecycle: VmLifecycle::Persistent,
+            ..ImpVMSpec::default()
+        };
+        let p = restart_policy(&spec).unwrap();
+        assert_eq!(p, default_restart_policy());
+        assert_eq!(p.mode, RestartMode::InPlace);
+        assert_eq!(p.on_exhaustion, OnExhaustion::Fail);
+        let b = p.backoff.clone().unwrap();
+        assert_eq!(max_retries(&b), 5);
+        let delays: Vec<u64> = (0..6)
+            .map(|n| backoff_delay(&b, n, 0.0).as_secs())
+            .collect();
+        assert_eq!(delays, [10, 20, 40, 80, 160, 300]);
+        // Five attempts, then Failed for good.
+        let used_up = RestartState {
+            restart_count: 5,
+            ..Default::default()
+        };
         assert_eq!(
-            expires_at(Some(Duration::from_secs(60)), Some(ts(10))),
-            Some(ts(70))
+            decide_restart(&p, &used_up, ts(0), 0.0),
+            RestartDecision::StayFailed
         );
+        // A policy of its own wins.
+        let own = policy(OnExhaustion::ManualReset, RestartMode::Reschedule);
+        spec.restart_policy = Some(own.clone());
+        assert_eq!(restart_policy(&spec), Some(own));
+        // Ephemeral VMs end, with or without a policy.
+        spec.lifecycle = VmLifecycle::Ephemeral;
+        assert_eq!(restart_policy(&spec), None);
+        spec.restart_policy = None;
+        assert_eq!(restart_policy(&spec), None);
+    }
+
+    /// What `kubectl explain impvm.spec.restartPolicy` (and the template's and class's) says is
+    /// the default.
+    #[test]
+    fn the_crd_describes_the_default_restart_policy() {
+        let kinds = ["ImpVM", "ImpVMTemplate", "ImpVMClass"];
+        let crds: Vec<_> = imp_api::crd::all()
+            .into_iter()
+            .filter(|c| kinds.contains(&c.spec.names.kind.as_str()))
+            .collect();
+        assert_eq!(crds.len(), kinds.len());
+        for crd in crds {
+            let kind = crd.spec.names.kind.clone();
+            let crd = serde_json::to_value(crd).unwrap();
+            let desc = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]
+                ["spec"]["properties"]["restartPolicy"]["description"]
+                .as_str()
+                .unwrap_or_default()
+                .split_whitespace()
+                .collect::<Vec<_>>()
+                .join(" ");
+            for needle in [
+                "in place",
+                "after 10s",
+                "up to 5m",
+                "at most 5 attempts",
+                "then stays Failed",
+            ] {
+                assert!(desc.contains(needle), "{kind}: no {needle:?} in {desc:?}");
+            }
+        }
     }
 
     #[test]

@@ -567,6 +567,12 @@ async fn lifecycle_terminal_restart_reset_node_loss_and_deletion() {
         (nh.status.as_str(), nh.reason.as_str()),
         ("False", "NodeNotReady")
     );
+    // stayer sets no restartPolicy: being persistent, it follows the default one (in place,
+    // after about 10 s).
+    wait_vm(c, "stayer", "stayer's default restart planned", |v| {
+        phase(v) == Some(VmPhase::Failed) && v.status.as_ref().unwrap().next_retry_after.is_some()
+    })
+    .await;
 
     // Deletion waits for the agent's cleanup marker (spec.nodeName cleared).
     vms(c)
@@ -851,7 +857,7 @@ async fn a_vm_pinned_by_a_user_gets_the_finalizer_and_its_booked_size() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn expire_after_deletes_a_vm_that_has_run_that_long() {
+async fn expire_after_deletes_running_and_ended_vms() {
     use k8s_openapi::jiff::{SignedDuration, Timestamp};
     let Some(e) = env().await else {
         return;
@@ -891,6 +897,10 @@ async fn expire_after_deletes_a_vm_that_has_run_that_long() {
     );
     let expires_at = st.expires_at.as_ref().unwrap().0;
     assert_eq!(expires_at, running_at + SignedDuration::from_secs(60));
+    assert_eq!(
+        st.observed_generation, expiring.metadata.generation,
+        "the operator's status write names the generation it acted on"
+    );
 
     // Not deleted before its time.
     tokio::time::sleep(Duration::from_millis(500)).await;
@@ -937,6 +947,80 @@ async fn expire_after_deletes_a_vm_that_has_run_that_long() {
     })
     .await;
     eprintln!("expired VM deleted {late:?} after expiresAt");
+
+    // Ended VMs expire too, like a Job past its TTL. `done` Succeeded after first running two
+    // minutes ago (its node already released, as the agent does for an ended ephemeral VM);
+    // `broke`, persistent, Failed without ever running: its expiry counts from finishedAt and
+    // comes before its (default) restart.
+    for n in ["done", "broke"] {
+        let lifecycle = if n == "done" {
+            "ephemeral"
+        } else {
+            "persistent"
+        };
+        vm(
+            c,
+            n,
+            json!({"classRef": {"name": "small"}, "image": "busybox", "lifecycle": lifecycle,
+                   "expireAfter": "60s"}),
+        )
+        .await;
+        wait_vm(c, n, "Scheduled", |v| phase(v) == Some(VmPhase::Scheduled)).await;
+    }
+    let long_ago = Timestamp::from_second(Timestamp::now().as_second() - 120).unwrap();
+    agent_status(
+        c,
+        "done",
+        json!({"phase": "Succeeded", "exitCode": 0, "runningAt": long_ago.to_string(),
+               "finishedAt": Timestamp::now().to_string()}),
+    )
+    .await;
+    agent_clear_node(c, "done").await;
+    agent_status(
+        c,
+        "broke",
+        json!({"phase": "Failed", "exitCode": 3, "finishedAt": long_ago.to_string()}),
+    )
+    .await;
+    common::wait_for("done gone", Duration::from_secs(10), || async {
+        vms(c)
+            .get_opt("done")
+            .await
+            .unwrap()
+            .is_none()
+            .then_some(())
+    })
+    .await;
+    let term = wait_vm(c, "broke", "broke Terminating after expiry", |v| {
+        phase(v) == Some(VmPhase::Terminating)
+    })
+    .await;
+    let st = term.status.as_ref().unwrap();
+    assert_eq!(
+        st.expires_at.as_ref().map(|t| t.0),
+        Some(long_ago + SignedDuration::from_secs(60)),
+        "expiry of a VM that never ran counts from finishedAt"
+    );
+    assert_eq!(st.restart_count, None, "restarted instead of expiring");
+    for (n, since) in [("done", "first ran"), ("broke", "ended")] {
+        let expired = common::events_with(c, NS, n, &["Expired"])
+            .await
+            .into_iter()
+            .find(|e| e.reason.as_deref() == Some("Expired"))
+            .unwrap();
+        let note = expired.message.unwrap_or_default();
+        assert!(note.contains(since), "{n}: {note}");
+    }
+    agent_clear_node(c, "broke").await;
+    common::wait_for("broke gone", Duration::from_secs(10), || async {
+        vms(c)
+            .get_opt("broke")
+            .await
+            .unwrap()
+            .is_none()
+            .then_some(())
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -185,13 +185,8 @@ pub(super) fn decide(vm: &ImpVM, w: &World) -> Decision {
     if let Some(plan) = book(vm, &status, w.resolved) {
         return Decision::Write(Box::new(plan));
     }
-    // Terminal phases: never scheduled again on their own.
-    match (phase, w.resolved) {
-        (VmPhase::Succeeded | VmPhase::RetryExhausted, _) | (VmPhase::Failed, Err(_)) => {
-            return Decision::Write(Box::new(Plan::stop(Next::AwaitChange)));
-        }
-        (VmPhase::Failed, Ok(r)) => return Decision::Write(Box::new(restart(vm, status, r, w))),
-        _ => {}
+    if ended(phase) {
+        return Decision::Write(Box::new(finished(vm, status, w)));
     }
     let Some(node) = vm.spec.node_name.as_deref() else {
         return match w.resolved {
@@ -208,14 +203,19 @@ pub(super) fn decide(vm: &ImpVM, w: &World) -> Decision {
     Decision::Write(Box::new(on_node(vm, status, node, w)))
 }
 
+/// Whether a VM in `phase` has ended: Succeeded, Failed, or RetryExhausted.
+fn ended(phase: VmPhase) -> bool {
+    matches!(
+        phase,
+        VmPhase::Succeeded | VmPhase::Failed | VmPhase::RetryExhausted
+    )
+}
+
 /// A VM on a node without a booking (pinned by a user, or placed by an operator that wrote
 /// none) is booked with what it resolves to now; terminal VMs are not.
 fn book(vm: &ImpVM, status: &ImpVMStatus, resolved: &Result<Resolved, MissingRef>) -> Option<Plan> {
     vm.spec.node_name.as_ref()?;
-    let terminal = matches!(
-        status.phase.unwrap_or_default(),
-        VmPhase::Succeeded | VmPhase::Failed | VmPhase::RetryExhausted
-    );
+    let terminal = ended(status.phase.unwrap_or_default());
     let r = resolved.as_ref().ok()?;
     if status.booking.is_some() || terminal {
         return None;
@@ -251,7 +251,7 @@ fn reset(vm: &ImpVM, mut status: ImpVMStatus) -> Plan {
         status.next_retry_after = None;
         status.exhausted_at = None;
         status.node_name = None;
-        status.exit_code = None;
+        run_again(&mut status);
         plan.status = Some(status);
         plan.event = Some(Note::normal(
             "RetriesReset",
@@ -395,10 +395,6 @@ fn on_node(vm: &ImpVM, mut status: ImpVMStatus, node: &str, w: &World) -> Plan {
         VmPhase::Running => s.requeue_running,
         _ => s.requeue_active,
     };
-    let mut plan = Plan {
-        doing: "updating the status of",
-        ..Plan::default()
-    };
     if matches!(
         phase,
         VmPhase::Running | VmPhase::Suspending | VmPhase::Suspended | VmPhase::Resuming
@@ -406,35 +402,102 @@ fn on_node(vm: &ImpVM, mut status: ImpVMStatus, node: &str, w: &World) -> Plan {
         if status.running_at.is_none() && phase == VmPhase::Running {
             status.running_at = Some(Time(w.now));
         }
-        let expire_after = w
-            .resolved
-            .as_ref()
-            .ok()
-            .and_then(|r| r.spec.expire_after.as_ref())
-            .and_then(|d| d.parse().ok());
-        let at = lifecycle::expires_at(expire_after, status.running_at.as_ref().map(|t| t.0));
-        status.expires_at = at.map(Time);
-        match at {
-            Some(at) if w.now >= at => {
-                plan.delete = true;
-                plan.event = Some(Note::normal(
-                    "Expired",
-                    "expireAfter elapsed since the VM first ran; deleting",
-                ));
-                requeue = s.requeue_active;
-            }
-            Some(at) => requeue = requeue.min(left(at, w.now) + Duration::from_millis(100)),
+        match expiry(vm, &mut status, w) {
+            Some(at) if w.now >= at => return expire(status, w),
+            Some(at) => requeue = requeue.min(until_expiry(at, w.now)),
             None => {}
         }
     }
-    plan.status = Some(status);
-    plan.next = Next::Requeue(requeue);
+    Plan {
+        status: Some(status),
+        doing: "updating the status of",
+        next: Next::Requeue(requeue),
+        ..Plan::default()
+    }
+}
+
+/// The `expireAfter` of a VM: from its resolved spec, else its booking, else its own spec.
+fn expire_after(vm: &ImpVM, status: &ImpVMStatus, w: &World) -> Option<Duration> {
+    let spec = match (w.resolved, &status.booking) {
+        (Ok(r), _) => &r.spec,
+        (Err(_), Some(b)) => &b.spec,
+        (Err(_), None) => &vm.spec,
+    };
+    spec.expire_after.as_ref()?.parse().ok()
+}
+
+/// When `vm` expires, also written to `status.expiresAt`. An ended VM that never ran and has no
+/// `finishedAt` (a status written by hand) gets it now, so its expiry has a start.
+fn expiry(vm: &ImpVM, status: &mut ImpVMStatus, w: &World) -> Option<Timestamp> {
+    let d = expire_after(vm, status, w).filter(|d| !d.is_zero());
+    if d.is_some() && status.running_at.is_none() && ended(status.phase.unwrap_or_default()) {
+        status.finished_at.get_or_insert(Time(w.now));
+    }
+    let at = lifecycle::expires_at(
+        d,
+        status.running_at.as_ref().map(|t| t.0),
+        status.finished_at.as_ref().map(|t| t.0),
+    );
+    status.expires_at = at.map(Time);
+    at
+}
+
+/// How long to wait to see a VM expire at `at`.
+fn until_expiry(at: Timestamp, now: Timestamp) -> Duration {
+    left(at, now) + Duration::from_millis(100)
+}
+
+/// Deletes an expired VM, with an Event saying what its expiry counted from.
+fn expire(status: ImpVMStatus, w: &World) -> Plan {
+    let since = match status.running_at {
+        Some(_) => "the VM first ran",
+        None => "the VM ended",
+    };
+    Plan {
+        status: Some(status),
+        doing: "expiring",
+        event: Some(Note::normal(
+            "Expired",
+            format!("expireAfter elapsed since {since}; deleting"),
+        )),
+        delete: true,
+        next: Next::Requeue(w.settings.requeue_active),
+        ..Plan::default()
+    }
+}
+
+/// A VM that ended: deleted once it expires; until then a Failed one follows its restart
+/// policy, and none is scheduled again on its own.
+fn finished(vm: &ImpVM, old: ImpVMStatus, w: &World) -> Plan {
+    let mut status = old.clone();
+    let at = expiry(vm, &mut status, w);
+    if let Some(at) = at
+        && w.now >= at
+    {
+        return expire(status, w);
+    }
+    let mut plan = match (status.phase.unwrap_or_default(), w.resolved) {
+        (VmPhase::Failed, Ok(r)) => restart(vm, status.clone(), r, w),
+        _ => Plan::stop(Next::AwaitChange),
+    };
+    if plan.status.is_none() && status != old {
+        plan.status = Some(status);
+        plan.doing = "recording the expiry of";
+    }
+    if let Some(at) = at {
+        plan.next = match plan.next {
+            Next::AwaitChange => Next::Requeue(until_expiry(at, w.now)),
+            Next::Requeue(d) => Next::Requeue(d.min(until_expiry(at, w.now))),
+            Next::Continue => Next::Continue,
+        };
+    }
     plan
 }
 
 fn start_timeout(vm: &ImpVM, mut status: ImpVMStatus, node: &str, w: &World) -> Plan {
     let timeout = w.settings.start_timeout;
     status.phase = Some(VmPhase::Failed);
+    status.finished_at = Some(Time(w.now));
     let msg = format!(
         "still Starting after {timeout:?} on node {node}: the node's agent did not report the \
          VM running or failed (check the agent on {node})"
@@ -525,6 +588,7 @@ fn node_lost(vm: &ImpVM, mut status: ImpVMStatus, node: &str, w: &World) -> Plan
     let mut plan = Plan::stop(Next::Requeue(s.requeue_active));
     if status.phase != Some(VmPhase::Failed) {
         status.phase = Some(VmPhase::Failed);
+        status.finished_at = Some(Time(w.now));
         set_cond(
             &mut status,
             ConditionType::Ready,
@@ -541,6 +605,17 @@ fn node_lost(vm: &ImpVM, mut status: ImpVMStatus, node: &str, w: &World) -> Plan
     plan
 }
 
+/// An ended VM goes again: what its last run left is cleared (an expiry counted from its end
+/// too; one counted from its first run stands).
+fn run_again(status: &mut ImpVMStatus) {
+    status.exit_code = None;
+    status.started_at = None;
+    status.finished_at = None;
+    if status.running_at.is_none() {
+        status.expires_at = None;
+    }
+}
+
 fn restart_state(s: &ImpVMStatus) -> RestartState {
     RestartState {
         restart_count: s.restart_count.unwrap_or(0),
@@ -549,17 +624,19 @@ fn restart_state(s: &ImpVMStatus) -> RestartState {
     }
 }
 
-/// The restart policy of a Failed VM.
+/// The restart policy of a Failed VM ([`lifecycle::restart_policy`]: a persistent VM without
+/// one of its own follows the default).
 fn restart(vm: &ImpVM, mut status: ImpVMStatus, r: &Resolved, w: &World) -> Plan {
-    let Some(policy) = &r.spec.restart_policy else {
+    let Some(policy) = lifecycle::restart_policy(&r.spec) else {
         return Plan::stop(Next::AwaitChange);
     };
-    if r.spec.lifecycle != VmLifecycle::Persistent {
-        return Plan::stop(Next::AwaitChange);
-    }
+    let default = match r.spec.restart_policy {
+        Some(_) => "",
+        None => "; the default restart policy (none set on the VM, its template or class)",
+    };
     let now = w.now;
     let placed = vm.spec.node_name.clone();
-    match lifecycle::decide_restart(policy, &restart_state(&status), now, w.jitter) {
+    match lifecycle::decide_restart(&policy, &restart_state(&status), now, w.jitter) {
         RestartDecision::Wait { until, record } => {
             let mut plan = Plan::stop(Next::Requeue(left(until, now) + Duration::from_millis(50)));
             if record {
@@ -572,8 +649,7 @@ fn restart(vm: &ImpVM, mut status: ImpVMStatus, r: &Resolved, w: &World) -> Plan
         RestartDecision::Restart { mode, attempt, max } => {
             status.restart_count = Some(attempt);
             status.next_retry_after = None;
-            status.exit_code = None;
-            status.started_at = None;
+            run_again(&mut status);
             let mut clear_node = false;
             match (mode, placed) {
                 (RestartMode::InPlace, Some(node)) => {
@@ -592,7 +668,7 @@ fn restart(vm: &ImpVM, mut status: ImpVMStatus, r: &Resolved, w: &World) -> Plan
                 doing: "restarting",
                 event: Some(Note::normal(
                     "Restarting",
-                    format!("attempt {attempt}/{max} ({mode:?})"),
+                    format!("attempt {attempt}/{max} ({mode:?}){default}"),
                 )),
                 next: Next::Requeue(Duration::ZERO),
                 ..Plan::default()
@@ -635,8 +711,7 @@ fn restart(vm: &ImpVM, mut status: ImpVMStatus, r: &Resolved, w: &World) -> Plan
             status.restart_count = None;
             status.next_retry_after = None;
             status.exhausted_at = None;
-            status.exit_code = None;
-            status.started_at = None;
+            run_again(&mut status);
             Plan {
                 clear_node: placed.is_some(),
                 status: Some(status),
@@ -911,6 +986,7 @@ mod tests {
             .unwrap();
         assert_eq!(cond.reason, "AgentTimeout");
         assert!(cond.message.contains("node n1"), "{}", cond.message);
+        assert_eq!(p.status.as_ref().unwrap().finished_at, Some(Time(now)));
         assert_eq!(p.event.unwrap().reason, "AgentTimeout");
 
         let mut r = vm(Some("n1"), Some(VmPhase::Running));
@@ -955,5 +1031,156 @@ mod tests {
         assert_eq!(st.phase, Some(VmPhase::Scheduled));
         assert_eq!(st.node_name.as_deref(), Some("n1"));
         assert_eq!(st.restart_count, Some(1));
+    }
+
+    fn ended_vm(phase: VmPhase, ran: Option<Timestamp>, finished: Option<Timestamp>) -> ImpVM {
+        let mut v = vm(Some("n1"), Some(phase));
+        let st = v.status.as_mut().unwrap();
+        st.running_at = ran.map(Time);
+        st.finished_at = finished.map(Time);
+        v
+    }
+
+    fn expiring(lifecycle: VmLifecycle, after: &'static str) -> Result<Resolved, MissingRef> {
+        resolved(ImpVMSpec {
+            lifecycle,
+            expire_after: Some(GoDuration::from_static(after)),
+            ..ImpVMSpec::default()
+        })
+    }
+
+    #[test]
+    fn an_ended_vm_is_deleted_once_its_expiry_passes() {
+        let now = Timestamp::now();
+        let ago = |s: u64| now - Duration::from_secs(s);
+        // Ran two minutes ago and ended since: expired at runningAt + 1m.
+        for ph in [VmPhase::Succeeded, VmPhase::Failed, VmPhase::RetryExhausted] {
+            let v = ended_vm(ph, Some(ago(120)), Some(ago(10)));
+            let r = expiring(VmLifecycle::Persistent, "1m");
+            let p = plan(decide_with(&v, &r, None, now));
+            assert!(p.delete, "{ph}: {p:?}");
+            let note = p.event.unwrap();
+            assert_eq!(note.reason, "Expired");
+            assert!(note.message.contains("first ran"), "{}", note.message);
+            let st = p.status.unwrap();
+            assert_eq!(st.expires_at, Some(Time(ago(60))), "{ph}");
+            assert_eq!(st.phase, Some(ph), "{ph}: not restarted");
+        }
+        // Ended without ever running: from finishedAt.
+        let v = ended_vm(VmPhase::Failed, None, Some(ago(61)));
+        let p = plan(decide_with(
+            &v,
+            &expiring(VmLifecycle::Ephemeral, "1m"),
+            None,
+            now,
+        ));
+        assert!(p.delete);
+        assert!(p.event.unwrap().message.contains("the VM ended"));
+        // expireAfter 0 never expires.
+        let v = ended_vm(VmPhase::Succeeded, Some(ago(3600)), None);
+        let p = plan(decide_with(
+            &v,
+            &expiring(VmLifecycle::Ephemeral, "0s"),
+            None,
+            now,
+        ));
+        assert_eq!(p, Plan::stop(Next::AwaitChange));
+    }
+
+    #[test]
+    fn an_ended_vm_not_yet_expired_records_when_and_comes_back_then() {
+        let now = Timestamp::now();
+        let v = ended_vm(
+            VmPhase::Succeeded,
+            Some(now - Duration::from_secs(30)),
+            None,
+        );
+        let p = plan(decide_with(
+            &v,
+            &expiring(VmLifecycle::Ephemeral, "1m"),
+            None,
+            now,
+        ));
+        assert!(!p.delete && p.event.is_none());
+        let at = now + Duration::from_secs(30);
+        assert_eq!(p.status.unwrap().expires_at, Some(Time(at)));
+        assert_eq!(
+            p.next,
+            Next::Requeue(left(at, now) + Duration::from_millis(100))
+        );
+
+        // A hand-written Failed status with neither time: the end is stamped now.
+        let v = ended_vm(VmPhase::Failed, None, None);
+        let p = plan(decide_with(
+            &v,
+            &expiring(VmLifecycle::Ephemeral, "1m"),
+            None,
+            now,
+        ));
+        let st = p.status.unwrap();
+        assert_eq!(st.finished_at, Some(Time(now)));
+        assert_eq!(st.expires_at, Some(Time(now + Duration::from_secs(60))));
+
+        // A Failed persistent VM waiting out its backoff comes back at the earlier of the two.
+        let v = ended_vm(VmPhase::Failed, Some(now - Duration::from_secs(55)), None);
+        let p = plan(decide_with(
+            &v,
+            &expiring(VmLifecycle::Persistent, "1m"),
+            None,
+            now,
+        ));
+        assert!(!p.delete);
+        let st = p.status.unwrap();
+        assert!(
+            st.next_retry_after.is_some(),
+            "the restart is still planned"
+        );
+        assert_eq!(
+            p.next,
+            Next::Requeue(Duration::from_secs(5) + Duration::from_millis(100))
+        );
+    }
+
+    #[test]
+    fn a_failed_persistent_vm_without_a_policy_restarts_by_default() {
+        let now = Timestamp::now();
+        let mut v = vm(Some("n1"), Some(VmPhase::Failed));
+        let pers = resolved(ImpVMSpec {
+            lifecycle: VmLifecycle::Persistent,
+            ..ImpVMSpec::default()
+        });
+        let p = plan(decide_with(&v, &pers, None, now));
+        let until = p.status.unwrap().next_retry_after.unwrap().0;
+        // 10 s less up to 10 % jitter.
+        let wait = left(until, now);
+        assert!(
+            wait >= Duration::from_secs(9) && wait <= Duration::from_secs(10),
+            "{wait:?}"
+        );
+        v.status.as_mut().unwrap().next_retry_after = Some(Time(until));
+        let p = plan(decide_with(&v, &pers, None, until));
+        let note = p.event.unwrap();
+        assert_eq!(note.reason, "Restarting");
+        assert!(
+            note.message.starts_with("attempt 1/5 (InPlace)")
+                && note.message.contains("default restart policy"),
+            "{}",
+            note.message
+        );
+        let st = p.status.unwrap();
+        assert_eq!(st.phase, Some(VmPhase::Scheduled));
+        assert_eq!(st.node_name.as_deref(), Some("n1"));
+
+        // Attempts used up: Failed for good.
+        let st = v.status.as_mut().unwrap();
+        st.restart_count = Some(5);
+        st.next_retry_after = None;
+        let p = plan(decide_with(&v, &pers, None, now));
+        assert_eq!(p, Plan::stop(Next::AwaitChange));
+
+        // An ephemeral VM without a policy ends.
+        let v = vm(Some("n1"), Some(VmPhase::Failed));
+        let p = plan(decide_with(&v, &resolved(ImpVMSpec::default()), None, now));
+        assert_eq!(p, Plan::stop(Next::AwaitChange));
     }
 }

@@ -14,8 +14,9 @@
 //! [`CONFLICT_ATTEMPTS`] times with jittered backoff ([`crate::lifecycle::conflict_backoff`]).
 //! Each 409 is counted in `imp_operator_conflicts_total`, and the VMs whose watch triggers wait
 //! for a reconcile to start in `imp_operator_reconcile_backlog` ([`crate::backlog`]).
-//! Status is written to the status subresource only. Reconciles are idempotent: each step
-//! checks whether its effect is already there.
+//! Status is written to the status subresource only, with `status.observedGeneration` set to
+//! the `metadata.generation` of the VM the write was decided on. Reconciles are idempotent: each
+//! step checks whether its effect is already there.
 //!
 //! The finalizer is added in the same patch that writes `spec.nodeName` (an unplaced VM has
 //! nothing for an agent to clean up), and a placed VM without it (pinned by a user) gets it
@@ -55,7 +56,10 @@
 //!   [`Settings::termination_timeout`] with a Warning Event `TerminationTimeout`.
 //! - Restart in place: the operator moves a Failed VM back to `Scheduled` on the same node; the
 //!   agent starts it again. Reschedule: the operator clears `spec.nodeName` and the VM is placed
-//!   anew.
+//!   anew. A persistent VM without a restart policy follows
+//!   [`crate::lifecycle::default_restart_policy`].
+//! - Expiry: a VM with `expireAfter` is deleted at `status.expiresAt` (from `runningAt`, else
+//!   from `finishedAt`), running or ended; its deletion then goes as any other.
 //! - Conditions: the operator owns `Scheduled` and `NodeHealthy`, and writes `Ready` only to say
 //!   why a VM cannot get going (`InvalidSpec`, `NoNodeAvailable`, `NodeNotReady`, and
 //!   `AgentTimeout` when a start is not confirmed within the start timeout);
