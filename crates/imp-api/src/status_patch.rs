@@ -23,9 +23,58 @@ pub fn diff<T: Serialize>(old: &T, new: &T) -> Option<Value> {
     (!out.is_empty()).then_some(Value::Object(out))
 }
 
+/// The merge patch that makes `vm`'s status `status`: the fields that differ, with
+/// `observedGeneration` set to the `metadata.generation` of the VM `status` was decided on
+/// (operator and agent both write it); `None` when there is nothing to write.
+pub fn vm_status(vm: &crate::vm::ImpVM, status: &crate::vm::ImpVMStatus) -> Option<Value> {
+    let mut status = status.clone();
+    if vm.metadata.generation.is_some() {
+        status.observed_generation = vm.metadata.generation;
+    }
+    diff(&vm.status.clone().unwrap_or_default(), &status)
+}
+
 #[cfg(test)]
 mod tests {
+    #![allow(clippy::unwrap_used)]
+    use crate::vm::{ImpVM, ImpVMSpec, ImpVMStatus, VmPhase};
     use serde_json::json;
+
+    fn vm(generation: i64, observed: Option<i64>) -> ImpVM {
+        let mut vm = ImpVM::new("v", ImpVMSpec::default());
+        vm.metadata.generation = Some(generation);
+        vm.status = Some(ImpVMStatus {
+            phase: Some(VmPhase::Running),
+            observed_generation: observed,
+            ..Default::default()
+        });
+        vm
+    }
+
+    #[test]
+    fn a_vm_status_write_records_the_generation_it_acted_on() {
+        use super::vm_status;
+        // A write of a changed status carries the generation of the spec it was decided on.
+        let v = vm(3, Some(1));
+        let mut status = v.status.clone().unwrap();
+        status.phase = Some(VmPhase::Failed);
+        assert_eq!(
+            vm_status(&v, &status),
+            Some(json!({"phase": "Failed", "observedGeneration": 3}))
+        );
+        // An edited spec alone is worth a write: the status now speaks for generation 3.
+        assert_eq!(
+            vm_status(&v, &v.status.clone().unwrap()),
+            Some(json!({"observedGeneration": 3}))
+        );
+        // Nothing new: no write.
+        let seen = vm(3, Some(3));
+        assert_eq!(vm_status(&seen, &seen.status.clone().unwrap()), None);
+        // A status decided with an older generation in hand does not keep it.
+        let mut stale = seen.status.clone().unwrap();
+        stale.observed_generation = Some(2);
+        assert_eq!(vm_status(&seen, &stale), None);
+    }
 
     #[test]
     fn only_changed_fields_and_nulls_for_removed_ones() {

@@ -20,17 +20,6 @@ pub(super) fn kube_err(doing: &'static str, vm: &ImpVM) -> impl FnOnce(kube::Err
     move |source| Error::Kube { doing, vm, source }
 }
 
-/// The merge patch that makes `vm`'s status `status`: the fields that differ, with
-/// `observedGeneration` set to the `metadata.generation` of the spec `status` was decided on;
-/// `None` when there is nothing to write.
-pub(super) fn status_patch(vm: &ImpVM, status: &ImpVMStatus) -> Option<Value> {
-    let mut status = status.clone();
-    if vm.metadata.generation.is_some() {
-        status.observed_generation = vm.metadata.generation;
-    }
-    imp_api::status_patch::diff(&vm.status.clone().unwrap_or_default(), &status)
-}
-
 pub(super) fn patch_params() -> PatchParams {
     PatchParams {
         field_manager: Some(FIELD_MANAGER.to_owned()),
@@ -87,14 +76,14 @@ impl Context {
     }
 
     /// Writes `status` (the whole desired status, decided on `vm`) as a diff against the VM's
-    /// current status ([`status_patch`]).
+    /// current status ([`imp_api::status_patch::vm_status`]).
     pub(super) async fn patch_status(
         &self,
         vm: &ImpVM,
         status: &ImpVMStatus,
         doing: &'static str,
     ) -> Result<ImpVM, Error> {
-        let Some(diff) = status_patch(vm, status) else {
+        let Some(diff) = imp_api::status_patch::vm_status(vm, status) else {
             return Ok(vm.clone());
         };
         let body = json!({
@@ -168,47 +157,5 @@ impl Context {
                 Err(e)
             }
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    #![allow(clippy::unwrap_used)]
-    use super::*;
-    use imp_api::vm::{ImpVMSpec, VmPhase};
-
-    fn vm(generation: i64, observed: Option<i64>) -> ImpVM {
-        let mut vm = ImpVM::new("v", ImpVMSpec::default());
-        vm.metadata.generation = Some(generation);
-        vm.status = Some(ImpVMStatus {
-            phase: Some(VmPhase::Running),
-            observed_generation: observed,
-            ..Default::default()
-        });
-        vm
-    }
-
-    #[test]
-    fn a_status_write_records_the_generation_it_acted_on() {
-        // A write of a changed status carries the generation of the spec it was decided on.
-        let v = vm(3, Some(1));
-        let mut status = v.status.clone().unwrap();
-        status.phase = Some(VmPhase::Failed);
-        assert_eq!(
-            status_patch(&v, &status),
-            Some(json!({"phase": "Failed", "observedGeneration": 3}))
-        );
-        // An edited spec alone is worth a write: the status now speaks for generation 3.
-        assert_eq!(
-            status_patch(&v, &v.status.clone().unwrap()),
-            Some(json!({"observedGeneration": 3}))
-        );
-        // Nothing new: no write.
-        let seen = vm(3, Some(3));
-        assert_eq!(status_patch(&seen, &seen.status.clone().unwrap()), None);
-        // A status decided with an older generation in hand does not keep it.
-        let mut stale = seen.status.clone().unwrap();
-        stale.observed_generation = Some(2);
-        assert_eq!(status_patch(&seen, &stale), None);
     }
 }
