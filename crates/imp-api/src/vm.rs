@@ -84,7 +84,9 @@ pub struct ImpVMSpec {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(transform = crate::schema::core_env)]
     pub env_from: Vec<EnvFromSource>,
-    /// cloud-init style user data (off by default).
+    /// cloud-init style user data: a ConfigMap's `user-data` key (a `#!` script, or a
+    /// `#cloud-config` with write_files, users and runcmd), applied by the guest's init before
+    /// the workload starts; a failure fails the VM naming the step.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub user_data: Option<UserDataSource>,
     /// Guest probes and the operator's HTTP check; VM over template over class.
@@ -93,7 +95,9 @@ pub struct ImpVMSpec {
     /// Whether the in-guest agent runs.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub guest_agent: Option<GuestAgentConfig>,
-    /// What happens when a persistent workload fails.
+    /// What happens when a persistent workload fails; VM over template over class. When none of
+    /// them sets one, a persistent VM restarts in place after 10s, with the delay doubling up to
+    /// 5m, at most 5 attempts, then stays Failed. Ephemeral VMs never restart.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub restart_policy: Option<RestartPolicy>,
     /// Group of the network to draw the IP from.
@@ -105,7 +109,8 @@ pub struct ImpVMSpec {
     /// OCI image layered on top of the runner layer (Cilium agent).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cilium_layer: Option<String>,
-    /// Delete the VM this long after it first ran; 0 means never, else at least 60s.
+    /// Delete the VM this long after it first ran (or after it ended, if it never ran), running
+    /// or finished (Succeeded, Failed); 0 means never, else at least 60s.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[x_kube(validation = crate::shared::expire_after_rule())]
     #[schemars(transform = crate::schema::no_pattern)]
@@ -215,7 +220,7 @@ pub struct ImpVMStatus {
     /// When the VM was first seen Running (expiry counts from here).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub running_at: Option<Time>,
-    /// When the VM will be deleted by expireAfter.
+    /// When the VM will be deleted by expireAfter (runningAt, else finishedAt, + expireAfter).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub expires_at: Option<Time>,
     /// When the agent began starting it (stuck-start timeout counts from here).

@@ -12,8 +12,10 @@ use crate::server::{self, Context};
 use crate::system;
 use crate::transport::{self, VsockListener, VsockStream};
 use crate::user;
+use crate::userdata::{self, Stopped};
 use crate::workload;
 use imp_proto::config::{CONFIG_PATH, GuestConfig, PowerAction};
+use imp_proto::marker::user_data_failure_marker;
 use imp_proto::report::send_exit_report;
 use imp_proto::{ExitStatus, HOST_CID, Hello, WorkloadState};
 use nix::sys::signal::{SigSet, Signal, kill};
@@ -216,10 +218,10 @@ pub fn run(opts: &Options) -> i32 {
         start_api(opts, &config, Arc::clone(&ctx));
     }
 
-    let status = if config.attach {
-        hold(&ctx, &event_rx)
-    } else {
-        run_workload(opts, &config, &ctx, &reaper, &events, &event_rx)
+    let status = match run_user_data(opts, &config, &ctx, &reaper, &event_rx, &mut console) {
+        Ok(()) if config.attach => hold(&ctx, &event_rx),
+        Ok(()) => run_workload(opts, &config, &ctx, &reaper, &events, &event_rx),
+        Err(status) => status,
     };
     ctx.set_workload(WorkloadState::Exited { status });
     finish(opts, &mut console, &config, status, started)
@@ -353,6 +355,60 @@ fn spawn_signal_thread(signals: SigSet, events: Sender<Event>) {
         });
     if let Err(e) = spawned {
         log_error("starting the signal thread failed", &e);
+    }
+}
+
+/// Applies the VM's user data ([`userdata`]) as root before the workload starts. A failed
+/// step is printed on the console for the host ([`user_data_failure_marker`], just before the
+/// exit marker) and ends the VM with the step's exit status, the workload never started; a
+/// shutdown asked for meanwhile is passed on to the running command and ends the VM too.
+fn run_user_data(
+    opts: &Options,
+    config: &GuestConfig,
+    ctx: &Context,
+    reaper: &Reaper,
+    event_rx: &mpsc::Receiver<Event>,
+    console: &mut Console,
+) -> Result<(), ExitStatus> {
+    let Some(data) = &config.user_data else {
+        return Ok(());
+    };
+    let started = Instant::now();
+    // Nothing but signals and shutdown requests can arrive before the workload runs.
+    let mut signals = || loop {
+        match event_rx.try_recv() {
+            Ok(Event::Shutdown(_)) => return Some(Signal::SIGTERM),
+            Ok(Event::Signal(sig)) => return Some(sig),
+            Ok(_) => {}
+            Err(_) => return None,
+        }
+    };
+    let mut guest = userdata::Guest {
+        reaper,
+        root: opts.root.clone(),
+        env: workload::environment(config, &user::Identity::root()),
+        signals: &mut signals,
+    };
+    match userdata::apply(data, &opts.root, &mut guest) {
+        Ok(()) => {
+            log(&format!("userData applied in {:?}", started.elapsed()));
+            Ok(())
+        }
+        Err(Stopped::ShutDown(status)) => {
+            log("shutdown requested while userData ran: the workload is not started");
+            Err(status)
+        }
+        Err(Stopped::Failed(failure)) => {
+            let message = format!("userData {failure}");
+            log(&format!("{message}; the workload is not started"));
+            ctx.set_workload(WorkloadState::Failed {
+                message: message.clone(),
+            });
+            if let Err(e) = console.write_text(&user_data_failure_marker(&failure.to_string())) {
+                log_error("printing the userData failure failed", &e);
+            }
+            Err(ExitStatus::Code(failure.code))
+        }
     }
 }
 

@@ -455,3 +455,64 @@ fn a_dev_mode_guest_refuses_to_change_the_hosts_identity_and_keeps_serving() {
     // The connection goes on.
     assert!(c.health().is_ok());
 }
+
+#[test]
+fn user_data_runs_before_the_workload() {
+    use imp_proto::config::{CloudConfig, RunCommand, UserData, WriteFile};
+    let scratch = std::env::temp_dir().join(format!("imp-guest-ud-ok-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&scratch);
+    let (file, seen) = (scratch.join("conf/greeting"), scratch.join("seen"));
+    let mut c = config(&[
+        "sh",
+        "-c",
+        &format!("echo workload saw: $(cat {})", seen.display()),
+    ]);
+    c.user_data = Some(UserData::CloudConfig(CloudConfig {
+        write_files: vec![WriteFile {
+            path: file.display().to_string(),
+            content: "hello\n".into(),
+            encoding: Default::default(),
+            permissions: 0o600,
+            owner: None,
+        }],
+        runcmd: vec![
+            RunCommand::Argv(strings(&["sh", "-c", "echo from userData"])),
+            RunCommand::Shell(format!("cp {} {}", file.display(), seen.display())),
+        ],
+        ..Default::default()
+    }));
+    let (out, status) = Guest::start("ud-ok", &c).wait();
+    let _ = std::fs::remove_dir_all(&scratch);
+    let stdout = stdout(&out);
+    assert_eq!(status, ExitStatus::Code(0), "{stdout}");
+    let at = |s: &str| {
+        stdout
+            .find(s)
+            .unwrap_or_else(|| panic!("{s:?} in {stdout}"))
+    };
+    assert!(at("from userData") < at("workload saw: hello"), "{stdout}");
+}
+
+#[test]
+fn a_failing_user_data_step_ends_the_vm_without_the_workload() {
+    use imp_proto::config::{CloudConfig, RunCommand, UserData};
+    let mut c = config(&["sh", "-c", "echo workload ran"]);
+    c.user_data = Some(UserData::CloudConfig(CloudConfig {
+        runcmd: vec![
+            RunCommand::Shell("echo first".into()),
+            RunCommand::Shell("echo broken >&2; exit 3".into()),
+            RunCommand::Shell("echo never".into()),
+        ],
+        ..Default::default()
+    }));
+    let (out, status) = Guest::start("ud-fail", &c).wait();
+    let stdout = stdout(&out);
+    assert_eq!(status, ExitStatus::Code(3), "{stdout}");
+    assert!(!stdout.contains("workload ran"), "{stdout}");
+    assert!(!stdout.contains("never"), "{stdout}");
+    assert_eq!(
+        imp_proto::marker::find_user_data_failure(&stdout).as_deref(),
+        Some("runcmd[1] (echo broken >&2; exit 3): exited with code 3; output: broken"),
+        "{stdout}"
+    );
+}

@@ -56,6 +56,14 @@ pub struct GuestConfig {
     /// The init starts no workload of its own: the host runs it as an exec session with the
     /// user's terminal attached (`imp run -i/-t`), and the VM runs until asked to shut down.
     pub attach: bool,
+    /// The VM's user data (`ImpVM.spec.userData`), parsed and checked by the node agent:
+    /// applied by the init as root once the root disk is in place and before the workload
+    /// starts; a failing step ends the VM without starting the workload ([`UserData`]).
+    ///
+    /// Absent in configs written before it existed (no user data). A guest built before it
+    /// existed ignores it (the config's unknown fields are ignored), so a node must run a
+    /// guest at least as new as its agent for user data to run.
+    pub user_data: Option<UserData>,
 }
 
 impl GuestConfig {
@@ -184,6 +192,233 @@ pub enum PowerAction {
     Reboot,
 }
 
+/// Where the init writes a user-data script before it runs it (mode 0700).
+pub const USER_DATA_SCRIPT: &str = "/run/imp/user-data";
+
+/// A VM's user data in the form the guest applies: a `#!` script, or the `#cloud-config`
+/// subset imp runs itself (`write_files`, then `users`, then `runcmd`). The node agent turns
+/// the ConfigMap's text into this (`imp_agent::node::userdata`); [`UserData::validate`] holds
+/// the rules both sides rely on.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum UserData {
+    /// A script starting with `#!`: written to [`USER_DATA_SCRIPT`] and executed.
+    Script(String),
+    /// The `#cloud-config` subset.
+    CloudConfig(CloudConfig),
+}
+
+/// The `#cloud-config` keys imp supports, applied in this order.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(default)]
+pub struct CloudConfig {
+    /// Files to write (parent directories are created).
+    pub write_files: Vec<WriteFile>,
+    /// Accounts to add (`/etc/passwd`, `/etc/group`, home, SSH keys).
+    pub users: Vec<UserAccount>,
+    /// Commands to run in order, as root, from `/`.
+    pub runcmd: Vec<RunCommand>,
+}
+
+/// One entry of `write_files`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WriteFile {
+    /// The file's absolute path in the guest.
+    pub path: String,
+    /// The content, as [`WriteFile::encoding`] says.
+    #[serde(default)]
+    pub content: String,
+    /// How `content` is encoded.
+    #[serde(default)]
+    pub encoding: ContentEncoding,
+    /// The file's mode bits (`permissions: '0644'`).
+    #[serde(default = "default_file_mode")]
+    pub permissions: u32,
+    /// `user:group` (names or numbers) to own the file; none keeps root's.
+    #[serde(default)]
+    pub owner: Option<String>,
+}
+
+fn default_file_mode() -> u32 {
+    0o644
+}
+
+/// How a written file's content is encoded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ContentEncoding {
+    /// The text as it is.
+    #[default]
+    Text,
+    /// Standard base64 (cloud-init's `b64`).
+    Base64,
+}
+
+/// One entry of `users`.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(default)]
+pub struct UserAccount {
+    /// The login name.
+    pub name: String,
+    /// The uid; none takes the first free one from 1000.
+    pub uid: Option<u32>,
+    /// The login shell; none is `/bin/sh`.
+    pub shell: Option<String>,
+    /// The home directory; none is `/home/<name>`.
+    pub homedir: Option<String>,
+    /// Supplementary groups (created when missing).
+    pub groups: Vec<String>,
+    /// Lines for `~/.ssh/authorized_keys`.
+    pub ssh_authorized_keys: Vec<String>,
+}
+
+/// One entry of `runcmd`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RunCommand {
+    /// A string: run with `/bin/sh -c`.
+    Shell(String),
+    /// A list: run as this argv (the program found on PATH).
+    Argv(Vec<String>),
+}
+
+impl RunCommand {
+    /// The argv that runs it.
+    pub fn argv(&self) -> Vec<String> {
+        match self {
+            Self::Shell(s) => vec!["/bin/sh".into(), "-c".into(), s.clone()],
+            Self::Argv(a) => a.clone(),
+        }
+    }
+}
+
+/// A user-data value that cannot work: the field in cloud-config terms (`write_files[0].path`)
+/// and why.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UserDataInvalid {
+    /// The field, e.g. `users[1].name`.
+    pub field: String,
+    /// Why.
+    pub reason: String,
+}
+
+/// Whether `name` can be an account or group name: 1-32 of `A-Za-z0-9._-`, not starting with
+/// `-` (what `useradd` accepts and nothing that breaks `/etc/passwd`).
+pub fn valid_account_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 32
+        && !name.starts_with('-')
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'))
+}
+
+impl UserData {
+    /// Checks what the guest relies on: absolute paths without `..`, modes within `0o7777`,
+    /// owners as `user:group`, account fields that cannot break `/etc/passwd`, no empty
+    /// command, no NUL anywhere.
+    pub fn validate(&self) -> Result<(), UserDataInvalid> {
+        let bad = |field: String, reason: String| Err(UserDataInvalid { field, reason });
+        let c = match self {
+            Self::Script(s) if !s.starts_with("#!") => {
+                return bad("script".into(), "does not start with #!".into());
+            }
+            Self::Script(s) if s.contains('\0') => {
+                return bad("script".into(), "holds a NUL byte".into());
+            }
+            Self::Script(_) => return Ok(()),
+            Self::CloudConfig(c) => c,
+        };
+        let absolute = |p: &str| {
+            p.starts_with('/')
+                && p.len() > 1
+                && !p.contains('\0')
+                && !p.split('/').any(|part| part == "..")
+        };
+        let passwd_field = |v: &str| !v.contains([':', '\n', '\r', '\0']);
+        for (i, f) in c.write_files.iter().enumerate() {
+            if !absolute(&f.path) || f.path.ends_with('/') {
+                return bad(
+                    format!("write_files[{i}].path"),
+                    format!("{:?} is not an absolute file path without '..'", f.path),
+                );
+            }
+            if f.permissions > 0o7777 {
+                return bad(
+                    format!("write_files[{i}].permissions"),
+                    format!("{:o} is more than 7777", f.permissions),
+                );
+            }
+            if let Some(o) = &f.owner
+                && !matches!(o.split_once(':'), Some((u, g)) if !u.is_empty() && !g.is_empty()
+                    && !g.contains(':') && passwd_field(u) && passwd_field(g))
+            {
+                return bad(
+                    format!("write_files[{i}].owner"),
+                    format!("{o:?} is not user:group"),
+                );
+            }
+            if f.content.contains('\0') && f.encoding == ContentEncoding::Text {
+                return bad(
+                    format!("write_files[{i}].content"),
+                    "holds a NUL byte (use encoding: b64 for binary content)".into(),
+                );
+            }
+        }
+        for (i, u) in c.users.iter().enumerate() {
+            if !valid_account_name(&u.name) {
+                return bad(
+                    format!("users[{i}].name"),
+                    format!(
+                        "{:?} is not 1-32 of A-Z a-z 0-9 . _ - (not starting with -)",
+                        u.name
+                    ),
+                );
+            }
+            for (key, v) in [("shell", &u.shell), ("homedir", &u.homedir)] {
+                if let Some(v) = v
+                    && !(absolute(v) && passwd_field(v))
+                {
+                    return bad(
+                        format!("users[{i}].{key}"),
+                        format!("{v:?} is not an absolute path without ':' or '..'"),
+                    );
+                }
+            }
+            for (j, g) in u.groups.iter().enumerate() {
+                if !valid_account_name(g) {
+                    return bad(
+                        format!("users[{i}].groups[{j}]"),
+                        format!("{g:?} is not a group name"),
+                    );
+                }
+            }
+            for (j, k) in u.ssh_authorized_keys.iter().enumerate() {
+                if k.trim().is_empty() || k.contains(['\n', '\r', '\0']) {
+                    return bad(
+                        format!("users[{i}].ssh_authorized_keys[{j}]"),
+                        "is empty or not one line".into(),
+                    );
+                }
+            }
+        }
+        for (i, r) in c.runcmd.iter().enumerate() {
+            let argv = r.argv();
+            let empty = match r {
+                RunCommand::Shell(s) => s.trim().is_empty(),
+                RunCommand::Argv(a) => a.first().is_none_or(|p| p.is_empty()),
+            };
+            if empty {
+                return bad(format!("runcmd[{i}]"), "is empty".into());
+            }
+            if argv.iter().any(|a| a.contains('\0')) {
+                return bad(format!("runcmd[{i}]"), "holds a NUL byte".into());
+            }
+        }
+        Ok(())
+    }
+}
+
 impl GuestConfig {
     /// Parses and validates a config file's contents.
     pub fn from_json(bytes: &[u8]) -> Result<Self, ConfigError> {
@@ -269,6 +504,11 @@ impl GuestConfig {
                 "0 is not a vsock port".to_string(),
             );
         }
+        if let Some(u) = &self.user_data
+            && let Err(e) = u.validate()
+        {
+            return invalid(&format!("user_data.{}", e.field), e.reason);
+        }
         Ok(())
     }
 }
@@ -318,6 +558,25 @@ mod tests {
             on_exit: PowerAction::Reboot,
             root: Some(RootDisk::ext4("/dev/vda")),
             attach: true,
+            user_data: Some(UserData::CloudConfig(CloudConfig {
+                write_files: vec![WriteFile {
+                    path: "/etc/app.conf".into(),
+                    content: "x=1\n".into(),
+                    encoding: ContentEncoding::Text,
+                    permissions: 0o600,
+                    owner: Some("app:app".into()),
+                }],
+                users: vec![UserAccount {
+                    name: "app".into(),
+                    uid: Some(1001),
+                    groups: vec!["wheel".into()],
+                    ..Default::default()
+                }],
+                runcmd: vec![
+                    RunCommand::Shell("echo hi".into()),
+                    RunCommand::Argv(vec!["touch".into(), "/x".into()]),
+                ],
+            })),
         };
         let json = c.to_json().unwrap();
         assert_eq!(GuestConfig::from_json(&json).unwrap(), c);
@@ -346,6 +605,74 @@ mod tests {
             (r#"{"agent":{"port":0}}"#, "agent.port"),
             (r#"{"hostname":"a b"}"#, "hostname"),
         ] {
+            let err = GuestConfig::from_json(json.as_bytes()).unwrap_err();
+            assert!(
+                err.to_string().contains(&format!("`{field}`")),
+                "{json}: {err}"
+            );
+        }
+    }
+
+    #[test]
+    fn user_data_travels_as_tagged_json_and_bad_values_name_the_field() {
+        let c = GuestConfig::from_json(
+            br#"{"user_data":{"cloud_config":{"runcmd":[{"shell":"echo hi"},{"argv":["true"]}]}}}"#,
+        )
+        .unwrap();
+        let Some(UserData::CloudConfig(cc)) = c.user_data else {
+            panic!("cloud-config expected")
+        };
+        assert_eq!(cc.runcmd[0].argv(), ["/bin/sh", "-c", "echo hi"]);
+        assert_eq!(cc.runcmd[1].argv(), ["true"]);
+        let c = GuestConfig::from_json(br##"{"user_data":{"script":"#!/bin/sh\necho hi\n"}}"##)
+            .unwrap();
+        assert!(matches!(c.user_data, Some(UserData::Script(_))));
+        let f = r#"{"user_data":{"cloud_config":{"write_files":[{"path":"/etc/x"}]}}}"#;
+        let Some(UserData::CloudConfig(cc)) =
+            GuestConfig::from_json(f.as_bytes()).unwrap().user_data
+        else {
+            panic!("cloud-config expected")
+        };
+        assert_eq!(
+            (cc.write_files[0].permissions, cc.write_files[0].encoding),
+            (0o644, ContentEncoding::Text)
+        );
+        for (json, field) in [
+            (r#"{"script":"echo no shebang"}"#, "user_data.script"),
+            (
+                r#"{"cloud_config":{"write_files":[{"path":"etc/x"}]}}"#,
+                "user_data.write_files[0].path",
+            ),
+            (
+                r#"{"cloud_config":{"write_files":[{"path":"/etc/../x"}]}}"#,
+                "user_data.write_files[0].path",
+            ),
+            (
+                r#"{"cloud_config":{"write_files":[{"path":"/x","permissions":4096}]}}"#,
+                "user_data.write_files[0].permissions",
+            ),
+            (
+                r#"{"cloud_config":{"write_files":[{"path":"/x","owner":"app"}]}}"#,
+                "user_data.write_files[0].owner",
+            ),
+            (
+                r#"{"cloud_config":{"users":[{"name":"a:b"}]}}"#,
+                "user_data.users[0].name",
+            ),
+            (
+                r#"{"cloud_config":{"users":[{"name":"a","shell":"sh"}]}}"#,
+                "user_data.users[0].shell",
+            ),
+            (
+                r#"{"cloud_config":{"users":[{"name":"a","ssh_authorized_keys":["k\nk"]}]}}"#,
+                "user_data.users[0].ssh_authorized_keys[0]",
+            ),
+            (
+                r#"{"cloud_config":{"runcmd":[{"argv":[]}]}}"#,
+                "user_data.runcmd[0]",
+            ),
+        ] {
+            let json = format!(r#"{{"user_data":{json}}}"#);
             let err = GuestConfig::from_json(json.as_bytes()).unwrap_err();
             assert!(
                 err.to_string().contains(&format!("`{field}`")),

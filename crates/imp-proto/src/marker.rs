@@ -15,6 +15,14 @@ pub const BOOT_RETRY_PREFIX: &str = "IMP_BOOT_RETRY ";
 /// How much of a guest's reason for a boot retry the host keeps.
 pub const BOOT_RETRY_REASON_MAX: usize = 200;
 
+/// The prefix of the line a guest prints when its user data failed and the workload was not
+/// started: `IMP_USERDATA_FAILED <step and why>` (see [`user_data_failure_marker`]), printed
+/// just before the exit marker.
+pub const USER_DATA_FAILED_PREFIX: &str = "IMP_USERDATA_FAILED ";
+
+/// How much of a guest's account of a user-data failure the host keeps.
+pub const USER_DATA_REASON_MAX: usize = 1024;
+
 /// The text the guest prints on its console when the workload ends.
 ///
 /// It starts with a newline so the marker begins a line even after output without one.
@@ -59,6 +67,36 @@ pub fn find_boot_retry(console: &str) -> Option<String> {
     })
 }
 
+/// The line a guest prints when a user-data step failed, on one line (line breaks become
+/// ` | `, other control characters are dropped).
+pub fn user_data_failure_marker(reason: &str) -> String {
+    let reason = one_line(reason, usize::MAX);
+    format!("\n{USER_DATA_FAILED_PREFIX}{reason}\n")
+}
+
+/// The account of the last user-data failure in console output whose exit marker follows
+/// it, for the host: bounded to [`USER_DATA_REASON_MAX`] characters, control characters
+/// dropped. The console is the guest's: this is the guest's word, as the exit code is.
+pub fn find_user_data_failure(console: &str) -> Option<String> {
+    let mut lines = console.lines().rev().map(|l| l.trim_end_matches('\r'));
+    // The exit marker's lines (and the kernel's power-off lines) come after it.
+    lines.find(|l| l.starts_with(EXIT_PREFIX))?;
+    let reason = lines
+        .find(|l| !l.trim().is_empty())?
+        .strip_prefix(USER_DATA_FAILED_PREFIX)?;
+    Some(one_line(reason, USER_DATA_REASON_MAX))
+}
+
+fn one_line(text: &str, max: usize) -> String {
+    text.trim_end()
+        .replace("\r\n", "\n")
+        .replace('\n', " | ")
+        .chars()
+        .filter(|c| !c.is_control())
+        .take(max)
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -86,6 +124,39 @@ mod tests {
         assert_eq!(find_exit_code(&log), Some(7));
         assert_eq!(find_exit_code("IMP_EXIT 0\r\nIMP_SUCCESS\r\n"), Some(0));
         assert_eq!(find_exit_code("no marker here\nIMP_EXITED 3\n"), None);
+    }
+
+    #[test]
+    fn a_user_data_failure_is_found_right_before_the_exit_marker() {
+        let line = user_data_failure_marker(
+            "runcmd[1] exited with code 2; output:\nno such\x1b[2J file\n",
+        );
+        assert_eq!(
+            line,
+            "\nIMP_USERDATA_FAILED runcmd[1] exited with code 2; output: | no such[2J file\n"
+        );
+        let log = format!(
+            "boot\r\n{line}{}[ 1.2] reboot: Power down\r\n",
+            exit_marker(ExitStatus::Code(2))
+        );
+        assert_eq!(
+            find_user_data_failure(&log).as_deref(),
+            Some("runcmd[1] exited with code 2; output: | no such[2J file")
+        );
+        // A marker the workload printed long before its own exit is not the guest's account.
+        let log = format!("{line}later output\n{}", exit_marker(ExitStatus::Code(1)));
+        assert_eq!(find_user_data_failure(&log), None);
+        assert_eq!(
+            find_user_data_failure(&line),
+            None,
+            "no exit marker after it"
+        );
+        let long = user_data_failure_marker(&"x".repeat(5000));
+        let log = format!("{long}{}", exit_marker(ExitStatus::Code(1)));
+        assert_eq!(
+            find_user_data_failure(&log).map(|r| r.len()),
+            Some(USER_DATA_REASON_MAX)
+        );
     }
 
     #[test]

@@ -161,6 +161,7 @@ pub fn vm_spec(
         network: None,
         progress: false,
         from_snapshot: None,
+        user_data: None,
     })
 }
 

@@ -124,6 +124,10 @@ pub struct VmSpec {
     /// memory and device state, restored under this VM's identity.
     #[serde(default)]
     pub from_snapshot: Option<PathBuf>,
+    /// The VM's user data, parsed by the front end (`crate::node::userdata`); the guest
+    /// applies it before the workload starts. None in specs written before it existed.
+    #[serde(default)]
+    pub user_data: Option<imp_proto::config::UserData>,
 }
 
 /// A VM's place on an ImpNetwork: the TAP the VMM opens, on the network's bridge, and the
@@ -192,6 +196,7 @@ mod tests {
             network: None,
             progress: true,
             from_snapshot: None,
+            user_data: Some(imp_proto::config::UserData::Script("#!/bin/sh\n".into())),
         };
         let json = serde_json::to_string(&spec).unwrap();
         assert!(json.contains("\"runtime\":\"qemu\""), "{json}");

@@ -283,6 +283,7 @@ fn spec_for(args: &RunArgs, name: &str) -> anyhow::Result<VmSpec> {
         network: None,
         progress: false,
         from_snapshot: None,
+        user_data: None,
     })
 }
 

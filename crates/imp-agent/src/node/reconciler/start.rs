@@ -1,6 +1,6 @@
-//! Starting a VM: its booked spec and class, environment, pull credentials and network
-//! resolved from the API, then its spec written and its shim spawned; or why it cannot start
-//! yet.
+//! Starting a VM: its booked spec and class, environment, user data, pull credentials and
+//! network resolved from the API, then its spec written and its shim spawned; or why it
+//! cannot start yet.
 
 use super::*;
 
@@ -52,6 +52,25 @@ async fn environment(
         }
     }
     env::resolve(spec, &sources)
+}
+
+/// The VM's user data, reading the ConfigMap `spec.userData.configMapRef` names (at every
+/// start, so an edit takes effect at the next one); none without user data.
+async fn user_data(
+    ctx: &Context,
+    vm: &ImpVM,
+    spec: &ImpVMSpec,
+) -> Result<Option<imp_proto::config::UserData>, String> {
+    let Some(name) = crate::node::userdata::config_map(spec) else {
+        return Ok(None);
+    };
+    let ns = vm.namespace().unwrap_or_default();
+    let maps: Api<ConfigMap> = Api::namespaced(ctx.client.clone(), &ns);
+    let map = maps
+        .get_opt(name)
+        .await
+        .map_err(|e| format!("reading spec.userData.configMapRef ConfigMap {ns}/{name}: {e}"))?;
+    crate::node::userdata::from_config_map(name, map.as_ref()).map(Some)
 }
 
 /// Merges the `.dockerconfigjson` of the VM's pull secrets into one credentials file.
@@ -191,6 +210,10 @@ pub(super) async fn start(ctx: &Context, vm: &ImpVM, uid: &str) -> Result<Action
         Ok(env) => env,
         Err(why) => return not_startable(ctx, vm, ConditionReason::InvalidSpec, why).await,
     };
+    let user_data = match user_data(ctx, vm, &spec).await {
+        Ok(u) => u,
+        Err(why) => return not_startable(ctx, vm, ConditionReason::InvalidSpec, why).await,
+    };
     let from_snapshot = match snapshot_source(ctx, vm, &spec).await {
         Ok(s) => s,
         Err(why) => return not_startable(ctx, vm, ConditionReason::InvalidSpec, why).await,
@@ -231,6 +254,7 @@ pub(super) async fn start(ctx: &Context, vm: &ImpVM, uid: &str) -> Result<Action
     };
     vm_spec.network = network;
     vm_spec.from_snapshot = from_snapshot.clone();
+    vm_spec.user_data = user_data;
     let (st, id, cmd) = (state.clone(), uid.to_owned(), ctx.settings.shim.clone());
     let started = tokio::task::spawn_blocking(
         move || -> Result<u32, Box<dyn std::error::Error + Send + Sync>> {

@@ -1,0 +1,259 @@
+//! End-to-end: `spec.userData.configMapRef` through the real `imp operator` and the real
+//! `imp agent`, against a real kube-apiserver with the chart's RBAC and a real Linux guest
+//! under QEMU/TCG.
+//!
+//! One guest boots: its ConfigMap's `#cloud-config` writes a file, adds a user and runs
+//! commands (a string under `sh -c` and an argv) that leave a marker, all before the workload
+//! starts (the workload copies the marker it found). Two VMs never boot: one whose ConfigMap
+//! does not exist and one whose cloud-config uses a key imp does not run; each gets
+//! `InvalidSpec` naming what is wrong.
+//!
+//! Needs what `agent_e2e.rs` needs (`scripts/setup`): without it, it skips on a developer
+//! machine and fails under `CI=true`.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use common::phase;
+
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::Duration;
+
+use imp_api::vm::{ImpVM, VmPhase};
+use imp_testenv::registry::{TestRegistry, push, scratch_dir};
+use k8s_openapi::api::core::v1::ConfigMap;
+use kube::api::{Api, PostParams};
+use serde_json::json;
+use tokio::process::Command;
+
+const NS: &str = "default";
+const NODE: &str = "ud-node";
+
+/// The booted VM's user data: a file, a user, and commands leaving a marker.
+const CLOUD_CONFIG: &str = r#"#cloud-config
+write_files:
+  - path: /etc/imp-test/greeting
+    content: |
+      hello from userData
+    permissions: '0600'
+users:
+  - default
+  - name: deploy
+    uid: 1500
+    groups: [wheel]
+    ssh_authorized_keys:
+      - ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIOmD deploy@imp-test
+runcmd:
+  - [cp, /etc/imp-test/greeting, /tmp/marker]
+  - echo "second step ran as $(id -u)" >> /tmp/marker
+"#;
+
+/// The workload: keeps what it found of the marker, then runs on.
+const WORKLOAD: &str = "cat /tmp/marker > /tmp/workload-saw 2>&1; exec sleep 100000";
+
+struct Agent {
+    state: PathBuf,
+    cgroup_parent: String,
+    container: common::Container,
+}
+
+impl Agent {
+    fn start(kube: &common::Cluster) -> Self {
+        let id = format!("ud-e2e-{}", std::process::id());
+        let mut a = Self {
+            state: scratch_dir("imp-userdata-e2e-state").unwrap(),
+            cgroup_parent: format!("{id}-vms"),
+            container: common::Container::new(&format!("{id}-agent")),
+        };
+        let child = Command::new(env!("CARGO_BIN_EXE_imp"))
+            .arg("agent")
+            .env("NODE_NAME", NODE)
+            .env("FC_KERNEL", common::kernel())
+            .env("IMP_GUEST", common::guest())
+            .env("KUBECONFIG", kube.agent_kubeconfig())
+            .env("RUST_LOG", common::rust_log())
+            .args(["--state-dir", a.state.to_str().unwrap()])
+            .args(["--runtime", "qemu", "--no-network"])
+            .args(["--cgroup-parent", &a.cgroup_parent])
+            .args([
+                "--metrics-addr",
+                &format!("127.0.0.1:{}", common::free_port()),
+            ])
+            .args(["--stop-grace", "3s", "--api-addr", "127.0.0.1:0"])
+            .stdout(Stdio::null())
+            .stderr(common::logs())
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap();
+        a.container.run(child);
+        a
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        self.container.destroy();
+        common::remove_agent_leftovers(&self.state, &self.cgroup_parent);
+    }
+}
+
+/// The Ready condition's reason and message.
+fn ready(v: &ImpVM) -> Option<(String, String)> {
+    let c = v
+        .status
+        .as_ref()?
+        .conditions
+        .iter()
+        .find(|c| c.type_ == "Ready")?;
+    Some((c.reason.clone(), c.message.clone()))
+}
+
+async fn config_map(c: &kube::Client, name: &str, user_data: &str) {
+    let api: Api<ConfigMap> = Api::namespaced(c.clone(), NS);
+    let cm: ConfigMap = serde_json::from_value(json!({
+        "metadata": {"name": name, "namespace": NS},
+        "data": {"user-data": user_data, "notes": "not user data"}
+    }))
+    .unwrap();
+    api.create(&PostParams::default(), &cm).await.unwrap();
+}
+
+async fn vm(vms: &Api<ImpVM>, name: &str, image: &str, config_map: &str) {
+    let obj: ImpVM = serde_json::from_value(json!({
+        "apiVersion": "imp.dev/v1alpha1", "kind": "ImpVM",
+        "metadata": {"name": name, "namespace": NS},
+        "spec": {"classRef": {"name": "small"}, "image": image, "lifecycle": "persistent",
+                 "userData": {"configMapRef": {"name": config_map}}}
+    }))
+    .unwrap();
+    vms.create(&PostParams::default(), &obj).await.unwrap();
+}
+
+async fn exec(kubeconfig: &Path, vm: &str, script: &str) -> String {
+    common::snapshots::exec_in(kubeconfig, NS, vm, script).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn user_data_runs_before_the_workload_and_what_is_wrong_is_named() {
+    let _run = common::test_run("userdata_e2e", Duration::from_secs(600));
+    if common::guest_boot_ready().is_none() {
+        return;
+    }
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    if common::control_plane_ready().is_none() {
+        return;
+    }
+    let kube = common::cluster(&[NS, "imp-system"]).await;
+    let (alice, _) = common::exec_users(&kube, NS).await;
+    let c = kube.client.clone();
+    common::ready_node(&c, NODE).await;
+    common::create_imp(
+        &c,
+        "ImpVMClass",
+        "impvmclasses",
+        json!({"apiVersion": "imp.dev/v1alpha1", "kind": "ImpVMClass",
+               "metadata": {"name": "small"},
+               "spec": {"vcpu": 1, "memoryMiB": 256, "diskGiB": 1}}),
+    )
+    .await;
+    let registry = TestRegistry::start().await.unwrap();
+    let image = format!("{}/userdata:1", registry.host());
+    let layout = scratch_dir("imp-userdata-e2e-layout").unwrap();
+    common::busybox_image(
+        &["sh", "cat", "cp", "echo", "id", "sleep", "stat", "grep"],
+        WORKLOAD,
+    )
+    .write_layout(&layout, "1")
+    .unwrap();
+    push(&layout, "1", &image, None).await.unwrap();
+    std::fs::remove_dir_all(&layout).unwrap();
+
+    config_map(&c, "init", CLOUD_CONFIG).await;
+    config_map(&c, "unsupported", "#cloud-config\npackages: [curl]\n").await;
+    let _operator = common::start_operator(kube.operator_kubeconfig());
+    let _agent = Agent::start(&kube);
+    let vms: Api<ImpVM> = Api::namespaced(c.clone(), NS);
+    vm(&vms, "no-config-map", &image, "absent").await;
+    vm(&vms, "refused", &image, "unsupported").await;
+    vm(&vms, "ud", &image, "init").await;
+
+    // What is wrong is named on the VM, and it does not boot.
+    let missing = common::wait_vm(&vms, "no-config-map", "InvalidSpec", 120, |v| {
+        ready(v).is_some_and(|(reason, _)| reason == "InvalidSpec")
+    })
+    .await;
+    let (_, message) = ready(&missing).unwrap();
+    assert_eq!(
+        message,
+        "spec.userData.configMapRef: ConfigMap absent does not exist"
+    );
+    let refused = common::wait_vm(&vms, "refused", "InvalidSpec", 120, |v| {
+        ready(v).is_some_and(|(reason, _)| reason == "InvalidSpec")
+    })
+    .await;
+    let (_, message) = ready(&refused).unwrap();
+    assert!(
+        message.contains("ConfigMap unsupported")
+            && message.contains("key `packages` is not supported"),
+        "{message}"
+    );
+    common::events_with(&c, NS, "no-config-map", &["InvalidSpec"]).await;
+
+    // The ConfigMap's cloud-config ran before the workload, as root.
+    common::wait_vm(&vms, "ud", "Running", 300, |v| {
+        phase(v) == Some(VmPhase::Running)
+    })
+    .await;
+    common::wait_for(
+        "the workload's copy of the marker",
+        Duration::from_secs(60),
+        || async {
+            let out = exec(&alice, "ud", "[ -e /tmp/workload-saw ] && echo ok || true").await;
+            (out.trim() == "ok").then_some(())
+        },
+    )
+    .await;
+    let expected = "hello from userData\nsecond step ran as 0\n";
+    assert_eq!(exec(&alice, "ud", "cat /tmp/marker").await, expected);
+    assert_eq!(
+        exec(&alice, "ud", "cat /tmp/workload-saw").await,
+        expected,
+        "the workload started after the user data"
+    );
+    assert_eq!(
+        exec(&alice, "ud", "stat -c '%a %u' /etc/imp-test/greeting").await,
+        "600 0\n"
+    );
+    assert_eq!(
+        exec(
+            &alice,
+            "ud",
+            "grep -e '^deploy:' -e '^wheel:' /etc/passwd /etc/group"
+        )
+        .await,
+        "/etc/passwd:deploy:x:1500:1500::/home/deploy:/bin/sh\n\
+         /etc/group:deploy:x:1500:\n\
+         /etc/group:wheel:x:1000:deploy\n"
+    );
+    assert_eq!(
+        exec(
+            &alice,
+            "ud",
+            "stat -c '%a %u' /home/deploy/.ssh /home/deploy/.ssh/authorized_keys; \
+             cat /home/deploy/.ssh/authorized_keys"
+        )
+        .await,
+        "700 1500\n600 1500\nssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIOmD deploy@imp-test\n"
+    );
+
+    // The two VMs with bad user data never started.
+    for name in ["no-config-map", "refused"] {
+        let v = vms.get(name).await.unwrap();
+        assert!(
+            !matches!(phase(&v), Some(VmPhase::Starting | VmPhase::Running)),
+            "{name}: {:?}",
+            v.status
+        );
+    }
+}
