@@ -2,8 +2,9 @@
 //!
 //! It prepares the guest (pseudo filesystems, a check that the kernel has a timer, kernel
 //! modules, the switch from the initramfs to the VM's disk, hostname, loopback and a static
-//! eth0, resolv.conf), runs the image's ENTRYPOINT/CMD with the image's Env, WorkingDir and
-//! User plus the VM's env and a default PATH, reaps zombies, forwards SIGTERM/SIGINT, and
+//! eth0, resolv.conf), applies the VM's user data ([`userdata`]), runs the image's
+//! ENTRYPOINT/CMD with the image's Env, WorkingDir and User plus the VM's env and a default
+//! PATH, reaps zombies, forwards SIGTERM/SIGINT, and
 //! when the workload ends prints `IMP_EXIT <code>` on the console, reports the code to the
 //! host over the guest channel and powers the VM off. Meanwhile it serves exec (streamed, with
 //! stdin and TTY), health, metrics, clock setting, graceful shutdown and, for a clone restored
@@ -26,6 +27,7 @@ pub mod init;
 pub mod metrics;
 pub mod mux;
 pub mod net;
+pub mod probe;
 pub mod pty;
 pub mod reaper;
 pub mod server;
@@ -33,4 +35,5 @@ pub mod sockdiag;
 pub mod system;
 pub mod transport;
 pub mod user;
+pub mod userdata;
 pub mod workload;

@@ -144,6 +144,7 @@ pub fn handle<C: Connection>(mut conn: C, ctx: &Context) {
                 entropy,
                 unix_nanos,
             } => reidentify(ctx.owns_system, &identity, &entropy, unix_nanos),
+            Message::HttpGet(request) => Message::HttpGetResult(crate::probe::http_get(&request)),
             Message::Exec(request) => {
                 let _ = conn.set_read_timeout(None);
                 if let Err(e) = exec::run(conn, &request, &ctx.exec_defaults, &ctx.reaper) {
@@ -155,7 +156,7 @@ pub fn handle<C: Connection>(mut conn: C, ctx: &Context) {
                 ErrorKind::BadRequest,
                 format!(
                     "A {} message is not a request (expected exec, health, metrics, shutdown, \
-                     set_clock or reidentify)",
+                     set_clock, reidentify or http_get)",
                     other.name()
                 ),
             ),

@@ -7,8 +7,8 @@
 use crate::frame::{FrameError, read_frame, write_data, write_frame};
 use crate::handshake::{HandshakeError, handshake};
 use crate::message::{
-    Entropy, ErrorReply, ExecRequest, ExitStatus, HealthReport, Hello, Identity, Message,
-    MetricsReport, ReidentifyReport, Version, WindowSize,
+    Entropy, ErrorReply, ExecRequest, ExitStatus, HealthReport, Hello, HttpGetRequest,
+    HttpGetResult, Identity, Message, MetricsReport, ReidentifyReport, Version, WindowSize,
 };
 use std::io::{self, Read, Write};
 use std::time::Duration;
@@ -180,6 +180,20 @@ impl<S: Read + Write> Client<S> {
         match self.answer("the reidentification report")? {
             Message::Reidentified(report) => Ok(report),
             other => Err(unexpected("the reidentification report", &other)),
+        }
+    }
+
+    /// Has the guest GET `request.path` from its own `127.0.0.1:request.port` (a probe); the
+    /// outcome, whatever the status, is the result; an error is a failure to ask.
+    pub fn http_get(&mut self, request: &HttpGetRequest) -> Result<HttpGetResult> {
+        request.validate().map_err(|reason| ClientError::Invalid {
+            request: "http_get",
+            reason,
+        })?;
+        self.send(&Message::HttpGet(request.clone()))?;
+        match self.answer("the HTTP GET's result")? {
+            Message::HttpGetResult(r) => Ok(r),
+            other => Err(unexpected("the HTTP GET's result", &other)),
         }
     }
 

@@ -11,7 +11,7 @@
 //!
 //! A connection starts with both sides sending [`Message::Hello`]; then the host sends one
 //! request ([`Message::Exec`], [`Message::Health`], [`Message::Metrics`],
-//! [`Message::Shutdown`], since 1.1 [`Message::SetClock`], since 1.2 [`Message::Reidentify`]).
+//! [`Message::Shutdown`], since 1.1 [`Message::SetClock`], since 1.2 [`Message::Reidentify`], since 1.3 [`Message::HttpGet`]).
 //! A peer that speaks an older minor cannot parse a newer message, so the client checks the
 //! guest's hello before sending one ([`Message::since`], [`ClientError::Unsupported`]).
 //! Unary requests may be repeated on one connection; an exec takes the connection over until
@@ -34,12 +34,13 @@ pub use config::GuestConfig;
 pub use frame::{FrameError, MAX_FRAME_LEN, read_frame, write_frame};
 pub use handshake::{HandshakeError, handshake};
 pub use message::{
-    Entropy, EnvVar, ErrorKind, ErrorReply, ExecRequest, ExitStatus, HealthReport, Hello, Identity,
-    Message, MetricsReport, ReidentifyReport, Step, StepStatus, Version, WindowSize, WorkloadState,
+    Entropy, EnvVar, ErrorKind, ErrorReply, ExecRequest, ExitStatus, HealthReport, Hello,
+    HttpGetRequest, HttpGetResult, Identity, Message, MetricsReport, ReidentifyReport, Step,
+    StepStatus, Version, WindowSize, WorkloadState,
 };
 
 /// The protocol version this build speaks; peers with a different major are refused.
-pub const PROTOCOL_VERSION: Version = Version { major: 1, minor: 2 };
+pub const PROTOCOL_VERSION: Version = Version { major: 1, minor: 3 };
 
 /// The vsock port the guest agent listens on unless the config says otherwise.
 pub const DEFAULT_API_PORT: u32 = 10000;

@@ -399,6 +399,62 @@ pub mod steps {
     pub const RESOLV_CONF: &str = "resolv_conf";
 }
 
+/// An HTTP GET the guest makes to its own loopback for a probe ([`Message::HttpGet`]): the
+/// workload's port as the workload sees it, with no traffic on the VM's network.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HttpGetRequest {
+    /// The TCP port on 127.0.0.1.
+    pub port: u16,
+    /// The request path (`/healthz`); must start with `/` and hold no whitespace or control
+    /// characters.
+    pub path: String,
+    /// How long the connection, the request and the status line may take, in milliseconds.
+    pub timeout_ms: u64,
+}
+
+impl HttpGetRequest {
+    /// Why the request cannot be sent as is, if it cannot.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.port == 0 {
+            return Err("port 0".into());
+        }
+        if !self.path.starts_with('/') {
+            return Err(format!(
+                "path {:?} does not start with /",
+                escape(&self.path)
+            ));
+        }
+        if self.path.len() > 2048
+            || self
+                .path
+                .chars()
+                .any(|c| c.is_whitespace() || c.is_control())
+        {
+            return Err(format!(
+                "path {:?} is too long or holds whitespace or control characters",
+                escape(&self.path)
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// The outcome of a [`Message::HttpGet`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HttpGetResult {
+    /// The response's status code, when a status line came back.
+    pub status: Option<u16>,
+    /// Why there is none (connection refused, timed out, not HTTP), or a note on it.
+    pub detail: String,
+}
+
+impl HttpGetResult {
+    /// Whether it counts as a probe success: a status from 200 to 399, as Kubernetes counts.
+    pub fn ok(&self) -> bool {
+        self.status.is_some_and(|s| (200..400).contains(&s))
+    }
+}
+
 /// The guest's answer to [`Message::Reidentify`]: every step in the order it ran.
 #[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
 pub struct ReidentifyReport {
@@ -477,6 +533,8 @@ pub enum Message {
         /// The wall clock, in nanoseconds since the Unix epoch.
         unix_nanos: u64,
     },
+    /// Host → guest (since 1.3): an HTTP GET to the guest's own loopback, for a probe.
+    HttpGet(HttpGetRequest),
     /// Host → guest: bytes for the exec's stdin.
     #[serde(skip)]
     Stdin(Vec<u8>),
@@ -515,6 +573,8 @@ pub enum Message {
     ClockSet,
     /// Guest → host: what [`Message::Reidentify`] did, step by step.
     Reidentified(ReidentifyReport),
+    /// Guest → host: the outcome of [`Message::HttpGet`].
+    HttpGetResult(HttpGetResult),
     /// Guest → host, on the guest's own connection: the workload ended.
     WorkloadExited {
         /// How it ended.
@@ -537,6 +597,7 @@ impl Message {
             Message::Shutdown { .. } => "shutdown",
             Message::SetClock { .. } => "set_clock",
             Message::Reidentify { .. } => "reidentify",
+            Message::HttpGet(_) => "http_get",
             Message::Stdin(_) => "stdin",
             Message::StdinEof => "stdin_eof",
             Message::Resize(_) => "resize",
@@ -550,6 +611,7 @@ impl Message {
             Message::ShutdownAccepted => "shutdown_accepted",
             Message::ClockSet => "clock_set",
             Message::Reidentified(_) => "reidentified",
+            Message::HttpGetResult(_) => "http_get_result",
             Message::WorkloadExited { .. } => "workload_exited",
             Message::Ack => "ack",
             Message::Error(_) => "error",
@@ -562,6 +624,7 @@ impl Message {
         let minor = match self {
             Message::SetClock { .. } | Message::ClockSet => 1,
             Message::Reidentify { .. } | Message::Reidentified(_) => 2,
+            Message::HttpGet(_) | Message::HttpGetResult(_) => 3,
             _ => 0,
         };
         Version {

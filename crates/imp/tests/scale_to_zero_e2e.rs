@@ -7,7 +7,8 @@
 //! once it is back. An agent that keeps more memory free than the node has leaves a woken VM
 //! Suspended with `InsufficientMemory`; with the next agent, two clients knocking at once wake
 //! it: one resume, one QEMU, both answered. Last, an `imp exec` into the sleeping VM wakes it
-//! and runs, and the VM stays up while the exec lasts, longer than its idle timeout.
+//! and runs, and the VM stays up while the exec lasts, longer than its idle timeout. The
+//! sleeper has readiness and liveness probes every second: probes are no activity.
 //!
 //! Two "nodes" (network namespaces) each run a real `imp agent`, with the real `imp operator`
 //! and a real kube-apiserver; guests are real Linux under QEMU/TCG. Needs root, iproute2, nftables and
@@ -199,6 +200,7 @@ async fn an_idle_vm_sleeps_and_its_first_syn_wakes_it_from_anywhere_without_a_re
     common::busybox_image(
         &[
             "sh", "echo", "cat", "sleep", "hostname", "nc", "ip", "arp", "awk", "printf", "chmod",
+            "true",
         ],
         "eval \"$SCRIPT\"",
     )
@@ -224,6 +226,12 @@ async fn an_idle_vm_sleeps_and_its_first_syn_wakes_it_from_anywhere_without_a_re
             "env": [{"name": "SCRIPT", "value": script}]});
         if desired == "ScaleToZero" {
             spec["idleTimeout"] = json!("10s");
+            // Probes every second while it runs: they must not count as activity (it still
+            // falls asleep), and pause while it sleeps.
+            spec["probes"] = json!({
+                "readinessProbe": {"exec": {"command": ["true"]}, "periodSeconds": 1},
+                "livenessProbe": {"exec": {"command": ["true"]}, "periodSeconds": 1}
+            });
         }
         let obj: ImpVM = serde_json::from_value(json!({
             "apiVersion": "imp.dev/v1alpha1", "kind": "ImpVM",

@@ -18,7 +18,6 @@ use common::phase;
 use common::snapshots::{self, ready_of};
 
 use std::path::{Path, PathBuf};
-use std::process::Stdio;
 use std::time::Duration;
 
 use imp_api::snapshot::{ImpVMSnapshot, SnapshotPhase};
@@ -27,59 +26,11 @@ use imp_testenv::registry::{TestRegistry, push, scratch_dir};
 use kube::api::{Api, DeleteParams, PostParams};
 use kube::{Client, ResourceExt};
 use serde_json::json;
-use tokio::process::Command;
 
 const NS: &str = "default";
 const VM: &str = "snap-vm";
 const NODE: &str = "snap-node";
 
-struct Agent {
-    state: PathBuf,
-    cgroup_parent: String,
-    container: common::Container,
-}
-
-impl Agent {
-    fn start(kube: &common::Cluster) -> Self {
-        let id = format!("snap-e2e-{}", std::process::id());
-        let mut a = Self {
-            state: scratch_dir("imp-snapshot-e2e-state").unwrap(),
-            cgroup_parent: format!("{id}-vms"),
-            container: common::Container::new(&format!("{id}-agent")),
-        };
-        let child = Command::new(env!("CARGO_BIN_EXE_imp"))
-            .arg("agent")
-            .env("NODE_NAME", NODE)
-            .env("FC_KERNEL", common::kernel())
-            .env("IMP_GUEST", common::guest())
-            .env("KUBECONFIG", kube.agent_kubeconfig())
-            .env("RUST_LOG", common::rust_log())
-            .args(["--state-dir", a.state.to_str().unwrap()])
-            .args(["--runtime", "qemu", "--no-network"])
-            .args(["--cgroup-parent", &a.cgroup_parent])
-            .args([
-                "--metrics-addr",
-                &format!("127.0.0.1:{}", common::free_port()),
-            ])
-            .args(["--stop-grace", "3s", "--api-addr", "127.0.0.1:0"])
-            .stdout(Stdio::null())
-            .stderr(common::logs())
-            .kill_on_drop(true)
-            .spawn()
-            .unwrap();
-        a.container.run(child);
-        a
-    }
-}
-
-impl Drop for Agent {
-    fn drop(&mut self) {
-        self.container.destroy();
-        common::remove_agent_leftovers(&self.state, &self.cgroup_parent);
-    }
-}
-
-/// Runs `imp exec` in the VM as `kubeconfig`'s user; its stdout.
 async fn exec(kubeconfig: &Path, script: &str) -> String {
     exec_in(kubeconfig, VM, script).await
 }
@@ -147,7 +98,8 @@ async fn a_running_vm_is_snapshotted_with_its_memory_and_runs_on() {
     std::fs::remove_dir_all(&layout).unwrap();
 
     let _operator = common::start_operator(kube.operator_kubeconfig());
-    let agent = Agent::start(&kube);
+    let mut agent = common::agent::HostAgent::new(NODE, "snap-e2e");
+    agent.start(&kube);
     let vms: Api<ImpVM> = Api::namespaced(c.clone(), NS);
     let obj: ImpVM = serde_json::from_value(json!({
         "apiVersion": "imp.dev/v1alpha1", "kind": "ImpVM",

@@ -12,7 +12,7 @@ mod common;
 
 use common::phase;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
@@ -21,7 +21,6 @@ use imp_testenv::registry::{TestImage, TestRegistry, push, scratch_dir};
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
 use serde_json::json;
-use tokio::process::Command;
 
 const NS: &str = "default";
 const VM: &str = "sp-cluster-vm";
@@ -29,67 +28,6 @@ const VM: &str = "sp-cluster-vm";
 /// A counter in a tmpfs of the workload's own, one step a second.
 fn image() -> TestImage {
     common::counter_image()
-}
-
-/// One `imp agent` in a cgroup of its own, like a container, so a restart can be played by
-/// killing everything in that cgroup.
-struct Agent {
-    state: PathBuf,
-    cgroup_parent: String,
-    container: common::Container,
-}
-
-impl Agent {
-    fn new() -> Self {
-        let id = format!("sp-e2e-{}", std::process::id());
-        Self {
-            state: scratch_dir("imp-suspend-cluster-state").unwrap(),
-            cgroup_parent: format!("{id}-vms"),
-            container: common::Container::new(&format!("{id}-agent")),
-        }
-    }
-
-    fn start(&mut self, kube: &common::Cluster) {
-        let child = Command::new(env!("CARGO_BIN_EXE_imp"))
-            .arg("agent")
-            .env("NODE_NAME", "sp-node")
-            .env("FC_KERNEL", common::kernel())
-            .env("IMP_GUEST", common::guest())
-            .env("KUBECONFIG", kube.agent_kubeconfig())
-            .env("RUST_LOG", common::rust_log())
-            .args(["--state-dir", self.state.to_str().unwrap()])
-            .args(["--runtime", "qemu", "--no-network"])
-            .args(["--cgroup-parent", &self.cgroup_parent])
-            .args([
-                "--metrics-addr",
-                &format!("127.0.0.1:{}", common::free_port()),
-            ])
-            .args(["--stop-grace", "3s", "--api-addr", "127.0.0.1:0"])
-            .args(["--suspend-retry", "3s"])
-            .stdout(Stdio::null())
-            .stderr(common::logs())
-            .kill_on_drop(true)
-            .spawn()
-            .unwrap();
-        self.container.run(child);
-    }
-
-    /// Kills every process in the agent's cgroup, as a container runtime does on restart.
-    async fn kill_container(&mut self) {
-        self.container.kill_all().await;
-    }
-}
-
-impl Drop for Agent {
-    fn drop(&mut self) {
-        self.container.destroy();
-        let _ = std::process::Command::new("umount")
-            .arg("-l")
-            .arg(self.state.join("snapshots"))
-            .stderr(std::process::Stdio::null())
-            .status();
-        common::remove_agent_leftovers(&self.state, &self.cgroup_parent);
-    }
 }
 
 async fn wait_vm(api: &Api<ImpVM>, what: &str, secs: u64, pred: impl Fn(&ImpVM) -> bool) -> ImpVM {
@@ -174,7 +112,8 @@ async fn desired_state_suspends_and_resumes_an_impvm_across_an_agent_restart() {
     std::fs::remove_dir_all(&layout).unwrap();
 
     let _operator = common::start_operator(kube.operator_kubeconfig());
-    let mut agent = Agent::new();
+    let mut agent = common::agent::HostAgent::new("sp-node", "sp-e2e");
+    agent.args = vec!["--suspend-retry".into(), "3s".into()];
     agent.start(&kube);
 
     let vms: Api<ImpVM> = Api::namespaced(c.clone(), NS);

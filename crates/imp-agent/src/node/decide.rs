@@ -303,9 +303,12 @@ fn report(vm: &Observed, l: Local<'_>) -> Report {
                     ConditionReason::Completed,
                     "the workload exited with code 0".to_owned(),
                 ),
+                // A failure the guest explained (its user data failed) says so.
                 _ => (
                     ConditionReason::Failed,
-                    format!("the workload exited with code {code}"),
+                    r.error
+                        .clone()
+                        .unwrap_or_else(|| format!("the workload exited with code {code}")),
                 ),
             };
             Report::Ended {
@@ -382,6 +385,7 @@ pub fn reason_for(stage: Option<Stage>) -> ConditionReason {
         Some(Stage::GuestReady) => ConditionReason::GuestAgentTimeout,
         Some(Stage::Run) => ConditionReason::VmmExited,
         Some(Stage::Resume) => ConditionReason::ResumeFailed,
+        Some(Stage::Probe) => ConditionReason::ProbeFailed,
         None => ConditionReason::Failed,
     }
 }
@@ -783,6 +787,21 @@ pub(crate) mod tests {
         assert_eq!(
             (phase, exit_code, reason),
             (VmPhase::Failed, Some(3), ConditionReason::Failed)
+        );
+        // The guest's account of a failed user-data step is the message.
+        failed.error = Some("userData failed, the workload was not started: runcmd[0]".into());
+        let Decision::Report(Report::Ended {
+            exit_code, message, ..
+        }) = decide(&vm(VmPhase::Running, true), local(&failed, false))
+        else {
+            panic!("expected an end");
+        };
+        assert_eq!(
+            (exit_code, message.as_str()),
+            (
+                Some(3),
+                "userData failed, the workload was not started: runcmd[0]"
+            )
         );
         // A persistent workload that exits 0 still ended: Failed, so the restart policy applies.
         let mut ok = record(VmStatus::Exited, 0);

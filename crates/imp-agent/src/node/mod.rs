@@ -4,19 +4,23 @@
 //! this node and applies [`decide`]'s decisions through the VM runtime
 //! ([`crate::runtime`]: one shim per VM, outside the agent's process tree and cgroups);
 //! [`boot`] maps an ImpVM and its class to the runtime's spec, with the workload's environment
-//! from [`env`] and its network wired by [`network`]; [`metrics`] serves `/metrics`,
-//! `/healthz` and `/readyz`. [`scale`] runs scale-to-zero on the node, and [`vms`] is what the
-//! agent API knows of the node's VMs. [`serial`] relays VMs' serial consoles to the agent's
-//! log, escaped and rate-limited.
+//! from [`env`], its user data from [`userdata`] and its network wired by [`network`];
+//! [`metrics`] serves `/metrics`, `/healthz` and `/readyz`, with the guests' figures
+//! [`guest_metrics`] polls. [`scale`] runs scale-to-zero on the node, and [`vms`] is what the
+//! agent API knows of the node's VMs.
+//! [`serial`] relays VMs' serial consoles to the agent's log, escaped and rate-limited.
 
 pub mod boot;
 pub mod capabilities;
 pub mod decide;
 pub mod env;
+pub mod guest_metrics;
 pub mod metrics;
 pub mod network;
+pub mod probes;
 pub mod reconciler;
 pub mod scale;
 pub mod serial;
 pub mod snapshots;
+pub mod userdata;
 pub mod vms;

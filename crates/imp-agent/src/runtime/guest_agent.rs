@@ -1,6 +1,7 @@
 //! The runtime's few calls to a VM's guest agent: the health check that makes a VM Running,
 //! setting the guest's clock after a restore, giving a clone restored from a shared snapshot
-//! its own identity, and the exit report the guest sends when its workload ends.
+//! its own identity, asking for its CPU, memory and disk figures, and the exit report the
+//! guest sends when its workload ends.
 //!
 //! The connection goes through the VMM's vsock socket with [`crate::vmm::vsock::connect`]
 //! (async, never abandoning an unanswered `CONNECT`); the synchronous protocol client of
@@ -11,7 +12,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use imp_proto::message::{
-    Entropy, ExitStatus, HealthReport, Hello, Identity, MIN_ENTROPY_BYTES, ReidentifyReport,
+    Entropy, ExitStatus, HealthReport, Hello, Identity, MIN_ENTROPY_BYTES, MetricsReport,
+    ReidentifyReport,
 };
 use tokio::sync::{Semaphore, mpsc};
 
@@ -29,12 +31,18 @@ pub enum GuestAgentError {
     /// The protocol exchange failed.
     #[error("asking the guest agent for its health")]
     Protocol(#[source] imp_proto::ClientError),
+    /// The guest did not report its figures.
+    #[error("asking the guest agent for its metrics")]
+    Metrics(#[source] imp_proto::ClientError),
     /// The guest did not set its clock.
     #[error("setting the guest's clock")]
     SetClock(#[source] imp_proto::ClientError),
     /// The guest did not take its new identity (an older guest says so: `Unsupported`).
     #[error("giving the guest its own identity")]
     Reidentify(#[source] imp_proto::ClientError),
+    /// A probe could not be run in the guest (connecting, or the exchange).
+    #[error("running a probe in the guest")]
+    Probe(#[source] imp_proto::ClientError),
     /// The host's randomness for the guest could not be read.
     #[error("reading {MIN_ENTROPY_BYTES} bytes of randomness for the guest from /dev/urandom")]
     Entropy(#[source] std::io::Error),
@@ -67,6 +75,18 @@ pub async fn wait_healthy(
     exchange(vsock, port, timeout, |client| client.health())
         .await?
         .map_err(GuestAgentError::Protocol)
+}
+
+/// Asks the guest agent on `port` for its CPU, memory and disk figures, for at most `timeout`
+/// in all (the guest samples its CPU counters over a tenth of a second before it answers).
+pub async fn metrics(
+    vsock: &Path,
+    port: u32,
+    timeout: Duration,
+) -> Result<MetricsReport, GuestAgentError> {
+    exchange(vsock, port, timeout, |client| client.metrics())
+        .await?
+        .map_err(GuestAgentError::Metrics)
 }
 
 /// Sets the guest's wall clock to `now` through the guest agent on `port`, for at most
@@ -113,6 +133,66 @@ pub async fn reidentify(
     })
     .await?
     .map_err(GuestAgentError::Reidentify)
+}
+
+/// Has the guest GET `request` from its own loopback (an HTTP probe) through the guest agent
+/// on `port`, for at most `timeout` in all.
+pub async fn http_get(
+    vsock: &Path,
+    port: u32,
+    request: imp_proto::HttpGetRequest,
+    timeout: Duration,
+) -> Result<imp_proto::HttpGetResult, GuestAgentError> {
+    exchange(vsock, port, timeout, move |client| {
+        client.http_get(&request)
+    })
+    .await?
+    .map_err(GuestAgentError::Probe)
+}
+
+/// The most of an exec probe's output kept (its last bytes), for the Event that names it.
+pub const PROBE_OUTPUT_MAX: usize = 512;
+
+/// Runs `argv` in the guest (as its workload's user) through the guest agent on `port` and
+/// waits for it to exit, for at most `timeout` in all; returns how it ended and the last
+/// [`PROBE_OUTPUT_MAX`] bytes of its stdout and stderr together.
+pub async fn exec_probe(
+    vsock: &Path,
+    port: u32,
+    argv: Vec<String>,
+    timeout: Duration,
+) -> Result<(imp_proto::ExitStatus, String), GuestAgentError> {
+    let request = imp_proto::ExecRequest {
+        argv,
+        ..imp_proto::ExecRequest::default()
+    };
+    let started = tokio::time::Instant::now();
+    let stream = vmm::vsock::connect(vsock, port, timeout)
+        .await
+        .map_err(GuestAgentError::Connect)?;
+    let left = timeout.saturating_sub(started.elapsed());
+    let stream = vmm::vsock::DeadlineStream::new(stream, left).map_err(GuestAgentError::Socket)?;
+    tokio::task::spawn_blocking(move || {
+        let client = imp_proto::Client::handshake(stream, &hello())?;
+        let mut session = client.exec(&request)?;
+        let mut output: Vec<u8> = Vec::new();
+        loop {
+            match session.next_event()? {
+                imp_proto::ExecEvent::Stdout(b) | imp_proto::ExecEvent::Stderr(b) => {
+                    output.extend_from_slice(&b);
+                    let over = output.len().saturating_sub(PROBE_OUTPUT_MAX);
+                    output.drain(..over);
+                }
+                imp_proto::ExecEvent::Exit(status) => {
+                    let text = String::from_utf8_lossy(&output);
+                    return Ok((status, imp_proto::message::escape(text.trim())));
+                }
+            }
+        }
+    })
+    .await
+    .map_err(GuestAgentError::Task)?
+    .map_err(GuestAgentError::Probe)
 }
 
 /// [`MIN_ENTROPY_BYTES`] from the host's generator (`/dev/urandom` never blocks once the

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use super::cgroup::VmCgroup;
 use super::spec::{SPEC_FILE, VmSpec};
 use super::state::{self, StateDir, StateError, VmRecord};
-use super::supervisor::{STOP_GRACE_FILE, shim_log};
+use super::supervisor::{FAIL_REASON_FILE, STOP_GRACE_FILE, shim_log};
 
 /// Failures of starting or stopping a shim.
 #[derive(Debug, thiserror::Error)]
@@ -234,6 +234,25 @@ pub async fn stop(state: &StateDir, record: &VmRecord, grace: Duration) -> Resul
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     Ok(())
+}
+
+/// Stops the VM of `record` as [`stop`] does, its end recorded as a failure for `why` (a
+/// probe that failed) rather than as the workload's exit.
+pub async fn fail(
+    state: &StateDir,
+    record: &VmRecord,
+    grace: Duration,
+    why: &str,
+) -> Result<(), ShimError> {
+    let file = state.vm_dir(&record.name).join(FAIL_REASON_FILE);
+    tokio::fs::write(&file, why)
+        .await
+        .map_err(|source| StateError::Io {
+            action: "writing",
+            path: file.clone(),
+            source,
+        })?;
+    stop(state, record, grace).await
 }
 
 /// Sends `sig` to the shim of `record`.

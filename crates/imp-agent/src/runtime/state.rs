@@ -411,6 +411,8 @@ pub enum Stage {
     /// Restoring the VM from its suspend snapshot (missing, corrupt, or the guest did not
     /// answer after the restore).
     Resume,
+    /// A liveness or startup probe failed its threshold and the node agent stopped the VM.
+    Probe,
 }
 
 /// How long each step of a start took, in milliseconds (0: not reached or not measured).

@@ -42,6 +42,9 @@ pub const EXIT_REPORT_PORT: u32 = 10001;
 pub const GUEST_CID: u32 = 3;
 /// The file a front end writes the stop grace period into (milliseconds) before SIGTERM.
 pub const STOP_GRACE_FILE: &str = "stop-grace-ms";
+/// Why the node agent stops the VM as failed (a probe failed), when it does: the end is then
+/// a failure with this reason, not the workload's exit.
+pub const FAIL_REASON_FILE: &str = "fail-reason";
 /// Exit code recorded for a VM stopped before its workload reported one (128 + SIGTERM).
 pub const STOPPED_EXIT_CODE: i32 = 143;
 /// How much of the console's end is read for the exit marker and the failure tail.
@@ -207,12 +210,24 @@ pub async fn run(
         Ok(()) => supervise(&state, &dir, &spec, &mut record, &mut stop).await,
         Err(f) => Ended::Failed(f),
     };
+    let ended = failed_on_request(&dir, ended).await;
     finish(&mut record, ended).await;
     leave_cgroup(&spec).await;
     if spec.remove_on_exit && record.status.is_final() {
         state.remove(&id)
     } else {
         state.save(&record)
+    }
+}
+
+/// `ended`, or a failure when the agent stopped the VM as failed ([`FAIL_REASON_FILE`]).
+async fn failed_on_request(dir: &Path, ended: Ended) -> Ended {
+    if !matches!(ended, Ended::Exited(_)) {
+        return ended;
+    }
+    match tokio::fs::read_to_string(dir.join(FAIL_REASON_FILE)).await {
+        Ok(why) if !why.trim().is_empty() => Ended::Failed(Failure::new(Stage::Probe, why.trim())),
+        _ => ended,
     }
 }
 
@@ -281,7 +296,10 @@ async fn finish(record: &mut VmRecord, ended: Ended) {
             record.status = VmStatus::Exited;
             record.exit_code = Some(code);
             if code != 0 {
-                keep_console_tail(record).await;
+                let tail = keep_console_tail(record).await;
+                // The guest's account of a failed user-data step: it started no workload.
+                record.error = imp_proto::marker::find_user_data_failure(&tail)
+                    .map(|why| format!("userData failed, the workload was not started: {why}"));
             }
         }
         Ended::Failed(f) => {
@@ -308,12 +326,14 @@ async fn finish(record: &mut VmRecord, ended: Ended) {
     }
 }
 
-/// Keeps the console's last lines in the record of a VM that failed, for its failure Event.
-async fn keep_console_tail(record: &mut VmRecord) {
+/// Keeps the console's last lines in the record of a VM that failed, for its failure Event;
+/// the console's tail as read.
+async fn keep_console_tail(record: &mut VmRecord) -> String {
     let tail = read_console_tail(&record.serial_log).await;
     if !tail.trim().is_empty() {
         record.console_tail = Some(console::last_lines(&tail, FAILURE_TAIL_LINES));
     }
+    tail
 }
 
 async fn read_console_tail(path: &Path) -> String {
@@ -760,6 +780,7 @@ async fn prepare(
     }
     config.agent.exit_report_port = Some(EXIT_REPORT_PORT);
     config.root = Some(RootDisk::ext4("/dev/vda"));
+    config.user_data = spec.user_data.clone();
     if spec.attach {
         config.attach = true;
         record.attach_argv = Some(config.argv().ok_or_else(|| {
@@ -1414,5 +1435,34 @@ mod tests {
         let f = boot_again(BOOT_ATTEMPTS, "no timer").unwrap_err();
         assert_eq!(f.stage, Stage::Boot);
         assert_eq!(f.chain(), "the guest could not run in 3 boots: no timer");
+    }
+
+    #[tokio::test]
+    async fn a_user_data_failure_on_the_console_becomes_the_message() {
+        use imp_proto::marker::{exit_marker, user_data_failure_marker};
+        let dir = std::env::temp_dir().join(format!("imp-supervisor-ud-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut r = crate::node::decide::tests::record(VmStatus::Running, 0);
+        r.serial_log = dir.join("serial.log");
+        let why = "runcmd[0] (false): exited with code 1; no output";
+        let console = format!(
+            "boot\n{}{}",
+            user_data_failure_marker(why),
+            exit_marker(ExitStatus::Code(1))
+        );
+        std::fs::write(&r.serial_log, console).unwrap();
+        finish(&mut r, Ended::Exited(1)).await;
+        assert_eq!((r.status, r.exit_code), (VmStatus::Exited, Some(1)));
+        assert_eq!(
+            r.error.as_deref(),
+            Some(format!("userData failed, the workload was not started: {why}").as_str())
+        );
+        // A workload's own failure has no such account.
+        let own = format!("oops{}", exit_marker(ExitStatus::Code(1)));
+        std::fs::write(&r.serial_log, own).unwrap();
+        finish(&mut r, Ended::Exited(1)).await;
+        assert_eq!(r.error, None);
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

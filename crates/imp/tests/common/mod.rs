@@ -3,6 +3,7 @@
 //! control plane with imp's CRDs, RBAC and users.
 #![allow(dead_code)] // each test binary uses its own part of this module
 
+pub mod agent;
 pub mod nodes;
 pub mod plugin;
 pub mod snapshots;

@@ -45,6 +45,7 @@ use super::decide::{self, Decision, Local, Observed, Report};
 use super::env;
 use super::metrics::{Metrics, Trigger};
 use super::network::{self, NotWired};
+use super::probes::Probes;
 use super::scale::{self, ScaleToZero, SleepingTap};
 use super::serial::{self, Consoles};
 use super::vms::NodeVms;
@@ -52,6 +53,7 @@ use crate::net::NodeNet;
 use crate::runtime::shim::{self, ShimCommand};
 use crate::runtime::state::{Owner, StateDir, StateError, VmRecord, VmStatus};
 
+mod probe;
 mod sleep;
 mod start;
 mod status;
@@ -136,6 +138,8 @@ pub struct Context {
     reconcile_tx: std::sync::OnceLock<mpsc::Sender<ObjectRef<ImpVM>>>,
     /// The VMs' serial consoles, followed into the agent's log.
     consoles: Arc<Consoles>,
+    /// The probes of the running VMs.
+    probes: Arc<Probes>,
 }
 
 fn key(vm: &ImpVM) -> String {
@@ -169,6 +173,7 @@ impl Context {
             net: None,
             scale: None,
             reconcile_tx: std::sync::OnceLock::new(),
+            probes: Arc::default(),
         }
     }
 
@@ -223,11 +228,24 @@ impl Context {
     }
 
     async fn event(&self, vm: &ImpVM, type_: EventType, reason: &str, note: String) {
+        self.event_of(vm, type_, reason, reason, note).await;
+    }
+
+    /// An Event with its own `action`: Events of one reason and action are one series (a
+    /// count), which keeps the first note; another action keeps another note.
+    async fn event_of(
+        &self,
+        vm: &ImpVM,
+        type_: EventType,
+        reason: &str,
+        action: &str,
+        note: String,
+    ) {
         let ev = Event {
             type_,
             reason: reason.to_owned(),
             note: Some(note),
-            action: reason.to_owned(),
+            action: action.to_owned(),
             secondary: None,
         };
         if let Err(e) = self.recorder.publish(&ev, &vm.object_ref(&())).await {
@@ -235,12 +253,10 @@ impl Context {
         }
     }
 
-    /// Writes the fields of `status` that differ from the VM's, with a resourceVersion
+    /// Writes the fields of `status` that differ from the VM's (and `observedGeneration`), with a resourceVersion
     /// precondition (409 on a stale read: the reconcile is retried on the newer version).
     async fn patch_status(&self, vm: &ImpVM, status: &ImpVMStatus) -> Result<(), Error> {
-        let Some(diff) =
-            imp_api::status_patch::diff(&vm.status.clone().unwrap_or_default(), status)
-        else {
+        let Some(diff) = imp_api::status_patch::vm_status(vm, status) else {
             return Ok(());
         };
         let body = json!({
@@ -353,6 +369,14 @@ pub async fn reconcile(vm: Arc<ImpVM>, ctx: Arc<Context>) -> Result<Action, Erro
     ctx.metrics.set_phase(&uid, Some(obs.phase));
     let sleeper = decide::wants_sleeper(&obs, here) && decision != Decision::Resume;
     let unheld = !sync_sleeper(&ctx, &vm, &uid, sleeper, facts.tap.as_ref(), &decision).await;
+    // Probes run while the VM runs: never while it starts, sleeps, ends or goes.
+    if decision != Decision::Report(Report::Running) {
+        ctx.probes.stop(&uid);
+    } else if let Some((record, _)) = &local
+        && let Some(why) = probe::run(&ctx, &vm, &uid, record)
+    {
+        return probe::fail(&ctx, &vm, &uid, record, why).await;
+    }
     match decision {
         Decision::Wait => Ok(Action::requeue(Duration::from_secs(300))),
         Decision::Start { clear_previous } => {

@@ -61,6 +61,12 @@ pub(super) async fn write_report_with(
                 generation,
                 now(),
             );
+            if let (Some(spec), Some(v)) = (
+                super::probe::spec_of(vm),
+                vm.uid().and_then(|u| ctx.probes.verdicts(&u)),
+            ) {
+                super::probe::conditions(&mut status, &spec, &v, generation);
+            }
         }
         Report::Suspending | Report::Resuming => {
             let (phase, message) = match &report {
@@ -123,6 +129,7 @@ pub(super) async fn write_report_with(
         return Ok(());
     }
     ctx.patch_status(vm, &status).await?;
+    announce_probes(ctx, vm, &old, &status).await;
     if old.phase != status.phase {
         announce(ctx, vm, &report, record).await;
     }
@@ -235,5 +242,38 @@ async fn announce(ctx: &Context, vm: &ImpVM, report: &Report, record: Option<&Vm
             ctx.event(vm, EventType::Warning, reason.as_str(), note)
                 .await;
         }
+    }
+}
+
+/// An Event for each probe verdict that changed between `old` and `new` (`Started`, `Ready`
+/// and `Healthy` conditions with a probe's reason): Normal when it passes, Warning when not.
+async fn announce_probes(ctx: &Context, vm: &ImpVM, old: &ImpVMStatus, new: &ImpVMStatus) {
+    for type_ in [
+        ConditionType::Started,
+        ConditionType::Ready,
+        ConditionType::Healthy,
+    ] {
+        let Some(c) = conditions::find(&new.conditions, type_) else {
+            continue;
+        };
+        let by_probe = [
+            ConditionReason::ProbeSucceeded,
+            ConditionReason::ProbeFailed,
+        ]
+        .iter()
+        .any(|r| r.as_str() == c.reason);
+        let before = conditions::find(&old.conditions, type_);
+        let same = before.is_some_and(|b| b.status == c.status && b.reason == c.reason);
+        if !by_probe || same {
+            continue;
+        }
+        let (kind, reason) = if c.status == "True" {
+            (EventType::Normal, ConditionReason::ProbeSucceeded)
+        } else {
+            (EventType::Warning, ConditionReason::ProbeFailed)
+        };
+        let note = format!("{}: {}", type_.as_str(), c.message);
+        ctx.event_of(vm, kind, reason.as_str(), type_.as_str(), note)
+            .await;
     }
 }

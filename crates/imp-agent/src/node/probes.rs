@@ -1,0 +1,451 @@
+//! The probes of this node's running VMs (`spec.probes`), as Kubernetes users know them:
+//! a startup probe gates the others; a readiness probe decides the VM's `Ready` condition; a
+//! liveness probe (or a startup probe) that fails `failureThreshold` times in a row gets the
+//! VM stopped as failed, for its restart policy to restart it.
+//!
+//! An exec probe runs its command in the guest through the guest agent (exit 0 is success);
+//! an HTTP probe has the guest GET its own `127.0.0.1:port/path` (200–399 is success), so no
+//! probe is traffic on the VM's network and a ScaleToZero VM is not kept awake by it. Each
+//! VM's probes run in one task of their own, each call bounded by [`CALL_TIMEOUT`], and only
+//! while the VM runs: none while it sleeps, and they start over (from the initial delay) with
+//! each attempt and after an agent restart, when the reconcile of the running VM starts them
+//! again.
+//!
+//! The verdicts live here; the reconciler writes them into the status (`Started`, `Ready`,
+//! `Healthy`) and acts on a failed one, asked to by [`Probes`]'s `changed` callback.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use imp_api::shared::{Probe, ProbeSpec};
+
+use crate::runtime::guest_agent;
+
+/// How long one probe call may take (connecting to the guest agent included).
+pub const CALL_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Which probe.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    /// `startupProbe`.
+    Startup,
+    /// `readinessProbe`.
+    Readiness,
+    /// `livenessProbe`.
+    Liveness,
+}
+
+impl Kind {
+    fn name(self) -> &'static str {
+        match self {
+            Kind::Startup => "startup",
+            Kind::Readiness => "readiness",
+            Kind::Liveness => "liveness",
+        }
+    }
+}
+
+/// A probe's verdict, as a condition shows it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Verdict {
+    /// Succeeding (after one success) or failing (after `failureThreshold` failures).
+    pub ok: bool,
+    /// What the last call saw.
+    pub message: String,
+}
+
+/// What a VM's probes say now.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Verdicts {
+    /// The startup probe's, once it has one (none: no startup probe).
+    pub started: Option<Verdict>,
+    /// The readiness probe's, once it has one.
+    pub ready: Option<Verdict>,
+    /// The liveness probe's, once it has one.
+    pub healthy: Option<Verdict>,
+    /// Whether a startup probe is still to succeed (readiness and liveness wait for it).
+    pub starting: bool,
+    /// A liveness or startup probe failed its threshold: why the VM must be stopped.
+    pub failed: Option<String>,
+}
+
+/// One probe's run of results: a verdict after one success or `failureThreshold` failures
+/// in a row (Kubernetes' `successThreshold` is 1 for liveness and startup, and the API has no
+/// field for it).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Tracker {
+    failures: u32,
+    verdict: Option<bool>,
+}
+
+impl Tracker {
+    /// Records one result; returns the verdict when it changes (or is first reached).
+    pub fn observe(&mut self, ok: bool, failure_threshold: u32) -> Option<bool> {
+        if ok {
+            self.failures = 0;
+        } else {
+            self.failures = self.failures.saturating_add(1);
+        }
+        let verdict = match ok {
+            true => Some(true),
+            false if self.failures >= failure_threshold.max(1) => Some(false),
+            false => self.verdict,
+        };
+        let changed = verdict != self.verdict;
+        self.verdict = verdict;
+        changed.then_some(ok)
+    }
+}
+
+/// How a probe's numbers are read: non-positive values are Kubernetes' defaults.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Timing {
+    /// Before the first call.
+    pub initial_delay: Duration,
+    /// Between calls.
+    pub period: Duration,
+    /// Failures in a row that make the verdict a failure.
+    pub failure_threshold: u32,
+}
+
+impl Timing {
+    /// The timing of `p`.
+    pub fn of(p: &Probe) -> Self {
+        let secs = |v: i32, default: u64| {
+            Duration::from_secs(u64::try_from(v).ok().filter(|s| *s > 0).unwrap_or(default))
+        };
+        Timing {
+            initial_delay: Duration::from_secs(u64::try_from(p.initial_delay_seconds).unwrap_or(0)),
+            period: secs(p.period_seconds, 10),
+            failure_threshold: u32::try_from(p.failure_threshold)
+                .ok()
+                .filter(|t| *t > 0)
+                .unwrap_or(3),
+        }
+    }
+}
+
+/// Where a VM's guest agent is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Target {
+    /// The VMM's vsock socket on the host.
+    pub vsock: PathBuf,
+    /// The guest agent's port.
+    pub port: u32,
+}
+
+/// One call of probe `p` against `target`: whether it succeeded and what it saw.
+pub async fn call(p: &Probe, target: &Target) -> (bool, String) {
+    if let Some(exec) = &p.exec {
+        return match guest_agent::exec_probe(
+            &target.vsock,
+            target.port,
+            exec.command.clone(),
+            CALL_TIMEOUT,
+        )
+        .await
+        {
+            Ok((status, output)) => {
+                let ok = status == imp_proto::ExitStatus::Code(0);
+                let shown = if output.is_empty() {
+                    String::new()
+                } else {
+                    format!(": {output}")
+                };
+                (ok, format!("{:?} {status}{shown}", exec.command))
+            }
+            Err(e) => (
+                false,
+                format!("{:?}: {}", exec.command, crate::chain::chain(&e)),
+            ),
+        };
+    }
+    let Some(http) = &p.http else {
+        return (false, "the probe has neither exec nor http".into());
+    };
+    let Ok(port) = u16::try_from(http.port) else {
+        return (false, format!("port {} is out of range", http.port));
+    };
+    let request = imp_proto::HttpGetRequest {
+        port,
+        path: http.path.clone(),
+        timeout_ms: u64::try_from(CALL_TIMEOUT.as_millis()).unwrap_or(5000) - 500,
+    };
+    let shown = format!("GET 127.0.0.1:{port}{}", http.path);
+    match guest_agent::http_get(&target.vsock, target.port, request, CALL_TIMEOUT).await {
+        Ok(r) => (r.ok(), format!("{shown}: {}", r.detail)),
+        Err(e) => (false, format!("{shown}: {}", crate::chain::chain(&e))),
+    }
+}
+
+/// What changing verdicts tell: called with the VM's uid.
+pub type Changed = Arc<dyn Fn(&str) + Send + Sync>;
+
+/// The probe tasks of this node's VMs.
+#[derive(Default)]
+pub struct Probes {
+    vms: Mutex<HashMap<String, Running>>,
+}
+
+struct Running {
+    /// The attempt and probes it runs for; another means a new task.
+    key: (i32, ProbeSpec),
+    verdicts: Arc<Mutex<Verdicts>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+impl Probes {
+    /// Makes VM `uid`'s attempt `attempt` run `spec` against `target` (a task already doing
+    /// so is kept); returns its verdicts now. `changed` is called when they change.
+    pub fn ensure(
+        &self,
+        uid: &str,
+        attempt: i32,
+        spec: &ProbeSpec,
+        target: Target,
+        changed: Changed,
+    ) -> Verdicts {
+        let mut vms = self.vms.lock().unwrap_or_else(PoisonError::into_inner);
+        let key = (attempt, spec.clone());
+        if let Some(r) = vms.get(uid).filter(|r| r.key == key) {
+            return lock(&r.verdicts).clone();
+        }
+        let verdicts = Arc::new(Mutex::new(Verdicts {
+            starting: spec.startup_probe.is_some(),
+            ..Verdicts::default()
+        }));
+        let task = tokio::spawn(run(
+            spec.clone(),
+            target,
+            verdicts.clone(),
+            uid.to_owned(),
+            changed,
+        ));
+        tracing::info!(vm = %uid, attempt, "probes started");
+        let now = lock(&verdicts).clone();
+        vms.insert(
+            uid.to_owned(),
+            Running {
+                key,
+                verdicts,
+                task,
+            },
+        );
+        now
+    }
+
+    /// Stops VM `uid`'s probes (it stopped, sleeps or left); its verdicts go with them.
+    pub fn stop(&self, uid: &str) {
+        let removed = self
+            .vms
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(uid);
+        if removed.is_some() {
+            tracing::info!(vm = %uid, "probes stopped");
+        }
+    }
+
+    /// VM `uid`'s verdicts, while its probes run.
+    pub fn verdicts(&self, uid: &str) -> Option<Verdicts> {
+        let vms = self.vms.lock().unwrap_or_else(PoisonError::into_inner);
+        vms.get(uid).map(|r| lock(&r.verdicts).clone())
+    }
+}
+
+fn lock(v: &Mutex<Verdicts>) -> std::sync::MutexGuard<'_, Verdicts> {
+    v.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// Applies an edit to a VM's verdicts and says they changed.
+type Publish<'a> = dyn Fn(&dyn Fn(&mut Verdicts)) + Sync + 'a;
+
+/// A VM's probes: the startup probe until it succeeds (or fails: then nothing more), then
+/// readiness and liveness side by side, each on its own period.
+async fn run(
+    spec: ProbeSpec,
+    target: Target,
+    verdicts: Arc<Mutex<Verdicts>>,
+    uid: String,
+    changed: Changed,
+) {
+    let publish = |edit: &dyn Fn(&mut Verdicts)| {
+        edit(&mut lock(&verdicts));
+        changed(&uid);
+    };
+    if let Some(p) = &spec.startup_probe
+        && !until_verdict(Kind::Startup, p, &target, &uid, &publish).await
+    {
+        return;
+    }
+    let readiness = async {
+        if let Some(p) = &spec.readiness_probe {
+            forever(Kind::Readiness, p, &target, &uid, &publish).await;
+        }
+    };
+    let liveness = async {
+        if let Some(p) = &spec.liveness_probe {
+            forever(Kind::Liveness, p, &target, &uid, &publish).await;
+        }
+    };
+    tokio::join!(readiness, liveness);
+}
+
+/// Runs the startup probe until it succeeds (true) or fails its threshold (false).
+async fn until_verdict(
+    kind: Kind,
+    p: &Probe,
+    target: &Target,
+    uid: &str,
+    publish: &Publish<'_>,
+) -> bool {
+    let timing = Timing::of(p);
+    tokio::time::sleep(timing.initial_delay).await;
+    let mut tracker = Tracker::default();
+    loop {
+        let (ok, message) = call(p, target).await;
+        match tracker.observe(ok, timing.failure_threshold) {
+            Some(true) => {
+                tracing::info!(vm = %uid, probe = kind.name(), message, "probe succeeded");
+                publish(&|v| {
+                    v.started = Some(Verdict {
+                        ok: true,
+                        message: message.clone(),
+                    });
+                    v.starting = false;
+                });
+                return true;
+            }
+            Some(false) => {
+                let why = failed(kind, timing, &message);
+                tracing::warn!(vm = %uid, probe = kind.name(), why, "probe failed");
+                publish(&|v| {
+                    v.started = Some(Verdict {
+                        ok: false,
+                        message: message.clone(),
+                    });
+                    v.failed = Some(why.clone());
+                });
+                return false;
+            }
+            None => {}
+        }
+        tokio::time::sleep(timing.period).await;
+    }
+}
+
+/// Runs a readiness or liveness probe until the task is stopped, publishing each change.
+async fn forever(kind: Kind, p: &Probe, target: &Target, uid: &str, publish: &Publish<'_>) {
+    let timing = Timing::of(p);
+    tokio::time::sleep(timing.initial_delay).await;
+    let mut tracker = Tracker::default();
+    loop {
+        let (ok, message) = call(p, target).await;
+        if let Some(verdict) = tracker.observe(ok, timing.failure_threshold) {
+            tracing::info!(vm = %uid, probe = kind.name(), ok = verdict, message, "probe verdict changed");
+            let why = (!verdict).then(|| failed(kind, timing, &message));
+            publish(&|v| {
+                let now = Some(Verdict {
+                    ok: verdict,
+                    message: message.clone(),
+                });
+                match kind {
+                    Kind::Readiness => v.ready = now,
+                    _ => v.healthy = now,
+                }
+                if kind == Kind::Liveness && why.is_some() {
+                    v.failed.clone_from(&why);
+                }
+            });
+        }
+        tokio::time::sleep(timing.period).await;
+    }
+}
+
+/// The reason a VM is stopped for a failed probe.
+fn failed(kind: Kind, timing: Timing, message: &str) -> String {
+    format!(
+        "the {} probe failed {} times in a row (every {} s): {message}",
+        kind.name(),
+        timing.failure_threshold,
+        timing.period.as_secs()
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[test]
+    fn one_success_passes_and_threshold_failures_in_a_row_fail() {
+        let mut t = Tracker::default();
+        assert_eq!(t.observe(false, 3), None);
+        assert_eq!(t.observe(false, 3), None);
+        assert_eq!(t.observe(false, 3), Some(false), "third failure in a row");
+        assert_eq!(t.observe(false, 3), None, "no change, no news");
+        assert_eq!(t.observe(true, 3), Some(true));
+        assert_eq!(t.observe(true, 3), None);
+        assert_eq!(t.observe(false, 3), None, "one failure keeps it passing");
+        assert_eq!(t.observe(true, 3), None, "the run of failures starts over");
+        assert_eq!(t.observe(false, 3), None);
+        assert_eq!(t.observe(false, 3), None);
+        assert_eq!(t.observe(false, 3), Some(false));
+        let mut first = Tracker::default();
+        assert_eq!(
+            first.observe(true, 3),
+            Some(true),
+            "a first success is a verdict"
+        );
+        let mut zero = Tracker::default();
+        assert_eq!(
+            zero.observe(false, 0),
+            Some(false),
+            "a threshold below 1 is 1"
+        );
+    }
+
+    #[test]
+    fn timings_take_kubernetes_defaults_for_unset_numbers() {
+        let p: Probe = serde_json::from_value(serde_json::json!({
+            "exec": {"command": ["true"]}
+        }))
+        .unwrap();
+        let t = Timing::of(&p);
+        assert_eq!(t.initial_delay, Duration::ZERO);
+        assert_eq!(t.period, Duration::from_secs(10));
+        assert_eq!(t.failure_threshold, 3);
+        let p: Probe = serde_json::from_value(serde_json::json!({
+            "http": {"path": "/", "port": 80},
+            "initialDelaySeconds": 4, "periodSeconds": 0, "failureThreshold": -1
+        }))
+        .unwrap();
+        let t = Timing::of(&p);
+        assert_eq!(
+            (t.initial_delay, t.period, t.failure_threshold),
+            (Duration::from_secs(4), Duration::from_secs(10), 3)
+        );
+    }
+
+    #[test]
+    fn a_failed_probe_names_itself_its_threshold_and_what_it_saw() {
+        let t = Timing {
+            initial_delay: Duration::ZERO,
+            period: Duration::from_secs(2),
+            failure_threshold: 3,
+        };
+        let why = failed(Kind::Liveness, t, "GET 127.0.0.1:8080/healthz: HTTP 500");
+        assert_eq!(
+            why,
+            "the liveness probe failed 3 times in a row (every 2 s): GET 127.0.0.1:8080/healthz: HTTP 500"
+        );
+    }
+}

@@ -1,0 +1,78 @@
+//! One `imp agent` in the test's own network namespace (`--no-network`, QEMU), in a cgroup
+//! of its own like a container, so a restart can be played by killing everything in it; its
+//! state and its VMs' cgroups removed on drop.
+
+use std::path::PathBuf;
+use std::process::Stdio;
+
+use imp_testenv::registry::scratch_dir;
+use tokio::process::Command;
+
+/// A node agent for node `node`.
+pub struct HostAgent {
+    /// The node it serves.
+    pub node: String,
+    /// Its state directory.
+    pub state: PathBuf,
+    /// Its metrics address (`127.0.0.1:PORT`).
+    pub metrics: String,
+    /// More arguments for each start.
+    pub args: Vec<String>,
+    cgroup_parent: String,
+    container: super::Container,
+}
+
+impl HostAgent {
+    /// An agent for `node`, not started; `tag` names its directories and cgroups.
+    pub fn new(node: &str, tag: &str) -> Self {
+        let id = format!("{tag}-{}", std::process::id());
+        Self {
+            node: node.to_owned(),
+            state: scratch_dir(&format!("imp-{tag}-state")).unwrap(),
+            metrics: format!("127.0.0.1:{}", super::free_port()),
+            args: Vec::new(),
+            cgroup_parent: format!("{id}-vms"),
+            container: super::Container::new(&format!("{id}-agent")),
+        }
+    }
+
+    /// Starts it with the agent credentials of `kube`.
+    pub fn start(&mut self, kube: &super::Cluster) {
+        let child = Command::new(env!("CARGO_BIN_EXE_imp"))
+            .arg("agent")
+            .env("NODE_NAME", &self.node)
+            .env("FC_KERNEL", super::kernel())
+            .env("IMP_GUEST", super::guest())
+            .env("KUBECONFIG", kube.agent_kubeconfig())
+            .env("RUST_LOG", super::rust_log())
+            .args(["--state-dir", self.state.to_str().unwrap()])
+            .args(["--runtime", "qemu", "--no-network"])
+            .args(["--cgroup-parent", &self.cgroup_parent])
+            .args(["--metrics-addr", &self.metrics])
+            .args(["--stop-grace", "3s", "--api-addr", "127.0.0.1:0"])
+            .args(&self.args)
+            .stdout(Stdio::null())
+            .stderr(super::logs())
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap();
+        self.container.run(child);
+    }
+
+    /// Kills every process in the agent's cgroup, as a container runtime does on restart.
+    pub async fn kill_container(&mut self) {
+        self.container.kill_all().await;
+    }
+}
+
+impl Drop for HostAgent {
+    fn drop(&mut self) {
+        self.container.destroy();
+        let _ = std::process::Command::new("umount")
+            .arg("-l")
+            .arg(self.state.join("snapshots"))
+            .stderr(Stdio::null())
+            .status();
+        super::remove_agent_leftovers(&self.state, &self.cgroup_parent);
+    }
+}

@@ -1,0 +1,193 @@
+//! End-to-end: an ImpVM's probes, through the real `imp operator` and `imp agent`, a real
+//! kube-apiserver with the chart's RBAC and a real Linux guest under QEMU/TCG.
+//!
+//! One VM: its workload serves HTTP on 8080 (busybox httpd) and marks itself started after a
+//! few seconds. Its startup probe (exec) holds `Ready` back until then; its readiness probe
+//! (exec: a file) flips `Ready` as the file comes and goes, with Events; its liveness probe
+//! (an HTTP GET the guest makes to its own port) keeps `Healthy` True until the server is
+//! killed, when the agent stops the VM as failed (`ProbeFailed`, an Event naming the probe and
+//! what it saw) and its restart policy boots it again: a new QEMU, `restartCount` 1, healthy.
+//!
+//! Needs what `agent_e2e.rs` needs (`scripts/setup`): without it, it skips on a developer
+//! machine and fails under `CI=true`.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use common::phase;
+use common::snapshots::exec_in;
+
+use std::time::Duration;
+
+use imp_api::vm::{ImpVM, VmPhase};
+use imp_testenv::registry::scratch_dir;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
+use kube::ResourceExt;
+use kube::api::{Api, PostParams};
+use serde_json::json;
+
+const NS: &str = "default";
+const VM: &str = "probed";
+const NODE: &str = "probe-node";
+
+/// Serves /www on 8080, marks itself started after 4 s, then idles.
+const WORKLOAD: &str = "mkdir -p /www && echo ok > /www/index.html && httpd -p 8080 -h /www && \
+     sleep 4 && touch /tmp/started; while true; do sleep 1; done";
+
+fn condition(v: &ImpVM, type_: &str) -> Option<Condition> {
+    v.status
+        .as_ref()?
+        .conditions
+        .iter()
+        .find(|c| c.type_ == type_)
+        .cloned()
+}
+
+/// Whether `v`'s condition `type_` has `status` and `reason`.
+fn is(v: &ImpVM, type_: &str, status: &str, reason: &str) -> bool {
+    condition(v, type_).is_some_and(|c| c.status == status && c.reason == reason)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn probes_gate_readiness_flip_it_and_restart_a_vm_whose_liveness_fails() {
+    let _run = common::test_run("probes_e2e", Duration::from_secs(600));
+    if common::guest_boot_ready().is_none() {
+        return;
+    }
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    if common::control_plane_ready().is_none() {
+        return;
+    }
+    let kube = common::cluster(&[NS, "imp-system"]).await;
+    let (alice, _) = common::exec_users(&kube, NS).await;
+    let c = kube.client.clone();
+    common::ready_node(&c, NODE).await;
+    common::create_imp(
+        &c,
+        "ImpVMClass",
+        "impvmclasses",
+        json!({"apiVersion": "imp.dev/v1alpha1", "kind": "ImpVMClass",
+               "metadata": {"name": "small"},
+               "spec": {"vcpu": 1, "memoryMiB": 128, "diskGiB": 1}}),
+    )
+    .await;
+    let layout = scratch_dir("imp-probes-e2e-layout").unwrap();
+    common::busybox_image(
+        &[
+            "sh", "sleep", "mkdir", "echo", "httpd", "touch", "rm", "test", "killall", "true",
+        ],
+        "eval \"$SCRIPT\"",
+    )
+    .write_layout(&layout, "1")
+    .unwrap();
+    let image = format!("oci:{}:1", layout.display());
+
+    let _operator = common::start_operator(kube.operator_kubeconfig());
+    let mut agent = common::agent::HostAgent::new(NODE, "probes-e2e");
+    agent.start(&kube);
+    let vms: Api<ImpVM> = Api::namespaced(c.clone(), NS);
+    let obj: ImpVM = serde_json::from_value(json!({
+        "apiVersion": "imp.dev/v1alpha1", "kind": "ImpVM",
+        "metadata": {"name": VM, "namespace": NS},
+        "spec": {
+            "classRef": {"name": "small"}, "image": image, "lifecycle": "persistent",
+            "env": [{"name": "SCRIPT", "value": WORKLOAD}],
+            "restartPolicy": {"mode": "in-place",
+                              "backoff": {"maxRetries": 2, "initialDelay": "1s", "maxDelay": "2s"}},
+            "probes": {
+                "startupProbe": {"exec": {"command": ["test", "-e", "/tmp/started"]},
+                                 "periodSeconds": 1, "failureThreshold": 60},
+                "readinessProbe": {"exec": {"command": ["test", "-e", "/tmp/ready"]},
+                                   "periodSeconds": 1, "failureThreshold": 1},
+                "livenessProbe": {"http": {"path": "/index.html", "port": 8080},
+                                  "periodSeconds": 1, "failureThreshold": 2}
+            }
+        }
+    }))
+    .unwrap();
+    let uid = vms
+        .create(&PostParams::default(), &obj)
+        .await
+        .unwrap()
+        .uid()
+        .unwrap();
+
+    // Running, but not Ready while the startup probe waits.
+    let early = common::wait_vm(&vms, VM, "Running", 300, |v| {
+        phase(v) == Some(VmPhase::Running)
+    })
+    .await;
+    if condition(&early, "Started").is_some_and(|c| c.status == "False") {
+        assert!(
+            is(&early, "Ready", "False", "Waiting"),
+            "{:?}",
+            condition(&early, "Ready")
+        );
+    }
+    // Started, Healthy (the guest's own GET), not Ready (no /tmp/ready).
+    let started = common::wait_vm(&vms, VM, "Started and Healthy", 120, |v| {
+        is(v, "Started", "True", "ProbeSucceeded") && is(v, "Healthy", "True", "ProbeSucceeded")
+    })
+    .await;
+    assert!(
+        is(&started, "Ready", "False", "ProbeFailed"),
+        "{:?}",
+        condition(&started, "Ready")
+    );
+    let healthy = condition(&started, "Healthy").unwrap();
+    assert!(
+        healthy.message.contains("GET 127.0.0.1:8080/index.html")
+            && healthy.message.contains("HTTP 200"),
+        "{}",
+        healthy.message
+    );
+
+    // Readiness follows the file, with Events.
+    exec_in(&alice, NS, VM, "touch /tmp/ready").await;
+    common::wait_vm(&vms, VM, "Ready by its probe", 60, |v| {
+        is(v, "Ready", "True", "ProbeSucceeded")
+    })
+    .await;
+    exec_in(&alice, NS, VM, "rm /tmp/ready").await;
+    common::wait_vm(&vms, VM, "not Ready by its probe", 60, |v| {
+        is(v, "Ready", "False", "ProbeFailed")
+    })
+    .await;
+    common::events_with(&c, NS, VM, &["ProbeSucceeded", "ProbeFailed"]).await;
+
+    // The liveness probe fails: the VM is stopped as failed and restarted in place.
+    let qemu = common::qemu_of(&agent.state, &uid);
+    assert_eq!(qemu.len(), 1, "{qemu:?}");
+    exec_in(&alice, NS, VM, "killall httpd").await;
+    let restarted = common::wait_vm(
+        &vms,
+        VM,
+        "restarted after its liveness probe failed",
+        300,
+        |v| {
+            v.status.as_ref().and_then(|s| s.restart_count) == Some(1)
+                && phase(v) == Some(VmPhase::Running)
+                && is(v, "Healthy", "True", "ProbeSucceeded")
+        },
+    )
+    .await;
+    let events = common::events_with(&c, NS, VM, &["ProbeFailed"]).await;
+    let stopped = events
+        .iter()
+        .filter_map(|e| e.message.clone())
+        .find(|m| m.contains("liveness probe failed 2 times"))
+        .unwrap_or_else(|| panic!("no Event names the failed liveness probe: {events:?}"));
+    assert!(
+        stopped.contains("GET 127.0.0.1:8080/index.html") && stopped.contains("stopping the VM"),
+        "{stopped}"
+    );
+    let new_qemu = common::qemu_of(&agent.state, &uid);
+    assert_eq!(new_qemu.len(), 1, "{new_qemu:?}");
+    assert_ne!(new_qemu, qemu, "the VM was not booted again");
+    eprintln!(
+        "probes: restarted VM {}: Ready {:?}",
+        restarted.name_any(),
+        condition(&restarted, "Ready").map(|c| (c.status, c.reason))
+    );
+    let _ = std::fs::remove_dir_all(&layout);
+}
