@@ -16,6 +16,7 @@ use http_body_util::BodyExt;
 use imp_agent::api::auth::{ReviewError, Reviewer};
 use imp_agent::api::client::{self, ClientError, Target};
 use imp_agent::api::sessions::SessionLimits;
+use imp_agent::api::top::GuestReading;
 use imp_agent::api::{AgentApi, ApiConfig, GuestEndpoint, Identity, VmLookup, Waking};
 use imp_proto::frame::{check_len, decode, encode};
 use imp_proto::message::{ExecRequest, ExitStatus, Hello, Message, WindowSize};
@@ -132,6 +133,23 @@ impl VmLookup for Vms {
             .unwrap()
             .entry(name.to_owned())
             .or_default() -= 1;
+    }
+
+    fn guest_readings(&self, namespace: &str) -> Vec<GuestReading> {
+        let vm = GuestReading {
+            name: "vm".into(),
+            uid: "uid-vm".into(),
+            sampled_unix: 1,
+            report: imp_proto::MetricsReport {
+                memory_used_bytes: 42,
+                ..Default::default()
+            },
+        };
+        if namespace == "ns" {
+            vec![vm]
+        } else {
+            Vec::new()
+        }
     }
 }
 
@@ -503,6 +521,45 @@ async fn refusals_have_their_status_and_a_message_naming_the_vm() {
         Err(e) => panic!("unexpected error {e}"),
         Ok(_) => panic!("a wrong pin was accepted"),
     }
+}
+
+#[tokio::test]
+async fn guest_metrics_are_served_per_namespace_to_those_who_may_list_its_vms() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let env = env("top").await;
+    let list = client::guest_metrics(&env.target, "ns").await.unwrap();
+    assert_eq!(list.namespace, "ns");
+    assert_eq!(list.items.len(), 1, "{list:?}");
+    assert_eq!(
+        (
+            list.items[0].name.as_str(),
+            list.items[0].report.memory_used_bytes
+        ),
+        ("vm", 42)
+    );
+    let other = client::guest_metrics(&env.target, "other").await.unwrap();
+    assert!(other.items.is_empty(), "{other:?}");
+    let mut t = env.target.clone();
+    t.token = "bob".into();
+    match client::guest_metrics(&t, "ns").await {
+        Err(ClientError::Refused { status, message }) => {
+            assert_eq!(status, StatusCode::FORBIDDEN, "{message}");
+            assert!(message.contains("list impvms in namespace ns"), "{message}");
+        }
+        other => panic!("bob was not refused: {other:?}"),
+    }
+    t.token = "nope".into();
+    assert!(matches!(
+        client::guest_metrics(&t, "ns").await,
+        Err(ClientError::Refused {
+            status: StatusCode::UNAUTHORIZED,
+            ..
+        })
+    ));
+    assert!(
+        env.seen.lock().unwrap().is_empty(),
+        "reading the figures reached a guest"
+    );
 }
 
 /// The guest shuts its sending side but still reads: the caller sees the end of the stream

@@ -158,6 +158,13 @@ pub struct Args {
     /// Do not wire VM networks on this node (VMs with a networkRef are refused here).
     #[arg(long)]
     no_network: bool,
+    /// How often each running VM's guest is asked for its CPU, memory and disk figures
+    /// (the imp_vm_guest_* metrics, `imp top`); 0s: never.
+    #[arg(long, env = "IMP_GUEST_METRICS_INTERVAL", default_value = "15s", value_parser = parse_duration)]
+    guest_metrics_interval: Duration,
+    /// How long one guest may take to report its figures.
+    #[arg(long, default_value = "5s", value_parser = parse_duration)]
+    guest_metrics_timeout: Duration,
 }
 
 /// Runs the agent until SIGTERM or Ctrl-C.
@@ -390,6 +397,16 @@ async fn run(args: Args) -> anyhow::Result<()> {
         identity.server_config()?,
         stopped(stop_rx.clone()),
     ));
+    let guest_metrics = tokio::spawn(imp_agent::node::guest_metrics::run(
+        ctx.vms(),
+        metrics.clone(),
+        imp_agent::node::guest_metrics::Settings {
+            node: node.clone(),
+            every: args.guest_metrics_interval,
+            timeout: args.guest_metrics_timeout,
+        },
+        stopped(stop_rx.clone()),
+    ));
     let gauges = tokio::spawn(async move {
         loop {
             metrics.set_api_sessions(api.exec_sessions(), api.console_streams());
@@ -406,6 +423,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
     ));
     reconciler::run(ctx, stopped(stop_rx)).await;
     snapshots.abort();
+    guest_metrics.abort();
     ops.abort();
     server.abort();
     gauges.abort();

@@ -3,7 +3,7 @@
 //! One command per component: `imp operator` and `imp agent` (the cluster's controller and node
 //! agent), `imp crds`; the local VM commands
 //! `imp run|exec|ps|stop|rm|console|logs|suspend|resume` and `imp image`; the same
-//! `exec|console|logs|ps|suspend|resume` against a cluster's ImpVMs with
+//! `exec|console|logs|ps|suspend|resume` (and `top`) against a cluster's ImpVMs with
 //! `-n`/`--kubeconfig`/`--context`, or as the kubectl plugin `kubectl imp`
 //! ([`cluster::plugin`]); and `imp version`, `imp completion`. How it ends (exit codes,
 //! one-line failures) is [`exit`].
@@ -48,6 +48,8 @@ enum Command {
     Exec(local::ExecArgs),
     /// List VMs: the local ones, or a cluster's ImpVMs with -n/-A/--kubeconfig/--context.
     Ps(local::PsArgs),
+    /// Show the CPU, memory and disk use of a cluster's ImpVMs (-n), as their guests report it.
+    Top(cluster::top::TopArgs),
     /// Stop local VMs (SIGTERM to the workload, then power off).
     Stop(local::StopArgs),
     /// Remove local VMs that have ended (their disk, logs and record).
@@ -163,6 +165,7 @@ fn run(command: Command, debug: bool) -> anyhow::Result<u8> {
         Command::Exec(args) => return local::exec(args).map(exit_code),
         Command::Ps(args) if cluster::ps::wanted(&args) => cluster::ps::ps(args)?,
         Command::Ps(args) => local::ps(args)?,
+        Command::Top(args) => cluster::top::top(args)?,
         Command::Stop(args) => local::stop(args)?,
         Command::Rm(args) => local::rm(args)?,
         Command::Suspend(args) if cluster::wanted(&args.cluster) => {

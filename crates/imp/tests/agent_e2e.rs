@@ -38,7 +38,7 @@ fn ready() -> Option<()> {
 /// A busybox image whose workload is whatever `$SCRIPT` says, so one image serves every VM.
 fn script_image() -> TestImage {
     common::busybox_image(
-        &["sh", "echo", "cat", "sleep", "ls", "touch"],
+        &["sh", "echo", "cat", "sleep", "ls", "touch", "dd"],
         "eval \"$SCRIPT\"",
     )
 }
@@ -108,6 +108,7 @@ impl Agent {
                 &format!("127.0.0.1:{}", self.metrics_port),
             ])
             .args(["--stop-grace", "3s", "--api-addr", "127.0.0.1:0"])
+            .args(["--guest-metrics-interval", "2s"])
             // One image cache for both "nodes" of this host: images, bases and the KVM boot
             // probe's verdict are shared, as they would be by the agents of one machine.
             .arg("--image-cache")
@@ -195,6 +196,31 @@ async fn event_note(c: &Client, name: &str, reason: &str) -> String {
                 .into_iter()
                 .find(|e| e.0 == reason)
                 .map(|e| e.1)
+        },
+    )
+    .await
+}
+
+/// The value of gauge `metric` of ImpVM `vm` on `node` in an agent's `/metrics` text.
+fn guest_gauge(metrics: &str, metric: &str, vm: &str, node: &str) -> Option<f64> {
+    let labels = format!("{{impvm=\"{vm}\",namespace=\"{NS}\",node=\"{node}\"}} ");
+    metrics.lines().find_map(|l| {
+        l.strip_prefix(metric)?
+            .strip_prefix(&labels)?
+            .trim()
+            .parse()
+            .ok()
+    })
+}
+
+/// The gauge `metric` of svc on node a, once node a's agent shows it (and it passes `ok`).
+async fn svc_gauge(port: u16, metric: &'static str, ok: impl Fn(f64) -> bool + Copy) -> f64 {
+    common::wait_for(
+        &format!("{metric} of svc on node a's /metrics"),
+        Duration::from_secs(60),
+        move || async move {
+            let (_, text) = common::http_get(port, "/metrics").await.ok()?;
+            guest_gauge(&text, metric, "svc", "node-a").filter(|v| ok(*v))
         },
     )
     .await
@@ -388,6 +414,62 @@ async fn impvms_boot_end_survive_an_agent_restart_and_clean_up_on_their_nodes() 
     let out = imp_as("alice-token", &["console", "-n", NS, "svc", "--no-follow"]);
     assert!(out.status.success());
     assert!(String::from_utf8_lossy(&out.stdout).contains("svc up"));
+
+    // Guest metrics: node a's agent polls svc's guest (every 2 s here) into its /metrics, and
+    // 64 MiB written to a tmpfs in the guest shows in svc's memory gauge and in `imp top`.
+    let memory = "imp_vm_guest_memory_used_bytes";
+    let before = svc_gauge(a.metrics_port, memory, |_| true).await;
+    let fill = [
+        "exec",
+        "-n",
+        NS,
+        "svc",
+        "--",
+        "dd",
+        "if=/dev/zero",
+        "of=/dev/shm/fill",
+        "bs=1M",
+        "count=64",
+    ];
+    assert_eq!(imp_as("alice-token", &fill).status.code(), Some(0));
+    let floor = before + f64::from(48u32 << 20);
+    let after = svc_gauge(a.metrics_port, memory, move |v| v >= floor).await;
+    eprintln!("svc's guest memory in use: {before} -> {after} bytes");
+    let total = svc_gauge(a.metrics_port, "imp_vm_guest_memory_total_bytes", |_| true).await;
+    assert!(
+        after <= total && total >= f64::from(200u32 << 20),
+        "{after} of {total}"
+    );
+    let (_, metrics) = a.get("/metrics").await;
+    for m in [
+        "imp_vm_guest_cpu_usage_ratio",
+        "imp_vm_guest_cpu_iowait_ratio",
+        "imp_vm_guest_disk_used_bytes",
+        "imp_vm_guest_disk_total_bytes",
+    ] {
+        assert!(
+            guest_gauge(&metrics, m, "svc", "node-a").is_some(),
+            "no {m} of svc in\n{metrics}"
+        );
+    }
+    assert!(
+        guest_gauge(&metrics, memory, "slow", "node-a").is_none(),
+        "a VM still starting has figures"
+    );
+    // `imp top` as bob, who may read the VMs (list impvms) but not exec into them.
+    let out = imp_as("bob-token", &["top", "-n", NS]);
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(out.status.success(), "{text}");
+    let svc_line = text.lines().find(|l| l.starts_with("svc ")).unwrap_or("");
+    assert!(
+        svc_line.contains("node-a") && svc_line.contains('%') && svc_line.contains("Mi/"),
+        "{text}"
+    );
+    let slow_line = text.lines().find(|l| l.starts_with("slow ")).unwrap_or("");
+    assert!(
+        slow_line.ends_with('-'),
+        "a starting VM shows no figures: {text}"
+    );
 
     // The stalled VM is deleted while its pull hangs: its shim abandons the start at once.
     let slow_dir = a.state.join("vms").join(slow.uid().unwrap());
@@ -591,7 +673,12 @@ async fn impvms_boot_end_survive_an_agent_restart_and_clean_up_on_their_nodes() 
     }
 
     // A second service, then a container restart of agent a: every process in its cgroup dies.
-    let svc2 = create_vm(&vms, "svc2", spec("node-a", "persistent", "sleep 3600")).await;
+    // Its restart policy waits an hour: this test looks at the failure, and a restart (the
+    // default policy's comes after 10 s; operator_e2e checks restarts) would boot a guest more.
+    let mut svc2_spec = spec("node-a", "persistent", "sleep 3600");
+    svc2_spec["restartPolicy"] =
+        json!({"backoff": {"maxRetries": 1, "initialDelay": "1h", "maxDelay": "1h"}});
+    let svc2 = create_vm(&vms, "svc2", svc2_spec).await;
     let svc2_uid = svc2.uid().unwrap();
     let r2 = wait_vm(&vms, "svc2", "Running", 180, |v| {
         phase(v) == Some(VmPhase::Running)
@@ -667,6 +754,16 @@ async fn impvms_boot_end_survive_an_agent_restart_and_clean_up_on_their_nodes() 
     );
     assert!(!svc_dir.exists(), "{} remains", svc_dir.display());
     assert!(!vm_cgroup.exists(), "svc's cgroup remains");
+    let port = a.metrics_port;
+    common::wait_for(
+        "svc's guest figures gone from node a's /metrics",
+        Duration::from_secs(30),
+        move || async move {
+            let (_, text) = common::http_get(port, "/metrics").await.ok()?;
+            (!text.contains("impvm=\"svc\"")).then_some(())
+        },
+    )
+    .await;
     common::wait_for(
         "every VM directory removed",
         Duration::from_secs(10),

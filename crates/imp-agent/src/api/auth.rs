@@ -24,24 +24,53 @@ use sha2::{Digest, Sha256};
 pub const GROUP: &str = "imp.dev";
 /// The resource the reviews name.
 pub const RESOURCE: &str = "impvms";
-/// The verb the reviews ask for (exec and console are both `create`, like `pods/exec`).
+/// The verb the reviews of exec and console ask for (both `create`, like `pods/exec`).
 pub const VERB: &str = "create";
 
-/// The subresource of an ImpVM a request acts on.
+/// The subresource of an ImpVM a request acts on (or, for [`Subresource::GuestMetrics`], the
+/// namespace's ImpVMs it reads).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Subresource {
     /// `impvms/exec`: run a command.
     Exec,
     /// `impvms/console`: read the serial console.
     Console,
+    /// The guests' figures of a namespace's VMs: reviewed as `list` on `impvms` there (no
+    /// subresource, no name), the right `kubectl top` asks of its readers.
+    GuestMetrics,
 }
 
 impl Subresource {
-    /// The name in a SubjectAccessReview (and in RBAC rules).
+    /// Its name in logs and in the answer cache.
     pub fn as_str(self) -> &'static str {
         match self {
             Subresource::Exec => "exec",
             Subresource::Console => "console",
+            Subresource::GuestMetrics => "guest-metrics",
+        }
+    }
+
+    /// The verb its SubjectAccessReview asks for.
+    pub fn verb(self) -> &'static str {
+        match self {
+            Subresource::Exec | Subresource::Console => VERB,
+            Subresource::GuestMetrics => "list",
+        }
+    }
+
+    /// The subresource its SubjectAccessReview (and RBAC rules) name, if any.
+    pub fn subresource(self) -> Option<&'static str> {
+        match self {
+            Subresource::Exec | Subresource::Console => Some(self.as_str()),
+            Subresource::GuestMetrics => None,
+        }
+    }
+
+    /// What is asked, for a refusal: `create impvms/exec of ns/name`, `list impvms in ns`.
+    fn describe(self, namespace: &str, name: &str) -> String {
+        match self.subresource() {
+            Some(sub) => format!("{} {RESOURCE}/{sub} of {namespace}/{name}", self.verb()),
+            None => format!("{} {RESOURCE} in namespace {namespace}", self.verb()),
         }
     }
 }
@@ -80,17 +109,13 @@ pub enum Denial {
     #[error("Unauthorized: {0}")]
     BadToken(String),
     /// The SubjectAccessReview did not allow the action.
-    #[error("Forbidden: user {user:?} may not create impvms/{subresource} of {namespace}/{name}{}",
+    #[error("Forbidden: user {user:?} may not {what}{}",
         reason.as_deref().map(|r| format!(": {r}")).unwrap_or_default())]
     Forbidden {
         /// Who asked.
         user: String,
-        /// The subresource.
-        subresource: &'static str,
-        /// The VM's namespace.
-        namespace: String,
-        /// The VM's name.
-        name: String,
+        /// What they asked for: `create impvms/exec of ns/name`, `list impvms in namespace ns`.
+        what: String,
         /// The authorizer's reason, if it gave one.
         reason: Option<String>,
     },
@@ -176,11 +201,11 @@ pub fn access_review(user: &User, attrs: &Attributes) -> SubjectAccessReview {
             extra: (!user.extra.is_empty()).then(|| user.extra.clone()),
             resource_attributes: Some(ResourceAttributes {
                 namespace: Some(attrs.namespace.clone()),
-                name: Some(attrs.name.clone()),
-                verb: Some(VERB.to_owned()),
+                name: attrs.subresource.subresource().map(|_| attrs.name.clone()),
+                verb: Some(attrs.subresource.verb().to_owned()),
                 group: Some(GROUP.to_owned()),
                 resource: Some(RESOURCE.to_owned()),
-                subresource: Some(attrs.subresource.as_str().to_owned()),
+                subresource: attrs.subresource.subresource().map(str::to_owned),
                 ..Default::default()
             }),
             non_resource_attributes: None,
@@ -210,9 +235,7 @@ pub fn access_decision(
         .filter(|r| !r.is_empty());
     Err(Denial::Forbidden {
         user: user.username.clone(),
-        subresource: attrs.subresource.as_str(),
-        namespace: attrs.namespace.clone(),
-        name: attrs.name.clone(),
+        what: attrs.subresource.describe(&attrs.namespace, &attrs.name),
         reason,
     })
 }
@@ -462,6 +485,21 @@ mod tests {
             console.spec.resource_attributes.unwrap().subresource,
             Some("console".into())
         );
+        // The guests' figures of a namespace: `list impvms` there, as `kubectl top` asks.
+        let top = access_review(&alice(), &attrs(Subresource::GuestMetrics));
+        let ra = top.spec.resource_attributes.unwrap();
+        assert_eq!(ra.verb.as_deref(), Some("list"));
+        assert_eq!(ra.resource.as_deref(), Some("impvms"));
+        assert_eq!(ra.group.as_deref(), Some("imp.dev"));
+        assert_eq!(ra.namespace.as_deref(), Some("team"));
+        assert_eq!((ra.name, ra.subresource), (None, None));
+        let denied = SubjectAccessReviewStatus::default();
+        let err = access_decision(&alice(), &attrs(Subresource::GuestMetrics), Some(&denied))
+            .unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "Forbidden: user \"alice\" may not list impvms in namespace team"
+        );
     }
 
     #[test]
@@ -545,12 +583,11 @@ mod tests {
                     .spec
                     .resource_attributes
                     .as_ref()
-                    .and_then(|r| r.subresource.clone())
-                    .unwrap_or_default();
+                    .and_then(|r| r.subresource.clone());
                 let allowed = self
                     .allow
                     .iter()
-                    .any(|(u, s)| *u == user && s.as_str() == sub);
+                    .any(|(u, s)| *u == user && s.subresource().map(str::to_owned) == sub);
                 review.status = Some(SubjectAccessReviewStatus {
                     allowed,
                     ..Default::default()

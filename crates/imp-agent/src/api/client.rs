@@ -1,6 +1,7 @@
-//! The caller's side of the agent API (what `imp exec` and `imp console` use against a
-//! cluster): TLS to `host:port` pinned to the Node's published fingerprint, the caller's
-//! bearer token, and either the upgraded exec connection or the console's byte stream.
+//! The caller's side of the agent API (what `imp exec`, `imp console` and `imp top` use
+//! against a cluster): TLS to `host:port` pinned to the Node's published fingerprint, the
+//! caller's bearer token, and the upgraded exec connection, the console's byte stream or the
+//! guests' figures.
 
 use bytes::Bytes;
 use http::header::{AUTHORIZATION, CONNECTION, HOST, UPGRADE};
@@ -79,6 +80,9 @@ pub enum ClientError {
     /// HTTP failed.
     #[error("HTTP with the node agent failed")]
     Http(#[from] hyper::Error),
+    /// The agent's answer could not be read (cut short, too long, or not what was asked).
+    #[error("Reading the node agent's answer failed")]
+    Answer(#[source] Box<dyn std::error::Error + Send + Sync>),
     /// The agent refused the request.
     #[error("The node agent refused the request ({status}): {message}")]
     Refused {
@@ -116,6 +120,26 @@ pub async fn console(
         return Err(refusal(resp).await);
     }
     Ok(resp.into_body())
+}
+
+/// The most bytes of a guest-metrics answer read (a few hundred bytes per VM).
+const MAX_READINGS_BYTES: usize = 8 << 20;
+
+/// The latest guest figures of `namespace`'s VMs on the target's node.
+pub async fn guest_metrics(
+    target: &Target,
+    namespace: &str,
+) -> Result<super::top::GuestReadingList, ClientError> {
+    let resp = send(target, Method::GET, &super::top::path(namespace), false).await?;
+    if !resp.status().is_success() {
+        return Err(refusal(resp).await);
+    }
+    let body = http_body_util::Limited::new(resp.into_body(), MAX_READINGS_BYTES)
+        .collect()
+        .await
+        .map_err(ClientError::Answer)?
+        .to_bytes();
+    serde_json::from_slice(&body).map_err(|e| ClientError::Answer(Box::new(e)))
 }
 
 /// The host part of `host:port` (without brackets for IPv6).

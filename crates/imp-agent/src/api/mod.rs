@@ -12,7 +12,8 @@
 //! Rooms: [`route`] parses request paths, [`auth`] decides who may do what, [`tls`] holds the
 //! certificate and the clients' pinning verifier, [`exec`] relays an exec between the caller and
 //! the guest agent, [`console`] streams the serial log, [`sessions`] bounds how many of both are
-//! open per VM and per caller, [`server`] accepts connections and ties them together, and
+//! open per VM and per caller, [`top`] answers `imp top` with the guests' latest figures,
+//! [`server`] accepts connections and ties them together, and
 //! [`client`] is the caller's side that the CLI uses. How VMs are found is
 //! not this module's business: the agent's runtime implements [`VmLookup`].
 
@@ -24,6 +25,7 @@ pub mod route;
 pub mod server;
 pub mod sessions;
 pub mod tls;
+pub mod top;
 
 pub use auth::{Authorizer, KubeReviewer, Reviewer};
 pub use server::{AgentApi, ApiConfig};
@@ -72,6 +74,12 @@ pub trait VmLookup: Send + Sync + 'static {
 
     /// An exec that [`VmLookup::exec_begin`] let begin has ended.
     fn exec_end(&self, _namespace: &str, _name: &str) {}
+
+    /// The latest figures of the guests of `namespace`'s VMs on this node, by name (none
+    /// where nothing polls the guests).
+    fn guest_readings(&self, _namespace: &str) -> Vec<top::GuestReading> {
+        Vec::new()
+    }
 }
 
 /// The value of the `Upgrade` header that turns an exec request into the guest protocol.

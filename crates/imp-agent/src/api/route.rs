@@ -1,7 +1,8 @@
 //! Which endpoint a request is for: a pure parse of method, path and query.
 //!
-//! `POST /v1/namespaces/{ns}/impvms/{name}/exec` and
-//! `GET /v1/namespaces/{ns}/impvms/{name}/console?follow=true|false`. Namespace and name must be
+//! `POST /v1/namespaces/{ns}/impvms/{name}/exec`,
+//! `GET /v1/namespaces/{ns}/impvms/{name}/console?follow=true|false` and
+//! `GET /v1/namespaces/{ns}/guest-metrics` (of no one VM: its name is empty). Namespace and name must be
 //! Kubernetes names (lowercase RFC 1123), so nothing that reaches a lookup or a log line can be
 //! a path trick.
 
@@ -14,7 +15,7 @@ use super::auth::Subresource;
 pub struct Route {
     /// The VM's namespace.
     pub namespace: String,
-    /// The VM's name.
+    /// The VM's name (empty for a request about the namespace's VMs).
     pub name: String,
     /// What is asked of it.
     pub action: Action,
@@ -30,6 +31,8 @@ pub enum Action {
         /// Keep streaming what is appended while the VM runs.
         follow: bool,
     },
+    /// The latest guest figures of the namespace's VMs on this node ([`super::top`]).
+    GuestMetrics,
 }
 
 impl Route {
@@ -38,6 +41,7 @@ impl Route {
         match self.action {
             Action::Exec => Subresource::Exec,
             Action::Console { .. } => Subresource::Console,
+            Action::GuestMetrics => Subresource::GuestMetrics,
         }
     }
 }
@@ -90,6 +94,23 @@ impl RouteError {
 /// Parses a request's method, path and query into a [`Route`].
 pub fn parse(method: &Method, path: &str, query: Option<&str>) -> Result<Route, RouteError> {
     let segments: Vec<&str> = path.split('/').collect();
+    if let ["", "v1", "namespaces", ns, endpoint] = segments.as_slice()
+        && *endpoint == super::top::ENDPOINT
+    {
+        if *method != Method::GET {
+            return Err(RouteError::Method {
+                path: path.to_owned(),
+                method: method.to_string(),
+                allowed: "GET",
+            });
+        }
+        check_name("namespace", ns, 63, false)?;
+        return Ok(Route {
+            namespace: (*ns).to_owned(),
+            name: String::new(),
+            action: Action::GuestMetrics,
+        });
+    }
     let ["", "v1", "namespaces", ns, "impvms", name, endpoint] = segments.as_slice() else {
         return Err(RouteError::NoRoute(path.to_owned()));
     };
@@ -191,6 +212,27 @@ mod tests {
         .unwrap();
         assert_eq!(r.action, Action::Console { follow: true });
         assert_eq!(r.subresource(), Subresource::Console);
+    }
+
+    #[test]
+    fn guest_metrics_is_a_get_on_a_namespace() {
+        let r = parse(&Method::GET, "/v1/namespaces/team-a/guest-metrics", None).unwrap();
+        assert_eq!(r.namespace, "team-a");
+        assert_eq!(r.name, "");
+        assert_eq!(r.action, Action::GuestMetrics);
+        assert_eq!(r.subresource(), Subresource::GuestMetrics);
+        let err = parse(&Method::POST, "/v1/namespaces/d/guest-metrics", None).unwrap_err();
+        assert_eq!(err.status(), StatusCode::METHOD_NOT_ALLOWED);
+        let err = parse(&Method::GET, "/v1/namespaces/D/guest-metrics", None).unwrap_err();
+        assert_eq!(err.status(), StatusCode::BAD_REQUEST);
+        for path in [
+            "/v1/namespaces/d/metrics",
+            "/v1/namespaces/d/guest-metrics/x",
+            "/v1/namespaces/guest-metrics",
+        ] {
+            let err = parse(&Method::GET, path, None).unwrap_err();
+            assert_eq!(err.status(), StatusCode::NOT_FOUND, "{path}");
+        }
     }
 
     #[test]

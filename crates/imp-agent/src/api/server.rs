@@ -1,5 +1,6 @@
 //! The HTTPS server: accepts TLS connections, routes each request, authorizes it, then hands
-//! it to [`super::exec`] or [`super::console`].
+//! it to [`super::exec`] or [`super::console`], or answers it with the guests' figures
+//! ([`super::top`]).
 //!
 //! Order per request: route ([`super::route::parse`]; 404/405/400), authorization (401/403, or
 //! 503 when the API server cannot be asked), and only then the VM lookup (404 naming
@@ -192,6 +193,9 @@ impl AgentApi {
                 return resp;
             }
         };
+        if route.action == Action::GuestMetrics {
+            return guest_readings(self.lookup.as_ref(), route.namespace, &user.username);
+        }
         let Some(vm) = self.lookup.find(&route.namespace, &route.name) else {
             return not_on_this_node(&route);
         };
@@ -224,6 +228,8 @@ impl AgentApi {
             Action::Console { follow } => {
                 self.start_console(route, user, vm, follow, session).await
             }
+            // Answered before the lookup (it is about no one VM); the same answer here.
+            Action::GuestMetrics => guest_readings(self.lookup.as_ref(), route.namespace, &user),
         }
     }
 
@@ -416,6 +422,27 @@ fn empty() -> Body {
     Full::new(Bytes::new())
         .map_err(|never| match never {})
         .boxed_unsync()
+}
+
+/// The latest guest figures of `namespace`'s VMs on this node, as JSON (never a guest asked).
+fn guest_readings(lookup: &dyn VmLookup, namespace: String, user: &str) -> Response<Body> {
+    let items = lookup.guest_readings(&namespace);
+    tracing::debug!(namespace = %namespace, user, vms = items.len(), "guest metrics read");
+    let list = super::top::GuestReadingList { namespace, items };
+    let Ok(body) = serde_json::to_vec(&list) else {
+        return status(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "The guest metrics could not be encoded",
+        );
+    };
+    let mut resp = Response::new(
+        Full::new(Bytes::from(body))
+            .map_err(|never| match never {})
+            .boxed_unsync(),
+    );
+    resp.headers_mut()
+        .insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    resp
 }
 
 /// 404 for a VM this node does not have (or no longer has, while an exec waited for it).

@@ -3,6 +3,7 @@
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
+use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use axum::Router;
@@ -63,6 +64,92 @@ struct DescriptorLabels {
     descriptor: String,
 }
 
+/// The labels of a VM's guest figures, as the Go agent named them.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct GuestLabels {
+    /// The ImpVM's name.
+    pub impvm: String,
+    /// The ImpVM's namespace.
+    pub namespace: String,
+    /// The node the VM runs on (this one).
+    pub node: String,
+}
+
+/// One reading of a VM's guest, as the gauges show it.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct GuestGauges {
+    /// Share of CPU time busy, 0..=1.
+    pub cpu_usage_ratio: f64,
+    /// Share of CPU time waiting for I/O, 0..=1.
+    pub cpu_iowait_ratio: f64,
+    /// Memory in use (MemTotal − MemAvailable), bytes.
+    pub memory_used_bytes: i64,
+    /// The guest's memory, bytes.
+    pub memory_total_bytes: i64,
+    /// Bytes in use on the guest's root filesystem.
+    pub disk_used_bytes: i64,
+    /// Size of the guest's root filesystem, bytes.
+    pub disk_total_bytes: i64,
+}
+
+/// The per-VM gauges of the guests' figures (`imp_vm_guest_*`).
+struct GuestFamilies {
+    cpu_usage: Family<GuestLabels, Gauge<f64, AtomicU64>>,
+    cpu_iowait: Family<GuestLabels, Gauge<f64, AtomicU64>>,
+    memory_used: Family<GuestLabels, Gauge>,
+    memory_total: Family<GuestLabels, Gauge>,
+    disk_used: Family<GuestLabels, Gauge>,
+    disk_total: Family<GuestLabels, Gauge>,
+}
+
+impl GuestFamilies {
+    fn register(registry: &mut Registry) -> Self {
+        let families = Self {
+            cpu_usage: Family::default(),
+            cpu_iowait: Family::default(),
+            memory_used: Family::default(),
+            memory_total: Family::default(),
+            disk_used: Family::default(),
+            disk_total: Family::default(),
+        };
+        registry.register(
+            "imp_vm_guest_cpu_usage_ratio",
+            "Share of the guest's CPU time busy (not idle, not waiting for I/O), as its agent last reported",
+            families.cpu_usage.clone(),
+        );
+        registry.register(
+            "imp_vm_guest_cpu_iowait_ratio",
+            "Share of the guest's CPU time waiting for I/O, as its agent last reported",
+            families.cpu_iowait.clone(),
+        );
+        for (name, help, family) in [
+            (
+                "imp_vm_guest_memory_used",
+                "The guest's memory in use (MemTotal - MemAvailable)",
+                &families.memory_used,
+            ),
+            (
+                "imp_vm_guest_memory_total",
+                "The guest's memory (MemTotal)",
+                &families.memory_total,
+            ),
+            (
+                "imp_vm_guest_disk_used",
+                "Bytes in use on the guest's root filesystem",
+                &families.disk_used,
+            ),
+            (
+                "imp_vm_guest_disk_total",
+                "Size of the guest's root filesystem",
+                &families.disk_total,
+            ),
+        ] {
+            registry.register_with_unit(name, help, Unit::Bytes, family.clone());
+        }
+        families
+    }
+}
+
 /// What asked for a suspend or a resume.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Trigger {
@@ -101,6 +188,7 @@ pub struct Metrics {
     sleeper_holds: Family<DescriptorLabels, Counter>,
     suspend_time: Histogram,
     resume_time: Histogram,
+    guests: GuestFamilies,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -184,7 +272,9 @@ impl Metrics {
             Unit::Seconds,
             resume_time.clone(),
         );
+        let guests = GuestFamilies::register(&mut registry);
         Self {
+            guests,
             registry,
             vms,
             suspends,
@@ -284,6 +374,30 @@ impl Metrics {
     /// Records how long a resume took until the guest agent answered.
     pub fn observe_resume(&self, ms: u64) {
         self.resume_time.observe(ms as f64 / 1000.0);
+    }
+
+    /// Shows a VM's latest guest figures.
+    pub fn set_guest(&self, labels: &GuestLabels, g: &GuestGauges) {
+        let f = &self.guests;
+        f.cpu_usage.get_or_create(labels).set(g.cpu_usage_ratio);
+        f.cpu_iowait.get_or_create(labels).set(g.cpu_iowait_ratio);
+        f.memory_used.get_or_create(labels).set(g.memory_used_bytes);
+        f.memory_total
+            .get_or_create(labels)
+            .set(g.memory_total_bytes);
+        f.disk_used.get_or_create(labels).set(g.disk_used_bytes);
+        f.disk_total.get_or_create(labels).set(g.disk_total_bytes);
+    }
+
+    /// Removes a VM's guest figures (it stopped, sleeps, left the node or does not answer).
+    pub fn forget_guest(&self, labels: &GuestLabels) {
+        let f = &self.guests;
+        f.cpu_usage.remove(labels);
+        f.cpu_iowait.remove(labels);
+        f.memory_used.remove(labels);
+        f.memory_total.remove(labels);
+        f.disk_used.remove(labels);
+        f.disk_total.remove(labels);
     }
 
     /// The registry as OpenMetrics text.
@@ -432,5 +546,41 @@ mod tests {
             text.contains("imp_agent_vm_failures_total{reason=\"ImagePullFailed\"} 1"),
             "{text}"
         );
+    }
+
+    #[test]
+    fn guest_figures_are_labelled_per_vm_and_go_with_the_vm() {
+        let m = Metrics::new();
+        let labels = |vm: &str| GuestLabels {
+            impvm: vm.to_owned(),
+            namespace: "team".to_owned(),
+            node: "n1".to_owned(),
+        };
+        let g = GuestGauges {
+            cpu_usage_ratio: 0.25,
+            cpu_iowait_ratio: 0.5,
+            memory_used_bytes: 64 << 20,
+            memory_total_bytes: 256 << 20,
+            disk_used_bytes: 1000,
+            disk_total_bytes: 4000,
+        };
+        m.set_guest(&labels("a"), &g);
+        m.set_guest(&labels("b"), &g);
+        let text = m.encode();
+        let vm_a = "{impvm=\"a\",namespace=\"team\",node=\"n1\"}";
+        for want in [
+            format!("imp_vm_guest_cpu_usage_ratio{vm_a} 0.25"),
+            format!("imp_vm_guest_cpu_iowait_ratio{vm_a} 0.5"),
+            format!("imp_vm_guest_memory_used_bytes{vm_a} 67108864"),
+            format!("imp_vm_guest_memory_total_bytes{vm_a} 268435456"),
+            format!("imp_vm_guest_disk_used_bytes{vm_a} 1000"),
+            format!("imp_vm_guest_disk_total_bytes{vm_a} 4000"),
+        ] {
+            assert!(text.contains(&want), "{want} in {text}");
+        }
+        m.forget_guest(&labels("a"));
+        let text = m.encode();
+        assert!(!text.contains("impvm=\"a\""), "{text}");
+        assert_eq!(text.matches("impvm=\"b\"").count(), 6, "{text}");
     }
 }

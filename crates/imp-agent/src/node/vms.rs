@@ -1,6 +1,7 @@
 //! This node's VMs as the agent API sees them: each one's guest endpoint, refreshed from the
 //! records every poll (the API never touches the disk), the wake an exec gives a VM that
-//! scale-to-zero put to sleep, and what keeps a VM in use besides its network.
+//! scale-to-zero put to sleep, what keeps a VM in use besides its network, and the guests'
+//! latest figures ([`super::guest_metrics`] asks for them; `imp top` reads them).
 //!
 //! An exec session keeps its VM awake: a ScaleToZero VM with a session open is never idle,
 //! and a suspend never cuts one. Both sides take the same lock: an exec begins only if no
@@ -16,7 +17,9 @@ use kube::runtime::reflector::ObjectRef;
 use tokio::sync::mpsc;
 
 use super::decide::{self, ExecWake};
+use super::guest_metrics::Guest;
 use super::scale::{Knock, ScaleToZero};
+use crate::api::top::GuestReading;
 use crate::api::{GuestEndpoint, VmLookup, Waking};
 use crate::runtime::state::{VmRecord, VmStatus};
 
@@ -34,6 +37,8 @@ pub struct NodeVms {
     uses: Mutex<Uses>,
     /// Set once the controller runs, on a node that wires networks.
     waker: OnceLock<Waker>,
+    /// The latest figures of the guests that answered, for the agent API.
+    readings: RwLock<HashMap<Key, GuestReading>>,
 }
 
 impl std::fmt::Debug for NodeVms {
@@ -171,6 +176,35 @@ impl NodeVms {
     pub(super) fn suspend_over(&self, namespace: &str, name: &str) {
         lock(&self.uses).suspend_over(&key(namespace, name));
     }
+
+    /// Every VM of this node with its guest endpoint; `running` only for a VM whose shim lives,
+    /// whose record says Running and whose suspend has not begun (the guest answers now).
+    pub(super) fn guests(&self) -> Vec<Guest> {
+        let uses = lock(&self.uses);
+        let map = self.map.read().unwrap_or_else(PoisonError::into_inner);
+        map.iter()
+            .map(|((namespace, name), f)| Guest {
+                namespace: namespace.clone(),
+                name: name.clone(),
+                uid: f.uid.clone(),
+                vsock: f.endpoint.vsock.clone(),
+                agent_port: f.endpoint.agent_port,
+                running: f.endpoint.running && !uses.suspending(&key(namespace, name)),
+            })
+            .collect()
+    }
+
+    /// Keeps `reading` as the latest figures of VM `namespace/name` (`None`: it has none).
+    pub(super) fn set_reading(&self, namespace: &str, name: &str, reading: Option<GuestReading>) {
+        let mut readings = self
+            .readings
+            .write()
+            .unwrap_or_else(PoisonError::into_inner);
+        match reading {
+            Some(r) => readings.insert(key(namespace, name), r),
+            None => readings.remove(&key(namespace, name)),
+        };
+    }
 }
 
 /// What the API knows of the VM of record `r` (its shim alive or not), under its ImpVM's key.
@@ -205,6 +239,17 @@ impl VmLookup for NodeVms {
 
     fn exec_end(&self, namespace: &str, name: &str) {
         lock(&self.uses).exec_end(&key(namespace, name));
+    }
+
+    fn guest_readings(&self, namespace: &str) -> Vec<GuestReading> {
+        let readings = self.readings.read().unwrap_or_else(PoisonError::into_inner);
+        let mut found: Vec<GuestReading> = readings
+            .iter()
+            .filter(|((ns, _), _)| ns == namespace)
+            .map(|(_, r)| r.clone())
+            .collect();
+        found.sort_by(|a, b| a.name.cmp(&b.name));
+        found
     }
 
     fn wake(&self, namespace: &str, name: &str) -> Waking {

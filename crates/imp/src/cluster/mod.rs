@@ -1,7 +1,7 @@
 //! The CLI against a cluster: `imp exec` and `imp console` find the ImpVM's node and reach that
 //! node's agent over TLS pinned to the certificate the Node publishes, as the kubeconfig's
 //! user (`imp logs` reads the same console); `imp suspend|resume` set the ImpVM's desired
-//! state; `imp ps` lists ImpVMs ([`ps`]).
+//! state; `imp ps` lists ImpVMs ([`ps`]); `imp top` shows their guests' figures ([`top`]).
 //!
 //! Cluster mode is chosen when `-n/--namespace`, `--kubeconfig` or `--context` is given (or
 //! `imp ps -A`), or when the binary runs as `kubectl-imp`, the kubectl plugin ([`plugin`]);
@@ -36,6 +36,7 @@ use crate::local::{self, ConsoleArgs, ExecArgs, SuspendArgs};
 
 pub mod plugin;
 pub mod ps;
+pub mod top;
 
 /// How the commands' help tells local and cluster mode apart.
 pub const MODE_HELP: &str = "Local or cluster: with -n/--namespace, --kubeconfig or --context, or \

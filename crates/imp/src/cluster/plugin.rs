@@ -6,7 +6,7 @@
 //! `kubectl imp`, before or after the command, and imp reads `KUBECONFIG` as kubectl does.
 //! Linking the `imp` binary as `kubectl-imp` is the whole install. Run under that name, imp
 //! parses its command line with this module's [`Cli`]: the same arguments as
-//! `imp exec|console|logs|ps|suspend|resume` (every one of them in cluster mode), help that
+//! `imp exec|console|logs|ps|top|suspend|resume` (every one of them in cluster mode), help that
 //! says `kubectl imp`, and no local command: those act on this machine's VMs of `imp run`, not
 //! on the cluster, so `kubectl imp run` is refused with a message saying to run `imp run`
 //! instead of being hidden or, worse, quietly booting a VM on the user's laptop.
@@ -24,7 +24,7 @@ pub const NAME: &str = "kubectl-imp";
 
 /// What `kubectl imp --help` opens with.
 const ABOUT: &str = "imp's cluster commands as a kubectl plugin: run commands in ImpVMs, read \
-their serial console, list, suspend and resume them";
+their serial console, list them and show their guests' figures, suspend and resume them";
 
 /// What `kubectl imp --help` ends with: where the flags go, and what is not here.
 const AFTER_HELP: &str = "kubectl passes none of its own flags to a plugin: write -n/--namespace, \
@@ -77,6 +77,8 @@ enum Command {
 IMAGE. Listing needs only `list impvms`, with any kubeconfig authentication."
     )]
     Ps(PsArgs),
+    /// Show the CPU, memory and disk use of a namespace's ImpVMs, as their guests report it.
+    Top(crate::cluster::top::TopArgs),
     /// Suspend an ImpVM to a snapshot on its node (sets spec.desiredState: Suspended) and wait
     /// until it is.
     #[command(after_help = COMMAND_HELP)]
@@ -93,6 +95,7 @@ impl From<Command> for crate::Command {
             Command::Console(a) => crate::Command::Console(a),
             Command::Logs(a) => crate::Command::Logs(a),
             Command::Ps(a) => crate::Command::Ps(a),
+            Command::Top(a) => crate::Command::Top(a),
             Command::Suspend(a) => crate::Command::Suspend(a),
             Command::Resume(a) => crate::Command::Resume(a),
         }
@@ -133,7 +136,12 @@ fn command() -> clap::Command {
             }
         });
     }
-    cmd
+    cmd.mut_subcommand("top", |mut sub| {
+        for flag in ["namespace", "kubeconfig", "context"] {
+            sub = sub.mut_arg(flag, without_mode);
+        }
+        sub
+    })
 }
 
 /// `arg` with its help's "; selects cluster mode" left out.
@@ -218,7 +226,7 @@ fn local_command_refused(err: &clap::Error, imp: &clap::Command) -> Option<clap:
             format!(
                 "there is no `kubectl imp {name}`: `imp {name}` works on this machine, not on \
                  the cluster, so run it as `imp {name}` (kubectl imp has exec, console, logs, \
-                 ps, suspend and resume)\n"
+                 ps, top, suspend and resume)\n"
             ),
         )
     })
@@ -253,7 +261,7 @@ mod tests {
             help.contains("Usage: kubectl imp [OPTIONS] <COMMAND>"),
             "{help}"
         );
-        for name in ["exec", "console", "logs", "ps", "suspend", "resume"] {
+        for name in ["exec", "console", "logs", "ps", "top", "suspend", "resume"] {
             assert!(help.contains(&format!("  {name} ")), "{name}: {help}");
         }
         for local in ["run", "stop", "rm", "image", "operator", "agent", "crds"] {

@@ -1,0 +1,76 @@
+//! `GET /v1/namespaces/{ns}/guest-metrics`: the latest CPU, memory and disk figures of the
+//! namespace's VMs on this node, as JSON, for `imp top`.
+//!
+//! Why a route of the agent API rather than the agent's `/metrics` read through the API
+//! server's node proxy: `/metrics` is plain HTTP for the cluster's Prometheus and shows every
+//! namespace's VMs, and the proxy needs `nodes/proxy`, a right that reaches the kubelet too
+//! and that no user should need to see their VMs' figures. Here the caller's token and the
+//! agent's pinned certificate work as for exec, and the SubjectAccessReview asks the question
+//! `kubectl top` asks: may this user `list` the `impvms` of that namespace (Kubernetes' `view`
+//! role grants it, as it grants `pods` of `metrics.k8s.io`). One request per node answers for
+//! every VM of the namespace there, from what the agent's poller last read
+//! ([`crate::node::guest_metrics`]): a request never reaches a guest.
+
+use imp_proto::MetricsReport;
+use serde::{Deserialize, Serialize};
+
+/// The figures a guest last reported.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct GuestReading {
+    /// The ImpVM's name.
+    pub name: String,
+    /// The ImpVM's uid (a VM recreated under the same name has another).
+    pub uid: String,
+    /// When the guest answered, seconds since the Unix epoch.
+    pub sampled_unix: u64,
+    /// What it answered.
+    pub report: MetricsReport,
+}
+
+/// The answer of the route: the namespace's VMs on this node that have figures.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct GuestReadingList {
+    /// The namespace asked for.
+    pub namespace: String,
+    /// One per VM with figures, by name.
+    pub items: Vec<GuestReading>,
+}
+
+/// The route's path for `namespace`.
+pub fn path(namespace: &str) -> String {
+    format!("/v1/namespaces/{namespace}/{ENDPOINT}")
+}
+
+/// The last path segment of the route.
+pub const ENDPOINT: &str = "guest-metrics";
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_answer_round_trips_as_json() {
+        let list = GuestReadingList {
+            namespace: "team".into(),
+            items: vec![GuestReading {
+                name: "web".into(),
+                uid: "u1".into(),
+                sampled_unix: 7,
+                report: MetricsReport {
+                    memory_used_bytes: 5,
+                    ..MetricsReport::default()
+                },
+            }],
+        };
+        let text = serde_json::to_string(&list).unwrap();
+        assert!(text.contains("\"sampledUnix\":7"), "{text}");
+        assert!(text.contains("\"memory_used_bytes\":5"), "{text}");
+        assert_eq!(
+            serde_json::from_str::<GuestReadingList>(&text).unwrap(),
+            list
+        );
+        assert_eq!(path("team"), "/v1/namespaces/team/guest-metrics");
+    }
+}
