@@ -81,7 +81,7 @@ string_enum! {
         Failed,
         /// The VM is on its way to running.
         Waiting,
-        /// The operator's HTTP check fails.
+        /// The VM's HTTP check (`probes.httpCheck`, made by its node's agent) fails.
         HealthCheckFailed,
         /// A guest probe passed.
         ProbeSucceeded,

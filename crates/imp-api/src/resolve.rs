@@ -71,6 +71,26 @@ pub fn resolve(
     apply_class(&merged, class)
 }
 
+/// `spec` with the cluster's `defaultHttpCheck` (ClusterImpConfig `cluster`) when it is
+/// enabled, `spec` is on a network (the check GETs the VM's address) and `spec` has no HTTP
+/// check of its own: a VM's (or template's, or class's) check, even a disabled one, wins.
+pub fn with_default_http_check(
+    mut spec: ImpVMSpec,
+    default: Option<&crate::shared::HttpCheckSpec>,
+) -> ImpVMSpec {
+    let Some(default) = default.filter(|d| d.enabled) else {
+        return spec;
+    };
+    if spec.network_ref.is_none() {
+        return spec;
+    }
+    let probes = spec.probes.get_or_insert_with(Default::default);
+    if probes.http_check.is_none() {
+        probes.http_check = Some(default.clone());
+    }
+    spec
+}
+
 /// A reference a VM makes that points at nothing.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum MissingRef {
@@ -298,5 +318,35 @@ mod tests {
         }
         .message();
         assert!(m.contains("ImpNetwork ns/n"));
+    }
+
+    #[test]
+    fn the_cluster_http_check_fills_in_for_networked_vms_without_one() {
+        use crate::shared::HttpCheckSpec;
+        let default: HttpCheckSpec =
+            serde_json::from_value(serde_json::json!({"enabled": true, "port": 8080})).unwrap();
+        let on_net: ImpVMSpec =
+            serde_json::from_value(serde_json::json!({"networkRef": {"name": "n"}})).unwrap();
+        let got = with_default_http_check(on_net.clone(), Some(&default));
+        assert_eq!(got.probes.unwrap().http_check, Some(default.clone()));
+        // A VM's own check wins, even disabled (that is how a VM opts out).
+        let mut own = on_net.clone();
+        own.probes =
+            serde_json::from_value(serde_json::json!({"httpCheck": {"enabled": false}})).unwrap();
+        let got = with_default_http_check(own.clone(), Some(&default));
+        assert_eq!(got, own);
+        // No network, a disabled default, no default: unchanged.
+        let off_net = ImpVMSpec::default();
+        assert_eq!(
+            with_default_http_check(off_net.clone(), Some(&default)),
+            off_net
+        );
+        let mut disabled = default.clone();
+        disabled.enabled = false;
+        assert_eq!(
+            with_default_http_check(on_net.clone(), Some(&disabled)),
+            on_net
+        );
+        assert_eq!(with_default_http_check(on_net.clone(), None), on_net);
     }
 }

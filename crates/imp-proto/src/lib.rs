@@ -24,6 +24,7 @@ pub mod codec;
 pub mod config;
 pub mod frame;
 pub mod handshake;
+pub mod http;
 pub mod marker;
 pub mod message;
 pub mod mux;

@@ -336,3 +336,74 @@ async fn a_full_network_leaves_the_vm_unplaced_and_an_overlapping_network_is_not
             .all(|v| v.name_any() != "on-late" || ip_of(v).is_none())
     );
 }
+
+/// The cluster's `defaultHttpCheck` is booked into a VM on a network that has no check of its
+/// own (its node's agent then runs it: network_e2e); a VM's own check, even a disabled one,
+/// wins, and a VM on no network gets none (there is no address to check).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_clusters_default_http_check_is_booked_into_networked_vms_without_one() {
+    let Some((kube, c)) = env().await else {
+        return;
+    };
+    cluster(&c).await;
+    let configs: Api<imp_api::cluster::ClusterImpConfig> = Api::all(c.clone());
+    let config = serde_json::from_value(json!({
+        "apiVersion": "imp.dev/v1alpha1", "kind": "ClusterImpConfig",
+        "metadata": {"name": "cluster"},
+        "spec": {"defaultHttpCheck": {"enabled": true, "port": 8080, "intervalSeconds": 5}}
+    }))
+    .unwrap();
+    configs
+        .create(&PostParams::default(), &config)
+        .await
+        .unwrap();
+    network(&c, "net", json!({"subnet": "10.77.0.0/24"})).await;
+    let _op = operator(&kube, "op-1");
+    vm(&c, "checked", "net", None).await;
+    let mut own = json!({"classRef": {"name": "small"}, "image": "busybox",
+                         "networkRef": {"name": "net"},
+                         "probes": {"httpCheck": {"enabled": false}}});
+    create::<ImpVM>(
+        &c,
+        json!({"apiVersion": "imp.dev/v1alpha1", "kind": "ImpVM",
+               "metadata": {"name": "opted-out", "namespace": NS}, "spec": own.take()}),
+    )
+    .await;
+    create::<ImpVM>(
+        &c,
+        json!({"apiVersion": "imp.dev/v1alpha1", "kind": "ImpVM",
+               "metadata": {"name": "offline", "namespace": NS},
+               "spec": {"classRef": {"name": "small"}, "image": "busybox"}}),
+    )
+    .await;
+    let api: Api<ImpVM> = Api::namespaced(c.clone(), NS);
+    let vms = common::wait_for("all three booked", Duration::from_secs(30), || {
+        let api = api.clone();
+        async move {
+            let items = api.list(&ListParams::default()).await.unwrap().items;
+            let booked = |v: &ImpVM| v.status.as_ref().is_some_and(|s| s.booking.is_some());
+            (items.len() == 3 && items.iter().all(booked)).then_some(items)
+        }
+    })
+    .await;
+    let check_of = |name: &str| {
+        let v = vms.iter().find(|v| v.name_any() == name).unwrap();
+        let booked = &v.status.as_ref().unwrap().booking.as_ref().unwrap().spec;
+        booked.probes.as_ref().and_then(|p| p.http_check.clone())
+    };
+    let default = check_of("checked").expect("the default is booked");
+    assert!(default.enabled);
+    assert_eq!(
+        (
+            default.port,
+            default.interval_seconds,
+            default.path.as_str()
+        ),
+        (Some(8080), 5, "/healthz")
+    );
+    assert!(
+        !check_of("opted-out").unwrap().enabled,
+        "the VM's own check wins"
+    );
+    assert_eq!(check_of("offline"), None, "no network, no address to check");
+}

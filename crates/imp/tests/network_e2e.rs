@@ -7,7 +7,9 @@
 //! Proves: two VMs on one node and two on two nodes (over VXLAN, with cold neighbour caches)
 //! ping each other and carry TCP data; NAT reaches the outside and the reply comes back;
 //! two networks are isolated, a `connectivity: subnet` group reaches only itself; a guest
-//! cannot reach the agent's API on its gateway; an agent killed with SIGKILL and restarted
+//! cannot reach the agent's API on its gateway; a VM's `httpCheck`, made by its node's agent
+//! to its address, turns `Ready` False when its server stops and back when it returns, with
+//! Events; an agent killed with SIGKILL and restarted
 //! keeps connectivity and addresses; a subnet overlapping the node's own network is refused
 //! naming both, with no interface made; deleting every VM leaves no interface, forwarding
 //! entry, route or nftables table.
@@ -41,7 +43,8 @@ const NET2_DNS: &str = "192.0.2.53";
 fn image() -> TestImage {
     common::busybox_image(
         &[
-            "sh", "echo", "cat", "sleep", "hostname", "ping", "nc", "ip", "grep", "true",
+            "sh", "echo", "cat", "sleep", "hostname", "ping", "nc", "ip", "grep", "true", "httpd",
+            "mkdir", "killall",
         ],
         "eval \"$SCRIPT\"",
     )
@@ -50,6 +53,24 @@ fn image() -> TestImage {
 /// Every VM serves TCP on 9000: it answers with its name and keeps what it was sent.
 const SERVER: &str =
     "while true; do echo \"pong from $(hostname)\" | nc -l -p 9000 >> /tmp/received; done";
+
+/// a2 also serves HTTP on 8080, which its `httpCheck` GETs.
+const WEB: &str = "mkdir -p /www && echo ok > /www/index.html && httpd -p 8080 -h /www";
+
+/// a2's HTTP check: every second, unhealthy after two failures in a row.
+fn http_check() -> serde_json::Value {
+    json!({"httpCheck": {"enabled": true, "port": 8080, "path": "/index.html",
+                         "intervalSeconds": 1, "failureThreshold": 2}})
+}
+
+/// Whether `v`'s Ready condition has `status` and `reason`.
+fn ready_is(v: &ImpVM, status: &str, reason: &str) -> bool {
+    v.status.as_ref().is_some_and(|s| {
+        s.conditions
+            .iter()
+            .any(|c| c.type_ == "Ready" && c.status == status && c.reason == reason)
+    })
+}
 
 fn ip_of(v: &ImpVM) -> String {
     v.status.as_ref().and_then(|s| s.ip.clone()).unwrap()
@@ -209,6 +230,40 @@ async fn assert_cut_off(kubeconfig: &Path, from: &str, to_ip: &str, why: &str) {
     );
 }
 
+/// a2's `httpCheck` (from node a's agent to a2's address): Ready while its server answers,
+/// `HealthCheckFailed` with a Warning Event naming the GET once it stops, and Ready again with
+/// a `HealthCheckRecovered` Event when it is back.
+async fn assert_http_check(c: &Client, kubeconfig: &Path, vms: &Api<ImpVM>, a2_ip: &str) {
+    wait_vm(vms, "a2", "Ready (its HTTP check passing)", 60, |v| {
+        ready_is(v, "True", "Running")
+    })
+    .await;
+    let stop = exec(kubeconfig, "a2", "killall httpd").await;
+    assert!(stop.status.success(), "{}", text(&stop));
+    let failing = wait_vm(vms, "a2", "HealthCheckFailed", 60, |v| {
+        ready_is(v, "False", "HealthCheckFailed")
+    })
+    .await;
+    let cond = failing.status.as_ref().unwrap().conditions.iter();
+    let message = cond
+        .filter(|c| c.type_ == "Ready")
+        .map(|c| c.message.clone())
+        .collect::<String>();
+    assert!(
+        message.contains(&format!("GET {a2_ip}:8080/index.html")) && message.contains("2 times"),
+        "{message}"
+    );
+    let events = common::events_with(c, NS, "a2", &["HealthCheckFailed"]).await;
+    assert!(events.iter().any(|e| e.type_.as_deref() == Some("Warning")));
+    let start = exec(kubeconfig, "a2", WEB).await;
+    assert!(start.status.success(), "{}", text(&start));
+    wait_vm(vms, "a2", "Ready again", 60, |v| {
+        ready_is(v, "True", "Running")
+    })
+    .await;
+    common::events_with(c, NS, "a2", &["HealthCheckRecovered"]).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn vms_talk_within_their_network_across_nodes_and_out_through_nat_and_nowhere_else() {
     let _run = common::test_run("network_e2e", Duration::from_secs(600));
@@ -279,7 +334,7 @@ async fn vms_talk_within_their_network_across_nodes_and_out_through_nat_and_nowh
         }
         spec
     };
-    let plan = [
+    let mut plan = [
         ("a1", vm("node-a", "net1", None)),
         ("a2", vm("node-a", "net1", None)),
         ("g1", vm("node-a", "net1", Some("iso"))),
@@ -287,6 +342,8 @@ async fn vms_talk_within_their_network_across_nodes_and_out_through_nat_and_nowh
         ("b2", vm("node-b", "net2", None)),
         ("g2", vm("node-b", "net1", Some("iso"))),
     ];
+    plan[1].1["env"] = json!([{"name": "SCRIPT", "value": format!("{WEB}; {SERVER}")}]);
+    plan[1].1["probes"] = http_check();
     for (name, spec) in &plan {
         let obj: ImpVM = serde_json::from_value(json!({
             "apiVersion": "imp.dev/v1alpha1", "kind": "ImpVM",
@@ -379,6 +436,8 @@ async fn vms_talk_within_their_network_across_nodes_and_out_through_nat_and_nowh
         "the node cannot reach its agent API: {}",
         text(&from_node)
     );
+
+    assert_http_check(&c, &kubeconfig, &vms, &ip("a2")).await;
 
     // A subnet that overlaps the node's own network is refused, naming both; nothing is made.
     let before = topo.imp_links("a");

@@ -11,15 +11,23 @@
 //! each attempt and after an agent restart, when the reconcile of the running VM starts them
 //! again.
 //!
+//! `probes.httpCheck` (the VM's own, or the cluster's `defaultHttpCheck` the operator booked
+//! it with) is a GET from the node to the VM's address, `port` and `path`, every
+//! `intervalSeconds`: 2xx is healthy, and `failureThreshold` failures in a row turn `Ready`
+//! False (`HealthCheckFailed`) until a check passes again. A ScaleToZero VM's check is made by
+//! its guest to its own loopback instead, so that the check is no traffic on its TAP and does
+//! not keep it awake.
+//!
 //! The verdicts live here; the reconciler writes them into the status (`Started`, `Ready`,
 //! `Healthy`) and acts on a failed one, asked to by [`Probes`]'s `changed` callback.
 
 use std::collections::HashMap;
+use std::net::{Ipv4Addr, SocketAddr};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use imp_api::shared::{Probe, ProbeSpec};
+use imp_api::shared::{HttpCheckSpec, Probe, ProbeSpec};
 
 use crate::runtime::guest_agent;
 
@@ -35,6 +43,8 @@ pub enum Kind {
     Readiness,
     /// `livenessProbe`.
     Liveness,
+    /// `httpCheck`.
+    HttpCheck,
 }
 
 impl Kind {
@@ -43,6 +53,7 @@ impl Kind {
             Kind::Startup => "startup",
             Kind::Readiness => "readiness",
             Kind::Liveness => "liveness",
+            Kind::HttpCheck => "httpCheck",
         }
     }
 }
@@ -65,6 +76,8 @@ pub struct Verdicts {
     pub ready: Option<Verdict>,
     /// The liveness probe's, once it has one.
     pub healthy: Option<Verdict>,
+    /// The HTTP check's, once it has one.
+    pub checked: Option<Verdict>,
     /// Whether a startup probe is still to succeed (readiness and liveness wait for it).
     pub starting: bool,
     /// A liveness or startup probe failed its threshold: why the VM must be stopped.
@@ -113,13 +126,28 @@ pub struct Timing {
 impl Timing {
     /// The timing of `p`.
     pub fn of(p: &Probe) -> Self {
-        let secs = |v: i32, default: u64| {
-            Duration::from_secs(u64::try_from(v).ok().filter(|s| *s > 0).unwrap_or(default))
-        };
+        Timing::from_numbers(
+            Duration::from_secs(u64::try_from(p.initial_delay_seconds).unwrap_or(0)),
+            p.period_seconds,
+            p.failure_threshold,
+        )
+    }
+
+    /// The timing of HTTP check `c` (no initial delay: it starts with the VM's readiness).
+    pub fn of_check(c: &HttpCheckSpec) -> Self {
+        Timing::from_numbers(Duration::ZERO, c.interval_seconds, c.failure_threshold)
+    }
+
+    fn from_numbers(initial_delay: Duration, period_seconds: i32, failure_threshold: i32) -> Self {
         Timing {
-            initial_delay: Duration::from_secs(u64::try_from(p.initial_delay_seconds).unwrap_or(0)),
-            period: secs(p.period_seconds, 10),
-            failure_threshold: u32::try_from(p.failure_threshold)
+            initial_delay,
+            period: Duration::from_secs(
+                u64::try_from(period_seconds)
+                    .ok()
+                    .filter(|s| *s > 0)
+                    .unwrap_or(10),
+            ),
+            failure_threshold: u32::try_from(failure_threshold)
                 .ok()
                 .filter(|t| *t > 0)
                 .unwrap_or(3),
@@ -127,13 +155,18 @@ impl Timing {
     }
 }
 
-/// Where a VM's guest agent is.
+/// Where a VM's probes go.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Target {
     /// The VMM's vsock socket on the host.
     pub vsock: PathBuf,
     /// The guest agent's port.
     pub port: u32,
+    /// The VM's address on its network, if it has one (the HTTP check's destination).
+    pub address: Option<Ipv4Addr>,
+    /// Whether the HTTP check is made by the guest to its own loopback (a ScaleToZero VM:
+    /// a check from the node would be traffic that keeps it awake).
+    pub check_in_guest: bool,
 }
 
 /// One call of probe `p` against `target`: whether it succeeded and what it saw.
@@ -180,6 +213,54 @@ pub async fn call(p: &Probe, target: &Target) -> (bool, String) {
     }
 }
 
+/// One HTTP check `c` of the VM at `target`: whether it passed (2xx) and what it saw.
+pub async fn check(c: &HttpCheckSpec, target: &Target) -> (bool, String) {
+    let Some(port) = c
+        .port
+        .and_then(|p| u16::try_from(p).ok())
+        .filter(|p| *p > 0)
+    else {
+        return (false, "httpCheck has no port to check".into());
+    };
+    let passed = |r: &imp_proto::HttpGetResult| r.status.is_some_and(|s| (200..300).contains(&s));
+    if target.check_in_guest {
+        let request = imp_proto::HttpGetRequest {
+            port,
+            path: c.path.clone(),
+            timeout_ms: u64::try_from(CALL_TIMEOUT.as_millis()).unwrap_or(5000) - 500,
+        };
+        let shown = format!("GET 127.0.0.1:{port}{} (in the guest)", c.path);
+        return match guest_agent::http_get(&target.vsock, target.port, request, CALL_TIMEOUT).await
+        {
+            Ok(r) => (passed(&r), format!("{shown}: {}", r.detail)),
+            Err(e) => (false, format!("{shown}: {}", crate::chain::chain(&e))),
+        };
+    }
+    let Some(ip) = target.address else {
+        return (
+            false,
+            "the VM has no address to check (it is on no network)".into(),
+        );
+    };
+    let addr = SocketAddr::from((ip, port));
+    let shown = format!("GET {addr}{}", c.path);
+    if let Err(why) = (imp_proto::HttpGetRequest {
+        port,
+        path: c.path.clone(),
+        timeout_ms: 0,
+    })
+    .validate()
+    {
+        return (false, format!("{shown}: {why}"));
+    }
+    let path = c.path.clone();
+    match tokio::task::spawn_blocking(move || imp_proto::http::get(addr, &path, CALL_TIMEOUT)).await
+    {
+        Ok(r) => (passed(&r), format!("{shown}: {}", r.detail)),
+        Err(e) => (false, format!("{shown}: the check's thread ended: {e}")),
+    }
+}
+
 /// What changing verdicts tell: called with the VM's uid.
 pub type Changed = Arc<dyn Fn(&str) + Send + Sync>;
 
@@ -190,8 +271,8 @@ pub struct Probes {
 }
 
 struct Running {
-    /// The attempt and probes it runs for; another means a new task.
-    key: (i32, ProbeSpec),
+    /// The attempt, probes and target it runs for; another means a new task.
+    key: (i32, ProbeSpec, Target),
     verdicts: Arc<Mutex<Verdicts>>,
     task: tokio::task::JoinHandle<()>,
 }
@@ -214,7 +295,7 @@ impl Probes {
         changed: Changed,
     ) -> Verdicts {
         let mut vms = self.vms.lock().unwrap_or_else(PoisonError::into_inner);
-        let key = (attempt, spec.clone());
+        let key = (attempt, spec.clone(), target.clone());
         if let Some(r) = vms.get(uid).filter(|r| r.key == key) {
             return lock(&r.verdicts).clone();
         }
@@ -296,7 +377,35 @@ async fn run(
             forever(Kind::Liveness, p, &target, &uid, &publish).await;
         }
     };
-    tokio::join!(readiness, liveness);
+    let checking = async {
+        if let Some(c) = spec.http_check.as_ref().filter(|c| c.enabled) {
+            checks(c, &target, &uid, &publish).await;
+        }
+    };
+    tokio::join!(readiness, liveness, checking);
+}
+
+/// Runs HTTP check `c` until the task is stopped, publishing each change of its verdict.
+async fn checks(c: &HttpCheckSpec, target: &Target, uid: &str, publish: &Publish<'_>) {
+    let timing = Timing::of_check(c);
+    let mut tracker = Tracker::default();
+    loop {
+        let (ok, message) = check(c, target).await;
+        if let Some(verdict) = tracker.observe(ok, timing.failure_threshold) {
+            tracing::info!(vm = %uid, probe = Kind::HttpCheck.name(), ok = verdict, message, "HTTP check verdict changed");
+            let message = match verdict {
+                true => message,
+                false => failed(Kind::HttpCheck, timing, &message),
+            };
+            publish(&|v| {
+                v.checked = Some(Verdict {
+                    ok: verdict,
+                    message: message.clone(),
+                });
+            });
+        }
+        tokio::time::sleep(timing.period).await;
+    }
 }
 
 /// Runs the startup probe until it succeeds (true) or fails its threshold (false).
@@ -370,10 +479,15 @@ async fn forever(kind: Kind, p: &Probe, target: &Target, uid: &str, publish: &Pu
     }
 }
 
-/// The reason a VM is stopped for a failed probe.
+/// The reason a VM is stopped (or, for the HTTP check, not Ready) for a failed probe.
 fn failed(kind: Kind, timing: Timing, message: &str) -> String {
+    let noun = if kind == Kind::HttpCheck {
+        ""
+    } else {
+        " probe"
+    };
     format!(
-        "the {} probe failed {} times in a row (every {} s): {message}",
+        "the {}{noun} failed {} times in a row (every {} s): {message}",
         kind.name(),
         timing.failure_threshold,
         timing.period.as_secs()
@@ -447,5 +561,59 @@ mod tests {
             why,
             "the liveness probe failed 3 times in a row (every 2 s): GET 127.0.0.1:8080/healthz: HTTP 500"
         );
+    }
+
+    /// A server on loopback answering each connection with the next of `answers`.
+    fn serve(answers: &'static [&'static [u8]]) -> u16 {
+        use std::io::{Read, Write};
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = l.local_addr().unwrap().port();
+        std::thread::spawn(move || {
+            for answer in answers {
+                let (mut c, _) = l.accept().unwrap();
+                let _ = c.read(&mut [0u8; 512]).unwrap();
+                c.write_all(answer).unwrap();
+            }
+        });
+        port
+    }
+
+    fn http_check(port: Option<i32>) -> HttpCheckSpec {
+        serde_json::from_value(serde_json::json!({"enabled": true, "port": port})).unwrap()
+    }
+
+    fn node_side(address: Option<Ipv4Addr>) -> Target {
+        Target {
+            vsock: PathBuf::from("/nonexistent"),
+            port: 1024,
+            address,
+            check_in_guest: false,
+        }
+    }
+
+    #[tokio::test]
+    async fn an_http_check_gets_the_vms_address_from_the_node_and_only_2xx_passes() {
+        let port = serve(&[b"HTTP/1.1 200 OK\r\n\r\n", b"HTTP/1.1 302 Found\r\n\r\n"]);
+        let target = node_side(Some(Ipv4Addr::LOCALHOST));
+        let c = http_check(Some(i32::from(port)));
+        let (ok, seen) = check(&c, &target).await;
+        assert!(ok, "{seen}");
+        assert!(
+            seen.starts_with(&format!("GET 127.0.0.1:{port}/healthz: HTTP 200")),
+            "{seen}"
+        );
+        let (ok, seen) = check(&c, &target).await;
+        assert!(!ok, "a redirect is no health: {seen}");
+        // Nobody listens any more.
+        let (ok, seen) = check(&c, &target).await;
+        assert!(!ok && seen.contains("connecting"), "{seen}");
+    }
+
+    #[tokio::test]
+    async fn an_http_check_without_an_address_or_port_fails_saying_so() {
+        let (ok, seen) = check(&http_check(Some(80)), &node_side(None)).await;
+        assert!(!ok && seen.contains("no address"), "{seen}");
+        let (ok, seen) = check(&http_check(None), &node_side(Some(Ipv4Addr::LOCALHOST))).await;
+        assert!(!ok && seen.contains("no port"), "{seen}");
     }
 }

@@ -137,8 +137,9 @@ impl Context {
                 name: n.name.clone(),
             });
         }
+        let spec = resolve::resolve(&vm.spec, template.as_ref().map(|t| &t.spec), &class.spec);
         Ok(Resolved {
-            spec: resolve::resolve(&vm.spec, template.as_ref().map(|t| &t.spec), &class.spec),
+            spec: resolve::with_default_http_check(spec, self.default_http_check().as_ref()),
             vcpu: i64::from(class.spec.vcpu),
             memory_mib: i64::from(class.spec.memory_mib),
             class: class.spec.clone(),
@@ -176,6 +177,14 @@ impl Context {
         self.ledger
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// The cluster's `defaultHttpCheck` (ClusterImpConfig `cluster`), booked into the VMs that
+    /// have none ([`resolve::with_default_http_check`]).
+    fn default_http_check(&self) -> Option<imp_api::shared::HttpCheckSpec> {
+        self.configs
+            .get(&ObjectRef::new(CLUSTER_CONFIG_NAME))
+            .and_then(|c| c.spec.default_http_check.clone())
     }
 
     pub(super) fn policy(&self) -> Policy {

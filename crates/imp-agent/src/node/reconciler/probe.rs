@@ -1,22 +1,30 @@
 //! A running VM's probes ([`crate::node::probes`]): started for its attempt with the probes
 //! its booking resolved (VM, then template, then class), their verdicts written as the
 //! `Started`, `Ready` and `Healthy` conditions, and a VM whose liveness or startup probe
-//! failed stopped as failed (`ProbeFailed`), for its restart policy.
+//! failed stopped as failed (`ProbeFailed`), for its restart policy. A failing HTTP check
+//! (`probes.httpCheck`) turns `Ready` False (`HealthCheckFailed`) until it passes again.
 
 use super::*;
 use crate::node::probes::{Target, Verdicts};
 
-/// The probes VM `vm` runs with: its booking's (VM over template over class); none when the
-/// guest agent is off (nothing in the guest could run them).
+/// The probes VM `vm` runs with: its booking's (VM over template over class; the operator
+/// books a VM on a network that has no HTTP check of its own with the cluster's
+/// `defaultHttpCheck`). With the guest agent off only the HTTP check can run (nothing in the
+/// guest could run the others).
 pub(super) fn spec_of(vm: &ImpVM) -> Option<imp_api::shared::ProbeSpec> {
     let booked = vm.status.as_ref()?.booking.as_ref()?;
     let spec = &booked.spec;
+    let mut probes = spec.probes.clone()?;
     if spec.guest_agent.as_ref().is_some_and(|g| !g.is_enabled()) {
-        return None;
+        probes.startup_probe = None;
+        probes.readiness_probe = None;
+        probes.liveness_probe = None;
     }
-    spec.probes.clone().filter(|p| {
-        p.startup_probe.is_some() || p.readiness_probe.is_some() || p.liveness_probe.is_some()
-    })
+    let checked = probes.http_check.as_ref().is_some_and(|c| c.enabled);
+    let probed = probes.startup_probe.is_some()
+        || probes.readiness_probe.is_some()
+        || probes.liveness_probe.is_some();
+    (probed || checked).then_some(probes)
 }
 
 /// Makes the probes of running VM `vm` (record `record`) run; returns why the VM must be
@@ -30,6 +38,12 @@ pub(super) fn run(ctx: &Context, vm: &ImpVM, uid: &str, record: &VmRecord) -> Op
     let target = Target {
         vsock: record.vsock.clone(),
         port: record.agent_port,
+        address: vm
+            .status
+            .as_ref()
+            .and_then(|s| s.ip.as_deref())
+            .and_then(|ip| ip.parse().ok()),
+        check_in_guest: vm.spec.desired_state == VmDesiredState::ScaleToZero,
     };
     let tx = ctx.reconcile_tx.get().cloned();
     let obj = ObjectRef::from_obj(vm);
@@ -136,6 +150,14 @@ pub(super) fn conditions(
     if let Some(h) = &v.healthy {
         set(ConditionType::Healthy, h.ok, verdict(h.ok), &h.message);
     }
+    if let Some(c) = v.checked.as_ref().filter(|c| !c.ok) {
+        set(
+            ConditionType::Ready,
+            false,
+            ConditionReason::HealthCheckFailed,
+            &c.message,
+        );
+    }
 }
 
 #[cfg(test)]
@@ -232,5 +254,73 @@ mod tests {
         conditions(&mut s, &spec(false), &v, Some(1));
         let ready = find(&s, ConditionType::Ready).unwrap();
         assert_eq!((ready.0.as_str(), ready.1.as_str()), ("True", "Running"));
+    }
+
+    #[test]
+    fn a_failing_http_check_holds_ready_false_whatever_else_passes() {
+        let mut s = running();
+        let v = Verdicts {
+            started: Some(Verdict {
+                ok: true,
+                message: "ok".into(),
+            }),
+            checked: Some(Verdict {
+                ok: false,
+                message: "the httpCheck failed 3 times in a row (every 10 s): GET 10.0.0.2:80/healthz: HTTP 503".into(),
+            }),
+            ..Verdicts::default()
+        };
+        conditions(&mut s, &spec(false), &v, Some(1));
+        let ready = find(&s, ConditionType::Ready).unwrap();
+        assert_eq!(
+            (ready.0.as_str(), ready.1.as_str()),
+            ("False", "HealthCheckFailed")
+        );
+        assert!(ready.2.contains("HTTP 503"));
+        // Passing again: the guest agent's answer stands.
+        let mut s = running();
+        let v = Verdicts {
+            checked: Some(Verdict {
+                ok: true,
+                message: "GET 10.0.0.2:80/healthz: HTTP 200 in 3 ms".into(),
+            }),
+            ..Verdicts::default()
+        };
+        conditions(&mut s, &spec(false), &v, Some(1));
+        assert_eq!(find(&s, ConditionType::Ready).unwrap().1, "Running");
+    }
+
+    #[test]
+    fn the_http_check_alone_runs_without_the_guest_agent() {
+        let mut vm = ImpVM::new("v", ImpVMSpec::default());
+        let booked: ImpVMSpec = serde_json::from_value(json!({
+            "guestAgent": {"enabled": false},
+            "probes": {
+                "livenessProbe": {"exec": {"command": ["true"]}},
+                "httpCheck": {"enabled": true, "port": 80}
+            }
+        }))
+        .unwrap();
+        vm.status = Some(ImpVMStatus {
+            booking: Some(imp_api::vm::Booking {
+                spec: booked,
+                ..Default::default()
+            }),
+            ..Default::default()
+        });
+        let p = spec_of(&vm).unwrap();
+        assert!(p.liveness_probe.is_none() && p.http_check.is_some());
+        // A disabled check and no probes: nothing to run.
+        let booking = vm.status.as_mut().unwrap().booking.as_mut().unwrap();
+        booking
+            .spec
+            .probes
+            .as_mut()
+            .unwrap()
+            .http_check
+            .as_mut()
+            .unwrap()
+            .enabled = false;
+        assert_eq!(spec_of(&vm), None);
     }
 }

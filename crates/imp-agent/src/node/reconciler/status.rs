@@ -246,8 +246,13 @@ async fn announce(ctx: &Context, vm: &ImpVM, report: &Report, record: Option<&Vm
 }
 
 /// An Event for each probe verdict that changed between `old` and `new` (`Started`, `Ready`
-/// and `Healthy` conditions with a probe's reason): Normal when it passes, Warning when not.
+/// and `Healthy` conditions with a probe's reason): Normal when it passes, Warning when not;
+/// and for the HTTP check, a Warning `HealthCheckFailed` as it turns `Ready` False and a
+/// Normal `HealthCheckRecovered` when `Ready` comes back.
 async fn announce_probes(ctx: &Context, vm: &ImpVM, old: &ImpVMStatus, new: &ImpVMStatus) {
+    if let Some((kind, reason, note)) = health_check_news(old, new) {
+        ctx.event_of(vm, kind, reason, "HttpCheck", note).await;
+    }
     for type_ in [
         ConditionType::Started,
         ConditionType::Ready,
@@ -275,5 +280,70 @@ async fn announce_probes(ctx: &Context, vm: &ImpVM, old: &ImpVMStatus, new: &Imp
         let note = format!("{}: {}", type_.as_str(), c.message);
         ctx.event_of(vm, kind, reason.as_str(), type_.as_str(), note)
             .await;
+    }
+}
+
+/// The Event an HTTP check's verdict calls for between `old` and `new`, if any.
+fn health_check_news(
+    old: &ImpVMStatus,
+    new: &ImpVMStatus,
+) -> Option<(EventType, &'static str, String)> {
+    let failed = ConditionReason::HealthCheckFailed.as_str();
+    let ready = |s: &ImpVMStatus| conditions::find(&s.conditions, ConditionType::Ready).cloned();
+    let (before, now) = (ready(old), ready(new)?);
+    let was_failing = before.as_ref().is_some_and(|b| b.reason == failed);
+    if now.reason == failed && !was_failing {
+        return Some((EventType::Warning, failed, now.message));
+    }
+    (was_failing && now.status == "True").then(|| {
+        (
+            EventType::Normal,
+            "HealthCheckRecovered",
+            format!("the VM's HTTP check passes again: {}", now.message),
+        )
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    fn ready(status: ConditionStatus, reason: ConditionReason, message: &str) -> ImpVMStatus {
+        let mut s = ImpVMStatus::default();
+        conditions::set(
+            &mut s.conditions,
+            ConditionType::Ready,
+            status,
+            reason,
+            message,
+            Some(1),
+            now(),
+        );
+        s
+    }
+
+    #[test]
+    fn an_http_check_announces_its_failure_once_and_its_recovery() {
+        let up = ready(ConditionStatus::True, ConditionReason::Running, "answers");
+        let down = ready(
+            ConditionStatus::False,
+            ConditionReason::HealthCheckFailed,
+            "the httpCheck failed 2 times in a row (every 1 s): GET 10.0.0.2:8080/: HTTP 500",
+        );
+        let (kind, reason, note) = health_check_news(&up, &down).unwrap();
+        assert_eq!((kind, reason), (EventType::Warning, "HealthCheckFailed"));
+        assert!(note.contains("HTTP 500"), "{note}");
+        assert_eq!(
+            health_check_news(&down, &down),
+            None,
+            "still failing: no news"
+        );
+        let (kind, reason, _) = health_check_news(&down, &up).unwrap();
+        assert_eq!((kind, reason), (EventType::Normal, "HealthCheckRecovered"));
+        // Ready False for another cause (a suspend) is no recovery.
+        let suspending = ready(ConditionStatus::False, ConditionReason::Waiting, "pausing");
+        assert_eq!(health_check_news(&down, &suspending), None);
+        assert_eq!(health_check_news(&up, &up), None);
     }
 }
