@@ -379,6 +379,18 @@ fn stand_in_crds() -> Vec<CustomResourceDefinition> {
                 "selector": selector(), "namespaceSelector": namespaces(),
                 "podMetricsEndpoints": endpoints()}}),
         ),
+        crd(
+            "monitoring.coreos.com",
+            "PrometheusRule",
+            "prometheusrules",
+            json!({"type": "object", "properties": {"groups": {"type": "array", "items": {
+                "type": "object", "required": ["name"], "properties": {
+                    "name": s(), "interval": s(),
+                    "rules": {"type": "array", "items": {"type": "object",
+                        "required": ["expr"], "properties": {
+                            "alert": s(), "record": s(), "expr": s(), "for": s(),
+                            "labels": labels(), "annotations": labels()}}}}}}}}),
+        ),
     ]
 }
 
@@ -714,6 +726,50 @@ struct Toggle {
     check: fn(&[Value]),
 }
 
+/// The PrometheusRule carries the alert file's groups unchanged (Prometheus's `{{ $labels }}`
+/// templates untouched by Helm) and the labels asked for.
+fn check_prometheus_rule(objs: &[Value]) {
+    let rule = find(objs, "PrometheusRule", "imp");
+    assert_eq!(rule["metadata"]["namespace"], NS);
+    assert_eq!(
+        rule["metadata"]["labels"]["release"], "kube-prometheus-stack",
+        "monitoring.prometheusRule.labels"
+    );
+    let file = Path::new(CHART).join("files/alerts/imp.rules.yaml");
+    let text = std::fs::read_to_string(&file).unwrap();
+    let want: Value = serde_yaml_ng::from_str(&text).unwrap();
+    assert_eq!(
+        rule["spec"],
+        want,
+        "the PrometheusRule differs from {}",
+        file.display()
+    );
+    let annotation = &rule["spec"]["groups"][0]["rules"][0]["annotations"]["summary"];
+    assert!(
+        annotation
+            .as_str()
+            .unwrap()
+            .contains("{{ $labels.instance }}"),
+        "{annotation}"
+    );
+}
+
+/// The dashboard's ConfigMap: the sidecar's label, and the JSON file as it is.
+fn check_grafana_dashboard(objs: &[Value]) {
+    let cm = find(objs, "ConfigMap", "imp-grafana-dashboard");
+    assert_eq!(cm["metadata"]["namespace"], NS);
+    assert_eq!(cm["metadata"]["labels"]["grafana_dashboard"], "1");
+    let file = Path::new(CHART).join("files/grafana/imp.json");
+    let want: Value = serde_json::from_str(&std::fs::read_to_string(&file).unwrap()).unwrap();
+    let got: Value = serde_json::from_str(cm["data"]["imp.json"].as_str().unwrap()).unwrap();
+    assert_eq!(
+        got,
+        want,
+        "the ConfigMap's imp.json differs from {}",
+        file.display()
+    );
+}
+
 /// Every documented toggle, each with what it must change.
 const TOGGLES: &[Toggle] = &[
     Toggle {
@@ -734,6 +790,8 @@ const TOGGLES: &[Toggle] = &[
             }
             assert!(of_kind(objs, "Certificate").is_empty());
             assert!(of_kind(objs, "ServiceMonitor").is_empty());
+            assert!(of_kind(objs, "PrometheusRule").is_empty());
+            assert!(!has(objs, "ConfigMap", "imp-grafana-dashboard"));
         },
     },
     Toggle {
@@ -811,10 +869,18 @@ const TOGGLES: &[Toggle] = &[
             "monitoring.serviceMonitor.enabled=true",
             "--set",
             "monitoring.podMonitor.enabled=true",
+            "--set",
+            "monitoring.prometheusRule.enabled=true",
+            "--set",
+            "monitoring.prometheusRule.labels.release=kube-prometheus-stack",
+            "--set",
+            "monitoring.grafanaDashboard.enabled=true",
             "--api-versions",
             "monitoring.coreos.com/v1",
         ],
         check: |objs| {
+            check_prometheus_rule(objs);
+            check_grafana_dashboard(objs);
             for kind in ["ServiceMonitor", "PodMonitor"] {
                 for component in ["operator", "agent"] {
                     let m = find(objs, kind, &format!("imp-{component}"));
@@ -835,10 +901,17 @@ const TOGGLES: &[Toggle] = &[
             "monitoring.serviceMonitor.enabled=true",
             "--set",
             "monitoring.podMonitor.enabled=true",
+            "--set",
+            "monitoring.prometheusRule.enabled=true",
+            "--set",
+            "monitoring.grafanaDashboard.enabled=true",
         ],
         check: |objs| {
             assert!(of_kind(objs, "ServiceMonitor").is_empty());
             assert!(of_kind(objs, "PodMonitor").is_empty());
+            assert!(of_kind(objs, "PrometheusRule").is_empty());
+            // The dashboard is a plain ConfigMap: it needs no Prometheus operator.
+            check_grafana_dashboard(objs);
         },
     },
     Toggle {
