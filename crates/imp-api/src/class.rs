@@ -41,16 +41,20 @@ pub struct ImpVMClassSpec {
     #[serde(rename = "diskGiB")]
     #[schemars(range(min = 1))]
     pub disk_gib: i32,
-    /// Architecture the class is for; multi means any node.
+    /// Architecture the class is for: the scheduler places its VMs only on nodes whose label
+    /// kubernetes.io/arch (set by kubelet) has this value, and refuses nodes without the label;
+    /// multi means any node.
     #[serde(default)]
     pub arch: Arch,
-    /// VMM to run these VMs with (imp extension); absent means the agent's default.
+    /// VMM to run these VMs with (imp extension); where they may be placed is said on
+    /// [`VmRuntime`], whose description the CRD shows.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub runtime: Option<VmRuntime>,
     /// Default probes for VMs of this class.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub probes: Option<ProbeSpec>,
-    /// Default guest-agent switch.
+    /// Guest-agent switch VMs of this class inherit. `enabled: false`: Not supported yet: refused by the admission webhook
+    /// (the VM needs its guest agent to report Running).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub guest_agent: Option<GuestAgentConfig>,
     /// Restart policy of persistent VMs of this class, unless they or their template set one.
@@ -58,7 +62,7 @@ pub struct ImpVMClassSpec {
     /// to 5m, at most 5 attempts, then stays Failed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub restart_policy: Option<RestartPolicy>,
-    /// Tolerations every VM of this class gets.
+    /// Tolerations every VM of this class gets (scheduling only). `tolerationSeconds`: Not supported yet: refused by the admission webhook.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub tolerations: Vec<Toleration>,
 }

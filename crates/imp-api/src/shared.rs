@@ -44,6 +44,13 @@ pub const ANNOTATION_VTEP_ADDRESS: &str = "imp.dev/vtep-address";
 /// Node annotation the agent publishes: the lowercase hex SHA-256 of its API's TLS certificate,
 /// which clients pin (the API server vouches for it, so no CA is needed).
 pub const ANNOTATION_AGENT_CERT_SHA256: &str = "imp.dev/agent-cert-sha256";
+/// Node annotation the agent publishes: the runtimes its capability probe found able to run VMs
+/// there, comma-separated [`VmRuntime`] names in order (`firecracker,qemu`; empty: none). The
+/// scheduler places a class that names a runtime only on nodes listing it.
+pub const ANNOTATION_RUNTIMES: &str = "imp.dev/runtimes";
+/// The Node label kubelet sets to the node's Go architecture (`amd64`, `arm64`), which the
+/// scheduler compares with a class's `arch`.
+pub const LABEL_NODE_ARCH: &str = "kubernetes.io/arch";
 /// Finalizer the operator holds on every ImpVM until the agent has cleaned up.
 pub const FINALIZER_VM: &str = "imp/finalizer";
 /// Finalizer the operator holds on every ImpNetwork until its node state is torn down.
@@ -106,7 +113,7 @@ pub struct ClusterObjectRef {
     pub name: String,
 }
 
-/// Health probes run inside the guest, plus the operator-side HTTP check.
+/// Health probes run inside the guest, plus an HTTP check of the VM's address from its node.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct ProbeSpec {
@@ -119,7 +126,9 @@ pub struct ProbeSpec {
     /// Decides whether the workload is healthy.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub liveness_probe: Option<Probe>,
-    /// HTTP check run by the operator against the VM's IP.
+    /// HTTP check of the VM's address, made by its node's agent (by the guest on its own
+    /// loopback for a ScaleToZero VM, so the check does not keep it awake); failing turns Ready
+    /// False (HealthCheckFailed) until it passes again.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub http_check: Option<HttpCheckSpec>,
 }
@@ -172,7 +181,10 @@ pub struct HttpGetAction {
     pub port: i32,
 }
 
-/// The operator-side HTTP health check of a VM.
+/// The HTTP health check of a VM: a GET of `path` on the VM's address and `port`, made by the
+/// node agent every `intervalSeconds`; 2xx passes, `failureThreshold` failures in a row turn
+/// Ready False with reason HealthCheckFailed and a Warning Event, and the next pass a Normal
+/// HealthCheckRecovered Event.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct HttpCheckSpec {
@@ -183,14 +195,14 @@ pub struct HttpCheckSpec {
     /// Request path.
     #[serde(default = "default_http_check_path")]
     pub path: String,
-    /// TCP port on the VM's IP; without it the check cannot succeed.
+    /// TCP port on the VM's address; without it every check fails, saying so.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1, max = 65535))]
     pub port: Option<i32>,
     /// Seconds between checks.
     #[serde(default = "default_period_seconds")]
     pub interval_seconds: i32,
-    /// Consecutive failures before Ready turns False.
+    /// Consecutive failures before Ready turns False (0 or less means 3).
     #[serde(default = "default_failure_threshold")]
     pub failure_threshold: i32,
 }
@@ -202,7 +214,8 @@ fn default_http_check_path() -> String {
 /// Switch for the in-guest agent (exec, probes, metrics).
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 pub struct GuestAgentConfig {
-    /// Absent means enabled.
+    /// Absent or true: the guest agent runs (it always does). false: Not supported yet: refused by the admission webhook
+    /// (the VM needs its guest agent to report Running).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub enabled: Option<bool>,
 }
@@ -350,7 +363,10 @@ pub enum Arch {
     Multi,
 }
 
-/// The VMM that runs a class's VMs (an imp extension; absent means the agent's default).
+/// The VMM that runs a class's VMs (an imp extension). The scheduler places them only on nodes
+/// whose agent lists it in the Node annotation imp.dev/runtimes (the runtimes its probe found
+/// able to run VMs there); absent means the agent's default runtime (Firecracker where KVM
+/// boots Linux, else QEMU), on any node but one whose agent found none.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum VmRuntime {
@@ -360,9 +376,84 @@ pub enum VmRuntime {
     Qemu,
 }
 
+impl VmRuntime {
+    /// Every runtime, in the order [`ANNOTATION_RUNTIMES`] lists them.
+    pub const ALL: [Self; 2] = [Self::Firecracker, Self::Qemu];
+
+    /// The name the CRD and [`ANNOTATION_RUNTIMES`] use.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Firecracker => "firecracker",
+            Self::Qemu => "qemu",
+        }
+    }
+
+    /// The value of [`ANNOTATION_RUNTIMES`] for a node that runs `runtimes`.
+    pub fn list_annotation(runtimes: &[Self]) -> String {
+        Self::ALL
+            .iter()
+            .filter(|r| runtimes.contains(r))
+            .map(|r| r.as_str())
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+
+    /// The runtimes an [`ANNOTATION_RUNTIMES`] value lists; unknown names (a newer agent's) are
+    /// left out.
+    pub fn parse_list(value: &str) -> Vec<Self> {
+        let named: Vec<&str> = value.split(',').map(str::trim).collect();
+        Self::ALL
+            .into_iter()
+            .filter(|r| named.contains(&r.as_str()))
+            .collect()
+    }
+}
+
+impl Arch {
+    /// The value of the Node label [`LABEL_NODE_ARCH`] a node of this architecture carries;
+    /// `None` for `multi`, which fits any node.
+    pub fn node_label(self) -> Option<&'static str> {
+        match self {
+            Self::Amd64 => Some("amd64"),
+            Self::Arm64 => Some("arm64"),
+            Self::Multi => None,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn runtimes_annotation_round_trips_and_names_match_the_crd() {
+        let both = [VmRuntime::Qemu, VmRuntime::Firecracker];
+        assert_eq!(VmRuntime::list_annotation(&both), "firecracker,qemu");
+        assert_eq!(VmRuntime::list_annotation(&[]), "");
+        assert_eq!(
+            VmRuntime::parse_list("qemu, cloud-hypervisor"),
+            vec![VmRuntime::Qemu]
+        );
+        assert_eq!(VmRuntime::parse_list(""), vec![]);
+        for r in VmRuntime::ALL {
+            let json = serde_json::to_value(r).unwrap_or_default();
+            assert_eq!(json.as_str(), Some(r.as_str()), "{r:?}");
+            assert_eq!(
+                VmRuntime::parse_list(&VmRuntime::list_annotation(&[r])),
+                vec![r]
+            );
+        }
+        for (arch, label) in [(Arch::Amd64, Some("amd64")), (Arch::Arm64, Some("arm64"))] {
+            assert_eq!(arch.node_label(), label);
+            let json = serde_json::to_value(arch).unwrap_or_default();
+            assert_eq!(
+                json.as_str(),
+                label,
+                "the CRD's enum and the node label agree"
+            );
+        }
+        assert_eq!(Arch::Multi.node_label(), None);
+    }
 
     #[test]
     fn placed_size_round_trips_through_its_annotation() {

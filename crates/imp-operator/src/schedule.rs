@@ -8,9 +8,13 @@
 //! 1. the node carries label `imp/enabled=true`;
 //! 2. it is Ready and not cordoned;
 //! 3. every `spec.nodeSelector` label matches exactly;
-//! 4. every `NoSchedule`/`NoExecute` taint is tolerated (class ∪ template ∪ VM tolerations);
+//! 4. the class's `arch` (unless `multi`) equals the node's label `kubernetes.io/arch`, which
+//!    kubelet sets; a node without the label is refused, its architecture being unknown;
+//! 5. the class's `runtime` is among those the node's agent found able to run VMs there
+//!    (annotation `imp.dev/runtimes`, see [`runtime_reason`]);
+//! 6. every `NoSchedule`/`NoExecute` taint is tolerated (class ∪ template ∪ VM tolerations);
 //!    `PreferNoSchedule` only ranks the node lower;
-//! 5. capacity: `maxImpVMs` from its ClusterImpNodeProfile, then vCPU and memory.
+//! 7. capacity: `maxImpVMs` from its ClusterImpNodeProfile, then vCPU and memory.
 //!
 //! # Capacity
 //! An explicit `vcpuCapacity`/`memoryMiB` in the node's profile is the hard capacity (each one
@@ -34,7 +38,7 @@
 use std::collections::BTreeMap;
 
 use imp_api::cluster::ClusterImpNodeProfileSpec;
-use imp_api::shared::LABEL_NODE_ENABLED;
+use imp_api::shared::{ANNOTATION_RUNTIMES, Arch, LABEL_NODE_ARCH, LABEL_NODE_ENABLED, VmRuntime};
 use k8s_openapi::api::core::v1::{Node, Taint, Toleration};
 
 /// The capacity fraction used when neither the profile nor the cluster config sets one.
@@ -53,6 +57,10 @@ pub struct Request {
     pub tolerations: Vec<Toleration>,
     /// The one node that can take the VM, and why (its snapshot's files are there).
     pub only_node: Option<(String, String)>,
+    /// The class's architecture (`multi`: any node).
+    pub arch: Arch,
+    /// The class's runtime (`None`: the agent's default, any node that runs one).
+    pub runtime: Option<VmRuntime>,
 }
 
 /// One Node as the scheduler sees it.
@@ -74,6 +82,9 @@ pub struct NodeView {
     pub allocatable_memory_mib: i64,
     /// The node's ClusterImpNodeProfile, if one exists.
     pub profile: Option<ClusterImpNodeProfileSpec>,
+    /// The runtimes its agent published (annotation `imp.dev/runtimes`); `None` when no agent
+    /// has said.
+    pub runtimes: Option<Vec<VmRuntime>>,
 }
 
 impl NodeView {
@@ -81,6 +92,12 @@ impl NodeView {
     pub fn from_node(node: &Node, profile: Option<ClusterImpNodeProfileSpec>) -> Self {
         let name = node.metadata.name.clone().unwrap_or_default();
         let labels = node.metadata.labels.clone().unwrap_or_default();
+        let runtimes = node
+            .metadata
+            .annotations
+            .as_ref()
+            .and_then(|a| a.get(ANNOTATION_RUNTIMES))
+            .map(|v| VmRuntime::parse_list(v));
         let spec = node.spec.as_ref();
         let taints = spec.and_then(|s| s.taints.clone()).unwrap_or_default();
         let unschedulable = spec.and_then(|s| s.unschedulable).unwrap_or(false);
@@ -106,6 +123,7 @@ impl NodeView {
             allocatable_cpu_milli,
             allocatable_memory_mib,
             profile,
+            runtimes,
         }
     }
 }
@@ -229,6 +247,9 @@ fn reject_reason(
             return Some(format!("do not match nodeSelector {k}={v}"));
         }
     }
+    if let Some(why) = arch_reason(node, req.arch).or_else(|| runtime_reason(node, req.runtime)) {
+        return Some(why);
+    }
     for taint in &node.taints {
         let hard = matches!(taint.effect.as_str(), "NoSchedule" | "NoExecute");
         if hard && !tolerated(taint, &req.tolerations) {
@@ -266,6 +287,42 @@ fn reject_reason(
         ));
     }
     None
+}
+
+/// Why `node` cannot run a class of architecture `arch`: it has another one, or does not say
+/// which it has (no `kubernetes.io/arch` label). `multi` fits every node.
+pub fn arch_reason(node: &NodeView, arch: Arch) -> Option<String> {
+    let want = arch.node_label()?;
+    match node.labels.get(LABEL_NODE_ARCH).map(String::as_str) {
+        Some(have) if have == want => None,
+        Some(have) => Some(format!("are {have} not {want}")),
+        None => Some(format!(
+            "lack label {LABEL_NODE_ARCH} (architecture unknown, {want} needed)"
+        )),
+    }
+}
+
+/// Why `node` cannot run a class asking for `runtime`, from the runtimes its agent published.
+///
+/// A class naming a runtime needs a node that lists it; a node whose agent has published
+/// nothing yet is refused for it (its runtimes are unknown). A class naming none runs on the
+/// agent's default runtime: it fits a node listing at least one, and a node that has published
+/// nothing (as before agents published runtimes), but not a node whose agent found none.
+pub fn runtime_reason(node: &NodeView, runtime: Option<VmRuntime>) -> Option<String> {
+    let listed = node.runtimes.as_deref();
+    match (runtime, listed) {
+        (Some(r), None) => Some(format!(
+            "lack annotation {ANNOTATION_RUNTIMES} (runtimes unknown, {} needed)",
+            r.as_str()
+        )),
+        (Some(r), Some(rs)) if !rs.contains(&r) => Some(format!(
+            "run no {} ({ANNOTATION_RUNTIMES}={})",
+            r.as_str(),
+            VmRuntime::list_annotation(rs)
+        )),
+        (None, Some([])) => Some(format!("run no VMM ({ANNOTATION_RUNTIMES} is empty)")),
+        _ => None,
+    }
 }
 
 fn free_memory(cap: &Capacity, usage: &NodeUsage, policy: &Policy) -> i64 {
@@ -374,6 +431,7 @@ fn singular(reason: &str, n: usize) -> String {
         ("are ", "is "),
         ("lack ", "lacks "),
         ("do not ", "does not "),
+        ("run ", "runs "),
     ] {
         if let Some(rest) = reason.strip_prefix(plural) {
             return format!("{one}{rest}");
@@ -782,6 +840,111 @@ mod tests {
         assert_eq!(pick(&req(1, 256), &rev, &usage, &policy), Ok("b".into()));
     }
 
+    fn with_arch(mut n: NodeView, arch: &str) -> NodeView {
+        n.labels.insert(LABEL_NODE_ARCH.into(), arch.into());
+        n
+    }
+
+    fn running(mut n: NodeView, runtimes: &[VmRuntime]) -> NodeView {
+        n.runtimes = Some(runtimes.to_vec());
+        n
+    }
+
+    #[test]
+    fn a_class_arch_needs_a_node_of_that_arch() {
+        let policy = Policy::default();
+        let mut r = req(1, 256);
+        r.arch = Arch::Amd64;
+        let arm = with_arch(node("a-arm", 8, 8192), "arm64");
+        let unknown = node("b-unknown", 8, 8192);
+        let amd = with_arch(node("c-amd", 8, 1024), "amd64");
+        let nodes = [arm.clone(), unknown.clone(), amd];
+        assert_eq!(pick(&r, &nodes, &no_usage(), &policy), Ok("c-amd".into()));
+        let m = pick(&r, &nodes[..2], &no_usage(), &policy)
+            .unwrap_err()
+            .message;
+        assert_eq!(
+            m,
+            "2 nodes: 1 is arm64 not amd64, \
+             1 lacks label kubernetes.io/arch (architecture unknown, amd64 needed)"
+        );
+        r.arch = Arch::Arm64;
+        assert_eq!(pick(&r, &nodes, &no_usage(), &policy), Ok("a-arm".into()));
+        // multi fits any node, one that does not say its arch included
+        r.arch = Arch::Multi;
+        assert_eq!(
+            pick(&r, std::slice::from_ref(&unknown), &no_usage(), &policy),
+            Ok("b-unknown".into())
+        );
+    }
+
+    #[test]
+    fn a_class_runtime_needs_a_node_whose_agent_runs_it() {
+        use VmRuntime::{Firecracker, Qemu};
+        let policy = Policy::default();
+        let mut r = req(1, 256);
+        r.runtime = Some(Firecracker);
+        let q1 = running(node("q1", 8, 8192), &[Qemu]);
+        let q2 = running(node("q2", 8, 8192), &[Qemu]);
+        let silent = node("silent", 8, 8192);
+        let fc = running(node("z-fc", 8, 1024), &[Firecracker, Qemu]);
+        let m = pick(
+            &r,
+            &[q1.clone(), q2.clone(), silent.clone()],
+            &no_usage(),
+            &policy,
+        )
+        .unwrap_err()
+        .message;
+        assert_eq!(
+            m,
+            "3 nodes: 1 lacks annotation imp.dev/runtimes (runtimes unknown, firecracker needed), \
+             2 run no firecracker (imp.dev/runtimes=qemu)"
+        );
+        let all = [q1.clone(), q2, silent.clone(), fc];
+        assert_eq!(pick(&r, &all, &no_usage(), &policy), Ok("z-fc".into()));
+        r.runtime = Some(Qemu);
+        assert_eq!(pick(&r, &all, &no_usage(), &policy), Ok("q1".into()));
+
+        // No runtime: the agent's default; any node that runs one, or has not said.
+        r.runtime = None;
+        let none = running(node("a-none", 8, 65536), &[]);
+        assert_eq!(
+            pick(&r, &[none.clone(), q1], &no_usage(), &policy),
+            Ok("q1".into())
+        );
+        assert_eq!(
+            pick(&r, &[none.clone(), silent], &no_usage(), &policy),
+            Ok("silent".into())
+        );
+        assert_eq!(
+            pick(&r, &[none], &no_usage(), &policy).unwrap_err().message,
+            "1 node: 1 runs no VMM (imp.dev/runtimes is empty)"
+        );
+    }
+
+    #[test]
+    fn arch_and_runtime_mismatches_are_counted_together() {
+        let mut r = req(1, 256);
+        r.arch = Arch::Amd64;
+        r.runtime = Some(VmRuntime::Firecracker);
+        let nodes = [
+            running(with_arch(node("a", 8, 8192), "amd64"), &[VmRuntime::Qemu]),
+            running(with_arch(node("b", 8, 8192), "amd64"), &[VmRuntime::Qemu]),
+            running(
+                with_arch(node("c", 8, 8192), "arm64"),
+                &[VmRuntime::Firecracker],
+            ),
+        ];
+        let m = pick(&r, &nodes, &no_usage(), &Policy::default())
+            .unwrap_err()
+            .message;
+        assert_eq!(
+            m,
+            "3 nodes: 1 is arm64 not amd64, 2 run no firecracker (imp.dev/runtimes=qemu)"
+        );
+    }
+
     #[test]
     fn quantities_parse() {
         assert_eq!(parse_cpu_milli("4"), Some(4000));
@@ -797,7 +960,8 @@ mod tests {
     #[test]
     fn node_view_reads_the_node_object() {
         let n: Node = serde_json::from_value(serde_json::json!({
-            "metadata": {"name": "w1", "labels": {"imp/enabled": "true"}},
+            "metadata": {"name": "w1", "labels": {"imp/enabled": "true"},
+                         "annotations": {"imp.dev/runtimes": "qemu"}},
             "spec": {"unschedulable": true, "taints": [{"key": "k", "effect": "NoSchedule"}]},
             "status": {
                 "allocatable": {"cpu": "3500m", "memory": "4Gi"},
@@ -811,5 +975,9 @@ mod tests {
         assert_eq!(v.allocatable_cpu_milli, 3500);
         assert_eq!(v.allocatable_memory_mib, 4096);
         assert_eq!(v.taints.len(), 1);
+        assert_eq!(v.runtimes, Some(vec![VmRuntime::Qemu]));
+        let bare: Node =
+            serde_json::from_value(serde_json::json!({"metadata": {"name": "w2"}})).unwrap();
+        assert_eq!(NodeView::from_node(&bare, None).runtimes, None);
     }
 }

@@ -16,6 +16,7 @@ use imp_agent::api::auth::KubeReviewer;
 use imp_agent::api::server::{AgentApi, ApiConfig};
 use imp_agent::api::tls::{Identity, Kept};
 use imp_agent::net::{NetSettings, NodeNet};
+use imp_agent::node::advertise;
 use imp_agent::node::boot::BootSettings;
 use imp_agent::node::capabilities::{self, DefaultRuntime, HostFiles};
 use imp_agent::node::metrics::{self, Health, Metrics};
@@ -247,6 +248,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
     if let Some(note) = capabilities::unavailable_note(&caps) {
         tracing::info!(node, problem = %note, "a runtime is unavailable");
     }
+    let runtimes = advertise::runtimes_annotation(&caps);
     let health = Arc::new(Health::new());
     let metrics = Arc::new(Metrics::new());
     let listener = metrics::bind(args.metrics_addr).await?;
@@ -350,23 +352,34 @@ async fn run(args: Args) -> anyhow::Result<()> {
     // Published in the background: a Node that is not there yet (or a missing RBAC rule) must
     // not keep the agent from running its VMs; it is retried until it works.
     let publisher = {
-        let (client, node, advertise) = (client.clone(), node.clone(), advertise.clone());
-        let fingerprint = identity.fingerprint().to_owned();
-        let vtep = vtep.map(|v| v.to_string());
+        let published = Published {
+            endpoint: advertise.clone(),
+            fingerprint: identity.fingerprint().to_owned(),
+            vtep: vtep.map(|v| v.to_string()),
+            runtimes,
+        };
+        let (client, node) = (client.clone(), node.clone());
         tokio::spawn(async move {
-            while let Err(e) =
-                publish_endpoint(&client, &node, &advertise, &fingerprint, vtep.as_deref()).await
-            {
+            while let Err(e) = publish_endpoint(&client, &node, &published).await {
                 tracing::warn!(node, error = %format!("{e:#}"), "cannot publish the agent API's address yet; retrying in 10 s");
                 tokio::time::sleep(Duration::from_secs(10)).await;
             }
             tracing::info!(
                 node,
-                endpoint = advertise,
-                "published the agent API's address on the Node"
+                endpoint = published.endpoint,
+                runtimes = published.runtimes,
+                "published the agent API's address and the node's runtimes on the Node"
             );
         })
     };
+    let cpu_model = advertise::host_cpu_model().map(|model| {
+        tokio::spawn(advertise::keep_cpu_model(
+            client.clone(),
+            node.clone(),
+            model,
+            reconciler::FIELD_MANAGER,
+        ))
+    });
     if ctx.load_vms().await.is_none() {
         tracing::warn!(state = %state_dir.root().display(), "cannot list the VM records yet; the agent API knows no VM until the first poll");
     }
@@ -428,30 +441,46 @@ async fn run(args: Args) -> anyhow::Result<()> {
     server.abort();
     gauges.abort();
     publisher.abort();
+    if let Some(t) = cpu_model {
+        t.abort();
+    }
     if let Some(w) = network_watch {
         w.abort();
     }
     Ok(())
 }
 
+/// What the agent publishes on its Node's annotations.
+struct Published {
+    /// `host:port` of the agent API.
+    endpoint: String,
+    /// SHA-256 of its certificate.
+    fingerprint: String,
+    /// The node's VXLAN address.
+    vtep: Option<String>,
+    /// The runtimes that can run VMs here (`imp.dev/runtimes`).
+    runtimes: String,
+}
+
 /// Writes where the agent API is and its certificate's fingerprint on this node's Node object,
-/// where `imp exec` and `imp console` read them, and the node's VXLAN address, which the
-/// operator copies into the VTEP tables.
+/// where `imp exec` and `imp console` read them, the node's VXLAN address, which the
+/// operator copies into the VTEP tables, and the runtimes the node can run, which the
+/// scheduler matches with classes' `runtime`.
 async fn publish_endpoint(
     client: &kube::Client,
     node: &str,
-    endpoint: &str,
-    fingerprint: &str,
-    vtep: Option<&str>,
+    published: &Published,
 ) -> anyhow::Result<()> {
     use imp_api::shared::{
-        ANNOTATION_AGENT_CERT_SHA256, ANNOTATION_AGENT_ENDPOINT, ANNOTATION_VTEP_ADDRESS,
+        ANNOTATION_AGENT_CERT_SHA256, ANNOTATION_AGENT_ENDPOINT, ANNOTATION_RUNTIMES,
+        ANNOTATION_VTEP_ADDRESS,
     };
     let nodes: kube::Api<k8s_openapi::api::core::v1::Node> = kube::Api::all(client.clone());
     let patch = serde_json::json!({"metadata": {"annotations": {
-        ANNOTATION_AGENT_ENDPOINT: endpoint,
-        ANNOTATION_AGENT_CERT_SHA256: fingerprint,
-        ANNOTATION_VTEP_ADDRESS: vtep,
+        ANNOTATION_AGENT_ENDPOINT: published.endpoint,
+        ANNOTATION_AGENT_CERT_SHA256: published.fingerprint,
+        ANNOTATION_VTEP_ADDRESS: published.vtep,
+        ANNOTATION_RUNTIMES: published.runtimes,
     }}});
     nodes
         .patch(

@@ -89,7 +89,10 @@ fn sample(text: &str, key: &str) -> Option<f64> {
 
 async fn node(c: &Client, name: &str, cpu: &str, mem: &str, enabled: bool, ready: bool) {
     let api: Api<Node> = Api::all(c.clone());
-    let mut labels = BTreeMap::new();
+    let mut labels = BTreeMap::from([(
+        imp_api::shared::LABEL_NODE_ARCH.to_owned(),
+        common::kubelet_arch().to_owned(),
+    )]);
     if enabled {
         labels.insert("imp/enabled".to_owned(), "true".to_owned());
     }
@@ -824,6 +827,108 @@ async fn a_deleted_class_still_counts_after_an_operator_restart() {
             .get("imp.dev/placed-resources")
             .map(String::as_str),
         Some(r#"{"vcpu":1,"memoryMiB":256}"#)
+    );
+}
+
+/// Plays the agent of node `name`: publishes the runtimes its probe found.
+async fn advertise_runtimes(c: &Client, name: &str, runtimes: &str) {
+    Api::<Node>::all(c.clone())
+        .patch(
+            name,
+            &PatchParams::default(),
+            &Patch::Merge(&json!({"metadata": {"annotations": {"imp.dev/runtimes": runtimes}}})),
+        )
+        .await
+        .unwrap();
+}
+
+/// The message of `name`'s `Scheduled` condition once it is `NoNodeAvailable` and `pred`
+/// holds of it, with the phase still Pending and no node.
+async fn unschedulable_message(c: &Client, name: &str, pred: impl Fn(&str) -> bool) -> String {
+    let v = wait_vm(c, name, &format!("{name} NoNodeAvailable"), |v| {
+        cond(v, "Scheduled").is_some_and(|s| s.reason == "NoNodeAvailable" && pred(&s.message))
+    })
+    .await;
+    assert_eq!(phase(&v), Some(VmPhase::Pending));
+    assert_eq!(v.spec.node_name, None);
+    cond(&v, "Scheduled").unwrap().message.clone()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_class_runtime_and_arch_place_vms_only_where_they_can_run() {
+    let Some(e) = env().await else {
+        return;
+    };
+    let c = &e.client;
+    let arch = common::kubelet_arch();
+    let other_arch = if arch == "arm64" { "amd64" } else { "arm64" };
+    node(c, "qemu-only", "8", "16Gi", true, true).await;
+    advertise_runtimes(c, "qemu-only", "qemu").await;
+    for (name, spec) in [
+        (
+            "fc",
+            json!({"vcpu": 1, "memoryMiB": 256, "diskGiB": 1, "runtime": "firecracker"}),
+        ),
+        (
+            "foreign",
+            json!({"vcpu": 1, "memoryMiB": 256, "diskGiB": 1, "arch": other_arch}),
+        ),
+    ] {
+        common::create_imp(
+            c,
+            "ImpVMClass",
+            "impvmclasses",
+            json!({"apiVersion": "imp.dev/v1alpha1", "kind": "ImpVMClass",
+                   "metadata": {"name": name}, "spec": spec}),
+        )
+        .await;
+    }
+    let _op = Operator::start(&e, "solo", &[]).await;
+    vm(
+        c,
+        "needs-fc",
+        json!({"classRef": {"name": "fc"}, "image": "busybox"}),
+    )
+    .await;
+    vm(
+        c,
+        "foreign",
+        json!({"classRef": {"name": "foreign"}, "image": "busybox"}),
+    )
+    .await;
+
+    // One QEMU-only node: the Firecracker VM stays Pending, and says why.
+    let m = unschedulable_message(c, "needs-fc", |_| true).await;
+    assert_eq!(
+        m, "1 node: 1 runs no firecracker (imp.dev/runtimes=qemu)",
+        "the runtime is named"
+    );
+    let events = common::events_with(c, NS, "needs-fc", &["Unschedulable"]).await;
+    assert!(
+        events.iter().any(|e| e
+            .message
+            .as_deref()
+            .is_some_and(|m| m.contains("runs no firecracker"))),
+        "{events:?}"
+    );
+    let m = unschedulable_message(c, "foreign", |_| true).await;
+    assert_eq!(m, format!("1 node: 1 is {arch} not {other_arch}"));
+
+    // A node whose agent runs Firecracker takes it, and only it.
+    node(c, "fc-node", "8", "16Gi", true, true).await;
+    advertise_runtimes(c, "fc-node", "firecracker,qemu").await;
+    let v = wait_vm(c, "needs-fc", "needs-fc Scheduled", |v| {
+        phase(v) == Some(VmPhase::Scheduled)
+    })
+    .await;
+    assert_eq!(v.spec.node_name.as_deref(), Some("fc-node"));
+
+    // The other-arch class finds no node of its arch among two of this host's.
+    let m = unschedulable_message(c, "foreign", |m| m.starts_with("2 nodes")).await;
+    assert_eq!(m, format!("2 nodes: 2 are {arch} not {other_arch}"));
+    assert_eq!(
+        placements(c).await,
+        BTreeMap::from([("fc-node".to_owned(), 1)])
     );
 }
 

@@ -7,6 +7,9 @@
 //! agent's line at startup, whether Firecracker is the node's default runtime or only a class
 //! asks for it, and the VM that needs it says the same in its condition and Event.
 //!
+//! "NoNodeAvailable — runs no firecracker": the agent publishes the runtimes it can run on its
+//! Node (`imp.dev/runtimes`) and its CPU model in its ClusterImpNodeProfile.
+//!
 //! Needs only the control plane (and `qemu-system-x86_64` for the QEMU-default agent to be
 //! ready, which the test does not require): without it, it skips on a developer machine and
 //! fails under `CI=true`.
@@ -20,6 +23,7 @@ use std::time::Duration;
 
 use imp_api::vm::ImpVM;
 use imp_testenv::registry::scratch_dir;
+use kube::ResourceExt as _;
 use kube::api::{Api, PostParams};
 use serde_json::json;
 use tokio::process::{Child, Command};
@@ -90,9 +94,10 @@ impl Agent {
     }
 }
 
-/// The host files an agent checks at startup: a kernel, its modules directory, a guest init.
-fn host_files() -> PathBuf {
-    let dir = scratch_dir("imp-troubleshooting-files").unwrap();
+/// The host files an agent checks at startup: a kernel, its modules directory, a guest init,
+/// in a directory named after `tag` (one per test).
+fn host_files(tag: &str) -> PathBuf {
+    let dir = scratch_dir(&format!("imp-troubleshooting-files-{tag}")).unwrap();
     std::fs::write(dir.join("vmlinux"), b"").unwrap();
     std::fs::create_dir_all(dir.join("modules")).unwrap();
     std::fs::write(dir.join("imp-guest"), b"").unwrap();
@@ -135,7 +140,7 @@ async fn a_missing_firecracker_binary_is_named_fc_bin_in_the_agent_log_and_the_v
     }
     let kube = common::cluster(&[NS, "imp-system"]).await;
     let c = kube.client.clone();
-    let files = host_files();
+    let files = host_files("fc-bin");
 
     // Firecracker as the node's default runtime: the agent says at once why the node cannot
     // run VMs, naming FC_BIN, and its /readyz says so too.
@@ -233,5 +238,111 @@ async fn a_missing_firecracker_binary_is_named_fc_bin_in_the_agent_log_and_the_v
         "Firecracker is not this node's default: {body}"
     );
     drop((fc, qemu));
+    std::fs::remove_dir_all(&files).unwrap();
+}
+
+/// The `cpuModel` of profile `name`, once it has one.
+async fn cpu_model(profiles: &Api<imp_api::cluster::ClusterImpNodeProfile>, name: &str) -> String {
+    common::wait_for(
+        &format!("cpuModel of profile {name}"),
+        Duration::from_secs(30),
+        || async { profiles.get(name).await.unwrap().spec.cpu_model },
+    )
+    .await
+}
+
+/// What the scheduler reads about a node comes from its agent: the runtimes its probe found
+/// (here QEMU when the host has it, never the missing Firecracker) on the Node, and the CPU
+/// model of `/proc/cpuinfo` in the node's ClusterImpNodeProfile, one that exists before the
+/// agent starts and one created after.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_agent_publishes_its_runtimes_and_cpu_model() {
+    use imp_api::cluster::ClusterImpNodeProfile;
+    use k8s_openapi::api::core::v1::Node;
+    let _run = common::test_run("troubleshooting_e2e", Duration::from_secs(120));
+    if common::control_plane_ready().is_none() {
+        return;
+    }
+    let kube = common::cluster(&[NS, "imp-system"]).await;
+    let c = kube.client.clone();
+    let files = host_files("advertise");
+    let profile = |name: &str| {
+        json!({"apiVersion": "imp.dev/v1alpha1", "kind": "ClusterImpNodeProfile",
+               "metadata": {"name": name}, "spec": {"maxImpVMs": 3}})
+    };
+    common::create_imp(
+        &c,
+        "ClusterImpNodeProfile",
+        "clusterimpnodeprofiles",
+        profile("n1"),
+    )
+    .await;
+    common::ready_node(&c, "n1").await;
+    let agent = Agent::start(&kube, "n1", "auto", &files);
+
+    let want = if imp_agent::vmm::qemu::Launcher::detect().is_ok() {
+        "qemu"
+    } else {
+        ""
+    };
+    let nodes: Api<Node> = Api::all(c.clone());
+    let published = common::wait_for(
+        "imp.dev/runtimes on Node n1",
+        Duration::from_secs(30),
+        || {
+            let nodes = nodes.clone();
+            async move {
+                let n = nodes.get("n1").await.unwrap();
+                n.annotations().get("imp.dev/runtimes").cloned()
+            }
+        },
+    )
+    .await;
+    assert_eq!(published, want);
+
+    let model = imp_agent::node::advertise::host_cpu_model()
+        .expect("this test runs on a host whose /proc/cpuinfo names its model");
+    let profiles: Api<ClusterImpNodeProfile> = Api::all(c.clone());
+    assert_eq!(cpu_model(&profiles, "n1").await, model);
+    let kept = profiles.get("n1").await.unwrap();
+    assert_eq!(
+        kept.spec.max_imp_vms,
+        Some(3),
+        "the rest of the profile is the admin's"
+    );
+
+    // A profile created while the agent runs is filled in too; the agent creates none.
+    drop(agent);
+    common::ready_node(&c, "n2").await;
+    let _agent = Agent::start(&kube, "n2", "auto", &files);
+    common::wait_for(
+        "imp.dev/runtimes on Node n2",
+        Duration::from_secs(30),
+        || {
+            let nodes = nodes.clone();
+            async move {
+                nodes
+                    .get("n2")
+                    .await
+                    .unwrap()
+                    .annotations()
+                    .get("imp.dev/runtimes")
+                    .cloned()
+            }
+        },
+    )
+    .await;
+    assert!(
+        profiles.get_opt("n2").await.unwrap().is_none(),
+        "the agent made a profile"
+    );
+    common::create_imp(
+        &c,
+        "ClusterImpNodeProfile",
+        "clusterimpnodeprofiles",
+        profile("n2"),
+    )
+    .await;
+    assert_eq!(cpu_model(&profiles, "n2").await, model);
     std::fs::remove_dir_all(&files).unwrap();
 }

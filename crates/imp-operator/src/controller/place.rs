@@ -155,6 +155,8 @@ impl Context {
             node_selector: r.spec.node_selector.clone(),
             tolerations: r.spec.tolerations.clone(),
             only_node,
+            arch: r.class.arch,
+            runtime: r.class.runtime,
         };
         let k = key(&vm);
         let size = PlacedSize {

@@ -457,13 +457,25 @@ pub fn busybox_image(applets: &[&str], cmd: &str) -> imp_testenv::registry::Test
         .env("PATH=/bin")
 }
 
-/// Creates a Ready Node `name` labelled `imp/enabled=true`, with room for every test VM.
+/// The `kubernetes.io/arch` label kubelet gives a Node of this host (Go's name for the
+/// architecture), which tests' Nodes carry as real ones do.
+pub fn kubelet_arch() -> &'static str {
+    match std::env::consts::ARCH {
+        "x86_64" => "amd64",
+        "aarch64" => "arm64",
+        other => other,
+    }
+}
+
+/// Creates a Ready Node `name` labelled `imp/enabled=true` and, as kubelet would,
+/// `kubernetes.io/arch`, with room for every test VM.
 pub async fn ready_node(c: &kube::Client, name: &str) {
     use k8s_openapi::api::core::v1::Node;
     let api: Api<Node> = Api::all(c.clone());
-    let n: Node = serde_json::from_value(
-        serde_json::json!({"metadata": {"name": name, "labels": {"imp/enabled": "true"}}}),
-    )
+    let n: Node = serde_json::from_value(serde_json::json!({"metadata": {"name": name, "labels": {
+        "imp/enabled": "true",
+        imp_api::shared::LABEL_NODE_ARCH: kubelet_arch(),
+    }}}))
     .expect("a Node");
     api.create(&PostParams::default(), &n)
         .await
