@@ -35,10 +35,14 @@ pub struct ClusterImpConfigSpec {
     /// Scheduling capacity defaults.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub capacity: Option<CapacityConfig>,
-    /// Metrics and tracing.
+    /// Metrics and tracing. The operator and agents serve metrics where their `--metrics-addr`
+    /// flags say and export no traces: any value other than the defaults is not supported yet
+    /// (refused by the admission webhook).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub observability: Option<ObservabilityConfig>,
-    /// HTTP check applied to VMs that configure none.
+    /// HTTP check booked into every VM on a network that has none of its own (a VM's,
+    /// template's or class's check wins, even a disabled one); VMs already placed keep the
+    /// check they were booked with.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub default_http_check: Option<HttpCheckSpec>,
 }
@@ -48,7 +52,8 @@ spec_may_be_absent!(ClusterImpConfigSpec);
 /// Networking settings.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 pub struct NetworkingConfig {
-    /// CNI detection.
+    /// CNI settings. Nothing detects or configures the CNI: `autoDetect: false`, `provider` and
+    /// `natBackend: iptables` are not supported yet (refused by the admission webhook).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cni: Option<CniConfig>,
     /// Default IPAM.
@@ -60,13 +65,14 @@ pub struct NetworkingConfig {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct CniConfig {
-    /// Detect the CNI from the cluster.
+    /// Detect the CNI from the cluster. Nothing detects it yet; false: Not supported yet: refused by the admission webhook.
     #[serde(default = "default_true")]
     pub auto_detect: bool,
-    /// CNI provider, overriding detection (cilium-kubeproxy-free, cilium, flannel, calico, unknown).
+    /// CNI provider, overriding detection (cilium-kubeproxy-free, cilium, flannel, calico,
+    /// unknown). Not supported yet: refused by the admission webhook when set.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub provider: Option<String>,
-    /// NAT backend on nodes.
+    /// NAT backend on nodes: node agents write nftables rules; iptables: Not supported yet: refused by the admission webhook.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub nat_backend: Option<NatBackend>,
 }
@@ -98,7 +104,8 @@ pub enum NatBackend {
 /// Cluster IPAM default.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 pub struct ClusterIpamConfig {
-    /// Only the internal allocator exists cluster-wide.
+    /// Only the internal allocator exists cluster-wide (ImpNetwork `ipam.provider` chooses per
+    /// network).
     #[serde(default)]
     pub provider: ClusterIpamProvider,
 }
@@ -148,26 +155,29 @@ pub struct ObservabilityConfig {
 /// Metrics endpoint.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 pub struct MetricsConfig {
-    /// Serve /metrics.
+    /// Serve /metrics. The `--metrics-addr` flags decide; false: Not supported yet: refused by the admission webhook.
     #[serde(default = "default_true")]
     pub enabled: bool,
-    /// Port of /metrics.
+    /// Port of /metrics. The `--metrics-addr` flags decide; other than 9090: Not supported yet: refused by the admission webhook.
     #[serde(default = "default_metrics_port")]
     pub port: i32,
 }
 
+/// `observability.metrics.port` when absent, the only port admission accepts.
+pub const DEFAULT_METRICS_PORT: i32 = 9090;
+
 fn default_metrics_port() -> i32 {
-    9090
+    DEFAULT_METRICS_PORT
 }
 
 /// Tracing export.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 pub struct TracingConfig {
-    /// Export spans.
+    /// Export spans. imp exports no traces; true: Not supported yet: refused by the admission webhook.
     #[serde(default)]
     #[schemars(transform = crate::schema::no_default)]
     pub enabled: bool,
-    /// OTLP endpoint.
+    /// OTLP endpoint. imp exports no traces; any endpoint: Not supported yet: refused by the admission webhook.
     #[serde(default)]
     #[schemars(transform = crate::schema::no_default)]
     pub endpoint: String,
@@ -212,7 +222,10 @@ pub struct ClusterImpNodeProfileSpec {
     #[serde(rename = "memoryMiB")]
     #[schemars(range(min = 0))]
     pub memory_mib: Option<i64>,
-    /// CPU model of the node, written by its agent; migrations need a match.
+    /// CPU model of the node (the first "model name" of its /proc/cpuinfo), written by the
+    /// node's agent into this profile whenever it exists (the agent creates no profile; a
+    /// node whose kernel names no model gets none). Meant for matching migration targets;
+    /// nothing reads it yet.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cpu_model: Option<String>,
 }

@@ -60,6 +60,7 @@ pub mod status_patch;
 // as never read. The public types themselves are not dead.
 #[allow(dead_code)]
 pub mod template;
+pub mod unsupported;
 pub mod validation;
 // kube::KubeSchema copies a spec's `#[serde(remote = "Self")]` (see spec_may_be_absent) onto its
 // private schema shadow, whose serde code is then never called: rustc reports the shadow's fields

@@ -53,7 +53,8 @@ pub struct ImpNetworkSpec {
     /// DNS servers the guests use.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub dns: Vec<String>,
-    /// Cilium integration switches.
+    /// Cilium integration switches. Setting either to true: Not supported yet: refused by the admission webhook
+    /// (imp does not configure Cilium).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cilium: Option<CiliumNetworkSpec>,
     /// Where addresses come from.
@@ -126,11 +127,11 @@ pub struct NatSpec {
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct CiliumNetworkSpec {
-    /// Keep the subnet out of Cilium's IPAM.
+    /// Keep the subnet out of Cilium's IPAM. true: Not supported yet: refused by the admission webhook.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     #[serde(rename = "excludeFromIPAM")]
     pub exclude_from_ipam: bool,
-    /// Let Cilium masquerade the subnet.
+    /// Let Cilium masquerade the subnet. true: Not supported yet: refused by the admission webhook.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub masquerade_via_cilium: bool,
 }

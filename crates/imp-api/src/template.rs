@@ -49,7 +49,8 @@ pub struct ImpVMTemplateSpec {
     /// Probes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub probes: Option<ProbeSpec>,
-    /// Guest-agent switch.
+    /// Guest-agent switch VMs inherit. `enabled: false`: Not supported yet: refused by the admission webhook
+    /// (the VM needs its guest agent to report Running).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub guest_agent: Option<GuestAgentConfig>,
     /// Restart policy of persistent VMs made from this template, unless they set their own. When
@@ -60,10 +61,10 @@ pub struct ImpVMTemplateSpec {
     /// Network group to draw IPs from.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub network_group: Option<String>,
-    /// Runner tooling layer.
+    /// Runner tooling layer VMs would inherit. Not supported yet: refused by the admission webhook when set.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub runner_layer: Option<String>,
-    /// Cilium agent layer.
+    /// Cilium agent layer VMs would inherit. Not supported yet: refused by the admission webhook when set.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cilium_layer: Option<String>,
     /// Expiry of VMs made from it; 0 or at least 60s.
@@ -75,6 +76,7 @@ pub struct ImpVMTemplateSpec {
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub node_selector: BTreeMap<String, String>,
     /// Tolerations VMs from this template get (imp extension; unioned with class and VM).
+    /// `tolerationSeconds`: Not supported yet: refused by the admission webhook.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub tolerations: Vec<Toleration>,
 }

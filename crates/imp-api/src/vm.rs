@@ -73,10 +73,12 @@ pub struct ImpVMSpec {
     /// Node labels that must match exactly.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub node_selector: BTreeMap<String, String>,
-    /// Taints this VM tolerates, in addition to its class's.
+    /// Taints this VM tolerates, in addition to its template's and class's (scheduling only).
+    /// `tolerationSeconds`: Not supported yet: refused by the admission webhook (imp never evicts a VM for a taint).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub tolerations: Vec<Toleration>,
-    /// Environment of the workload.
+    /// Environment of the workload; `valueFrom` reads `secretKeyRef` and `configMapKeyRef` when
+    /// the VM starts. `fieldRef`, `resourceFieldRef` and `fileKeyRef`: Not supported yet: refused by the admission webhook.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(transform = crate::schema::core_env)]
     pub env: Vec<EnvVar>,
@@ -92,7 +94,9 @@ pub struct ImpVMSpec {
     /// Guest probes and the operator's HTTP check; VM over template over class.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub probes: Option<ProbeSpec>,
-    /// Whether the in-guest agent runs.
+    /// The in-guest agent switch; VM over template over class. The agent always runs: `enabled:
+    /// false` is not supported yet (refused by the admission webhook), since the VM needs its
+    /// guest agent to report Running.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub guest_agent: Option<GuestAgentConfig>,
     /// What happens when a persistent workload fails; VM over template over class. When none of
@@ -103,10 +107,12 @@ pub struct ImpVMSpec {
     /// Group of the network to draw the IP from.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub network_group: Option<String>,
-    /// OCI image layered on top of the base image (CI runner tooling).
+    /// OCI image to layer on top of the base image (CI runner tooling). Not supported yet: refused by the admission webhook
+    /// when set: no layer is added to the root disk.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub runner_layer: Option<String>,
-    /// OCI image layered on top of the runner layer (Cilium agent).
+    /// OCI image to layer on top of the runner layer (Cilium agent). Not supported yet: refused by the admission webhook
+    /// when set: no layer is added and imp does not enrol VMs with Cilium.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cilium_layer: Option<String>,
     /// Delete the VM this long after it first ran (or after it ended, if it never ran), running

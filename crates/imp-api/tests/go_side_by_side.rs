@@ -3,7 +3,9 @@
 //! cannot hold both), and every manifest of `tests/fixtures/valid` and `tests/fixtures/go` is
 //! created on both. Whatever the Go CRDs accept, ours must accept; what our server stores must
 //! hold every field that was written and deserialise into our types, so the operator can read
-//! it, and pass our admission webhook's rules unless the Go project's webhook refuses it too.
+//! it, and pass our admission webhook's field rules (`validation.rs`) unless the Go project's
+//! webhook refuses it too. (What our webhook refuses as not supported yet, `unsupported.rs`, is
+//! a reviewed list of its own: `REFUSED_FIXTURES` in `tests/fields.rs`.)
 //! Every difference is printed, not only the first. Without `../shared/reference` beside the
 //! checkout the test skips (and fails under `CI=true`).
 #![allow(clippy::unwrap_used, clippy::expect_used)] // Test code: a failed unwrap is a failed test.
@@ -136,7 +138,7 @@ fn typed(stored: &Value) -> Result<(), String> {
     }
 }
 
-/// Runs our admission webhook's rules (validation.rs) on a stored object.
+/// Runs our admission webhook's field rules (validation.rs) on a stored object.
 fn admitted(stored: &Value) -> Result<(), String> {
     use imp_api::validation as v;
     fn run<T: serde::de::DeserializeOwned>(

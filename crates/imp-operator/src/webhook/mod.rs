@@ -1,7 +1,8 @@
 //! The validating and mutating admission webhook for the `imp.dev` kinds, served over HTTPS.
 //!
-//! `POST /validate` checks every imp kind with [`imp_api::validation`] and answers
-//! `allowed: false` with the field-path messages; `POST /mutate` answers an ImpVM CREATE with a
+//! `POST /validate` checks every imp kind with [`imp_api::validation`], refuses the values and
+//! kinds nothing in imp honours yet with [`imp_api::unsupported`] (`docs/fields.md`), and
+//! answers `allowed: false` with the field-path messages; `POST /mutate` answers an ImpVM CREATE with a
 //! JSONPatch holding the Go project's defaults, resolved for real by reading the referenced
 //! ImpVMTemplate and ImpVMClass. The Go project's paths (`/validate-imp-dev-v1alpha1-impvm`, …)
 //! are accepted as aliases. `GET /healthz` answers `ok`.
@@ -56,6 +57,7 @@ use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Incoming;
 use hyper::{Method, Request, Response, StatusCode};
 use hyper_util::rt::{TokioIo, TokioTimer};
+use imp_api::unsupported;
 use imp_api::validation::{self, ValidationErrors};
 use imp_api::{ImpVM, ImpVMClass, ImpVMSpec, ImpVMTemplate};
 use json_patch::jsonptr::PointerBuf;
@@ -430,15 +432,16 @@ fn validate(req: &AdmissionRequest<DynamicObject>) -> AdmissionResponse {
     let name = obj.metadata.name.as_deref().unwrap_or(req.name.as_str());
     let outcome = match kind {
         "ImpVM" => return validate_vm(resp, obj, old, name),
-        "ImpVMClass" => {
-            typed::<ImpVMClass>(obj, kind, "object").map(|o| validation::class(&o.spec))
-        }
-        "ImpVMTemplate" => {
-            typed::<ImpVMTemplate>(obj, kind, "object").map(|o| validation::template(&o.spec))
-        }
-        "ImpNetwork" => {
-            typed::<imp_api::ImpNetwork>(obj, kind, "object").map(|o| validation::network(&o.spec))
-        }
+        "ImpVMClass" => typed::<ImpVMClass>(obj, kind, "object")
+            .map(|o| both(validation::class(&o.spec), unsupported::class(&o.spec))),
+        "ImpVMTemplate" => typed::<ImpVMTemplate>(obj, kind, "object").map(|o| {
+            both(
+                validation::template(&o.spec),
+                unsupported::template(&o.spec),
+            )
+        }),
+        "ImpNetwork" => typed::<imp_api::ImpNetwork>(obj, kind, "object")
+            .map(|o| both(validation::network(&o.spec), unsupported::network(&o.spec))),
         "ImpVMSnapshot" => typed::<imp_api::ImpVMSnapshot>(obj, kind, "object")
             .map(|o| validation::snapshot(&o.spec)),
         "ImpVMMigration" => typed::<imp_api::ImpVMMigration>(obj, kind, "object").map(|_| Ok(())),
@@ -446,8 +449,12 @@ fn validate(req: &AdmissionRequest<DynamicObject>) -> AdmissionResponse {
             .map(|o| validation::warm_pool(&o.spec)),
         "ImpVMRunnerPool" => typed::<imp_api::ImpVMRunnerPool>(obj, kind, "object")
             .map(|o| validation::runner_pool(&o.spec)),
-        "ClusterImpConfig" => typed::<imp_api::ClusterImpConfig>(obj, kind, "object")
-            .map(|o| validation::cluster_config(&o)),
+        "ClusterImpConfig" => typed::<imp_api::ClusterImpConfig>(obj, kind, "object").map(|o| {
+            both(
+                validation::cluster_config(&o),
+                unsupported::cluster_config(&o.spec),
+            )
+        }),
         "ClusterImpNodeProfile" => typed::<imp_api::ClusterImpNodeProfile>(obj, kind, "object")
             .map(|o| validation::node_profile(&o.spec)),
         other => {
@@ -456,11 +463,35 @@ fn validate(req: &AdmissionRequest<DynamicObject>) -> AdmissionResponse {
             ));
         }
     };
-    match outcome {
-        Ok(Ok(())) => resp,
-        Ok(Err(errs)) => deny_invalid(resp, kind, name, &errs),
-        Err(msg) => resp.deny(msg),
+    match (outcome, unsupported::kind(kind)) {
+        (Ok(Ok(())), None) => resp,
+        (Ok(Ok(())), Some(not_yet)) => deny_unsupported(resp, &not_yet),
+        (Ok(Err(errs)), Some(not_yet)) => deny_unsupported(
+            resp,
+            &format!("{not_yet}; {kind} {name:?} is invalid: {errs}"),
+        ),
+        (Ok(Err(errs)), None) => deny_invalid(resp, kind, name, &errs),
+        (Err(msg), _) => resp.deny(msg),
     }
+}
+
+/// Refuses a whole kind no controller acts on ([`unsupported::kind`]); `msg` says so first,
+/// then any field errors, so a fixed manifest is ready for the day the kind is supported.
+fn deny_unsupported(resp: AdmissionResponse, msg: &str) -> AdmissionResponse {
+    let mut resp = resp.deny(msg);
+    resp.result.code = 422;
+    resp.result.reason = "Invalid".to_owned();
+    resp
+}
+
+/// The errors of the field rules followed by those of the not-supported-yet rules.
+fn both(
+    rules: Result<(), ValidationErrors>,
+    not_yet: Result<(), ValidationErrors>,
+) -> Result<(), ValidationErrors> {
+    let mut all = rules.err().unwrap_or_default();
+    all.0.extend(not_yet.err().unwrap_or_default().0);
+    if all.0.is_empty() { Ok(()) } else { Err(all) }
 }
 
 fn validate_vm(
@@ -479,7 +510,7 @@ fn validate_vm(
         resp.warnings = Some(warnings);
     }
     let result = match old {
-        None => validation::vm(&new.spec),
+        None => both(validation::vm(&new.spec), unsupported::vm(&new.spec)),
         Some(old) => match typed::<ImpVM>(old, "ImpVM", "old object") {
             Err(msg) => return resp.deny(msg),
             Ok(old) if only_node_name_changed(&old.spec, &new.spec) => {
@@ -500,7 +531,10 @@ fn validate_vm(
                     }
                 }
             }
-            Ok(old) => validation::vm_update(&old.spec, &new.spec),
+            Ok(old) => both(
+                validation::vm_update(&old.spec, &new.spec),
+                unsupported::vm(&new.spec),
+            ),
         },
     };
     match result {
