@@ -51,26 +51,10 @@ fn is(v: &ImpVM, type_: &str, status: &str, reason: &str) -> bool {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn probes_gate_readiness_flip_it_and_restart_a_vm_whose_liveness_fails() {
     let _run = common::test_run("probes_e2e", Duration::from_secs(600));
-    if common::guest_boot_ready().is_none() {
+    let Some(env) = common::agent::single_node(NS, NODE, 128).await else {
         return;
-    }
-    let _ = rustls::crypto::ring::default_provider().install_default();
-    if common::control_plane_ready().is_none() {
-        return;
-    }
-    let kube = common::cluster(&[NS, "imp-system"]).await;
-    let (alice, _) = common::exec_users(&kube, NS).await;
-    let c = kube.client.clone();
-    common::ready_node(&c, NODE).await;
-    common::create_imp(
-        &c,
-        "ImpVMClass",
-        "impvmclasses",
-        json!({"apiVersion": "imp.dev/v1alpha1", "kind": "ImpVMClass",
-               "metadata": {"name": "small"},
-               "spec": {"vcpu": 1, "memoryMiB": 128, "diskGiB": 1}}),
-    )
-    .await;
+    };
+    let (kube, c, alice) = (env.kube, env.client, env.exec_kubeconfig);
     let layout = scratch_dir("imp-probes-e2e-layout").unwrap();
     common::busybox_image(
         &[

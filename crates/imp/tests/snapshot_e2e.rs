@@ -70,26 +70,10 @@ fn file_contains(file: &Path, needle: &[u8]) -> bool {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_running_vm_is_snapshotted_with_its_memory_and_runs_on() {
     let _run = common::test_run("snapshot_e2e", Duration::from_secs(600));
-    if common::guest_boot_ready().is_none() {
+    let Some(env) = common::agent::single_node(NS, NODE, 256).await else {
         return;
-    }
-    let _ = rustls::crypto::ring::default_provider().install_default();
-    if common::control_plane_ready().is_none() {
-        return;
-    }
-    let kube = common::cluster(&[NS, "imp-system"]).await;
-    let (alice, _) = common::exec_users(&kube, NS).await;
-    let c = kube.client.clone();
-    common::ready_node(&c, NODE).await;
-    common::create_imp(
-        &c,
-        "ImpVMClass",
-        "impvmclasses",
-        json!({"apiVersion": "imp.dev/v1alpha1", "kind": "ImpVMClass",
-               "metadata": {"name": "small"},
-               "spec": {"vcpu": 1, "memoryMiB": 256, "diskGiB": 1}}),
-    )
-    .await;
+    };
+    let (kube, c, alice) = (env.kube, env.client, env.exec_kubeconfig);
     let registry = TestRegistry::start().await.unwrap();
     let image = format!("{}/counter:1", registry.host());
     let layout = scratch_dir("imp-snapshot-e2e-layout").unwrap();

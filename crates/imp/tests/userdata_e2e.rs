@@ -137,26 +137,10 @@ async fn exec(kubeconfig: &Path, vm: &str, script: &str) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn user_data_runs_before_the_workload_and_what_is_wrong_is_named() {
     let _run = common::test_run("userdata_e2e", Duration::from_secs(600));
-    if common::guest_boot_ready().is_none() {
+    let Some(env) = common::agent::single_node(NS, NODE, 256).await else {
         return;
-    }
-    let _ = rustls::crypto::ring::default_provider().install_default();
-    if common::control_plane_ready().is_none() {
-        return;
-    }
-    let kube = common::cluster(&[NS, "imp-system"]).await;
-    let (alice, _) = common::exec_users(&kube, NS).await;
-    let c = kube.client.clone();
-    common::ready_node(&c, NODE).await;
-    common::create_imp(
-        &c,
-        "ImpVMClass",
-        "impvmclasses",
-        json!({"apiVersion": "imp.dev/v1alpha1", "kind": "ImpVMClass",
-               "metadata": {"name": "small"},
-               "spec": {"vcpu": 1, "memoryMiB": 256, "diskGiB": 1}}),
-    )
-    .await;
+    };
+    let (kube, c, alice) = (env.kube, env.client, env.exec_kubeconfig);
     let registry = TestRegistry::start().await.unwrap();
     let image = format!("{}/userdata:1", registry.host());
     let layout = scratch_dir("imp-userdata-e2e-layout").unwrap();

@@ -76,3 +76,40 @@ impl Drop for HostAgent {
         super::remove_agent_leftovers(&self.state, &self.cgroup_parent);
     }
 }
+
+/// A guest test's cluster with one node: the control plane (with namespace `ns`), `exec_users`'
+/// kubeconfig for `ns`, node `node` Ready, and class `small` (1 vCPU, `memory_mib`, 1 GiB disk).
+pub struct SingleNode {
+    /// The control plane.
+    pub kube: super::Cluster,
+    /// An admin client.
+    pub client: kube::Client,
+    /// A kubeconfig of a token user allowed to exec into `ns`'s VMs.
+    pub exec_kubeconfig: PathBuf,
+}
+
+/// [`SingleNode`], or `None` when a guest cannot boot or the control plane is not built (the
+/// test skips; under `CI=true` the checks fail instead).
+pub async fn single_node(ns: &str, node: &str, memory_mib: u32) -> Option<SingleNode> {
+    super::guest_boot_ready()?;
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    super::control_plane_ready()?;
+    let kube = super::cluster(&[ns, "imp-system"]).await;
+    let (exec_kubeconfig, _) = super::exec_users(&kube, ns).await;
+    let client = kube.client.clone();
+    super::ready_node(&client, node).await;
+    super::create_imp(
+        &client,
+        "ImpVMClass",
+        "impvmclasses",
+        serde_json::json!({"apiVersion": "imp.dev/v1alpha1", "kind": "ImpVMClass",
+               "metadata": {"name": "small"},
+               "spec": {"vcpu": 1, "memoryMiB": memory_mib, "diskGiB": 1}}),
+    )
+    .await;
+    Some(SingleNode {
+        kube,
+        client,
+        exec_kubeconfig,
+    })
+}
