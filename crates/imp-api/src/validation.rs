@@ -160,7 +160,37 @@ pub fn vm_update(old: &ImpVMSpec, new: &ImpVMSpec) -> Result<(), ValidationError
             ),
         );
     }
+    if let (Some(node), Some(_)) = (&old.node_name, &new.node_name) {
+        for field in fixed_once_placed(old, new) {
+            e.push(
+                field,
+                format!(
+                    "cannot change while the VM is placed on node {node} (it was booked with the \
+                     old value); delete and recreate the VM to change it"
+                ),
+            );
+        }
+    }
     e.into_result()
+}
+
+/// The fields of a placed VM's spec that changed from `old` to `new` and that a placed VM
+/// cannot take: what it was sized, networked or restored with. (Image, env, envFrom, userData,
+/// probes, restartPolicy and expireAfter are rolled into its booking by the operator.)
+fn fixed_once_placed(old: &ImpVMSpec, new: &ImpVMSpec) -> Vec<&'static str> {
+    let mut changed = Vec::new();
+    let mut check = |field, differs: bool| {
+        if differs {
+            changed.push(field);
+        }
+    };
+    check("spec.classRef", old.class_ref != new.class_ref);
+    check("spec.templateRef", old.template_ref != new.template_ref);
+    check("spec.networkRef", old.network_ref != new.network_ref);
+    check("spec.networkGroup", old.network_group != new.network_group);
+    check("spec.lifecycle", old.lifecycle != new.lifecycle);
+    check("spec.snapshotRef", old.snapshot_ref != new.snapshot_ref);
+    changed
 }
 
 /// Validates an ImpVMClass spec.
@@ -1033,6 +1063,35 @@ mod tests {
             msg(vm_update(&on(Some("a")), &on(Some("b"))))
                 .starts_with("spec.nodeName: cannot move from a to b")
         );
+    }
+
+    #[test]
+    fn a_placed_vm_keeps_what_it_was_booked_with_but_may_roll_its_image() {
+        let placed = ImpVMSpec {
+            node_name: Some("n1".into()),
+            ..vm_spec()
+        };
+        let mut other_class = placed.clone();
+        other_class.class_ref = Some(crate::shared::ClusterObjectRef {
+            name: "large".into(),
+        });
+        other_class.lifecycle = crate::shared::VmLifecycle::Persistent;
+        let m = msg(vm_update(&placed, &other_class));
+        assert!(
+            m.contains("spec.classRef: cannot change while the VM is placed on node n1")
+                && m.contains("spec.lifecycle: cannot change"),
+            "{m}"
+        );
+        // Not placed yet: anything goes.
+        let mut unplaced = placed.clone();
+        unplaced.node_name = None;
+        let mut changed = other_class.clone();
+        changed.node_name = None;
+        assert_eq!(vm_update(&unplaced, &changed), Ok(()));
+        // The image rolls (the operator restarts the VM with it).
+        let mut new_image = placed.clone();
+        new_image.image = Some("registry.example/app:2".into());
+        assert_eq!(vm_update(&placed, &new_image), Ok(()));
     }
 
     #[test]

@@ -288,9 +288,18 @@ pub struct Booking {
     /// The ImpVMClass's spec at placement (vCPU, memory, disk, runtime, probes…).
     #[schemars(transform = crate::schema::opaque_object)]
     pub class: crate::class::ImpVMClassSpec,
-    /// The VM's spec with its template applied, at placement.
+    /// The VM's spec with its template applied, at placement, and the changes of the VM's own
+    /// spec rolled in since (a change of image, env, envFrom or userData restarts the VM).
     #[schemars(transform = crate::schema::opaque_object)]
     pub spec: ImpVMSpec,
+    /// How many restarting changes of the VM's own spec were rolled into the booking; the node
+    /// agent boots the VM again when it changes.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub revision: u32,
+}
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
 }
 
 impl Booking {

@@ -458,6 +458,7 @@ mod tests {
                 ..Default::default()
             },
             spec: v.spec.clone(),
+            revision: 0,
         });
         let mut l = Ledger::default();
         l.observe("ns/a", &v, None);

@@ -7,6 +7,8 @@
 //! (an HTTP GET the guest makes to its own port) keeps `Healthy` True until the server is
 //! killed, when the agent stops the VM as failed (`ProbeFailed`, an Event naming the probe and
 //! what it saw) and its restart policy boots it again: a new QEMU, `restartCount` 1, healthy.
+//! Then its own image is changed: the operator rolls the change into its booking and the agent
+//! boots it again with the new image (a `SpecChanged` Event, a new QEMU, `restartCount` still 1).
 //!
 //! Needs what `agent_e2e.rs` needs (`scripts/setup`): without it, it skips on a developer
 //! machine and fails under `CI=true`.
@@ -23,12 +25,17 @@ use imp_api::vm::{ImpVM, VmPhase};
 use imp_testenv::registry::scratch_dir;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use kube::ResourceExt;
-use kube::api::{Api, PostParams};
+use kube::api::{Api, Patch, PatchParams, PostParams};
 use serde_json::json;
 
 const NS: &str = "default";
 const VM: &str = "probed";
 const NODE: &str = "probe-node";
+
+/// What the workload and the probes run.
+const APPLETS: &[&str] = &[
+    "sh", "sleep", "mkdir", "echo", "httpd", "touch", "rm", "test", "killall", "true",
+];
 
 /// Serves /www on 8080, marks itself started after 4 s, then idles.
 const WORKLOAD: &str = "mkdir -p /www && echo ok > /www/index.html && httpd -p 8080 -h /www && \
@@ -56,14 +63,9 @@ async fn probes_gate_readiness_flip_it_and_restart_a_vm_whose_liveness_fails() {
     };
     let (kube, c, alice) = (env.kube, env.client, env.exec_kubeconfig);
     let layout = scratch_dir("imp-probes-e2e-layout").unwrap();
-    common::busybox_image(
-        &[
-            "sh", "sleep", "mkdir", "echo", "httpd", "touch", "rm", "test", "killall", "true",
-        ],
-        "eval \"$SCRIPT\"",
-    )
-    .write_layout(&layout, "1")
-    .unwrap();
+    common::busybox_image(APPLETS, "eval \"$SCRIPT\"")
+        .write_layout(&layout, "1")
+        .unwrap();
     let image = format!("oci:{}:1", layout.display());
 
     let _operator = common::start_operator(kube.operator_kubeconfig());
@@ -173,5 +175,46 @@ async fn probes_gate_readiness_flip_it_and_restart_a_vm_whose_liveness_fails() {
         restarted.name_any(),
         condition(&restarted, "Ready").map(|c| (c.status, c.reason))
     );
+
+    // A rolled image change: the VM's own image moves to one that has `id` (the first lacks
+    // it); the operator books it and the agent boots the VM again with it, on its node. A
+    // rollout is no failure: restartCount stays.
+    let layout2 = scratch_dir("imp-probes-e2e-layout2").unwrap();
+    common::busybox_image(&[APPLETS, &["id"]].concat(), "eval \"$SCRIPT\"")
+        .write_layout(&layout2, "1")
+        .unwrap();
+    let image2 = format!("oci:{}:1", layout2.display());
+    let patch = json!({"spec": {"image": image2}});
+    vms.patch(VM, &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+        .unwrap();
+    let rolled = common::wait_vm(&vms, VM, "Running again with the new image", 300, |v| {
+        let booking = v.status.as_ref().and_then(|s| s.booking.as_ref());
+        booking.is_some_and(|b| b.revision == 1 && b.spec.image.as_deref() == Some(&image2))
+            && phase(v) == Some(VmPhase::Running)
+            && is(v, "Started", "True", "ProbeSucceeded")
+    })
+    .await;
+    assert_eq!(
+        rolled.status.as_ref().unwrap().restart_count,
+        Some(1),
+        "a rollout counted as a failure"
+    );
+    let events = common::events_with(&c, NS, VM, &["SpecChanged"]).await;
+    assert!(
+        events
+            .iter()
+            .filter_map(|e| e.message.as_deref())
+            .any(|m| m.starts_with(
+                "image changed: restarting the VM with the new spec (booking revision 1)"
+            )),
+        "{events:?}"
+    );
+    let rolled_qemu = common::qemu_of(&agent.state, &uid);
+    assert_eq!(rolled_qemu.len(), 1, "{rolled_qemu:?}");
+    assert_ne!(rolled_qemu, new_qemu, "the VM was not booted again");
+    let id = exec_in(&alice, NS, VM, "id -u").await;
+    assert_eq!(id.trim(), "0", "the guest runs the old image: {id}");
     let _ = std::fs::remove_dir_all(&layout);
+    let _ = std::fs::remove_dir_all(&layout2);
 }

@@ -201,6 +201,7 @@ mod tests {
             name: "web".into(),
             uid: "0a-uid".into(),
             attempt: 2,
+            revision: 0,
         }
     }
 

@@ -3,7 +3,9 @@
 //!
 //! The contract with the operator (see `imp_operator::controller`): the agent acts on VMs whose
 //! `spec.nodeName` is its node; it starts a `Scheduled` VM whose `status.startedAt` is unset
-//! (the operator clears it when it restarts a VM in place), writes `Starting` → `Running` →
+//! (the operator clears it when it restarts a VM in place, with a new `restartCount`, or rolls
+//! a change of its spec into its booking, with a new `booking.revision`: a boot of another
+//! attempt or revision that still runs is stopped first), writes `Starting` → `Running` →
 //! `Succeeded`/`Failed`, and on deletion stops and removes the VM and then clears
 //! `spec.nodeName`, the marker that lets the operator drop its finalizer.
 //!
@@ -29,6 +31,8 @@ pub struct Observed {
     pub started: bool,
     /// `status.restartCount` (0 when unset): which attempt the operator asks for.
     pub attempt: i32,
+    /// `status.booking.revision` (0 when unset): which rollout of the VM's spec it asks for.
+    pub revision: u32,
     /// `spec.lifecycle` is ephemeral (a job) rather than persistent.
     pub ephemeral: bool,
     /// `spec.desiredState` is `Suspended`.
@@ -60,6 +64,10 @@ pub struct Local<'a> {
 impl Local<'_> {
     fn attempt(&self) -> i32 {
         self.record.owner.as_ref().map_or(0, |o| o.attempt)
+    }
+
+    fn revision(&self) -> u32 {
+        self.record.owner.as_ref().map_or(0, |o| o.revision)
     }
 }
 
@@ -164,9 +172,13 @@ pub fn decide(vm: &Observed, local: Option<Local<'_>>) -> Decision {
         return Decision::ColdBoot { why };
     }
     match local {
-        Some(l) if fresh_request && l.attempt() != vm.attempt => Decision::Start {
-            clear_previous: true,
-        },
+        // Another attempt (a restart), or the same with a changed spec rolled in: the boot
+        // that runs gives way to the new one.
+        Some(l) if fresh_request && (l.attempt(), l.revision()) != (vm.attempt, vm.revision) => {
+            Decision::Start {
+                clear_previous: true,
+            }
+        }
         Some(l) if fresh_request && !l.shim_alive && l.record.status.is_final() => {
             // The same attempt ended, but the API still says Scheduled: our earlier status
             // write was lost. Report the end rather than booting the attempt twice.
@@ -402,6 +414,7 @@ pub(crate) mod tests {
             deleting: false,
             started,
             attempt: 0,
+            revision: 0,
             ephemeral: true,
             suspend_wanted: false,
             scale_to_zero: false,
@@ -441,6 +454,7 @@ pub(crate) mod tests {
                 name: "vm".into(),
                 uid: "uid-1".into(),
                 attempt,
+                revision: 0,
             }),
         }
     }
@@ -762,6 +776,26 @@ pub(crate) mod tests {
             Decision::Start {
                 clear_previous: true
             }
+        );
+    }
+
+    #[test]
+    fn a_rolled_spec_change_gives_the_running_boot_way_to_a_new_one() {
+        let running = record(VmStatus::Running, 0);
+        let mut v = vm(VmPhase::Scheduled, false);
+        v.revision = 1;
+        assert_eq!(
+            decide(&v, local(&running, true)),
+            Decision::Start {
+                clear_previous: true
+            }
+        );
+        // Once started (startedAt written), the new boot is reported, never booted twice.
+        let mut new_boot = record(VmStatus::Running, 0);
+        new_boot.owner.as_mut().unwrap().revision = 1;
+        assert_eq!(
+            decide(&v, local(&new_boot, true)),
+            Decision::Report(Report::Running)
         );
     }
 

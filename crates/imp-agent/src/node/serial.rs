@@ -462,6 +462,7 @@ mod tests {
             name: name.into(),
             uid: uid.into(),
             attempt: 0,
+            revision: 0,
         });
         r
     }

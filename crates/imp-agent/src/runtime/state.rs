@@ -472,6 +472,10 @@ pub struct Owner {
     /// The restart attempt (`status.restartCount`) this VM was started for.
     #[serde(default)]
     pub attempt: i32,
+    /// The booking revision (`status.booking.revision`: changes of the VM's spec rolled in by
+    /// the operator) this VM was started with.
+    #[serde(default)]
+    pub revision: u32,
 }
 
 /// One VM, as written by its shim (the supervisor process that owns the VMM).

@@ -224,6 +224,7 @@ fn book(vm: &ImpVM, status: &ImpVMStatus, resolved: &Result<Resolved, MissingRef
     status.booking = Some(imp_api::vm::Booking {
         class: r.class.clone(),
         spec: r.spec.clone(),
+        revision: 0,
     });
     Some(Plan {
         status: Some(status),
@@ -391,6 +392,9 @@ fn on_node(vm: &ImpVM, mut status: ImpVMStatus, node: &str, w: &World) -> Plan {
     if phase == VmPhase::Starting && lifecycle::start_timed_out(started, w.now, s.start_timeout) {
         return start_timeout(vm, status, node, w);
     }
+    if let Some(plan) = roll(vm, &status, w) {
+        return plan;
+    }
     let mut requeue = match phase {
         VmPhase::Running => s.requeue_running,
         _ => s.requeue_active,
@@ -414,6 +418,50 @@ fn on_node(vm: &ImpVM, mut status: ImpVMStatus, node: &str, w: &World) -> Plan {
         next: Next::Requeue(requeue),
         ..Plan::default()
     }
+}
+
+/// A running persistent VM whose own spec changed since it was booked: the change goes into
+/// its booking, and a change of what it boots with restarts it on its node with a new booking
+/// revision ([`super::rollout`]).
+fn roll(vm: &ImpVM, status: &ImpVMStatus, w: &World) -> Option<Plan> {
+    let booking = status.booking.as_ref()?;
+    let running = status.phase == Some(VmPhase::Running);
+    if !running || booking.spec.lifecycle != VmLifecycle::Persistent {
+        return None;
+    }
+    let r = super::rollout::rollout(&vm.spec, &booking.spec)?;
+    let what = r.changed.join(", ");
+    let mut status = status.clone();
+    let mut booked = booking.clone();
+    booked.spec = r.spec;
+    let note = if r.restart {
+        booked.revision += 1;
+        status.phase = Some(VmPhase::Scheduled);
+        run_again(&mut status);
+        set_cond(
+            &mut status,
+            ConditionType::Ready,
+            false,
+            ConditionReason::Waiting,
+            format!("restarting with the changed {what}"),
+            vm.metadata.generation,
+            w.now,
+        );
+        format!(
+            "{what} changed: restarting the VM with the new spec (booking revision {})",
+            booked.revision
+        )
+    } else {
+        format!("{what} changed: in effect without a restart")
+    };
+    status.booking = Some(booked);
+    Some(Plan {
+        status: Some(status),
+        doing: "rolling a spec change into",
+        event: Some(Note::normal("SpecChanged", note)),
+        next: Next::Requeue(w.settings.requeue_active),
+        ..Plan::default()
+    })
 }
 
 /// The `expireAfter` of a VM: from its resolved spec, else its booking, else its own spec.
@@ -755,6 +803,7 @@ mod tests {
             booking: node.map(|_| imp_api::vm::Booking {
                 class: resolved(ImpVMSpec::default()).unwrap().class,
                 spec: ImpVMSpec::default(),
+                revision: 0,
             }),
             ..Default::default()
         });
@@ -1182,5 +1231,68 @@ mod tests {
         let v = vm(Some("n1"), Some(VmPhase::Failed));
         let p = plan(decide_with(&v, &resolved(ImpVMSpec::default()), None, now));
         assert_eq!(p, Plan::stop(Next::AwaitChange));
+    }
+
+    #[test]
+    fn an_edit_of_a_running_persistent_vm_is_booked_and_restarts_it_when_it_boots_differently() {
+        let now = Timestamp::now();
+        let ready = node(true, now - Duration::from_secs(60));
+        let mut v = vm(Some("n1"), Some(VmPhase::Running));
+        let st = v.status.as_mut().unwrap();
+        st.started_at = Some(Time(now));
+        st.running_at = Some(Time(now));
+        let booking = st.booking.as_mut().unwrap();
+        booking.spec.lifecycle = VmLifecycle::Persistent;
+        booking.spec.image = Some("app:1".into());
+        let booked = booking.spec.clone();
+        v.spec.lifecycle = VmLifecycle::Persistent;
+        v.spec.image = Some("app:2".into());
+        let p = plan(decide_with(
+            &v,
+            &resolved(booked.clone()),
+            Some(&ready),
+            now,
+        ));
+        assert_eq!(phase(&p), Some(VmPhase::Scheduled), "{p:?}");
+        let st = p.status.clone().unwrap();
+        assert_eq!(st.started_at, None, "the agent starts the new boot");
+        assert!(
+            st.running_at.is_some(),
+            "expiry still counts from the first run"
+        );
+        let b = st.booking.unwrap();
+        assert_eq!((b.spec.image.as_deref(), b.revision), (Some("app:2"), 1));
+        let note = p.event.unwrap();
+        assert_eq!(note.reason, "SpecChanged");
+        assert!(
+            note.message.starts_with("image changed: restarting"),
+            "{}",
+            note.message
+        );
+
+        // A probe edit is booked without a restart.
+        let mut v2 = v.clone();
+        v2.spec.image = Some("app:1".into());
+        v2.spec.probes = Some(imp_api::shared::ProbeSpec::default());
+        let p = plan(decide_with(
+            &v2,
+            &resolved(booked.clone()),
+            Some(&ready),
+            now,
+        ));
+        assert_eq!(phase(&p), Some(VmPhase::Running));
+        assert_eq!(p.status.unwrap().booking.unwrap().revision, 0);
+
+        // An ephemeral VM is not rolled.
+        let mut job = v.clone();
+        job.spec.lifecycle = VmLifecycle::Ephemeral;
+        let b = job.status.as_mut().unwrap().booking.as_mut().unwrap();
+        b.spec.lifecycle = VmLifecycle::Ephemeral;
+        let spec = b.spec.clone();
+        let p = plan(decide_with(&job, &resolved(spec), Some(&ready), now));
+        assert!(
+            p.event.is_none() && phase(&p) == Some(VmPhase::Running),
+            "{p:?}"
+        );
     }
 }

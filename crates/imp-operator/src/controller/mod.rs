@@ -70,6 +70,7 @@ mod apply;
 mod decide;
 mod finalize;
 mod place;
+mod rollout;
 mod world;
 mod write;
 

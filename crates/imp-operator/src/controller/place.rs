@@ -192,6 +192,7 @@ impl Context {
                 let booked = imp_api::vm::Booking {
                     class: r.class.clone(),
                     spec: r.spec.clone(),
+                    revision: 0,
                 };
                 let status = placed_status(status, &node, booked, generation, now);
                 let vm = self

@@ -337,6 +337,7 @@ fn observed(vm: &ImpVM) -> Observed {
         deleting: vm.meta().deletion_timestamp.is_some(),
         started: status.started_at.is_some(),
         attempt: status.restart_count.unwrap_or(0),
+        revision: status.booking.as_ref().map_or(0, |b| b.revision),
         ephemeral: vm.spec.lifecycle == VmLifecycle::Ephemeral,
         suspend_wanted: vm.spec.desired_state == VmDesiredState::Suspended,
         scale_to_zero: vm.spec.desired_state == VmDesiredState::ScaleToZero,

@@ -239,6 +239,7 @@ pub(super) async fn start(ctx: &Context, vm: &ImpVM, uid: &str) -> Result<Action
         name: vm.name_any(),
         uid: uid.to_owned(),
         attempt: observed(vm).attempt,
+        revision: observed(vm).revision,
     };
     let choices = boot::Choices {
         runtime,
@@ -409,6 +410,7 @@ mod tests {
             booking: Some(imp_api::vm::Booking {
                 class: class.clone(),
                 spec: spec.clone(),
+                revision: 0,
             }),
             ..Default::default()
         });

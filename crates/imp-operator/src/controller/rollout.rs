@@ -1,0 +1,136 @@
+//! Changes of a placed VM's own spec, rolled into its booking (`status.booking`): the node
+//! agent boots exactly the booking, so an edit of the VM goes through here or nowhere.
+//!
+//! A field the VM sets itself that differs from its booking is taken into the booking. Image,
+//! env, envFrom and userData shape the boot: a change of one of them restarts a running
+//! persistent VM with the new spec (the booking's `revision` goes up, the phase back to
+//! `Scheduled`; the agent stops the old boot and starts the new one on the same node) with a
+//! Normal Event `SpecChanged`. Probes, restartPolicy, expireAfter and imagePullSecrets take
+//! effect without a restart. A field the VM does not set keeps its booked value (clearing the
+//! VM's `env` does not empty the booked one), and edits to the VM's class or template never
+//! reach a placed VM. What a placed VM was sized, networked or restored with (classRef,
+//! templateRef, networkRef, networkGroup, lifecycle, snapshotRef) cannot change: admission
+//! refuses it (`imp_api::validation::vm_update`).
+//!
+//! An ephemeral VM (a job) is never restarted for an edit: its changes are booked for a run
+//! that never comes, so they are not rolled at all.
+
+use imp_api::vm::ImpVMSpec;
+
+/// What an edit of a placed VM changes in its booking.
+#[derive(Debug, Clone, PartialEq)]
+pub(super) struct Rollout {
+    /// The booking's new spec.
+    pub spec: ImpVMSpec,
+    /// The fields that changed, as the VM's spec names them.
+    pub changed: Vec<&'static str>,
+    /// Whether the VM must boot again to take them.
+    pub restart: bool,
+}
+
+/// The rollout of `own` (the VM's spec now) into `booked` (its booking's spec), or `None` when
+/// every field the VM sets is booked as it is.
+pub(super) fn rollout(own: &ImpVMSpec, booked: &ImpVMSpec) -> Option<Rollout> {
+    let mut spec = booked.clone();
+    let mut changed = Vec::new();
+    let mut restart = false;
+    let mut take = |field: &'static str, boots: bool, differs: bool| {
+        if differs {
+            changed.push(field);
+            restart |= boots;
+        }
+        differs
+    };
+    if take(
+        "image",
+        true,
+        own.image.is_some() && own.image != booked.image,
+    ) {
+        spec.image.clone_from(&own.image);
+    }
+    if take("env", true, !own.env.is_empty() && own.env != booked.env) {
+        spec.env.clone_from(&own.env);
+    }
+    let env_from = !own.env_from.is_empty() && own.env_from != booked.env_from;
+    if take("envFrom", true, env_from) {
+        spec.env_from.clone_from(&own.env_from);
+    }
+    let user_data = own.user_data.is_some() && own.user_data != booked.user_data;
+    if take("userData", true, user_data) {
+        spec.user_data.clone_from(&own.user_data);
+    }
+    if take(
+        "probes",
+        false,
+        own.probes.is_some() && own.probes != booked.probes,
+    ) {
+        spec.probes.clone_from(&own.probes);
+    }
+    let policy = own.restart_policy.is_some() && own.restart_policy != booked.restart_policy;
+    if take("restartPolicy", false, policy) {
+        spec.restart_policy.clone_from(&own.restart_policy);
+    }
+    let expiry = own.expire_after.is_some() && own.expire_after != booked.expire_after;
+    if take("expireAfter", false, expiry) {
+        spec.expire_after.clone_from(&own.expire_after);
+    }
+    let secrets =
+        !own.image_pull_secrets.is_empty() && own.image_pull_secrets != booked.image_pull_secrets;
+    if take("imagePullSecrets", false, secrets) {
+        spec.image_pull_secrets.clone_from(&own.image_pull_secrets);
+    }
+    (!changed.is_empty()).then_some(Rollout {
+        spec,
+        changed,
+        restart,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use serde_json::json;
+
+    fn spec(v: serde_json::Value) -> ImpVMSpec {
+        serde_json::from_value(v).unwrap()
+    }
+
+    #[test]
+    fn an_image_or_env_edit_restarts_and_a_probe_edit_does_not() {
+        let booked = spec(
+            json!({"image": "app:1", "env": [{"name": "A", "value": "1"}],
+                                 "probes": {"httpCheck": {"enabled": true, "port": 80}}}),
+        );
+        let own = spec(json!({"image": "app:2", "env": [{"name": "A", "value": "1"}]}));
+        let r = rollout(&own, &booked).unwrap();
+        assert_eq!((r.changed.as_slice(), r.restart), (&["image"][..], true));
+        assert_eq!(r.spec.image.as_deref(), Some("app:2"));
+        assert!(
+            r.spec.probes.is_some(),
+            "a field the VM does not set keeps its booked value"
+        );
+
+        let own = spec(json!({"env": [{"name": "A", "value": "2"}],
+                              "probes": {"httpCheck": {"enabled": false}}}));
+        let r = rollout(&own, &booked).unwrap();
+        assert_eq!(r.changed, ["env", "probes"]);
+        assert!(r.restart);
+
+        let own = spec(json!({"probes": {"httpCheck": {"enabled": false}},
+                              "expireAfter": "1h"}));
+        let r = rollout(&own, &booked).unwrap();
+        assert_eq!(r.changed, ["probes", "expireAfter"]);
+        assert!(!r.restart, "probes and expiry need no new boot");
+        assert_eq!(r.spec.image.as_deref(), Some("app:1"));
+    }
+
+    #[test]
+    fn nothing_to_roll_when_the_vm_sets_only_what_is_booked() {
+        let booked = spec(json!({"image": "app:1", "env": [{"name": "A", "value": "1"}]}));
+        assert_eq!(rollout(&spec(json!({"image": "app:1"})), &booked), None);
+        // Inherited from a template (the VM sets no image): an edit of the template is not the
+        // VM's, and its booking stands.
+        assert_eq!(rollout(&spec(json!({})), &booked), None);
+    }
+}
