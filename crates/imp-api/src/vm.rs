@@ -295,10 +295,10 @@ pub struct Booking {
     /// How many restarting changes of the VM's own spec were rolled into the booking; the node
     /// agent boots the VM again when it changes.
     #[serde(default, skip_serializing_if = "is_zero")]
-    pub revision: u32,
+    pub revision: i64,
 }
 
-fn is_zero(n: &u32) -> bool {
+fn is_zero(n: &i64) -> bool {
     *n == 0
 }
 

@@ -456,6 +456,13 @@ async fn impvms_boot_end_survive_an_agent_restart_and_clean_up_on_their_nodes() 
         guest_gauge(&metrics, memory, "slow", "node-a").is_none(),
         "a VM still starting has figures"
     );
+    // Each VM's phase, as the Go agent's imp_vm_state showed it (one series per VM).
+    for (vm, state) in [("svc", "Running"), ("slow", "Starting")] {
+        let series = format!(
+            "imp_vm_state{{impvm=\"{vm}\",namespace=\"{NS}\",node=\"node-a\",state=\"{state}\"}} 1"
+        );
+        assert!(metrics.contains(&series), "no {series} in\n{metrics}");
+    }
     // `imp top` as bob, who may read the VMs (list impvms) but not exec into them.
     let out = imp_as("bob-token", &["top", "-n", NS]);
     let text = String::from_utf8_lossy(&out.stdout).into_owned();

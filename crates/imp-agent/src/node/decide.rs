@@ -32,7 +32,7 @@ pub struct Observed {
     /// `status.restartCount` (0 when unset): which attempt the operator asks for.
     pub attempt: i32,
     /// `status.booking.revision` (0 when unset): which rollout of the VM's spec it asks for.
-    pub revision: u32,
+    pub revision: i64,
     /// `spec.lifecycle` is ephemeral (a job) rather than persistent.
     pub ephemeral: bool,
     /// `spec.desiredState` is `Suspended`.
@@ -66,7 +66,7 @@ impl Local<'_> {
         self.record.owner.as_ref().map_or(0, |o| o.attempt)
     }
 
-    fn revision(&self) -> u32 {
+    fn revision(&self) -> i64 {
         self.record.owner.as_ref().map_or(0, |o| o.revision)
     }
 }

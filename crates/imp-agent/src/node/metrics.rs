@@ -64,6 +64,15 @@ struct DescriptorLabels {
     descriptor: String,
 }
 
+/// The labels of `imp_vm_state`: a VM and its phase, as the Go agent named them.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct StateLabels {
+    impvm: String,
+    namespace: String,
+    node: String,
+    state: String,
+}
+
 /// The labels of a VM's guest figures, as the Go agent named them.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct GuestLabels {
@@ -178,7 +187,9 @@ impl Trigger {
 pub struct Metrics {
     registry: Registry,
     vms: Family<PhaseLabels, Gauge>,
-    phases: Mutex<BTreeMap<String, VmPhase>>,
+    states: Family<StateLabels, Gauge>,
+    /// Each VM's labels and phase, by uid.
+    phases: Mutex<BTreeMap<String, (GuestLabels, VmPhase)>>,
     start_steps: Family<StepLabels, Histogram>,
     exec_sessions: Gauge,
     console_streams: Gauge,
@@ -213,6 +224,12 @@ impl Metrics {
         let mut registry = Registry::default();
         let vms = Family::<PhaseLabels, Gauge>::default();
         registry.register("imp_agent_vms", "ImpVMs on this node by phase", vms.clone());
+        let states = Family::<StateLabels, Gauge>::default();
+        registry.register(
+            "imp_vm_state",
+            "1 for each ImpVM on this node, labelled with its phase (the Go agent's name)",
+            states.clone(),
+        );
         let start_steps = Family::<StepLabels, Histogram>::new_with_constructor(|| {
             Histogram::new(exponential_buckets(0.05, 2.0, 14))
         });
@@ -282,6 +299,7 @@ impl Metrics {
             sleeper_holds,
             suspend_time,
             resume_time,
+            states,
             phases: Mutex::new(BTreeMap::new()),
             start_steps,
             exec_sessions,
@@ -290,16 +308,26 @@ impl Metrics {
         }
     }
 
-    /// Records VM `uid`'s phase (`None`: the VM left the node).
-    pub fn set_phase(&self, uid: &str, phase: Option<VmPhase>) {
+    /// Records VM `uid`'s phase (`None`: the VM left the node): `imp_agent_vms` counts the
+    /// VMs per phase, `imp_vm_state` shows each VM's with a 1 (no series of a VM that left).
+    pub fn set_phase(&self, uid: &str, vm: Option<(&GuestLabels, VmPhase)>) {
         let mut phases = lock(&self.phases);
-        match phase {
-            Some(p) => phases.insert(uid.to_owned(), p),
+        match vm {
+            Some((labels, p)) => phases.insert(uid.to_owned(), (labels.clone(), p)),
             None => phases.remove(uid),
         };
         let mut counts: BTreeMap<&'static str, i64> = BTreeMap::new();
-        for p in phases.values() {
+        self.states.clear();
+        for (labels, p) in phases.values() {
             *counts.entry(p.as_str()).or_default() += 1;
+            self.states
+                .get_or_create(&StateLabels {
+                    impvm: labels.impvm.clone(),
+                    namespace: labels.namespace.clone(),
+                    node: labels.node.clone(),
+                    state: p.as_str().to_owned(),
+                })
+                .set(1);
         }
         self.vms.clear();
         for (phase, n) in counts {
@@ -501,10 +529,15 @@ mod tests {
     #[test]
     fn phases_are_counted_per_vm_and_steps_observed() {
         let m = Metrics::new();
-        m.set_phase("a", Some(VmPhase::Running));
-        m.set_phase("b", Some(VmPhase::Running));
-        m.set_phase("c", Some(VmPhase::Starting));
-        m.set_phase("c", Some(VmPhase::Running));
+        let vm = |name: &str| GuestLabels {
+            impvm: name.into(),
+            namespace: "ns".into(),
+            node: "n1".into(),
+        };
+        m.set_phase("a", Some((&vm("a"), VmPhase::Running)));
+        m.set_phase("b", Some((&vm("b"), VmPhase::Running)));
+        m.set_phase("c", Some((&vm("c"), VmPhase::Starting)));
+        m.set_phase("c", Some((&vm("c"), VmPhase::Running)));
         m.set_phase("b", None);
         m.observe_start(&Timings {
             image_ms: 100,
@@ -538,6 +571,20 @@ mod tests {
             "{text}"
         );
         assert!(!text.contains("phase=\"Starting\""), "{text}");
+        assert!(
+            text.contains(
+                "imp_vm_state{impvm=\"c\",namespace=\"ns\",node=\"n1\",state=\"Running\"} 1"
+            ),
+            "{text}"
+        );
+        assert!(
+            !text.contains("state=\"Starting\""),
+            "a VM's old phase stays: {text}"
+        );
+        assert!(
+            !text.contains("impvm=\"b\""),
+            "a VM that left stays: {text}"
+        );
         assert!(
             text.contains("imp_agent_start_duration_seconds_sum{step=\"total\"} 1.0"),
             "{text}"

@@ -475,7 +475,7 @@ pub struct Owner {
     /// The booking revision (`status.booking.revision`: changes of the VM's spec rolled in by
     /// the operator) this VM was started with.
     #[serde(default)]
-    pub revision: u32,
+    pub revision: i64,
 }
 
 /// One VM, as written by its shim (the supervisor process that owns the VMM).

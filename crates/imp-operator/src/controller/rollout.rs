@@ -41,12 +41,14 @@ pub(super) fn rollout(own: &ImpVMSpec, booked: &ImpVMSpec) -> Option<Rollout> {
         }
         differs
     };
+    // An empty image counts as unset, as in resolution.
+    let image = own.image.as_deref().filter(|i| !i.is_empty());
     if take(
         "image",
         true,
-        own.image.is_some() && own.image != booked.image,
+        image.is_some() && image != booked.image.as_deref(),
     ) {
-        spec.image.clone_from(&own.image);
+        spec.image = image.map(str::to_owned);
     }
     if take("env", true, !own.env.is_empty() && own.env != booked.env) {
         spec.env.clone_from(&own.env);
@@ -132,5 +134,6 @@ mod tests {
         // Inherited from a template (the VM sets no image): an edit of the template is not the
         // VM's, and its booking stands.
         assert_eq!(rollout(&spec(json!({})), &booked), None);
+        assert_eq!(rollout(&spec(json!({"image": ""})), &booked), None);
     }
 }

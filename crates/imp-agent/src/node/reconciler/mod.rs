@@ -367,7 +367,12 @@ pub async fn reconcile(vm: Arc<ImpVM>, ctx: Arc<Context>) -> Result<Action, Erro
     });
     let decision = decide::decide(&obs, here);
     tracing::debug!(vm = %key(&vm), node = %ctx.settings.node, ?decision, "reconcile");
-    ctx.metrics.set_phase(&uid, Some(obs.phase));
+    let labels = super::metrics::GuestLabels {
+        impvm: vm.name_any(),
+        namespace: vm.namespace().unwrap_or_default(),
+        node: ctx.settings.node.clone(),
+    };
+    ctx.metrics.set_phase(&uid, Some((&labels, obs.phase)));
     let sleeper = decide::wants_sleeper(&obs, here) && decision != Decision::Resume;
     let unheld = !sync_sleeper(&ctx, &vm, &uid, sleeper, facts.tap.as_ref(), &decision).await;
     // Probes run while the VM runs: never while it starts, sleeps, ends or goes.
