@@ -28,6 +28,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use imp_api::shared::{HttpCheckSpec, Probe, ProbeSpec};
+use imp_proto::{HttpGetRequest, HttpGetResult};
 
 use crate::runtime::guest_agent;
 
@@ -201,16 +202,38 @@ pub async fn call(p: &Probe, target: &Target) -> (bool, String) {
     let Ok(port) = u16::try_from(http.port) else {
         return (false, format!("port {} is out of range", http.port));
     };
-    let request = imp_proto::HttpGetRequest {
+    let shown = format!("GET 127.0.0.1:{port}{}", http.path);
+    match get_in_guest(target, port, &http.path).await {
+        Ok(r) => (r.ok(), format!("{shown}: {}", r.detail)),
+        Err(e) => (false, format!("{shown}: {e}")),
+    }
+}
+
+/// Has the guest GET its own `127.0.0.1:port` + `path` through its guest agent, within
+/// [`CALL_TIMEOUT`] in all (the GET itself gets half a second less, so its answer comes back
+/// in time); the error is the cause chain.
+async fn get_in_guest(target: &Target, port: u16, path: &str) -> Result<HttpGetResult, String> {
+    let request = HttpGetRequest {
         port,
-        path: http.path.clone(),
+        path: path.to_owned(),
         timeout_ms: u64::try_from(CALL_TIMEOUT.as_millis()).unwrap_or(5000) - 500,
     };
-    let shown = format!("GET 127.0.0.1:{port}{}", http.path);
-    match guest_agent::http_get(&target.vsock, target.port, request, CALL_TIMEOUT).await {
-        Ok(r) => (r.ok(), format!("{shown}: {}", r.detail)),
-        Err(e) => (false, format!("{shown}: {}", crate::chain::chain(&e))),
-    }
+    guest_agent::http_get(&target.vsock, target.port, request, CALL_TIMEOUT)
+        .await
+        .map_err(|e| crate::chain::chain(&e))
+}
+
+/// GETs `path` from `addr` on the node, off the runtime, within [`CALL_TIMEOUT`].
+async fn get_from_node(addr: SocketAddr, path: &str) -> Result<HttpGetResult, String> {
+    let request = HttpGetRequest {
+        port: addr.port(),
+        path: path.to_owned(),
+        timeout_ms: 0,
+    };
+    request.validate()?;
+    tokio::task::spawn_blocking(move || imp_proto::http::get(addr, &request.path, CALL_TIMEOUT))
+        .await
+        .map_err(|e| format!("the check's thread ended: {e}"))
 }
 
 /// One HTTP check `c` of the VM at `target`: whether it passed (2xx) and what it saw.
@@ -222,42 +245,26 @@ pub async fn check(c: &HttpCheckSpec, target: &Target) -> (bool, String) {
     else {
         return (false, "httpCheck has no port to check".into());
     };
-    let passed = |r: &imp_proto::HttpGetResult| r.status.is_some_and(|s| (200..300).contains(&s));
-    if target.check_in_guest {
-        let request = imp_proto::HttpGetRequest {
-            port,
-            path: c.path.clone(),
-            timeout_ms: u64::try_from(CALL_TIMEOUT.as_millis()).unwrap_or(5000) - 500,
-        };
+    let passed = |r: &HttpGetResult| r.status.is_some_and(|s| (200..300).contains(&s));
+    let (shown, got) = if target.check_in_guest {
         let shown = format!("GET 127.0.0.1:{port}{} (in the guest)", c.path);
-        return match guest_agent::http_get(&target.vsock, target.port, request, CALL_TIMEOUT).await
-        {
-            Ok(r) => (passed(&r), format!("{shown}: {}", r.detail)),
-            Err(e) => (false, format!("{shown}: {}", crate::chain::chain(&e))),
+        (shown, get_in_guest(target, port, &c.path).await)
+    } else {
+        let Some(ip) = target.address else {
+            return (
+                false,
+                "the VM has no address to check (it is on no network)".into(),
+            );
         };
-    }
-    let Some(ip) = target.address else {
-        return (
-            false,
-            "the VM has no address to check (it is on no network)".into(),
-        );
+        let addr = SocketAddr::from((ip, port));
+        (
+            format!("GET {addr}{}", c.path),
+            get_from_node(addr, &c.path).await,
+        )
     };
-    let addr = SocketAddr::from((ip, port));
-    let shown = format!("GET {addr}{}", c.path);
-    if let Err(why) = (imp_proto::HttpGetRequest {
-        port,
-        path: c.path.clone(),
-        timeout_ms: 0,
-    })
-    .validate()
-    {
-        return (false, format!("{shown}: {why}"));
-    }
-    let path = c.path.clone();
-    match tokio::task::spawn_blocking(move || imp_proto::http::get(addr, &path, CALL_TIMEOUT)).await
-    {
+    match got {
         Ok(r) => (passed(&r), format!("{shown}: {}", r.detail)),
-        Err(e) => (false, format!("{shown}: the check's thread ended: {e}")),
+        Err(e) => (false, format!("{shown}: {e}")),
     }
 }
 
