@@ -571,18 +571,20 @@ mod tests {
     }
 
     /// A server on loopback answering each connection with the next of `answers`.
-    fn serve(answers: &'static [&'static [u8]]) -> u16 {
+    /// Serves `answers` one connection each, then closes the listener: joining the
+    /// handle means nobody listens on the port any more.
+    fn serve(answers: &'static [&'static [u8]]) -> (u16, std::thread::JoinHandle<()>) {
         use std::io::{Read, Write};
         let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let port = l.local_addr().unwrap().port();
-        std::thread::spawn(move || {
+        let server = std::thread::spawn(move || {
             for answer in answers {
                 let (mut c, _) = l.accept().unwrap();
                 let _ = c.read(&mut [0u8; 512]).unwrap();
                 c.write_all(answer).unwrap();
             }
         });
-        port
+        (port, server)
     }
 
     fn http_check(port: Option<i32>) -> HttpCheckSpec {
@@ -600,7 +602,7 @@ mod tests {
 
     #[tokio::test]
     async fn an_http_check_gets_the_vms_address_from_the_node_and_only_2xx_passes() {
-        let port = serve(&[b"HTTP/1.1 200 OK\r\n\r\n", b"HTTP/1.1 302 Found\r\n\r\n"]);
+        let (port, server) = serve(&[b"HTTP/1.1 200 OK\r\n\r\n", b"HTTP/1.1 302 Found\r\n\r\n"]);
         let target = node_side(Some(Ipv4Addr::LOCALHOST));
         let c = http_check(Some(i32::from(port)));
         let (ok, seen) = check(&c, &target).await;
@@ -611,7 +613,9 @@ mod tests {
         );
         let (ok, seen) = check(&c, &target).await;
         assert!(!ok, "a redirect is no health: {seen}");
-        // Nobody listens any more.
+        // The check may have read its answer before the server let go of the listener:
+        // wait for that, or the next connection lands in its backlog and is reset.
+        server.join().unwrap();
         let (ok, seen) = check(&c, &target).await;
         assert!(!ok && seen.contains("connecting"), "{seen}");
     }
