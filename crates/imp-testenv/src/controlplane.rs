@@ -1,10 +1,11 @@
-//! A real Kubernetes control plane for tests: etcd, kube-apiserver and kube-controller-manager,
-//! built from pinned Go modules by `scripts/kube/build`, started on free loopback ports (or on an
-//! address inside a test's network namespaces) with the production semantics imp depends on:
-//! TLS with a CA of its own, client-certificate users (an admin in `system:masters`), RBAC,
-//! ServiceAccount tokens from the TokenRequest API, CRD schema and CEL checks, admission
-//! webhooks called by the server itself, watch caches, and the namespace, garbage-collector and
-//! ServiceAccount controllers.
+//! A real Kubernetes control plane for tests: etcd, kube-apiserver and kube-controller-manager
+//! (and kube-scheduler when a test asks, [`Options::scheduler`]), built from pinned Go modules
+//! by `scripts/kube/build`, started on free loopback ports (or on an address inside a test's
+//! network namespaces) with the production semantics imp depends on: TLS with a CA of its own,
+//! client-certificate users (an admin in `system:masters`), RBAC, ServiceAccount tokens from the
+//! TokenRequest API, CRD schema and CEL checks, admission webhooks called by the server itself,
+//! ResourceQuota admission, watch caches, and the namespace, garbage-collector, ServiceAccount
+//! and ResourceQuota controllers.
 //!
 //! One control plane per test binary is the usual shape ([`ControlPlane::shared`]), with a
 //! namespace per test; a test that needs the server on its own address (namespaces as nodes)
@@ -18,9 +19,10 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::authentication::v1::TokenRequest;
-use k8s_openapi::api::core::v1::{Namespace, ServiceAccount};
+use k8s_openapi::api::core::v1::{Container, Namespace, Pod, PodSpec, ServiceAccount};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
-use kube::api::{Api, PostParams};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use kube::api::{Api, DeleteParams, PostParams};
 
 use crate::kubeconfig::{self, Credential};
 use crate::pki::{self, Pki};
@@ -123,11 +125,24 @@ pub struct Options {
     /// The release.
     pub release: Release,
     /// Whether to run kube-controller-manager (namespace deletion, garbage collection, default
-    /// ServiceAccounts). Ignored (off) for [`Release::Oldest`].
+    /// ServiceAccounts, ResourceQuota `status.hard`/`used`). Ignored (off) for
+    /// [`Release::Oldest`].
     pub controller_manager: bool,
+    /// Whether to run kube-scheduler (default profile, no leader election, no serving port), so
+    /// Pods without `spec.nodeName` are bound to Nodes with room for their requests, counting
+    /// the Pods already bound there. Off by default: most tests have no use for it and it is
+    /// built on its own (`kube-scheduler-<version>` in the cache). [`ControlPlane::start`]
+    /// returns once it has marked a probe Pod unschedulable (it has synced and is scheduling).
+    /// Ignored (off) for [`Release::Oldest`].
+    pub scheduler: bool,
     /// Whether kube-apiserver writes an audit log of every request (see
     /// [`ControlPlane::audit_events`]).
     pub audit: bool,
+    /// CRDs installed before kube-controller-manager starts, so that its garbage collector
+    /// and ResourceQuota controller watch their kinds from the start (both look for new
+    /// resources only every 30 s): an ownerReference to a custom object is honoured, and a
+    /// quota's `count/<plural>.<group>` is counted, at once.
+    pub crds: Vec<CustomResourceDefinition>,
 }
 
 impl Default for Options {
@@ -136,7 +151,9 @@ impl Default for Options {
             host: IpAddr::V4(Ipv4Addr::LOCALHOST),
             release: Release::Newest,
             controller_manager: true,
+            scheduler: false,
             audit: false,
+            crds: Vec::new(),
         }
     }
 }
@@ -181,26 +198,58 @@ pub fn helm() -> Result<PathBuf, Error> {
     binary("helm", pin("HELM")?, "helm")
 }
 
-/// Whether the binaries for `release` are built; under `CI=true` a missing one fails the test
-/// (through [`crate::guard::require`]), elsewhere the caller skips.
+/// Whether the binaries for `release` are built (kube-controller-manager included, not
+/// kube-scheduler); under `CI=true` a missing one fails the test (through
+/// [`crate::guard::require`]), elsewhere the caller skips.
 pub fn available(release: Release) -> bool {
-    let missing = binaries(release, true).err().map(|e| e.to_string());
+    available_for(&Options {
+        release,
+        ..Options::default()
+    })
+}
+
+/// Whether every binary `opts` needs is built (kube-scheduler only with
+/// [`Options::scheduler`]); fails or skips as [`available`] does.
+pub fn available_for(opts: &Options) -> bool {
+    let missing = binaries(opts).err().map(|e| e.to_string());
     crate::guard::require(
         missing.is_none(),
         &missing.unwrap_or_else(|| "the test control plane".into()),
     )
 }
 
-/// The binaries of one release: (etcd, kube-apiserver, kube-controller-manager if wanted).
-fn binaries(release: Release, kcm: bool) -> Result<(PathBuf, PathBuf, Option<PathBuf>), Error> {
-    let v = release.version()?;
-    let etcd = binary("etcd", pin("ETCD")?, "etcd")?;
-    let api = binary("kubernetes", v, "kube-apiserver")?;
-    let kcm = match (kcm, release) {
-        (true, Release::Newest) => Some(binary("kubernetes", v, "kube-controller-manager")?),
-        _ => None,
-    };
-    Ok((etcd, api, kcm))
+/// The binaries a control plane started with some [`Options`] runs.
+#[derive(Debug)]
+struct Binaries {
+    etcd: PathBuf,
+    apiserver: PathBuf,
+    kcm: Option<PathBuf>,
+    scheduler: Option<PathBuf>,
+}
+
+/// Which optional components `opts` runs: (kube-controller-manager, kube-scheduler); neither
+/// for [`Release::Oldest`], whose build has only kube-apiserver.
+fn optional_components(opts: &Options) -> (bool, bool) {
+    let newest = opts.release == Release::Newest;
+    (opts.controller_manager && newest, opts.scheduler && newest)
+}
+
+/// The binaries `opts` asks for.
+fn binaries(opts: &Options) -> Result<Binaries, Error> {
+    let v = opts.release.version()?;
+    let (kcm, scheduler) = optional_components(opts);
+    let kcm = kcm
+        .then(|| binary("kubernetes", v, "kube-controller-manager"))
+        .transpose()?;
+    let scheduler = scheduler
+        .then(|| binary("kube-scheduler", v, "kube-scheduler"))
+        .transpose()?;
+    Ok(Binaries {
+        etcd: binary("etcd", pin("ETCD")?, "etcd")?,
+        apiserver: binary("kubernetes", v, "kube-apiserver")?,
+        kcm,
+        scheduler,
+    })
 }
 
 /// A running control plane; its processes are killed and its directory removed when dropped
@@ -215,7 +264,9 @@ pub struct ControlPlane {
     admin: PathBuf,
     audit_log: Option<PathBuf>,
     started_in: Duration,
-    // Dropped in this order: the controller-manager, the API server, etcd, the directory.
+    // Dropped in this order: the scheduler, the controller-manager, the API server, etcd, the
+    // directory.
+    scheduler: Option<Proc>,
     kcm: Option<Proc>,
     apiserver: Proc,
     etcd: Proc,
@@ -335,11 +386,11 @@ impl ControlPlane {
 
     async fn start_once(opts: &Options) -> Result<ControlPlane, Error> {
         let t0 = Instant::now();
-        let (etcd_bin, api_bin, kcm_bin) = binaries(opts.release, opts.controller_manager)?;
+        let bins = binaries(opts)?;
         let version = opts.release.version()?;
         let dir = fresh_dir()?;
         let pki = Pki::new("imp-testenv-ca")?;
-        let etcd = start_etcd(&etcd_bin, &dir).await?;
+        let etcd = start_etcd(&bins.etcd, &dir).await?;
         let port = free_port(opts.host)?;
         let url = format!("https://{}", std::net::SocketAddr::new(opts.host, port));
         let admin = dir.join("admin.kubeconfig");
@@ -358,7 +409,8 @@ impl ControlPlane {
             ),
         )?;
         let audit_log = opts.audit.then(|| dir.join("audit.log"));
-        let apiserver = start_apiserver(&api_bin, &dir, &pki, opts, port, &etcd.1, &audit_log)?;
+        let apiserver =
+            start_apiserver(&bins.apiserver, &dir, &pki, opts, port, &etcd.1, &audit_log)?;
         let dir_path = dir.clone();
         let mut cp = ControlPlane {
             dir,
@@ -369,15 +421,24 @@ impl ControlPlane {
             admin,
             audit_log,
             started_in: Duration::ZERO,
+            scheduler: None,
             kcm: None,
             apiserver,
             etcd: etcd.0,
             _dir: DirGuard(dir_path),
         };
         cp.wait_apiserver().await?;
-        if let Some(bin) = kcm_bin {
-            cp.kcm = Some(cp.start_kcm(&bin)?);
+        if !opts.crds.is_empty() {
+            let admin = cp.admin().await?;
+            cp.install_crds(&admin, &opts.crds).await?;
+        }
+        if let Some(bin) = &bins.kcm {
+            cp.kcm = Some(cp.start_kcm(bin)?);
             cp.wait_kcm().await?;
+        }
+        if let Some(bin) = &bins.scheduler {
+            cp.scheduler = Some(cp.start_scheduler(bin)?);
+            cp.wait_scheduler().await?;
         }
         cp.started_in = t0.elapsed();
         eprintln!(
@@ -423,12 +484,55 @@ impl ControlPlane {
         }
     }
 
+    /// Waits until kube-scheduler has synced and schedules: it runs no server (a serving port
+    /// could collide with parallel test processes) and holds no Lease, so the signal is its
+    /// work. A probe Pod in `default` is created while there is no Node, and the scheduler's
+    /// `PodScheduled=False` condition on it is awaited; then the probe is deleted.
+    async fn wait_scheduler(&mut self) -> Result<(), Error> {
+        let client = self.client_from(&self.admin.clone()).await?;
+        // Pod admission needs the namespace's ServiceAccount (made by the controller-manager
+        // when it runs; made here when it does not).
+        let sa = ServiceAccount {
+            metadata: ObjectMeta {
+                name: Some("default".into()),
+                ..ObjectMeta::default()
+            },
+            ..ServiceAccount::default()
+        };
+        let sas = Api::<ServiceAccount>::namespaced(client.clone(), "default");
+        create_if_absent(&sas, &sa, "ServiceAccount default/default").await?;
+        let pods: Api<Pod> = Api::namespaced(client, "default");
+        create_if_absent(&pods, &probe_pod(), "the scheduler's probe Pod").await?;
+        let t0 = Instant::now();
+        loop {
+            if let Ok(Some(p)) = pods.get_opt(PROBE_POD).await
+                && scheduler_has_seen(&p)
+            {
+                break;
+            }
+            self.check("kube-scheduler", t0).await?;
+        }
+        // Unbound, so deleted at once (no kubelet has to confirm).
+        let now = DeleteParams {
+            grace_period_seconds: Some(0),
+            ..DeleteParams::default()
+        };
+        pods.delete(PROBE_POD, &now)
+            .await
+            .map_err(|source| Error::Kube {
+                what: format!("deleting the scheduler's probe Pod default/{PROBE_POD}"),
+                source,
+            })?;
+        Ok(())
+    }
+
     /// Fails when a component has exited or `what` has taken too long; else waits a moment.
     async fn check(&mut self, what: &'static str, t0: Instant) -> Result<(), Error> {
         for p in [
             Some(&mut self.etcd),
             Some(&mut self.apiserver),
             self.kcm.as_mut(),
+            self.scheduler.as_mut(),
         ]
         .into_iter()
         .flatten()
@@ -444,6 +548,7 @@ impl ControlPlane {
         if t0.elapsed() > READY_WITHIN {
             let log = match what {
                 "kube-controller-manager" => self.kcm.as_ref().map(|p| p.log_tail(40)),
+                "kube-scheduler" => self.scheduler.as_ref().map(|p| p.log_tail(40)),
                 _ => Some(self.apiserver.log_tail(40)),
             };
             return Err(Error::NotReady {
@@ -459,13 +564,22 @@ impl ControlPlane {
     fn start_kcm(&self, bin: &Path) -> Result<Proc, Error> {
         let mut cmd = Command::new(bin);
         cmd.arg(format!("--kubeconfig={}", self.admin.display()))
-            .arg(format!("--authentication-kubeconfig={}", self.admin.display()))
-            .arg(format!("--authorization-kubeconfig={}", self.admin.display()))
-            .arg("--controllers=namespace-controller,garbage-collector-controller,serviceaccount-controller")
+            .arg(format!(
+                "--authentication-kubeconfig={}",
+                self.admin.display()
+            ))
+            .arg(format!(
+                "--authorization-kubeconfig={}",
+                self.admin.display()
+            ))
+            .arg(format!("--controllers={}", KCM_CONTROLLERS.join(",")))
             .arg("--leader-elect=false")
             .arg("--bind-address=127.0.0.1")
             .arg("--secure-port=0")
-            .arg(format!("--root-ca-file={}", self.dir.join("ca.crt").display()))
+            .arg(format!(
+                "--root-ca-file={}",
+                self.dir.join("ca.crt").display()
+            ))
             .arg("--concurrent-gc-syncs=5")
             .arg("--v=1");
         process::start("kube-controller-manager", cmd, &self.dir.join("kcm.log")).map_err(
@@ -475,6 +589,65 @@ impl ControlPlane {
                 source,
             },
         )
+    }
+
+    /// Starts kube-scheduler as the admin, logging to `scheduler.log`: no leader election (one
+    /// scheduler, nothing to wait for) and no serving port (`--secure-port=0`).
+    fn start_scheduler(&self, bin: &Path) -> Result<Proc, Error> {
+        let mut cmd = Command::new(bin);
+        cmd.arg(format!("--kubeconfig={}", self.admin.display()))
+            .arg(format!(
+                "--authentication-kubeconfig={}",
+                self.admin.display()
+            ))
+            .arg(format!(
+                "--authorization-kubeconfig={}",
+                self.admin.display()
+            ))
+            .arg("--leader-elect=false")
+            .arg("--bind-address=127.0.0.1")
+            .arg("--secure-port=0")
+            .arg("--v=1");
+        process::start("kube-scheduler", cmd, &self.dir.join("scheduler.log")).map_err(|source| {
+            Error::Io {
+                op: "starting",
+                path: bin.to_path_buf(),
+                source,
+            }
+        })
+    }
+
+    /// Waits until the ServiceAccount controller has made `default` in namespace `namespace`:
+    /// Pod admission refuses a Pod whose ServiceAccount does not exist yet, and a fresh
+    /// namespace has none for a moment.
+    pub async fn default_service_account(
+        &self,
+        client: &kube::Client,
+        namespace: &str,
+    ) -> Result<(), Error> {
+        let sas: Api<ServiceAccount> = Api::namespaced(client.clone(), namespace);
+        let t0 = Instant::now();
+        loop {
+            let got = sas.get_opt("default").await.map_err(|source| Error::Kube {
+                what: format!("reading ServiceAccount {namespace}/default"),
+                source,
+            })?;
+            if got.is_some() {
+                return Ok(());
+            }
+            if t0.elapsed() > READY_WITHIN {
+                return Err(Error::NotReady {
+                    what: "the namespace's default ServiceAccount",
+                    secs: READY_WITHIN.as_secs(),
+                    log: self
+                        .kcm
+                        .as_ref()
+                        .map(|p| p.log_tail(40))
+                        .unwrap_or_else(|| "no kube-controller-manager runs".into()),
+                });
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
     }
 
     /// The API server's URL, e.g. `https://127.0.0.1:34567`.
@@ -703,9 +876,14 @@ impl ControlPlane {
     /// The last `lines` lines of each component's log.
     pub fn logs(&self, lines: usize) -> String {
         let mut out = String::new();
-        for p in [Some(&self.etcd), Some(&self.apiserver), self.kcm.as_ref()]
-            .into_iter()
-            .flatten()
+        for p in [
+            Some(&self.etcd),
+            Some(&self.apiserver),
+            self.kcm.as_ref(),
+            self.scheduler.as_ref(),
+        ]
+        .into_iter()
+        .flatten()
         {
             out.push_str(&format!(
                 "---- {} (pid {}) ----\n{}\n",
@@ -728,6 +906,64 @@ impl Drop for ControlPlane {
         if std::thread::panicking() {
             eprintln!("{}", self.logs(30));
         }
+    }
+}
+
+/// The controllers kube-controller-manager runs: those the tests depend on, and none that
+/// expects kubelets (the node lifecycle controller would mark every test Node unreachable).
+const KCM_CONTROLLERS: &[&str] = &[
+    "namespace-controller",
+    "garbage-collector-controller",
+    "serviceaccount-controller",
+    "resourcequota-controller",
+];
+
+/// The name of the Pod [`ControlPlane::start`] has kube-scheduler look at.
+const PROBE_POD: &str = "imp-scheduler-probe";
+
+/// The probe Pod: unbound, no token mounted, never run (there is no kubelet).
+fn probe_pod() -> Pod {
+    Pod {
+        metadata: ObjectMeta {
+            name: Some(PROBE_POD.into()),
+            ..ObjectMeta::default()
+        },
+        spec: Some(PodSpec {
+            automount_service_account_token: Some(false),
+            containers: vec![Container {
+                name: "probe".into(),
+                image: Some("registry.invalid/probe".into()),
+                ..Container::default()
+            }],
+            ..PodSpec::default()
+        }),
+        ..Pod::default()
+    }
+}
+
+/// Whether kube-scheduler has decided about `pod`: bound it, or set its `PodScheduled`
+/// condition (`False` with reason `Unschedulable` when no Node fits).
+fn scheduler_has_seen(pod: &Pod) -> bool {
+    let bound = pod.spec.as_ref().is_some_and(|s| s.node_name.is_some());
+    let conditioned = pod
+        .status
+        .as_ref()
+        .and_then(|s| s.conditions.as_ref())
+        .is_some_and(|cs| cs.iter().any(|c| c.type_ == "PodScheduled"));
+    bound || conditioned
+}
+
+/// Creates `obj` through `api`, an existing one (409) being as good.
+async fn create_if_absent<K>(api: &Api<K>, obj: &K, what: &str) -> Result<(), Error>
+where
+    K: kube::Resource + Clone + serde::de::DeserializeOwned + serde::Serialize + std::fmt::Debug,
+{
+    match api.create(&PostParams::default(), obj).await {
+        Err(kube::Error::Api(s)) if s.code == 409 => Ok(()),
+        other => other.map(|_| ()).map_err(|source| Error::Kube {
+            what: format!("creating {what}"),
+            source,
+        }),
     }
 }
 
@@ -868,6 +1104,7 @@ fn start_apiserver(
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
+    use serde_json::json;
 
     #[test]
     fn every_pin_the_harness_reads_is_in_the_pins_file() {
@@ -876,6 +1113,48 @@ mod tests {
             assert!(v.starts_with('v'), "{name}={v}");
         }
         assert!(pin("NOPE").is_err());
+    }
+
+    fn pod(v: serde_json::Value) -> Pod {
+        serde_json::from_value(v).unwrap()
+    }
+
+    #[test]
+    fn the_scheduler_has_seen_a_pod_it_bound_or_gave_a_scheduled_condition() {
+        assert!(!scheduler_has_seen(&probe_pod()));
+        let created = pod(json!({"metadata": {"name": "p"}, "status": {"phase": "Pending"}}));
+        assert!(!scheduler_has_seen(&created));
+        assert!(scheduler_has_seen(&pod(json!({
+            "metadata": {"name": "p"},
+            "status": {"conditions": [{"type": "PodScheduled", "status": "False",
+                                       "reason": "Unschedulable"}]},
+        }))));
+        assert!(scheduler_has_seen(&pod(json!({
+            "metadata": {"name": "p"},
+            "spec": {"nodeName": "n1", "containers": []},
+        }))));
+    }
+
+    #[test]
+    fn the_controller_manager_runs_quota_and_no_controller_that_needs_kubelets() {
+        assert!(KCM_CONTROLLERS.contains(&"resourcequota-controller"));
+        assert!(!KCM_CONTROLLERS.iter().any(|c| c.contains("nodelifecycle")));
+    }
+
+    #[test]
+    fn the_scheduler_runs_only_when_asked_for_and_never_on_the_oldest_release() {
+        let default = Options::default();
+        assert_eq!(optional_components(&default), (true, false));
+        let scheduler = Options {
+            scheduler: true,
+            ..Options::default()
+        };
+        assert_eq!(optional_components(&scheduler), (true, true));
+        let oldest = Options {
+            release: Release::Oldest,
+            ..scheduler
+        };
+        assert_eq!(optional_components(&oldest), (false, false));
     }
 
     #[test]

@@ -1,9 +1,9 @@
 //! Test infrastructure for imp: never shipped, only a dev-dependency.
 //!
 //! - [`controlplane`]: a real Kubernetes control plane (etcd, kube-apiserver,
-//!   kube-controller-manager) built from pinned Go modules by `scripts/kube/build`, with TLS, an
-//!   admin client certificate, RBAC, ServiceAccount tokens and webhooks by URL; one per test
-//!   binary or one per test.
+//!   kube-controller-manager, and kube-scheduler when asked for) built from pinned Go modules by
+//!   `scripts/kube/build`, with TLS, an admin client certificate, RBAC, ServiceAccount tokens,
+//!   ResourceQuota and webhooks by URL; one per test binary or one per test.
 //! - [`rbac`]: the ClusterRoles the product ships, bound to a ServiceAccount per component, so
 //!   the operator and the agents run in tests with their production permissions.
 //! - [`registry`]: a real OCI registry on loopback and a writer of test images.

@@ -14,11 +14,15 @@ use crate::controlplane::Error;
 /// The taint a Node carries while it is not Ready.
 pub const NOT_READY: &str = "node.kubernetes.io/not-ready";
 
+/// How many Pods a Node reports room for: the kubelet's default `--max-pods`.
+const MAX_PODS: &str = "110";
+
 fn kerr(what: String) -> impl FnOnce(kube::Error) -> Error {
     move |source| Error::Kube { what, source }
 }
 
-/// Reports Node `name` with `cpu` and `memory` allocatable and Ready `ready`, and sets the
+/// Reports Node `name` with `cpu` and `memory` allocatable (and room for 110 Pods, the
+/// kubelet's default, which kube-scheduler checks too) and Ready `ready`, and sets the
 /// `not-ready` NoSchedule taint as the node lifecycle controller would (removed when Ready).
 pub async fn set_ready(
     client: &kube::Client,
@@ -29,8 +33,8 @@ pub async fn set_ready(
 ) -> Result<(), Error> {
     let api: Api<Node> = Api::all(client.clone());
     let status = json!({"status": {
-        "allocatable": {"cpu": cpu, "memory": memory},
-        "capacity": {"cpu": cpu, "memory": memory},
+        "allocatable": {"cpu": cpu, "memory": memory, "pods": MAX_PODS},
+        "capacity": {"cpu": cpu, "memory": memory, "pods": MAX_PODS},
         "conditions": [{"type": "Ready", "status": if ready {"True"} else {"False"},
                         "reason": "Test",
                         "lastTransitionTime": k8s_openapi::jiff::Timestamp::now().to_string()}]

@@ -1,14 +1,16 @@
 //! The test control plane is the real thing: TLS with its own CA, certificate and
 //! ServiceAccount-token users, RBAC that refuses, TokenReview, kubectl with a bearer token (which
-//! the old test server could not serve), and the controller-manager's namespace deletion and
-//! garbage collection.
+//! the old test server could not serve), the controller-manager's namespace deletion, garbage
+//! collection and ResourceQuota accounting (so quota admission refuses), and kube-scheduler
+//! counting the Pods bound to a Node by `spec.nodeName` (imp's reservation Pods).
 #![allow(clippy::unwrap_used, clippy::expect_used)] // Test code: a failed unwrap is a failed test.
 
 use std::time::Duration;
 
-use imp_testenv::ControlPlane;
+use imp_testenv::controlplane::available_for;
+use imp_testenv::{ControlPlane, Options};
 use k8s_openapi::api::authentication::v1::{TokenReview, TokenReviewSpec};
-use k8s_openapi::api::core::v1::{ConfigMap, Namespace, Node};
+use k8s_openapi::api::core::v1::{ConfigMap, Namespace, Node, Pod, ResourceQuota};
 use kube::api::{Api, DeleteParams, ListParams, PostParams};
 use serde_json::json;
 
@@ -141,6 +143,165 @@ async fn namespaces_are_deleted_and_dependents_collected_by_the_controller_manag
         let nss = nss.clone();
         let ns = ns.clone();
         async move { nss.get_opt(&ns).await.unwrap().is_none() }
+    })
+    .await;
+}
+
+/// A Pod requesting `memory` (and a little CPU), bound to `node` when given: never run, as
+/// there is no kubelet, so only its binding is observable.
+fn pod(name: &str, memory: &str, node: Option<&str>) -> Pod {
+    serde_json::from_value(json!({
+        "metadata": {"name": name},
+        "spec": {
+            "nodeName": node,
+            "automountServiceAccountToken": false,
+            "containers": [{"name": "vm", "image": "registry.invalid/vm",
+                            "resources": {"requests": {"cpu": "100m", "memory": memory}}}],
+        },
+    }))
+    .unwrap()
+}
+
+/// The `PodScheduled` condition of `pod`, if the scheduler has set one.
+fn scheduled_condition(pod: &Pod) -> Option<k8s_openapi::api::core::v1::PodCondition> {
+    pod.status
+        .as_ref()?
+        .conditions
+        .as_ref()?
+        .iter()
+        .find(|c| c.type_ == "PodScheduled")
+        .cloned()
+}
+
+#[tokio::test]
+async fn the_scheduler_counts_pods_bound_by_node_name_and_leaves_what_does_not_fit_pending() {
+    let opts = Options {
+        scheduler: true,
+        ..Options::default()
+    };
+    if !available_for(&opts) {
+        return;
+    }
+    let cp = ControlPlane::start(opts).await.unwrap();
+    let c = cp.admin().await.unwrap();
+    let nodes: Api<Node> = Api::all(c.clone());
+    nodes
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(json!({"metadata": {"name": "vm-host"}})).unwrap(),
+        )
+        .await
+        .unwrap();
+    imp_testenv::nodes::set_ready(&c, "vm-host", "4", "4Gi", true)
+        .await
+        .unwrap();
+    let ns = cp.namespace(&c, "sched").await.unwrap();
+    cp.default_service_account(&c, &ns).await.unwrap();
+    let pods: Api<Pod> = Api::namespaced(c.clone(), &ns);
+    let pp = PostParams::default();
+    // A VM's reservation Pod: bound by the operator, never seen by the scheduler's queue.
+    pods.create(&pp, &pod("reservation", "3Gi", Some("vm-host")))
+        .await
+        .unwrap();
+    // 512Mi fits beside it (3.5Gi of 4Gi).
+    pods.create(&pp, &pod("small", "512Mi", None))
+        .await
+        .unwrap();
+    wait_until("the scheduler binds the 512Mi Pod to vm-host", || {
+        let pods = pods.clone();
+        async move {
+            let p = pods.get("small").await.unwrap();
+            p.spec.unwrap().node_name.as_deref() == Some("vm-host")
+        }
+    })
+    .await;
+    // 2Gi would fit on the empty Node, but not beside the reservation.
+    pods.create(&pp, &pod("large", "2Gi", None)).await.unwrap();
+    wait_until("the scheduler marks the 2Gi Pod unschedulable", || {
+        let pods = pods.clone();
+        async move {
+            let p = pods.get("large").await.unwrap();
+            let node = p.spec.as_ref().and_then(|s| s.node_name.clone());
+            assert_eq!(
+                node, None,
+                "the 2Gi Pod was bound beside the 3Gi reservation"
+            );
+            scheduled_condition(&p).is_some_and(|c| c.status == "False")
+        }
+    })
+    .await;
+    let large = pods.get("large").await.unwrap();
+    assert_eq!(large.spec.as_ref().unwrap().node_name, None);
+    assert_eq!(
+        large.status.as_ref().unwrap().phase.as_deref(),
+        Some("Pending")
+    );
+    let cond = scheduled_condition(&large).unwrap();
+    assert_eq!(cond.reason.as_deref(), Some("Unschedulable"), "{cond:?}");
+    let msg = cond.message.unwrap_or_default();
+    assert!(msg.contains("Insufficient memory"), "{msg}");
+}
+
+#[tokio::test]
+async fn a_pod_over_the_namespace_memory_quota_is_refused_at_admission() {
+    let Some(cp) = ControlPlane::shared() else {
+        return;
+    };
+    let c = cp.admin().await.unwrap();
+    let ns = cp.namespace(&c, "quota").await.unwrap();
+    cp.default_service_account(&c, &ns).await.unwrap();
+    let quotas: Api<ResourceQuota> = Api::namespaced(c.clone(), &ns);
+    quotas
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(json!({
+                "metadata": {"name": "vm-memory"},
+                "spec": {"hard": {"requests.memory": "1Gi"}},
+            }))
+            .unwrap(),
+        )
+        .await
+        .unwrap();
+    // The ResourceQuota controller computes status.hard; until then admission cannot decide.
+    wait_until("the quota controller sets status.hard", || {
+        let quotas = quotas.clone();
+        async move {
+            let q = quotas.get("vm-memory").await.unwrap();
+            q.status
+                .and_then(|s| s.hard)
+                .and_then(|h| h.get("requests.memory").map(|v| v.0 == "1Gi"))
+                .unwrap_or(false)
+        }
+    })
+    .await;
+    let pods: Api<Pod> = Api::namespaced(c.clone(), &ns);
+    match pods
+        .create(&PostParams::default(), &pod("big", "2Gi", None))
+        .await
+    {
+        Err(kube::Error::Api(s)) => {
+            assert_eq!(s.code, 403, "{s:?}");
+            assert!(
+                s.message.contains("exceeded quota") && s.message.contains("vm-memory"),
+                "{}",
+                s.message
+            );
+        }
+        other => panic!("a Pod over the quota was admitted: {other:?}"),
+    }
+    // Within the quota: admitted and counted in status.used.
+    pods.create(&PostParams::default(), &pod("fits", "512Mi", None))
+        .await
+        .unwrap();
+    wait_until("the quota counts the admitted Pod", || {
+        let quotas = quotas.clone();
+        async move {
+            let q = quotas.get("vm-memory").await.unwrap();
+            q.status
+                .and_then(|s| s.used)
+                .and_then(|u| u.get("requests.memory").map(|v| v.0 == "512Mi"))
+                .unwrap_or(false)
+        }
     })
     .await;
 }

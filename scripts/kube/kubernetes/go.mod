@@ -1,6 +1,7 @@
-// The test control plane's Kubernetes binaries (kube-apiserver, kube-controller-manager, kubectl)
-// at one pinned release. k8s.io/kubernetes requires its staging modules at v0.0.0, so each is
-// replaced by the same release's published v0.x module. Built by scripts/kube/build.
+// The test control plane's Kubernetes binaries (kube-apiserver, kube-controller-manager,
+// kube-scheduler, kubectl) at one pinned release. k8s.io/kubernetes requires its staging modules
+// at v0.0.0, so each is replaced by the same release's published v0.x module. Built by
+// scripts/kube/build.
 module imp.dev/testtools/kubernetes
 
 go 1.26.0
@@ -8,6 +9,7 @@ go 1.26.0
 tool (
 	k8s.io/kubernetes/cmd/kube-apiserver
 	k8s.io/kubernetes/cmd/kube-controller-manager
+	k8s.io/kubernetes/cmd/kube-scheduler
 	k8s.io/kubernetes/cmd/kubectl
 )
 

@@ -191,7 +191,10 @@ pub async fn cluster(namespaces: &[&str]) -> Cluster {
 }
 
 /// [`Cluster`] with `opts` (e.g. the API server on an address network namespaces reach).
-pub async fn cluster_with(opts: imp_testenv::Options, namespaces: &[&str]) -> Cluster {
+pub async fn cluster_with(mut opts: imp_testenv::Options, namespaces: &[&str]) -> Cluster {
+    // Before the controller-manager starts: its garbage collector then honours owner
+    // references to ImpVMs, and its quota controller counts them, from the first moment.
+    opts.crds = imp_api::crd::all();
     let cp = imp_testenv::ControlPlane::start(opts)
         .await
         .unwrap_or_else(|e| panic!("starting the test control plane: {e}"));
