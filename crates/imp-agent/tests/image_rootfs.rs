@@ -192,6 +192,61 @@ async fn layout_to_ext4_with_extra_layers_and_cache() {
         std::fs::read_dir(f.dir.join("cache/tmp")).unwrap().count(),
         0
     );
+
+    // Using a cached base or pulling again marks them used (their mtime), and an eviction to
+    // nothing keeps what a VM's record names (`img`) and what was just used.
+    let day_ago = std::time::SystemTime::now() - std::time::Duration::from_secs(86_400);
+    let age = |p: &Path| {
+        let f = std::fs::File::options().write(true).open(p).unwrap();
+        f.set_modified(day_ago).unwrap();
+    };
+    let recent = |p: &Path| {
+        let m = std::fs::metadata(p).unwrap().modified().unwrap();
+        m.elapsed().unwrap_or_default() < std::time::Duration::from_secs(600)
+    };
+    let layer_digest =
+        imp_agent::image::manifest::Digest::parse(&img.layers[0].digest, "layer").unwrap();
+    let layer = f.store.blobs().path(&layer_digest);
+    let all_files = |dir: &str| -> Vec<PathBuf> {
+        std::fs::read_dir(f.dir.join("cache").join(dir))
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .collect()
+    };
+    for p in all_files("rootfs")
+        .into_iter()
+        .chain(all_files("blobs/sha256"))
+    {
+        age(&p);
+    }
+    assert!(f.store.rootfs(&img, &[]).await.unwrap().cached);
+    assert!(recent(&plain.path), "a cached base is touched when used");
+    assert!(!recent(&composed.path));
+    f.store.pull(&src, &RegistryAuth::Anonymous).await.unwrap();
+    assert!(recent(&layer), "a pull touches the blobs it needs");
+    for p in all_files("rootfs")
+        .into_iter()
+        .chain(all_files("blobs/sha256"))
+    {
+        age(&p);
+    }
+    let evicted = f
+        .store
+        .evict(0, [img.manifest_digest.clone()].into())
+        .await
+        .unwrap();
+    assert!(evicted.removed.entries >= 3, "{evicted:?}");
+    assert!(
+        plain.path.exists() && layer.exists(),
+        "the VM's image stays"
+    );
+    assert!(!composed.path.exists(), "the unused base went");
+    assert!(f.store.rootfs(&img, &[]).await.unwrap().cached);
+    assert_eq!(
+        std::fs::read_dir(f.dir.join("cache/tmp")).unwrap().count(),
+        0,
+        "nothing half-removed left"
+    );
 }
 
 #[tokio::test]
@@ -810,4 +865,62 @@ async fn stale_temporaries_removed_and_prune_drops_bases() {
         f.store.rootfs(&pulled, &[]).await.is_ok(),
         "rebuilt from the blobs"
     );
+}
+
+/// A 1 MiB tmpfs mounted for one test, unmounted (and its directory removed) when dropped.
+struct TinyFs(PathBuf);
+
+impl TinyFs {
+    fn mount(dir: PathBuf) -> TinyFs {
+        std::fs::create_dir_all(&dir).unwrap();
+        let out = Command::new("mount")
+            .args(["-t", "tmpfs", "-o", "size=1m", "tmpfs"])
+            .arg(&dir)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "mount: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        TinyFs(dir)
+    }
+}
+
+impl Drop for TinyFs {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg(&self.0).status();
+        let _ = std::fs::remove_dir(&self.0);
+    }
+}
+
+/// A VM disk that does not fit on a full filesystem fails as "storage full", naming the file,
+/// and leaves nothing behind; the disk report reads that filesystem's real size.
+#[tokio::test]
+async fn a_disk_on_a_full_filesystem_fails_as_such_and_leaves_no_partial_file() {
+    if !imp_testenv::guard::require(
+        imp_testenv::guard::is_root(),
+        "root (mounting a 1 MiB tmpfs)",
+    ) {
+        return;
+    }
+    let f = Fixture::new();
+    let base = f.dir.join("base.ext4");
+    // 4 MiB of data (no holes): a copy needs 4 MiB, the filesystem has 1.
+    std::fs::write(&base, vec![0x5a_u8; 4 << 20]).unwrap();
+    let tiny = TinyFs::mount(f.dir.join("full"));
+    let report = imp_agent::node::disk::read(&tiny.0).unwrap();
+    assert_eq!(report.total, 1 << 20, "{report:?}");
+    let dest = tiny.0.join("disk.ext4");
+    let err = clone_disk(&base, &dest, 4 << 20).await.unwrap_err();
+    assert!(err.is_storage_full(), "{err:?}");
+    assert!(
+        err.to_string().contains(&tiny.0.display().to_string()),
+        "the error names the file: {err}"
+    );
+    let left: Vec<_> = std::fs::read_dir(&tiny.0).unwrap().collect();
+    assert!(left.is_empty(), "no partial disk left: {left:?}");
+    assert!(!dest.exists());
+    let after = imp_agent::node::disk::read(&tiny.0).unwrap();
+    assert_eq!(after.free, after.total, "the space is given back");
 }

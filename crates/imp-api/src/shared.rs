@@ -48,6 +48,11 @@ pub const ANNOTATION_AGENT_CERT_SHA256: &str = "imp.dev/agent-cert-sha256";
 /// there, comma-separated [`VmRuntime`] names in order (`firecracker,qemu`; empty: none). The
 /// scheduler places a class that names a runtime only on nodes listing it.
 pub const ANNOTATION_RUNTIMES: &str = "imp.dev/runtimes";
+/// Node annotation the agent publishes: the free and total bytes of the filesystem holding its
+/// state directory (VM disks, snapshots, the image cache), as [`DiskReport::render`] writes it
+/// (`free=<bytes>,total=<bytes>`), refreshed while it runs. The scheduler reads it with
+/// [`DiskReport::parse`] to refuse a node that cannot hold a VM's disk.
+pub const ANNOTATION_DISK: &str = "imp.dev/disk";
 /// The Node label kubelet sets to the node's Go architecture (`amd64`, `arm64`), which the
 /// scheduler compares with a class's `arch`.
 pub const LABEL_NODE_ARCH: &str = "kubernetes.io/arch";
@@ -87,6 +92,93 @@ impl PlacedSize {
         serde_json::from_str::<Self>(value)
             .ok()
             .filter(|s| s.vcpu >= 0 && s.memory_mib >= 0)
+    }
+}
+
+/// The free and total bytes of a node's state directory filesystem: the value of
+/// [`ANNOTATION_DISK`], `free=<bytes>,total=<bytes>` (decimal bytes, keys in any order).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DiskReport {
+    /// Bytes an unprivileged writer can still use (statvfs `f_bavail * f_frsize`).
+    pub free: u64,
+    /// Size of the filesystem (statvfs `f_blocks * f_frsize`).
+    pub total: u64,
+}
+
+/// Why an [`ANNOTATION_DISK`] value cannot be read.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum DiskReportError {
+    /// A comma-separated part is not `key=value`.
+    #[error("{ANNOTATION_DISK} part {0:?} is not key=value")]
+    NotPair(String),
+    /// A key's value is not a decimal byte count.
+    #[error("{ANNOTATION_DISK} {key}={value:?} is not a byte count")]
+    NotBytes {
+        /// `free` or `total`.
+        key: &'static str,
+        /// The text given.
+        value: String,
+    },
+    /// `free` or `total` is missing, or given twice.
+    #[error("{ANNOTATION_DISK} must name {0} exactly once")]
+    Count(&'static str),
+    /// More is free than the filesystem holds.
+    #[error("{ANNOTATION_DISK} says free={free} of total={total}")]
+    FreeAboveTotal {
+        /// The free bytes given.
+        free: u64,
+        /// The total bytes given.
+        total: u64,
+    },
+}
+
+impl DiskReport {
+    /// The annotation value, e.g. `free=1073741824,total=10737418240`.
+    pub fn render(&self) -> String {
+        format!("free={},total={}", self.free, self.total)
+    }
+
+    /// Parses an annotation value. Keys other than `free` and `total` (a newer agent's) are
+    /// skipped; a malformed part, a missing or repeated key, a non-decimal count or more free
+    /// than total is refused.
+    pub fn parse(value: &str) -> Result<Self, DiskReportError> {
+        let (mut free, mut total) = (Vec::new(), Vec::new());
+        for part in value.split(',') {
+            let (key, raw) = part
+                .split_once('=')
+                .ok_or_else(|| DiskReportError::NotPair(part.to_owned()))?;
+            let (key, slot) = match key.trim() {
+                "free" => ("free", &mut free),
+                "total" => ("total", &mut total),
+                "" => return Err(DiskReportError::NotPair(part.to_owned())),
+                _ => continue,
+            };
+            let raw = raw.trim();
+            let bytes = raw
+                .parse::<u64>()
+                .ok()
+                .filter(|_| raw.bytes().all(|b| b.is_ascii_digit()))
+                .ok_or_else(|| DiskReportError::NotBytes {
+                    key,
+                    value: raw.to_owned(),
+                })?;
+            slot.push(bytes);
+        }
+        let once = |v: &[u64], key| match v {
+            [b] => Ok(*b),
+            _ => Err(DiskReportError::Count(key)),
+        };
+        let report = Self {
+            free: once(&free, "free")?,
+            total: once(&total, "total")?,
+        };
+        if report.free > report.total {
+            return Err(DiskReportError::FreeAboveTotal {
+                free: report.free,
+                total: report.total,
+            });
+        }
+        Ok(report)
     }
 }
 
@@ -453,6 +545,64 @@ mod tests {
             );
         }
         assert_eq!(Arch::Multi.node_label(), None);
+    }
+
+    #[test]
+    fn disk_report_round_trips_and_refuses_garbage() {
+        let r = DiskReport {
+            free: 1 << 30,
+            total: 10 << 30,
+        };
+        assert_eq!(r.render(), "free=1073741824,total=10737418240");
+        assert_eq!(DiskReport::parse(&r.render()), Ok(r));
+        assert_eq!(
+            DiskReport::parse(" total=10 , free=3,inodes=7"),
+            Ok(DiskReport { free: 3, total: 10 }),
+            "any order, spaces and unknown keys are fine"
+        );
+        let err = |v: &str| DiskReport::parse(v).err();
+        assert_eq!(err(""), Some(DiskReportError::NotPair(String::new())));
+        assert_eq!(
+            err("free=1;total=2").map(|e| e.to_string()),
+            Some(r#"imp.dev/disk free="1;total=2" is not a byte count"#.into())
+        );
+        assert!(matches!(
+            err("free=1,total"),
+            Some(DiskReportError::NotPair(_))
+        ));
+        assert!(matches!(
+            err("=1,free=1,total=2"),
+            Some(DiskReportError::NotPair(_))
+        ));
+        assert_eq!(
+            err("free=-1,total=2"),
+            Some(DiskReportError::NotBytes {
+                key: "free",
+                value: "-1".into()
+            })
+        );
+        assert!(matches!(
+            err("free=+1,total=2"),
+            Some(DiskReportError::NotBytes { key: "free", .. })
+        ));
+        assert!(matches!(
+            err("free=1,total=2GiB"),
+            Some(DiskReportError::NotBytes { key: "total", .. })
+        ));
+        assert!(matches!(
+            err("free=1,total=99999999999999999999999"),
+            Some(DiskReportError::NotBytes { .. })
+        ));
+        assert_eq!(err("total=2"), Some(DiskReportError::Count("free")));
+        assert_eq!(
+            err("free=1,free=1,total=2"),
+            Some(DiskReportError::Count("free"))
+        );
+        assert_eq!(err("free=1"), Some(DiskReportError::Count("total")));
+        assert_eq!(
+            err("free=3,total=2"),
+            Some(DiskReportError::FreeAboveTotal { free: 3, total: 2 })
+        );
     }
 
     #[test]

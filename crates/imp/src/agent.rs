@@ -74,6 +74,11 @@ pub struct Args {
     /// The most bytes one image may unpack to on this node (a VM's disk size caps it too).
     #[arg(long, env = "IMP_IMAGE_MAX_BYTES")]
     image_max_bytes: Option<u64>,
+    /// The image cache's budget in bytes (cached bases and blobs): the least recently used
+    /// images no VM of the node uses are evicted down to it after each pull and every 5
+    /// minutes; 0: no budget.
+    #[arg(long, env = "IMP_IMAGE_CACHE_MAX_BYTES", default_value_t = 20 << 30)]
+    image_cache_max_bytes: u64,
     /// The guest kernel (also IMP_KERNEL; default: target/guest-kernel/vmlinux beside the
     /// binary, else /var/lib/imp/kernel/vmlinux).
     #[arg(long, env = "FC_KERNEL")]
@@ -147,6 +152,10 @@ pub struct Args {
     /// Serial console lines one VM may log at once (a boot's worth) before the rate applies.
     #[arg(long, default_value_t = serial::Policy::default().burst)]
     serial_log_burst: u32,
+    /// Bytes each VM's serial log may hold before it is moved to `serial.log.1` (the previous
+    /// one dropped) and started afresh; checked every 10 s. 0: never rotated.
+    #[arg(long, env = "IMP_SERIAL_LOG_MAX_BYTES", default_value_t = imp_agent::runtime::console::SERIAL_LOG_MAX_BYTES)]
+    serial_log_max_bytes: u64,
     /// Log as JSON lines.
     #[arg(long)]
     log_json: bool,
@@ -224,6 +233,14 @@ async fn run(args: Args) -> anyhow::Result<()> {
     if let Err(e) = images.remove_stale().await {
         tracing::warn!(error = %format!("{e:#}"), "removing stale image temporaries");
     }
+    let image_cache_max_bytes = Some(args.image_cache_max_bytes).filter(|b| *b > 0);
+    let image_cache = image_cache_max_bytes.map(|budget| {
+        tokio::spawn(imp_agent::node::disk::keep_image_cache(
+            images.clone(),
+            state.clone(),
+            budget,
+        ))
+    });
     let files = HostFiles {
         kernel,
         modules,
@@ -274,6 +291,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
             cgroup_parent,
             cache_dir,
             image_max_bytes: args.image_max_bytes,
+            image_cache_max_bytes,
         },
         stop_grace: args.stop_grace,
         suspend_retry: args.suspend_retry,
@@ -380,6 +398,19 @@ async fn run(args: Args) -> anyhow::Result<()> {
             reconciler::FIELD_MANAGER,
         ))
     });
+    let serial_logs = (args.serial_log_max_bytes > 0).then(|| {
+        tokio::spawn(imp_agent::node::disk::keep_serial_logs(
+            state_dir.clone(),
+            args.serial_log_max_bytes,
+        ))
+    });
+    let disk_report = tokio::spawn(imp_agent::node::disk::keep_disk_report(
+        client.clone(),
+        node.clone(),
+        state_dir.root().to_path_buf(),
+        metrics.clone(),
+        reconciler::FIELD_MANAGER,
+    ));
     if ctx.load_vms().await.is_none() {
         tracing::warn!(state = %state_dir.root().display(), "cannot list the VM records yet; the agent API knows no VM until the first poll");
     }
@@ -441,6 +472,13 @@ async fn run(args: Args) -> anyhow::Result<()> {
     server.abort();
     gauges.abort();
     publisher.abort();
+    disk_report.abort();
+    if let Some(t) = serial_logs {
+        t.abort();
+    }
+    if let Some(t) = image_cache {
+        t.abort();
+    }
     if let Some(t) = cpu_model {
         t.abort();
     }

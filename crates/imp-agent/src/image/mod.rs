@@ -11,6 +11,7 @@
 pub mod auth;
 pub mod blobs;
 pub mod disk;
+pub mod evict;
 pub mod ext4;
 pub mod layers;
 pub mod layout;
@@ -212,6 +213,19 @@ impl ImageError {
         let path = path.into();
         move |source| Self::Io { op, path, source }
     }
+
+    /// True when the filesystem written to ran out of space or quota (ENOSPC, EDQUOT, or a
+    /// tool saying so): the node's disk is full, not the image or the VM at fault.
+    pub fn is_storage_full(&self) -> bool {
+        match self {
+            Self::Io { source, .. } => source.raw_os_error().is_some_and(|code| {
+                [nix::errno::Errno::ENOSPC, nix::errno::Errno::EDQUOT]
+                    .contains(&nix::errno::Errno::from_raw(code))
+            }),
+            Self::Tool { detail, .. } => detail.contains("No space left on device"),
+            _ => false,
+        }
+    }
 }
 
 /// Runs blocking `f` on tokio's blocking pool.
@@ -221,4 +235,26 @@ pub(crate) async fn blocking<T: Send + 'static>(
     tokio::task::spawn_blocking(f)
         .await
         .map_err(ImageError::Task)?
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_a_full_filesystem_is_storage_full() {
+        let io = |errno: nix::errno::Errno| {
+            ImageError::io("Copying the base image to", "/d")(io::Error::from(errno))
+        };
+        assert!(io(nix::errno::Errno::ENOSPC).is_storage_full());
+        assert!(io(nix::errno::Errno::EDQUOT).is_storage_full());
+        assert!(!io(nix::errno::Errno::EIO).is_storage_full());
+        let tool = |detail: &str| ImageError::Tool {
+            tool: "resize2fs",
+            path: "/d".into(),
+            detail: detail.into(),
+        };
+        assert!(tool("exit status: 1: resize2fs: No space left on device").is_storage_full());
+        assert!(!tool("exit status: 1: bad superblock").is_storage_full());
+    }
 }

@@ -9,6 +9,8 @@
 //! there, and no other user may reach them while it is unpacked. Temporaries carry the id of
 //! the process that made them; [`ImageStore::remove_stale`] removes those whose process is
 //! gone (an unpack killed half-way), and [`ImageStore::prune`] also drops cached bases.
+//! Using a cached base or blob touches its mtime, which [`super::evict`] reads as "last used"
+//! to keep the cache within a byte budget.
 
 use std::io::{BufReader, Read};
 use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
@@ -248,6 +250,8 @@ impl ImageStore {
     async fn pull_with(&self, f: &Fetcher, name: &str) -> Result<PulledImage> {
         let (mut bytes, mut digest) = f.root(&self.blobs).await?;
         let mut depth = 0;
+        // The indexes passed on the way to the manifest, marked used with it.
+        let mut visited = Vec::new();
         let (config, layers) = loop {
             // Manifests and indexes are kept too, so a pull by digest needs no request.
             self.blobs.put(&digest, &bytes).await?;
@@ -263,7 +267,7 @@ impl ImageStore {
                     }
                     let desc = select_platform(&entries, &self.platform, name)?;
                     bytes = f.manifest(&desc).await?;
-                    digest = desc.digest;
+                    visited.push(std::mem::replace(&mut digest, desc.digest));
                 }
             }
         };
@@ -307,12 +311,17 @@ impl ImageStore {
             let what = format!("layer {i} of {name}");
             let meter = self.reporter.meter(i, fetching);
             let got = f.blob(&self.blobs, layer, &what, meter).await?;
+            // At once, not after the pull: an eviction meanwhile must not take a cached layer
+            // this build is about to read.
+            self.mark_used([&layer.digest]).await;
             fetched += usize::from(got);
             self.reporter.emit(Event::Fetched {
                 index: i,
                 bytes: if got { layer.size } else { 0 },
             });
         }
+        self.mark_used(visited.iter().chain([&digest, &config.digest]))
+            .await;
         tracing::info!(image = name, manifest = %digest, layers = layers.len(), blobs_fetched = fetched, "pulled image");
         Ok(PulledImage {
             source: name.to_owned(),
@@ -333,12 +342,32 @@ impl ImageStore {
         })
     }
 
+    /// Touches the blobs of `digests` ([`super::evict::touch`]): they were just used, so an
+    /// eviction keeps them for its grace period.
+    async fn mark_used(&self, digests: impl IntoIterator<Item = &Digest>) {
+        let paths: Vec<PathBuf> = digests.into_iter().map(|d| self.blobs.path(d)).collect();
+        let _ = blocking(move || {
+            paths.iter().for_each(|p| super::evict::touch(p));
+            Ok(())
+        })
+        .await;
+    }
+
     /// The cache key of the base for `image` with `extra` images' layers on top.
     pub fn rootfs_key(image: &PulledImage, extra: &[PulledImage]) -> String {
+        Self::rootfs_key_of(
+            std::iter::once(image)
+                .chain(extra)
+                .map(|i| i.manifest_digest.as_str()),
+        )
+    }
+
+    /// The cache key of the base built from the images of `manifest_digests`, lowest first.
+    pub fn rootfs_key_of<'a>(manifest_digests: impl IntoIterator<Item = &'a str>) -> String {
         let mut h = Sha256::new();
         h.update(format!("imp-rootfs-v{FORMAT_VERSION}\n"));
-        for i in std::iter::once(image).chain(extra) {
-            h.update(&i.manifest_digest);
+        for d in manifest_digests {
+            h.update(d);
             h.update("\n");
         }
         format!("{:x}", h.finalize())
@@ -353,6 +382,12 @@ impl ImageStore {
         if let Ok(md) = tokio::fs::metadata(&path).await
             && md.is_file()
         {
+            let used = path.clone();
+            let _ = blocking(move || {
+                super::evict::touch(&used);
+                Ok(())
+            })
+            .await;
             self.reporter.emit(Event::Built {
                 size_bytes: md.len(),
                 cached: true,

@@ -65,6 +65,8 @@ pub struct BootSettings {
     pub cache_dir: PathBuf,
     /// The node-wide cap on what one image may unpack to, in bytes.
     pub image_max_bytes: Option<u64>,
+    /// The image cache's byte budget (`--image-cache-max-bytes`; `None`: no budget).
+    pub image_cache_max_bytes: Option<u64>,
 }
 
 /// Why a spec cannot be built; the message names the field.
@@ -157,6 +159,7 @@ pub fn vm_spec(
         cgroup,
         cache_dir: Some(settings.cache_dir.clone()),
         image_max_bytes: settings.image_max_bytes,
+        image_cache_max_bytes: settings.image_cache_max_bytes,
         owner: Some(owner),
         network: None,
         progress: false,
@@ -183,6 +186,7 @@ mod tests {
             cgroup_parent: Some("imp".into()),
             cache_dir: "/cache".into(),
             image_max_bytes: None,
+            image_cache_max_bytes: Some(20 << 30),
         }
     }
 

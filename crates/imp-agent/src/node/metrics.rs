@@ -200,6 +200,8 @@ pub struct Metrics {
     suspend_time: Histogram,
     resume_time: Histogram,
     guests: GuestFamilies,
+    state_dir_free: Gauge,
+    state_dir_total: Gauge,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -290,8 +292,24 @@ impl Metrics {
             resume_time.clone(),
         );
         let guests = GuestFamilies::register(&mut registry);
+        let state_dir_free = Gauge::default();
+        registry.register_with_unit(
+            "imp_node_state_dir_free",
+            "Bytes free for the agent on the filesystem of its state directory (VM disks, snapshots, image cache)",
+            Unit::Bytes,
+            state_dir_free.clone(),
+        );
+        let state_dir_total = Gauge::default();
+        registry.register_with_unit(
+            "imp_node_state_dir_total",
+            "Size of the filesystem of the agent's state directory",
+            Unit::Bytes,
+            state_dir_total.clone(),
+        );
         Self {
             guests,
+            state_dir_free,
+            state_dir_total,
             registry,
             vms,
             suspends,
@@ -363,6 +381,14 @@ impl Metrics {
             .set(i64::try_from(exec).unwrap_or(i64::MAX));
         self.console_streams
             .set(i64::try_from(console).unwrap_or(i64::MAX));
+    }
+
+    /// Records the state directory filesystem's free and total bytes.
+    pub fn set_state_dir(&self, report: &imp_api::shared::DiskReport) {
+        self.state_dir_free
+            .set(i64::try_from(report.free).unwrap_or(i64::MAX));
+        self.state_dir_total
+            .set(i64::try_from(report.total).unwrap_or(i64::MAX));
     }
 
     /// Counts a failed VM.
@@ -555,8 +581,14 @@ mod tests {
         m.sleeper_held(true);
         m.sleeper_held(false);
         m.observe_resume(250);
+        m.set_state_dir(&imp_api::shared::DiskReport {
+            free: 5 << 30,
+            total: 20 << 30,
+        });
         let text = m.encode();
         for want in [
+            "imp_node_state_dir_free_bytes 5368709120",
+            "imp_node_state_dir_total_bytes 21474836480",
             "imp_agent_suspends_total{trigger=\"scale_to_zero\"} 1",
             "imp_agent_resumes_total{trigger=\"requested\"} 1",
             "imp_agent_resumes_total{trigger=\"exec\"} 1",

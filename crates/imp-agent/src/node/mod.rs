@@ -9,12 +9,14 @@
 //! [`guest_metrics`] polls. [`scale`] runs scale-to-zero on the node, and [`vms`] is what the
 //! agent API knows of the node's VMs.
 //! [`serial`] relays VMs' serial consoles to the agent's log, escaped and rate-limited.
-//! [`advertise`] says what the node can run (its runtimes, its CPU model) to the scheduler.
+//! [`advertise`] says what the node can run (its runtimes, its CPU model) to the scheduler, and
+//! [`disk`] how much room its state directory has left.
 
 pub mod advertise;
 pub mod boot;
 pub mod capabilities;
 pub mod decide;
+pub mod disk;
 pub mod env;
 pub mod guest_metrics;
 pub mod metrics;

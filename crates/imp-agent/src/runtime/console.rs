@@ -145,6 +145,58 @@ pub fn tail(path: &Path, max: u64) -> std::io::Result<String> {
     Ok(String::from_utf8_lossy(&buf).into_owned())
 }
 
+/// Most bytes a VM's serial log holds before [`rotate`] moves it aside (the agent's default).
+pub const SERIAL_LOG_MAX_BYTES: u64 = 8 << 20;
+
+/// The previous generation of the log at `path`: `<path>.1`.
+pub fn previous(path: &Path) -> PathBuf {
+    let mut name = path.as_os_str().to_owned();
+    name.push(".1");
+    PathBuf::from(name)
+}
+
+/// Caps the serial log at `path` at `max` bytes, keeping one previous generation: when it holds
+/// more, its content is copied to `<path>.1` (written under a temporary name and renamed over
+/// the previous one, so `.1` is always whole) and the log is truncated in place. The VMM keeps
+/// writing through its own descriptor, opened with `O_APPEND` (QEMU's `append=on` chardev,
+/// Firecracker's stdout), so its next byte lands at the start of the emptied file; followers
+/// see a log shorter than what they read and start over ([`Follower::poll`]). Bytes the guest
+/// writes between the end of the copy and the truncation are lost. Returns the bytes moved
+/// aside, or `None` when the log is within `max` or missing. Blocking.
+pub fn rotate(path: &Path, max: u64) -> std::io::Result<Option<u64>> {
+    let len = match std::fs::metadata(path) {
+        Ok(md) => md.len(),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(e),
+    };
+    if len <= max {
+        return Ok(None);
+    }
+    let previous = previous(path);
+    let mut tmp = previous.as_os_str().to_owned();
+    tmp.push(".tmp");
+    let tmp = PathBuf::from(tmp);
+    let copied = (|| {
+        let mut src = std::fs::File::open(path)?;
+        let mut dst = std::fs::File::create(&tmp)?;
+        let n = std::io::copy(&mut src, &mut dst)?;
+        std::fs::rename(&tmp, &previous)?;
+        Ok::<_, std::io::Error>(n)
+    })();
+    let moved = match copied {
+        Ok(n) => n,
+        Err(e) => {
+            let _ = std::fs::remove_file(&tmp);
+            return Err(e);
+        }
+    };
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(path)?
+        .set_len(0)?;
+    Ok(Some(moved))
+}
+
 /// The last `n` lines of `text`.
 pub fn last_lines(text: &str, n: usize) -> String {
     let lines: Vec<&str> = text.lines().collect();
@@ -208,6 +260,62 @@ fn is_printk(line: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_serial_log_past_its_cap_moves_to_dot_1_and_the_vmm_writes_on_at_its_start() {
+        use std::io::Write as _;
+        let dir = std::env::temp_dir().join(format!("imp-serial-rotate-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let log = dir.join("serial.log");
+        assert_eq!(
+            rotate(&log, 10).unwrap(),
+            None,
+            "a missing log is left alone"
+        );
+        // The VMM's descriptor, as QEMU's `append=on` and Firecracker's stdout open it.
+        let mut vmm = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log)
+            .unwrap();
+        vmm.write_all(b"boot line\n").unwrap();
+        assert_eq!(rotate(&log, 10).unwrap(), None, "within the cap");
+        assert_eq!(std::fs::read(&log).unwrap(), b"boot line\n");
+        vmm.write_all(b"second\n").unwrap();
+        assert_eq!(rotate(&log, 10).unwrap(), Some(17));
+        assert_eq!(
+            std::fs::read(previous(&log)).unwrap(),
+            b"boot line\nsecond\n"
+        );
+        assert_eq!(std::fs::metadata(&log).unwrap().len(), 0);
+        vmm.write_all(b"after\n").unwrap();
+        assert_eq!(
+            std::fs::read(&log).unwrap(),
+            b"after\n",
+            "the VMM's next write lands at the start, no hole before it"
+        );
+        // A second rotation replaces the previous generation: one is kept.
+        vmm.write_all(b"more than ten\n").unwrap();
+        assert_eq!(rotate(&log, 10).unwrap(), Some(20));
+        assert_eq!(
+            std::fs::read(previous(&log)).unwrap(),
+            b"after\nmore than ten\n"
+        );
+        let names: Vec<_> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect();
+        assert_eq!(names.len(), 2, "no temporary left: {names:?}");
+        // A follower that read the big log starts over on the emptied one.
+        let mut f = Follower::new(&log);
+        vmm.write_all(b"x\n".repeat(8).as_slice()).unwrap();
+        assert_eq!(f.poll().unwrap().len(), 8);
+        rotate(&log, 10).unwrap();
+        vmm.write_all(b"fresh\n").unwrap();
+        assert_eq!(f.poll().unwrap(), vec!["fresh\n".to_owned()]);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 
     #[test]
     fn filter_sorts_workload_guest_and_hidden_lines() {

@@ -110,6 +110,10 @@ pub struct VmSpec {
     /// The node-wide cap on the bytes an image may unpack to (the VM's disk size caps it too).
     #[serde(default)]
     pub image_max_bytes: Option<u64>,
+    /// The image cache's byte budget: after its disk is made, the shim evicts the least
+    /// recently used images the node's VMs do not use down to it (`None`: no budget).
+    #[serde(default)]
+    pub image_cache_max_bytes: Option<u64>,
     /// The ImpVM this VM belongs to (for `imp agent`).
     #[serde(default)]
     pub owner: Option<Owner>,
@@ -192,6 +196,7 @@ mod tests {
             }),
             cache_dir: None,
             image_max_bytes: None,
+            image_cache_max_bytes: None,
             owner: None,
             network: None,
             progress: true,

@@ -218,6 +218,14 @@ impl StateDir {
         Ok((good, bad))
     }
 
+    /// The manifest digests of the images the VM records here name (any status: a stopped VM
+    /// may start again), which the image cache keeps whatever its budget
+    /// ([`crate::image::ImageStore::evict`]). Unreadable records are skipped.
+    pub fn image_digests(&self) -> Result<std::collections::BTreeSet<String>> {
+        let (records, _unreadable) = self.list()?;
+        Ok(records.into_iter().filter_map(|r| r.digest).collect())
+    }
+
     /// The uid (and gid: the same number) VM `id`'s confined VMM runs as. The one it was given
     /// before, kept in its directory (a restored VMM finds its disk and sockets its own); else
     /// the lowest free one from [`VMM_UID_BASE`], claimed with an exclusive create in
@@ -710,6 +718,7 @@ mod tests {
             record.supervisor_pid = std::process::id();
             record.supervisor_started = process_start_time(std::process::id());
             record.created_unix = now_unix();
+            record.digest = (name == "a").then(|| "sha256:aa".to_owned());
             state.save(&record).unwrap();
             assert_eq!(state.load(name).unwrap(), record);
         }
@@ -723,6 +732,11 @@ mod tests {
             ["a", "b"]
         );
         assert_eq!(bad.len(), 1);
+        assert_eq!(
+            state.image_digests().unwrap(),
+            std::collections::BTreeSet::from(["sha256:aa".to_owned()]),
+            "only records naming a digest count; the unreadable one is skipped"
+        );
         assert!(good[0].supervisor_alive());
         assert_eq!(good[0].effective_status(), VmStatus::Running);
         let missing = state.load("nope").unwrap_err().to_string();

@@ -712,6 +712,63 @@ fn firecracker_launcher(
     launcher
 }
 
+/// `what` of a failed disk step, saying so when it failed because the filesystem of `dir` is
+/// full ([`full_disk_what`]); the partial file is already gone (the image pipeline writes
+/// under temporary names and removes them on failure).
+async fn disk_failure_what(what: String, dir: &Path, e: &image::ImageError) -> String {
+    if !e.is_storage_full() {
+        return what;
+    }
+    let d = dir.to_path_buf();
+    let report = tokio::task::spawn_blocking(move || crate::node::disk::read(&d))
+        .await
+        .ok()
+        .and_then(Result::ok);
+    full_disk_what(&what, dir, report)
+}
+
+/// `what`, then that the node's disk is full: the filesystem of `dir`, with its free and total
+/// bytes when known.
+fn full_disk_what(what: &str, dir: &Path, report: Option<imp_api::shared::DiskReport>) -> String {
+    match report {
+        Some(r) => format!(
+            "{what}: the node's disk is full ({} of {} bytes free on the filesystem of {})",
+            r.free,
+            r.total,
+            dir.display()
+        ),
+        None => format!(
+            "{what}: the node's disk is full (the filesystem of {})",
+            dir.display()
+        ),
+    }
+}
+
+/// Brings the image cache within `budget` after a pull, keeping the images of the node's VM
+/// records and `ours` (this VM's, whose record may not say so on disk yet). A failure is
+/// logged: the VM starts all the same, and the agent tries again periodically.
+async fn evict_images(state: &StateDir, store: &ImageStore, budget: u64, ours: &str) {
+    let listed = {
+        let state = state.clone();
+        tokio::task::spawn_blocking(move || state.image_digests()).await
+    };
+    let mut in_use = match listed {
+        Ok(Ok(d)) => d,
+        Ok(Err(e)) => {
+            tracing::warn!(error = %e, "listing the VMs' images; the image cache is not evicted now");
+            return;
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "listing the VMs' images panicked");
+            return;
+        }
+    };
+    in_use.insert(ours.to_owned());
+    if let Err(e) = store.evict(budget, in_use).await {
+        tracing::warn!(cache = %store.root().display(), error = %e, "evicting from the image cache");
+    }
+}
+
 /// Image → disk → initramfs: everything the VMM needs, as a [`VmConfig`].
 async fn prepare(
     state: &StateDir,
@@ -737,31 +794,39 @@ async fn prepare(
     record.timings.image_ms = ms(t.elapsed());
 
     let t = Instant::now();
-    let base = store.rootfs(&pulled, &[]).await.map_err(|e| {
-        // A layer that cannot be applied is the image's fault, not the disk's.
-        let stage = match e {
-            image::ImageError::Layer(_) | image::ImageError::UnsupportedMediaType { .. } => {
-                Stage::Image
-            }
-            _ => Stage::Disk,
-        };
-        at(
-            stage,
-            format!("building the root filesystem of {}", spec.image),
-        )(e)
-    })?;
+    let base = match store.rootfs(&pulled, &[]).await {
+        Ok(base) => base,
+        Err(e) => {
+            // A layer that cannot be applied is the image's fault, not the disk's.
+            let stage = match e {
+                image::ImageError::Layer(_) | image::ImageError::UnsupportedMediaType { .. } => {
+                    Stage::Image
+                }
+                _ => Stage::Disk,
+            };
+            let what = format!("building the root filesystem of {}", spec.image);
+            let what = disk_failure_what(what, store.root(), &e).await;
+            return Err(at(stage, what)(e));
+        }
+    };
     let disk = dir.join(DISK_FILE);
     let size_bytes = u64::from(spec.disk_gib) << 30;
     reporter.emit(ProgressEvent::Cloning { size_bytes });
-    image::clone_disk(&base.path, &disk, size_bytes)
-        .await
-        .map_err(at(
-            Stage::Disk,
-            format!("giving the VM its own {} GiB disk", spec.disk_gib),
-        ))?;
+    if let Err(e) = image::clone_disk(&base.path, &disk, size_bytes).await {
+        let what = format!(
+            "giving the VM its own {} GiB disk {}",
+            spec.disk_gib,
+            disk.display()
+        );
+        let what = disk_failure_what(what, dir, &e).await;
+        return Err(at(Stage::Disk, what)(e));
+    }
     reporter.emit(ProgressEvent::Cloned);
     record.timings.disk_ms = ms(t.elapsed());
     tracing::info!(vm = %record.name, digest = %pulled.manifest_digest, cached = base.cached, "root disk ready");
+    if let Some(budget) = spec.image_cache_max_bytes {
+        evict_images(state, &store, budget, &pulled.manifest_digest).await;
+    }
 
     // The initramfs counts toward the boot step.
     let t = Instant::now();
@@ -1427,6 +1492,37 @@ pub fn shim_log(dir: &Path) -> PathBuf {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_full_disk_is_named_with_its_path_and_free_space() {
+        let report = imp_api::shared::DiskReport {
+            free: 4096,
+            total: 1 << 20,
+        };
+        let what = full_disk_what(
+            "giving the VM its own 2 GiB disk /s/vms/v/disk.ext4",
+            Path::new("/s/vms/v"),
+            Some(report),
+        );
+        assert_eq!(
+            what,
+            "giving the VM its own 2 GiB disk /s/vms/v/disk.ext4: the node's disk is full \
+             (4096 of 1048576 bytes free on the filesystem of /s/vms/v)"
+        );
+        let failure = at(Stage::Disk, what)(image::ImageError::Tool {
+            tool: "resize2fs",
+            path: "/s/vms/v/.disk.ext4.1.0.tmp".into(),
+            detail: "No space left on device".into(),
+        });
+        assert!(
+            failure.chain().contains("disk is full"),
+            "{}",
+            failure.chain()
+        );
+        assert!(
+            full_disk_what("x", Path::new("/c"), None).ends_with("full (the filesystem of /c)")
+        );
+    }
 
     #[test]
     fn a_guest_that_asks_for_another_boot_gets_two_more_then_fails_saying_why() {

@@ -279,6 +279,7 @@ fn spec_for(args: &RunArgs, name: &str) -> anyhow::Result<VmSpec> {
         cgroup: None,
         cache_dir: None,
         image_max_bytes: args.image_max_bytes,
+        image_cache_max_bytes: None,
         owner: None,
         network: None,
         progress: false,
