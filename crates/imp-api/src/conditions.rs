@@ -67,6 +67,10 @@ string_enum! {
         NodeAssigned,
         /// No node can take the VM now; the message says why per node.
         NoNodeAvailable,
+        /// (Operator) the namespace's ResourceQuota refused the VM's reservation Pod (the
+        /// Pod that holds its vCPU and memory where Kubernetes sees them); the message quotes
+        /// the quota.
+        QuotaExceeded,
         /// The spec refers to something missing or contradicts itself; the message names the fix.
         InvalidSpec,
         /// The node is Ready.

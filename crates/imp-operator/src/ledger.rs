@@ -146,6 +146,13 @@ impl Ledger {
         &self.usage
     }
 
+    /// What `key` holds now: its node, its size, and whether it is suspended; `None` when it
+    /// holds no node (unplaced, ended, unknown).
+    pub fn held(&self, key: &str) -> Option<(&str, PlacedSize, bool)> {
+        let s = self.vms.get(key)?.counted.as_ref()?;
+        Some((s.node.as_str(), s.size, s.suspended))
+    }
+
     /// The watch shows `vm` (added, changed, or listed); `live` is its class's size now.
     pub fn observe(&mut self, key: &str, vm: &ImpVM, live: Option<PlacedSize>) {
         if let Some(seen) = &mut self.relisting {

@@ -28,6 +28,7 @@ pub mod network;
 /// Resolution of class ← template ← VM (in imp-api, beside the types it merges; the node agent
 /// does not resolve: it boots the booking the operator wrote from it).
 pub use imp_api::resolve;
+pub mod reservation;
 pub mod schedule;
 pub mod snapshot;
 pub mod webhook;

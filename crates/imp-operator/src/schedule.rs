@@ -14,7 +14,10 @@
 //!    (annotation `imp.dev/runtimes`, see [`runtime_reason`]);
 //! 6. every `NoSchedule`/`NoExecute` taint is tolerated (class ∪ template ∪ VM tolerations);
 //!    `PreferNoSchedule` only ranks the node lower;
-//! 7. capacity: `maxImpVMs` from its ClusterImpNodeProfile, then vCPU and memory.
+//! 7. capacity: `maxImpVMs` from its ClusterImpNodeProfile, then vCPU and memory, then disk:
+//!    the free space its agent last reported in its state directory (annotation
+//!    `imp.dev/disk`) holds the class's `diskGiB` (a node that has not reported is not refused;
+//!    the figure is the agent's last report, refreshed every 30 s, not a booking).
 //!
 //! # Capacity
 //! An explicit `vcpuCapacity`/`memoryMiB` in the node's profile is the hard capacity (each one
@@ -23,6 +26,12 @@
 //! is the profile's `capacityFraction`, else ClusterImpConfig `cluster`'s `defaultFraction`, else
 //! 0.9. Usage is the sum of each VM's **own** size (not the size of the VM being placed): the
 //! size it was booked with when placed, else its live class (see [`crate::ledger`]).
+//!
+//! Pods share the node: what the Pods bound to it request ([`NodeView::pods`], see
+//! [`crate::reservation`]) is taken from the node's total before VMs are fitted, the total being
+//! its allocatable (or the profile's explicit capacity where that is larger: an admin who
+//! declares more than allocatable overcommits on purpose). A VM fits when it fits both imp's
+//! share and what the Pods left: `free = min(capacity − VMs, total − Pods − VMs)`.
 //!
 //! Suspended VMs, per the Go project's overcommit rule: their vCPUs are free, and their memory is
 //! free too when [`Policy::overcommit_suspended`] is on (the Go behaviour and our default); when
@@ -38,8 +47,13 @@
 use std::collections::BTreeMap;
 
 use imp_api::cluster::ClusterImpNodeProfileSpec;
-use imp_api::shared::{ANNOTATION_RUNTIMES, Arch, LABEL_NODE_ARCH, LABEL_NODE_ENABLED, VmRuntime};
+use imp_api::shared::{
+    ANNOTATION_DISK, ANNOTATION_RUNTIMES, Arch, DiskReport, LABEL_NODE_ARCH, LABEL_NODE_ENABLED,
+    VmRuntime,
+};
 use k8s_openapi::api::core::v1::{Node, Taint, Toleration};
+
+use crate::reservation::Load;
 
 /// The capacity fraction used when neither the profile nor the cluster config sets one.
 pub const DEFAULT_FRACTION: f64 = 0.9;
@@ -61,6 +75,8 @@ pub struct Request {
     pub arch: Arch,
     /// The class's runtime (`None`: the agent's default, any node that runs one).
     pub runtime: Option<VmRuntime>,
+    /// The class's disk in GiB (0: not checked).
+    pub disk_gib: i64,
 }
 
 /// One Node as the scheduler sees it.
@@ -85,6 +101,11 @@ pub struct NodeView {
     /// The runtimes its agent published (annotation `imp.dev/runtimes`); `None` when no agent
     /// has said.
     pub runtimes: Option<Vec<VmRuntime>>,
+    /// What the Pods bound to it request (reservation Pods of VMs left out).
+    pub pods: Load,
+    /// Free bytes in its agent's state directory, as the agent last reported them
+    /// (annotation `imp.dev/disk`); `None` when it has not, or not readably.
+    pub disk_free: Option<u64>,
 }
 
 impl NodeView {
@@ -98,6 +119,13 @@ impl NodeView {
             .as_ref()
             .and_then(|a| a.get(ANNOTATION_RUNTIMES))
             .map(|v| VmRuntime::parse_list(v));
+        let disk_free = node
+            .metadata
+            .annotations
+            .as_ref()
+            .and_then(|a| a.get(ANNOTATION_DISK))
+            .and_then(|v| DiskReport::parse(v).ok())
+            .map(|d| d.free);
         let spec = node.spec.as_ref();
         let taints = spec.and_then(|s| s.taints.clone()).unwrap_or_default();
         let unschedulable = spec.and_then(|s| s.unschedulable).unwrap_or(false);
@@ -124,6 +152,8 @@ impl NodeView {
             allocatable_memory_mib,
             profile,
             runtimes,
+            pods: Load::default(),
+            disk_free,
         }
     }
 }
@@ -270,23 +300,58 @@ fn reject_reason(
         return Some(format!("are at maxImpVMs {max}"));
     }
     let cap = capacity(node, policy);
-    let free_cpu = cap.vcpu_milli - usage.vcpu * 1000;
+    let pods = pods_note(node);
+    let free_cpu = free_cpu_milli(node, &cap, usage);
     if free_cpu < req.vcpu * 1000 {
         return Some(format!(
-            "have {} vCPU free of {} needed",
+            "have {} vCPU free of {} needed{pods}",
             fmt_milli(free_cpu.max(0)),
             req.vcpu
         ));
     }
-    let free_mem = free_memory(&cap, usage, policy);
+    let free_mem = free_memory(node, &cap, usage, policy);
     if free_mem < req.memory_mib {
         return Some(format!(
-            "have {}MiB free of {}MiB needed",
+            "have {}MiB free of {}MiB needed{pods}",
             free_mem.max(0),
             req.memory_mib
         ));
     }
-    None
+    disk_reason(node, req)
+}
+
+/// Why `node`'s disk cannot hold the VM's: its agent reported less free space in its state
+/// directory than the class's disk (a node that has not reported is not refused).
+fn disk_reason(node: &NodeView, req: &Request) -> Option<String> {
+    const GIB: u64 = 1 << 30;
+    let free = node.disk_free?;
+    let need = u64::try_from(req.disk_gib).ok()?.saturating_mul(GIB);
+    (free < need).then(|| {
+        format!(
+            "have {:.1}GiB disk free of {}GiB needed ({ANNOTATION_DISK})",
+            free as f64 / GIB as f64,
+            req.disk_gib
+        )
+    })
+}
+
+/// ", Pods request …" when Pods on the node request anything, for rejection reasons.
+fn pods_note(node: &NodeView) -> String {
+    if node.pods == Load::default() {
+        return String::new();
+    }
+    format!(
+        " (Pods request {} CPU, {}MiB)",
+        fmt_milli(node.pods.cpu_milli),
+        node.pods.memory_mib
+    )
+}
+
+/// The millicores left for VMs: imp's share minus its VMs, and no more than the Pods left.
+fn free_cpu_milli(node: &NodeView, cap: &Capacity, usage: &NodeUsage) -> i64 {
+    let vms = usage.vcpu * 1000;
+    let total = node.allocatable_cpu_milli.max(cap.vcpu_milli);
+    (cap.vcpu_milli - vms).min(total - node.pods.cpu_milli - vms)
 }
 
 /// Why `node` cannot run a class of architecture `arch`: it has another one, or does not say
@@ -325,13 +390,16 @@ pub fn runtime_reason(node: &NodeView, runtime: Option<VmRuntime>) -> Option<Str
     }
 }
 
-fn free_memory(cap: &Capacity, usage: &NodeUsage, policy: &Policy) -> i64 {
+/// The MiB left for VMs: imp's share minus what its VMs reserve, and no more than the Pods
+/// left.
+fn free_memory(node: &NodeView, cap: &Capacity, usage: &NodeUsage, policy: &Policy) -> i64 {
     let reserved = if policy.overcommit_suspended {
         usage.memory_mib
     } else {
         usage.memory_mib + usage.suspended_memory_mib
     };
-    cap.memory_mib - reserved
+    let total = node.allocatable_memory_mib.max(cap.memory_mib);
+    (cap.memory_mib - reserved).min(total - node.pods.memory_mib - reserved)
 }
 
 fn fmt_milli(m: i64) -> String {
@@ -392,7 +460,7 @@ pub fn pick(
             .taints
             .iter()
             .any(|t| t.effect == "PreferNoSchedule" && !tolerated(t, &req.tolerations));
-        let left = free_memory(&capacity(node, policy), u, policy) - req.memory_mib;
+        let left = free_memory(node, &capacity(node, policy), u, policy) - req.memory_mib;
         // Sort key: (prefer-no-schedule last, most memory left, fewest VMs, name).
         let key = (preferred_against, -left, u.vms, node.name.as_str());
         if best.is_none_or(|b| key < b) {
@@ -550,6 +618,119 @@ mod tests {
             err.message,
             "3 nodes: 1 has 512MiB free of 1024MiB needed, 2 lack label imp/enabled=true"
         );
+    }
+
+    #[test]
+    fn pods_bound_to_a_node_take_their_requests_from_what_vms_may_use() {
+        let policy = Policy::default();
+        // 8 CPU, 10000 MiB allocatable: imp's share is 7.2 CPU / 9000 MiB.
+        let mut busy = node("busy", 8, 10_000);
+        busy.pods = Load {
+            cpu_milli: 1500,
+            memory_mib: 6000,
+        };
+        let vms = BTreeMap::from([(
+            "busy".to_owned(),
+            NodeUsage {
+                vcpu: 2,
+                memory_mib: 2000,
+                suspended_memory_mib: 0,
+                vms: 1,
+            },
+        )]);
+        // 10000 − 6000 (Pods) − 2000 (VMs) = 2000 MiB, though imp's share alone has 7000.
+        let err = pick(&req(1, 2048), std::slice::from_ref(&busy), &vms, &policy).unwrap_err();
+        assert_eq!(
+            err.message,
+            "1 node: 1 has 2000MiB free of 2048MiB needed (Pods request 1.5 CPU, 6000MiB)"
+        );
+        assert_eq!(
+            pick(&req(1, 2000), std::slice::from_ref(&busy), &vms, &policy),
+            Ok("busy".to_owned())
+        );
+        // 8 − 1.5 − 2 = 4.5 CPU left for VMs.
+        let err = pick(&req(5, 512), std::slice::from_ref(&busy), &vms, &policy).unwrap_err();
+        assert!(
+            err.message.contains("has 4.5 vCPU free of 5"),
+            "{}",
+            err.message
+        );
+        // Pods that leave imp's share untouched change nothing.
+        let mut light = node("light", 8, 10_000);
+        light.pods = Load {
+            cpu_milli: 100,
+            memory_mib: 500,
+        };
+        assert_eq!(
+            pick(&req(7, 9000), &[light], &no_usage(), &policy),
+            Ok("light".to_owned())
+        );
+        // The emptier node wins the spread once the Pods are counted.
+        let mut a = node("a", 8, 10_000);
+        a.pods.memory_mib = 4000;
+        let b = node("b", 8, 8000);
+        assert_eq!(
+            pick(&req(1, 512), &[a, b], &no_usage(), &policy),
+            Ok("b".to_owned())
+        );
+    }
+
+    #[test]
+    fn a_node_whose_agent_reports_too_little_disk_is_refused() {
+        let mut full = node("full", 8, 8192);
+        full.disk_free = Some(3 << 29); // 1.5 GiB
+        let unknown = node("unknown", 8, 4096);
+        let mut r = req(1, 512);
+        r.disk_gib = 2;
+        let policy = Policy::default();
+        // The node with more memory wins the spread, unless its disk cannot hold the VM.
+        assert_eq!(
+            pick(&r, &[full.clone(), unknown], &no_usage(), &policy),
+            Ok("unknown".to_owned())
+        );
+        let err = pick(&r, std::slice::from_ref(&full), &no_usage(), &policy).unwrap_err();
+        assert_eq!(
+            err.message,
+            "1 node: 1 has 1.5GiB disk free of 2GiB needed (imp.dev/disk)"
+        );
+        r.disk_gib = 1;
+        assert_eq!(
+            pick(&r, &[full], &no_usage(), &policy),
+            Ok("full".to_owned())
+        );
+        let mut n = Node::default();
+        n.metadata.annotations = Some(BTreeMap::from([(
+            ANNOTATION_DISK.to_owned(),
+            "free=1073741824,total=4294967296".to_owned(),
+        )]));
+        assert_eq!(NodeView::from_node(&n, None).disk_free, Some(1 << 30));
+        n.metadata.annotations = Some(BTreeMap::from([(
+            ANNOTATION_DISK.to_owned(),
+            "lots".to_owned(),
+        )]));
+        assert_eq!(
+            NodeView::from_node(&n, None).disk_free,
+            None,
+            "garbage is no report"
+        );
+    }
+
+    #[test]
+    fn an_explicit_capacity_above_allocatable_is_still_shared_with_pods() {
+        let mut n = node("n", 4, 4096);
+        n.profile = Some(ClusterImpNodeProfileSpec {
+            memory_mib: Some(8192),
+            ..Default::default()
+        });
+        n.pods.memory_mib = 3000;
+        let err = pick(
+            &req(1, 6000),
+            std::slice::from_ref(&n),
+            &no_usage(),
+            &Policy::default(),
+        )
+        .unwrap_err();
+        assert!(err.message.contains("has 5192MiB free"), "{}", err.message);
     }
 
     #[test]

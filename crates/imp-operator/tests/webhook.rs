@@ -675,6 +675,74 @@ async fn mutation_really_inherits_from_the_template_and_class() {
 }
 
 #[tokio::test]
+async fn a_vm_over_its_namespaces_memory_quota_is_refused_at_admission_naming_the_quota() {
+    let (f, _) = fixture!();
+    let ns = f.cp.namespace(&f.admin, "quota").await.unwrap();
+    // Pod admission wants the namespace's ServiceAccount before it looks at quotas.
+    f.cp.default_service_account(&f.admin, &ns).await.unwrap();
+    let quotas: Api<k8s_openapi::api::core::v1::ResourceQuota> =
+        Api::namespaced(f.admin.clone(), &ns);
+    quotas
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(json!({
+                "metadata": {"name": "vm-memory"},
+                "spec": {"hard": {"requests.memory": "128Mi"}}
+            }))
+            .unwrap(),
+        )
+        .await
+        .unwrap();
+    let t0 = std::time::Instant::now();
+    while quotas
+        .get("vm-memory")
+        .await
+        .unwrap()
+        .status
+        .and_then(|s| s.hard)
+        .is_none()
+    {
+        assert!(
+            t0.elapsed().as_secs() < 30,
+            "the quota controller never counted {ns}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    let mut obj = vm(json!({"classRef": {"name": "small"}, "image": "registry.local/a:1"}));
+    obj["metadata"]["namespace"] = json!(ns);
+    let resp = f.review("/mutate", request("CREATE", &obj, None)).await;
+    assert_eq!(resp["allowed"], false, "256Mi over a 128Mi quota: {resp}");
+    let msg = resp["status"]["message"].as_str().unwrap();
+    assert!(
+        msg.starts_with("spec.classRef: the VM's 1 vCPU and 256MiB")
+            && msg.contains("exceeded quota: vm-memory"),
+        "{msg}"
+    );
+    // Room in the quota: allowed, and nothing was created by asking.
+    quotas
+        .patch(
+            "vm-memory",
+            &PatchParams::default(),
+            &Patch::Merge(&json!({"spec": {"hard": {"requests.memory": "1Gi"}}})),
+        )
+        .await
+        .unwrap();
+    let t0 = std::time::Instant::now();
+    loop {
+        let resp = f.review("/mutate", request("CREATE", &obj, None)).await;
+        if resp["allowed"] == true {
+            break;
+        }
+        assert!(t0.elapsed().as_secs() < 30, "never allowed: {resp}");
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    let pods: Api<k8s_openapi::api::core::v1::Pod> = Api::namespaced(f.admin.clone(), &ns);
+    let listed = pods.list(&Default::default()).await.unwrap();
+    assert!(listed.items.is_empty(), "a preview is a dry run");
+    f.shutdown().await;
+}
+
+#[tokio::test]
 async fn a_missing_template_is_allowed_with_a_warning() {
     let (f, _) = fixture!();
     let obj = vm(json!({"templateRef": {"name": "nope"}}));

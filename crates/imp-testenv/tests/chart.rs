@@ -421,9 +421,16 @@ fn check_operator(objs: &[Value]) {
         "--webhook-secret=imp-webhook-tls",
         "--webhook-service=imp-webhook",
         "--namespace=$(POD_NAMESPACE)",
+        "--reservation-image=registry.k8s.io/pause:3.10",
+        "--reservation-priority-class=imp-vm-reservation",
     ] {
         assert!(a.contains(&flag), "operator args {a:?} lack {flag}");
     }
+    // Reservation Pods' priority: nothing preempts a VM's share, and it preempts nothing.
+    let pc = find(objs, "PriorityClass", "imp-vm-reservation");
+    assert_eq!(pc["value"], 1_000_000_000);
+    assert_eq!(pc["preemptionPolicy"], "Never");
+    assert_eq!(pc["globalDefault"], false);
     assert_eq!(
         env(c, "POD_NAME")["valueFrom"]["fieldRef"]["fieldPath"],
         "metadata.name"
@@ -492,6 +499,8 @@ fn check_agent_container(c: &Value) {
         "--cgroup-parent=imp",
         "--state-dir=/var/lib/imp/agent",
         "--image-cache=/var/cache/imp",
+        // 20 GiB, written as an integer (Helm would print a float as 2.147483648e+10).
+        "--image-cache-max-bytes=21474836480",
     ] {
         assert!(a.contains(&flag), "agent args {a:?} lack {flag}");
     }
@@ -772,6 +781,17 @@ fn check_grafana_dashboard(objs: &[Value]) {
 
 /// Every documented toggle, each with what it must change.
 const TOGGLES: &[Toggle] = &[
+    Toggle {
+        what: "no reservation Pods",
+        args: &["--set", "operator.reservations.enabled=false"],
+        check: |objs| {
+            let deploy = find(objs, "Deployment", "imp-controller-manager");
+            let a = args(container(deploy, "manager"));
+            assert!(a.contains(&"--no-reservation-pods"), "{a:?}");
+            assert!(!a.iter().any(|f| f.starts_with("--reservation-")), "{a:?}");
+            assert!(of_kind(objs, "PriorityClass").is_empty());
+        },
+    },
     Toggle {
         what: "the default values",
         args: &[],
@@ -1515,6 +1535,7 @@ async fn the_installed_service_accounts_hold_their_roles_and_no_more() {
     let here = ["-n", NS];
     let elsewhere = ["-n", "default"];
     let status = ["-A", "--subresource=status"];
+    let exec = ["-A", "--subresource=exec"];
 
     let yes: &[(&Path, &str, &str, &[&str])] = &[
         (&operator, "list", "nodes", &[]),
@@ -1532,6 +1553,10 @@ async fn the_installed_service_accounts_hold_their_roles_and_no_more() {
             "leases.coordination.k8s.io/imp-operator",
             &here,
         ),
+        // Reservation Pods (docs/capacity.md): made and removed, never changed.
+        (&operator, "watch", "pods", &all),
+        (&operator, "create", "pods", &elsewhere),
+        (&operator, "delete", "pods", &elsewhere),
         (&agent, "patch", "nodes", &[]),
         (&agent, "list", "impvms.imp.dev", &all),
         (&agent, "watch", "impvms.imp.dev", &all),
@@ -1563,7 +1588,10 @@ async fn the_installed_service_accounts_hold_their_roles_and_no_more() {
             &[],
         ),
         (&operator, "list", "validatingwebhookconfigurations", &[]),
-        (&operator, "list", "pods", &all),
+        (&operator, "update", "pods", &all),
+        (&operator, "patch", "pods", &all),
+        (&operator, "get", "pods", &all),
+        (&operator, "create", "pods", &exec),
         (
             &operator,
             "update",

@@ -72,6 +72,18 @@ pub struct Args {
     /// Reconciles at once.
     #[arg(long, default_value_t = 8)]
     concurrency: u16,
+    /// Make no reservation Pods: Kubernetes then does not see what VMs hold on their nodes
+    /// (kube-scheduler and the kubelet may hand it to Pods) and ResourceQuotas do not count
+    /// VMs' vCPU and memory.
+    #[arg(long)]
+    no_reservation_pods: bool,
+    /// The image of reservation Pods (a pause image the nodes can pull).
+    #[arg(long, default_value = imp_operator::reservation::DEFAULT_IMAGE)]
+    reservation_image: String,
+    /// The PriorityClass of reservation Pods (one high enough that no Pod preempts them; the
+    /// chart ships `imp-vm-reservation`). Empty: none.
+    #[arg(long, default_value = "")]
+    reservation_priority_class: String,
     /// Log as JSON lines instead of compact text.
     #[arg(long)]
     log_json: bool,
@@ -118,6 +130,10 @@ async fn run(args: Args) -> anyhow::Result<()> {
         overcommit_suspended: !args.no_suspended_overcommit,
         concurrency: args.concurrency,
         instance: Some(identity.clone()),
+        reservations: (!args.no_reservation_pods).then(|| imp_operator::reservation::PodSettings {
+            image: args.reservation_image.clone(),
+            priority_class: Some(args.reservation_priority_class.clone()).filter(|p| !p.is_empty()),
+        }),
         ..Settings::default()
     };
 
@@ -136,6 +152,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
 
     webhook::spawn(
         &args.webhook,
+        !args.no_reservation_pods,
         client.clone(),
         health.clone(),
         stop_tx.clone(),

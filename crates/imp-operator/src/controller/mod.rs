@@ -70,6 +70,7 @@ mod apply;
 mod decide;
 mod finalize;
 mod place;
+mod reserve;
 mod rollout;
 mod world;
 mod write;
@@ -85,7 +86,7 @@ use imp_api::network::ImpNetwork;
 use imp_api::refusal;
 use imp_api::template::ImpVMTemplate;
 use imp_api::vm::{ImpVM, VmPhase};
-use k8s_openapi::api::core::v1::Node;
+use k8s_openapi::api::core::v1::{Node, Pod};
 use k8s_openapi::jiff::Timestamp;
 use kube::ResourceExt;
 use kube::api::Api;
@@ -145,6 +146,9 @@ pub struct Settings {
     pub concurrency: u16,
     /// Reporter instance in Events (the replica identity).
     pub instance: Option<String>,
+    /// How reservation Pods are made ([`crate::reservation`]); `None`: none are made, and
+    /// Kubernetes does not see what VMs hold.
+    pub reservations: Option<crate::reservation::PodSettings>,
 }
 
 impl Default for Settings {
@@ -161,6 +165,7 @@ impl Default for Settings {
             overcommit_suspended: true,
             concurrency: 8,
             instance: None,
+            reservations: Some(crate::reservation::PodSettings::default()),
         }
     }
 }
@@ -234,6 +239,8 @@ pub struct Context {
     networks: Store<ImpNetwork>,
     configs: Store<ClusterImpConfig>,
     profiles: Store<ClusterImpNodeProfile>,
+    /// Pods that are not finished, for what they request of their nodes.
+    pods: Store<Pod>,
     recorder: Recorder,
     /// Per-node usage and this process's own writes; its lock is the scheduling lock.
     ledger: Arc<std::sync::Mutex<Ledger>>,
@@ -443,6 +450,36 @@ pub async fn run(
     );
 
     // Every trigger handed to the controller marks its VM waiting until its reconcile starts.
+    // Pods: what the unfinished ones request of their nodes, and the reservation Pods of VMs
+    // (finished ones too: a kubelet that refused one marks it Failed).
+    let (pods, pod_stream) = {
+        let (reader, writer) = reflector::store::<Pod>();
+        let cfg = wc
+            .clone()
+            .fields("status.phase!=Succeeded,status.phase!=Failed");
+        let stream = reflector::reflector(writer, watcher(Api::<Pod>::all(client.clone()), cfg))
+            .default_backoff()
+            .touched_objects();
+        (reader, stream)
+    };
+    let reservation_changed = Arc::new(tokio::sync::Notify::new());
+    let (reservation_pods, reservation_stream) = {
+        let (reader, writer) = reflector::store::<Pod>();
+        let cfg = wc
+            .clone()
+            .labels(&format!("{}=true", crate::reservation::LABEL_RESERVATION));
+        let changed = reservation_changed.clone();
+        let stream = reflector::reflector(writer, watcher(Api::<Pod>::all(client.clone()), cfg))
+            .default_backoff()
+            .touched_objects()
+            .for_each(move |_| {
+                changed.notify_one();
+                futures::future::ready(())
+            });
+        (reader, stream)
+    };
+    tokio::spawn(reservation_stream);
+
     let backlog = Arc::new(Tracker::new(CONTROLLER_NAME, metrics.clone()));
     // The VM watch feeds the ledger as the cache takes each event in, so per-node usage never
     // needs a scan of every VM; class and template changes make it look sizes up again.
@@ -451,12 +488,14 @@ pub async fn run(
     let vm_stream = {
         let (ledger, classes, templates) = (ledger.clone(), classes.clone(), templates.clone());
         let backlog = backlog.clone();
+        let changed = reservation_changed.clone();
         reflector::reflector(
             vm_writer,
             watcher(Api::<ImpVM>::all(client.clone()), wc.clone()),
         )
         .map_ok(move |event| {
             observe(&ledger, &classes, &templates, &event);
+            changed.notify_one();
             event
         })
         .applied_objects()
@@ -497,6 +536,7 @@ pub async fn run(
         networks: networks.clone(),
         configs: configs.clone(),
         profiles: profiles.clone(),
+        pods: pods.clone(),
         recorder,
         ledger,
         ipam,
@@ -550,15 +590,18 @@ pub async fn run(
             .map(|vm| ObjectRef::from_obj(vm.as_ref()))
             .collect::<Vec<_>>()
     };
-    let (v1, v2) = (vms.clone(), vms.clone());
+    let (v1, v2, v3) = (vms.clone(), vms.clone(), vms.clone());
     let on_config = move |_: ClusterImpConfig| all_unplaced(&v1);
     let on_profile = move |_: ClusterImpNodeProfile| all_unplaced(&v2);
+    // A Pod that comes, goes or finishes changes what its node has left for VMs.
+    let on_pod = move |_: Pod| all_unplaced(&v3);
     let on_node = tracked(backlog.clone(), on_node);
     let on_class = tracked(backlog.clone(), on_class);
     let on_template = tracked(backlog.clone(), on_template);
     let on_network = tracked(backlog.clone(), on_network);
     let on_config = tracked(backlog.clone(), on_config);
     let on_profile = tracked(backlog.clone(), on_profile);
+    let on_pod = tracked(backlog.clone(), on_pod);
 
     // Phase-count gauge and queue depth, from the cache; the backlog forgets deleted VMs.
     if let Some(m) = metrics.clone() {
@@ -592,6 +635,7 @@ pub async fn run(
     // reconcile until it is filled (and a second waiter would steal its wake-up).
     let gate = {
         let (n, c, t, ne, co, p) = (nodes, classes, templates, networks, configs, profiles);
+        let (po, rp) = (pods, reservation_pods.clone());
         async move {
             loop {
                 let ready = [
@@ -601,6 +645,8 @@ pub async fn run(
                     filled(&ne, "ImpNetwork"),
                     filled(&co, "ClusterImpConfig"),
                     filled(&p, "ClusterImpNodeProfile"),
+                    filled(&po, "Pod"),
+                    filled(&rp, "reservation Pod"),
                 ];
                 for r in &ready {
                     if let Err(ControllerError::Cache(k)) = r {
@@ -631,6 +677,21 @@ pub async fn run(
         tracing::info!(ok = r.is_ok(), "caches filled");
         let _ = ready2.set(r.is_ok());
     });
+    let filled_all = {
+        let ready = ready.clone();
+        async move {
+            while ready.get().is_none() {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+    };
+    tokio::spawn(reserve::sync(
+        ctx.clone(),
+        vms.clone(),
+        reservation_pods,
+        reservation_changed,
+        filled_all,
+    ));
     let gated = move |vm: Arc<ImpVM>, ctx: Arc<Context>| {
         let ready = ready.clone();
         let backlog = backlog.clone();
@@ -652,6 +713,7 @@ pub async fn run(
         .watches_stream(network_stream, on_network)
         .watches_stream(config_stream, on_config)
         .watches_stream(profile_stream, on_profile)
+        .watches_stream(pod_stream, on_pod)
         .graceful_shutdown_on(shutdown)
         .run(gated, error_policy, ctx)
         .for_each(|r| async move {

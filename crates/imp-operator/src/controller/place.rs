@@ -157,6 +157,7 @@ impl Context {
             only_node,
             arch: r.class.arch,
             runtime: r.class.runtime,
+            disk_gib: i64::from(r.class.disk_gib),
         };
         let k = key(&vm);
         let size = PlacedSize {
@@ -179,7 +180,17 @@ impl Context {
             (choice, booking)
         };
         let vm = match (&choice, booking) {
-            (Ok(node), Some(booking)) => self.write_placement(&vm, node, size, booking).await?,
+            (Ok(node), Some(booking)) => {
+                // The reservation first: a quota that refuses it keeps the VM off the node.
+                if let Some(why) = self.reserve(&vm, node, size).await {
+                    self.ledger().abort(&k, booking);
+                    let why = format!("reserving {node} for the VM: {why}");
+                    return self
+                        .unplaceable(vm, ConditionReason::QuotaExceeded, &why)
+                        .await;
+                }
+                self.write_placement(&vm, node, size, booking).await?
+            }
             _ => vm,
         };
         // The nodeName write raised the generation: conditions observe the new one.

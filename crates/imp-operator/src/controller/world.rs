@@ -200,6 +200,8 @@ impl Context {
     }
 
     pub(super) fn node_views(&self) -> Vec<NodeView> {
+        let pods = self.pods.state();
+        let loads = crate::reservation::node_loads(pods.iter().map(AsRef::as_ref));
         let mut nodes: Vec<NodeView> = self
             .nodes
             .state()
@@ -209,7 +211,9 @@ impl Context {
                     .profiles
                     .get(&ObjectRef::new(&n.name_any()))
                     .map(|p| p.spec.clone());
-                NodeView::from_node(n, profile)
+                let mut view = NodeView::from_node(n, profile);
+                view.pods = loads.get(&view.name).copied().unwrap_or_default();
+                view
             })
             .collect();
         nodes.sort_by(|a, b| a.name.cmp(&b.name));

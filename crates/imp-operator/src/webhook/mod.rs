@@ -161,6 +161,9 @@ pub struct Webhook {
 /// What every request handler shares.
 struct State {
     client: kube::Client,
+    /// Whether an ImpVM CREATE is refused when a ResourceQuota would refuse its reservation
+    /// Pod (see [`quota_preview`]).
+    quota_preview: bool,
 }
 
 /// Binds the listener and loads the certificate, then serves until `shutdown` resolves.
@@ -193,11 +196,28 @@ pub async fn bind_live(
     Ok(Webhook {
         listener,
         acceptor: TlsAcceptor::from(Arc::new(tls)),
-        state: Arc::new(State { client }),
+        state: Arc::new(State {
+            client,
+            quota_preview: true,
+        }),
     })
 }
 
 impl Webhook {
+    /// Whether an ImpVM CREATE that a namespace's ResourceQuota would refuse (through the VM's
+    /// reservation Pod, [`crate::reservation`]) is refused at admission; on by default, off
+    /// when the operator makes no reservation Pods (quotas then do not count VMs' size).
+    #[must_use]
+    pub fn with_quota_preview(self, on: bool) -> Self {
+        Self {
+            state: Arc::new(State {
+                client: self.state.client.clone(),
+                quota_preview: on,
+            }),
+            ..self
+        }
+    }
+
     /// The address actually bound (useful when the configured port was 0).
     pub fn local_addr(&self) -> std::io::Result<SocketAddr> {
         self.listener.local_addr()
@@ -573,7 +593,13 @@ async fn mutate(state: &State, req: &AdmissionRequest<DynamicObject>) -> Admissi
         .or_else(|| req.namespace.clone())
         .unwrap_or_else(|| "default".to_owned());
     let mut warnings = Vec::new();
-    let resolved = inherit(&state.client, &namespace, &vm.spec, &mut warnings).await;
+    let (resolved, size) = inherit(&state.client, &namespace, &vm.spec, &mut warnings).await;
+    if state.quota_preview
+        && let Some(size) = size
+        && let Some(why) = quota_preview(&state.client, &namespace, &vm, size).await
+    {
+        return resp.deny(why);
+    }
     let patch = default_patch(obj.data.get("spec"), &resolved);
     let mut resp = resp;
     if !warnings.is_empty() {
@@ -591,13 +617,71 @@ async fn mutate(state: &State, req: &AdmissionRequest<DynamicObject>) -> Admissi
     }
 }
 
+/// What a namespace's ResourceQuota would say to the reservation Pod of `vm` at `size`
+/// (vCPU, MiB), asked with a dry-run create: `Some(message)` when it refuses. Any other
+/// answer (admitted, another refusal, no answer) lets the VM in: placement asks again for
+/// real, and only a quota holds a VM back.
+async fn quota_preview(
+    client: &kube::Client,
+    namespace: &str,
+    vm: &ImpVM,
+    size: (i64, i64),
+) -> Option<String> {
+    use crate::reservation::{self, PodSettings, Reservation};
+    use k8s_openapi::api::core::v1::Pod;
+    let name = vm
+        .metadata
+        .name
+        .clone()
+        .or_else(|| vm.metadata.generate_name.clone())
+        .unwrap_or_default();
+    // Not created, so no uid yet; a node is chosen later.
+    let r = Reservation::of(namespace, &name, PREVIEW_UID, "-", size, false, true)?;
+    let mut pod = reservation::pod(&r, &PodSettings::default());
+    if let Some(spec) = pod.spec.as_mut() {
+        spec.node_name = None;
+        spec.priority_class_name = None;
+    }
+    pod.metadata.name = None;
+    pod.metadata.generate_name = Some("imp-vm-preview-".to_owned());
+    let api: Api<Pod> = Api::namespaced(client.clone(), namespace);
+    let params = kube::api::PostParams {
+        dry_run: true,
+        ..Default::default()
+    };
+    let answer = tokio::time::timeout(LOOKUP_TIMEOUT, api.create(&params, &pod)).await;
+    match answer {
+        Ok(Err(kube::Error::Api(s))) if s.code == 403 && s.message.contains("exceeded quota") => {
+            Some(format!(
+                "spec.classRef: the VM's {} vCPU and {}MiB would exceed a ResourceQuota of \
+                 namespace {namespace} (VMs count through their reservation Pods): {}",
+                size.0, size.1, s.message
+            ))
+        }
+        Ok(Err(e)) => {
+            tracing::debug!(namespace, vm = %name, error = %e, "quota preview not conclusive");
+            None
+        }
+        Ok(Ok(_)) => None,
+        Err(_) => {
+            tracing::debug!(namespace, vm = %name, "quota preview: no answer in time");
+            None
+        }
+    }
+}
+
+/// The owner uid of a previewed reservation Pod (never stored: the create is a dry run).
+const PREVIEW_UID: &str = "00000000-0000-0000-0000-000000000000";
+
 /// Resolves template then class for `spec`; a missing or unreadable object adds a warning.
+/// Also gives the class's size (vCPU, MiB) when the class was read.
 async fn inherit(
     client: &kube::Client,
     namespace: &str,
     spec: &ImpVMSpec,
     warnings: &mut Vec<String>,
-) -> ImpVMSpec {
+) -> (ImpVMSpec, Option<(i64, i64)>) {
+    let mut size = None;
     let mut merged = spec.clone();
     let mut class_name = spec.class_ref.as_ref().map(|c| c.name.clone());
     if let Some(t) = &spec.template_ref {
@@ -623,7 +707,10 @@ async fn inherit(
     if let Some(class) = class_name {
         let api: Api<ImpVMClass> = Api::all(client.clone());
         match lookup(api.get_opt(&class)).await {
-            Ok(Some(c)) => merged = crate::resolve::apply_class(&merged, &c.spec),
+            Ok(Some(c)) => {
+                merged = crate::resolve::apply_class(&merged, &c.spec);
+                size = Some((i64::from(c.spec.vcpu), i64::from(c.spec.memory_mib)));
+            }
             Ok(None) => warnings.push(format!(
                 "ImpVMClass {class} not found: create it; the operator keeps the VM Pending and applies its values once it exists"
             )),
@@ -637,7 +724,7 @@ async fn inherit(
     }
     // classRef stays as the user wrote it: a VM with both classRef and templateRef is invalid.
     merged.class_ref.clone_from(&spec.class_ref);
-    merged
+    (merged, size)
 }
 
 async fn lookup<T>(

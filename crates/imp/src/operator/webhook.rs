@@ -121,6 +121,7 @@ pub fn parse_validity(s: &str) -> Result<Duration, String> {
 /// Starts the webhook if `--webhook-addr` is set; a failure to bind raises `stop`.
 pub fn spawn(
     args: &WebhookArgs,
+    quota_preview: bool,
     client: kube::Client,
     health: Arc<Health>,
     stop: watch::Sender<bool>,
@@ -140,7 +141,11 @@ pub fn spawn(
                     args.namespace
                 ),
             );
-            let serving = Serving { addr, health };
+            let serving = Serving {
+                addr,
+                health,
+                quota_preview,
+            };
             tokio::spawn(self_managed(serving, keeper, client, stop, stopping));
         }
         (None, Some(cert), Some(key)) => {
@@ -149,6 +154,7 @@ pub fn spawn(
                 cert: cert.clone(),
                 key: key.clone(),
                 reload: args.webhook_cert_reload,
+                quota_preview,
             };
             tokio::spawn(from_files(files, client, stop, stopping));
         }
@@ -185,6 +191,8 @@ const HEALTH_PART: &str = "webhook";
 struct Serving {
     addr: SocketAddr,
     health: Arc<Health>,
+    /// Refuse at admission a VM a ResourceQuota would refuse (reservation Pods are made).
+    quota_preview: bool,
 }
 
 async fn self_managed(
@@ -199,6 +207,7 @@ async fn self_managed(
     };
     match webhook::bind_live(serving.addr, live.clone(), client).await {
         Ok(hook) => {
+            let hook = hook.with_quota_preview(serving.quota_preview);
             serving.health.release(HEALTH_PART);
             tokio::spawn(keeper.run(live, stopped(stopping.clone())));
             hook.run(stopped(stopping)).await;
@@ -213,6 +222,8 @@ struct Files {
     cert: PathBuf,
     key: PathBuf,
     reload: Duration,
+    /// As [`Serving::quota_preview`].
+    quota_preview: bool,
 }
 
 async fn from_files(
@@ -230,6 +241,7 @@ async fn from_files(
     };
     match bound.await {
         Ok((hook, live)) => {
+            let hook = hook.with_quota_preview(files.quota_preview);
             tokio::spawn(tls::follow_files(
                 files.cert,
                 files.key,
