@@ -68,8 +68,10 @@ fn stdout(out: &Output) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
-/// The cached base root filesystems (ext4 files) under the state dir's cache.
-fn cached_bases(state: &Path) -> Vec<(PathBuf, std::time::SystemTime, u64)> {
+/// The cached base root filesystems (ext4 files) under the state dir's cache, with their
+/// inodes: a rebuilt base is a new file renamed over the old one. (Not their mtimes: a use
+/// touches the base, for the cache's least-recently-used eviction.)
+fn cached_bases(state: &Path) -> Vec<(PathBuf, u64)> {
     use std::os::unix::fs::MetadataExt;
     let mut found = Vec::new();
     let mut stack = vec![state.join("cache")];
@@ -80,7 +82,7 @@ fn cached_bases(state: &Path) -> Vec<(PathBuf, std::time::SystemTime, u64)> {
             if meta.is_dir() {
                 stack.push(path);
             } else if path.extension().is_some_and(|e| e == "ext4") {
-                found.push((path, meta.modified().unwrap(), meta.ino()));
+                found.push((path, meta.ino()));
             }
         }
     }
