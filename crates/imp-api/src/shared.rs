@@ -48,6 +48,11 @@ pub const ANNOTATION_AGENT_CERT_SHA256: &str = "imp.dev/agent-cert-sha256";
 /// there, comma-separated [`VmRuntime`] names in order (`firecracker,qemu`; empty: none). The
 /// scheduler places a class that names a runtime only on nodes listing it.
 pub const ANNOTATION_RUNTIMES: &str = "imp.dev/runtimes";
+
+/// Label (value `"true"`) on each node agent's own Lease (`imp-agent-<node>`, in the agent's
+/// namespace): the agent renews it, fences its VMs when it cannot, and the operator moves VMs
+/// off a lost node only once it has been silent past its `leaseDurationSeconds` and a margin.
+pub const LABEL_AGENT_LEASE: &str = "imp.dev/agent-lease";
 /// Node annotation the agent publishes: the free and total bytes of the filesystem holding its
 /// state directory (VM disks, snapshots, the image cache), as [`DiskReport::render`] writes it
 /// (`free=<bytes>,total=<bytes>`), refreshed while it runs. The scheduler reads it with

@@ -19,6 +19,7 @@
 pub mod backlog;
 mod chain;
 pub mod controller;
+pub mod fencing;
 pub mod ipam;
 pub mod leader;
 pub mod ledger;

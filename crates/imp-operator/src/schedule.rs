@@ -16,7 +16,8 @@
 //!    `PreferNoSchedule` only ranks the node lower;
 //! 7. capacity: `maxImpVMs` from its ClusterImpNodeProfile, then vCPU and memory, then disk:
 //!    the free space its agent last reported in its state directory (annotation
-//!    `imp.dev/disk`) holds the class's `diskGiB` (a node that has not reported is not refused;
+//!    `imp.dev/disk`) holds the class's `diskGiB`, and the VM's memory too when it is to be
+//!    suspended (`desiredState` Suspended or ScaleToZero) (a node that has not reported is not refused;
 //!    the figure is the agent's last report, refreshed every 30 s, not a booking).
 //!
 //! # Capacity
@@ -77,6 +78,9 @@ pub struct Request {
     pub runtime: Option<VmRuntime>,
     /// The class's disk in GiB (0: not checked).
     pub disk_gib: i64,
+    /// Room for a memory snapshot in MiB, beside the disk: the VM's memory when it is to be
+    /// suspended (`desiredState` Suspended or ScaleToZero), else 0.
+    pub snapshot_mib: i64,
 }
 
 /// One Node as the scheduler sees it.
@@ -324,13 +328,23 @@ fn reject_reason(
 /// directory than the class's disk (a node that has not reported is not refused).
 fn disk_reason(node: &NodeView, req: &Request) -> Option<String> {
     const GIB: u64 = 1 << 30;
+    const MIB: u64 = 1 << 20;
     let free = node.disk_free?;
-    let need = u64::try_from(req.disk_gib).ok()?.saturating_mul(GIB);
+    let disk = u64::try_from(req.disk_gib).unwrap_or(0).saturating_mul(GIB);
+    let snapshot = u64::try_from(req.snapshot_mib)
+        .unwrap_or(0)
+        .saturating_mul(MIB);
+    let need = disk.saturating_add(snapshot);
+    let what = if snapshot > 0 {
+        " (disk and memory snapshot)"
+    } else {
+        ""
+    };
     (free < need).then(|| {
         format!(
-            "have {:.1}GiB disk free of {}GiB needed ({ANNOTATION_DISK})",
+            "have {:.1}GiB disk free of {:.1}GiB needed{what} ({ANNOTATION_DISK})",
             free as f64 / GIB as f64,
-            req.disk_gib
+            need as f64 / GIB as f64,
         )
     })
 }
@@ -691,7 +705,18 @@ mod tests {
         let err = pick(&r, std::slice::from_ref(&full), &no_usage(), &policy).unwrap_err();
         assert_eq!(
             err.message,
-            "1 node: 1 has 1.5GiB disk free of 2GiB needed (imp.dev/disk)"
+            "1 node: 1 has 1.5GiB disk free of 2.0GiB needed (imp.dev/disk)"
+        );
+        // A VM to be suspended needs room for its memory too.
+        let mut sleeper = req(1, 1024);
+        sleeper.disk_gib = 1;
+        sleeper.snapshot_mib = 1024;
+        let err = pick(&sleeper, std::slice::from_ref(&full), &no_usage(), &policy).unwrap_err();
+        assert!(
+            err.message
+                .contains("1.5GiB disk free of 2.0GiB needed (disk and memory snapshot)"),
+            "{}",
+            err.message
         );
         r.disk_gib = 1;
         assert_eq!(

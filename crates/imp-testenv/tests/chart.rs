@@ -501,12 +501,15 @@ fn check_agent_container(c: &Value) {
         "--image-cache=/var/cache/imp",
         // 20 GiB, written as an integer (Helm would print a float as 2.147483648e+10).
         "--image-cache-max-bytes=21474836480",
+        "--fence-after=30s",
     ] {
         assert!(a.contains(&flag), "agent args {a:?} lack {flag}");
     }
     let field = |name| env(c, name)["valueFrom"]["fieldRef"]["fieldPath"].clone();
     assert_eq!(field("NODE_NAME"), "spec.nodeName");
     assert_eq!(field("NODE_IP"), "status.hostIP");
+    // The agent's Lease lives in the release namespace (its Role's).
+    assert_eq!(field("POD_NAMESPACE"), "metadata.namespace");
     for (name, value) in [
         ("FC_BIN", "/usr/local/bin/firecracker"),
         ("FC_KERNEL", "/opt/imp/guest/vmlinux"),
@@ -1558,6 +1561,9 @@ async fn the_installed_service_accounts_hold_their_roles_and_no_more() {
         (&operator, "create", "pods", &elsewhere),
         (&operator, "delete", "pods", &elsewhere),
         (&agent, "patch", "nodes", &[]),
+        // Its own Lease (node/fence.rs), in the install namespace only.
+        (&agent, "create", "leases.coordination.k8s.io", &here),
+        (&agent, "patch", "leases.coordination.k8s.io", &here),
         (&agent, "list", "impvms.imp.dev", &all),
         (&agent, "watch", "impvms.imp.dev", &all),
         (&agent, "patch", "impvms.imp.dev", &status),
@@ -1607,7 +1613,9 @@ async fn the_installed_service_accounts_hold_their_roles_and_no_more() {
         (&agent, "get", "nodes", &[]),
         (&agent, "list", "nodes", &[]),
         (&agent, "get", "impvmclasses.imp.dev", &[]),
-        (&agent, "create", "leases.coordination.k8s.io", &here),
+        (&agent, "create", "leases.coordination.k8s.io", &elsewhere),
+        (&agent, "patch", "leases.coordination.k8s.io", &elsewhere),
+        (&agent, "update", "leases.coordination.k8s.io", &here),
         (&agent, "create", "pods", &here),
     ];
     for (kc, verb, resource, extra) in yes {

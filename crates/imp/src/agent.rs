@@ -175,6 +175,14 @@ pub struct Args {
     /// How long one guest may take to report its figures.
     #[arg(long, default_value = "5s", value_parser = parse_duration)]
     guest_metrics_timeout: Duration,
+    /// The namespace of the agent's Lease (`imp-agent-<node>`).
+    #[arg(long, env = "POD_NAMESPACE", default_value = "imp-system")]
+    lease_namespace: String,
+    /// How long the agent may fail to renew its Lease before it stops (fences) every VM of
+    /// the node, so the operator can run them elsewhere; 0s: never fence (VMs of a node cut
+    /// off from the API server may then run twice once the operator moves them).
+    #[arg(long, env = "IMP_FENCE_AFTER", default_value = "30s", value_parser = parse_duration)]
+    fence_after: Duration,
 }
 
 /// Runs the agent until SIGTERM or Ctrl-C.
@@ -317,6 +325,28 @@ async fn run(args: Args) -> anyhow::Result<()> {
     };
     let state_dir = settings.state.clone();
     let mut ctx = Context::new(client.clone(), settings, caps, metrics.clone());
+    let mut fencing = None;
+    if !args.fence_after.is_zero() {
+        let s = imp_agent::node::fence::Settings {
+            node: node.clone(),
+            namespace: args.lease_namespace.clone(),
+            fence_after: args.fence_after,
+            renew_every: (args.fence_after / 3).max(Duration::from_millis(500)),
+        };
+        let fence = Arc::new(imp_agent::node::fence::Fence::default());
+        ctx = ctx.with_fence(fence.clone());
+        let lease = tokio::spawn(imp_agent::node::fence::keep_lease(
+            client.clone(),
+            s.clone(),
+            fence.clone(),
+        ));
+        let watchdog = tokio::spawn(imp_agent::node::fence::watchdog(
+            state_dir.clone(),
+            s,
+            fence,
+        ));
+        fencing = Some((lease, watchdog));
+    }
     let mut network_watch = None;
     if !args.no_network {
         let net = Arc::new(
@@ -466,6 +496,10 @@ async fn run(args: Args) -> anyhow::Result<()> {
         stopped(stop_rx.clone()),
     ));
     reconciler::run(ctx, stopped(stop_rx)).await;
+    if let Some((lease, watchdog)) = fencing {
+        watchdog.abort();
+        lease.abort();
+    }
     snapshots.abort();
     guest_metrics.abort();
     ops.abort();

@@ -66,6 +66,10 @@ pub struct Args {
     /// Seconds a VM may stay Starting before it fails.
     #[arg(long, default_value_t = 300.0)]
     start_timeout: f64,
+    /// Seconds added to a node agent's fence deadline (its Lease's leaseDurationSeconds)
+    /// before the VMs of its lost node are moved or failed.
+    #[arg(long, default_value_t = 10.0)]
+    fence_margin: f64,
     /// Keep suspended VMs' memory reserved instead of the Go project's overcommit.
     #[arg(long)]
     no_suspended_overcommit: bool,
@@ -127,6 +131,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
         node_gone_grace: secs("node-gone-grace", args.node_gone_grace)?,
         node_loss_grace: secs("node-loss-grace", args.node_loss_grace)?,
         start_timeout: secs("start-timeout", args.start_timeout)?,
+        fence_margin: secs("fence-margin", args.fence_margin)?,
         overcommit_suspended: !args.no_suspended_overcommit,
         concurrency: args.concurrency,
         instance: Some(identity.clone()),

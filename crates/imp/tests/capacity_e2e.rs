@@ -309,7 +309,7 @@ async fn pods_and_vms_share_a_node_and_a_namespaces_quota() {
     })
     .await;
     let msg = scheduled(&v).unwrap();
-    assert!(msg.contains("2.0GiB disk free of 3GiB needed"), "{msg}");
+    assert!(msg.contains("2.0GiB disk free of 3.0GiB needed"), "{msg}");
     nodes
         .patch(NODE, &PatchParams::default(), &Patch::Merge(&disk(4 << 30)))
         .await

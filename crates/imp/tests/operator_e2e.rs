@@ -1428,3 +1428,91 @@ async fn conflicting_writers_are_counted_and_the_backlog_drains() {
         "{idle}"
     );
 }
+
+/// Plays node `node`'s agent renewing its Lease (deadline `secs`), every 300 ms until dropped.
+fn renew_agent_lease(c: &Client, node: &str, secs: i32) -> tokio::task::JoinHandle<()> {
+    use k8s_openapi::api::coordination::v1::Lease;
+    let api: Api<Lease> = Api::namespaced(c.clone(), "imp-system");
+    let name = format!("imp-agent-{node}");
+    let node = node.to_owned();
+    tokio::spawn(async move {
+        loop {
+            let now = k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime(
+                k8s_openapi::jiff::Timestamp::now(),
+            );
+            let body = json!({
+                "apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+                "metadata": {"name": name, "labels": {imp_api::shared::LABEL_AGENT_LEASE: "true"}},
+                "spec": {"holderIdentity": node, "leaseDurationSeconds": secs, "renewTime": now}
+            });
+            api.patch(
+                &name,
+                &PatchParams::apply("test-agent").force(),
+                &Patch::Apply(&body),
+            )
+            .await
+            .unwrap();
+            tokio::time::sleep(Duration::from_millis(300)).await;
+        }
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_nodes_vm_moves_only_once_its_agent_has_surely_fenced_it() {
+    let Some(e) = env().await else {
+        return;
+    };
+    let c = &e.client;
+    node(c, "a", "8", "16Gi", true, true).await;
+    class(c, "small", 1, 256).await;
+    // Node-loss grace 3 s (Operator::start), agent deadline 3 s, margin 1 s.
+    let _op = Operator::start(&e, "solo", &["--fence-margin", "1"]).await;
+    let renewing = renew_agent_lease(c, "a", 3);
+    vm(
+        c,
+        "mover",
+        json!({"classRef": {"name": "small"}, "image": "busybox"}),
+    )
+    .await;
+    wait_vm(c, "mover", "on node a", |v| {
+        phase(v) == Some(VmPhase::Scheduled)
+    })
+    .await;
+    agent_status(c, "mover", json!({"phase": "Running"})).await;
+    node(c, "b", "8", "16Gi", true, true).await;
+    set_node_ready(c, "a", "8", "16Gi", false).await;
+    // Past the node-loss grace, the VM stays while node a's agent renews: it may run it.
+    let held = wait_vm(c, "mover", "held while the agent renews", |v| {
+        cond(v, "NodeHealthy").is_some_and(|c| c.message.contains("renewed its Lease"))
+    })
+    .await;
+    assert_eq!(held.spec.node_name.as_deref(), Some("a"));
+    let msg = &cond(&held, "NodeHealthy").unwrap().message;
+    assert!(msg.contains("silent 4s"), "{msg}");
+    // Still there after the agent's whole deadline: it keeps renewing.
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let still = vms(c).get("mover").await.unwrap();
+    assert_eq!(
+        still.spec.node_name.as_deref(),
+        Some("a"),
+        "moved under a live agent"
+    );
+    // The agent falls silent (cut off): the VM moves once 3 s + 1 s have surely passed.
+    renewing.abort();
+    let _ = renewing.await;
+    let cut = Instant::now();
+    let moved = wait_vm(c, "mover", "mover on node b", |v| {
+        v.spec.node_name.as_deref() == Some("b")
+    })
+    .await;
+    let after = cut.elapsed();
+    eprintln!(
+        "fencing timeline: moved {:.1} s after the agent's last renewal (deadline 3 s + margin 1 s)",
+        after.as_secs_f64()
+    );
+    assert!(
+        after >= Duration::from_millis(3700),
+        "moved after {after:?}"
+    );
+    assert_eq!(phase(&moved), Some(VmPhase::Scheduled));
+}

@@ -10,7 +10,8 @@
 //! agent API knows of the node's VMs.
 //! [`serial`] relays VMs' serial consoles to the agent's log, escaped and rate-limited.
 //! [`advertise`] says what the node can run (its runtimes, its CPU model) to the scheduler, and
-//! [`disk`] how much room its state directory has left.
+//! [`disk`] how much room its state directory has left. [`fence`] renews the agent's Lease and
+//! stops the node's VMs when it cannot.
 
 pub mod advertise;
 pub mod boot;
@@ -18,6 +19,7 @@ pub mod capabilities;
 pub mod decide;
 pub mod disk;
 pub mod env;
+pub mod fence;
 pub mod guest_metrics;
 pub mod metrics;
 pub mod network;

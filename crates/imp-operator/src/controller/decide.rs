@@ -37,6 +37,9 @@ pub(super) struct World<'a> {
     /// The VM's node, when it is placed and the node exists (looked up only when a decision
     /// needs it: placed, and deleting or in a non-terminal phase).
     pub node: Option<&'a Node>,
+    /// How long the agent of the VM's node has been silent, when it keeps a Lease (it fences
+    /// its VMs once silent past the deadline; see [`crate::fencing`]).
+    pub agent: Option<crate::fencing::Silence>,
 }
 
 /// After a plan is written: decide again on the written VM, or end the reconcile.
@@ -604,6 +607,26 @@ fn node_lost(vm: &ImpVM, mut status: ImpVMStatus, node: &str, w: &World) -> Plan
             ..Plan::default()
         };
     }
+    // Its agent may be cut off but alive, its VMs running: move them only once it has surely
+    // fenced them, or two copies would run.
+    if let Some(a) = w.agent
+        && !a.fenced()
+    {
+        let (silent, deadline) = (a.silent.as_secs(), a.deadline.as_secs());
+        healthy(
+            &mut status,
+            format!(
+                "{why}; its agent last renewed its Lease {silent}s ago: its VMs are moved or \
+                 failed once it has been silent {deadline}s (by then it has stopped them itself)"
+            ),
+        );
+        return Plan {
+            status: Some(status),
+            doing: "waiting for the lost node's agent to fence",
+            next: Next::Requeue((a.deadline - a.silent).min(s.requeue_active)),
+            ..Plan::default()
+        };
+    }
     healthy(&mut status, why.clone());
     let spec = w.resolved.as_ref().map(|r| &r.spec).unwrap_or(&vm.spec);
     if spec.lifecycle == VmLifecycle::Ephemeral || spec.reschedule_on_node_loss {
@@ -854,6 +877,7 @@ mod tests {
                 settings: &settings,
                 resolved: r,
                 node,
+                agent: None,
             },
         )
     }
@@ -1013,6 +1037,53 @@ mod tests {
         assert!(!p.clear_node);
         assert_eq!(phase(&p), Some(VmPhase::Failed));
         assert_eq!(p.event.unwrap().reason, "NodeLost");
+    }
+
+    #[test]
+    fn a_vm_leaves_a_lost_node_only_once_its_agent_has_surely_fenced_it() {
+        let now = Timestamp::now();
+        let v = vm(Some("n1"), Some(VmPhase::Running));
+        let mut eph = v.spec.clone();
+        eph.lifecycle = VmLifecycle::Ephemeral;
+        let r = resolved(eph);
+        // NotReady for ten minutes: past the node-loss grace.
+        let lost = node(false, now - Duration::from_secs(600));
+        let settings = Settings::default();
+        let with = |silent: u64| {
+            decide(
+                &v,
+                &World {
+                    now,
+                    jitter: 0.5,
+                    settings: &settings,
+                    resolved: &r,
+                    node: Some(&lost),
+                    agent: Some(crate::fencing::Silence {
+                        silent: Duration::from_secs(silent),
+                        deadline: Duration::from_secs(40),
+                    }),
+                },
+            )
+        };
+        let p = plan(with(25));
+        assert!(!p.clear_node, "the agent may still run it");
+        assert_eq!(p.next, Next::Requeue(Duration::from_secs(10)));
+        let c = p
+            .status
+            .as_ref()
+            .unwrap()
+            .conditions
+            .iter()
+            .find(|c| c.type_ == "NodeHealthy");
+        let msg = &c.unwrap().message;
+        assert!(
+            msg.contains("renewed its Lease 25s ago") && msg.contains("40s"),
+            "{msg}"
+        );
+        assert_eq!(plan(with(35)).next, Next::Requeue(Duration::from_secs(5)));
+        let p = plan(with(40));
+        assert!(p.clear_node, "fenced: moved");
+        assert_eq!(p.event.unwrap().reason, "Rescheduling");
     }
 
     #[test]

@@ -72,6 +72,7 @@ mod finalize;
 mod place;
 mod reserve;
 mod rollout;
+mod watches;
 mod world;
 mod write;
 
@@ -85,7 +86,7 @@ use imp_api::cluster::{ClusterImpConfig, ClusterImpNodeProfile};
 use imp_api::network::ImpNetwork;
 use imp_api::refusal;
 use imp_api::template::ImpVMTemplate;
-use imp_api::vm::{ImpVM, VmPhase};
+use imp_api::vm::ImpVM;
 use k8s_openapi::api::core::v1::{Node, Pod};
 use k8s_openapi::jiff::Timestamp;
 use kube::ResourceExt;
@@ -140,6 +141,9 @@ pub struct Settings {
     pub node_loss_grace: Duration,
     /// A VM `Starting` for longer fails.
     pub start_timeout: Duration,
+    /// Added to an agent's fence deadline (its Lease's `leaseDurationSeconds`) before the VMs
+    /// of its lost node are moved: covers the agent's once-a-second check and the kill.
+    pub fence_margin: Duration,
     /// Count suspended VMs' memory as free (the Go overcommit rule).
     pub overcommit_suspended: bool,
     /// Reconciles running at once.
@@ -162,6 +166,7 @@ impl Default for Settings {
             node_gone_grace: Duration::from_secs(10),
             node_loss_grace: Duration::from_secs(40),
             start_timeout: Duration::from_secs(300),
+            fence_margin: Duration::from_secs(10),
             overcommit_suspended: true,
             concurrency: 8,
             instance: None,
@@ -241,6 +246,8 @@ pub struct Context {
     profiles: Store<ClusterImpNodeProfile>,
     /// Pods that are not finished, for what they request of their nodes.
     pods: Store<Pod>,
+    /// When each node's agent was last seen renewing its Lease.
+    agent_leases: Arc<std::sync::Mutex<crate::fencing::AgentLeases>>,
     recorder: Recorder,
     /// Per-node usage and this process's own writes; its lock is the scheduling lock.
     ledger: Arc<std::sync::Mutex<Ledger>>,
@@ -332,6 +339,7 @@ async fn step(vm: ImpVM, ctx: &Context) -> Result<Action, Error> {
             settings: &ctx.settings,
             resolved: &resolved,
             node: node.as_ref(),
+            agent: ctx.agent_silence(&vm),
         };
         match decide::decide(&vm, &world) {
             Decision::Finalize => return ctx.finalize(vm, node.as_ref()).await,
@@ -363,17 +371,6 @@ async fn step(vm: ImpVM, ctx: &Context) -> Result<Action, Error> {
     Ok(Action::requeue(Duration::ZERO))
 }
 
-fn all_unplaced(store: &Store<ImpVM>) -> Vec<ObjectRef<ImpVM>> {
-    store
-        .state()
-        .iter()
-        .filter(|v| v.spec.node_name.is_none())
-        .map(|v| ObjectRef::from_obj(v.as_ref()))
-        .collect()
-}
-
-/// `map` (a watch's mapping to the VMs a change affects), marking each VM it names as waiting
-/// in `backlog`.
 fn tracked<T>(
     backlog: Arc<Tracker>,
     map: impl Fn(T) -> Vec<ObjectRef<ImpVM>>,
@@ -404,6 +401,62 @@ where
         None => Ok(false),
         Some(Ok(())) => Ok(true),
         Some(Err(_)) => Err(ControllerError::Cache(kind)),
+    }
+}
+
+/// Whether every cache the decisions read has filled; an error names one that never can.
+///
+/// kube's `Store::wait_until_ready` keeps a single waker, so readiness is polled instead of
+/// awaited concurrently; the VM store is left alone because the controller itself holds every
+/// reconcile until it is filled (and a second waiter would steal its wake-up).
+fn caches_filled(ctx: &Context, reservations: &Store<Pod>) -> Result<bool, ControllerError> {
+    let ready = [
+        filled(&ctx.nodes, "Node"),
+        filled(&ctx.classes, "ImpVMClass"),
+        filled(&ctx.templates, "ImpVMTemplate"),
+        filled(&ctx.networks, "ImpNetwork"),
+        filled(&ctx.configs, "ClusterImpConfig"),
+        filled(&ctx.profiles, "ClusterImpNodeProfile"),
+        filled(&ctx.pods, "Pod"),
+        filled(reservations, "reservation Pod"),
+    ];
+    let mut all = true;
+    for r in ready {
+        all &= r?;
+    }
+    Ok(all)
+}
+
+/// Sets `ready` (and the operator's readiness) once every cache has filled.
+async fn wait_filled(
+    ctx: Arc<Context>,
+    reservations: Store<Pod>,
+    health: Option<Arc<Health>>,
+    ready: Arc<tokio::sync::OnceCell<bool>>,
+) {
+    let r = loop {
+        match caches_filled(&ctx, &reservations) {
+            Ok(true) => break Ok(()),
+            Ok(false) => tokio::time::sleep(Duration::from_millis(20)).await,
+            Err(e) => break Err(e),
+        }
+    };
+    if let Err(e) = &r {
+        tracing::error!(error = %e, "caches never filled");
+    }
+    if r.is_ok()
+        && let Some(h) = &health
+    {
+        h.set_ready();
+    }
+    tracing::info!(ok = r.is_ok(), "caches filled");
+    let _ = ready.set(r.is_ok());
+}
+
+/// Returns once [`wait_filled`] has decided.
+async fn until_filled(ready: &tokio::sync::OnceCell<bool>) {
+    while ready.get().is_none() {
+        tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
 
@@ -449,37 +502,12 @@ pub async fn run(
         Api::<ClusterImpNodeProfile>::all(client.clone())
     );
 
-    // Every trigger handed to the controller marks its VM waiting until its reconcile starts.
-    // Pods: what the unfinished ones request of their nodes, and the reservation Pods of VMs
-    // (finished ones too: a kubelet that refused one marks it Failed).
-    let (pods, pod_stream) = {
-        let (reader, writer) = reflector::store::<Pod>();
-        let cfg = wc
-            .clone()
-            .fields("status.phase!=Succeeded,status.phase!=Failed");
-        let stream = reflector::reflector(writer, watcher(Api::<Pod>::all(client.clone()), cfg))
-            .default_backoff()
-            .touched_objects();
-        (reader, stream)
-    };
+    let (pods, pod_stream) = watches::pods(&client, &wc);
     let reservation_changed = Arc::new(tokio::sync::Notify::new());
-    let (reservation_pods, reservation_stream) = {
-        let (reader, writer) = reflector::store::<Pod>();
-        let cfg = wc
-            .clone()
-            .labels(&format!("{}=true", crate::reservation::LABEL_RESERVATION));
-        let changed = reservation_changed.clone();
-        let stream = reflector::reflector(writer, watcher(Api::<Pod>::all(client.clone()), cfg))
-            .default_backoff()
-            .touched_objects()
-            .for_each(move |_| {
-                changed.notify_one();
-                futures::future::ready(())
-            });
-        (reader, stream)
-    };
-    tokio::spawn(reservation_stream);
+    let reservation_pods = watches::reservation_pods(&client, &wc, reservation_changed.clone());
+    let agent_leases = watches::agent_leases(&client, &wc);
 
+    // Every trigger handed to the controller marks its VM waiting until its reconcile starts.
     let backlog = Arc::new(Tracker::new(CONTROLLER_NAME, metrics.clone()));
     // The VM watch feeds the ledger as the cache takes each event in, so per-node usage never
     // needs a scan of every VM; class and template changes make it look sizes up again.
@@ -537,6 +565,7 @@ pub async fn run(
         configs: configs.clone(),
         profiles: profiles.clone(),
         pods: pods.clone(),
+        agent_leases,
         recorder,
         ledger,
         ipam,
@@ -544,146 +573,29 @@ pub async fn run(
         metrics: metrics.clone(),
     });
 
-    let v = vms.clone();
-    let on_node = move |n: Node| {
-        let name = n.name_any();
-        v.state()
-            .iter()
-            .filter(|vm| vm.spec.node_name.is_none() || vm.spec.node_name.as_deref() == Some(&name))
-            .map(|vm| ObjectRef::from_obj(vm.as_ref()))
-            .collect::<Vec<_>>()
-    };
-    let v = vms.clone();
-    let on_class = move |c: ImpVMClass| {
-        let name = c.name_any();
-        v.state()
-            .iter()
-            .filter(|vm| {
-                vm.spec.class_ref.as_ref().is_some_and(|r| r.name == name)
-                    || vm.spec.template_ref.is_some()
-            })
-            .map(|vm| ObjectRef::from_obj(vm.as_ref()))
-            .collect::<Vec<_>>()
-    };
-    let v = vms.clone();
-    let on_template = move |t: ImpVMTemplate| {
-        let (name, ns) = (t.name_any(), t.namespace());
-        v.state()
-            .iter()
-            .filter(|vm| {
-                vm.namespace() == ns
-                    && vm
-                        .spec
-                        .template_ref
-                        .as_ref()
-                        .is_some_and(|r| r.name == name)
-            })
-            .map(|vm| ObjectRef::from_obj(vm.as_ref()))
-            .collect::<Vec<_>>()
-    };
-    let v = vms.clone();
-    let on_network = move |n: ImpNetwork| {
-        let ns = n.namespace();
-        v.state()
-            .iter()
-            .filter(|vm| vm.namespace() == ns && vm.spec.node_name.is_none())
-            .map(|vm| ObjectRef::from_obj(vm.as_ref()))
-            .collect::<Vec<_>>()
-    };
-    let (v1, v2, v3) = (vms.clone(), vms.clone(), vms.clone());
-    let on_config = move |_: ClusterImpConfig| all_unplaced(&v1);
-    let on_profile = move |_: ClusterImpNodeProfile| all_unplaced(&v2);
+    let on_node = tracked(backlog.clone(), watches::on_node(vms.clone()));
+    let on_class = tracked(backlog.clone(), watches::on_class(vms.clone()));
+    let on_template = tracked(backlog.clone(), watches::on_template(vms.clone()));
+    let on_network = tracked(backlog.clone(), watches::on_network(vms.clone()));
+    let on_config = tracked(backlog.clone(), watches::all_unplaced(vms.clone()));
+    let on_profile = tracked(backlog.clone(), watches::all_unplaced(vms.clone()));
     // A Pod that comes, goes or finishes changes what its node has left for VMs.
-    let on_pod = move |_: Pod| all_unplaced(&v3);
-    let on_node = tracked(backlog.clone(), on_node);
-    let on_class = tracked(backlog.clone(), on_class);
-    let on_template = tracked(backlog.clone(), on_template);
-    let on_network = tracked(backlog.clone(), on_network);
-    let on_config = tracked(backlog.clone(), on_config);
-    let on_profile = tracked(backlog.clone(), on_profile);
-    let on_pod = tracked(backlog.clone(), on_pod);
-
-    // Phase-count gauge and queue depth, from the cache; the backlog forgets deleted VMs.
+    let on_pod = tracked(backlog.clone(), watches::all_unplaced(vms.clone()));
     if let Some(m) = metrics.clone() {
-        let v = vms.clone();
-        let backlog = backlog.clone();
-        tokio::spawn(async move {
-            loop {
-                let state = v.state();
-                let present: std::collections::BTreeSet<String> =
-                    state.iter().map(|vm| key(vm)).collect();
-                backlog.retain(|k| present.contains(k));
-                m.set_phase_counts(&phase_counts(&state));
-                let waiting = state
-                    .iter()
-                    .filter(|vm| {
-                        vm.spec.node_name.is_none()
-                            && !vm
-                                .status
-                                .as_ref()
-                                .and_then(|s| s.phase)
-                                .is_some_and(VmPhase::is_terminal)
-                    })
-                    .count();
-                m.set_queue_depth(waiting as i64);
-                tokio::time::sleep(Duration::from_secs(1)).await;
-            }
-        });
+        watches::spawn_gauges(m, vms.clone(), backlog.clone());
     }
-    // kube's Store::wait_until_ready keeps a single waker, so readiness is polled here instead of
-    // awaited concurrently; the VM store is left alone because the controller itself holds every
-    // reconcile until it is filled (and a second waiter would steal its wake-up).
-    let gate = {
-        let (n, c, t, ne, co, p) = (nodes, classes, templates, networks, configs, profiles);
-        let (po, rp) = (pods, reservation_pods.clone());
-        async move {
-            loop {
-                let ready = [
-                    filled(&n, "Node"),
-                    filled(&c, "ImpVMClass"),
-                    filled(&t, "ImpVMTemplate"),
-                    filled(&ne, "ImpNetwork"),
-                    filled(&co, "ClusterImpConfig"),
-                    filled(&p, "ClusterImpNodeProfile"),
-                    filled(&po, "Pod"),
-                    filled(&rp, "reservation Pod"),
-                ];
-                for r in &ready {
-                    if let Err(ControllerError::Cache(k)) = r {
-                        return Err(ControllerError::Cache(k));
-                    }
-                }
-                if ready.iter().all(|r| matches!(r, Ok(true))) {
-                    return Ok(());
-                }
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
-        }
-    };
     // Reconciles wait for every cache: the gate runs beside the controller and each reconcile
     // checks readiness of the VM cache before placing (see `gated`).
     let ready = Arc::new(tokio::sync::OnceCell::new());
-    let ready2 = ready.clone();
-    tokio::spawn(async move {
-        let r = gate.await;
-        if let Err(e) = &r {
-            tracing::error!(error = %e, "caches never filled");
-        }
-        if r.is_ok()
-            && let Some(h) = &health
-        {
-            h.set_ready();
-        }
-        tracing::info!(ok = r.is_ok(), "caches filled");
-        let _ = ready2.set(r.is_ok());
-    });
+    tokio::spawn(wait_filled(
+        ctx.clone(),
+        reservation_pods.clone(),
+        health,
+        ready.clone(),
+    ));
     let filled_all = {
         let ready = ready.clone();
-        async move {
-            while ready.get().is_none() {
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
-        }
+        async move { until_filled(&ready).await }
     };
     tokio::spawn(reserve::sync(
         ctx.clone(),
@@ -696,9 +608,7 @@ pub async fn run(
         let ready = ready.clone();
         let backlog = backlog.clone();
         async move {
-            while ready.get().is_none() {
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
+            until_filled(&ready).await;
             backlog.started(&key(&vm));
             tracing::debug!(vm = %key(&vm), "reconciling");
             reconcile(vm, ctx).await
@@ -734,7 +644,7 @@ pub async fn run(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use imp_api::vm::{ImpVMSpec, ImpVMStatus};
+    use imp_api::vm::{ImpVMSpec, ImpVMStatus, VmPhase};
 
     #[test]
     fn phase_counts_group_by_phase_with_missing_as_pending() {

@@ -158,6 +158,11 @@ impl Context {
             arch: r.class.arch,
             runtime: r.class.runtime,
             disk_gib: i64::from(r.class.disk_gib),
+            snapshot_mib: match r.spec.desired_state {
+                imp_api::shared::VmDesiredState::Running => 0,
+                imp_api::shared::VmDesiredState::Suspended
+                | imp_api::shared::VmDesiredState::ScaleToZero => r.memory_mib,
+            },
         };
         let k = key(&vm);
         let size = PlacedSize {

@@ -199,6 +199,16 @@ impl Context {
         }
     }
 
+    /// How silent the agent of `vm`'s node is, if it keeps a Lease.
+    pub(super) fn agent_silence(&self, vm: &ImpVM) -> Option<crate::fencing::Silence> {
+        let node = vm.spec.node_name.as_deref()?;
+        let leases = self
+            .agent_leases
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        leases.silence(node, std::time::Instant::now(), self.settings.fence_margin)
+    }
+
     pub(super) fn node_views(&self) -> Vec<NodeView> {
         let pods = self.pods.state();
         let loads = crate::reservation::node_loads(pods.iter().map(AsRef::as_ref));

@@ -18,6 +18,9 @@ pub struct HostAgent {
     pub metrics: String,
     /// More arguments for each start.
     pub args: Vec<String>,
+    /// The kubeconfig it runs with, instead of the cluster's agent kubeconfig (e.g. one that
+    /// reaches the API server through a proxy a test can cut).
+    pub kubeconfig: Option<PathBuf>,
     cgroup_parent: String,
     container: super::Container,
 }
@@ -31,6 +34,7 @@ impl HostAgent {
             state: scratch_dir(&format!("imp-{tag}-state")).unwrap(),
             metrics: format!("127.0.0.1:{}", super::free_port()),
             args: Vec::new(),
+            kubeconfig: None,
             cgroup_parent: format!("{id}-vms"),
             container: super::Container::new(&format!("{id}-agent")),
         }
@@ -43,7 +47,12 @@ impl HostAgent {
             .env("NODE_NAME", &self.node)
             .env("FC_KERNEL", super::kernel())
             .env("IMP_GUEST", super::guest())
-            .env("KUBECONFIG", kube.agent_kubeconfig())
+            .env(
+                "KUBECONFIG",
+                self.kubeconfig
+                    .as_deref()
+                    .unwrap_or_else(|| kube.agent_kubeconfig()),
+            )
             .env("RUST_LOG", super::rust_log())
             .args(["--state-dir", self.state.to_str().unwrap()])
             .args(["--runtime", "qemu", "--no-network"])

@@ -140,6 +140,8 @@ pub struct Context {
     consoles: Arc<Consoles>,
     /// The probes of the running VMs.
     probes: Arc<Probes>,
+    /// The node's fence: while it holds, no VM starts, resumes or cold-boots.
+    fence: Option<Arc<super::fence::Fence>>,
 }
 
 fn key(vm: &ImpVM) -> String {
@@ -174,7 +176,18 @@ impl Context {
             scale: None,
             reconcile_tx: std::sync::OnceLock::new(),
             probes: Arc::default(),
+            fence: None,
         }
+    }
+
+    /// Holds every start, resume and cold boot while `fence` is up (see [`super::fence`]).
+    pub fn with_fence(mut self, fence: Arc<super::fence::Fence>) -> Self {
+        self.fence = Some(fence);
+        self
+    }
+
+    fn fenced(&self) -> bool {
+        self.fence.as_ref().is_some_and(|f| f.is_fenced())
     }
 
     /// Wires VM networks on this node with `net` (without it, VMs with a networkRef wait).
@@ -366,6 +379,15 @@ pub async fn reconcile(vm: Arc<ImpVM>, ctx: Arc<Context>) -> Result<Action, Erro
         woken: facts.woken,
     });
     let decision = decide::decide(&obs, here);
+    if ctx.fenced()
+        && matches!(
+            decision,
+            Decision::Start { .. } | Decision::Resume | Decision::ColdBoot { .. }
+        )
+    {
+        tracing::warn!(vm = %key(&vm), node = %ctx.settings.node, ?decision, "the node is fenced: not starting the VM");
+        return Ok(Action::requeue(Duration::from_secs(2)));
+    }
     tracing::debug!(vm = %key(&vm), node = %ctx.settings.node, ?decision, "reconcile");
     let labels = super::metrics::GuestLabels {
         impvm: vm.name_any(),
