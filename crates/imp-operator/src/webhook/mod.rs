@@ -81,6 +81,10 @@ const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// How long one read of a template or class may take (the API server's webhook timeout is 10 s).
 const LOOKUP_TIMEOUT: Duration = Duration::from_secs(4);
+/// Bound of the quota preview's dry run: with the template's and the class's reads it stays
+/// within the mutating webhook's 10 s (the chart's `mutatingTimeoutSeconds`); no answer in time
+/// lets the VM in, and placement asks the quota for real.
+const PREVIEW_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// The API group whose kinds this webhook handles.
 const GROUP: &str = "imp.dev";
@@ -649,7 +653,7 @@ async fn quota_preview(
         dry_run: true,
         ..Default::default()
     };
-    let answer = tokio::time::timeout(LOOKUP_TIMEOUT, api.create(&params, &pod)).await;
+    let answer = tokio::time::timeout(PREVIEW_TIMEOUT, api.create(&params, &pod)).await;
     match answer {
         Ok(Err(kube::Error::Api(s))) if s.code == 403 && s.message.contains("exceeded quota") => {
             Some(format!(
