@@ -85,10 +85,13 @@ impl Fence {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// A renewal was accepted: returns whether this lifts a fence.
-    fn renewed(&self) -> bool {
+    /// A renewal sent at `sent` was accepted: returns whether this lifts a fence. The clock
+    /// restarts from when the request was sent, not answered: the API server wrote it (and
+    /// the operator saw it) no earlier, so the agent fences no later than the operator expects
+    /// however slow the answer was.
+    fn renewed(&self, sent: Instant) -> bool {
         let mut s = self.lock();
-        s.last_ok = Instant::now();
+        s.last_ok = s.last_ok.max(sent);
         std::mem::replace(&mut s.fenced, false)
     }
 
@@ -153,9 +156,10 @@ pub async fn keep_lease(client: kube::Client, s: Settings, fence: std::sync::Arc
     let timeout = s.renew_every.max(Duration::from_secs(1));
     let mut failing = false;
     loop {
+        let sent = Instant::now();
         match renew(&api, &s, timeout).await {
             Ok(()) => {
-                if fence.renewed() {
+                if fence.renewed(sent) {
                     tracing::warn!(node = %s.node, "the API server accepts the agent's Lease again; the fence is lifted");
                 } else if failing {
                     tracing::info!(node = %s.node, "renewing the agent's Lease works again");
@@ -252,10 +256,16 @@ mod tests {
         assert!(f.fence_due(Duration::ZERO).is_some());
         assert!(f.is_fenced());
         assert_eq!(f.fence_due(Duration::ZERO), None, "fenced already");
-        assert!(f.renewed(), "lifted");
+        let sent = Instant::now();
+        assert!(f.renewed(sent), "lifted");
         assert!(!f.is_fenced());
-        assert!(!f.renewed(), "nothing to lift");
+        assert!(!f.renewed(sent), "nothing to lift");
         assert_eq!(f.fence_due(Duration::from_secs(3600)), None);
+        // The clock counts from when the renewal was sent, and never goes back.
+        let f = Fence::default();
+        let before = f.lock().last_ok;
+        f.renewed(before - Duration::from_secs(5));
+        assert_eq!(f.lock().last_ok, before);
     }
 
     #[test]
