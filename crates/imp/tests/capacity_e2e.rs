@@ -266,29 +266,14 @@ async fn pods_and_vms_share_a_node_and_a_namespaces_quota() {
 
     // 4. A suspended VM's memory is free (the overcommit default): its reservation goes, and
     //    comes back when it runs again. A deleted VM's reservation goes.
-    let suspend = |phase: &str| json!({"status": {"phase": phase}});
-    vms.patch_status(
-        "extra",
-        &PatchParams::default(),
-        &Patch::Merge(&suspend("Suspended")),
-    )
-    .await
-    .unwrap();
-    wait_pod(&pods, "imp-vm-extra", "extra's reservation gone", |p| {
-        p.is_none()
-    })
-    .await;
-    vms.patch_status(
-        "extra",
-        &PatchParams::default(),
-        &Patch::Merge(&suspend("Running")),
-    )
-    .await
-    .unwrap();
-    wait_pod(&pods, "imp-vm-extra", "extra's reservation back", |p| {
-        p.is_some()
-    })
-    .await;
+    for (phase, there) in [("Suspended", false), ("Running", true)] {
+        let status = json!({"status": {"phase": phase}});
+        vms.patch_status("extra", &PatchParams::default(), &Patch::Merge(&status))
+            .await
+            .unwrap();
+        let what = format!("extra's reservation there={there} once {phase}");
+        wait_pod(&pods, "imp-vm-extra", &what, |p| p.is_some() == there).await;
+    }
     vms.delete("big", &DeleteParams::default()).await.unwrap();
     // Play the agent's cleanup: it clears spec.nodeName once the VM is stopped.
     let cleared = json!({"spec": {"nodeName": null}});

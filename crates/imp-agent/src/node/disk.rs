@@ -122,17 +122,8 @@ pub async fn keep_image_cache(images: ImageStore, state: StateDir, budget: u64) 
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
-        let listing = state.clone();
-        let in_use = match tokio::task::spawn_blocking(move || listing.image_digests()).await {
-            Ok(Ok(d)) => d,
-            Ok(Err(e)) => {
-                tracing::warn!(error = %e, "listing the VMs' images; the image cache is not evicted now");
-                continue;
-            }
-            Err(e) => {
-                tracing::warn!(error = %e, "listing the VMs' images panicked");
-                continue;
-            }
+        let Some(in_use) = state.images_in_use().await else {
+            continue;
         };
         if let Err(e) = images.evict(budget, in_use).await {
             tracing::warn!(cache = %images.root().display(), error = %e, "evicting from the image cache");

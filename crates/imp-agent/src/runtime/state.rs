@@ -226,6 +226,23 @@ impl StateDir {
         Ok(records.into_iter().filter_map(|r| r.digest).collect())
     }
 
+    /// [`Self::image_digests`] off the async runtime; `None` (logged) when the records cannot
+    /// be listed, and then nothing may be evicted.
+    pub async fn images_in_use(&self) -> Option<std::collections::BTreeSet<String>> {
+        let state = self.clone();
+        match tokio::task::spawn_blocking(move || state.image_digests()).await {
+            Ok(Ok(d)) => Some(d),
+            Ok(Err(e)) => {
+                tracing::warn!(error = %e, "listing the VMs' images; the image cache is not evicted now");
+                None
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "listing the VMs' images panicked");
+                None
+            }
+        }
+    }
+
     /// The uid (and gid: the same number) VM `id`'s confined VMM runs as. The one it was given
     /// before, kept in its directory (a restored VMM finds its disk and sockets its own); else
     /// the lowest free one from [`VMM_UID_BASE`], claimed with an exclusive create in

@@ -748,20 +748,8 @@ fn full_disk_what(what: &str, dir: &Path, report: Option<imp_api::shared::DiskRe
 /// records and `ours` (this VM's, whose record may not say so on disk yet). A failure is
 /// logged: the VM starts all the same, and the agent tries again periodically.
 async fn evict_images(state: &StateDir, store: &ImageStore, budget: u64, ours: &str) {
-    let listed = {
-        let state = state.clone();
-        tokio::task::spawn_blocking(move || state.image_digests()).await
-    };
-    let mut in_use = match listed {
-        Ok(Ok(d)) => d,
-        Ok(Err(e)) => {
-            tracing::warn!(error = %e, "listing the VMs' images; the image cache is not evicted now");
-            return;
-        }
-        Err(e) => {
-            tracing::warn!(error = %e, "listing the VMs' images panicked");
-            return;
-        }
+    let Some(mut in_use) = state.images_in_use().await else {
+        return;
     };
     in_use.insert(ours.to_owned());
     if let Err(e) = store.evict(budget, in_use).await {
