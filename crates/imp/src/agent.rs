@@ -344,6 +344,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
             state_dir.clone(),
             s,
             fence,
+            metrics.clone(),
         ));
         fencing = Some((lease, watchdog));
     }

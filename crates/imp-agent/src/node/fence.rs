@@ -179,10 +179,17 @@ pub async fn keep_lease(client: kube::Client, s: Settings, fence: std::sync::Arc
 }
 
 /// Fences the node's VMs when the Lease has not been renewed for `fence_after`; checks every
-/// second, until the process ends.
-pub async fn watchdog(state: StateDir, s: Settings, fence: std::sync::Arc<Fence>) {
+/// second (and exports the silence and the fence as metrics), until the process ends.
+pub async fn watchdog(
+    state: StateDir,
+    s: Settings,
+    fence: std::sync::Arc<Fence>,
+    metrics: std::sync::Arc<super::metrics::Metrics>,
+) {
     loop {
         tokio::time::sleep(Duration::from_secs(1)).await;
+        let now = *fence.lock();
+        metrics.set_fencing(now.last_ok.elapsed(), now.fenced);
         if let Some(silent) = fence.fence_due(s.fence_after) {
             tracing::error!(node = %s.node, silent_secs = silent.as_secs(), fence_after_secs = s.fence_after.as_secs(),
                 "the agent's Lease has not been renewed in time: fencing every VM of the node, so the operator can run them elsewhere");

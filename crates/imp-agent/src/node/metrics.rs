@@ -202,6 +202,8 @@ pub struct Metrics {
     guests: GuestFamilies,
     state_dir_free: Gauge,
     state_dir_total: Gauge,
+    lease_silence: Gauge<f64, std::sync::atomic::AtomicU64>,
+    fenced: Gauge,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -306,8 +308,23 @@ impl Metrics {
             Unit::Bytes,
             state_dir_total.clone(),
         );
+        let lease_silence = Gauge::<f64, std::sync::atomic::AtomicU64>::default();
+        registry.register_with_unit(
+            "imp_agent_lease_silence",
+            "Time since the agent's Lease was last renewed (its VMs are fenced past --fence-after)",
+            Unit::Seconds,
+            lease_silence.clone(),
+        );
+        let fenced = Gauge::default();
+        registry.register(
+            "imp_agent_fenced",
+            "1 while the agent has fenced its node's VMs (it could not renew its Lease), else 0",
+            fenced.clone(),
+        );
         Self {
             guests,
+            lease_silence,
+            fenced,
             state_dir_free,
             state_dir_total,
             registry,
@@ -389,6 +406,12 @@ impl Metrics {
             .set(i64::try_from(report.free).unwrap_or(i64::MAX));
         self.state_dir_total
             .set(i64::try_from(report.total).unwrap_or(i64::MAX));
+    }
+
+    /// Records how long the agent's Lease has gone unrenewed, and whether the node is fenced.
+    pub fn set_fencing(&self, silent: std::time::Duration, fenced: bool) {
+        self.lease_silence.set(silent.as_secs_f64());
+        self.fenced.set(i64::from(fenced));
     }
 
     /// Counts a failed VM.
@@ -585,10 +608,13 @@ mod tests {
             free: 5 << 30,
             total: 20 << 30,
         });
+        m.set_fencing(std::time::Duration::from_millis(31_500), true);
         let text = m.encode();
         for want in [
             "imp_node_state_dir_free_bytes 5368709120",
             "imp_node_state_dir_total_bytes 21474836480",
+            "imp_agent_fenced 1",
+            "imp_agent_lease_silence_seconds 31.5",
             "imp_agent_suspends_total{trigger=\"scale_to_zero\"} 1",
             "imp_agent_resumes_total{trigger=\"requested\"} 1",
             "imp_agent_resumes_total{trigger=\"exec\"} 1",
