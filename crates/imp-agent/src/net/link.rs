@@ -460,6 +460,9 @@ fn table(m: &RouteMessage) -> u32 {
         .unwrap_or(u32::from(m.header.table))
 }
 
+/// The entry a forwarding-table message of a VXLAN device states, if it names a MAC and an
+/// IPv4 destination. The parser cannot tell the family of a bridge message's destination, so
+/// it hands it over as raw bytes (`Other`): four of them are the IPv4 address.
 fn fdb_entry(m: &NeighbourMessage) -> Option<FdbEntry> {
     let mut mac = None;
     let mut dst = None;
@@ -467,6 +470,9 @@ fn fdb_entry(m: &NeighbourMessage) -> Option<FdbEntry> {
         match a {
             NeighbourAttribute::LinkLayerAddress(l) => mac = <[u8; 6]>::try_from(l.as_slice()).ok(),
             NeighbourAttribute::Destination(NeighbourAddress::Inet(d)) => dst = Some(*d),
+            NeighbourAttribute::Destination(NeighbourAddress::Other(raw)) => {
+                dst = <[u8; 4]>::try_from(raw.as_slice()).ok().map(Ipv4Addr::from);
+            }
             _ => {}
         }
     }
@@ -489,4 +495,35 @@ fn fdb_message(vxlan: u32, e: FdbEntry) -> NeighbourMessage {
             e.dst,
         )));
     m
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn forwarding_entries_are_read_as_the_kernel_dumps_them_and_as_written() {
+        let mac = Mac([2, 1, 2, 3, 4, 5]);
+        let dst = Ipv4Addr::new(10, 9, 9, 2);
+        // A dump of a VXLAN device's table: the destination comes back as raw bytes.
+        let mut dumped = NeighbourMessage::default();
+        dumped.header.family = AddressFamily::Bridge;
+        dumped.attributes = vec![
+            NeighbourAttribute::LinkLayerAddress(mac.0.to_vec()),
+            NeighbourAttribute::Destination(NeighbourAddress::Other(vec![10, 9, 9, 2])),
+        ];
+        assert_eq!(fdb_entry(&dumped), Some(FdbEntry { mac, dst }));
+        // What this module writes reads back the same.
+        let e = FdbEntry { mac, dst };
+        assert_eq!(fdb_entry(&fdb_message(7, e)), Some(e));
+        // No destination (the kernel's own entry) or an IPv6 one: not ours.
+        dumped.attributes.truncate(1);
+        assert_eq!(fdb_entry(&dumped), None);
+        dumped
+            .attributes
+            .push(NeighbourAttribute::Destination(NeighbourAddress::Other(
+                vec![0; 16],
+            )));
+        assert_eq!(fdb_entry(&dumped), None);
+    }
 }
