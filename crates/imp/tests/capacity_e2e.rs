@@ -54,24 +54,21 @@ fn disk(free: u64) -> Value {
         imp_api::shared::ANNOTATION_DISK: format!("free={free},total={}", 8u64 << 30)}}})
 }
 
-fn scheduled(v: &ImpVM) -> Option<&str> {
-    let c = v
-        .status
+/// The VM's `Scheduled` condition.
+fn scheduled_cond(v: &ImpVM) -> Option<&k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition> {
+    v.status
         .as_ref()?
         .conditions
         .iter()
-        .find(|c| c.type_ == "Scheduled")?;
-    Some(c.message.as_str())
+        .find(|c| c.type_ == "Scheduled")
+}
+
+fn scheduled(v: &ImpVM) -> Option<&str> {
+    scheduled_cond(v).map(|c| c.message.as_str())
 }
 
 fn scheduled_reason(v: &ImpVM) -> Option<&str> {
-    let c = v
-        .status
-        .as_ref()?
-        .conditions
-        .iter()
-        .find(|c| c.type_ == "Scheduled")?;
-    Some(c.reason.as_str())
+    scheduled_cond(v).map(|c| c.reason.as_str())
 }
 
 /// Waits for Pod `name` to satisfy `pred` (`None` while it does not exist).

@@ -20,7 +20,6 @@ mod common;
 use common::phase;
 
 use std::net::SocketAddr;
-use std::process::Stdio;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
@@ -131,26 +130,15 @@ async fn a_cut_off_node_fences_its_vm_before_it_runs_elsewhere_and_never_runs_it
     agent_a.args = vec!["--fence-after".into(), fence.clone()];
     agent_a.start(&kube);
 
-    let _operator = tokio::process::Command::new(env!("CARGO_BIN_EXE_imp"))
-        .arg("operator")
-        .args([
-            "--metrics-addr",
-            &format!("127.0.0.1:{}", common::free_port()),
-        ])
-        .args(["--requeue-pending", "2", "--requeue-active", "1"])
-        .args([
+    let _operator = common::start_operator_with(
+        kube.operator_kubeconfig(),
+        &[
             "--node-loss-grace",
             "2",
             "--fence-margin",
             &MARGIN.to_string(),
-        ])
-        .env("KUBECONFIG", kube.operator_kubeconfig())
-        .env("RUST_LOG", common::rust_log())
-        .stdout(Stdio::null())
-        .stderr(common::logs())
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap();
+        ],
+    );
 
     let vms: Api<ImpVM> = Api::namespaced(c.clone(), NS);
     let obj: ImpVM = serde_json::from_value(json!({

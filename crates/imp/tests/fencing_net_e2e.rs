@@ -299,22 +299,15 @@ async fn a_node_cut_from_the_api_server_fences_its_vm_so_a_client_never_sees_two
     let image = format!("oci:{}:1", layout.display());
     let cache = scratch_dir("imp-fencing-net-e2e-cache").unwrap();
 
-    let _operator = Command::new(env!("CARGO_BIN_EXE_imp"))
-        .arg("operator")
-        .args([
-            "--metrics-addr",
-            &format!("127.0.0.1:{}", common::free_port()),
-        ])
-        .args(["--requeue-pending", "2", "--requeue-active", "1"])
-        .args(["--node-loss-grace", "2"])
-        .args(["--fence-margin", &MARGIN.to_string()])
-        .env("KUBECONFIG", kube.operator_kubeconfig())
-        .env("RUST_LOG", common::rust_log())
-        .stdout(Stdio::null())
-        .stderr(common::logs())
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap();
+    let _operator = common::start_operator_with(
+        kube.operator_kubeconfig(),
+        &[
+            "--node-loss-grace",
+            "2",
+            "--fence-margin",
+            &MARGIN.to_string(),
+        ],
+    );
     let fence = format!("{FENCE_AFTER}s");
     let agents: Vec<Agent> = [("a", 1), ("b", 2), ("c", 3)]
         .into_iter()

@@ -556,12 +556,18 @@ pub fn vm_processes(state: &Path, uid: &str) -> Vec<u32> {
 /// The real `imp operator` against `kubeconfig`, polling pending and active VMs every 2 s and
 /// 1 s, its log with the test's; killed when dropped.
 pub fn start_operator(kubeconfig: &Path) -> tokio::process::Child {
+    start_operator_with(kubeconfig, &[])
+}
+
+/// [`start_operator`] with more flags (e.g. `--node-loss-grace`).
+pub fn start_operator_with(kubeconfig: &Path, extra: &[&str]) -> tokio::process::Child {
     tokio::process::Command::new(env!("CARGO_BIN_EXE_imp"))
         .arg("operator")
         .args(["--metrics-addr", &format!("127.0.0.1:{}", free_port())])
         .args(["--requeue-pending", "2", "--requeue-active", "1"])
+        .args(extra)
         .env("KUBECONFIG", kubeconfig)
-        .env("RUST_LOG", "info,kube=warn")
+        .env("RUST_LOG", rust_log())
         .stdout(std::process::Stdio::null())
         .stderr(logs())
         .kill_on_drop(true)
