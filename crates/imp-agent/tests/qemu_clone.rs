@@ -12,7 +12,8 @@
 //!   no witness: on 6.1 it stays at 256 once anything credited 256 bits, and reads do not
 //!   lower it. The source reseeds just before the snapshot so that the clones' generator is
 //!   young enough not to reseed by itself (from interrupt timings that differ per clone)
-//!   before the first read;
+//!   before the first read, once it has been up long enough that the kernel's early-boot
+//!   reseed interval (half the uptime) leaves the clones time to read;
 //! - its hostname, MAC, address, default route and /etc/hosts entry are the new ones, and it
 //!   answers on its new address (a ping to the node, whose neighbour table then holds the new
 //!   MAC: QEMU's virtio-net filter accepts frames for it);
@@ -48,6 +49,8 @@ use imp_proto::config::{GuestConfig, ImageConfig, NetworkConfig, RootDisk};
 use imp_proto::message::steps;
 use imp_proto::{ExecEvent, ExecRequest, ExitStatus, Hello, Identity, StepStatus};
 
+/// The source's uptime before its reseed and snapshot: see where it is waited for.
+const MIN_SOURCE_UPTIME_SECS: f64 = 16.0;
 const AGENT_PORT: u32 = imp_proto::DEFAULT_API_PORT;
 const MARK: &str = "IMP_CLONE_TEST_INSIDE";
 const TAP: &str = "impclone0";
@@ -660,6 +663,20 @@ async fn inside() {
             async move { established_on(vm, SOURCE).await == 3 }
         },
     )
+    .await;
+    // In its first two minutes a 6.x kernel reseeds its generator whenever the last reseed is
+    // older than half its uptime (at least 1 s): a source snapshotted 3 s after boot lets its
+    // clones reseed by themselves within 1.5 s, before they read, and the control below cannot
+    // tell. Past 16 s of uptime that is 8 s, far more than a clone takes to be restored and read.
+    wait_for("the source up 16 s", Duration::from_secs(60), || {
+        let vm = &vm;
+        async move {
+            let up = as_root(vm, "cut -d' ' -f1 /proc/uptime").await;
+            up.trim()
+                .parse::<f64>()
+                .is_ok_and(|s| s >= MIN_SOURCE_UPTIME_SECS)
+        }
+    })
     .await;
     let source_boot_id = as_root(&vm, "cat /proc/sys/kernel/random/boot_id").await;
     let entropy_avail = as_root(
