@@ -562,58 +562,45 @@ impl ControlPlane {
     }
 
     fn start_kcm(&self, bin: &Path) -> Result<Proc, Error> {
-        let mut cmd = Command::new(bin);
-        cmd.arg(format!("--kubeconfig={}", self.admin.display()))
-            .arg(format!(
-                "--authentication-kubeconfig={}",
-                self.admin.display()
-            ))
-            .arg(format!(
-                "--authorization-kubeconfig={}",
-                self.admin.display()
-            ))
-            .arg(format!("--controllers={}", KCM_CONTROLLERS.join(",")))
-            .arg("--leader-elect=false")
-            .arg("--bind-address=127.0.0.1")
-            .arg("--secure-port=0")
-            .arg(format!(
-                "--root-ca-file={}",
-                self.dir.join("ca.crt").display()
-            ))
-            .arg("--concurrent-gc-syncs=5")
-            .arg("--v=1");
-        process::start("kube-controller-manager", cmd, &self.dir.join("kcm.log")).map_err(
-            |source| Error::Io {
-                op: "starting",
-                path: bin.to_path_buf(),
-                source,
-            },
-        )
+        let ca = self.dir.join("ca.crt");
+        let own = [
+            format!("--controllers={}", KCM_CONTROLLERS.join(",")),
+            format!("--root-ca-file={}", ca.display()),
+            "--concurrent-gc-syncs=5".to_owned(),
+        ];
+        self.start_component(bin, "kube-controller-manager", "kcm.log", &own)
     }
 
     /// Starts kube-scheduler as the admin, logging to `scheduler.log`: no leader election (one
     /// scheduler, nothing to wait for) and no serving port (`--secure-port=0`).
     fn start_scheduler(&self, bin: &Path) -> Result<Proc, Error> {
+        self.start_component(bin, "kube-scheduler", "scheduler.log", &[])
+    }
+
+    /// Starts a control-plane component as the admin (its client, authentication and
+    /// authorization kubeconfigs), alone (no leader election), serving nothing (no secure
+    /// port), with its `own` flags, logging to `log` in the control plane's directory.
+    fn start_component(
+        &self,
+        bin: &Path,
+        name: &'static str,
+        log: &str,
+        own: &[String],
+    ) -> Result<Proc, Error> {
+        let admin = self.admin.display();
         let mut cmd = Command::new(bin);
-        cmd.arg(format!("--kubeconfig={}", self.admin.display()))
-            .arg(format!(
-                "--authentication-kubeconfig={}",
-                self.admin.display()
-            ))
-            .arg(format!(
-                "--authorization-kubeconfig={}",
-                self.admin.display()
-            ))
+        cmd.arg(format!("--kubeconfig={admin}"))
+            .arg(format!("--authentication-kubeconfig={admin}"))
+            .arg(format!("--authorization-kubeconfig={admin}"))
+            .args(own)
             .arg("--leader-elect=false")
             .arg("--bind-address=127.0.0.1")
             .arg("--secure-port=0")
             .arg("--v=1");
-        process::start("kube-scheduler", cmd, &self.dir.join("scheduler.log")).map_err(|source| {
-            Error::Io {
-                op: "starting",
-                path: bin.to_path_buf(),
-                source,
-            }
+        process::start(name, cmd, &self.dir.join(log)).map_err(|source| Error::Io {
+            op: "starting",
+            path: bin.to_path_buf(),
+            source,
         })
     }
 

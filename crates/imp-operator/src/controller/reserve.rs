@@ -153,11 +153,11 @@ pub(super) async fn sync(
             .filter_map(|p| Existing::of(p))
             .collect();
         let wanted = wanted(&ctx, &vms);
-        refused.retain(|k, _| {
-            wanted
-                .iter()
-                .any(|r| format!("{}/{}", r.namespace, r.vm) == *k)
-        });
+        let vms_wanted: std::collections::BTreeSet<String> = wanted
+            .iter()
+            .map(|r| format!("{}/{}", r.namespace, r.vm))
+            .collect();
+        refused.retain(|k, _| vms_wanted.contains(k));
         let ops = reservation::plan(&wanted, &existing);
         for op in ops {
             apply(&ctx, &vms, &settings, op, &mut refused).await;
