@@ -274,16 +274,7 @@ async fn a_node_cut_from_the_api_server_fences_its_vm_so_a_client_never_sees_two
             .unwrap();
     }
     let (kubeconfig, _) = common::exec_users(&kube, NS).await;
-    common::create_imp(
-        &c,
-        "ImpVMClass",
-        "impvmclasses",
-        json!({
-            "apiVersion": "imp.dev/v1alpha1", "kind": "ImpVMClass",
-            "metadata": {"name": "small"}, "spec": {"vcpu": 1, "memoryMiB": 128, "diskGiB": 1}
-        }),
-    )
-    .await;
+    common::small_class(&c, 128).await;
     common::create_imp(
         &c,
         "ImpNetwork",

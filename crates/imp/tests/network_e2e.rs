@@ -276,16 +276,7 @@ async fn vms_talk_within_their_network_across_nodes_and_out_through_nat_and_nowh
     let c = kube.client.clone();
     // `imp exec -n` as a person would run it: a token user allowed to exec in the namespace.
     let (kubeconfig, _) = common::exec_users(&kube, NS).await;
-    common::create_imp(
-        &c,
-        "ImpVMClass",
-        "impvmclasses",
-        json!({
-            "apiVersion": "imp.dev/v1alpha1", "kind": "ImpVMClass",
-            "metadata": {"name": "small"}, "spec": {"vcpu": 1, "memoryMiB": 128, "diskGiB": 1}
-        }),
-    )
-    .await;
+    common::small_class(&c, 128).await;
     let (net1, net2, clash) = (topo.subnet(214), topo.subnet(215), topo.subnet(213));
     for (name, spec) in [
         (

@@ -107,15 +107,7 @@ pub async fn single_node(ns: &str, node: &str, memory_mib: u32) -> Option<Single
     let (exec_kubeconfig, _) = super::exec_users(&kube, ns).await;
     let client = kube.client.clone();
     super::ready_node(&client, node).await;
-    super::create_imp(
-        &client,
-        "ImpVMClass",
-        "impvmclasses",
-        serde_json::json!({"apiVersion": "imp.dev/v1alpha1", "kind": "ImpVMClass",
-               "metadata": {"name": "small"},
-               "spec": {"vcpu": 1, "memoryMiB": memory_mib, "diskGiB": 1}}),
-    )
-    .await;
+    super::small_class(&client, memory_mib).await;
     Some(SingleNode {
         kube,
         client,

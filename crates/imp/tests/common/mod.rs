@@ -712,6 +712,19 @@ impl Drop for Container {
     }
 }
 
+/// Creates ImpVMClass `small`: 1 vCPU, `memory_mib`, a 1 GiB disk.
+pub async fn small_class(c: &kube::Client, memory_mib: u32) {
+    create_imp(
+        c,
+        "ImpVMClass",
+        "impvmclasses",
+        serde_json::json!({"apiVersion": "imp.dev/v1alpha1", "kind": "ImpVMClass",
+               "metadata": {"name": "small"},
+               "spec": {"vcpu": 1, "memoryMiB": memory_mib, "diskGiB": 1}}),
+    )
+    .await;
+}
+
 /// Creates an imp.dev/v1alpha1 object of `kind` (`plural`) from its JSON, in the namespace its
 /// metadata names (or cluster-wide without one).
 pub async fn create_imp(c: &kube::Client, kind: &str, plural: &str, body: serde_json::Value) {
