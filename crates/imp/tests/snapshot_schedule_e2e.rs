@@ -348,6 +348,18 @@ async fn snapshot_parents_schedule_prune_and_report() {
     }
     let kube = common::cluster(&[NS, "imp-system"]).await;
     let c = kube.client.clone();
+    // The executions' source: a VM that exists and has not ended (no node takes it, so it
+    // stays Pending), else the operator fails every execution at once as one no agent takes.
+    common::small_class(&c, 128).await;
+    common::create_imp(
+        &c,
+        "ImpVM",
+        "impvms",
+        json!({"apiVersion": "imp.dev/v1alpha1", "kind": "ImpVM",
+               "metadata": {"name": "some-vm", "namespace": NS},
+               "spec": {"image": "example.invalid/none:1", "classRef": {"name": "small"}}}),
+    )
+    .await;
     let _op = common::start_operator(kube.operator_kubeconfig());
     // One control plane for all: the minute the cron waits covers the rest.
     tokio::join!(cron_fires_within_its_minute(&c), async {
