@@ -362,7 +362,11 @@ async fn run(args: Args) -> anyhow::Result<()> {
         if let Err(e) = net.sync().await {
             tracing::warn!(error = %imp_agent::net::chain(&e), "first sync of the node's networks");
         }
-        network_watch = Some(tokio::spawn(network::watch(client.clone(), net.clone())));
+        network_watch = Some(tokio::spawn(network::watch(
+            client.clone(),
+            net.clone(),
+            metrics.clone(),
+        )));
         ctx = ctx.with_network(net);
         tracing::info!(node, vtep = ?vtep, vxlan_port = args.vxlan_port, "wiring VM networks on this node");
     }

@@ -51,6 +51,29 @@ pub enum NetError {
     Socket(#[source] std::io::Error),
 }
 
+/// What imp's rules dropped since it was last taken ([`NodeNet::take_drops`]).
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Drops {
+    /// Frames a VM's port dropped, by VM (`namespace/name`, else its TAP) and reason.
+    pub ports: BTreeMap<(String, nft::PortDrop), u64>,
+    /// VXLAN packets from senders that hold no VM of their network.
+    pub vxlan_foreign: u64,
+}
+
+impl Drops {
+    /// Adds counters read from the tables, `(name, packets)`; `vms` names each TAP's VM.
+    pub fn add(&mut self, counters: &[(String, u64)], vms: &BTreeMap<String, String>) {
+        for (name, packets) in counters.iter().filter(|(_, p)| *p > 0) {
+            if name == nft::VXLAN_FOREIGN {
+                self.vxlan_foreign += packets;
+            } else if let Some((tap, why)) = nft::PortDrop::parse_counter(name) {
+                let vm = vms.get(tap).filter(|v| !v.is_empty()).map_or(tap, String::as_str);
+                *self.ports.entry((vm.to_owned(), why)).or_default() += packets;
+            }
+        }
+    }
+}
+
 /// The node's networks, applied from the VMs attached here.
 pub struct NodeNet {
     netlink: Netlink,
@@ -59,6 +82,10 @@ pub struct NodeNet {
     networks: Mutex<BTreeMap<String, plan::NetworkView>>,
     /// Serialises syncs; holds the last nftables script loaded.
     applied: tokio::sync::Mutex<Option<String>>,
+    /// While imp's tables exist: each port's VM, by TAP, as the loaded rules have them.
+    loaded_ports: Mutex<Option<BTreeMap<String, String>>>,
+    /// Drops read from tables about to be replaced, not yet taken.
+    drops: Mutex<Drops>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -74,6 +101,8 @@ impl NodeNet {
             attachments: Mutex::new(BTreeMap::new()),
             networks: Mutex::new(BTreeMap::new()),
             applied: tokio::sync::Mutex::new(None),
+            loaded_ports: Mutex::new(None),
+            drops: Mutex::new(Drops::default()),
         })
     }
 
@@ -212,7 +241,7 @@ impl NodeNet {
             .ensure_address(bridge, &n.bridge, n.gateway, n.subnet.prefix())
             .await?;
         let links = self.netlink.links().await?;
-        for t in &n.taps {
+        for t in n.ports.keys() {
             if !links.contains_key(t) {
                 let name = t.clone();
                 tokio::task::spawn_blocking(move || tap::create_persistent(&name))
@@ -224,7 +253,7 @@ impl NodeNet {
             }
         }
         let links = self.netlink.links().await?;
-        for t in &n.taps {
+        for t in n.ports.keys() {
             if let Some(l) = links.get(t)
                 && (l.controller != Some(bridge) || !l.up || l.mtu != n.mtu)
             {
@@ -271,11 +300,47 @@ impl NodeNet {
         if applied.as_deref() == Some(script.as_str()) {
             return;
         }
+        // Replacing the tables zeroes their counters: keep what they hold first.
+        self.harvest().await;
         match nft::apply(&self.settings.nft, &script).await {
-            Ok(()) => *applied = Some(script),
+            Ok(()) => {
+                *applied = Some(script);
+                *lock(&self.loaded_ports) = (!networks.is_empty()).then(|| {
+                    networks
+                        .iter()
+                        .flat_map(|n| &n.ports)
+                        .map(|(tap, p)| (tap.clone(), p.vm.clone()))
+                        .collect()
+                });
+            }
             // No nft and nothing to load: there can be no imp tables to remove either.
             Err(nft::NftError::Spawn { .. }) if networks.is_empty() => *applied = Some(script),
             Err(e) => tracing::error!(error = %chain(&e), "loading imp's nftables rules"),
+        }
+    }
+}
+
+impl NodeNet {
+    /// What the rules dropped since the last call (read and zeroed in the tables).
+    pub async fn take_drops(&self) -> Drops {
+        let _one = self.applied.lock().await;
+        self.harvest().await;
+        std::mem::take(&mut *lock(&self.drops))
+    }
+
+    /// Reads and zeroes the loaded tables' counters into [`NodeNet::drops`] (callers hold
+    /// `applied`, so the tables do not change meanwhile).
+    async fn harvest(&self) {
+        let Some(vms) = lock(&self.loaded_ports).clone() else {
+            return;
+        };
+        for family in ["bridge", "inet"] {
+            match nft::reset_counters(&self.settings.nft, family).await {
+                Ok(counters) => lock(&self.drops).add(&counters, &vms),
+                Err(e) => {
+                    tracing::warn!(family, error = %chain(&e), "reading imp's drop counters");
+                }
+            }
         }
     }
 }

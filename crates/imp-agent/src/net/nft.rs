@@ -13,13 +13,83 @@
 //!   device, so also between nodes): a group with `connectivity: subnet` exchanges IPv4 and
 //!   ARP only with itself. (Ports are matched by name: `meta ibrname` is not available on
 //!   every kernel.)
+//! - **bridge prerouting** (every frame a VM's TAP puts on the bridge, before the bridge learns
+//!   its source or the node sees it; so also a sleeping VM's holder): the source MAC must be
+//!   the VM's, ARP must name the VM's MAC and address as its sender, IPv4 must come from the
+//!   VM's address, no DHCP server answers, and nothing but IPv4 and ARP passes (imp has no
+//!   IPv6, so router advertisements and DHCPv6 go too). Each port has its own chain, reached
+//!   through one verdict map, and a named counter per reason ([`PortDrop`]).
+//! - **input**, VXLAN: a packet for one of the node's networks (its VNI, at the UDP port) is
+//!   dropped unless it comes from a node holding VMs of that network (the VTEP table), counted
+//!   in [`VXLAN_FOREIGN`].
 
 use std::fmt::Write;
 
-use super::plan::NetPlan;
+use super::plan::{NetPlan, Port};
 
 /// The tables' name (in the `inet` and `bridge` families).
 pub const TABLE: &str = "imp";
+
+/// The counter (in `inet imp`) of VXLAN packets dropped because their sender is no VTEP of
+/// their network.
+pub const VXLAN_FOREIGN: &str = "vxlan-foreign";
+
+/// Why a VM's port dropped a frame.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum PortDrop {
+    /// Its source MAC is not the VM's.
+    Mac,
+    /// ARP whose sender MAC or address is not the VM's.
+    Arp,
+    /// IPv4 whose source is not the VM's address.
+    Ip,
+    /// A DHCP server's answer (UDP from port 67).
+    DhcpServer,
+    /// Neither IPv4 nor ARP (IPv6 with its router advertisements, VLAN tags, anything else).
+    NotIpv4,
+}
+
+impl PortDrop {
+    /// Every reason.
+    pub const ALL: [PortDrop; 5] = [
+        PortDrop::Mac,
+        PortDrop::Arp,
+        PortDrop::Ip,
+        PortDrop::DhcpServer,
+        PortDrop::NotIpv4,
+    ];
+
+    /// The metric label.
+    pub fn label(self) -> &'static str {
+        match self {
+            PortDrop::Mac => "mac",
+            PortDrop::Arp => "arp",
+            PortDrop::Ip => "ip",
+            PortDrop::DhcpServer => "dhcp_server",
+            PortDrop::NotIpv4 => "not_ipv4",
+        }
+    }
+
+    /// The name of `tap`'s counter for this reason.
+    pub fn counter(self, tap: &str) -> String {
+        let suffix = match self {
+            PortDrop::Mac => "mac",
+            PortDrop::Arp => "arp",
+            PortDrop::Ip => "ip",
+            PortDrop::DhcpServer => "dhcp",
+            PortDrop::NotIpv4 => "other",
+        };
+        format!("{tap}-{suffix}")
+    }
+
+    /// The TAP and reason a counter's name stands for.
+    pub fn parse_counter(name: &str) -> Option<(&str, PortDrop)> {
+        PortDrop::ALL.into_iter().find_map(|d| {
+            let tap = name.strip_suffix(d.counter("").as_str())?;
+            super::names::is_imp(tap).then_some((tap, d))
+        })
+    }
+}
 
 /// The `nft -f` script that makes the tables match `networks` (removes them when empty).
 pub fn script(networks: &[NetPlan]) -> String {
@@ -41,6 +111,13 @@ fn inet_table(networks: &[NetPlan]) -> String {
     let mut input = String::new();
     let mut forward = String::new();
     let mut nat = String::new();
+    let mut counters = String::new();
+    for n in networks {
+        input.push_str(&vxlan_senders(n));
+    }
+    if !input.is_empty() {
+        let _ = writeln!(counters, "  counter {VXLAN_FOREIGN} {{}}");
+    }
     for n in networks {
         let b = &n.bridge;
         let _ = writeln!(
@@ -81,9 +158,34 @@ fn inet_table(networks: &[NetPlan]) -> String {
         let _ = writeln!(forward, "    iifname \"{b}\" drop");
     }
     format!(
-        "table inet {TABLE} {{\n  chain input {{\n    type filter hook input priority filter; policy accept;\n{input}  }}\n  \
+        "table inet {TABLE} {{\n{counters}  chain input {{\n    type filter hook input priority filter; policy accept;\n{input}  }}\n  \
          chain forward {{\n    type filter hook forward priority filter; policy accept;\n{forward}  }}\n  \
          chain postrouting {{\n    type nat hook postrouting priority srcnat; policy accept;\n{nat}  }}\n}}\n"
+    )
+}
+
+/// The rule that drops `n`'s VXLAN packets from senders that hold none of its VMs (the VNI
+/// sits 4 bytes into the VXLAN header, after the 8-byte UDP header).
+fn vxlan_senders(n: &NetPlan) -> String {
+    let Some(vx) = &n.vxlan else {
+        return String::new();
+    };
+    let senders: Vec<String> = n
+        .fdb
+        .iter()
+        .map(|e| e.dst)
+        .collect::<std::collections::BTreeSet<_>>()
+        .iter()
+        .map(ToString::to_string)
+        .collect();
+    let from = if senders.is_empty() {
+        String::new()
+    } else {
+        format!("ip saddr != {{ {} }} ", senders.join(", "))
+    };
+    format!(
+        "    udp dport {} @th,96,24 {:#x} {from}counter name {VXLAN_FOREIGN} drop\n",
+        vx.port, vx.vni
     )
 }
 
@@ -92,8 +194,8 @@ fn bridge_table(networks: &[NetPlan]) -> String {
     for n in networks.iter().filter(|n| !n.isolated_groups.is_empty()) {
         // Frames enter a bridge through its ports: the VMs' TAPs and the VXLAN device.
         let ports: Vec<String> = n
-            .taps
-            .iter()
+            .ports
+            .keys()
             .chain(n.vxlan.iter().map(|v| &v.name))
             .map(|p| format!("\"{p}\""))
             .collect();
@@ -115,9 +217,51 @@ fn bridge_table(networks: &[NetPlan]) -> String {
             );
         }
     }
+    let ports: Vec<(&String, &Port)> = networks.iter().flat_map(|n| &n.ports).collect();
+    let mut guards = String::new();
+    let mut jumps = Vec::new();
+    for (tap, port) in &ports {
+        guards.push_str(&port_chain(tap, port));
+        jumps.push(format!("\"{tap}\" : jump port-{tap}"));
+    }
+    let prerouting = if jumps.is_empty() {
+        String::new()
+    } else {
+        format!(
+            "  chain prerouting {{\n    type filter hook prerouting priority filter; policy accept;\n    \
+             iifname vmap {{ {} }}\n  }}\n",
+            jumps.join(", ")
+        )
+    };
     format!(
-        "table bridge {TABLE} {{\n  chain forward {{\n    type filter hook forward priority filter; policy accept;\n{forward}  }}\n}}\n"
+        "table bridge {TABLE} {{\n{guards}{prerouting}  chain forward {{\n    type filter hook forward priority filter; policy accept;\n{forward}  }}\n}}\n"
     )
+}
+
+/// The counters and the chain that hold VM port `tap` to its VM's MAC and address.
+fn port_chain(tap: &str, port: &Port) -> String {
+    let mut s = String::new();
+    for d in PortDrop::ALL {
+        let _ = writeln!(s, "  counter {} {{}}", d.counter(tap));
+    }
+    let _ = writeln!(s, "  chain port-{tap} {{");
+    let count = |d: PortDrop| format!("counter name {} drop", d.counter(tap));
+    let (ip, mac) = (port.ip, port.mac);
+    match mac {
+        Some(mac) => {
+            let _ = writeln!(s, "    ether saddr != {mac} {}", count(PortDrop::Mac));
+            let _ = writeln!(s, "    ether type != {{ ip, arp }} {}", count(PortDrop::NotIpv4));
+            let _ = writeln!(s, "    arp saddr ether != {mac} {}", count(PortDrop::Arp));
+            let _ = writeln!(s, "    arp saddr ip != {ip} {}", count(PortDrop::Arp));
+            let _ = writeln!(s, "    udp sport 67 {}", count(PortDrop::DhcpServer));
+            let _ = writeln!(s, "    ip saddr != {ip} {}", count(PortDrop::Ip));
+        }
+        None => {
+            let _ = writeln!(s, "    {}", count(PortDrop::Mac));
+        }
+    }
+    s.push_str("  }\n");
+    s
 }
 
 /// Why the rules could not be applied.
@@ -142,28 +286,58 @@ pub enum NftError {
 
 /// Loads `script` with `nft -f -` (one transaction).
 pub async fn apply(program: &str, script: &str) -> Result<(), NftError> {
+    run(program, &["-f", "-"], script).await.map(drop)
+}
+
+/// Reads and zeroes every counter of imp's table in `family` (one atomic reset per counter):
+/// `(name, packets)`.
+pub async fn reset_counters(program: &str, family: &str) -> Result<Vec<(String, u64)>, NftError> {
+    let out = run(
+        program,
+        &["-j", "reset", "counters", "table", family, TABLE],
+        "",
+    )
+    .await?;
+    Ok(parse_counters(&out))
+}
+
+/// The `(name, packets)` of each counter in `nft -j` output.
+pub fn parse_counters(json: &str) -> Vec<(String, u64)> {
+    let v: serde_json::Value = serde_json::from_str(json).unwrap_or_default();
+    let items = v["nftables"].as_array().map(Vec::as_slice).unwrap_or(&[]);
+    items
+        .iter()
+        .filter_map(|i| {
+            let c = i.get("counter")?;
+            Some((c["name"].as_str()?.to_owned(), c["packets"].as_u64()?))
+        })
+        .collect()
+}
+
+/// Runs `program args` with `stdin`; its standard output.
+async fn run(program: &str, args: &[&str], stdin: &str) -> Result<String, NftError> {
     use tokio::io::AsyncWriteExt;
     let spawn_err = |source| NftError::Spawn {
         program: program.to_owned(),
         source,
     };
     let mut child = tokio::process::Command::new(program)
-        .args(["-f", "-"])
+        .args(args)
         .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .kill_on_drop(true)
         .spawn()
         .map_err(spawn_err)?;
-    if let Some(mut stdin) = child.stdin.take() {
-        stdin
-            .write_all(script.as_bytes())
+    if let Some(mut input) = child.stdin.take() {
+        input
+            .write_all(stdin.as_bytes())
             .await
             .map_err(spawn_err)?;
     }
     let out = child.wait_with_output().await.map_err(spawn_err)?;
     if out.status.success() {
-        Ok(())
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
     } else {
         Err(NftError::Refused {
             stderr: String::from_utf8_lossy(&out.stderr).trim().to_owned(),
@@ -174,7 +348,8 @@ pub async fn apply(program: &str, script: &str) -> Result<(), NftError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::collections::BTreeSet;
+    use crate::net::plan::{FdbEntry, Mac, VxlanPlan};
+    use std::collections::{BTreeMap, BTreeSet};
 
     fn net(bridge: &str, subnet: &str, nat: Option<&str>, groups: &[&str]) -> NetPlan {
         let subnet: imp_api::ipv4::Ipv4Cidr = subnet.parse().unwrap();
@@ -185,7 +360,7 @@ mod tests {
             subnet,
             mtu: 1450,
             vxlan: None,
-            taps: BTreeSet::new(),
+            ports: BTreeMap::new(),
             fdb: BTreeSet::new(),
             nat_egress: nat.map(str::to_owned),
             isolated_groups: groups.iter().map(|g| g.parse().unwrap()).collect(),
@@ -231,7 +406,7 @@ mod tests {
     #[test]
     fn an_isolated_group_is_fenced_at_the_bridge_and_at_the_gateway() {
         let mut n = net("impbr-a", "10.1.0.0/24", None, &["10.1.0.16/28"]);
-        n.taps = ["imptap-1".to_owned(), "imptap-2".to_owned()].into();
+        n.ports = [port("imptap-1", 5), port("imptap-2", 6)].into();
         let s = script(&[n]);
         let ports = "iifname { \"imptap-1\", \"imptap-2\" }";
         let g = "10.1.0.16/28";
@@ -252,5 +427,119 @@ mod tests {
             group_drop < same_accept,
             "group rules come before the same-network accept"
         );
+    }
+
+    fn port(tap: &str, host: u8) -> (String, Port) {
+        (
+            tap.to_owned(),
+            Port {
+                vm: format!("ns/vm{host}"),
+                mac: Some(Mac([2, 0, 0, 0, 0, host])),
+                ip: std::net::Ipv4Addr::new(10, 1, 0, host),
+            },
+        )
+    }
+
+    #[test]
+    fn each_port_passes_only_its_vms_mac_and_address_and_counts_the_rest() {
+        let mut n = net("impbr-a", "10.1.0.0/24", None, &[]);
+        n.ports = [port("imptap-00000005", 5), port("imptap-00000006", 6)].into();
+        let s = script(&[n]);
+        let chain = &s[s.find("chain port-imptap-00000005 {").unwrap()..];
+        let chain = &chain[..chain.find("  }").unwrap()];
+        let c = |why: &str| format!("counter name imptap-00000005-{why} drop");
+        for rule in [
+            format!("ether saddr != 02:00:00:00:00:05 {}", c("mac")),
+            format!("ether type != {{ ip, arp }} {}", c("other")),
+            format!("arp saddr ether != 02:00:00:00:00:05 {}", c("arp")),
+            format!("arp saddr ip != 10.1.0.5 {}", c("arp")),
+            format!("udp sport 67 {}", c("dhcp")),
+            format!("ip saddr != 10.1.0.5 {}", c("ip")),
+        ] {
+            assert!(chain.contains(&rule), "{rule} in {chain}");
+        }
+        // The MAC is checked before anything else, so a forged frame is never learned.
+        assert!(chain.find("ether saddr").unwrap() < chain.find("arp saddr").unwrap());
+        for d in PortDrop::ALL {
+            assert!(s.contains(&format!("  counter {} {{}}\n", d.counter("imptap-00000006"))));
+        }
+        assert!(s.contains(
+            "type filter hook prerouting priority filter; policy accept;\n    iifname vmap { \"imptap-00000005\" : jump port-imptap-00000005, \"imptap-00000006\" : jump port-imptap-00000006 }"
+        ), "{s}");
+    }
+
+    #[test]
+    fn a_port_whose_mac_is_unknown_passes_nothing_and_no_port_no_prerouting() {
+        let mut n = net("impbr-a", "10.1.0.0/24", None, &[]);
+        let (tap, mut p) = port("imptap-00000005", 5);
+        p.mac = None;
+        n.ports = [(tap, p)].into();
+        let s = script(&[n]);
+        assert!(s.contains("chain port-imptap-00000005 {\n    counter name imptap-00000005-mac drop\n  }"), "{s}");
+        let s = script(&[net("impbr-a", "10.1.0.0/24", None, &[])]);
+        assert!(!s.contains("prerouting"), "an empty verdict map does not load: {s}");
+    }
+
+    #[test]
+    fn vxlan_is_taken_only_from_the_networks_vteps() {
+        let mut n = net("impbr-a", "10.1.0.0/24", None, &[]);
+        n.vxlan = Some(VxlanPlan {
+            name: "impvx-1".into(),
+            vni: 0xabcd,
+            port: 4789,
+            local: "192.168.5.1".parse().unwrap(),
+        });
+        let s = script(std::slice::from_ref(&n));
+        assert!(
+            s.contains("udp dport 4789 @th,96,24 0xabcd counter name vxlan-foreign drop"),
+            "no VTEP yet: nobody: {s}"
+        );
+        assert!(s.contains("  counter vxlan-foreign {}"));
+        let (b, c) = ("192.168.5.2".parse().unwrap(), "192.168.5.3".parse().unwrap());
+        n.fdb = [
+            FdbEntry { mac: Mac([2, 0, 0, 0, 0, 9]), dst: c },
+            FdbEntry { mac: Mac::FLOOD, dst: b },
+            FdbEntry { mac: Mac::FLOOD, dst: c },
+        ]
+        .into();
+        let s = script(&[n]);
+        assert!(s.contains(
+            "udp dport 4789 @th,96,24 0xabcd ip saddr != { 192.168.5.2, 192.168.5.3 } counter name vxlan-foreign drop"
+        ), "{s}");
+        let input = &s[s.find("chain input").unwrap()..];
+        assert!(input.find("vxlan-foreign").unwrap() < input.find("ct state").unwrap());
+        let s = script(&[net("impbr-a", "10.1.0.0/24", None, &[])]);
+        assert!(!s.contains("vxlan-foreign"), "no overlay, no rule: {s}");
+    }
+
+    #[test]
+    fn counters_are_read_from_nft_json_and_named_back_to_their_vm() {
+        let json = r#"{"nftables": [{"metainfo": {"version": "1.0.6"}},
+            {"counter": {"family": "bridge", "name": "imptap-00000005-arp", "table": "imp", "handle": 3, "packets": 4, "bytes": 168}},
+            {"counter": {"family": "bridge", "name": "imptap-00000005-mac", "table": "imp", "handle": 4, "packets": 0, "bytes": 0}},
+            {"counter": {"family": "bridge", "name": "imptap-00000006-dhcp", "table": "imp", "handle": 5, "packets": 2, "bytes": 600}},
+            {"counter": {"family": "inet", "name": "vxlan-foreign", "table": "imp", "handle": 6, "packets": 7, "bytes": 900}},
+            {"counter": {"family": "bridge", "name": "someone-else", "table": "imp", "handle": 7, "packets": 1, "bytes": 1}}]}"#;
+        let counters = parse_counters(json);
+        assert_eq!(counters.len(), 5);
+        assert_eq!(
+            PortDrop::parse_counter("imptap-00000006-other"),
+            Some(("imptap-00000006", PortDrop::NotIpv4))
+        );
+        assert_eq!(PortDrop::parse_counter("imptap-1-ip"), None);
+        let vms = BTreeMap::from([("imptap-00000005".to_owned(), "ns/vm5".to_owned())]);
+        let mut d = crate::net::Drops::default();
+        d.add(&counters, &vms);
+        d.add(&counters, &vms);
+        assert_eq!(d.vxlan_foreign, 14);
+        assert_eq!(
+            d.ports,
+            BTreeMap::from([
+                (("ns/vm5".to_owned(), PortDrop::Arp), 8),
+                // A TAP the rules no longer name is counted under its own name.
+                (("imptap-00000006".to_owned(), PortDrop::DhcpServer), 4),
+            ])
+        );
+        assert!(parse_counters("not json").is_empty());
     }
 }

@@ -114,6 +114,19 @@ pub struct VxlanPlan {
     pub local: Ipv4Addr,
 }
 
+/// A VM's port on its network's bridge, and who may speak through it: frames from the TAP
+/// must carry the VM's own MAC and (IPv4 and ARP) its own address.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Port {
+    /// The VM, `namespace/name` (empty in specs written before it was recorded).
+    pub vm: String,
+    /// The VM's MAC; `None` when its recorded MAC does not parse (the port then passes
+    /// nothing: no frame carries a source MAC that matches no MAC).
+    pub mac: Option<Mac>,
+    /// The VM's address.
+    pub ip: Ipv4Addr,
+}
+
 /// One network as it must exist on this node.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct NetPlan {
@@ -129,8 +142,8 @@ pub struct NetPlan {
     pub mtu: u32,
     /// The overlay device, when the node has an underlay address.
     pub vxlan: Option<VxlanPlan>,
-    /// TAPs of this node's VMs on the network.
-    pub taps: BTreeSet<String>,
+    /// Ports (by TAP name) of this node's VMs on the network.
+    pub ports: BTreeMap<String, Port>,
     /// Forwarding entries toward other nodes.
     pub fdb: BTreeSet<FdbEntry>,
     /// The interface to masquerade out of, when NAT is on.
@@ -199,13 +212,21 @@ pub fn plan(
             subnet,
             mtu: node.mtu(),
             vxlan: vxlan_plan(members[0], view, node),
-            taps: members.iter().map(|a| a.tap.clone()).collect(),
+            ports: members.iter().map(|a| (a.tap.clone(), port(a))).collect(),
             fdb: view.map(|v| fdb(v, node)).unwrap_or_default(),
             nat_egress,
             isolated_groups: view.map(|v| v.isolated_groups.clone()).unwrap_or_default(),
         });
     }
     out
+}
+
+fn port(a: &NetAttachment) -> Port {
+    Port {
+        vm: a.vm.clone(),
+        mac: Mac::parse(&a.mac),
+        ip: a.config.address,
+    }
 }
 
 fn subnet_of(a: &NetAttachment) -> Option<Ipv4Cidr> {
@@ -289,7 +310,7 @@ pub fn stale_links<'a>(plan: &Plan, existing: impl IntoIterator<Item = &'a str>)
             ];
             own.into_iter()
                 .flatten()
-                .chain(n.taps.iter().map(String::as_str))
+                .chain(n.ports.keys().map(String::as_str))
         })
         .collect();
     existing
@@ -315,6 +336,7 @@ mod tests {
             bridge: super::super::names::bridge(ns, name),
             tap: super::super::names::tap(ns, vm),
             mac: imp_api::network::vm_mac(ns, vm),
+            vm: format!("{ns}/{vm}"),
             config: NetworkConfig {
                 interface: "eth0".into(),
                 address: ip(addr),
@@ -362,7 +384,14 @@ mod tests {
         let [n] = p.networks.as_slice() else {
             panic!("{p:?}")
         };
-        assert_eq!(n.taps.len(), 2);
+        assert_eq!(n.ports.len(), 2);
+        let b = &n.ports[&super::super::names::tap("ns", "b")];
+        assert_eq!(b.vm, "ns/b");
+        assert_eq!(b.ip, ip("10.7.0.3"));
+        assert_eq!(
+            b.mac.map(|m| m.to_string()),
+            Some(imp_api::network::vm_mac("ns", "b"))
+        );
         assert_eq!(n.mtu, 1450);
         assert_eq!(n.gateway, ip("10.7.0.1"));
         let vx = n.vxlan.as_ref().unwrap();

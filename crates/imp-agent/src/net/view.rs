@@ -96,6 +96,7 @@ pub fn attachment(
         bridge: names::bridge(&ns, &name),
         tap: names::tap(vm_namespace, vm_name),
         mac: imp_api::network::vm_mac(vm_namespace, vm_name),
+        vm: format!("{vm_namespace}/{vm_name}"),
         config: NetworkConfig {
             interface: "eth0".into(),
             address,

@@ -59,6 +59,14 @@ struct TriggerLabels {
     trigger: String,
 }
 
+/// The labels of a VM port's drops.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct PortDropLabels {
+    namespace: String,
+    impvm: String,
+    reason: String,
+}
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct DescriptorLabels {
     descriptor: String,
@@ -204,6 +212,8 @@ pub struct Metrics {
     state_dir_total: Gauge,
     lease_silence: Gauge<f64, std::sync::atomic::AtomicU64>,
     fenced: Gauge,
+    port_drops: Family<PortDropLabels, Counter>,
+    vxlan_foreign: Counter,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -321,7 +331,21 @@ impl Metrics {
             "1 while the agent has fenced its node's VMs (it could not renew its Lease), else 0",
             fenced.clone(),
         );
+        let port_drops = Family::<PortDropLabels, Counter>::default();
+        registry.register(
+            "imp_vm_port_dropped_packets",
+            "Frames a VM's port dropped: not its MAC or address (mac, arp, ip), a DHCP server's answer (dhcp_server), neither IPv4 nor ARP (not_ipv4)",
+            port_drops.clone(),
+        );
+        let vxlan_foreign = Counter::default();
+        registry.register(
+            "imp_node_vxlan_foreign_dropped_packets",
+            "VXLAN packets for a network on this node dropped because their sender holds none of its VMs",
+            vxlan_foreign.clone(),
+        );
         Self {
+            port_drops,
+            vxlan_foreign,
             guests,
             lease_silence,
             fenced,
@@ -412,6 +436,21 @@ impl Metrics {
     pub fn set_fencing(&self, silent: std::time::Duration, fenced: bool) {
         self.lease_silence.set(silent.as_secs_f64());
         self.fenced.set(i64::from(fenced));
+    }
+
+    /// Adds what imp's rules dropped since the last call.
+    pub fn add_drops(&self, d: &crate::net::Drops) {
+        for ((vm, why), n) in &d.ports {
+            let (namespace, impvm) = vm.split_once('/').unwrap_or(("", vm));
+            self.port_drops
+                .get_or_create(&PortDropLabels {
+                    namespace: namespace.to_owned(),
+                    impvm: impvm.to_owned(),
+                    reason: why.label().to_owned(),
+                })
+                .inc_by(*n);
+        }
+        self.vxlan_foreign.inc_by(d.vxlan_foreign);
     }
 
     /// Counts a failed VM.

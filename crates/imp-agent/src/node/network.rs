@@ -15,11 +15,15 @@ use kube::runtime::reflector::{self, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 
 use crate::net::{NetAttachment, NodeNet, resolv, view};
+use crate::node::metrics::Metrics;
 use crate::runtime::shim;
 use crate::runtime::state::StateDir;
 
 /// How often the node's network is brought back to the plan even without a change.
 pub const RESYNC: Duration = Duration::from_secs(30);
+
+/// How often the rules' drop counters reach the agent's metrics.
+pub const DROPS_EVERY: Duration = Duration::from_secs(5);
 
 /// Why a VM's network is not wired.
 #[derive(Debug)]
@@ -106,8 +110,9 @@ pub async fn adopt(net: &NodeNet, state: &StateDir) {
     }
 }
 
-/// Follows every ImpNetwork and re-syncs the node when one changes, and every [`RESYNC`].
-pub async fn watch(client: kube::Client, net: Arc<NodeNet>) {
+/// Follows every ImpNetwork and re-syncs the node when one changes, and every [`RESYNC`];
+/// moves the rules' drop counters into `metrics` every [`DROPS_EVERY`].
+pub async fn watch(client: kube::Client, net: Arc<NodeNet>, metrics: Arc<Metrics>) {
     let api: Api<ImpNetwork> = Api::all(client);
     let (store, writer) = reflector::store();
     let mut events = watcher(api, watcher::Config::default())
@@ -116,8 +121,13 @@ pub async fn watch(client: kube::Client, net: Arc<NodeNet>) {
         .touched_objects()
         .boxed();
     let mut tick = tokio::time::interval(RESYNC);
+    let mut drops = tokio::time::interval(DROPS_EVERY);
     loop {
         tokio::select! {
+            _ = drops.tick() => {
+                metrics.add_drops(&net.take_drops().await);
+                continue;
+            }
             e = events.next() => match e {
                 Some(Ok(_)) => {}
                 Some(Err(e)) => {

@@ -146,6 +146,10 @@ pub struct NetAttachment {
     pub tap: String,
     /// The guest interface's MAC.
     pub mac: String,
+    /// The VM, `namespace/name` (empty in specs written before it was recorded): the label
+    /// of its port's drop counters.
+    #[serde(default)]
+    pub vm: String,
     /// The guest's address, prefix, gateway, DNS and MTU.
     pub config: NetworkConfig,
 }
