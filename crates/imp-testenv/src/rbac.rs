@@ -3,13 +3,20 @@
 //! component bound to its roles (a ClusterRole cluster-wide, a Role in the install namespace),
 //! and kubeconfigs with those ServiceAccounts' tokens, so the operator and the agents run in the
 //! tests with exactly the permissions they get in a cluster and a missing rule fails a test.
+//! The agent's admission policy (`charts/imp/files/policy/agent.yaml`: its writes only for its
+//! own node) is applied with them, and an agent gets the token of a stand-in Pod bound to its
+//! node ([`agent_kubeconfig_for`]), as the DaemonSet's Pod has in a cluster.
 
 use std::path::PathBuf;
 
+use k8s_openapi::api::authentication::v1::{BoundObjectReference, TokenRequest};
+use k8s_openapi::api::core::v1::{Container, Pod, PodSpec, ServiceAccount};
 use k8s_openapi::api::rbac::v1::{
     ClusterRole, ClusterRoleBinding, Role, RoleBinding, RoleRef, Subject,
 };
-use kube::api::{Api, Patch, PatchParams};
+use kube::api::{
+    Api, ApiResource, DynamicObject, GroupVersionKind, Patch, PatchParams, PostParams,
+};
 use serde::Deserialize as _;
 
 use crate::controlplane::{ControlPlane, Error};
@@ -18,6 +25,19 @@ use crate::controlplane::{ControlPlane, Error};
 pub const OPERATOR_ROLE: &str = include_str!("../../../charts/imp/files/rbac/operator.yaml");
 /// The agent's ClusterRole, as the chart ships it.
 pub const AGENT_ROLE: &str = include_str!("../../../charts/imp/files/rbac/agent.yaml");
+
+/// The agent's ValidatingAdmissionPolicy and its binding, as the chart ships them (with
+/// [`POLICY_NAMESPACE`] where the install namespace goes).
+pub const AGENT_POLICY: &str = include_str!("../../../charts/imp/files/policy/agent.yaml");
+
+/// What [`AGENT_POLICY`] holds in place of the install namespace (the chart replaces it too).
+pub const POLICY_NAMESPACE: &str = "${RELEASE_NAMESPACE}";
+
+/// The agent's ServiceAccount, in the install namespace.
+pub const AGENT_SA: &str = "imp-agent";
+
+/// How long a node-bound agent token is valid (longer than any test).
+const AGENT_TOKEN_SECONDS: i64 = 24 * 3600;
 
 /// The roles for people (imp-view, imp-edit, imp-admin, imp-cli), as the chart ships them.
 pub const USER_ROLES: &str = include_str!("../../../charts/imp/files/rbac/users.yaml");
@@ -168,6 +188,7 @@ pub async fn install_roles(
         }
         out.push(cp.service_account_kubeconfig(namespace, sa).await?);
     }
+    apply_agent_policy(&client, namespace).await?;
     let agent = out.pop().unwrap_or_default();
     let operator = out.pop().unwrap_or_default();
     Ok(Identities { operator, agent })
@@ -221,6 +242,152 @@ pub async fn apply_namespaced_role(
             "binding Role {namespace}/{name} to {namespace}/{sa}"
         )))?;
     Ok(())
+}
+
+/// The documents of [`AGENT_POLICY`] for an install in `namespace`: the namespace put in, and
+/// (as the harness does with ClusterRoles) each name suffixed `-<namespace>`, so installs in
+/// several namespaces of one control plane each have their own.
+pub fn agent_policy(namespace: &str) -> Result<Vec<serde_json::Value>, serde_yaml_ng::Error> {
+    let text = AGENT_POLICY.replace(POLICY_NAMESPACE, namespace);
+    let mut out = Vec::new();
+    for doc in serde_yaml_ng::Deserializer::from_str(&text) {
+        let mut value = serde_json::Value::deserialize(doc)?;
+        if value.is_null() {
+            continue;
+        }
+        let suffixed = |v: &serde_json::Value| format!("{}-{namespace}", v.as_str().unwrap_or(""));
+        match value["kind"].as_str() {
+            Some("ValidatingAdmissionPolicy") => {}
+            Some("ValidatingAdmissionPolicyBinding") => {
+                value["spec"]["policyName"] = suffixed(&value["spec"]["policyName"]).into();
+            }
+            other => {
+                return Err(serde::de::Error::custom(format!(
+                    "a document of kind {other:?}: only the policy and its binding belong there"
+                )));
+            }
+        }
+        value["metadata"]["name"] = suffixed(&value["metadata"]["name"]).into();
+        out.push(value);
+    }
+    Ok(out)
+}
+
+/// Applies [`agent_policy`] for `namespace` (server-side apply). The API server enforces it
+/// once its policy informer has seen it, a moment later.
+pub async fn apply_agent_policy(client: &kube::Client, namespace: &str) -> Result<(), Error> {
+    let docs = agent_policy(namespace).map_err(|e| Error::Io {
+        op: "parsing the policy of",
+        path: PathBuf::from("charts/imp/files/policy/agent.yaml"),
+        source: std::io::Error::other(e),
+    })?;
+    for doc in docs {
+        let kind = doc["kind"].as_str().unwrap_or_default().to_owned();
+        let name = doc["metadata"]["name"]
+            .as_str()
+            .unwrap_or_default()
+            .to_owned();
+        let gvk = GroupVersionKind::gvk("admissionregistration.k8s.io", "v1", &kind);
+        let plural = match kind.as_str() {
+            "ValidatingAdmissionPolicy" => "validatingadmissionpolicies",
+            _ => "validatingadmissionpolicybindings",
+        };
+        let api: Api<DynamicObject> = Api::all_with(
+            client.clone(),
+            &ApiResource::from_gvk_with_plural(&gvk, plural),
+        );
+        api.patch(
+            &name,
+            &PatchParams::apply(MANAGER).force(),
+            &Patch::Apply(&doc),
+        )
+        .await
+        .map_err(|source| Error::Kube {
+            what: format!("applying {kind} {name}"),
+            source,
+        })?;
+    }
+    Ok(())
+}
+
+/// The name of the stand-in Pod whose token an agent of `node` runs with.
+pub fn agent_pod_name(node: &str) -> String {
+    format!("{AGENT_SA}-{node}")
+}
+
+/// The stand-in of the agent DaemonSet's Pod on `node`: bound to the node by `spec.nodeName`,
+/// running as ServiceAccount `imp-agent`, never run (no kubelet runs here), mounting no token.
+fn agent_pod(node: &str) -> Pod {
+    Pod {
+        metadata: kube::api::ObjectMeta {
+            name: Some(agent_pod_name(node)),
+            labels: Some([("app.kubernetes.io/component".to_owned(), "agent".to_owned())].into()),
+            ..Default::default()
+        },
+        spec: Some(PodSpec {
+            node_name: Some(node.to_owned()),
+            service_account_name: Some(AGENT_SA.to_owned()),
+            automount_service_account_token: Some(false),
+            containers: vec![Container {
+                name: "agent".into(),
+                image: Some("registry.invalid/imp-agent".into()),
+                ..Container::default()
+            }],
+            ..PodSpec::default()
+        }),
+        ..Pod::default()
+    }
+}
+
+/// A kubeconfig for the agent of `node` installed in `namespace` (after [`install`]), whose
+/// token is bound to Pod `imp-agent-<node>` there (created unless it exists; its
+/// `spec.nodeName` is `node`), valid for a day: the API server then names the node in the
+/// user's extra `authentication.kubernetes.io/node-name`, which [`AGENT_POLICY`] checks.
+/// The Node need not exist. Deleting the Pod revokes the token.
+pub async fn agent_kubeconfig_for(
+    cp: &ControlPlane,
+    namespace: &str,
+    node: &str,
+) -> Result<PathBuf, Error> {
+    let client = cp.admin().await?;
+    let kerr = |what: String| move |source| Error::Kube { what, source };
+    let name = agent_pod_name(node);
+    let pods: Api<Pod> = Api::namespaced(client.clone(), namespace);
+    let pod = match pods.create(&PostParams::default(), &agent_pod(node)).await {
+        Err(kube::Error::Api(s)) if s.code == 409 => pods
+            .get(&name)
+            .await
+            .map_err(kerr(format!("reading Pod {namespace}/{name}")))?,
+        other => other.map_err(kerr(format!("creating Pod {namespace}/{name}")))?,
+    };
+    let bound_to = pod.spec.as_ref().and_then(|s| s.node_name.as_deref());
+    if bound_to != Some(node) {
+        return Err(Error::Io {
+            op: "binding a token to",
+            path: PathBuf::from(format!("{namespace}/{name}")),
+            source: std::io::Error::other(format!(
+                "the Pod's spec.nodeName is {bound_to:?}, not {node}"
+            )),
+        });
+    }
+    let mut req = TokenRequest::default();
+    req.spec.expiration_seconds = Some(AGENT_TOKEN_SECONDS);
+    req.spec.bound_object_ref = Some(BoundObjectReference {
+        api_version: Some("v1".into()),
+        kind: Some("Pod".into()),
+        name: Some(name.clone()),
+        uid: pod.metadata.uid.clone(),
+    });
+    let token = Api::<ServiceAccount>::namespaced(client, namespace)
+        .create_token_request(AGENT_SA, &PostParams::default(), &req)
+        .await
+        .map_err(kerr(format!(
+            "a token for ServiceAccount {namespace}/{AGENT_SA} bound to Pod {name}"
+        )))?
+        .status
+        .map(|s| s.token)
+        .unwrap_or_default();
+    cp.token_kubeconfig(&format!("{namespace}-{name}"), &token, namespace)
 }
 
 /// Applies the roles for people ([`USER_ROLES`]).
@@ -308,6 +475,31 @@ pub async fn user(
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
+
+    #[test]
+    fn the_agent_policy_is_bound_to_the_install_namespace_and_named_after_it() {
+        assert!(AGENT_POLICY.contains(POLICY_NAMESPACE));
+        let docs = agent_policy("ns1").unwrap();
+        let kinds: Vec<_> = docs.iter().map(|d| d["kind"].as_str().unwrap()).collect();
+        assert_eq!(
+            kinds,
+            [
+                "ValidatingAdmissionPolicy",
+                "ValidatingAdmissionPolicyBinding"
+            ]
+        );
+        assert_eq!(docs[0]["metadata"]["name"], "imp-agent-own-node-ns1");
+        assert_eq!(docs[1]["metadata"]["name"], "imp-agent-own-node-ns1");
+        assert_eq!(docs[1]["spec"]["policyName"], "imp-agent-own-node-ns1");
+        let text = serde_json::to_string(&docs).unwrap();
+        assert!(!text.contains(POLICY_NAMESPACE), "{text}");
+        assert!(text.contains("system:serviceaccount:ns1:imp-agent"));
+        assert_eq!(agent_pod_name("n1"), "imp-agent-n1");
+        let pod = agent_pod("n1");
+        let spec = pod.spec.unwrap();
+        assert_eq!(spec.node_name.as_deref(), Some("n1"));
+        assert_eq!(spec.service_account_name.as_deref(), Some(AGENT_SA));
+    }
 
     #[test]
     fn the_charts_roles_parse_and_grant_something() {

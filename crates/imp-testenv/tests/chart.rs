@@ -709,6 +709,38 @@ fn check_rbac(objs: &[Value]) {
     }
 }
 
+/// The agent's admission policy: `files/policy/agent.yaml` rendered as written, with the
+/// release namespace in place of `${RELEASE_NAMESPACE}` (matching the release's own
+/// ServiceAccount), and bound with `Deny`.
+fn check_agent_policy(objs: &[Value]) {
+    let path = Path::new(CHART).join("files/policy/agent.yaml");
+    let text = std::fs::read_to_string(&path).unwrap();
+    assert!(text.contains("${RELEASE_NAMESPACE}"), "{}", path.display());
+    let file = objects(&text.replace("${RELEASE_NAMESPACE}", NS));
+    let policy = find(objs, "ValidatingAdmissionPolicy", "imp-agent-own-node");
+    assert_eq!(policy["spec"], file[0]["spec"]);
+    assert_eq!(
+        policy["spec"]["matchConditions"][0]["expression"],
+        format!("request.userInfo.username == 'system:serviceaccount:{NS}:imp-agent'")
+    );
+    assert_eq!(
+        policy["metadata"]["labels"]["app.kubernetes.io/component"],
+        "agent"
+    );
+    let binding = find(
+        objs,
+        "ValidatingAdmissionPolicyBinding",
+        "imp-agent-own-node",
+    );
+    assert_eq!(binding["spec"]["policyName"], "imp-agent-own-node");
+    assert_eq!(binding["spec"]["validationActions"], json!(["Deny"]));
+    let rendered = serde_json::to_string(objs).unwrap();
+    assert!(
+        !rendered.contains("RELEASE_NAMESPACE"),
+        "a placeholder is left"
+    );
+}
+
 // ---- Lint and template ----
 
 #[test]
@@ -804,6 +836,7 @@ const TOGGLES: &[Toggle] = &[
             check_webhook(objs);
             check_crds(objs);
             check_rbac(objs);
+            check_agent_policy(objs);
             for c in all_containers(objs) {
                 assert_ne!(
                     c["securityContext"]["privileged"], true,

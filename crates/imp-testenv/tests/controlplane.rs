@@ -305,3 +305,84 @@ async fn a_pod_over_the_namespace_memory_quota_is_refused_at_admission() {
     })
     .await;
 }
+
+/// The user's extra values under `key`, as the API server reports them to the user itself.
+async fn extra_of(cp: &ControlPlane, kubeconfig: &std::path::Path, key: &str) -> Vec<String> {
+    use k8s_openapi::api::authentication::v1::SelfSubjectReview;
+    let me = cp.client_from(kubeconfig).await.unwrap();
+    let review: SelfSubjectReview = me
+        .request(
+            http::Request::post("/apis/authentication.k8s.io/v1/selfsubjectreviews")
+                .header("content-type", "application/json")
+                .body(
+                    serde_json::to_vec(&json!({"apiVersion": "authentication.k8s.io/v1",
+                                               "kind": "SelfSubjectReview"}))
+                    .unwrap(),
+                )
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    let user = review.status.and_then(|s| s.user_info).unwrap();
+    user.extra
+        .unwrap_or_default()
+        .get(key)
+        .cloned()
+        .unwrap_or_default()
+}
+
+#[tokio::test]
+async fn an_agent_token_bound_to_its_pod_names_the_pods_node_even_before_the_node_exists() {
+    let Some(cp) = ControlPlane::shared() else {
+        return;
+    };
+    let admin = cp.admin().await.unwrap();
+    let ns = cp.namespace(&admin, "bound").await.unwrap();
+    imp_testenv::rbac::install(cp, &ns).await.unwrap();
+    let node = format!("{ns}-n1");
+    // No Node object: the token still carries the name (not its uid).
+    let kc = imp_testenv::rbac::agent_kubeconfig_for(cp, &ns, &node)
+        .await
+        .unwrap();
+    let name = "authentication.kubernetes.io/node-name";
+    let uid = "authentication.kubernetes.io/node-uid";
+    assert_eq!(extra_of(cp, &kc, name).await, std::slice::from_ref(&node));
+    assert!(extra_of(cp, &kc, uid).await.is_empty());
+    // With the Node, a new token (the Pod is reused) carries its uid too.
+    let n: Node = serde_json::from_value(json!({"metadata": {"name": node}})).unwrap();
+    let n = Api::<Node>::all(admin.clone())
+        .create(&PostParams::default(), &n)
+        .await
+        .unwrap();
+    let kc = imp_testenv::rbac::agent_kubeconfig_for(cp, &ns, &node)
+        .await
+        .unwrap();
+    assert_eq!(extra_of(cp, &kc, name).await, std::slice::from_ref(&node));
+    assert_eq!(extra_of(cp, &kc, uid).await, [n.metadata.uid.unwrap()]);
+    // An unbound token of the same ServiceAccount names no node.
+    let unbound = cp
+        .service_account_kubeconfig(&ns, "imp-agent")
+        .await
+        .unwrap();
+    assert!(extra_of(cp, &unbound, name).await.is_empty());
+    // The token dies with its Pod.
+    let pods: Api<Pod> = Api::namespaced(admin, &ns);
+    let pod = imp_testenv::rbac::agent_pod_name(&node);
+    // At once: no kubelet confirms a graceful deletion here.
+    let now = DeleteParams {
+        grace_period_seconds: Some(0),
+        ..DeleteParams::default()
+    };
+    pods.delete(&pod, &now).await.unwrap();
+    let me = cp.client_from(&kc).await.unwrap();
+    wait_until("the bound token is refused once its Pod is gone", || {
+        let me = me.clone();
+        async move {
+            Api::<Node>::all(me)
+                .list(&ListParams::default())
+                .await
+                .is_err_and(|e| matches!(e, kube::Error::Api(s) if s.code == 401))
+        }
+    })
+    .await;
+}

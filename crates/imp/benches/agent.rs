@@ -194,7 +194,7 @@ async fn main() {
     let agent = tokio::process::Command::new(env!("CARGO_BIN_EXE_imp"))
         .arg("agent")
         .env("NODE_NAME", "bench-node")
-        .env("KUBECONFIG", kube.agent_kubeconfig())
+        .env("KUBECONFIG", kube.agent_kubeconfig_for("bench-node").await)
         .env("FC_KERNEL", common::kernel())
         .env("IMP_GUEST", common::guest())
         .env("RUST_LOG", "warn")

@@ -189,7 +189,7 @@ async fn main() {
     let cache = scratch_dir("imp-s2z-bench-cache").unwrap();
     let _operator = common::start_operator(kube.operator_kubeconfig());
     let mut agent = Agent::new(&topo, "a", topo.underlay(1));
-    agent.start(kube.agent_kubeconfig(), &cache);
+    agent.start(&kube.agent_kubeconfig_for(&agent.node).await, &cache);
     let state = StateDir::new(&agent.state);
     let vms: Api<ImpVM> = Api::namespaced(c.clone(), NS);
     let netns = topo.ns("a");

@@ -206,7 +206,11 @@ impl Env {
             (k, (p, token))
         }));
         // The agent reviews with its own ServiceAccount, as in a cluster.
-        let agent_client = kube.cp.client_from(kube.agent_kubeconfig()).await.unwrap();
+        let agent_client = kube
+            .cp
+            .client_from(&kube.agent_kubeconfig_for(NODE).await)
+            .await
+            .unwrap();
 
         let guest = Guest::start(binary, &dir.join("vm1")).await;
         let vms = Arc::new(Vms::default());

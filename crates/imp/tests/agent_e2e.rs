@@ -92,13 +92,14 @@ impl Agent {
         }
     }
 
-    fn start(&mut self, kube: &common::Cluster, kernel: &Path) {
+    async fn start(&mut self, kube: &common::Cluster, kernel: &Path) {
+        let kubeconfig = kube.agent_kubeconfig_for(&self.node).await;
         let mut child = Command::new(env!("CARGO_BIN_EXE_imp"))
             .arg("agent")
             .env("NODE_NAME", &self.node)
             .env("FC_KERNEL", kernel)
             .env("IMP_GUEST", common::guest())
-            .env("KUBECONFIG", kube.agent_kubeconfig())
+            .env("KUBECONFIG", kubeconfig)
             .env("RUST_LOG", common::rust_log())
             .args(["--state-dir", self.state.to_str().unwrap()])
             .args(["--runtime", "qemu"])
@@ -295,10 +296,10 @@ async fn impvms_boot_end_survive_an_agent_restart_and_clean_up_on_their_nodes() 
     let mut operator = common::start_operator(kube.operator_kubeconfig());
     let mut a = Agent::new("node-a", "a");
     let mut b = Agent::new("node-b", "b");
-    a.start(&kube, &common::kernel());
+    a.start(&kube, &common::kernel()).await;
     // Node b's agent starts with a kernel path that does not exist.
     let missing_kernel = PathBuf::from("/nonexistent/imp-e2e/vmlinux");
-    b.start(&kube, &missing_kernel);
+    b.start(&kube, &missing_kernel).await;
     let vms: Api<ImpVM> = Api::namespaced(c.clone(), NS);
     let spec = |node: &str, lifecycle: &str, script: &str| {
         json!({"classRef": {"name": "small"}, "image": image, "nodeName": node,
@@ -586,7 +587,7 @@ async fn impvms_boot_end_survive_an_agent_restart_and_clean_up_on_their_nodes() 
             .await
             .unwrap();
     }
-    b.start(&kube, &common::kernel());
+    b.start(&kube, &common::kernel()).await;
     // The restarted agent listens on another port (127.0.0.1:0) but keeps its certificate
     // (kept under its state dir), so the fingerprint clients pin does not change.
     let (endpoint_after, cert_after) = common::wait_for(
@@ -715,7 +716,7 @@ async fn impvms_boot_end_survive_an_agent_restart_and_clean_up_on_their_nodes() 
         nix::sys::signal::Signal::SIGKILL,
     )
     .unwrap();
-    a.start(&kube, &common::kernel());
+    a.start(&kube, &common::kernel()).await;
     let lost = wait_vm(&vms, "svc2", "Failed after its VMM died", 60, |v| {
         phase(v) == Some(VmPhase::Failed)
     })

@@ -114,7 +114,7 @@ async fn a_cut_off_node_fences_its_vm_before_it_runs_elsewhere_and_never_runs_it
     let via_proxy = scratch_dir("imp-fencing-e2e-kubeconfig")
         .unwrap()
         .join("agent-a.kubeconfig");
-    let text = std::fs::read_to_string(kube.agent_kubeconfig()).unwrap();
+    let text = std::fs::read_to_string(kube.agent_kubeconfig_for(A).await).unwrap();
     assert!(
         text.contains(kube.cp.url()),
         "the kubeconfig names the server"
@@ -128,7 +128,7 @@ async fn a_cut_off_node_fences_its_vm_before_it_runs_elsewhere_and_never_runs_it
     let mut agent_a = common::agent::HostAgent::new(A, "fence-a");
     agent_a.kubeconfig = Some(via_proxy);
     agent_a.args = vec!["--fence-after".into(), fence.clone()];
-    agent_a.start(&kube);
+    agent_a.start(&kube).await;
 
     let _operator = common::start_operator_with(
         kube.operator_kubeconfig(),
@@ -165,7 +165,7 @@ async fn a_cut_off_node_fences_its_vm_before_it_runs_elsewhere_and_never_runs_it
     common::ready_node(&c, B).await;
     let mut agent_b = common::agent::HostAgent::new(B, "fence-b");
     agent_b.args = vec!["--fence-after".into(), fence];
-    agent_b.start(&kube);
+    agent_b.start(&kube).await;
 
     // Node a loses the control plane; its kubelet's heartbeats stop too.
     let cut = Instant::now();

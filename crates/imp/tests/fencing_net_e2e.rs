@@ -300,15 +300,13 @@ async fn a_node_cut_from_the_api_server_fences_its_vm_so_a_client_never_sees_two
         ],
     );
     let fence = format!("{FENCE_AFTER}s");
-    let agents: Vec<Agent> = [("a", 1), ("b", 2), ("c", 3)]
-        .into_iter()
-        .map(|(n, host)| {
-            let mut agent = Agent::new(&topo, n, topo.underlay(host));
-            agent.extra_args = vec!["--fence-after".into(), fence.clone()];
-            agent.start(kube.agent_kubeconfig(), &cache);
-            agent
-        })
-        .collect();
+    let mut agents: Vec<Agent> = Vec::new();
+    for (n, host) in [("a", 1), ("b", 2), ("c", 3)] {
+        let mut agent = Agent::new(&topo, n, topo.underlay(host));
+        agent.extra_args = vec!["--fence-after".into(), fence.clone()];
+        agent.start(&kube.agent_kubeconfig_for(&agent.node).await, &cache);
+        agents.push(agent);
+    }
 
     let vms: Api<ImpVM> = Api::namespaced(c.clone(), NS);
     let mut uids = Vec::new();

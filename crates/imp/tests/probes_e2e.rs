@@ -70,7 +70,7 @@ async fn probes_gate_readiness_flip_it_and_restart_a_vm_whose_liveness_fails() {
 
     let _operator = common::start_operator(kube.operator_kubeconfig());
     let mut agent = common::agent::HostAgent::new(NODE, "probes-e2e");
-    agent.start(&kube);
+    agent.start(&kube).await;
     let vms: Api<ImpVM> = Api::namespaced(c.clone(), NS);
     let obj: ImpVM = serde_json::from_value(json!({
         "apiVersion": "imp.dev/v1alpha1", "kind": "ImpVM",

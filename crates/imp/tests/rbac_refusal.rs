@@ -183,7 +183,7 @@ async fn an_agent_refused_by_rbac_says_which_verb_and_resource_in_its_log_and_an
     let metrics = format!("127.0.0.1:{}", common::free_port());
     let (kernel, guest) = (common::kernel(), common::guest());
     let _agent = spawn(
-        c.agent_kubeconfig(),
+        &c.agent_kubeconfig_for("n1").await,
         &log,
         &[
             "agent",

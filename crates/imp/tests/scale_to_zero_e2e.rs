@@ -212,8 +212,8 @@ async fn an_idle_vm_sleeps_and_its_first_syn_wakes_it_from_anywhere_without_a_re
     let _operator = common::start_operator(kube.operator_kubeconfig());
     let mut a = Agent::new(&topo, "a", topo.underlay(1));
     let mut b = Agent::new(&topo, "b", topo.underlay(2));
-    a.start(kube.agent_kubeconfig(), &cache);
-    b.start(kube.agent_kubeconfig(), &cache);
+    a.start(&kube.agent_kubeconfig_for(&a.node).await, &cache);
+    b.start(&kube.agent_kubeconfig_for(&b.node).await, &cache);
 
     let vms: Api<ImpVM> = Api::namespaced(c.clone(), NS);
     for (name, node, script, desired) in [
@@ -300,7 +300,7 @@ async fn an_idle_vm_sleeps_and_its_first_syn_wakes_it_from_anywhere_without_a_re
         phase(&vms.get(SLEEPER).await.unwrap()),
         Some(VmPhase::Suspended)
     );
-    a.start(kube.agent_kubeconfig(), &cache);
+    a.start(&kube.agent_kubeconfig_for(&a.node).await, &cache);
     let out = text(
         &tokio::time::timeout(EXEC_LIMIT, pending.wait_with_output())
             .await
@@ -326,7 +326,7 @@ async fn an_idle_vm_sleeps_and_its_first_syn_wakes_it_from_anywhere_without_a_re
     a.kill_container().await;
     wait_tap(&topo, &a, &uid, false).await;
     a.extra_args = vec!["--resume-reserve-mib".into(), "100000000".into()];
-    a.start(kube.agent_kubeconfig(), &cache);
+    a.start(&kube.agent_kubeconfig_for(&a.node).await, &cache);
     wait_tap(&topo, &a, &uid, true).await;
     let refused = assert_stays_asleep(&kubeconfig, &vms, &ip).await;
     assert!(
@@ -337,7 +337,7 @@ async fn an_idle_vm_sleeps_and_its_first_syn_wakes_it_from_anywhere_without_a_re
     a.kill_container().await;
     wait_tap(&topo, &a, &uid, false).await;
     a.extra_args.clear();
-    a.start(kube.agent_kubeconfig(), &cache);
+    a.start(&kube.agent_kubeconfig_for(&a.node).await, &cache);
     let resumed = occurrences(&c, SLEEPER, "Resumed").await;
     wait_tap(&topo, &a, &uid, true).await;
     // The restarted agent's API knows the VMs on its node at once.

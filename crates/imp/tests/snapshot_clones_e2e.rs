@@ -112,7 +112,7 @@ async fn two_clones_at_once_share_a_network_and_a_qemu_that_cannot_load_the_snap
     let _operator = common::start_operator(kube.operator_kubeconfig());
     let mut a = Agent::new(&topo, "a", topo.underlay(1));
     a.env = vec![("PATH".into(), common::path_with(&qemu_10))];
-    a.start(kube.agent_kubeconfig(), &cache);
+    a.start(&kube.agent_kubeconfig_for(&a.node).await, &cache);
 
     let vms: Api<ImpVM> = Api::namespaced(c.clone(), NS);
     vms.create(&PostParams::default(), &vm("src", &image, None))
@@ -225,7 +225,7 @@ async fn two_clones_at_once_share_a_network_and_a_qemu_that_cannot_load_the_snap
     // their QEMU 10): a new VM from the snapshot written by 10 fails, naming both.
     a.kill().await;
     a.env.clear();
-    a.start(kube.agent_kubeconfig(), &cache);
+    a.start(&kube.agent_kubeconfig_for(&a.node).await, &cache);
     vms.create(&PostParams::default(), &vm("c3", &image, Some(&from)))
         .await
         .unwrap();

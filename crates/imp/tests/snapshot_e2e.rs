@@ -83,7 +83,7 @@ async fn a_running_vm_is_snapshotted_with_its_memory_and_runs_on() {
 
     let _operator = common::start_operator(kube.operator_kubeconfig());
     let mut agent = common::agent::HostAgent::new(NODE, "snap-e2e");
-    agent.start(&kube);
+    agent.start(&kube).await;
     let vms: Api<ImpVM> = Api::namespaced(c.clone(), NS);
     let obj: ImpVM = serde_json::from_value(json!({
         "apiVersion": "imp.dev/v1alpha1", "kind": "ImpVM",

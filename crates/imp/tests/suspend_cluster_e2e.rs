@@ -114,7 +114,7 @@ async fn desired_state_suspends_and_resumes_an_impvm_across_an_agent_restart() {
     let _operator = common::start_operator(kube.operator_kubeconfig());
     let mut agent = common::agent::HostAgent::new("sp-node", "sp-e2e");
     agent.args = vec!["--suspend-retry".into(), "3s".into()];
-    agent.start(&kube);
+    agent.start(&kube).await;
 
     let vms: Api<ImpVM> = Api::namespaced(c.clone(), NS);
     let obj: ImpVM = serde_json::from_value(json!({
@@ -206,7 +206,7 @@ async fn desired_state_suspends_and_resumes_an_impvm_across_an_agent_restart() {
 
     // The agent's container is killed and restarted: the VM stays Suspended (state on disk).
     agent.kill_container().await;
-    agent.start(&kube);
+    agent.start(&kube).await;
     tokio::time::sleep(Duration::from_secs(5)).await;
     let vm = vms.get(VM).await.unwrap();
     assert_eq!(phase(&vm), Some(VmPhase::Suspended), "{:?}", vm.status);

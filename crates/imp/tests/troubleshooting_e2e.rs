@@ -51,7 +51,8 @@ impl Drop for Agent {
 impl Agent {
     /// Starts an agent for `node` with `runtime` as its default and Firecracker missing; the
     /// kernel and guest init are empty files (the agent only checks they exist).
-    fn start(kube: &common::Cluster, node: &str, runtime: &str, files: &Path) -> Self {
+    async fn start(kube: &common::Cluster, node: &str, runtime: &str, files: &Path) -> Self {
+        let kubeconfig = kube.agent_kubeconfig_for(node).await;
         let metrics_port = common::free_port();
         let state = scratch_dir(&format!("imp-troubleshooting-{node}")).unwrap();
         let mut child = Command::new(env!("CARGO_BIN_EXE_imp"))
@@ -60,7 +61,7 @@ impl Agent {
             .env("FC_BIN", MISSING_FC)
             .env("FC_KERNEL", files.join("vmlinux"))
             .env("IMP_GUEST", files.join("imp-guest"))
-            .env("KUBECONFIG", kube.agent_kubeconfig())
+            .env("KUBECONFIG", kubeconfig)
             .env("RUST_LOG", common::rust_log())
             .args(["--runtime", runtime, "--no-network"])
             .arg("--state-dir")
@@ -145,7 +146,7 @@ async fn a_missing_firecracker_binary_is_named_fc_bin_in_the_agent_log_and_the_v
     // Firecracker as the node's default runtime: the agent says at once why the node cannot
     // run VMs, naming FC_BIN, and its /readyz says so too.
     common::ready_node(&c, "fc-node").await;
-    let mut fc = Agent::start(&kube, "fc-node", "firecracker", &files);
+    let mut fc = Agent::start(&kube, "fc-node", "firecracker", &files).await;
     let line = fc.logged(&["FC_BIN", MISSING_FC]).await;
     assert!(line.contains("node cannot run VMs"), "{line}");
     assert!(line.contains("not found"), "{line}");
@@ -158,7 +159,7 @@ async fn a_missing_firecracker_binary_is_named_fc_bin_in_the_agent_log_and_the_v
     // Firecracker fails to start with RuntimeStartFailed, saying the same in its condition,
     // its Event and the agent's log.
     common::ready_node(&c, "qemu-node").await;
-    let qemu = Agent::start(&kube, "qemu-node", "qemu", &files);
+    let qemu = Agent::start(&kube, "qemu-node", "qemu", &files).await;
     let line = qemu.logged(&["FC_BIN", "runtime firecracker"]).await;
     assert!(line.contains("RuntimeStartFailed"), "{line}");
     let _operator = common::start_operator(kube.operator_kubeconfig());
@@ -278,7 +279,7 @@ async fn the_agent_publishes_its_runtimes_and_cpu_model() {
     )
     .await;
     common::ready_node(&c, "n1").await;
-    let agent = Agent::start(&kube, "n1", "auto", &files);
+    let agent = Agent::start(&kube, "n1", "auto", &files).await;
 
     let want = if imp_agent::vmm::qemu::Launcher::detect().is_ok() {
         "qemu"
@@ -314,7 +315,7 @@ async fn the_agent_publishes_its_runtimes_and_cpu_model() {
     // A profile created while the agent runs is filled in too; the agent creates none.
     drop(agent);
     common::ready_node(&c, "n2").await;
-    let _agent = Agent::start(&kube, "n2", "auto", &files);
+    let _agent = Agent::start(&kube, "n2", "auto", &files).await;
     common::wait_for(
         "imp.dev/runtimes on Node n2",
         Duration::from_secs(30),

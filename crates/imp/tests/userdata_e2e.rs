@@ -59,7 +59,8 @@ struct Agent {
 }
 
 impl Agent {
-    fn start(kube: &common::Cluster) -> Self {
+    async fn start(kube: &common::Cluster) -> Self {
+        let kubeconfig = kube.agent_kubeconfig_for(NODE).await;
         let id = format!("ud-e2e-{}", std::process::id());
         let mut a = Self {
             state: scratch_dir("imp-userdata-e2e-state").unwrap(),
@@ -71,7 +72,7 @@ impl Agent {
             .env("NODE_NAME", NODE)
             .env("FC_KERNEL", common::kernel())
             .env("IMP_GUEST", common::guest())
-            .env("KUBECONFIG", kube.agent_kubeconfig())
+            .env("KUBECONFIG", kubeconfig)
             .env("RUST_LOG", common::rust_log())
             .args(["--state-dir", a.state.to_str().unwrap()])
             .args(["--runtime", "qemu", "--no-network"])
@@ -156,7 +157,7 @@ async fn user_data_runs_before_the_workload_and_what_is_wrong_is_named() {
     config_map(&c, "init", CLOUD_CONFIG).await;
     config_map(&c, "unsupported", "#cloud-config\npackages: [curl]\n").await;
     let _operator = common::start_operator(kube.operator_kubeconfig());
-    let _agent = Agent::start(&kube);
+    let _agent = Agent::start(&kube).await;
     let vms: Api<ImpVM> = Api::namespaced(c.clone(), NS);
     vm(&vms, "no-config-map", &image, "absent").await;
     vm(&vms, "refused", &image, "unsupported").await;

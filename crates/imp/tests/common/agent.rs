@@ -18,8 +18,8 @@ pub struct HostAgent {
     pub metrics: String,
     /// More arguments for each start.
     pub args: Vec<String>,
-    /// The kubeconfig it runs with, instead of the cluster's agent kubeconfig (e.g. one that
-    /// reaches the API server through a proxy a test can cut).
+    /// The kubeconfig it runs with, instead of the cluster's agent kubeconfig bound to `node`
+    /// (e.g. that one rewritten to reach the API server through a proxy a test can cut).
     pub kubeconfig: Option<PathBuf>,
     cgroup_parent: String,
     container: super::Container,
@@ -40,19 +40,18 @@ impl HostAgent {
         }
     }
 
-    /// Starts it with the agent credentials of `kube`.
-    pub fn start(&mut self, kube: &super::Cluster) {
+    /// Starts it with the agent credentials of `kube` bound to its node.
+    pub async fn start(&mut self, kube: &super::Cluster) {
+        let kubeconfig = match &self.kubeconfig {
+            Some(k) => k.clone(),
+            None => kube.agent_kubeconfig_for(&self.node).await,
+        };
         let child = Command::new(env!("CARGO_BIN_EXE_imp"))
             .arg("agent")
             .env("NODE_NAME", &self.node)
             .env("FC_KERNEL", super::kernel())
             .env("IMP_GUEST", super::guest())
-            .env(
-                "KUBECONFIG",
-                self.kubeconfig
-                    .as_deref()
-                    .unwrap_or_else(|| kube.agent_kubeconfig()),
-            )
+            .env("KUBECONFIG", kubeconfig)
             .env("RUST_LOG", super::rust_log())
             .args(["--state-dir", self.state.to_str().unwrap()])
             .args(["--runtime", "qemu", "--no-network"])

@@ -140,9 +140,20 @@ impl Cluster {
         &self.ids.operator
     }
 
-    /// The kubeconfig every agent runs with.
-    pub fn agent_kubeconfig(&self) -> &Path {
+    /// The agent ServiceAccount's kubeconfig with a token bound to no Pod: refused every write
+    /// by the chart's policy (`charts/imp/files/policy/agent.yaml`); agents run with
+    /// [`Cluster::agent_kubeconfig_for`].
+    pub fn unbound_agent_kubeconfig(&self) -> &Path {
         &self.ids.agent
+    }
+
+    /// The kubeconfig the agent of `node` runs with: the token of a stand-in Pod
+    /// `imp-system/imp-agent-<node>` on that node, as the DaemonSet's Pod has, so the API
+    /// server admits its writes for that node only.
+    pub async fn agent_kubeconfig_for(&self, node: &str) -> PathBuf {
+        imp_testenv::rbac::agent_kubeconfig_for(&self.cp, "imp-system", node)
+            .await
+            .unwrap_or_else(|e| panic!("a node-bound agent token for {node}: {e}"))
     }
 
     /// The admin's kubeconfig.

@@ -609,9 +609,10 @@ pub fn error_policy(vm: Arc<ImpVM>, error: &Error, ctx: Arc<Context>) -> Action 
         _ => None,
     };
     if let Some(refused) = refused.and_then(|s| refusal::forbidden(s)) {
-        // A rule missing from the agent's RBAC: said in its log and on the VM's Events, in the
-        // server's words (they name the verb and the resource).
-        let note = format!("{error}: forbidden by RBAC: {refused}");
+        // A rule missing from the agent's RBAC, or a write the chart's admission policy keeps
+        // to another node: said in its log and on the VM's Events, in the server's words
+        // (they name the verb and the resource, or the policy and the node).
+        let note = format!("{error}: forbidden: {refused}");
         tracing::error!(vm = %key(&vm), node = %ctx.settings.node, error = %note, "reconcile refused by the API server");
         tokio::spawn(async move {
             ctx.event(&vm, EventType::Warning, refusal::FORBIDDEN_REASON, note)

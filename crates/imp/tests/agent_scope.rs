@@ -1,0 +1,326 @@
+//! An agent writes only what belongs to its own node, and the API server is what says so: with
+//! the chart's RBAC and its ValidatingAdmissionPolicy (`charts/imp/files/policy/agent.yaml`),
+//! the agent of node-a (a token bound to its stand-in Pod on node-a, as the DaemonSet's Pod has)
+//! may patch node-a's annotations, the status of a VM placed on node-a, profile node-a, Lease
+//! `imp-agent-node-a`, and claim an unclaimed snapshot execution for node-a; the same writes
+//! for node-b are refused with 403 and a message naming the write and the node, and a token of
+//! the same ServiceAccount bound to no Pod may write nothing.
+//!
+//! Objects only, on a real control plane: no agent process, no guest.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // Test code: a failed unwrap is a failed test.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::Node;
+use kube::api::{
+    Api, ApiResource, DynamicObject, GroupVersionKind, Patch, PatchParams, PostParams,
+};
+use serde_json::{Value, json};
+
+const A: &str = "node-a";
+const B: &str = "node-b";
+const NS: &str = "default";
+const INSTALL: &str = "imp-system";
+
+/// The imp.dev objects of `kind` (`plural`), in `ns` or cluster-wide.
+fn imp(c: &kube::Client, kind: &str, plural: &str, ns: Option<&str>) -> Api<DynamicObject> {
+    let gvk = GroupVersionKind::gvk("imp.dev", "v1alpha1", kind);
+    let ar = ApiResource::from_gvk_with_plural(&gvk, plural);
+    match ns {
+        Some(ns) => Api::namespaced_with(c.clone(), ns, &ar),
+        None => Api::all_with(c.clone(), &ar),
+    }
+}
+
+fn vms(c: &kube::Client) -> Api<DynamicObject> {
+    imp(c, "ImpVM", "impvms", Some(NS))
+}
+
+fn profiles(c: &kube::Client) -> Api<DynamicObject> {
+    imp(c, "ClusterImpNodeProfile", "clusterimpnodeprofiles", None)
+}
+
+fn snapshots(c: &kube::Client) -> Api<DynamicObject> {
+    imp(c, "ImpVMSnapshot", "impvmsnapshots", Some(NS))
+}
+
+fn leases(c: &kube::Client) -> Api<Lease> {
+    Api::namespaced(c.clone(), INSTALL)
+}
+
+fn merge(v: Value) -> Patch<Value> {
+    Patch::Merge(v)
+}
+
+/// Creates `body` through `api` as the admin.
+async fn create(api: &Api<DynamicObject>, body: Value) {
+    let obj: DynamicObject = serde_json::from_value(body).unwrap();
+    api.create(&PostParams::default(), &obj).await.unwrap();
+}
+
+/// The admin's objects: for each node a profile, a VM placed there (`vm-<node>`) and a
+/// snapshot execution of it, unclaimed for node-a and claimed by node-b for node-b.
+async fn objects(admin: &kube::Client) {
+    for n in [A, B] {
+        common::ready_node(admin, n).await;
+        create(
+            &profiles(admin),
+            json!({"apiVersion": "imp.dev/v1alpha1", "kind": "ClusterImpNodeProfile",
+                   "metadata": {"name": n}, "spec": {}}),
+        )
+        .await;
+        create(
+            &vms(admin),
+            json!({"apiVersion": "imp.dev/v1alpha1", "kind": "ImpVM",
+                   "metadata": {"name": format!("vm-{n}")},
+                   "spec": {"classRef": {"name": "small"}, "image": "busybox", "nodeName": n}}),
+        )
+        .await;
+        let claim = if n == B {
+            json!({"imp.dev/snapshot-node": B})
+        } else {
+            json!({})
+        };
+        create(
+            &snapshots(admin),
+            json!({"apiVersion": "imp.dev/v1alpha1", "kind": "ImpVMSnapshot",
+                   "metadata": {"name": format!("snap-{n}"), "annotations": claim},
+                   "spec": {"sourceVMName": format!("vm-{n}"), "sourceVMNamespace": NS,
+                            "storage": {"type": "node-local"}}}),
+        )
+        .await;
+    }
+    let lease: Lease = serde_json::from_value(
+        json!({"metadata": {"name": format!("imp-agent-{B}")}, "spec": {"holderIdentity": B}}),
+    )
+    .unwrap();
+    leases(admin)
+        .create(&PostParams::default(), &lease)
+        .await
+        .unwrap();
+}
+
+/// Asserts that `res` is the policy's refusal of node-a's agent: 403, naming node-a, the
+/// refused object and `node` (the node it belongs to).
+fn refused<T: std::fmt::Debug>(res: kube::Result<T>, what: &str, node: &str) {
+    match res {
+        Err(kube::Error::Api(s)) => {
+            assert_eq!(s.code, 403, "{what}: {s:?}");
+            let whose = format!("imp-agent of node {A} may not write");
+            assert!(
+                s.message.contains(&whose) && s.message.contains(node),
+                "{what}: the refusal does not say '{whose}' and name {node}: {}",
+                s.message
+            );
+            eprintln!("refused, {what}: {}", s.message);
+        }
+        other => panic!("{what} was admitted: {other:?}"),
+    }
+}
+
+/// Asserts that `res` was admitted.
+fn admitted<T>(res: kube::Result<T>, what: &str) {
+    if let Err(e) = res {
+        panic!("{what} was refused: {e}");
+    }
+}
+
+/// Waits until the API server enforces the policy (its informer has seen it): the unbound
+/// token's patch of node-a is refused. Returns that refusal's message.
+async fn enforced(unbound: &kube::Client) -> String {
+    let nodes: Api<Node> = Api::all(unbound.clone());
+    let t0 = Instant::now();
+    loop {
+        let res = nodes
+            .patch(
+                A,
+                &PatchParams::default(),
+                &merge(json!({"metadata": {"annotations": {"imp.dev/agent-endpoint": "x:1"}}})),
+            )
+            .await;
+        match res {
+            Err(kube::Error::Api(s)) if s.code == 403 => return s.message,
+            other => assert!(
+                t0.elapsed() < Duration::from_secs(30),
+                "the policy is not enforced after 30 s: {other:?}"
+            ),
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+#[tokio::test]
+async fn an_agents_node_bound_token_writes_only_what_belongs_to_its_own_node() {
+    if common::control_plane_ready().is_none() {
+        return;
+    }
+    let kube = common::cluster(&[NS, INSTALL]).await;
+    let admin = kube.client.clone();
+    objects(&admin).await;
+    let a = kube
+        .cp
+        .client_from(&kube.agent_kubeconfig_for(A).await)
+        .await
+        .unwrap();
+    let unbound = kube
+        .cp
+        .client_from(kube.unbound_agent_kubeconfig())
+        .await
+        .unwrap();
+    let message = enforced(&unbound).await;
+    assert!(
+        message.contains("nodes node-a") && message.contains("bound ServiceAccount token"),
+        "{message}"
+    );
+    let p = PatchParams::default();
+    let annotate = |node: &str| {
+        merge(json!({"metadata": {"annotations": {"imp.dev/agent-cert-sha256": node}}}))
+    };
+    let placed = |node: &str| merge(json!({"status": {"nodeName": node}}));
+    let cpu = merge(json!({"spec": {"cpuModel": "EPYC"}}));
+    let renew = merge(json!({"spec": {"holderIdentity": A}}));
+    let claim = merge(json!({"metadata": {"annotations": {"imp.dev/snapshot-node": A}}}));
+    let running = merge(json!({"status": {"phase": "Running"}}));
+    let nodes: Api<Node> = Api::all(a.clone());
+    let lease = |name: String| -> Lease {
+        serde_json::from_value(json!({"metadata": {"name": name}, "spec": {"holderIdentity": A}}))
+            .unwrap()
+    };
+
+    // Its own node's.
+    admitted(
+        nodes.patch(A, &p, &annotate(A)).await,
+        "node-a's annotation",
+    );
+    admitted(
+        vms(&a).patch_status("vm-node-a", &p, &placed(A)).await,
+        "node-a's VM's status",
+    );
+    admitted(profiles(&a).patch(A, &p, &cpu).await, "profile node-a");
+    admitted(
+        leases(&a)
+            .create(&PostParams::default(), &lease(format!("imp-agent-{A}")))
+            .await,
+        "creating Lease imp-agent-node-a",
+    );
+    admitted(
+        leases(&a)
+            .patch(&format!("imp-agent-{A}"), &p, &renew)
+            .await,
+        "renewing Lease imp-agent-node-a",
+    );
+    admitted(
+        snapshots(&a).patch("snap-node-a", &p, &claim).await,
+        "claiming node-a's unclaimed snapshot",
+    );
+    admitted(
+        snapshots(&a)
+            .patch_status("snap-node-a", &p, &running)
+            .await,
+        "the status of the snapshot node-a claimed",
+    );
+
+    // Another node's.
+    refused(
+        nodes.patch(B, &p, &annotate(A)).await,
+        "node-b's annotation",
+        A,
+    );
+    refused(
+        vms(&a).patch_status("vm-node-b", &p, &placed(A)).await,
+        "node-b's VM's status",
+        B,
+    );
+    refused(
+        vms(&a)
+            .patch("vm-node-b", &p, &merge(json!({"spec": {"nodeName": null}})))
+            .await,
+        "releasing node-b's VM",
+        B,
+    );
+    refused(
+        vms(&a)
+            .patch("vm-node-a", &p, &merge(json!({"spec": {"nodeName": B}})))
+            .await,
+        "handing node-a's VM to node-b",
+        A,
+    );
+    refused(profiles(&a).patch(B, &p, &cpu).await, "profile node-b", A);
+    refused(
+        leases(&a)
+            .create(&PostParams::default(), &lease(format!("imp-agent-{B}")))
+            .await,
+        "creating Lease imp-agent-node-b",
+        A,
+    );
+    refused(
+        leases(&a)
+            .patch(&format!("imp-agent-{B}"), &p, &renew)
+            .await,
+        "renewing Lease imp-agent-node-b",
+        A,
+    );
+    refused(
+        snapshots(&a).patch("snap-node-b", &p, &claim).await,
+        "claiming the snapshot node-b claimed",
+        B,
+    );
+    refused(
+        snapshots(&a)
+            .patch_status("snap-node-b", &p, &running)
+            .await,
+        "the status of the snapshot node-b claimed",
+        B,
+    );
+
+    // A token bound to no Pod: no write at all, not even node-a's.
+    let nothing = "names no node";
+    for (what, res) in [
+        (
+            "node-a's VM's status",
+            vms(&unbound)
+                .patch_status("vm-node-a", &p, &placed(A))
+                .await,
+        ),
+        (
+            "profile node-a",
+            profiles(&unbound).patch(A, &p, &cpu).await,
+        ),
+    ] {
+        match res {
+            Err(kube::Error::Api(s)) => {
+                assert_eq!(s.code, 403, "{what}: {s:?}");
+                assert!(s.message.contains(nothing), "{what}: {}", s.message);
+            }
+            other => panic!("an unbound token wrote {what}: {other:?}"),
+        }
+    }
+    match leases(&unbound)
+        .patch(&format!("imp-agent-{A}"), &p, &renew)
+        .await
+    {
+        Err(kube::Error::Api(s)) => assert!(s.code == 403 && s.message.contains(nothing), "{s:?}"),
+        other => panic!("an unbound token renewed Lease imp-agent-node-a: {other:?}"),
+    }
+
+    // What was refused did not happen.
+    let b = Api::<Node>::all(admin.clone()).get(B).await.unwrap();
+    assert!(
+        !b.metadata
+            .annotations
+            .unwrap_or_default()
+            .contains_key("imp.dev/agent-cert-sha256")
+    );
+    let vm_a = vms(&admin).get("vm-node-a").await.unwrap();
+    assert_eq!(vm_a.data["spec"]["nodeName"], A);
+    // Last, the agent's release of its own VM.
+    admitted(
+        vms(&a)
+            .patch("vm-node-a", &p, &merge(json!({"spec": {"nodeName": null}})))
+            .await,
+        "releasing node-a's VM",
+    );
+}
