@@ -123,6 +123,7 @@ async fn inside() {
         vtep: Some(Ipv4Addr::new(10, 99, 0, 1)),
         vxlan_port: 4789,
         nft: "nft".into(),
+        egress_deny: Vec::new(),
     })
     .unwrap();
     net.set_networks(BTreeMap::from([(

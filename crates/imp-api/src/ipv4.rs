@@ -29,6 +29,12 @@ pub enum CidrError {
 }
 
 impl Ipv4Cidr {
+    /// Link-local IPv4, 169.254.0.0/16 (where clouds serve instance metadata).
+    pub const LINK_LOCAL: Ipv4Cidr = Ipv4Cidr {
+        network: Ipv4Addr::new(169, 254, 0, 0),
+        prefix: 16,
+    };
+
     /// The network holding `addr` at `prefix` (host bits cleared); `None` if `prefix > 32`.
     pub fn containing(addr: Ipv4Addr, prefix: u8) -> Option<Self> {
         (prefix <= 32).then(|| Self {

@@ -63,6 +63,23 @@ pub struct ImpNetworkSpec {
     /// Named sub-ranges VMs can join with spec.networkGroup.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub groups: Vec<NetworkGroup>,
+    /// Where guests may go beyond what every network reaches (imp's own field; the Go project
+    /// has none). By default a guest reaches its network, its gateway, its DNS servers and,
+    /// with NAT, the outside; never link-local addresses (cloud metadata), the node's
+    /// networks (other nodes, the API server), nor the ranges the agent is told to deny
+    /// (`--egress-deny`: the cluster's pod and service ranges).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub egress: Option<EgressSpec>,
+}
+
+/// What a network's guests may reach that is denied by default.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct EgressSpec {
+    /// IPv4 CIDRs guests may reach although they are denied by default (e.g. a service range
+    /// or one node address). Reaching them still needs NAT (`spec.nat.enabled`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub allow: Vec<String>,
 }
 
 spec_may_be_absent!(ImpNetworkSpec);
@@ -80,6 +97,16 @@ impl ImpNetworkSpec {
             Some(g) => g.parse().ok(),
             None => self.subnet_cidr().ok()?.first_host(),
         }
+    }
+
+    /// `spec.egress.allow`, parsed (entries that do not parse are left out: admission
+    /// refuses them).
+    pub fn egress_allow(&self) -> Vec<Ipv4Cidr> {
+        self.egress
+            .iter()
+            .flat_map(|e| &e.allow)
+            .filter_map(|c| c.parse().ok())
+            .collect()
     }
 
     /// Whether guests masquerade out of the node.

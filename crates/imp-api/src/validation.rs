@@ -339,6 +339,11 @@ pub fn network(spec: &ImpNetworkSpec) -> Result<(), ValidationErrors> {
             );
         }
     }
+    for (i, c) in spec.egress.iter().flat_map(|e| &e.allow).enumerate() {
+        if let Err(m) = parse_cidr(c) {
+            e.push(format!("spec.egress.allow[{i}]"), m);
+        }
+    }
     if let Some(n) = &spec.nat
         && let Some(i) = &n.egress_interface
         && (i.is_empty() || i.len() > 15 || i.contains('/') || i.contains(char::is_whitespace))
@@ -1216,6 +1221,19 @@ mod tests {
             msg(network(&net)),
             "spec.dns[0]: must be an IPv4 address, got \"dns.google\""
         );
+        let net = ImpNetworkSpec {
+            subnet: "10.0.0.0/24".into(),
+            egress: Some(crate::network::EgressSpec {
+                allow: vec!["10.96.0.0/12".into(), "10.96.0.1/12".into()],
+            }),
+            ..Default::default()
+        };
+        let m = msg(network(&net));
+        assert!(
+            m.starts_with("spec.egress.allow[1]: ") && m.contains("host bits"),
+            "{m}"
+        );
+        assert_eq!(net.egress_allow().len(), 1);
     }
 
     #[test]

@@ -165,6 +165,11 @@ pub struct Args {
     /// The nftables program that loads imp's NAT and isolation rules.
     #[arg(long, env = "IMP_NFT", default_value = "nft")]
     nft: String,
+    /// A range no guest may reach unless its ImpNetwork allows it (spec.egress.allow); give
+    /// the cluster's pod and service ranges. Link-local, the node's own networks and the API
+    /// server's address are denied without it. Repeat, or separate with commas.
+    #[arg(long, env = "IMP_EGRESS_DENY", value_delimiter = ',')]
+    egress_deny: Vec<imp_api::ipv4::Ipv4Cidr>,
     /// Do not wire VM networks on this node (VMs with a networkRef are refused here).
     #[arg(long)]
     no_network: bool,
@@ -286,6 +291,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
         http::header::USER_AGENT,
         http::HeaderValue::from_static(concat!("imp-agent/", env!("CARGO_PKG_VERSION"))),
     ));
+    let api_server = api_server_address(&config);
     let client = kube::Client::try_from(config).context("building the Kubernetes client")?;
     let cgroup_parent = Some(args.cgroup_parent).filter(|p| !p.is_empty());
     let settings = Settings {
@@ -355,6 +361,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
                 vtep,
                 vxlan_port: args.vxlan_port,
                 nft: args.nft.clone(),
+                egress_deny: args.egress_deny.iter().copied().chain(api_server).collect(),
             })
             .context("opening the node's netlink socket")?,
         );
@@ -543,6 +550,14 @@ struct Published {
 /// where `imp exec` and `imp console` read them, the node's VXLAN address, which the
 /// operator copies into the VTEP tables, and the runtimes the node can run, which the
 /// scheduler matches with classes' `runtime`.
+/// The API server's address as the agent reaches it, when it is an IPv4 address (in a Pod: the
+/// `kubernetes` Service's), as a /32 for guests' egress denial.
+fn api_server_address(config: &kube::Config) -> Option<imp_api::ipv4::Ipv4Cidr> {
+    let host = config.cluster_url.host()?;
+    let ip: std::net::Ipv4Addr = host.parse().ok()?;
+    imp_api::ipv4::Ipv4Cidr::containing(ip, 32)
+}
+
 async fn publish_endpoint(
     client: &kube::Client,
     node: &str,

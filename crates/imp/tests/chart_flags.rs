@@ -60,7 +60,11 @@ fn every_flag_the_chart_passes_is_parsed_by_imp() {
     let toggles: [&[&str]; 3] = [
         &[],
         &["webhook.certManager.enabled=true", "logJson=true"],
-        &["webhook.enabled=false", "agent.extraArgs={--no-network}"],
+        &[
+            "webhook.enabled=false",
+            "agent.extraArgs={--no-network}",
+            "agent.egressDeny={10.244.0.0/16,10.96.0.0/12}",
+        ],
     ];
     let mut seen = 0;
     for set in toggles {

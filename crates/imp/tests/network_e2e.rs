@@ -36,6 +36,8 @@ use serde_json::json;
 use tokio::process::Command;
 
 const NS: &str = "default";
+/// An address in the outside world, beyond node a's default route (TEST-NET-2).
+const WORLD: &str = "198.51.100.80";
 /// net2's name server (never contacted: only written into its guests' resolv.conf).
 const NET2_DNS: &str = "192.0.2.53";
 
@@ -451,6 +453,85 @@ async fn assert_vxlan_only_from_vteps(topo: &Topology) {
     .await;
 }
 
+/// Whether `from` (a guest) opens a TCP connection to `to` (`host:port`) within 3 s.
+async fn guest_connects(kubeconfig: &Path, from: &str, to: &str) -> bool {
+    let (host, port) = to.rsplit_once(':').unwrap();
+    let out = exec(
+        kubeconfig,
+        from,
+        &format!("echo x | nc -w 3 {host} {port} && echo CONNECTED"),
+    )
+    .await;
+    text(&out).contains("CONNECTED")
+}
+
+/// Whether namespace `node` opens a TCP connection to `to` (`host:port`).
+fn node_connects(topo: &Topology, node: &str, to: &str) -> bool {
+    let (host, port) = to.rsplit_once(':').unwrap();
+    let probe = format!("exec 3<>/dev/tcp/{host}/{port}");
+    topo.exec(node, &["timeout", "3", "bash", "-c", &probe])
+        .status
+        .success()
+}
+
+/// Guests' egress: with NAT they reach the outside and what their network allows, never the
+/// metadata address, a range the agents deny, another node or the API server; the nodes
+/// themselves reach all of it (so each refusal is the rules', not a missing route or server).
+async fn assert_egress_policy(kubeconfig: &Path, topo: &Topology, api: &str) {
+    // One server in the outside world, on the metadata address, a denied range and an
+    // address net1 allows; node a's default route leads there.
+    for a in ["169.254.169.254/32", "203.0.113.10/32", "203.0.113.20/32"] {
+        topo.exec("out", &["ip", "addr", "add", a, "dev", "eth0"]);
+    }
+    let server = "import socket\ns=socket.socket()\ns.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\ns.bind(('0.0.0.0',80))\ns.listen()\nwhile True:\n c,a=s.accept()\n c.sendall(b'out\\n')\n c.close()\n";
+    let _server = Command::new("ip")
+        .args(["netns", "exec", &topo.ns("out"), "python3", "-c", server])
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    common::wait_for("the metadata stand-in", Duration::from_secs(30), || {
+        let up = node_connects(topo, "a", "169.254.169.254:80");
+        async move { up.then_some(()) }
+    })
+    .await;
+    for (to, allowed) in [
+        ("203.0.113.20:80", true),
+        ("169.254.169.254:80", false),
+        ("203.0.113.10:80", false),
+    ] {
+        assert!(node_connects(topo, "a", to), "node a → {to}");
+        assert_eq!(
+            guest_connects(kubeconfig, "a1", to).await,
+            allowed,
+            "a1 → {to}"
+        );
+    }
+    // net2 masquerades out of node b's underlay: the node's neighbours are in reach of its
+    // routes, and only the rules keep b2 from node a's agent and from the API server.
+    let agent_a = format!("{}:{AGENT_API_PORT}", topo.underlay(1));
+    for to in [agent_a.as_str(), api] {
+        assert!(node_connects(topo, "b", to), "node b → {to}");
+        assert!(
+            !guest_connects(kubeconfig, "b2", to).await,
+            "b2 reached {to}"
+        );
+    }
+    for node in ["a", "b"] {
+        common::wait_for(
+            &format!("node {node} to count denied egress"),
+            Duration::from_secs(30),
+            || {
+                let n: u64 = agent_metrics(topo, node)
+                    .lines()
+                    .find_map(|l| l.strip_prefix("imp_node_guest_egress_denied_packets_total "))
+                    .map_or(0, |v| v.trim().parse().unwrap());
+                async move { (n > 0).then_some(()) }
+            },
+        )
+        .await;
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn vms_talk_within_their_network_across_nodes_and_out_through_nat_and_nowhere_else() {
     let _run = common::test_run("network_e2e", Duration::from_secs(600));
@@ -469,6 +550,7 @@ async fn vms_talk_within_their_network_across_nodes_and_out_through_nat_and_nowh
         (
             "net1",
             json!({"subnet": net1, "nat": {"enabled": true},
+            "egress": {"allow": ["203.0.113.20/32"]},
             "groups": [{"name": "iso", "connectivity": "subnet", "expectedSize": 6}]}),
         ),
         // NAT out of node b's underlay turns forwarding on for net2's bridge there, so only
@@ -499,8 +581,12 @@ async fn vms_talk_within_their_network_across_nodes_and_out_through_nat_and_nowh
     let _operator = common::start_operator(kube.operator_kubeconfig());
     let mut a = Agent::new(&topo, "a", topo.underlay(1));
     let mut b = Agent::new(&topo, "b", topo.underlay(2));
-    a.start(kube.agent_kubeconfig(), &cache);
-    b.start(kube.agent_kubeconfig(), &cache);
+    // The cluster's ranges, as an admin would give them (here: one the outside serves).
+    for agent in [&mut a, &mut b] {
+        agent.extra_args = vec!["--egress-deny".into(), "203.0.113.0/24".into()];
+    }
+    a.start(&kube.agent_kubeconfig_for(&a.node).await, &cache);
+    b.start(&kube.agent_kubeconfig_for(&b.node).await, &cache);
 
     let vms: Api<ImpVM> = Api::namespaced(c.clone(), NS);
     let vm = |node: &str, network: &str, group: Option<&str>| {
@@ -557,11 +643,16 @@ async fn vms_talk_within_their_network_across_nodes_and_out_through_nat_and_nowh
     assert_cut_off(&kubeconfig, "b2", &ip("a1"), "other network, other node").await;
     assert_cut_off(&kubeconfig, "b1", &ip("b2"), "other network, same node").await;
 
-    // NAT: a1 reaches a server outside; the outside has no route to the VM's subnet, so the
-    // reply comes back only through masquerading, and the server sees node a's address.
+    // NAT: a1 reaches a server outside, beyond node a's default route (its own link's
+    // neighbours are denied to guests, as every network of the node is); the outside has no
+    // route to the VM's subnet, so the reply comes back only through masquerading, and the
+    // server sees node a's address.
+    topo.exec(
+        "out",
+        &["ip", "addr", "add", &format!("{WORLD}/32"), "dev", "eth0"],
+    );
     let server = format!(
-        "import socket\ns=socket.socket()\ns.bind(('{}',8080))\ns.listen()\nwhile True:\n c,a=s.accept()\n c.sendall(('you are %s\\n'%a[0]).encode())\n c.close()\n",
-        topo.outside(2)
+        "import socket\ns=socket.socket()\ns.bind(('{WORLD}',8080))\ns.listen()\nwhile True:\n c,a=s.accept()\n c.sendall(('you are %s\\n'%a[0]).encode())\n c.close()\n",
     );
     let _outside = Command::new("ip")
         .args(["netns", "exec", &topo.ns("out"), "python3", "-c", &server])
@@ -569,7 +660,7 @@ async fn vms_talk_within_their_network_across_nodes_and_out_through_nat_and_nowh
         .spawn()
         .unwrap();
     // Wait until it listens (python can take a second to start on a loaded machine).
-    let listening = format!("exec 3<>/dev/tcp/{}/8080", topo.outside(2));
+    let listening = format!("exec 3<>/dev/tcp/{WORLD}/8080");
     common::wait_for("the outside server", Duration::from_secs(30), || {
         let up = topo
             .exec("out", &["timeout", "2", "bash", "-c", &listening])
@@ -581,7 +672,7 @@ async fn vms_talk_within_their_network_across_nodes_and_out_through_nat_and_nowh
     let nat = exec(
         &kubeconfig,
         "a1",
-        &format!("nc -w 5 {} 8080 </dev/null", topo.outside(2)),
+        &format!("nc -w 5 {WORLD} 8080 </dev/null"),
     )
     .await;
     assert!(
@@ -589,6 +680,9 @@ async fn vms_talk_within_their_network_across_nodes_and_out_through_nat_and_nowh
         "NAT: {}",
         text(&nat)
     );
+
+    let api = kube.cp.url().trim_start_matches("https://").to_owned();
+    assert_egress_policy(&kubeconfig, &topo, &api).await;
 
     // The guest cannot reach the agent's API on its node through its gateway.
     let gateway = ips["a1"]
@@ -659,7 +753,7 @@ async fn vms_talk_within_their_network_across_nodes_and_out_through_nat_and_nowh
     // The agent of node a dies by SIGKILL and comes back: nothing moves, everything talks.
     let taps_before = topo.imp_links("a");
     a.kill().await;
-    a.start(kube.agent_kubeconfig(), &cache);
+    a.start(&kube.agent_kubeconfig_for(&a.node).await, &cache);
     tokio::time::sleep(Duration::from_secs(3)).await;
     for (name, _) in &plan {
         let v = vms.get(name).await.unwrap();

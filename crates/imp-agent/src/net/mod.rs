@@ -38,6 +38,9 @@ pub struct NetSettings {
     pub vxlan_port: u16,
     /// The `nft` program.
     pub nft: String,
+    /// Destinations no guest may reach besides link-local and the node's own networks (the
+    /// cluster's pod and service ranges, the API server).
+    pub egress_deny: Vec<imp_api::ipv4::Ipv4Cidr>,
 }
 
 /// Why the node's network could not be read or changed.
@@ -58,6 +61,8 @@ pub struct Drops {
     pub ports: BTreeMap<(String, nft::PortDrop), u64>,
     /// VXLAN packets from senders that hold no VM of their network.
     pub vxlan_foreign: u64,
+    /// Guests' packets to destinations they may not reach.
+    pub egress_denied: u64,
 }
 
 impl Drops {
@@ -66,8 +71,13 @@ impl Drops {
         for (name, packets) in counters.iter().filter(|(_, p)| *p > 0) {
             if name == nft::VXLAN_FOREIGN {
                 self.vxlan_foreign += packets;
+            } else if name == nft::EGRESS_DENIED {
+                self.egress_denied += packets;
             } else if let Some((tap, why)) = nft::PortDrop::parse_counter(name) {
-                let vm = vms.get(tap).filter(|v| !v.is_empty()).map_or(tap, String::as_str);
+                let vm = vms
+                    .get(tap)
+                    .filter(|v| !v.is_empty())
+                    .map_or(tap, String::as_str);
                 *self.ports.entry((vm.to_owned(), why)).or_default() += packets;
             }
         }
@@ -180,6 +190,7 @@ impl NodeNet {
             default_interface: default
                 .and_then(|i| links.values().find(|l| l.index == i))
                 .map(|l| l.name.clone()),
+            egress_deny: self.settings.egress_deny.clone(),
         })
     }
 

@@ -9,6 +9,12 @@
 //!   another imp bridge is dropped (networks are isolated); B to the NAT egress interface is
 //!   allowed when NAT is on, otherwise nothing leaves; toward B only replies are forwarded.
 //! - **postrouting**: S masquerades out of the egress interface when NAT is on.
+//! - **prerouting**, egress (after conntrack, before kube-proxy's DNAT, so a service address
+//!   is seen as the guest sent it): a new connection from B to anything outside S is dropped
+//!   when its destination is denied ([`super::plan::NodeView::egress_deny`]: link-local,
+//!   the node's networks, `--egress-deny`), unless the network allows it
+//!   (`spec.egress.allow`) or it is DNS to the guests' name servers; counted in
+//!   [`EGRESS_DENIED`].
 //! - **bridge forward** (switched inside B between its ports, the VMs' TAPs and the VXLAN
 //!   device, so also between nodes): a group with `connectivity: subnet` exchanges IPv4 and
 //!   ARP only with itself. (Ports are matched by name: `meta ibrname` is not available on
@@ -25,7 +31,7 @@
 
 use std::fmt::Write;
 
-use super::plan::{NetPlan, Port};
+use super::plan::{NetPlan, Port, fold_nested};
 
 /// The tables' name (in the `inet` and `bridge` families).
 pub const TABLE: &str = "imp";
@@ -33,6 +39,9 @@ pub const TABLE: &str = "imp";
 /// The counter (in `inet imp`) of VXLAN packets dropped because their sender is no VTEP of
 /// their network.
 pub const VXLAN_FOREIGN: &str = "vxlan-foreign";
+
+/// The counter (in `inet imp`) of guests' packets to destinations they may not reach.
+pub const EGRESS_DENIED: &str = "egress-denied";
 
 /// Why a VM's port dropped a frame.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -112,11 +121,20 @@ fn inet_table(networks: &[NetPlan]) -> String {
     let mut forward = String::new();
     let mut nat = String::new();
     let mut counters = String::new();
+    let mut egress = String::new();
     for n in networks {
         input.push_str(&vxlan_senders(n));
+        egress.push_str(&egress_rules(n));
     }
     if !input.is_empty() {
         let _ = writeln!(counters, "  counter {VXLAN_FOREIGN} {{}}");
+    }
+    let mut prerouting = String::new();
+    if !egress.is_empty() {
+        let _ = writeln!(counters, "  counter {EGRESS_DENIED} {{}}");
+        prerouting = format!(
+            "  chain egress {{\n    type filter hook prerouting priority -150; policy accept;\n{egress}  }}\n"
+        );
     }
     for n in networks {
         let b = &n.bridge;
@@ -160,8 +178,38 @@ fn inet_table(networks: &[NetPlan]) -> String {
     format!(
         "table inet {TABLE} {{\n{counters}  chain input {{\n    type filter hook input priority filter; policy accept;\n{input}  }}\n  \
          chain forward {{\n    type filter hook forward priority filter; policy accept;\n{forward}  }}\n  \
-         chain postrouting {{\n    type nat hook postrouting priority srcnat; policy accept;\n{nat}  }}\n}}\n"
+         chain postrouting {{\n    type nat hook postrouting priority srcnat; policy accept;\n{nat}  }}\n{prerouting}}}\n"
     )
+}
+
+/// The rules that keep `n`'s guests from the destinations they may not reach.
+fn egress_rules(n: &NetPlan) -> String {
+    if n.egress_deny.is_empty() {
+        return String::new();
+    }
+    let set = |items: Vec<String>| format!("{{ {} }}", items.join(", "));
+    let b = &n.bridge;
+    let mut s = String::new();
+    let _ = writeln!(s, "    iifname \"{b}\" ip daddr {} accept", n.subnet);
+    let _ = writeln!(s, "    iifname \"{b}\" ct state established,related accept");
+    if !n.dns.is_empty() {
+        let dns = set(n.dns.iter().map(ToString::to_string).collect());
+        let _ = writeln!(
+            s,
+            "    iifname \"{b}\" ip daddr {dns} meta l4proto {{ tcp, udp }} th dport 53 accept"
+        );
+    }
+    if !n.egress_allow.is_empty() {
+        let allow = fold_nested(&n.egress_allow);
+        let allow = set(allow.iter().map(ToString::to_string).collect());
+        let _ = writeln!(s, "    iifname \"{b}\" ip daddr {allow} accept");
+    }
+    let deny = set(n.egress_deny.iter().map(ToString::to_string).collect());
+    let _ = writeln!(
+        s,
+        "    iifname \"{b}\" ip daddr {deny} counter name {EGRESS_DENIED} drop"
+    );
+    s
 }
 
 /// The rule that drops `n`'s VXLAN packets from senders that hold none of its VMs (the VNI
@@ -250,7 +298,11 @@ fn port_chain(tap: &str, port: &Port) -> String {
     match mac {
         Some(mac) => {
             let _ = writeln!(s, "    ether saddr != {mac} {}", count(PortDrop::Mac));
-            let _ = writeln!(s, "    ether type != {{ ip, arp }} {}", count(PortDrop::NotIpv4));
+            let _ = writeln!(
+                s,
+                "    ether type != {{ ip, arp }} {}",
+                count(PortDrop::NotIpv4)
+            );
             let _ = writeln!(s, "    arp saddr ether != {mac} {}", count(PortDrop::Arp));
             let _ = writeln!(s, "    arp saddr ip != {ip} {}", count(PortDrop::Arp));
             let _ = writeln!(s, "    udp sport 67 {}", count(PortDrop::DhcpServer));
@@ -330,10 +382,7 @@ async fn run(program: &str, args: &[&str], stdin: &str) -> Result<String, NftErr
         .spawn()
         .map_err(spawn_err)?;
     if let Some(mut input) = child.stdin.take() {
-        input
-            .write_all(stdin.as_bytes())
-            .await
-            .map_err(spawn_err)?;
+        input.write_all(stdin.as_bytes()).await.map_err(spawn_err)?;
     }
     let out = child.wait_with_output().await.map_err(spawn_err)?;
     if out.status.success() {
@@ -361,6 +410,9 @@ mod tests {
             mtu: 1450,
             vxlan: None,
             ports: BTreeMap::new(),
+            egress_deny: vec![],
+            egress_allow: vec![],
+            dns: BTreeSet::new(),
             fdb: BTreeSet::new(),
             nat_egress: nat.map(str::to_owned),
             isolated_groups: groups.iter().map(|g| g.parse().unwrap()).collect(),
@@ -461,7 +513,10 @@ mod tests {
         // The MAC is checked before anything else, so a forged frame is never learned.
         assert!(chain.find("ether saddr").unwrap() < chain.find("arp saddr").unwrap());
         for d in PortDrop::ALL {
-            assert!(s.contains(&format!("  counter {} {{}}\n", d.counter("imptap-00000006"))));
+            assert!(s.contains(&format!(
+                "  counter {} {{}}\n",
+                d.counter("imptap-00000006")
+            )));
         }
         assert!(s.contains(
             "type filter hook prerouting priority filter; policy accept;\n    iifname vmap { \"imptap-00000005\" : jump port-imptap-00000005, \"imptap-00000006\" : jump port-imptap-00000006 }"
@@ -475,9 +530,17 @@ mod tests {
         p.mac = None;
         n.ports = [(tap, p)].into();
         let s = script(&[n]);
-        assert!(s.contains("chain port-imptap-00000005 {\n    counter name imptap-00000005-mac drop\n  }"), "{s}");
+        assert!(
+            s.contains(
+                "chain port-imptap-00000005 {\n    counter name imptap-00000005-mac drop\n  }"
+            ),
+            "{s}"
+        );
         let s = script(&[net("impbr-a", "10.1.0.0/24", None, &[])]);
-        assert!(!s.contains("prerouting"), "an empty verdict map does not load: {s}");
+        assert!(
+            !s.contains("prerouting"),
+            "an empty verdict map does not load: {s}"
+        );
     }
 
     #[test]
@@ -495,11 +558,23 @@ mod tests {
             "no VTEP yet: nobody: {s}"
         );
         assert!(s.contains("  counter vxlan-foreign {}"));
-        let (b, c) = ("192.168.5.2".parse().unwrap(), "192.168.5.3".parse().unwrap());
+        let (b, c) = (
+            "192.168.5.2".parse().unwrap(),
+            "192.168.5.3".parse().unwrap(),
+        );
         n.fdb = [
-            FdbEntry { mac: Mac([2, 0, 0, 0, 0, 9]), dst: c },
-            FdbEntry { mac: Mac::FLOOD, dst: b },
-            FdbEntry { mac: Mac::FLOOD, dst: c },
+            FdbEntry {
+                mac: Mac([2, 0, 0, 0, 0, 9]),
+                dst: c,
+            },
+            FdbEntry {
+                mac: Mac::FLOOD,
+                dst: b,
+            },
+            FdbEntry {
+                mac: Mac::FLOOD,
+                dst: c,
+            },
         ]
         .into();
         let s = script(&[n]);
@@ -541,5 +616,32 @@ mod tests {
             ])
         );
         assert!(parse_counters("not json").is_empty());
+    }
+
+    #[test]
+    fn guests_reach_their_network_dns_and_allowed_ranges_but_not_what_is_denied() {
+        let cidr = |s: &str| s.parse::<imp_api::ipv4::Ipv4Cidr>().unwrap();
+        let mut n = net("impbr-a", "10.1.0.0/24", Some("eth0"), &[]);
+        n.egress_deny = vec![cidr("169.254.0.0/16"), cidr("192.168.5.0/24")];
+        n.egress_allow = vec![cidr("192.168.5.7/32"), cidr("192.168.5.0/28")];
+        n.dns = BTreeSet::from(["192.168.5.53".parse().unwrap()]);
+        let s = script(&[n]);
+        let chain = &s[s.find("chain egress {").unwrap()..];
+        let rules: Vec<&str> = chain.lines().skip(2).take(5).map(str::trim).collect();
+        assert_eq!(
+            rules,
+            [
+                "iifname \"impbr-a\" ip daddr 10.1.0.0/24 accept",
+                "iifname \"impbr-a\" ct state established,related accept",
+                "iifname \"impbr-a\" ip daddr { 192.168.5.53 } meta l4proto { tcp, udp } th dport 53 accept",
+                // The /32 inside the /28 is folded: nft refuses overlapping set elements.
+                "iifname \"impbr-a\" ip daddr { 192.168.5.0/28 } accept",
+                "iifname \"impbr-a\" ip daddr { 169.254.0.0/16, 192.168.5.0/24 } counter name egress-denied drop",
+            ],
+            "{s}"
+        );
+        assert!(s.contains("type filter hook prerouting priority -150; policy accept;"));
+        assert!(s.contains("  counter egress-denied {}"));
+        assert!(!script(&[net("impbr-a", "10.1.0.0/24", None, &[])]).contains("egress"));
     }
 }

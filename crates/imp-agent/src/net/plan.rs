@@ -65,6 +65,8 @@ pub struct NetworkView {
     pub nat: Option<Option<String>>,
     /// CIDRs of groups with `connectivity: subnet`: they reach only themselves.
     pub isolated_groups: Vec<Ipv4Cidr>,
+    /// `spec.egress.allow`: destinations denied by default that its guests may reach.
+    pub egress_allow: Vec<Ipv4Cidr>,
     /// The network's VXLAN identifier.
     pub vni: u32,
     /// Every VM of the network: (MAC, node address) from the VTEP table.
@@ -84,6 +86,46 @@ pub struct NodeView {
     pub addresses: Vec<(String, Ipv4Addr, u8)>,
     /// The interface of the default route, if any.
     pub default_interface: Option<String>,
+    /// Destinations guests may not reach besides link-local and the node's own networks
+    /// (`--egress-deny`, the API server's address).
+    pub egress_deny: Vec<Ipv4Cidr>,
+}
+
+/// Link-local IPv4 (169.254.0.0/16): where clouds serve instance metadata and credentials.
+pub const LINK_LOCAL: Ipv4Cidr = Ipv4Cidr::LINK_LOCAL;
+
+impl NodeView {
+    /// What no guest of `subnet` may reach unless its network allows it: link-local, every
+    /// network the node is on (its neighbours: other nodes, the API server) and the node's
+    /// `egress_deny`; nested ranges folded into the wider one (nft refuses overlaps).
+    pub fn egress_deny(&self, subnet: Ipv4Cidr) -> Vec<Ipv4Cidr> {
+        let own = self
+            .addresses
+            .iter()
+            .filter_map(|(_, a, p)| Ipv4Cidr::containing(*a, *p));
+        let all: Vec<Ipv4Cidr> = std::iter::once(LINK_LOCAL)
+            .chain(own)
+            .chain(self.egress_deny.iter().copied())
+            .filter(|c| !c.overlaps(&subnet))
+            .collect();
+        fold_nested(&all)
+    }
+}
+
+/// `cidrs` without duplicates and without any range that another one covers.
+pub fn fold_nested(cidrs: &[Ipv4Cidr]) -> Vec<Ipv4Cidr> {
+    let mut out: Vec<Ipv4Cidr> = Vec::new();
+    for (i, c) in cidrs.iter().enumerate() {
+        let covered = cidrs
+            .iter()
+            .enumerate()
+            .any(|(j, o)| o.covers(c) && (o != c || j < i));
+        if !covered {
+            out.push(*c);
+        }
+    }
+    out.sort();
+    out
 }
 
 impl NodeView {
@@ -150,6 +192,12 @@ pub struct NetPlan {
     pub nat_egress: Option<String>,
     /// Groups that reach only themselves.
     pub isolated_groups: Vec<Ipv4Cidr>,
+    /// Destinations its guests may not reach ([`NodeView::egress_deny`])…
+    pub egress_deny: Vec<Ipv4Cidr>,
+    /// …unless listed here (`spec.egress.allow`).
+    pub egress_allow: Vec<Ipv4Cidr>,
+    /// Its guests' name servers: reachable on port 53 even inside a denied range.
+    pub dns: BTreeSet<Ipv4Addr>,
 }
 
 /// The whole node: networks to wire and networks refused (with why).
@@ -216,6 +264,16 @@ pub fn plan(
             fdb: view.map(|v| fdb(v, node)).unwrap_or_default(),
             nat_egress,
             isolated_groups: view.map(|v| v.isolated_groups.clone()).unwrap_or_default(),
+            egress_deny: node.egress_deny(subnet),
+            egress_allow: view.map(|v| v.egress_allow.clone()).unwrap_or_default(),
+            dns: members
+                .iter()
+                .flat_map(|a| &a.config.dns)
+                .filter_map(|d| match d {
+                    std::net::IpAddr::V4(v4) => Some(*v4),
+                    std::net::IpAddr::V6(_) => None,
+                })
+                .collect(),
         });
     }
     out
@@ -357,6 +415,7 @@ mod tests {
             gateway: subnet.first_host().unwrap(),
             nat: None,
             isolated_groups: vec![],
+            egress_allow: vec![],
             vni: 42,
             vteps: vec![],
         }
@@ -369,7 +428,35 @@ mod tests {
             underlay_mtu: 1500,
             addresses: vec![("eth0".into(), ip("192.168.5.1"), 24)],
             default_interface: Some("eth0".into()),
+            egress_deny: vec![],
         }
+    }
+
+    #[test]
+    fn guests_are_denied_link_local_the_nodes_networks_and_the_deny_list_folded() {
+        let cidr = |s: &str| s.parse::<Ipv4Cidr>().unwrap();
+        let mut n = node();
+        n.addresses.push(("eth1".into(), ip("10.7.0.9"), 16));
+        n.egress_deny = vec![
+            cidr("10.96.0.0/12"),
+            cidr("10.100.0.0/16"),
+            cidr("192.168.5.0/24"),
+        ];
+        // 10.7.0.0/16 holds the network's own /24: left out (the plan refuses that network).
+        assert_eq!(
+            n.egress_deny(cidr("10.7.0.0/24")),
+            vec![
+                cidr("10.96.0.0/12"),
+                cidr("169.254.0.0/16"),
+                cidr("192.168.5.0/24")
+            ]
+        );
+        let mut a = attach("ns/net", "a", "10.9.0.2");
+        a.config.dns = vec!["192.168.5.53".parse().unwrap(), "::1".parse().unwrap()];
+        let p = plan(&[a], &BTreeMap::new(), &n);
+        let net = &p.networks[0];
+        assert_eq!(net.dns, BTreeSet::from([ip("192.168.5.53")]));
+        assert!(net.egress_deny.contains(&cidr("10.7.0.0/16")));
     }
 
     #[test]

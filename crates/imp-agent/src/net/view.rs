@@ -60,6 +60,7 @@ pub fn network_view(net: &ImpNetwork) -> Result<NetworkView, String> {
             .filter(|n| n.enabled)
             .map(|n| n.egress_interface.clone()),
         isolated_groups,
+        egress_allow: net.spec.egress_allow(),
         vni: imp_api::network::vni(&ns, &name),
         vteps,
     })

@@ -214,6 +214,7 @@ pub struct Metrics {
     fenced: Gauge,
     port_drops: Family<PortDropLabels, Counter>,
     vxlan_foreign: Counter,
+    egress_denied: Counter,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -343,9 +344,16 @@ impl Metrics {
             "VXLAN packets for a network on this node dropped because their sender holds none of its VMs",
             vxlan_foreign.clone(),
         );
+        let egress_denied = Counter::default();
+        registry.register(
+            "imp_node_guest_egress_denied_packets",
+            "Guests' packets dropped on this node because their destination is denied (link-local, the node's networks, --egress-deny) and their network does not allow it",
+            egress_denied.clone(),
+        );
         Self {
             port_drops,
             vxlan_foreign,
+            egress_denied,
             guests,
             lease_silence,
             fenced,
@@ -451,6 +459,7 @@ impl Metrics {
                 .inc_by(*n);
         }
         self.vxlan_foreign.inc_by(d.vxlan_foreign);
+        self.egress_denied.inc_by(d.egress_denied);
     }
 
     /// Counts a failed VM.
