@@ -124,6 +124,7 @@ async fn inside() {
         vxlan_port: 4789,
         nft: "nft".into(),
         egress_deny: Vec::new(),
+        api_server: None,
     })
     .unwrap();
     net.set_networks(BTreeMap::from([(

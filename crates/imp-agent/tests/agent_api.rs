@@ -144,6 +144,7 @@ impl VmLookup for Vms {
                 memory_used_bytes: 42,
                 ..Default::default()
             },
+            network: None,
         };
         if namespace == "ns" {
             vec![vm]

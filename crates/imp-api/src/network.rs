@@ -66,8 +66,9 @@ pub struct ImpNetworkSpec {
     /// Where guests may go beyond what every network reaches (imp's own field; the Go project
     /// has none). By default a guest reaches its network, its gateway, its DNS servers and,
     /// with NAT, the outside; never link-local addresses (cloud metadata), the node's
-    /// networks (other nodes, the API server), nor the ranges the agent is told to deny
-    /// (`--egress-deny`: the cluster's pod and service ranges).
+    /// networks (other nodes, the API server) nor the VXLAN port, and not the ranges the
+    /// agent is told to deny (`--egress-deny`: the cluster's pod and service ranges) unless
+    /// listed here.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub egress: Option<EgressSpec>,
 }
@@ -76,8 +77,9 @@ pub struct ImpNetworkSpec {
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct EgressSpec {
-    /// IPv4 CIDRs guests may reach although they are denied by default (e.g. a service range
-    /// or one node address). Reaching them still needs NAT (`spec.nat.enabled`).
+    /// IPv4 CIDRs inside the agent's `--egress-deny` ranges that guests may reach (e.g. the
+    /// cluster's DNS Service). Link-local, the node's networks and the API server stay closed
+    /// whatever this says. Reaching them still needs NAT (`spec.nat.enabled`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub allow: Vec<String>,
 }

@@ -71,6 +71,8 @@ const EXCEPTIONS: &[(&str, &str, &str, &str)] = &[];
 const ADDED: &[(&str, &str)] = &[
     // The address → VM map; allocatedIPs keeps Go's list of addresses.
     ("ImpNetwork", ".status.allocations"),
+    // What a network's guests may reach inside the ranges the agents deny them.
+    ("ImpNetwork", ".spec.egress"),
     // Pull secrets for private images.
     ("ImpVM", ".spec.imagePullSecrets"),
     // The workload's exit code and the generation the status describes.

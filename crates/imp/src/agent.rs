@@ -355,16 +355,19 @@ async fn run(args: Args) -> anyhow::Result<()> {
         fencing = Some((lease, watchdog));
     }
     let mut network_watch = None;
+    let mut links = None;
     if !args.no_network {
         let net = Arc::new(
             NodeNet::new(NetSettings {
                 vtep,
                 vxlan_port: args.vxlan_port,
                 nft: args.nft.clone(),
-                egress_deny: args.egress_deny.iter().copied().chain(api_server).collect(),
+                egress_deny: args.egress_deny.clone(),
+                api_server,
             })
             .context("opening the node's netlink socket")?,
         );
+        links = Some(net.netlink());
         network::adopt(&net, &state_dir).await;
         if let Err(e) = net.sync().await {
             tracing::warn!(error = %imp_agent::net::chain(&e), "first sync of the node's networks");
@@ -490,6 +493,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
             node: node.clone(),
             every: args.guest_metrics_interval,
             timeout: args.guest_metrics_timeout,
+            links,
         },
         stopped(stop_rx.clone()),
     ));
@@ -551,11 +555,9 @@ struct Published {
 /// operator copies into the VTEP tables, and the runtimes the node can run, which the
 /// scheduler matches with classes' `runtime`.
 /// The API server's address as the agent reaches it, when it is an IPv4 address (in a Pod: the
-/// `kubernetes` Service's), as a /32 for guests' egress denial.
-fn api_server_address(config: &kube::Config) -> Option<imp_api::ipv4::Ipv4Cidr> {
-    let host = config.cluster_url.host()?;
-    let ip: std::net::Ipv4Addr = host.parse().ok()?;
-    imp_api::ipv4::Ipv4Cidr::containing(ip, 32)
+/// `kubernetes` Service's), which guests are never let reach.
+fn api_server_address(config: &kube::Config) -> Option<std::net::Ipv4Addr> {
+    config.cluster_url.host()?.parse().ok()
 }
 
 async fn publish_endpoint(

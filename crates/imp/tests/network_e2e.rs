@@ -273,6 +273,29 @@ fn agent_metrics(topo: &Topology, node: &str) -> String {
     text(&topo.exec(node, &["timeout", "5", "bash", "-c", get]))
 }
 
+/// Node `node`'s agent shows `vm`'s network traffic (from its TAP's counters, polled with
+/// the guest's figures) once the guest has sent and received.
+async fn assert_network_figures(topo: &Topology, node: &str, vm: &str) {
+    let gauge = |m: &str, dir: &str| -> u64 {
+        let series = format!(
+            "imp_vm_guest_network_{dir}_bytes{{impvm=\"{vm}\",namespace=\"{NS}\",node=\"node-{node}\"}} "
+        );
+        m.lines()
+            .find_map(|l| l.strip_prefix(&series))
+            .map_or(0, |v| v.trim().parse().unwrap())
+    };
+    common::wait_for(
+        &format!("{vm}'s network figures"),
+        Duration::from_secs(60),
+        || {
+            let m = agent_metrics(topo, node);
+            let (rx, tx) = (gauge(&m, "receive"), gauge(&m, "transmit"));
+            async move { (rx > 0 && tx > 0).then_some(()) }
+        },
+    )
+    .await;
+}
+
 /// What node `node`'s agent counted as dropped at `vm`'s port for `reason`.
 fn port_drops(topo: &Topology, node: &str, vm: &str, reason: &str) -> u64 {
     let metrics = agent_metrics(topo, node);
@@ -335,10 +358,14 @@ async fn assert_no_impersonation(
     topo: &Topology,
     (victim, ip): (&str, &str),
     hostile: &str,
-    (gateway, elsewhere): (&str, &str),
+    (gateway, elsewhere): (&str, (&str, &str)),
 ) {
+    // The spoofed IPv4 must not wait for ARP (the forged ARP is dropped): the peer's MAC is
+    // written into the hostile guest's neighbour table.
+    let (elsewhere, elsewhere_mac) = elsewhere;
     let claims = format!(
         "ip addr add {ip}/32 dev eth0; ip addr add {gateway}/32 dev eth0; \
+         ip neigh replace {elsewhere} lladdr {elsewhere_mac} nud permanent dev eth0; \
          (while true; do arping -U -c 1 -I eth0 -s {ip} {ip}; arping -U -c 1 -I eth0 -s {gateway} {gateway}; \
          ping -c 1 -W 1 -I {ip} {elsewhere}; sleep 1; done) >/dev/null 2>&1 &"
     );
@@ -453,13 +480,13 @@ async fn assert_vxlan_only_from_vteps(topo: &Topology) {
     .await;
 }
 
-/// Whether `from` (a guest) opens a TCP connection to `to` (`host:port`) within 3 s.
+/// Whether `from` (a guest) opens a TCP connection to `to` (`host:port`) within 5 s.
 async fn guest_connects(kubeconfig: &Path, from: &str, to: &str) -> bool {
     let (host, port) = to.rsplit_once(':').unwrap();
     let out = exec(
         kubeconfig,
         from,
-        &format!("echo x | nc -w 3 {host} {port} && echo CONNECTED"),
+        &format!("echo x | nc -w 5 {host} {port} && echo CONNECTED"),
     )
     .await;
     text(&out).contains("CONNECTED")
@@ -796,13 +823,15 @@ async fn vms_talk_within_their_network_across_nodes_and_out_through_nat_and_nowh
     );
     assert_talks(&kubeconfig, "b1", "a3", &ip("a2")).await;
 
+    assert_network_figures(&topo, "a", "a1").await;
+
     // a1 turns hostile and claims a3's address and the gateway's.
     assert_no_impersonation(
         &kubeconfig,
         &topo,
         ("a3", &ip("a2")),
         "a1",
-        (&gateway, &ip("b1")),
+        (&gateway, (&ip("b1"), &imp_api::network::vm_mac(NS, "b1"))),
     )
     .await;
     assert_vxlan_only_from_vteps(&topo).await;

@@ -26,6 +26,21 @@ pub struct GuestReading {
     pub sampled_unix: u64,
     /// What it answered.
     pub report: MetricsReport,
+    /// Bytes its network interface received and sent since its TAP was made, read from the
+    /// node's counters of the TAP; `None` for a VM on no ImpNetwork (and from agents that
+    /// did not report it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub network: Option<NetworkBytes>,
+}
+
+/// A VM's network traffic as its guest sees it, in bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct NetworkBytes {
+    /// Received by the guest (what the node sent into its TAP).
+    pub receive: u64,
+    /// Sent by the guest (what the node read from its TAP).
+    pub transmit: u64,
 }
 
 /// The answer of the route: the namespace's VMs on this node that have figures.
@@ -62,10 +77,22 @@ mod tests {
                     memory_used_bytes: 5,
                     ..MetricsReport::default()
                 },
+                network: Some(NetworkBytes {
+                    receive: 9,
+                    transmit: 3,
+                }),
             }],
         };
         let text = serde_json::to_string(&list).unwrap();
         assert!(text.contains("\"sampledUnix\":7"), "{text}");
+        assert!(
+            text.contains("\"network\":{\"receive\":9,\"transmit\":3}"),
+            "{text}"
+        );
+        // An older agent's answer, without the network, still reads.
+        let old = text.replace(",\"network\":{\"receive\":9,\"transmit\":3}", "");
+        let back: GuestReadingList = serde_json::from_str(&old).unwrap();
+        assert_eq!(back.items[0].network, None);
         assert!(text.contains("\"memory_used_bytes\":5"), "{text}");
         assert_eq!(
             serde_json::from_str::<GuestReadingList>(&text).unwrap(),

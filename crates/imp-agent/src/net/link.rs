@@ -90,6 +90,10 @@ pub struct LinkState {
     pub rx_packets: u64,
     /// Packets it sent (for a TAP: what was delivered toward its reader).
     pub tx_packets: u64,
+    /// Bytes it received (for a TAP: what the guest sent).
+    pub rx_bytes: u64,
+    /// Bytes it sent (for a TAP: what the guest was sent).
+    pub tx_bytes: u64,
     /// Operationally up: for a TAP, someone holds it and the kernel's link watcher has seen
     /// the carrier, so a bridge forwards to it.
     pub oper_up: bool,
@@ -103,6 +107,8 @@ impl LinkState {
                 LinkAttribute::Stats64(s) => {
                     state.rx_packets = s.rx_packets;
                     state.tx_packets = s.tx_packets;
+                    state.rx_bytes = s.rx_bytes;
+                    state.tx_bytes = s.tx_bytes;
                 }
                 LinkAttribute::OperState(o) => {
                     state.oper_up = *o == rtnetlink::packet_route::link::State::Up;
@@ -130,6 +136,12 @@ fn vxlan_info(infos: &[LinkInfo]) -> Option<(u32, u16, Option<Ipv4Addr>)> {
         }
         _ => None,
     })
+}
+
+impl std::fmt::Debug for Netlink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Netlink").finish_non_exhaustive()
+    }
 }
 
 /// A connection to the kernel's routing netlink of the current network namespace.

@@ -38,9 +38,11 @@ pub struct NetSettings {
     pub vxlan_port: u16,
     /// The `nft` program.
     pub nft: String,
-    /// Destinations no guest may reach besides link-local and the node's own networks (the
-    /// cluster's pod and service ranges, the API server).
+    /// Ranges no guest may reach unless its network allows them (`--egress-deny`: the
+    /// cluster's pod and service ranges).
     pub egress_deny: Vec<imp_api::ipv4::Ipv4Cidr>,
+    /// The API server's address as the agent reaches it, which no guest may reach.
+    pub api_server: Option<Ipv4Addr>,
 }
 
 /// Why the node's network could not be read or changed.
@@ -190,6 +192,7 @@ impl NodeNet {
             default_interface: default
                 .and_then(|i| links.values().find(|l| l.index == i))
                 .map(|l| l.name.clone()),
+            api_server: self.settings.api_server,
             egress_deny: self.settings.egress_deny.clone(),
         })
     }

@@ -9,11 +9,13 @@
 //!   another imp bridge is dropped (networks are isolated); B to the NAT egress interface is
 //!   allowed when NAT is on, otherwise nothing leaves; toward B only replies are forwarded.
 //! - **postrouting**: S masquerades out of the egress interface when NAT is on.
-//! - **prerouting**, egress (after conntrack, before kube-proxy's DNAT, so a service address
-//!   is seen as the guest sent it): a new connection from B to anything outside S is dropped
-//!   when its destination is denied ([`super::plan::NodeView::egress_deny`]: link-local,
-//!   the node's networks, `--egress-deny`), unless the network allows it
-//!   (`spec.egress.allow`) or it is DNS to the guests' name servers; counted in
+//! - **egress**, a chain per network jumped to from prerouting (after conntrack, before
+//!   kube-proxy's DNAT, so a Service address is seen as the guest sent it) and from forward
+//!   (after DNAT, so its endpoint is checked too): a new connection from B to anything outside
+//!   S is dropped when it is VXLAN, or its destination is never reachable
+//!   ([`super::plan::NodeView::egress_never`]: link-local, the node's networks, the API
+//!   server) or denied by `--egress-deny` and not allowed by the network
+//!   (`spec.egress.allow`); DNS to the guests' name servers passes; counted in
 //!   [`EGRESS_DENIED`].
 //! - **bridge forward** (switched inside B between its ports, the VMs' TAPs and the VXLAN
 //!   device, so also between nodes): a group with `connectivity: subnet` exchanges IPv4 and
@@ -32,6 +34,7 @@
 use std::fmt::Write;
 
 use super::plan::{NetPlan, Port, fold_nested};
+use imp_api::ipv4::Ipv4Cidr;
 
 /// The tables' name (in the `inet` and `bridge` families).
 pub const TABLE: &str = "imp";
@@ -121,21 +124,22 @@ fn inet_table(networks: &[NetPlan]) -> String {
     let mut forward = String::new();
     let mut nat = String::new();
     let mut counters = String::new();
-    let mut egress = String::new();
+    let mut jumps = String::new();
+    let mut chains = String::new();
     for n in networks {
         input.push_str(&vxlan_senders(n));
-        egress.push_str(&egress_rules(n));
+        chains.push_str(&egress_chain(n));
+        let _ = writeln!(jumps, "    iifname \"{b}\" jump egress-{b}", b = n.bridge);
     }
     if !input.is_empty() {
         let _ = writeln!(counters, "  counter {VXLAN_FOREIGN} {{}}");
     }
-    let mut prerouting = String::new();
-    if !egress.is_empty() {
-        let _ = writeln!(counters, "  counter {EGRESS_DENIED} {{}}");
-        prerouting = format!(
-            "  chain egress {{\n    type filter hook prerouting priority -150; policy accept;\n{egress}  }}\n"
-        );
-    }
+    let _ = writeln!(counters, "  counter {EGRESS_DENIED} {{}}");
+    let prerouting = format!(
+        "{chains}  chain egress {{\n    type filter hook prerouting priority -150; policy accept;\n{jumps}  }}\n"
+    );
+    // After DNAT too: a Service address becomes its endpoint on the way.
+    forward.push_str(&jumps);
     for n in networks {
         let b = &n.bridge;
         let _ = writeln!(
@@ -182,33 +186,47 @@ fn inet_table(networks: &[NetPlan]) -> String {
     )
 }
 
-/// The rules that keep `n`'s guests from the destinations they may not reach.
-fn egress_rules(n: &NetPlan) -> String {
-    if n.egress_deny.is_empty() {
-        return String::new();
+/// The chain that keeps `n`'s guests from the destinations they may not reach, jumped to
+/// from prerouting (the address as the guest wrote it, before DNAT) and from forward (after
+/// DNAT: a Service's endpoint): what may pass returns, so the caller's rules still apply.
+/// Its own subnet and established flows pass; VXLAN to any node is dropped (a guest behind
+/// NAT would otherwise speak as its node's VTEP); DNS to its name servers passes; link-local,
+/// the node's networks and the API server are dropped whatever the network says; then what
+/// `spec.egress.allow` names passes, and `--egress-deny` is dropped.
+fn egress_chain(n: &NetPlan) -> String {
+    let set = |items: &[Ipv4Cidr]| {
+        let items: Vec<String> = items.iter().map(ToString::to_string).collect();
+        format!("{{ {} }}", items.join(", "))
+    };
+    let drop = format!("counter name {EGRESS_DENIED} drop");
+    let mut s = format!("  chain egress-{} {{\n", n.bridge);
+    let _ = writeln!(s, "    ip daddr {} return", n.subnet);
+    let _ = writeln!(s, "    ct state established,related return");
+    if let Some(vx) = &n.vxlan {
+        let _ = writeln!(s, "    udp dport {} {drop}", vx.port);
     }
-    let set = |items: Vec<String>| format!("{{ {} }}", items.join(", "));
-    let b = &n.bridge;
-    let mut s = String::new();
-    let _ = writeln!(s, "    iifname \"{b}\" ip daddr {} accept", n.subnet);
-    let _ = writeln!(s, "    iifname \"{b}\" ct state established,related accept");
     if !n.dns.is_empty() {
-        let dns = set(n.dns.iter().map(ToString::to_string).collect());
+        let dns: Vec<String> = n.dns.iter().map(ToString::to_string).collect();
         let _ = writeln!(
             s,
-            "    iifname \"{b}\" ip daddr {dns} meta l4proto {{ tcp, udp }} th dport 53 accept"
+            "    ip daddr {{ {} }} meta l4proto {{ tcp, udp }} th dport 53 return",
+            dns.join(", ")
         );
     }
-    if !n.egress_allow.is_empty() {
-        let allow = fold_nested(&n.egress_allow);
-        let allow = set(allow.iter().map(ToString::to_string).collect());
-        let _ = writeln!(s, "    iifname \"{b}\" ip daddr {allow} accept");
+    if !n.egress_never.is_empty() {
+        let _ = writeln!(s, "    ip daddr {} {drop}", set(&n.egress_never));
     }
-    let deny = set(n.egress_deny.iter().map(ToString::to_string).collect());
-    let _ = writeln!(
-        s,
-        "    iifname \"{b}\" ip daddr {deny} counter name {EGRESS_DENIED} drop"
-    );
+    if !n.egress_deny.is_empty() {
+        if !n.egress_allow.is_empty() {
+            let _ = writeln!(
+                s,
+                "    ip daddr {} return",
+                set(&fold_nested(&n.egress_allow))
+            );
+        }
+        let _ = writeln!(s, "    ip daddr {} {drop}", set(&n.egress_deny));
+    }
+    s.push_str("  }\n");
     s
 }
 
@@ -304,7 +322,12 @@ fn port_chain(tap: &str, port: &Port) -> String {
                 count(PortDrop::NotIpv4)
             );
             let _ = writeln!(s, "    arp saddr ether != {mac} {}", count(PortDrop::Arp));
-            let _ = writeln!(s, "    arp saddr ip != {ip} {}", count(PortDrop::Arp));
+            // 0.0.0.0: an address probe (RFC 5227) asks, it claims nothing.
+            let _ = writeln!(
+                s,
+                "    arp saddr ip != {{ {ip}, 0.0.0.0 }} {}",
+                count(PortDrop::Arp)
+            );
             let _ = writeln!(s, "    udp sport 67 {}", count(PortDrop::DhcpServer));
             let _ = writeln!(s, "    ip saddr != {ip} {}", count(PortDrop::Ip));
         }
@@ -410,6 +433,7 @@ mod tests {
             mtu: 1450,
             vxlan: None,
             ports: BTreeMap::new(),
+            egress_never: vec![],
             egress_deny: vec![],
             egress_allow: vec![],
             dns: BTreeSet::new(),
@@ -504,7 +528,7 @@ mod tests {
             format!("ether saddr != 02:00:00:00:00:05 {}", c("mac")),
             format!("ether type != {{ ip, arp }} {}", c("other")),
             format!("arp saddr ether != 02:00:00:00:00:05 {}", c("arp")),
-            format!("arp saddr ip != 10.1.0.5 {}", c("arp")),
+            format!("arp saddr ip != {{ 10.1.0.5, 0.0.0.0 }} {}", c("arp")),
             format!("udp sport 67 {}", c("dhcp")),
             format!("ip saddr != 10.1.0.5 {}", c("ip")),
         ] {
@@ -537,8 +561,9 @@ mod tests {
             "{s}"
         );
         let s = script(&[net("impbr-a", "10.1.0.0/24", None, &[])]);
+        let bridge = &s[s.find("table bridge imp {").unwrap()..];
         assert!(
-            !s.contains("prerouting"),
+            !bridge.contains("prerouting"),
             "an empty verdict map does not load: {s}"
         );
     }
@@ -620,28 +645,46 @@ mod tests {
 
     #[test]
     fn guests_reach_their_network_dns_and_allowed_ranges_but_not_what_is_denied() {
-        let cidr = |s: &str| s.parse::<imp_api::ipv4::Ipv4Cidr>().unwrap();
+        let cidr = |s: &str| s.parse::<Ipv4Cidr>().unwrap();
         let mut n = net("impbr-a", "10.1.0.0/24", Some("eth0"), &[]);
-        n.egress_deny = vec![cidr("169.254.0.0/16"), cidr("192.168.5.0/24")];
-        n.egress_allow = vec![cidr("192.168.5.7/32"), cidr("192.168.5.0/28")];
+        n.vxlan = Some(VxlanPlan {
+            name: "impvx-1".into(),
+            vni: 7,
+            port: 4789,
+            local: "192.168.5.1".parse().unwrap(),
+        });
+        n.egress_never = vec![cidr("169.254.0.0/16"), cidr("192.168.5.0/24")];
+        n.egress_deny = vec![cidr("10.96.0.0/12")];
+        n.egress_allow = vec![cidr("10.96.0.10/32"), cidr("10.96.0.0/28")];
         n.dns = BTreeSet::from(["192.168.5.53".parse().unwrap()]);
         let s = script(&[n]);
-        let chain = &s[s.find("chain egress {").unwrap()..];
-        let rules: Vec<&str> = chain.lines().skip(2).take(5).map(str::trim).collect();
+        let chain = &s[s.find("chain egress-impbr-a {").unwrap()..];
+        let rules: Vec<&str> = chain.lines().skip(1).take(8).map(str::trim).collect();
         assert_eq!(
             rules,
             [
-                "iifname \"impbr-a\" ip daddr 10.1.0.0/24 accept",
-                "iifname \"impbr-a\" ct state established,related accept",
-                "iifname \"impbr-a\" ip daddr { 192.168.5.53 } meta l4proto { tcp, udp } th dport 53 accept",
+                "ip daddr 10.1.0.0/24 return",
+                "ct state established,related return",
+                "udp dport 4789 counter name egress-denied drop",
+                "ip daddr { 192.168.5.53 } meta l4proto { tcp, udp } th dport 53 return",
+                // Whatever the network allows, these stay closed.
+                "ip daddr { 169.254.0.0/16, 192.168.5.0/24 } counter name egress-denied drop",
                 // The /32 inside the /28 is folded: nft refuses overlapping set elements.
-                "iifname \"impbr-a\" ip daddr { 192.168.5.0/28 } accept",
-                "iifname \"impbr-a\" ip daddr { 169.254.0.0/16, 192.168.5.0/24 } counter name egress-denied drop",
+                "ip daddr { 10.96.0.0/28 } return",
+                "ip daddr { 10.96.0.0/12 } counter name egress-denied drop",
+                "}",
             ],
             "{s}"
         );
-        assert!(s.contains("type filter hook prerouting priority -150; policy accept;"));
+        // Jumped to before DNAT and after it.
+        let hook = &s[s.find("chain egress {").unwrap()..];
+        assert!(hook.starts_with(
+            "chain egress {\n    type filter hook prerouting priority -150; policy accept;\n    iifname \"impbr-a\" jump egress-impbr-a\n"
+        ), "{s}");
+        let forward = &s[s.find("chain forward {").unwrap()..];
+        assert!(forward.starts_with(
+            "chain forward {\n    type filter hook forward priority filter; policy accept;\n    iifname \"impbr-a\" jump egress-impbr-a\n"
+        ), "{s}");
         assert!(s.contains("  counter egress-denied {}"));
-        assert!(!script(&[net("impbr-a", "10.1.0.0/24", None, &[])]).contains("egress"));
     }
 }

@@ -86,8 +86,10 @@ pub struct NodeView {
     pub addresses: Vec<(String, Ipv4Addr, u8)>,
     /// The interface of the default route, if any.
     pub default_interface: Option<String>,
-    /// Destinations guests may not reach besides link-local and the node's own networks
-    /// (`--egress-deny`, the API server's address).
+    /// The API server's address as the agent reaches it: never reachable from guests.
+    pub api_server: Option<Ipv4Addr>,
+    /// `--egress-deny`: ranges guests may not reach unless their network allows them (the
+    /// cluster's pod and service ranges).
     pub egress_deny: Vec<Ipv4Cidr>,
 }
 
@@ -95,19 +97,17 @@ pub struct NodeView {
 pub const LINK_LOCAL: Ipv4Cidr = Ipv4Cidr::LINK_LOCAL;
 
 impl NodeView {
-    /// What no guest of `subnet` may reach unless its network allows it: link-local, every
-    /// network the node is on (its neighbours: other nodes, the API server) and the node's
-    /// `egress_deny`; nested ranges folded into the wider one (nft refuses overlaps).
-    pub fn egress_deny(&self, subnet: Ipv4Cidr) -> Vec<Ipv4Cidr> {
+    /// What no guest may ever reach, whatever its network says: link-local, every network the
+    /// node is on (its neighbours: other nodes, the API server) and the API server's address;
+    /// nested ranges folded into the wider one (nft refuses overlapping set elements). A range
+    /// holding the guest's own network stays: its own subnet is let through before.
+    pub fn egress_never(&self) -> Vec<Ipv4Cidr> {
         let own = self
             .addresses
             .iter()
             .filter_map(|(_, a, p)| Ipv4Cidr::containing(*a, *p));
-        let all: Vec<Ipv4Cidr> = std::iter::once(LINK_LOCAL)
-            .chain(own)
-            .chain(self.egress_deny.iter().copied())
-            .filter(|c| !c.overlaps(&subnet))
-            .collect();
+        let api = self.api_server.and_then(|a| Ipv4Cidr::containing(a, 32));
+        let all: Vec<Ipv4Cidr> = std::iter::once(LINK_LOCAL).chain(own).chain(api).collect();
         fold_nested(&all)
     }
 }
@@ -192,7 +192,9 @@ pub struct NetPlan {
     pub nat_egress: Option<String>,
     /// Groups that reach only themselves.
     pub isolated_groups: Vec<Ipv4Cidr>,
-    /// Destinations its guests may not reach ([`NodeView::egress_deny`])…
+    /// Destinations its guests never reach ([`NodeView::egress_never`]).
+    pub egress_never: Vec<Ipv4Cidr>,
+    /// Destinations its guests may not reach (`--egress-deny`)…
     pub egress_deny: Vec<Ipv4Cidr>,
     /// …unless listed here (`spec.egress.allow`).
     pub egress_allow: Vec<Ipv4Cidr>,
@@ -264,7 +266,8 @@ pub fn plan(
             fdb: view.map(|v| fdb(v, node)).unwrap_or_default(),
             nat_egress,
             isolated_groups: view.map(|v| v.isolated_groups.clone()).unwrap_or_default(),
-            egress_deny: node.egress_deny(subnet),
+            egress_never: node.egress_never(),
+            egress_deny: fold_nested(&node.egress_deny),
             egress_allow: view.map(|v| v.egress_allow.clone()).unwrap_or_default(),
             dns: members
                 .iter()
@@ -428,25 +431,25 @@ mod tests {
             underlay_mtu: 1500,
             addresses: vec![("eth0".into(), ip("192.168.5.1"), 24)],
             default_interface: Some("eth0".into()),
+            api_server: None,
             egress_deny: vec![],
         }
     }
 
     #[test]
-    fn guests_are_denied_link_local_the_nodes_networks_and_the_deny_list_folded() {
+    fn guests_never_reach_link_local_the_nodes_networks_or_the_api_server() {
         let cidr = |s: &str| s.parse::<Ipv4Cidr>().unwrap();
         let mut n = node();
         n.addresses.push(("eth1".into(), ip("10.7.0.9"), 16));
-        n.egress_deny = vec![
-            cidr("10.96.0.0/12"),
-            cidr("10.100.0.0/16"),
-            cidr("192.168.5.0/24"),
-        ];
-        // 10.7.0.0/16 holds the network's own /24: left out (the plan refuses that network).
+        n.addresses.push(("eth2".into(), ip("192.168.5.200"), 25));
+        n.api_server = Some(ip("10.96.0.1"));
+        n.egress_deny = vec![cidr("10.96.0.0/12"), cidr("10.100.0.0/16")];
+        // Nested ranges fold into the wider; a range holding a network's own subnet stays.
         assert_eq!(
-            n.egress_deny(cidr("10.7.0.0/24")),
+            n.egress_never(),
             vec![
-                cidr("10.96.0.0/12"),
+                cidr("10.7.0.0/16"),
+                cidr("10.96.0.1/32"),
                 cidr("169.254.0.0/16"),
                 cidr("192.168.5.0/24")
             ]
@@ -456,7 +459,8 @@ mod tests {
         let p = plan(&[a], &BTreeMap::new(), &n);
         let net = &p.networks[0];
         assert_eq!(net.dns, BTreeSet::from([ip("192.168.5.53")]));
-        assert!(net.egress_deny.contains(&cidr("10.7.0.0/16")));
+        assert_eq!(net.egress_never, n.egress_never());
+        assert_eq!(net.egress_deny, vec![cidr("10.96.0.0/12")]);
     }
 
     #[test]

@@ -27,7 +27,8 @@ use tokio::sync::{Semaphore, mpsc};
 
 use super::metrics::{GuestGauges, GuestLabels, Metrics};
 use super::vms::NodeVms;
-use crate::api::top::GuestReading;
+use crate::api::top::{GuestReading, NetworkBytes};
+use crate::net::link::{LinkState, Netlink};
 use crate::runtime::guest_agent;
 
 /// How often the guests are asked when the agent is not told otherwise.
@@ -49,6 +50,8 @@ pub struct Settings {
     pub every: Duration,
     /// How long one guest may take to answer, connection included.
     pub timeout: Duration,
+    /// The node's netlink connection, to read VMs' TAP counters (`None`: no networking).
+    pub links: Option<Netlink>,
 }
 
 /// One VM of this node as the poller sees it.
@@ -138,6 +141,7 @@ struct Answer {
     key: Key,
     uid: String,
     result: Result<MetricsReport, guest_agent::GuestAgentError>,
+    network: Option<NetworkBytes>,
 }
 
 /// What the poller remembers between ticks.
@@ -174,7 +178,8 @@ pub async fn run(
             () = &mut shutdown => return,
             _ = tick.tick() => {
                 for g in book.tick(&vms, &metrics, &settings.node) {
-                    tokio::spawn(ask(g, settings.timeout, limit.clone(), tx.clone()));
+                    let how = (settings.timeout, settings.links.clone());
+                    tokio::spawn(ask(g, how, limit.clone(), tx.clone()));
                 }
             }
             Some(answer) = rx.recv() => book.take(answer, &vms, &metrics, &settings.node),
@@ -209,7 +214,9 @@ impl Book {
         match answer.result {
             Ok(report) => {
                 let report = sanitized(&report);
-                metrics.set_guest(&labels(node, &answer.key), &gauges(&report));
+                let shown = labels(node, &answer.key);
+                metrics.set_guest(&shown, &gauges(&report));
+                metrics.set_guest_network(&shown, answer.network);
                 let sampled_unix = SystemTime::now()
                     .duration_since(SystemTime::UNIX_EPOCH)
                     .map_or(0, |d| d.as_secs());
@@ -218,6 +225,7 @@ impl Book {
                     uid: answer.uid.clone(),
                     sampled_unix,
                     report,
+                    network: answer.network,
                 };
                 vms.set_reading(namespace, name, Some(reading));
                 if self.failing.remove(&answer.key) {
@@ -256,20 +264,49 @@ fn forget(vms: &NodeVms, metrics: &Metrics, node: &str, key: &Key) {
 }
 
 /// Asks one guest, once a slot of [`AT_ONCE`] is free, and hands the answer back.
-async fn ask(g: Guest, timeout: Duration, limit: Arc<Semaphore>, tx: mpsc::Sender<Answer>) {
+async fn ask(
+    g: Guest,
+    (timeout, links): (Duration, Option<Netlink>),
+    limit: Arc<Semaphore>,
+    tx: mpsc::Sender<Answer>,
+) {
     let key = g.key();
     let result = match limit.acquire_owned().await {
         Ok(_permit) => guest_agent::metrics(&g.vsock, g.agent_port, timeout).await,
         // The semaphore is never closed; should it be, nothing is asked any more.
         Err(_) => return,
     };
+    let network = tap_traffic(links.as_ref(), &g.namespace, &g.name).await;
     let _ = tx
         .send(Answer {
             key,
             uid: g.uid,
             result,
+            network,
         })
         .await;
+}
+
+/// What the guest behind a TAP received and sent, from the TAP's counters: the node's `tx`
+/// is what the guest received, its `rx` what the guest sent.
+pub fn network_bytes(tap: &LinkState) -> NetworkBytes {
+    NetworkBytes {
+        receive: tap.tx_bytes,
+        transmit: tap.rx_bytes,
+    }
+}
+
+/// The traffic of the guest of VM `namespace/name`, from its TAP; `None` without networking
+/// on the node, or when the VM has no TAP.
+async fn tap_traffic(links: Option<&Netlink>, namespace: &str, name: &str) -> Option<NetworkBytes> {
+    let tap = crate::net::names::tap(namespace, name);
+    match links?.link_state(&tap).await {
+        Ok(state) => state.as_ref().map(network_bytes),
+        Err(e) => {
+            tracing::debug!(vm = %name, namespace, tap, error = %crate::chain::chain(&e), "reading a TAP's counters");
+            None
+        }
+    }
 }
 
 #[cfg(test)]
@@ -408,6 +445,7 @@ mod tests {
                 node: "n1".into(),
                 every: Duration::from_millis(50),
                 timeout: Duration::from_secs(2),
+                links: None,
             },
             async move {
                 let _ = stop_rx.await;
@@ -506,6 +544,22 @@ mod tests {
             kept.memory_used_bytes,
             u64::MAX,
             "the report keeps its bytes"
+        );
+    }
+
+    #[test]
+    fn a_taps_counters_are_the_guests_traffic_the_other_way_round() {
+        let tap = LinkState {
+            rx_bytes: 1200,
+            tx_bytes: 34000,
+            ..LinkState::default()
+        };
+        assert_eq!(
+            network_bytes(&tap),
+            NetworkBytes {
+                receive: 34000,
+                transmit: 1200
+            }
         );
     }
 }

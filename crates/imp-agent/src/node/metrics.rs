@@ -117,6 +117,8 @@ struct GuestFamilies {
     memory_total: Family<GuestLabels, Gauge>,
     disk_used: Family<GuestLabels, Gauge>,
     disk_total: Family<GuestLabels, Gauge>,
+    network_receive: Family<GuestLabels, Gauge>,
+    network_transmit: Family<GuestLabels, Gauge>,
 }
 
 impl GuestFamilies {
@@ -128,6 +130,8 @@ impl GuestFamilies {
             memory_total: Family::default(),
             disk_used: Family::default(),
             disk_total: Family::default(),
+            network_receive: Family::default(),
+            network_transmit: Family::default(),
         };
         registry.register(
             "imp_vm_guest_cpu_usage_ratio",
@@ -159,6 +163,16 @@ impl GuestFamilies {
                 "imp_vm_guest_disk_total",
                 "Size of the guest's root filesystem",
                 &families.disk_total,
+            ),
+            (
+                "imp_vm_guest_network_receive",
+                "Bytes the guest's network interface received since its TAP was made (the node's TAP counters; VMs on an ImpNetwork only)",
+                &families.network_receive,
+            ),
+            (
+                "imp_vm_guest_network_transmit",
+                "Bytes the guest's network interface sent since its TAP was made (the node's TAP counters; VMs on an ImpNetwork only)",
+                &families.network_transmit,
             ),
         ] {
             registry.register_with_unit(name, help, Unit::Bytes, family.clone());
@@ -380,9 +394,15 @@ impl Metrics {
     pub fn set_phase(&self, uid: &str, vm: Option<(&GuestLabels, VmPhase)>) {
         let mut phases = lock(&self.phases);
         match vm {
-            Some((labels, p)) => phases.insert(uid.to_owned(), (labels.clone(), p)),
-            None => phases.remove(uid),
-        };
+            Some((labels, p)) => {
+                phases.insert(uid.to_owned(), (labels.clone(), p));
+            }
+            None => {
+                if let Some((gone, _)) = phases.remove(uid) {
+                    self.forget_port_drops(&gone);
+                }
+            }
+        }
         let mut counts: BTreeMap<&'static str, i64> = BTreeMap::new();
         self.states.clear();
         for (labels, p) in phases.values() {
@@ -444,6 +464,17 @@ impl Metrics {
     pub fn set_fencing(&self, silent: std::time::Duration, fenced: bool) {
         self.lease_silence.set(silent.as_secs_f64());
         self.fenced.set(i64::from(fenced));
+    }
+
+    /// Removes the drop counts of a VM that left the node.
+    fn forget_port_drops(&self, vm: &GuestLabels) {
+        for why in crate::net::nft::PortDrop::ALL {
+            self.port_drops.remove(&PortDropLabels {
+                namespace: vm.namespace.clone(),
+                impvm: vm.impvm.clone(),
+                reason: why.label().to_owned(),
+            });
+        }
     }
 
     /// Adds what imp's rules dropped since the last call.
@@ -514,9 +545,35 @@ impl Metrics {
         f.disk_total.get_or_create(labels).set(g.disk_total_bytes);
     }
 
+    /// Shows a VM's network traffic (`None`: it has no TAP, so no series).
+    pub fn set_guest_network(
+        &self,
+        labels: &GuestLabels,
+        n: Option<crate::api::top::NetworkBytes>,
+    ) {
+        let f = &self.guests;
+        match n {
+            Some(n) => {
+                let gauge = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
+                f.network_receive
+                    .get_or_create(labels)
+                    .set(gauge(n.receive));
+                f.network_transmit
+                    .get_or_create(labels)
+                    .set(gauge(n.transmit));
+            }
+            None => {
+                f.network_receive.remove(labels);
+                f.network_transmit.remove(labels);
+            }
+        }
+    }
+
     /// Removes a VM's guest figures (it stopped, sleeps, left the node or does not answer).
     pub fn forget_guest(&self, labels: &GuestLabels) {
         let f = &self.guests;
+        f.network_receive.remove(labels);
+        f.network_transmit.remove(labels);
         f.cpu_usage.remove(labels);
         f.cpu_iowait.remove(labels);
         f.memory_used.remove(labels);
@@ -622,6 +679,38 @@ async fn readyz(State(ops): State<Ops>) -> Response {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn port_drops_count_per_vm_and_reason_and_go_with_the_vm() {
+        use crate::net::nft::PortDrop;
+        let m = Metrics::new();
+        let evil = GuestLabels {
+            impvm: "evil".into(),
+            namespace: "ns".into(),
+            node: "n1".into(),
+        };
+        m.set_phase("u1", Some((&evil, VmPhase::Running)));
+        let mut d = crate::net::Drops::default();
+        d.ports.insert(("ns/evil".into(), PortDrop::Arp), 3);
+        d.vxlan_foreign = 2;
+        d.egress_denied = 5;
+        m.add_drops(&d);
+        m.add_drops(&d);
+        let text = m.encode();
+        for line in [
+            "imp_vm_port_dropped_packets_total{namespace=\"ns\",impvm=\"evil\",reason=\"arp\"} 6",
+            "imp_node_vxlan_foreign_dropped_packets_total 4",
+            "imp_node_guest_egress_denied_packets_total 10",
+        ] {
+            assert!(text.contains(line), "{line} in\n{text}");
+        }
+        m.set_phase("u1", None);
+        assert!(
+            !m.encode().contains("impvm=\"evil\",reason"),
+            "{}",
+            m.encode()
+        );
+    }
 
     #[test]
     fn phases_are_counted_per_vm_and_steps_observed() {

@@ -26,7 +26,8 @@ use crate::local::parse_duration;
 /// What `imp top --help` ends with.
 pub const HELP: &str = "Columns: NAME, NODE, CPU (busy share of the guest's CPU time), IOWAIT, \
 MEMORY and DISK (used/total of the guest's memory and root filesystem), as each VM's guest last \
-reported them to its node's agent (every 15 s by default). A VM that does not run (or sleeps) \
+reported them to its node's agent (every 15 s by default), and NET (bytes the guest received/sent \
+since its interface was made, for a VM on an ImpNetwork). A VM that does not run (or sleeps) \
 shows -. Always acts on the cluster: the namespace of -n, else the kubeconfig context's. Needs \
 `list impvms` in the namespace and a kubeconfig user with a bearer token, which each node's \
 agent checks with the API server.";
@@ -177,9 +178,13 @@ fn percent(ratio: f64) -> String {
     format!("{:.0}%", ratio * 100.0)
 }
 
+/// The columns of `imp top`'s table.
+const COLUMNS: usize = 7;
+
 /// The table `imp top` prints.
 fn table(rows: &[Row]) -> String {
-    let mut lines = vec![["NAME", "NODE", "CPU", "IOWAIT", "MEMORY", "DISK"].map(str::to_owned)];
+    let mut lines =
+        vec![["NAME", "NODE", "CPU", "IOWAIT", "MEMORY", "DISK", "NET"].map(str::to_owned)];
     for row in rows {
         let dash = || "-".to_owned();
         let node = row.node.clone().unwrap_or_else(dash);
@@ -197,13 +202,24 @@ fn table(rows: &[Row]) -> String {
                         size(m.memory_total_bytes)
                     ),
                     format!("{}/{}", size(m.disk_used_bytes), size(m.disk_total_bytes)),
+                    r.network.map_or_else(dash, |n| {
+                        format!("{}/{}", size(n.receive), size(n.transmit))
+                    }),
                 ]
             }
-            None => [row.name.clone(), node, dash(), dash(), dash(), dash()],
+            None => [
+                row.name.clone(),
+                node,
+                dash(),
+                dash(),
+                dash(),
+                dash(),
+                dash(),
+            ],
         };
         lines.push(line);
     }
-    let widths: Vec<usize> = (0..6)
+    let widths: Vec<usize> = (0..COLUMNS)
         .map(|c| {
             lines
                 .iter()
@@ -214,7 +230,7 @@ fn table(rows: &[Row]) -> String {
         .collect();
     let mut out = String::new();
     for line in &lines {
-        let cells: Vec<String> = (0..6)
+        let cells: Vec<String> = (0..COLUMNS)
             .map(|c| format!("{:<w$}", line[c], w = widths[c]))
             .collect();
         out.push_str(cells.join("   ").trim_end());
@@ -227,6 +243,7 @@ fn table(rows: &[Row]) -> String {
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
+    use imp_agent::api::top::NetworkBytes;
     use imp_proto::MetricsReport;
 
     fn vm(name: &str, uid: &str, phase: &str, node: Option<&str>) -> ImpVM {
@@ -252,6 +269,10 @@ mod tests {
                 disk_used_bytes: 300 << 20,
                 disk_total_bytes: 1 << 30,
             },
+            network: (name == "web").then_some(NetworkBytes {
+                receive: 3 << 20,
+                transmit: 512,
+            }),
         }
     }
 
@@ -289,10 +310,10 @@ mod tests {
         assert_eq!(rows[2].node.as_deref(), Some("n2"));
         assert_eq!(
             table(&rows),
-            "NAME     NODE   CPU   IOWAIT   MEMORY       DISK\n\
-             web      n1     13%   1%       90Mi/256Mi   300Mi/1.0Gi\n\
-             again    n1     -     -        -            -\n\
-             asleep   n2     -     -        -            -\n"
+            "NAME     NODE   CPU   IOWAIT   MEMORY       DISK          NET\n\
+             web      n1     13%   1%       90Mi/256Mi   300Mi/1.0Gi   3Mi/1Ki\n\
+             again    n1     -     -        -            -             -\n\
+             asleep   n2     -     -        -            -             -\n"
         );
     }
 
