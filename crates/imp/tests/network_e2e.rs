@@ -273,23 +273,30 @@ fn agent_metrics(topo: &Topology, node: &str) -> String {
     text(&topo.exec(node, &["timeout", "5", "bash", "-c", get]))
 }
 
+/// The value of `series` (name and labels, as the agent writes them) in node `node`'s
+/// agent's metrics; 0 while it has none.
+fn agent_value(topo: &Topology, node: &str, series: &str) -> u64 {
+    let prefix = format!("{series} ");
+    agent_metrics(topo, node)
+        .lines()
+        .find_map(|l| l.strip_prefix(&prefix))
+        .map_or(0, |v| v.trim().parse().unwrap())
+}
+
 /// Node `node`'s agent shows `vm`'s network traffic (from its TAP's counters, polled with
 /// the guest's figures) once the guest has sent and received.
 async fn assert_network_figures(topo: &Topology, node: &str, vm: &str) {
-    let gauge = |m: &str, dir: &str| -> u64 {
+    let gauge = |dir: &str| -> u64 {
         let series = format!(
-            "imp_vm_guest_network_{dir}_bytes{{impvm=\"{vm}\",namespace=\"{NS}\",node=\"node-{node}\"}} "
+            "imp_vm_guest_network_{dir}_bytes{{impvm=\"{vm}\",namespace=\"{NS}\",node=\"node-{node}\"}}"
         );
-        m.lines()
-            .find_map(|l| l.strip_prefix(&series))
-            .map_or(0, |v| v.trim().parse().unwrap())
+        agent_value(topo, node, &series)
     };
     common::wait_for(
         &format!("{vm}'s network figures"),
         Duration::from_secs(60),
         || {
-            let m = agent_metrics(topo, node);
-            let (rx, tx) = (gauge(&m, "receive"), gauge(&m, "transmit"));
+            let (rx, tx) = (gauge("receive"), gauge("transmit"));
             async move { (rx > 0 && tx > 0).then_some(()) }
         },
     )
@@ -298,14 +305,10 @@ async fn assert_network_figures(topo: &Topology, node: &str, vm: &str) {
 
 /// What node `node`'s agent counted as dropped at `vm`'s port for `reason`.
 fn port_drops(topo: &Topology, node: &str, vm: &str, reason: &str) -> u64 {
-    let metrics = agent_metrics(topo, node);
     let series = format!(
-        "imp_vm_port_dropped_packets_total{{namespace=\"{NS}\",impvm=\"{vm}\",reason=\"{reason}\"}} "
+        "imp_vm_port_dropped_packets_total{{namespace=\"{NS}\",impvm=\"{vm}\",reason=\"{reason}\"}}"
     );
-    metrics
-        .lines()
-        .find_map(|l| l.strip_prefix(&series))
-        .map_or(0, |v| v.trim().parse().unwrap())
+    agent_value(topo, node, &series)
 }
 
 /// Waits until node `node`'s agent has counted drops at `vm`'s port for `reason`.
@@ -445,12 +448,7 @@ fn forged_vxlan(topo: &Topology, from: Option<&str>, mac: [u8; 6]) {
 /// address does, and the drop is counted.
 async fn assert_vxlan_only_from_vteps(topo: &Topology) {
     let learned = |mac: &str| text(&topo.exec("a", &["bridge", "fdb", "show"])).contains(mac);
-    let foreign = || -> u64 {
-        agent_metrics(topo, "a")
-            .lines()
-            .find_map(|l| l.strip_prefix("imp_node_vxlan_foreign_dropped_packets_total "))
-            .map_or(0, |v| v.trim().parse().unwrap())
-    };
+    let foreign = || agent_value(topo, "a", "imp_node_vxlan_foreign_dropped_packets_total");
     let before = foreign();
     forged_vxlan(topo, None, [0x02, 0xde, 0xad, 0, 0, 0x01]);
     common::wait_for(
@@ -548,10 +546,7 @@ async fn assert_egress_policy(kubeconfig: &Path, topo: &Topology, api: &str) {
             &format!("node {node} to count denied egress"),
             Duration::from_secs(30),
             || {
-                let n: u64 = agent_metrics(topo, node)
-                    .lines()
-                    .find_map(|l| l.strip_prefix("imp_node_guest_egress_denied_packets_total "))
-                    .map_or(0, |v| v.trim().parse().unwrap());
+                let n = agent_value(topo, node, "imp_node_guest_egress_denied_packets_total");
                 async move { (n > 0).then_some(()) }
             },
         )
