@@ -3,7 +3,7 @@
 //! descriptors that parse carry digests safe to use as file names.
 #![no_main]
 
-use imp_agent::image::manifest::{Digest, Document, Platform, parse_config, select_platform};
+use imp_image::manifest::{Digest, Document, Platform, parse_config, select_platform};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {

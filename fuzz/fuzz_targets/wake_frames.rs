@@ -8,8 +8,8 @@
 
 use std::net::Ipv4Addr;
 
-use imp_agent::net::plan::Mac;
-use imp_agent::net::wake::{
+use imp_net::plan::Mac;
+use imp_net::wake::{
     ARP_REPLY_LEN, Action, HoldBounds, Sleep, SleepingVm, Verdict, classify,
 };
 use libfuzzer_sys::fuzz_target;

@@ -14,10 +14,10 @@ use std::time::{Duration, Instant};
 
 use imp_agent::guest::initramfs::{BaseInitramfs, build_for_vm};
 use imp_agent::guest::kernel::VM_MODULES;
-use imp_agent::vmm::qemu::{Launcher, Qemu};
-use imp_agent::vmm::{DriveConfig, StopOutcome, VmConfig, Vmm, VsockConfig};
 use imp_proto::config::{GuestConfig, ImageConfig, RootDisk};
 use imp_proto::{Client, Hello};
+use imp_vmm::qemu::{Launcher, Qemu};
+use imp_vmm::{DriveConfig, StopOutcome, VmConfig, Vmm, VsockConfig};
 
 /// A 16 MiB ext4 with a static busybox as /bin/sleep.
 fn make_disk(dir: &Path) -> PathBuf {

@@ -6,7 +6,7 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use imp_agent::image::{ImageError, ImageSource, ImageStore, Limits, RegistryAuth, clone_disk};
+use imp_image::{ImageError, ImageSource, ImageStore, Limits, RegistryAuth, clone_disk};
 use imp_testenv::registry::{TestImage, TestLayer, scratch_dir, write_archive};
 
 fn tools() -> bool {
@@ -204,8 +204,7 @@ async fn layout_to_ext4_with_extra_layers_and_cache() {
         let m = std::fs::metadata(p).unwrap().modified().unwrap();
         m.elapsed().unwrap_or_default() < std::time::Duration::from_secs(600)
     };
-    let layer_digest =
-        imp_agent::image::manifest::Digest::parse(&img.layers[0].digest, "layer").unwrap();
+    let layer_digest = imp_image::manifest::Digest::parse(&img.layers[0].digest, "layer").unwrap();
     let layer = f.store.blobs().path(&layer_digest);
     let all_files = |dir: &str| -> Vec<PathBuf> {
         std::fs::read_dir(f.dir.join("cache").join(dir))

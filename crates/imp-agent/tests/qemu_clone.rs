@@ -41,13 +41,13 @@ use std::time::{Duration, Instant};
 use imp_agent::guest::initramfs::{BaseInitramfs, build_for_vm};
 use imp_agent::guest::kernel::VM_MODULES;
 use imp_agent::runtime::guest_agent;
-use imp_agent::vmm::qemu::{Launcher, Qemu};
-use imp_agent::vmm::{
-    Confine, DriveConfig, GuestMemory, NetConfig, SnapshotFiles, VmConfig, Vmm, VsockConfig,
-};
 use imp_proto::config::{GuestConfig, ImageConfig, NetworkConfig, RootDisk};
 use imp_proto::message::steps;
 use imp_proto::{ExecEvent, ExecRequest, ExitStatus, Hello, Identity, StepStatus};
+use imp_vmm::qemu::{Launcher, Qemu};
+use imp_vmm::{
+    Confine, DriveConfig, GuestMemory, NetConfig, SnapshotFiles, VmConfig, Vmm, VsockConfig,
+};
 
 /// The source's uptime before its reseed and snapshot: see where it is waited for.
 const MIN_SOURCE_UPTIME_SECS: f64 = 16.0;
@@ -554,7 +554,7 @@ async fn clone(
 /// The node's side: the TAP with the gateway address, in the test's own namespace.
 fn node() {
     sh(&["ip", "link", "set", "lo", "up"]);
-    imp_agent::net::tap::create_persistent(TAP).unwrap();
+    imp_net::tap::create_persistent(TAP).unwrap();
     sh(&["ip", "addr", "add", &format!("{GATEWAY}/24"), "dev", TAP]);
     sh(&["ip", "link", "set", TAP, "up"]);
 }
@@ -844,7 +844,8 @@ async fn clone_round(
     ram: Ram,
     source_data: &str,
 ) -> Round {
-    let files = imp_agent::runtime::take::vmm_files(snap, &GuestMemory::Shared(PathBuf::new()));
+    let files =
+        imp_agent::runtime::shim::snapshot::vmm_files(snap, &GuestMemory::Shared(PathBuf::new()));
     let mut vms = Vec::new();
     for n in 1..=CLONES {
         let dir = snap.parent().unwrap().join(format!("{ram:?}-{n}"));
@@ -971,7 +972,7 @@ async fn clones_at_once() {
     sh(&["ip", "addr", "add", &format!("{GATEWAY}/24"), "dev", BRIDGE]);
     sh(&["ip", "link", "set", BRIDGE, "up"]);
     for tap in (0..=CLONES).map(|n| format!("impcl{n}")) {
-        imp_agent::net::tap::create_persistent(&tap).unwrap();
+        imp_net::tap::create_persistent(&tap).unwrap();
         sh(&["ip", "link", "set", &tap, "master", BRIDGE, "up"]);
     }
     let dir = std::env::temp_dir().join(format!("imp-qemu-clones-{}", std::process::id()));
@@ -1003,9 +1004,12 @@ async fn clones_at_once() {
     let snap = dir.join("snapshot");
     fs::create_dir_all(&snap).unwrap();
     vm.pause().await.unwrap();
-    vm.snapshot(&imp_agent::runtime::take::vmm_files(&snap, &source.memory))
-        .await
-        .unwrap();
+    vm.snapshot(&imp_agent::runtime::shim::snapshot::vmm_files(
+        &snap,
+        &source.memory,
+    ))
+    .await
+    .unwrap();
     imp_agent::snapshot::sparse::copy(&ram_file, &snap.join("memory")).unwrap();
     vm.stop(Duration::ZERO).await.unwrap();
     fs::set_permissions(&snap, fs::Permissions::from_mode(0o700)).unwrap();

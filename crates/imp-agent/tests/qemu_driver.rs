@@ -19,12 +19,12 @@ use std::time::{Duration, Instant};
 
 use imp_agent::guest::initramfs::{BaseInitramfs, build_for_vm};
 use imp_agent::guest::kernel::VM_MODULES;
-use imp_agent::vmm::qemu::{self, Launcher, Qemu, RamIn, SnapshotState};
-use imp_agent::vmm::{
-    Confine, DriveConfig, GuestMemory, StopOutcome, VmConfig, VmState, Vmm, VsockConfig,
-};
 use imp_proto::config::{GuestConfig, ImageConfig, RootDisk};
 use imp_proto::{Client, EnvVar, ExecEvent, ExecRequest, ExitStatus, Hello};
+use imp_vmm::qemu::{self, Launcher, Qemu, RamIn, SnapshotState};
+use imp_vmm::{
+    Confine, DriveConfig, GuestMemory, StopOutcome, VmConfig, VmState, Vmm, VsockConfig,
+};
 
 const AGENT_PORT: u32 = imp_proto::DEFAULT_API_PORT;
 
@@ -418,7 +418,7 @@ async fn tmpfs_counter(vm: &Qemu) -> u64 {
 
 /// Accepts one exit report on the host's side of guest port `port`.
 fn exit_reports(vm: &Qemu, port: u32) -> tokio::task::JoinHandle<ExitStatus> {
-    let path = imp_agent::vmm::vsock::host_listener_path(&vm.vsock_path().unwrap(), port);
+    let path = imp_vmm::vsock::host_listener_path(&vm.vsock_path().unwrap(), port);
     let _ = fs::remove_file(&path);
     let listener = std::os::unix::net::UnixListener::bind(&path).unwrap();
     tokio::task::spawn_blocking(move || {
@@ -476,7 +476,7 @@ async fn qemu_vm_with_the_guest_agent_snapshots_and_restores_in_a_new_process() 
     tokio::time::sleep(Duration::from_secs(1)).await;
     let before = tmpfs_counter(&vm).await;
     vm.pause().await.unwrap();
-    let files = imp_agent::vmm::SnapshotFiles {
+    let files = imp_vmm::SnapshotFiles {
         state: dir.join("snap.state"),
         memory: dir.join("snap.mem"),
     };
@@ -643,30 +643,21 @@ async fn kvm_probe_decides_by_booting_and_caches_the_answer() {
     let cache = scratch("kvm");
     let deadline = Duration::from_secs(8);
     let t = Instant::now();
-    let probe =
-        imp_agent::vmm::kvm::probe_boot(&inputs.launcher.qemu, &inputs.kernel, deadline).await;
+    let probe = imp_vmm::kvm::probe_boot(&inputs.launcher.qemu, &inputs.kernel, deadline).await;
     eprintln!("kvm probe: {probe:?} after {:?}", t.elapsed());
     assert!(
-        !matches!(probe, imp_agent::vmm::kvm::Probe::Failed(_)),
+        !matches!(probe, imp_vmm::kvm::Probe::Failed(_)),
         "{probe:?}"
     );
     assert!(t.elapsed() < deadline + Duration::from_secs(5));
-    let first = imp_agent::vmm::kvm::probe_boot_cached(
-        &inputs.launcher.qemu,
-        &inputs.kernel,
-        deadline,
-        &cache,
-    )
-    .await;
+    let first =
+        imp_vmm::kvm::probe_boot_cached(&inputs.launcher.qemu, &inputs.kernel, deadline, &cache)
+            .await;
     assert_eq!(first, probe.kvm_boots());
     let t = Instant::now();
-    let again = imp_agent::vmm::kvm::probe_boot_cached(
-        &inputs.launcher.qemu,
-        &inputs.kernel,
-        deadline,
-        &cache,
-    )
-    .await;
+    let again =
+        imp_vmm::kvm::probe_boot_cached(&inputs.launcher.qemu, &inputs.kernel, deadline, &cache)
+            .await;
     assert_eq!(again, first);
     assert!(
         t.elapsed() < Duration::from_secs(1),
@@ -780,7 +771,7 @@ async fn qemu_vm_without_vsock_snapshots_and_restores_in_a_new_process() {
 
     vm.pause().await.unwrap();
     assert_eq!(vm.state(), VmState::Paused);
-    let files = imp_agent::vmm::SnapshotFiles {
+    let files = imp_vmm::SnapshotFiles {
         state: dir.join("snap.state"),
         memory: dir.join("snap.mem"),
     };

@@ -152,7 +152,7 @@ fn boot(inputs: &Inputs, name: &str, config: &GuestConfig) -> Boot {
     let stderr = dir.join("qemu.stderr");
     let append = format!(
         "console=ttyS0 tsc_early_khz={} panic=-1 reboot=t",
-        imp_agent::vmm::qemu::host_tsc_khz()
+        imp_vmm::qemu::host_tsc_khz()
     );
     let started = Instant::now();
     let child = Command::new(&inputs.qemu)

@@ -12,10 +12,11 @@ use std::time::Instant;
 
 use axum::body::Body;
 use axum::http::{HeaderValue, Request, Response, StatusCode};
-use imp_agent::image::RegistryAuth;
 use imp_agent::snapshot::oci::{self, Deleted, Error, PushOptions};
 use imp_agent::snapshot::{DISK, INITRD, MANIFEST, MEMORY, Manifest, Source, VMM_NOTE, VMSTATE};
+use imp_image::RegistryAuth;
 use imp_testenv::registry::{TestRegistry, scratch_dir};
+use imp_testenv::report::chain;
 
 const MIB: u64 = 1 << 20;
 
@@ -25,18 +26,6 @@ fn tools() -> bool {
         imp_testenv::guard::which("docker-registry").is_some(),
         "tool `docker-registry` on PATH",
     )
-}
-
-/// The error and all its sources, as `a: b: c`.
-fn chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut cur = e.source();
-    while let Some(c) = cur {
-        s.push_str(": ");
-        s.push_str(&c.to_string());
-        cur = c.source();
-    }
-    s
 }
 
 /// Deterministic bytes that do not compress.

@@ -33,6 +33,7 @@ macro_rules! spec_may_be_absent {
     };
 }
 
+pub mod chain;
 pub mod class;
 pub mod cluster;
 pub mod conditions;

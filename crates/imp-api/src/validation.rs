@@ -14,7 +14,9 @@ use k8s_openapi::api::core::v1::{EnvVar, Toleration};
 use crate::duration::GoDuration;
 use crate::ipv4::Ipv4Cidr;
 use crate::network::ImpNetworkSpec;
-use crate::pools::{ImpVMRunnerPoolSpec, ImpWarmPoolSpec, PlatformType, ScalingMode};
+use crate::pools::{
+    ImpVMRunnerPoolSpec, ImpWarmPoolSpec, PlatformType, RunnerScaling, ScalingMode,
+};
 use crate::shared::{Probe, ProbeSpec, RestartPolicy};
 use crate::snapshot::{ImpVMSnapshotSpec, StorageType};
 use crate::{
@@ -266,70 +268,9 @@ pub fn network(spec: &ImpNetworkSpec) -> Result<(), ValidationErrors> {
                 ),
             );
         }
-        if let Some(gw) = &spec.gateway {
-            match gw.parse::<Ipv4Addr>() {
-                Ok(g) if !net.contains(g) => e.push(
-                    "spec.gateway",
-                    format!("{gw} is outside spec.subnet {}", spec.subnet),
-                ),
-                Ok(g) if net.is_reserved(g) => e.push(
-                    "spec.gateway",
-                    format!(
-                        "{gw} is the network or broadcast address of {}",
-                        spec.subnet
-                    ),
-                ),
-                Ok(_) => {}
-                Err(_) => e.push(
-                    "spec.gateway",
-                    format!("must be an IPv4 address, got {gw:?}"),
-                ),
-            }
-        }
-        if let Some(cidr) = spec
-            .ipam
-            .as_ref()
-            .and_then(|i| i.cilium.as_ref())
-            .and_then(|c| c.cidr.as_ref())
-        {
-            match parse_cidr(cidr) {
-                Ok(inner) if !net.covers(&inner) => e.push(
-                    "spec.ipam.cilium.cidr",
-                    format!("{cidr} must lie inside spec.subnet {}", spec.subnet),
-                ),
-                Ok(_) => {}
-                Err(m) => e.push("spec.ipam.cilium.cidr", m),
-            }
-        }
-        let mut needed: u64 = 0;
-        let mut names = BTreeSet::new();
-        for (i, g) in spec.groups.iter().enumerate() {
-            let path = format!("spec.groups[{i}]");
-            dns_label(&mut e, &format!("{path}.name"), &g.name);
-            if !names.insert(g.name.as_str()) {
-                e.push(
-                    format!("{path}.name"),
-                    format!("duplicate group name {:?}", g.name),
-                );
-            }
-            if g.expected_size < 1 {
-                e.push(
-                    format!("{path}.expectedSize"),
-                    format!("must be at least 1, got {}", g.expected_size),
-                );
-            }
-            needed += group_block(g.expected_size.max(1));
-        }
-        let available = net.size();
-        if needed > available {
-            e.push(
-                "spec.groups",
-                format!(
-                    "need {needed} addresses but spec.subnet {} has {available}",
-                    spec.subnet
-                ),
-            );
-        }
+        network_gateway(&mut e, spec, &net);
+        network_cilium_cidr(&mut e, spec, &net);
+        network_groups(&mut e, spec, &net);
     }
     for (i, d) in spec.dns.iter().enumerate() {
         if d.parse::<Ipv4Addr>().is_err() {
@@ -356,6 +297,86 @@ pub fn network(spec: &ImpNetworkSpec) -> Result<(), ValidationErrors> {
         );
     }
     e.into_result()
+}
+
+/// `spec.gateway`, when given: an IPv4 address inside the subnet, neither its network nor
+/// its broadcast address.
+fn network_gateway(e: &mut ValidationErrors, spec: &ImpNetworkSpec, net: &Ipv4Cidr) {
+    let Some(gw) = &spec.gateway else {
+        return;
+    };
+    match gw.parse::<Ipv4Addr>() {
+        Ok(g) if !net.contains(g) => e.push(
+            "spec.gateway",
+            format!("{gw} is outside spec.subnet {}", spec.subnet),
+        ),
+        Ok(g) if net.is_reserved(g) => e.push(
+            "spec.gateway",
+            format!(
+                "{gw} is the network or broadcast address of {}",
+                spec.subnet
+            ),
+        ),
+        Ok(_) => {}
+        Err(_) => e.push(
+            "spec.gateway",
+            format!("must be an IPv4 address, got {gw:?}"),
+        ),
+    }
+}
+
+/// `spec.ipam.cilium.cidr`, when given: a CIDR inside the subnet.
+fn network_cilium_cidr(e: &mut ValidationErrors, spec: &ImpNetworkSpec, net: &Ipv4Cidr) {
+    let Some(cidr) = spec
+        .ipam
+        .as_ref()
+        .and_then(|i| i.cilium.as_ref())
+        .and_then(|c| c.cidr.as_ref())
+    else {
+        return;
+    };
+    match parse_cidr(cidr) {
+        Ok(inner) if !net.covers(&inner) => e.push(
+            "spec.ipam.cilium.cidr",
+            format!("{cidr} must lie inside spec.subnet {}", spec.subnet),
+        ),
+        Ok(_) => {}
+        Err(m) => e.push("spec.ipam.cilium.cidr", m),
+    }
+}
+
+/// `spec.groups`: unique DNS-label names, at least one member each, and blocks
+/// ([`group_block`]) that fit in the subnet together.
+fn network_groups(e: &mut ValidationErrors, spec: &ImpNetworkSpec, net: &Ipv4Cidr) {
+    let mut needed: u64 = 0;
+    let mut names = BTreeSet::new();
+    for (i, g) in spec.groups.iter().enumerate() {
+        let path = format!("spec.groups[{i}]");
+        dns_label(e, &format!("{path}.name"), &g.name);
+        if !names.insert(g.name.as_str()) {
+            e.push(
+                format!("{path}.name"),
+                format!("duplicate group name {:?}", g.name),
+            );
+        }
+        if g.expected_size < 1 {
+            e.push(
+                format!("{path}.expectedSize"),
+                format!("must be at least 1, got {}", g.expected_size),
+            );
+        }
+        needed += group_block(g.expected_size.max(1));
+    }
+    let available = net.size();
+    if needed > available {
+        e.push(
+            "spec.groups",
+            format!(
+                "need {needed} addresses but spec.subnet {} has {available}",
+                spec.subnet
+            ),
+        );
+    }
 }
 
 /// Addresses a group of `expected` members takes: the smallest power of two holding them plus
@@ -424,32 +445,7 @@ pub fn warm_pool(spec: &ImpWarmPoolSpec) -> Result<(), ValidationErrors> {
 pub fn runner_pool(spec: &ImpVMRunnerPoolSpec) -> Result<(), ValidationErrors> {
     let mut e = ValidationErrors::default();
     non_empty(&mut e, "spec.templateName", &spec.template_name);
-    // scope is optional, as in the Go project; when given it names exactly one of org or repo.
-    let (org, repo) = spec
-        .platform
-        .scope
-        .as_ref()
-        .map_or((None, None), |s| (s.org.as_ref(), s.repo.as_ref()));
-    match (org, repo) {
-        (Some(_), Some(_)) => e.push(
-            "spec.platform.scope",
-            "exactly one of org or repo may be set, got both",
-        ),
-        (None, None) if spec.platform.scope.is_some() => {
-            e.push("spec.platform.scope", "one of org or repo is required")
-        }
-        (None, None) => {}
-        (Some(o), None) => non_empty(&mut e, "spec.platform.scope.org", o),
-        (None, Some(r)) => {
-            non_empty(&mut e, "spec.platform.scope.repo", r);
-            if spec.platform.type_ != PlatformType::Gitlab && !r.contains('/') {
-                e.push(
-                    "spec.platform.scope.repo",
-                    format!("must be owner/name, got {r:?}"),
-                );
-            }
-        }
-    }
+    runner_scope(&mut e, spec);
     if let Some(url) = &spec.platform.server_url
         && !(url.starts_with("https://") || url.starts_with("http://"))
     {
@@ -464,77 +460,11 @@ pub fn runner_pool(spec: &ImpVMRunnerPoolSpec) -> Result<(), ValidationErrors> {
         None => {}
         Some(s) => {
             if github {
-                if s.mode.is_none() {
-                    e.push(
-                        "spec.scaling.mode",
-                        "is required for github-actions (webhook, polling or hybrid)",
-                    );
-                }
-                for (name, v) in [
-                    ("minIdle", s.min_idle),
-                    ("maxConcurrent", s.max_concurrent),
-                    ("scaleUpStep", s.scale_up_step),
-                    ("cooldownSeconds", s.cooldown_seconds),
-                ] {
-                    if v.is_none() {
-                        e.push(
-                            format!("spec.scaling.{name}"),
-                            "must be set explicitly for github-actions",
-                        );
-                    }
-                }
+                github_scaling_set(&mut e, s);
             }
-            range(&mut e, "spec.scaling.minIdle", s.min_idle, 0, i32::MAX);
-            range(
-                &mut e,
-                "spec.scaling.maxConcurrent",
-                s.max_concurrent,
-                1,
-                i32::MAX,
-            );
-            range(
-                &mut e,
-                "spec.scaling.scaleUpStep",
-                s.scale_up_step,
-                1,
-                i32::MAX,
-            );
-            range(
-                &mut e,
-                "spec.scaling.cooldownSeconds",
-                s.cooldown_seconds,
-                10,
-                i32::MAX,
-            );
-            // The cross-field scaling rules bind github-actions pools only, as in the Go CRD.
-            if let (true, Some(min), Some(max)) = (github, s.min_idle, s.max_concurrent)
-                && min > max
-            {
-                e.push(
-                    "spec.scaling.minIdle",
-                    format!("must not exceed spec.scaling.maxConcurrent ({max}), got {min}"),
-                );
-            }
-            if github
-                && matches!(s.mode, Some(ScalingMode::Polling | ScalingMode::Hybrid))
-                && s.polling.is_none()
-            {
-                e.push(
-                    "spec.scaling.polling",
-                    "is required for polling and hybrid modes",
-                );
-            }
-            if github
-                && matches!(s.mode, Some(ScalingMode::Webhook | ScalingMode::Hybrid))
-                && s.webhook
-                    .as_ref()
-                    .and_then(|w| w.secret_ref.as_deref())
-                    .is_none_or(str::is_empty)
-            {
-                e.push(
-                    "spec.scaling.webhook.secretRef",
-                    "is required for webhook and hybrid modes",
-                );
+            scaling_ranges(&mut e, s);
+            if github {
+                github_scaling_rules(&mut e, s);
             }
             if let Some(p) = &s.polling {
                 range(
@@ -554,6 +484,109 @@ pub fn runner_pool(spec: &ImpVMRunnerPoolSpec) -> Result<(), ValidationErrors> {
         expire_after(&mut e, "spec.expireAfter", d);
     }
     e.into_result()
+}
+
+/// `spec.platform.scope`: optional, as in the Go project; when given it names exactly one of
+/// org or repo, and a repo is owner/name except on GitLab.
+fn runner_scope(e: &mut ValidationErrors, spec: &ImpVMRunnerPoolSpec) {
+    let (org, repo) = spec
+        .platform
+        .scope
+        .as_ref()
+        .map_or((None, None), |s| (s.org.as_ref(), s.repo.as_ref()));
+    match (org, repo) {
+        (Some(_), Some(_)) => e.push(
+            "spec.platform.scope",
+            "exactly one of org or repo may be set, got both",
+        ),
+        (None, None) if spec.platform.scope.is_some() => {
+            e.push("spec.platform.scope", "one of org or repo is required")
+        }
+        (None, None) => {}
+        (Some(o), None) => non_empty(e, "spec.platform.scope.org", o),
+        (None, Some(r)) => {
+            non_empty(e, "spec.platform.scope.repo", r);
+            if spec.platform.type_ != PlatformType::Gitlab && !r.contains('/') {
+                e.push(
+                    "spec.platform.scope.repo",
+                    format!("must be owner/name, got {r:?}"),
+                );
+            }
+        }
+    }
+}
+
+/// A github-actions pool sets its scaling mode and every scaling number explicitly.
+fn github_scaling_set(e: &mut ValidationErrors, s: &RunnerScaling) {
+    if s.mode.is_none() {
+        e.push(
+            "spec.scaling.mode",
+            "is required for github-actions (webhook, polling or hybrid)",
+        );
+    }
+    for (name, v) in [
+        ("minIdle", s.min_idle),
+        ("maxConcurrent", s.max_concurrent),
+        ("scaleUpStep", s.scale_up_step),
+        ("cooldownSeconds", s.cooldown_seconds),
+    ] {
+        if v.is_none() {
+            e.push(
+                format!("spec.scaling.{name}"),
+                "must be set explicitly for github-actions",
+            );
+        }
+    }
+}
+
+/// The lower bounds of the scaling numbers that are set, for every platform.
+fn scaling_ranges(e: &mut ValidationErrors, s: &RunnerScaling) {
+    range(e, "spec.scaling.minIdle", s.min_idle, 0, i32::MAX);
+    range(
+        e,
+        "spec.scaling.maxConcurrent",
+        s.max_concurrent,
+        1,
+        i32::MAX,
+    );
+    range(e, "spec.scaling.scaleUpStep", s.scale_up_step, 1, i32::MAX);
+    range(
+        e,
+        "spec.scaling.cooldownSeconds",
+        s.cooldown_seconds,
+        10,
+        i32::MAX,
+    );
+}
+
+/// The cross-field scaling rules, which bind github-actions pools only, as in the Go CRD:
+/// minIdle at most maxConcurrent, and the polling or webhook settings the mode needs.
+fn github_scaling_rules(e: &mut ValidationErrors, s: &RunnerScaling) {
+    if let (Some(min), Some(max)) = (s.min_idle, s.max_concurrent)
+        && min > max
+    {
+        e.push(
+            "spec.scaling.minIdle",
+            format!("must not exceed spec.scaling.maxConcurrent ({max}), got {min}"),
+        );
+    }
+    if matches!(s.mode, Some(ScalingMode::Polling | ScalingMode::Hybrid)) && s.polling.is_none() {
+        e.push(
+            "spec.scaling.polling",
+            "is required for polling and hybrid modes",
+        );
+    }
+    if matches!(s.mode, Some(ScalingMode::Webhook | ScalingMode::Hybrid))
+        && s.webhook
+            .as_ref()
+            .and_then(|w| w.secret_ref.as_deref())
+            .is_none_or(str::is_empty)
+    {
+        e.push(
+            "spec.scaling.webhook.secretRef",
+            "is required for webhook and hybrid modes",
+        );
+    }
 }
 
 /// Validates a ClusterImpConfig, including its singleton name.

@@ -19,7 +19,7 @@ use std::fs::File;
 use std::io::{self, Read, Write};
 use std::os::fd::{AsFd, OwnedFd};
 use std::path::PathBuf;
-use std::process::{ChildStdin, Stdio};
+use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::Receiver;
@@ -174,7 +174,6 @@ pub fn run<C: Connection>(
             return Ok(());
         }
     };
-    let io_err = |action| move |source| ExecError::Io { action, source };
     let mut command = workload::command(&spec);
     let pty = if request.tty {
         Some(pty::open(request.window).map_err(io_err("opening a pseudo-terminal"))?)
@@ -183,16 +182,7 @@ pub fn run<C: Connection>(
     };
     match &pty {
         Some(p) => pty::attach(&mut command, &p.slave).map_err(io_err("attaching the terminal"))?,
-        None => {
-            command
-                .stdin(if request.stdin {
-                    Stdio::piped()
-                } else {
-                    Stdio::null()
-                })
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped());
-        }
+        None => pipe_stdio(&mut command, request.stdin),
     }
     let spawned = reaper.spawn(|| command.spawn());
     // Close our copies of the terminal's slave side, or its master never sees EOF.
@@ -208,39 +198,69 @@ pub fn run<C: Connection>(
     };
     let pid = child.id();
     write_frame(&mut conn, &Message::Started { pid })?;
-
     let (input, outputs) = match master {
-        Some(master) => {
-            let reader = File::from(
-                master
-                    .try_clone()
-                    .map_err(io_err("duplicating the terminal"))?,
-            );
-            let writer = File::from(
-                master
-                    .try_clone()
-                    .map_err(io_err("duplicating the terminal"))?,
-            );
-            (
-                Input::Pty {
-                    writer: Some(writer),
-                    master,
-                },
-                vec![(reader, Message::Stdout as Wrap)],
-            )
-        }
-        None => {
-            let mut outputs: Vec<(File, Wrap)> = Vec::new();
-            if let Some(out) = child.stdout.take() {
-                outputs.push((File::from(OwnedFd::from(out)), Message::Stdout));
-            }
-            if let Some(err) = child.stderr.take() {
-                outputs.push((File::from(OwnedFd::from(err)), Message::Stderr));
-            }
-            (Input::Pipe(child.stdin.take()), outputs)
-        }
+        Some(master) => pty_streams(master)?,
+        None => pipe_streams(&mut child),
     };
+    stream(conn, input, outputs, &exit, pid)
+}
 
+/// Maps an I/O error to [`ExecError::Io`] saying what was being done.
+fn io_err(action: &'static str) -> impl FnOnce(io::Error) -> ExecError {
+    move |source| ExecError::Io { action, source }
+}
+
+/// Without a terminal: stdout and stderr are pipes, stdin a pipe only when the host sends
+/// input (else empty).
+fn pipe_stdio(command: &mut Command, stdin: bool) {
+    command
+        .stdin(if stdin { Stdio::piped() } else { Stdio::null() })
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+}
+
+/// With a terminal: input goes to the master, and everything read from it is stdout.
+fn pty_streams(master: OwnedFd) -> Result<(Input, Vec<(File, Wrap)>), ExecError> {
+    let reader = File::from(
+        master
+            .try_clone()
+            .map_err(io_err("duplicating the terminal"))?,
+    );
+    let writer = File::from(
+        master
+            .try_clone()
+            .map_err(io_err("duplicating the terminal"))?,
+    );
+    Ok((
+        Input::Pty {
+            writer: Some(writer),
+            master,
+        },
+        vec![(reader, Message::Stdout as Wrap)],
+    ))
+}
+
+/// Without a terminal: the child's stdin pipe, and its stdout and stderr pipes.
+fn pipe_streams(child: &mut Child) -> (Input, Vec<(File, Wrap)>) {
+    let mut outputs: Vec<(File, Wrap)> = Vec::new();
+    if let Some(out) = child.stdout.take() {
+        outputs.push((File::from(OwnedFd::from(out)), Message::Stdout));
+    }
+    if let Some(err) = child.stderr.take() {
+        outputs.push((File::from(OwnedFd::from(err)), Message::Stderr));
+    }
+    (Input::Pipe(child.stdin.take()), outputs)
+}
+
+/// Streams a started command: an input thread forwards what the host sends while this one
+/// forwards the output, then sends the exit status (or an internal error) and hangs up.
+fn stream<C: Connection>(
+    mut conn: C,
+    input: Input,
+    outputs: Vec<(File, Wrap)>,
+    exit: &Receiver<ExitStatus>,
+    pid: u32,
+) -> Result<(), ExecError> {
     let finished = Arc::new(AtomicBool::new(false));
     let reader = conn
         .try_clone()
@@ -252,7 +272,7 @@ pub fn run<C: Connection>(
             .spawn(move || pump_input(reader, input, pid, &finished))
             .map_err(io_err("starting the input thread"))?
     };
-    let result = pump_output(&mut conn, outputs, &exit, pid);
+    let result = pump_output(&mut conn, outputs, exit, pid);
     finished.store(true, Ordering::SeqCst);
     let sent = match result {
         Ok(status) => write_frame(&mut conn, &Message::Exit { status }).map_err(ExecError::from),

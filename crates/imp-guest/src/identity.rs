@@ -189,6 +189,43 @@ pub fn reidentify(
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(PoisonError::into_inner);
     let mut report = Report::default();
 
+    entropy_steps(sys, &mut report, entropy);
+    let clock = sys.set_clock(unix_nanos);
+    report.outcome(steps::CLOCK, clock, |()| {
+        format!("set to {unix_nanos} ns since the epoch")
+    });
+
+    let old_hostname = sys.hostname();
+    let addresses = address_steps(sys, &mut report, identity);
+    let new_hostname = hostname_step(sys, &mut report, identity, old_hostname.as_ref());
+
+    // The init writes /etc/hosts at boot when it has a hostname or a network, and
+    // /etc/resolv.conf when the network names servers; the same rules apply here.
+    if identity.hostname.is_some() || identity.network.is_some() {
+        let hostnames = Renamed {
+            old: old_hostname.as_deref(),
+            new: new_hostname.as_deref(),
+        };
+        hosts_step(sys, &mut report, hostnames, addresses);
+    }
+    if let Some(network) = identity.network.as_ref().filter(|n| !n.dns.is_empty()) {
+        let written = sys.write_file("/etc/resolv.conf", &net::resolv_conf(network));
+        report.outcome(steps::RESOLV_CONF, written, |()| {
+            format!("{} name servers", network.dns.len())
+        });
+    }
+    ReidentifyReport { steps: report.0 }
+}
+
+/// A value before and after the reidentification.
+#[derive(Debug, Clone, Copy)]
+struct Renamed<T> {
+    old: Option<T>,
+    new: Option<T>,
+}
+
+/// Mixes the host's bytes into the pool, crediting them, then reseeds the CRNG at once.
+fn entropy_steps(sys: &mut impl System, report: &mut Report, entropy: &[u8]) {
     let added = sys.add_entropy(entropy);
     let credited = added.is_ok();
     report.outcome(steps::ENTROPY, added, |bits| {
@@ -220,78 +257,83 @@ pub fn reidentify(
         ),
         Err(e) => report.failed(steps::CRNG, e),
     }
+}
 
-    let clock = sys.set_clock(unix_nanos);
-    report.outcome(steps::CLOCK, clock, |()| {
-        format!("set to {unix_nanos} ns since the epoch")
-    });
-
-    let old_hostname = sys.hostname();
-    let old_address;
-    let new_address;
+/// The network steps when a network is asked for, else a skipped step; returns the guest's
+/// address before and after.
+fn address_steps(
+    sys: &mut impl System,
+    report: &mut Report,
+    identity: &Identity,
+) -> Renamed<Ipv4Addr> {
     match &identity.network {
-        Some(network) => {
-            old_address = network_steps(sys, &mut report, identity, network);
-            new_address = Some(network.address);
-        }
+        Some(network) => Renamed {
+            old: network_steps(sys, report, identity, network),
+            new: Some(network.address),
+        },
         None => {
-            let interface = "eth0";
-            old_address = sys.address_of(interface).ok().flatten();
-            new_address = old_address;
+            let old = sys.address_of("eth0").ok().flatten();
             report.skipped(
                 steps::NETWORK,
                 "no network asked for: the interface, its addresses and its TCP connections \
                  are unchanged",
             );
+            Renamed { old, new: old }
         }
     }
+}
 
-    let new_hostname = match &identity.hostname {
+/// Sets the hostname asked for; returns the guest's hostname afterwards (the old one when
+/// none was asked for or setting it failed).
+fn hostname_step(
+    sys: &mut impl System,
+    report: &mut Report,
+    identity: &Identity,
+    old_hostname: Option<&String>,
+) -> Option<String> {
+    match &identity.hostname {
         Some(name) => {
             let set = sys.set_hostname(name);
             let ok = set.is_ok();
             report.outcome(steps::HOSTNAME, set, |()| name.to_string());
-            ok.then(|| name.clone()).or_else(|| old_hostname.clone())
+            ok.then(|| name.clone()).or_else(|| old_hostname.cloned())
         }
         None => {
             report.skipped(steps::HOSTNAME, "no hostname asked for");
-            old_hostname.clone()
+            old_hostname.cloned()
         }
-    };
+    }
+}
 
-    // The init writes /etc/hosts at boot when it has a hostname or a network, and
-    // /etc/resolv.conf when the network names servers; the same rules apply here.
-    if identity.hostname.is_some() || identity.network.is_some() {
-        match &new_hostname {
-            Some(name) => {
-                let hosts = match sys.read_file("/etc/hosts") {
-                    Ok(Some(current)) => Ok(net::hosts_with_own_entry(
-                        &current,
-                        old_hostname.as_deref(),
-                        old_address,
-                        name,
-                        new_address,
-                    )),
-                    Ok(None) => Ok(net::hosts(Some(name), new_address)),
-                    Err(e) => Err(e),
-                };
-                let written = hosts.and_then(|h| sys.write_file("/etc/hosts", &h));
-                let entry = match new_address {
-                    Some(a) => format!("{a} {name}"),
-                    None => format!("127.0.1.1 {name}"),
-                };
-                report.outcome(steps::HOSTS, written, |()| format!("own entry is {entry}"));
-            }
-            None => report.skipped(steps::HOSTS, "the guest has no hostname to enter"),
-        }
-    }
-    if let Some(network) = identity.network.as_ref().filter(|n| !n.dns.is_empty()) {
-        let written = sys.write_file("/etc/resolv.conf", &net::resolv_conf(network));
-        report.outcome(steps::RESOLV_CONF, written, |()| {
-            format!("{} name servers", network.dns.len())
-        });
-    }
-    ReidentifyReport { steps: report.0 }
+/// Rewrites /etc/hosts' own entry from the old hostname and address to the new ones (a new
+/// file when there is none); skipped when the guest has no hostname.
+fn hosts_step(
+    sys: &mut impl System,
+    report: &mut Report,
+    hostnames: Renamed<&str>,
+    addresses: Renamed<Ipv4Addr>,
+) {
+    let Some(name) = hostnames.new else {
+        report.skipped(steps::HOSTS, "the guest has no hostname to enter");
+        return;
+    };
+    let hosts = match sys.read_file("/etc/hosts") {
+        Ok(Some(current)) => Ok(net::hosts_with_own_entry(
+            &current,
+            hostnames.old,
+            addresses.old,
+            name,
+            addresses.new,
+        )),
+        Ok(None) => Ok(net::hosts(Some(name), addresses.new)),
+        Err(e) => Err(e),
+    };
+    let written = hosts.and_then(|h| sys.write_file("/etc/hosts", &h));
+    let entry = match addresses.new {
+        Some(a) => format!("{a} {name}"),
+        None => format!("127.0.1.1 {name}"),
+    };
+    report.outcome(steps::HOSTS, written, |()| format!("own entry is {entry}"));
 }
 
 /// Link down, connections, MAC, addresses, new network; returns the source's address.
@@ -312,7 +354,37 @@ fn network_steps(
     let down = sys.link_down(interface);
     let is_down = down.is_ok();
     report.outcome(steps::LINK_DOWN, down, |()| format!("{interface} down"));
+    connections_step(sys, report, interface, old_address, is_down);
+    mac_step(sys, report, interface, identity.mac.as_deref());
 
+    let removed = sys.remove_addresses(interface);
+    report.outcome(steps::ADDRESSES, removed, |gone| {
+        let list: Vec<String> = gone.iter().map(Ipv4Addr::to_string).collect();
+        format!("removed [{}] from {interface}", list.join(", "))
+    });
+
+    let configured = sys.configure(network);
+    report.outcome(steps::NETWORK, configured, |()| {
+        let via = network
+            .gateway
+            .map(|g| format!(" via {g}"))
+            .unwrap_or_default();
+        format!(
+            "{interface} up as {}/{}{via}",
+            network.address, network.prefix_len
+        )
+    });
+    old_address
+}
+
+/// Destroys the TCP connections on the source's address, only while the link is down.
+fn connections_step(
+    sys: &mut impl System,
+    report: &mut Report,
+    interface: &str,
+    old_address: Option<Ipv4Addr>,
+    is_down: bool,
+) {
     match old_address {
         None => report.skipped(
             steps::CONNECTIONS,
@@ -353,8 +425,11 @@ fn network_steps(
             }
         },
     }
+}
 
-    match identity.mac.as_deref() {
+/// Gives the interface the MAC asked for.
+fn mac_step(sys: &mut impl System, report: &mut Report, interface: &str, mac: Option<&str>) {
+    match mac {
         Some(text) => match parse_mac(text) {
             Some(mac) => {
                 let set = sys.set_mac(interface, mac);
@@ -364,25 +439,6 @@ fn network_steps(
         },
         None => report.skipped(steps::MAC, "no MAC asked for"),
     }
-
-    let removed = sys.remove_addresses(interface);
-    report.outcome(steps::ADDRESSES, removed, |gone| {
-        let list: Vec<String> = gone.iter().map(Ipv4Addr::to_string).collect();
-        format!("removed [{}] from {interface}", list.join(", "))
-    });
-
-    let configured = sys.configure(network);
-    report.outcome(steps::NETWORK, configured, |()| {
-        let via = network
-            .gateway
-            .map(|g| format!(" via {g}"))
-            .unwrap_or_default();
-        format!(
-            "{interface} up as {}/{}{via}",
-            network.address, network.prefix_len
-        )
-    });
-    old_address
 }
 
 /// What happens to connections on `old` that are not destroyed.

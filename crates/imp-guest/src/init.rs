@@ -114,51 +114,13 @@ pub fn load_config(path: &Path) -> Result<GuestConfig, InitError> {
 /// it ends the VM instead of returning).
 pub fn run(opts: &Options) -> i32 {
     let started = Instant::now();
-    // Signals are taken synchronously by one thread; block them before any thread exists so
-    // every thread inherits the mask (children get a clean mask from std's spawn).
-    let mut signals = SigSet::empty();
-    for s in [Signal::SIGTERM, Signal::SIGINT, Signal::SIGHUP] {
-        signals.add(s);
-    }
-    if let Err(e) = signals.thread_block() {
-        log_error("blocking signals failed", &e);
-    }
-
-    let mut console = Console::Stdout;
-    let mut params = KernelParams::default();
-    if opts.pid1 {
-        for e in system::mount_pseudo_filesystems() {
-            log_error("mount", &e);
-        }
-        if let Err(e) = system::attach_console() {
-            log_error("attaching /dev/console failed", &e);
-        }
-        // Before anything that sleeps: without a timer the workload would hang in its first
-        // sleep and this init in its shutdown. Another boot calibrates afresh.
-        if system::has_clock_event() == Some(false) {
-            system::ask_for_another_boot(
-                "the kernel has no clock event device (no timer interrupts: it disabled its \
-                 APIC timer at boot)",
-            );
-        }
-        // Ctrl-Alt-Del becomes SIGINT to us (a graceful shutdown) instead of an immediate
-        // kernel restart that would skip the workload's exit and the disk's sync.
-        if let Err(e) = nix::sys::reboot::set_cad_enabled(false) {
-            log_error("routing Ctrl-Alt-Del to the init failed", &e);
-        }
-        console = Console::open_device();
-        params = cmdline::parse(&std::fs::read_to_string("/proc/cmdline").unwrap_or_default());
-        for m in &params.modules {
-            if let Err(e) = system::load_module(m) {
-                log_error("module", &e);
-            }
-        }
-    }
-    let config_path = opts
-        .config
-        .clone()
-        .or(params.config)
-        .unwrap_or_else(|| PathBuf::from(CONFIG_PATH));
+    let signals = block_signals();
+    let (mut console, params) = if opts.pid1 {
+        prepare_pid1()
+    } else {
+        (Console::Stdout, KernelParams::default())
+    };
+    let config_path = config_path(opts, params.config);
     let config = match load_config(&config_path) {
         Ok(c) => c,
         Err(e) => {
@@ -191,23 +153,11 @@ pub fn run(opts: &Options) -> i32 {
     forward(shutdown_rx, events.clone(), Event::Shutdown);
     spawn_signal_thread(signals, events.clone());
 
-    let identity = user::resolve_in(&opts.root, config.image.user.as_deref())
-        .unwrap_or_else(|_| user::Identity::root());
     let ctx = Arc::new(Context {
         hello: Hello::new(concat!("imp-guest ", env!("CARGO_PKG_VERSION"))),
         started,
         workload: Mutex::new(WorkloadState::Starting),
-        exec_defaults: ExecDefaults {
-            env: workload::environment(&config, &identity),
-            cwd: config
-                .image
-                .working_dir
-                .clone()
-                .filter(|d| !d.is_empty())
-                .unwrap_or_else(|| "/".into()),
-            user: config.image.user.clone(),
-            root: opts.root.clone(),
-        },
+        exec_defaults: exec_defaults(opts, &config),
         reaper: reaper.clone(),
         proc_dir: PathBuf::from("/proc"),
         disk_path: opts.root.clone(),
@@ -225,6 +175,81 @@ pub fn run(opts: &Options) -> i32 {
     };
     ctx.set_workload(WorkloadState::Exited { status });
     finish(opts, &mut console, &config, status, started)
+}
+
+/// Blocks SIGTERM, SIGINT and SIGHUP in the calling thread and returns that set. Signals are
+/// taken synchronously by one thread; blocking them before any thread exists makes every
+/// thread inherit the mask (children get a clean mask from std's spawn).
+fn block_signals() -> SigSet {
+    let mut signals = SigSet::empty();
+    for s in [Signal::SIGTERM, Signal::SIGINT, Signal::SIGHUP] {
+        signals.add(s);
+    }
+    if let Err(e) = signals.thread_block() {
+        log_error("blocking signals failed", &e);
+    }
+    signals
+}
+
+/// The PID 1 steps before the config is read: pseudo filesystems, /dev/console, a check for
+/// a timer, Ctrl-Alt-Del routed to us, and the modules named on the kernel command line.
+/// Returns the console device and the parsed kernel command line. Failures are logged, never
+/// fatal (a missing timer asks for another boot).
+fn prepare_pid1() -> (Console, KernelParams) {
+    for e in system::mount_pseudo_filesystems() {
+        log_error("mount", &e);
+    }
+    if let Err(e) = system::attach_console() {
+        log_error("attaching /dev/console failed", &e);
+    }
+    // Before anything that sleeps: without a timer the workload would hang in its first
+    // sleep and this init in its shutdown. Another boot calibrates afresh.
+    if system::has_clock_event() == Some(false) {
+        system::ask_for_another_boot(
+            "the kernel has no clock event device (no timer interrupts: it disabled its \
+             APIC timer at boot)",
+        );
+    }
+    // Ctrl-Alt-Del becomes SIGINT to us (a graceful shutdown) instead of an immediate
+    // kernel restart that would skip the workload's exit and the disk's sync.
+    if let Err(e) = nix::sys::reboot::set_cad_enabled(false) {
+        log_error("routing Ctrl-Alt-Del to the init failed", &e);
+    }
+    let console = Console::open_device();
+    let params = cmdline::parse(&std::fs::read_to_string("/proc/cmdline").unwrap_or_default());
+    for m in &params.modules {
+        if let Err(e) = system::load_module(m) {
+            log_error("module", &e);
+        }
+    }
+    (console, params)
+}
+
+/// The config file to read: the `--config` option, else the kernel command line's, else
+/// [`CONFIG_PATH`].
+fn config_path(opts: &Options, from_cmdline: Option<PathBuf>) -> PathBuf {
+    opts.config
+        .clone()
+        .or(from_cmdline)
+        .unwrap_or_else(|| PathBuf::from(CONFIG_PATH))
+}
+
+/// What an exec session inherits from the workload: its environment, working directory
+/// (`/` when the image names none) and user, and the root it runs in.
+fn exec_defaults(opts: &Options, config: &GuestConfig) -> ExecDefaults {
+    let identity = user::resolve_in(&opts.root, config.image.user.as_deref())
+        .unwrap_or_else(|_| user::Identity::root());
+    ExecDefaults {
+        env: workload::environment(config, &identity),
+        cwd: config
+            .image
+            .working_dir
+            .clone()
+            .filter(|d| !d.is_empty())
+            .unwrap_or_else(|| "/".into()),
+        user: config.image.user.clone(),
+        root: opts.root.clone(),
+    }
 }
 
 /// Modules, root disk, hostname, network; only a root disk that cannot be used is fatal.
@@ -421,6 +446,24 @@ fn run_workload(
     events: &Sender<Event>,
     event_rx: &mpsc::Receiver<Event>,
 ) -> ExitStatus {
+    match start_workload(opts, config, ctx, reaper) {
+        Ok((pid, exit)) => {
+            forward(exit, events.clone(), Event::Exited);
+            supervise_workload(opts.pid1, pid, events, event_rx)
+        }
+        Err(status) => status,
+    }
+}
+
+/// Starts the workload with an empty stdin and the console as stdout and stderr, and marks it
+/// running; returns its pid and where its exit arrives. When it cannot start, it is marked
+/// failed and the error is the shell's status for that (126 not executable, 127 not found).
+fn start_workload(
+    opts: &Options,
+    config: &GuestConfig,
+    ctx: &Context,
+    reaper: &Reaper,
+) -> Result<(u32, mpsc::Receiver<ExitStatus>), ExitStatus> {
     let spec = match workload::prepare(config, &opts.root) {
         Ok(s) => s,
         Err(e) => {
@@ -433,7 +476,7 @@ fn run_workload(
             } else {
                 127
             };
-            return ExitStatus::Code(code);
+            return Err(ExitStatus::Code(code));
         }
     };
     let mut command = workload::command(&spec);
@@ -449,16 +492,28 @@ fn run_workload(
             let message = format!("Starting the workload {} failed: {e}", spec.program);
             log(&message);
             ctx.set_workload(WorkloadState::Failed { message });
-            return ExitStatus::Code(if e.kind() == std::io::ErrorKind::PermissionDenied {
-                126
-            } else {
-                127
-            });
+            return Err(ExitStatus::Code(
+                if e.kind() == std::io::ErrorKind::PermissionDenied {
+                    126
+                } else {
+                    127
+                },
+            ));
         }
     };
     let pid = child.id();
     ctx.set_workload(WorkloadState::Running { pid });
-    forward(exit, events.clone(), Event::Exited);
+    Ok((pid, exit))
+}
+
+/// Waits for the running workload `pid` to exit, passing signals on to it; a shutdown
+/// request (or, as PID 1, Ctrl-Alt-Del) sends SIGTERM and SIGKILL after the grace period.
+fn supervise_workload(
+    pid1: bool,
+    pid: u32,
+    events: &Sender<Event>,
+    event_rx: &mpsc::Receiver<Event>,
+) -> ExitStatus {
     let target = AtomicI32::new(i32::try_from(pid).unwrap_or(0));
     let send = |sig: Signal| {
         let pid = target.load(Ordering::SeqCst);
@@ -482,7 +537,7 @@ fn run_workload(
             }
             // As PID 1 with Ctrl-Alt-Del routed to us (Firecracker's SendCtrlAltDel, see
             // `run`), SIGINT asks the VM to shut down, as systemd reads it.
-            Ok(Event::Signal(Signal::SIGINT)) if opts.pid1 => {
+            Ok(Event::Signal(Signal::SIGINT)) if pid1 => {
                 let grace = CTRL_ALT_DEL_GRACE;
                 log(&format!(
                     "Ctrl-Alt-Del: SIGTERM to the workload, SIGKILL after {grace:?}"
@@ -591,5 +646,37 @@ where
                 delay = (delay * 2).min(Duration::from_secs(1));
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn options(config: Option<&str>) -> Options {
+        Options {
+            pid1: false,
+            config: config.map(PathBuf::from),
+            listen_unix: None,
+            report_unix: None,
+            root: PathBuf::from("/"),
+        }
+    }
+
+    #[test]
+    fn the_config_option_beats_the_kernel_command_line_which_beats_the_default() {
+        let cmdline = Some(PathBuf::from("/from/cmdline.json"));
+        assert_eq!(
+            config_path(&options(Some("/from/option.json")), cmdline.clone()),
+            PathBuf::from("/from/option.json")
+        );
+        assert_eq!(
+            config_path(&options(None), cmdline),
+            PathBuf::from("/from/cmdline.json")
+        );
+        assert_eq!(
+            config_path(&options(None), None),
+            PathBuf::from(CONFIG_PATH)
+        );
     }
 }

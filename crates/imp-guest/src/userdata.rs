@@ -311,6 +311,39 @@ pub fn add_user(root: &Path, u: &UserAccount, host: &mut dyn Host) -> Result<(),
     let group_path = root.join("etc/group");
     let mut passwd = read_or_empty(&passwd_path)?;
     let mut group = read_or_empty(&group_path)?;
+    let account = account(u, &mut passwd, &mut group)?;
+    for g in &u.groups {
+        group = with_member(&group, g, &u.name)?;
+    }
+    write_account_file(&group_path, &group)?;
+    if account.created {
+        write_account_file(&passwd_path, &passwd)?;
+        add_locked_shadow_line(root, &u.name)?;
+    }
+    let home_dir = inside(root, &account.home);
+    let ids = (account.uid, account.gid);
+    if account.created && !home_dir.exists() {
+        make_owned_dir(&home_dir, 0o755, ids, host)?;
+    }
+    if !u.ssh_authorized_keys.is_empty() {
+        authorize_keys(&home_dir, u, ids, host)?;
+    }
+    Ok(())
+}
+
+/// The account a `users` entry ends up as.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Account {
+    uid: u32,
+    gid: u32,
+    home: String,
+    /// New: its passwd line (and maybe its group's) was added to the texts.
+    created: bool,
+}
+
+/// The account for `u` in the `/etc/passwd` and `/etc/group` texts: the existing one (its
+/// uid must match the one asked for), or a new one whose lines are appended to the texts.
+fn account(u: &UserAccount, passwd: &mut String, group: &mut String) -> Result<Account, String> {
     let existing = passwd.lines().find_map(|l| {
         let f = fields(l);
         (f.len() >= 7 && f[0] == u.name).then(|| {
@@ -321,7 +354,7 @@ pub fn add_user(root: &Path, u: &UserAccount, host: &mut dyn Host) -> Result<(),
             )
         })
     });
-    let (uid, gid, home, created) = match existing {
+    match existing {
         Some((Some(uid), Some(gid), home)) => {
             if u.uid.is_some_and(|want| want != uid) {
                 return Err(format!(
@@ -330,85 +363,101 @@ pub fn add_user(root: &Path, u: &UserAccount, host: &mut dyn Host) -> Result<(),
                     u.uid.unwrap_or_default()
                 ));
             }
-            (uid, gid, home, false)
+            Ok(Account {
+                uid,
+                gid,
+                home,
+                created: false,
+            })
         }
-        Some(_) => return Err(format!("the /etc/passwd line of {} is malformed", u.name)),
+        Some(_) => Err(format!("the /etc/passwd line of {} is malformed", u.name)),
+        None => new_account(u, passwd, group),
+    }
+}
+
+/// A new account for `u`: the uid asked for (an error when taken) or the first free one, the
+/// group of its name (created, with gid = uid when free), and its passwd line appended.
+fn new_account(
+    u: &UserAccount,
+    passwd: &mut String,
+    group: &mut String,
+) -> Result<Account, String> {
+    let taken = ids(passwd, 2);
+    let uid = match u.uid {
+        Some(uid) if taken.contains(&uid) => {
+            let owner = passwd
+                .lines()
+                .map(fields)
+                .find(|f| f.get(2).and_then(|v| v.parse().ok()) == Some(uid))
+                .map(|f| f[0].to_owned())
+                .unwrap_or_default();
+            return Err(format!("uid {uid} is taken by {owner}"));
+        }
+        Some(uid) => uid,
+        None => free_id(&taken)?,
+    };
+    let gid = match gid_of(group, &u.name) {
+        Some(gid) => gid,
         None => {
-            let taken = ids(&passwd, 2);
-            let uid = match u.uid {
-                Some(uid) if taken.contains(&uid) => {
-                    let owner = passwd
-                        .lines()
-                        .map(fields)
-                        .find(|f| f.get(2).and_then(|v| v.parse().ok()) == Some(uid))
-                        .map(|f| f[0].to_owned())
-                        .unwrap_or_default();
-                    return Err(format!("uid {uid} is taken by {owner}"));
-                }
-                Some(uid) => uid,
-                None => free_id(&taken)?,
+            let taken = ids(group, 2);
+            let gid = if taken.contains(&uid) {
+                free_id(&taken)?
+            } else {
+                uid
             };
-            let gid = match gid_of(&group, &u.name) {
-                Some(gid) => gid,
-                None => {
-                    let taken = ids(&group, 2);
-                    let gid = if taken.contains(&uid) {
-                        free_id(&taken)?
-                    } else {
-                        uid
-                    };
-                    push_line(&mut group, &format!("{}:x:{gid}:", u.name));
-                    gid
-                }
-            };
-            let home = u
-                .homedir
-                .clone()
-                .unwrap_or_else(|| format!("/home/{}", u.name));
-            let shell = u.shell.as_deref().unwrap_or(DEFAULT_SHELL);
-            push_line(
-                &mut passwd,
-                &format!("{}:x:{uid}:{gid}::{home}:{shell}", u.name),
-            );
-            (uid, gid, home, true)
+            push_line(group, &format!("{}:x:{gid}:", u.name));
+            gid
         }
     };
-    for g in &u.groups {
-        group = with_member(&group, g, &u.name)?;
-    }
-    write_account_file(&group_path, &group)?;
-    if created {
-        write_account_file(&passwd_path, &passwd)?;
-        let shadow_path = root.join("etc/shadow");
-        if shadow_path.is_file() {
-            let mut shadow = read_or_empty(&shadow_path)?;
-            push_line(&mut shadow, &format!("{}:!::0:99999:7:::", u.name));
-            write_account_file(&shadow_path, &shadow)?;
-        }
-    }
-    let home_dir = inside(root, &home);
-    if created && !home_dir.exists() {
-        make_owned_dir(&home_dir, 0o755, (uid, gid), host)?;
-    }
-    if !u.ssh_authorized_keys.is_empty() {
-        let ssh = home_dir.join(".ssh");
-        if !ssh.exists() {
-            make_owned_dir(&ssh, 0o700, (uid, gid), host)?;
-        }
-        let keys = ssh.join("authorized_keys");
-        let mut text = read_or_empty(&keys)?;
-        for k in &u.ssh_authorized_keys {
-            if !text.lines().any(|l| l.trim() == k.trim()) {
-                push_line(&mut text, k.trim());
-            }
-        }
-        fs::write(&keys, text).map_err(|e| format!("writing {}: {e}", keys.display()))?;
-        host.chown(&keys, uid, gid)
-            .map_err(|e| format!("giving {} to {}: {e}", keys.display(), u.name))?;
-        fs::set_permissions(&keys, fs::Permissions::from_mode(0o600))
-            .map_err(|e| format!("setting the mode of {}: {e}", keys.display()))?;
+    let home = u
+        .homedir
+        .clone()
+        .unwrap_or_else(|| format!("/home/{}", u.name));
+    let shell = u.shell.as_deref().unwrap_or(DEFAULT_SHELL);
+    push_line(passwd, &format!("{}:x:{uid}:{gid}::{home}:{shell}", u.name));
+    Ok(Account {
+        uid,
+        gid,
+        home,
+        created: true,
+    })
+}
+
+/// Appends a locked `/etc/shadow` line for `name` when the image has that file.
+fn add_locked_shadow_line(root: &Path, name: &str) -> Result<(), String> {
+    let shadow_path = root.join("etc/shadow");
+    if shadow_path.is_file() {
+        let mut shadow = read_or_empty(&shadow_path)?;
+        push_line(&mut shadow, &format!("{name}:!::0:99999:7:::"));
+        write_account_file(&shadow_path, &shadow)?;
     }
     Ok(())
+}
+
+/// Adds the user's keys missing from `~/.ssh/authorized_keys` (the directory 0700 and the
+/// file 0600, both the user's).
+fn authorize_keys(
+    home_dir: &Path,
+    u: &UserAccount,
+    (uid, gid): (u32, u32),
+    host: &mut dyn Host,
+) -> Result<(), String> {
+    let ssh = home_dir.join(".ssh");
+    if !ssh.exists() {
+        make_owned_dir(&ssh, 0o700, (uid, gid), host)?;
+    }
+    let keys = ssh.join("authorized_keys");
+    let mut text = read_or_empty(&keys)?;
+    for k in &u.ssh_authorized_keys {
+        if !text.lines().any(|l| l.trim() == k.trim()) {
+            push_line(&mut text, k.trim());
+        }
+    }
+    fs::write(&keys, text).map_err(|e| format!("writing {}: {e}", keys.display()))?;
+    host.chown(&keys, uid, gid)
+        .map_err(|e| format!("giving {} to {}: {e}", keys.display(), u.name))?;
+    fs::set_permissions(&keys, fs::Permissions::from_mode(0o600))
+        .map_err(|e| format!("setting the mode of {}: {e}", keys.display()))
 }
 
 /// Appends `line` to account-file text, on a line of its own.
@@ -830,6 +879,60 @@ mod tests {
             root.read("/home/alice/.ssh/authorized_keys"),
             "ssh-ed25519 AAAA alice@x\n"
         );
+    }
+
+    #[test]
+    fn a_new_account_takes_the_next_free_gid_when_its_uid_is_a_group_id() {
+        let mut passwd = "root:x:0:0:root:/root:/bin/sh\n".to_owned();
+        let mut group = "root:x:0:\nstaff:x:1000:\n".to_owned();
+        let u = UserAccount {
+            name: "carol".into(),
+            ..Default::default()
+        };
+        let account = account(&u, &mut passwd, &mut group).unwrap();
+        assert_eq!(
+            account,
+            Account {
+                uid: 1000,
+                gid: 1001,
+                home: "/home/carol".into(),
+                created: true,
+            }
+        );
+        assert_eq!(
+            passwd,
+            "root:x:0:0:root:/root:/bin/sh\ncarol:x:1000:1001::/home/carol:/bin/sh\n"
+        );
+        assert_eq!(group, "root:x:0:\nstaff:x:1000:\ncarol:x:1001:\n");
+    }
+
+    #[test]
+    fn an_existing_account_keeps_its_ids_and_leaves_the_texts_alone() {
+        let before = "app:x:1000:1000::/srv/app:/bin/sh\n";
+        let (mut passwd, mut group) = (before.to_owned(), String::new());
+        let u = UserAccount {
+            name: "app".into(),
+            uid: Some(1000),
+            ..Default::default()
+        };
+        let account = account(&u, &mut passwd, &mut group).unwrap();
+        assert_eq!(
+            (account.uid, account.gid, account.created),
+            (1000, 1000, false)
+        );
+        assert_eq!(account.home, "/srv/app");
+        assert_eq!((passwd.as_str(), group.as_str()), (before, ""));
+
+        let other_uid = UserAccount {
+            uid: Some(1001),
+            ..u.clone()
+        };
+        let err = super::account(&other_uid, &mut passwd, &mut group).unwrap_err();
+        assert_eq!(err, "user app exists already with uid 1000, not 1001");
+
+        let mut malformed = "app:x:oops:1000::/srv/app:/bin/sh\n".to_owned();
+        let err = super::account(&u, &mut malformed, &mut group).unwrap_err();
+        assert_eq!(err, "the /etc/passwd line of app is malformed");
     }
 
     #[test]

@@ -25,6 +25,8 @@ use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::{Registry, Unit};
 use tokio::net::TcpListener;
 
+use crate::names;
+
 /// The media type of OpenMetrics text, as Prometheus asks for it.
 pub const OPENMETRICS_CONTENT_TYPE: &str =
     "application/openmetrics-text; version=1.0.0; charset=utf-8";
@@ -149,92 +151,22 @@ impl Default for Metrics {
 }
 
 impl Metrics {
-    /// A registry holding the operator's metrics, every phase gauge at 0.
+    /// A registry holding the operator's metrics, every phase gauge at 0, every conflict
+    /// series of [`CONFLICT_RESOURCES`] at 0 and the ImpVM controller's backlog at 0. Families
+    /// are registered area by area, in the order `/metrics` lists them.
     pub fn new() -> Self {
         let mut registry = Registry::default();
-        let vms = Family::<PhaseLabels, Gauge>::default();
-        for phase in PHASES {
-            let _ = vms.get_or_create(&PhaseLabels {
-                phase: phase.as_str().to_string(),
-            });
-        }
-        registry.register("imp_operator_vms", "ImpVMs by status.phase", vms.clone());
-        // 10 ms … ~82 s, doubling.
-        let schedule_latency = Histogram::new(exponential_buckets(0.01, 2.0, 14));
-        registry.register_with_unit(
-            "imp_operator_schedule_latency",
-            "Time from an ImpVM's creation to its Scheduled condition",
-            Unit::Seconds,
-            schedule_latency.clone(),
-        );
-        let reconciles = Family::<ControllerLabels, Counter>::default();
-        registry.register(
-            "imp_operator_reconciles",
-            "Reconciles run, by controller",
-            reconciles.clone(),
-        );
-        let reconcile_errors = Family::<ErrorLabels, Counter>::default();
-        registry.register(
-            "imp_operator_reconcile_errors",
-            "Reconciles that ended in an error, by controller and reason",
-            reconcile_errors.clone(),
-        );
-        let conflicts = Family::<ConflictLabels, Counter>::default();
-        for resource in CONFLICT_RESOURCES {
-            for write in [Write::Main, Write::Status] {
-                let _ = conflicts.get_or_create(&ConflictLabels {
-                    resource: resource.to_owned(),
-                    write: write.as_str().to_owned(),
-                });
-            }
-        }
-        registry.register(
-            "imp_operator_conflicts",
-            "Writes the API server refused with 409 Conflict because the object changed since \
-             the operator read it (every write carries the resourceVersion it was decided on), \
-             by resource and by write (main: the object; status: its status subresource). Each \
-             is read again and decided again; a steady rise is a conflict loop between writers",
-            conflicts.clone(),
-        );
-        let backlog = Family::<ControllerLabels, Gauge>::default();
-        let _ = backlog.get_or_create(&ControllerLabels {
-            controller: crate::controller::CONTROLLER_NAME.to_owned(),
-        });
-        registry.register(
-            "imp_operator_reconcile_backlog",
-            "Objects a watch event asked the controller to reconcile (their own change, or a \
-             change of a Node, class, template, network or config that affects them) whose \
-             reconcile has not started yet. kube-runtime keeps its queue private, so this counts \
-             the triggers imp hands it, merged per object as the queue merges them; timed \
-             requeues are not counted. 0 when idle; sustained growth means reconciles cannot \
-             keep up",
-            backlog.clone(),
-        );
-        let queue_depth = Gauge::default();
-        registry.register(
-            "imp_operator_queue_depth",
-            "ImpVMs waiting for a node: unplaced and not finished (the reconcile backlog is \
-             imp_operator_reconcile_backlog)",
-            queue_depth.clone(),
-        );
+        let (vms, schedule_latency) = register_vms(&mut registry);
+        let (reconciles, reconcile_errors) = register_reconciles(&mut registry);
+        let conflicts = register_conflicts(&mut registry);
+        let (backlog, queue_depth) = register_queues(&mut registry);
         let is_leader = Gauge::default();
         registry.register(
             "imp_operator_is_leader",
             "1 while this replica holds the leader lease, else 0",
             is_leader.clone(),
         );
-        let ipam_allocations = Family::<NetworkLabels, Gauge>::default();
-        registry.register(
-            "imp_operator_ipam_allocations",
-            "Addresses allocated on an ImpNetwork (namespace/name)",
-            ipam_allocations.clone(),
-        );
-        let ipam_free = Family::<NetworkLabels, Gauge>::default();
-        registry.register(
-            "imp_operator_ipam_free_addresses",
-            "Addresses an ImpNetwork (namespace/name) can still hand out to ungrouped VMs",
-            ipam_free.clone(),
-        );
+        let (ipam_allocations, ipam_free) = register_ipam(&mut registry);
         Self {
             registry,
             vms,
@@ -355,6 +287,116 @@ impl Metrics {
             .map_err(MetricsError::Encode)?;
         Ok(out)
     }
+}
+
+/// `imp_operator_vms` (every phase at 0) and `imp_operator_schedule_latency_seconds`.
+fn register_vms(registry: &mut Registry) -> (Family<PhaseLabels, Gauge>, Histogram) {
+    let vms = Family::<PhaseLabels, Gauge>::default();
+    for phase in PHASES {
+        let _ = vms.get_or_create(&PhaseLabels {
+            phase: phase.as_str().to_string(),
+        });
+    }
+    registry.register("imp_operator_vms", "ImpVMs by status.phase", vms.clone());
+    // 10 ms … ~82 s, doubling.
+    let schedule_latency = Histogram::new(exponential_buckets(0.01, 2.0, 14));
+    registry.register_with_unit(
+        "imp_operator_schedule_latency",
+        "Time from an ImpVM's creation to its Scheduled condition",
+        Unit::Seconds,
+        schedule_latency.clone(),
+    );
+    (vms, schedule_latency)
+}
+
+/// `imp_operator_reconciles_total` and `imp_operator_reconcile_errors_total`, by controller.
+fn register_reconciles(
+    registry: &mut Registry,
+) -> (
+    Family<ControllerLabels, Counter>,
+    Family<ErrorLabels, Counter>,
+) {
+    let reconciles = Family::<ControllerLabels, Counter>::default();
+    registry.register(
+        "imp_operator_reconciles",
+        "Reconciles run, by controller",
+        reconciles.clone(),
+    );
+    let reconcile_errors = Family::<ErrorLabels, Counter>::default();
+    registry.register(
+        "imp_operator_reconcile_errors",
+        "Reconciles that ended in an error, by controller and reason",
+        reconcile_errors.clone(),
+    );
+    (reconciles, reconcile_errors)
+}
+
+/// `imp_operator_conflicts_total`, every resource of [`CONFLICT_RESOURCES`] and write at 0.
+fn register_conflicts(registry: &mut Registry) -> Family<ConflictLabels, Counter> {
+    let conflicts = Family::<ConflictLabels, Counter>::default();
+    for resource in CONFLICT_RESOURCES {
+        for write in [Write::Main, Write::Status] {
+            let _ = conflicts.get_or_create(&ConflictLabels {
+                resource: resource.to_owned(),
+                write: write.as_str().to_owned(),
+            });
+        }
+    }
+    registry.register(
+        "imp_operator_conflicts",
+        "Writes the API server refused with 409 Conflict because the object changed since \
+         the operator read it (every write carries the resourceVersion it was decided on), \
+         by resource and by write (main: the object; status: its status subresource). Each \
+         is read again and decided again; a steady rise is a conflict loop between writers",
+        conflicts.clone(),
+    );
+    conflicts
+}
+
+/// The two queues: `imp_operator_reconcile_backlog` (the ImpVM controller's at 0) and
+/// `imp_operator_queue_depth`.
+fn register_queues(registry: &mut Registry) -> (Family<ControllerLabels, Gauge>, Gauge) {
+    let backlog = Family::<ControllerLabels, Gauge>::default();
+    let _ = backlog.get_or_create(&ControllerLabels {
+        controller: names::VM_CONTROLLER.to_owned(),
+    });
+    registry.register(
+        "imp_operator_reconcile_backlog",
+        "Objects a watch event asked the controller to reconcile (their own change, or a \
+         change of a Node, class, template, network or config that affects them) whose \
+         reconcile has not started yet. kube-runtime keeps its queue private, so this counts \
+         the triggers imp hands it, merged per object as the queue merges them; timed \
+         requeues are not counted. 0 when idle; sustained growth means reconciles cannot \
+         keep up",
+        backlog.clone(),
+    );
+    let queue_depth = Gauge::default();
+    registry.register(
+        "imp_operator_queue_depth",
+        "ImpVMs waiting for a node: unplaced and not finished (the reconcile backlog is \
+         imp_operator_reconcile_backlog)",
+        queue_depth.clone(),
+    );
+    (backlog, queue_depth)
+}
+
+/// `imp_operator_ipam_allocations` and `imp_operator_ipam_free_addresses`, by network.
+fn register_ipam(
+    registry: &mut Registry,
+) -> (Family<NetworkLabels, Gauge>, Family<NetworkLabels, Gauge>) {
+    let ipam_allocations = Family::<NetworkLabels, Gauge>::default();
+    registry.register(
+        "imp_operator_ipam_allocations",
+        "Addresses allocated on an ImpNetwork (namespace/name)",
+        ipam_allocations.clone(),
+    );
+    let ipam_free = Family::<NetworkLabels, Gauge>::default();
+    registry.register(
+        "imp_operator_ipam_free_addresses",
+        "Addresses an ImpNetwork (namespace/name) can still hand out to ungrouped VMs",
+        ipam_free.clone(),
+    );
+    (ipam_allocations, ipam_free)
 }
 
 /// Liveness and readiness verdicts, each `Ok` or a one-line reason it is not.

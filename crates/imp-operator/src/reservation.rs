@@ -29,7 +29,7 @@ use k8s_openapi::api::core::v1::{
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
 
-use crate::schedule::{parse_bytes, parse_cpu_milli};
+use crate::quantity::{parse_bytes, parse_cpu_milli};
 
 /// Label on every reservation Pod (value `"true"`).
 pub const LABEL_RESERVATION: &str = "imp.dev/reservation";

@@ -54,6 +54,7 @@ use imp_api::shared::{
 };
 use k8s_openapi::api::core::v1::{Node, Taint, Toleration};
 
+use crate::quantity::{parse_bytes, parse_cpu_milli};
 use crate::reservation::Load;
 
 /// The capacity fraction used when neither the profile nor the cluster config sets one.
@@ -520,47 +521,6 @@ fn singular(reason: &str, n: usize) -> String {
         }
     }
     reason.to_owned()
-}
-
-/// Parses a Kubernetes CPU quantity ("4", "3500m", "0.5") into millicores.
-pub fn parse_cpu_milli(q: &str) -> Option<i64> {
-    let q = q.trim();
-    if let Some(m) = q.strip_suffix('m') {
-        return m.parse::<i64>().ok();
-    }
-    q.parse::<f64>().ok().map(|c| (c * 1000.0).round() as i64)
-}
-
-/// Parses a Kubernetes memory quantity ("8Gi", "8388608Ki", "1G", "1024") into bytes.
-pub fn parse_bytes(q: &str) -> Option<u64> {
-    let q = q.trim();
-    const UNITS: [(&str, u64); 12] = [
-        ("Ki", 1 << 10),
-        ("Mi", 1 << 20),
-        ("Gi", 1 << 30),
-        ("Ti", 1 << 40),
-        ("Pi", 1 << 50),
-        ("Ei", 1 << 60),
-        ("k", 1_000),
-        ("M", 1_000_000),
-        ("G", 1_000_000_000),
-        ("T", 1_000_000_000_000),
-        ("P", 1_000_000_000_000_000),
-        ("E", 1_000_000_000_000_000_000),
-    ];
-    for (suffix, mult) in UNITS {
-        if let Some(n) = q.strip_suffix(suffix) {
-            return n
-                .parse::<f64>()
-                .ok()
-                .filter(|v| *v >= 0.0)
-                .map(|v| (v * mult as f64) as u64);
-        }
-    }
-    q.parse::<f64>()
-        .ok()
-        .filter(|v| *v >= 0.0)
-        .map(|v| v as u64)
 }
 
 #[cfg(test)]
@@ -1149,18 +1109,6 @@ mod tests {
             m,
             "3 nodes: 1 is arm64 not amd64, 2 run no firecracker (imp.dev/runtimes=qemu)"
         );
-    }
-
-    #[test]
-    fn quantities_parse() {
-        assert_eq!(parse_cpu_milli("4"), Some(4000));
-        assert_eq!(parse_cpu_milli("3500m"), Some(3500));
-        assert_eq!(parse_cpu_milli("0.5"), Some(500));
-        assert_eq!(parse_bytes("8Gi"), Some(8 << 30));
-        assert_eq!(parse_bytes("1024Ki"), Some(1 << 20));
-        assert_eq!(parse_bytes("1G"), Some(1_000_000_000));
-        assert_eq!(parse_bytes("2048"), Some(2048));
-        assert_eq!(parse_bytes("lots"), None);
     }
 
     #[test]

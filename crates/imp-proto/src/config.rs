@@ -1,7 +1,6 @@
 //! The guest configuration file (`/.imp/config.json`): what the host writes is what the guest
 //! reads, because both use these types.
 
-use crate::message::EnvVar;
 use serde::{Deserialize, Serialize};
 use std::net::{IpAddr, Ipv4Addr};
 
@@ -25,6 +24,26 @@ pub enum ConfigError {
         /// Why.
         reason: String,
     },
+}
+
+/// One environment variable (of the workload, or added to an exec), kept in order so later entries override earlier ones.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EnvVar {
+    /// The variable's name (no `=`).
+    pub name: String,
+    /// The variable's value.
+    #[serde(default)]
+    pub value: String,
+}
+
+impl EnvVar {
+    /// Builds a variable from a name and a value.
+    pub fn new(name: impl Into<String>, value: impl Into<String>) -> Self {
+        Self {
+            name: name.into(),
+            value: value.into(),
+        }
+    }
 }
 
 /// Everything the guest init needs to know about its VM and workload.

@@ -1,5 +1,6 @@
 //! The messages exchanged on a guest connection, in both directions.
 
+pub use crate::config::EnvVar;
 use crate::config::{GuestConfig, NetworkConfig};
 use serde::{Deserialize, Serialize};
 use std::fmt;
@@ -77,26 +78,6 @@ impl Hello {
     /// The software string as it may be logged ([`escape`]d): the peer chose it.
     pub fn software_escaped(&self) -> String {
         escape(&self.software)
-    }
-}
-
-/// One environment variable, kept in order so later entries override earlier ones.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct EnvVar {
-    /// The variable's name (no `=`).
-    pub name: String,
-    /// The variable's value.
-    #[serde(default)]
-    pub value: String,
-}
-
-impl EnvVar {
-    /// Builds a variable from a name and a value.
-    pub fn new(name: impl Into<String>, value: impl Into<String>) -> Self {
-        Self {
-            name: name.into(),
-            value: value.into(),
-        }
     }
 }
 

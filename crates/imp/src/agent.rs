@@ -1,33 +1,22 @@
-//! `imp agent`: the node agent, the DaemonSet's process on every node.
+//! `imp agent`: the node agent, the DaemonSet's process on every node. This file only parses
+//! flags into `imp_agent::node::agent::Config` and runs it until SIGTERM.
 //!
 //! Flags have environment fallbacks, and the Go agent's variable names are accepted too
 //! (`NODE_NAME`, `NODE_IP`, `FC_BIN`, `FC_KERNEL`, `FC_KERNEL_ARGS`, `IMP_IMAGE_CACHE`), so the
-//! same chart wiring works. The agent probes what the node can run, serves `/metrics`,
-//! `/healthz` and `/readyz`, and reconciles the ImpVMs placed on its node until SIGTERM; VMs
-//! run under their own shims and keep running when the agent stops.
+//! same chart wiring works.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context as _;
-use imp_agent::api::auth::KubeReviewer;
-use imp_agent::api::server::{AgentApi, ApiConfig};
-use imp_agent::api::tls::{Identity, Kept};
-use imp_agent::net::{NetSettings, NodeNet};
-use imp_agent::node::advertise;
-use imp_agent::node::boot::BootSettings;
-use imp_agent::node::capabilities::{self, DefaultRuntime, HostFiles};
-use imp_agent::node::metrics::{self, Health, Metrics};
-use imp_agent::node::network;
-use imp_agent::node::reconciler::{self, Context, Settings};
+use imp_agent::api::sessions::SessionLimits;
+use imp_agent::node::agent::{self, Config, NetworkConfig};
+use imp_agent::node::capabilities::{DefaultRuntime, HostFiles};
 use imp_agent::node::serial;
-use imp_agent::runtime::shim::ShimCommand;
-use imp_agent::runtime::spec::Runtime;
-use imp_agent::runtime::state::StateDir;
+use imp_api::shared::VmRuntime;
 
-use crate::local::parse_duration;
+use crate::args::parse_duration;
 use crate::shutdown;
 
 /// The VMM for VMs whose class names none.
@@ -218,6 +207,23 @@ fn host_file(flag: Option<PathBuf>, env: &str, in_target: &str, standard: &str) 
 }
 
 async fn run(args: Args) -> anyhow::Result<()> {
+    let config = config(args)?;
+    let mut client_config = kube::Config::infer()
+        .await
+        .context("loading the Kubernetes client config (KUBECONFIG or in-cluster)")?;
+    client_config.headers.push((
+        http::header::USER_AGENT,
+        http::HeaderValue::from_static(concat!("imp-agent/", env!("CARGO_PKG_VERSION"))),
+    ));
+    let (_stop_tx, stop_rx) =
+        shutdown::on_signals("shutting down; VMs keep running under their shims");
+    agent::run(config, client_config, stop_rx).await?;
+    Ok(())
+}
+
+/// The agent's configuration from its flags: host files found, choices mapped, the node's
+/// address checked.
+fn config(args: Args) -> anyhow::Result<Config> {
     let kernel = host_file(
         args.kernel,
         "IMP_KERNEL",
@@ -236,77 +242,42 @@ async fn run(args: Args) -> anyhow::Result<()> {
         "imp-guest/imp-guest",
         "/var/lib/imp/imp-guest",
     );
-    let state = StateDir::new(args.state_dir);
-    let cache_dir = args.image_cache.unwrap_or_else(|| state.cache());
-    // What unpacks killed half-way (an agent or shim stopped mid-pull) left behind.
-    let images = imp_agent::image::ImageStore::new(
-        cache_dir.join("images"),
-        imp_agent::image::Limits::default(),
-    );
-    if let Err(e) = images.remove_stale().await {
-        tracing::warn!(error = %format!("{e:#}"), "removing stale image temporaries");
-    }
-    let image_cache_max_bytes = Some(args.image_cache_max_bytes).filter(|b| *b > 0);
-    let image_cache = image_cache_max_bytes.map(|budget| {
-        tokio::spawn(imp_agent::node::disk::keep_image_cache(
-            images.clone(),
-            state.clone(),
-            budget,
-        ))
-    });
-    let files = HostFiles {
-        kernel,
-        modules,
-        guest,
-        firecracker: args.firecracker,
-    };
-    let default_runtime = match args.runtime {
-        RuntimeChoice::Auto => DefaultRuntime::Auto,
-        RuntimeChoice::Qemu => DefaultRuntime::Fixed(Runtime::Qemu),
-        RuntimeChoice::Firecracker => DefaultRuntime::Fixed(Runtime::Firecracker),
-    };
-    let caps = capabilities::probe(&files, default_runtime, &cache_dir).await;
-    let node = args.node_name.clone();
-    match caps.not_ready() {
-        None => tracing::info!(
-            node,
-            runtime = caps.default_runtime.as_str(),
-            "node can run VMs"
+    let node_ip = match &args.node_ip {
+        Some(ip) => Some(
+            ip.parse()
+                .with_context(|| format!("--node-ip (NODE_IP) {ip:?} is not an IPv4 address"))?,
         ),
-        Some(ref p) => tracing::error!(node, problem = %p, "node cannot run VMs as configured"),
-    }
-    if let Some(note) = capabilities::unavailable_note(&caps) {
-        tracing::info!(node, problem = %note, "a runtime is unavailable");
-    }
-    let runtimes = advertise::runtimes_annotation(&caps);
-    let health = Arc::new(Health::new());
-    let metrics = Arc::new(Metrics::new());
-    let listener = metrics::bind(args.metrics_addr).await?;
-    tracing::info!(addr = %listener.local_addr().context("reading the ops address")?, "serving /metrics, /healthz and /readyz");
-
-    let mut config = kube::Config::infer()
-        .await
-        .context("loading the Kubernetes client config (KUBECONFIG or in-cluster)")?;
-    config.headers.push((
-        http::header::USER_AGENT,
-        http::HeaderValue::from_static(concat!("imp-agent/", env!("CARGO_PKG_VERSION"))),
-    ));
-    let api_server = api_server_address(&config);
-    let client = kube::Client::try_from(config).context("building the Kubernetes client")?;
-    let cgroup_parent = Some(args.cgroup_parent).filter(|p| !p.is_empty());
-    let settings = Settings {
-        node: node.clone(),
-        state,
-        shim: ShimCommand::current_exe().context("finding the imp binary")?,
-        boot: BootSettings {
-            files,
-            extra_kernel_args: args.kernel_args,
-            boot_timeout: args.boot_timeout,
-            cgroup_parent,
-            cache_dir,
-            image_max_bytes: args.image_max_bytes,
-            image_cache_max_bytes,
+        None => None,
+    };
+    Ok(Config {
+        node: args.node_name,
+        node_ip,
+        state_dir: args.state_dir,
+        image_cache: args.image_cache,
+        image_max_bytes: args.image_max_bytes,
+        image_cache_max_bytes: args.image_cache_max_bytes,
+        files: HostFiles {
+            kernel,
+            modules,
+            guest,
+            firecracker: args.firecracker,
         },
+        kernel_args: args.kernel_args,
+        default_runtime: match args.runtime {
+            RuntimeChoice::Auto => DefaultRuntime::Auto,
+            RuntimeChoice::Qemu => DefaultRuntime::Fixed(VmRuntime::Qemu),
+            RuntimeChoice::Firecracker => DefaultRuntime::Fixed(VmRuntime::Firecracker),
+        },
+        cgroup_parent: Some(args.cgroup_parent).filter(|p| !p.is_empty()),
+        metrics_addr: args.metrics_addr,
+        api_addr: args.api_addr,
+        api_advertise: args.api_advertise,
+        tls: args.tls_cert.zip(args.tls_key),
+        sessions: SessionLimits {
+            per_vm: args.api_max_sessions_per_vm,
+            per_caller: args.api_max_sessions_per_caller,
+        },
+        boot_timeout: args.boot_timeout,
         stop_grace: args.stop_grace,
         suspend_retry: args.suspend_retry,
         resume_reserve_mib: args.resume_reserve_mib,
@@ -319,270 +290,15 @@ async fn run(args: Args) -> anyhow::Result<()> {
             lines_per_sec: args.serial_log_rate,
             burst: args.serial_log_burst,
         },
-        poll: Duration::from_millis(250),
-    };
-    health.set_ready(caps.not_ready());
-    let vtep: Option<std::net::Ipv4Addr> = match &args.node_ip {
-        Some(ip) => Some(
-            ip.parse()
-                .with_context(|| format!("--node-ip (NODE_IP) {ip:?} is not an IPv4 address"))?,
-        ),
-        None => None,
-    };
-    let state_dir = settings.state.clone();
-    let mut ctx = Context::new(client.clone(), settings, caps, metrics.clone());
-    let mut fencing = None;
-    if !args.fence_after.is_zero() {
-        let s = imp_agent::node::fence::Settings {
-            node: node.clone(),
-            namespace: args.lease_namespace.clone(),
-            fence_after: args.fence_after,
-            renew_every: (args.fence_after / 3).max(Duration::from_millis(500)),
-        };
-        let fence = Arc::new(imp_agent::node::fence::Fence::default());
-        ctx = ctx.with_fence(fence.clone());
-        let lease = tokio::spawn(imp_agent::node::fence::keep_lease(
-            client.clone(),
-            s.clone(),
-            fence.clone(),
-        ));
-        let watchdog = tokio::spawn(imp_agent::node::fence::watchdog(
-            state_dir.clone(),
-            s,
-            fence,
-            metrics.clone(),
-        ));
-        fencing = Some((lease, watchdog));
-    }
-    let mut network_watch = None;
-    let mut links = None;
-    if !args.no_network {
-        let net = Arc::new(
-            NodeNet::new(NetSettings {
-                vtep,
-                vxlan_port: args.vxlan_port,
-                nft: args.nft.clone(),
-                egress_deny: args.egress_deny.clone(),
-                api_server,
-            })
-            .context("opening the node's netlink socket")?,
-        );
-        links = Some(net.netlink());
-        network::adopt(&net, &state_dir).await;
-        if let Err(e) = net.sync().await {
-            tracing::warn!(error = %imp_agent::net::chain(&e), "first sync of the node's networks");
-        }
-        network_watch = Some(tokio::spawn(network::watch(
-            client.clone(),
-            net.clone(),
-            metrics.clone(),
-        )));
-        ctx = ctx.with_network(net);
-        tracing::info!(node, vtep = ?vtep, vxlan_port = args.vxlan_port, "wiring VM networks on this node");
-    }
-    let ctx = Arc::new(ctx);
-    let api_listener = tokio::net::TcpListener::bind(args.api_addr)
-        .await
-        .with_context(|| format!("binding the agent API to {}", args.api_addr))?;
-    let bound = api_listener
-        .local_addr()
-        .context("reading the API address")?;
-    let identity = match (&args.tls_cert, &args.tls_key) {
-        (Some(cert), Some(key)) => Identity::from_pem_files(cert, key)?,
-        _ => {
-            let mut names = vec![node.clone()];
-            names.extend(args.node_ip.clone());
-            let dir = state_dir.root().join("tls");
-            let (identity, kept) = Identity::persistent(&dir, &names)?;
-            match kept {
-                Kept::Reused => {}
-                Kept::Created => {
-                    tracing::info!(dir = %dir.display(), "made the agent API's certificate")
-                }
-                Kept::Replaced(why) => tracing::warn!(dir = %dir.display(), why,
-                    "the kept agent API certificate was unusable; made a new one (clients pin its new fingerprint once the Node shows it)"),
-            }
-            identity
-        }
-    };
-    let advertise = args
-        .api_advertise
-        .clone()
-        .unwrap_or_else(|| match &args.node_ip {
-            Some(ip) if bound.ip().is_unspecified() => format!("{ip}:{}", bound.port()),
-            _ => bound.to_string(),
-        });
-    // Published in the background: a Node that is not there yet (or a missing RBAC rule) must
-    // not keep the agent from running its VMs; it is retried until it works.
-    let publisher = {
-        let published = Published {
-            endpoint: advertise.clone(),
-            fingerprint: identity.fingerprint().to_owned(),
-            vtep: vtep.map(|v| v.to_string()),
-            runtimes,
-        };
-        let (client, node) = (client.clone(), node.clone());
-        tokio::spawn(async move {
-            while let Err(e) = publish_endpoint(&client, &node, &published).await {
-                tracing::warn!(node, error = %format!("{e:#}"), "cannot publish the agent API's address yet; retrying in 10 s");
-                tokio::time::sleep(Duration::from_secs(10)).await;
-            }
-            tracing::info!(
-                node,
-                endpoint = published.endpoint,
-                runtimes = published.runtimes,
-                "published the agent API's address and the node's runtimes on the Node"
-            );
-        })
-    };
-    let cpu_model = advertise::host_cpu_model().map(|model| {
-        tokio::spawn(advertise::keep_cpu_model(
-            client.clone(),
-            node.clone(),
-            model,
-            reconciler::FIELD_MANAGER,
-        ))
-    });
-    let serial_logs = (args.serial_log_max_bytes > 0).then(|| {
-        tokio::spawn(imp_agent::node::disk::keep_serial_logs(
-            state_dir.clone(),
-            args.serial_log_max_bytes,
-        ))
-    });
-    let disk_report = tokio::spawn(imp_agent::node::disk::keep_disk_report(
-        client.clone(),
-        node.clone(),
-        state_dir.root().to_path_buf(),
-        metrics.clone(),
-        reconciler::FIELD_MANAGER,
-    ));
-    if ctx.load_vms().await.is_none() {
-        tracing::warn!(state = %state_dir.root().display(), "cannot list the VM records yet; the agent API knows no VM until the first poll");
-    }
-    let api = AgentApi::new(
-        ctx.vms(),
-        Arc::new(KubeReviewer::new(client.clone())),
-        ApiConfig {
-            sessions: imp_agent::api::sessions::SessionLimits {
-                per_vm: args.api_max_sessions_per_vm,
-                per_caller: args.api_max_sessions_per_caller,
-            },
-            ..ApiConfig::default()
-        },
-    );
-    tracing::info!(addr = %bound, advertise, "serving the authenticated exec and console API");
-
-    let (_stop_tx, stop_rx) =
-        shutdown::on_signals("shutting down; VMs keep running under their shims");
-    let stopped = shutdown::stopped;
-    let ops = tokio::spawn(metrics::serve(
-        listener,
-        metrics.clone(),
-        health,
-        stopped(stop_rx.clone()),
-    ));
-    let server = tokio::spawn(api.clone().serve(
-        api_listener,
-        identity.server_config()?,
-        stopped(stop_rx.clone()),
-    ));
-    let guest_metrics = tokio::spawn(imp_agent::node::guest_metrics::run(
-        ctx.vms(),
-        metrics.clone(),
-        imp_agent::node::guest_metrics::Settings {
-            node: node.clone(),
-            every: args.guest_metrics_interval,
-            timeout: args.guest_metrics_timeout,
-            links,
-        },
-        stopped(stop_rx.clone()),
-    ));
-    let gauges = tokio::spawn(async move {
-        loop {
-            metrics.set_api_sessions(api.exec_sessions(), api.console_streams());
-            tokio::time::sleep(Duration::from_secs(1)).await;
-        }
-    });
-    let snapshots = tokio::spawn(imp_agent::node::snapshots::run(
-        Arc::new(imp_agent::node::snapshots::Context::new(
-            client.clone(),
-            args.node_name.clone(),
-            state_dir.clone(),
-        )),
-        stopped(stop_rx.clone()),
-    ));
-    reconciler::run(ctx, stopped(stop_rx)).await;
-    if let Some((lease, watchdog)) = fencing {
-        watchdog.abort();
-        lease.abort();
-    }
-    snapshots.abort();
-    guest_metrics.abort();
-    ops.abort();
-    server.abort();
-    gauges.abort();
-    publisher.abort();
-    disk_report.abort();
-    if let Some(t) = serial_logs {
-        t.abort();
-    }
-    if let Some(t) = image_cache {
-        t.abort();
-    }
-    if let Some(t) = cpu_model {
-        t.abort();
-    }
-    if let Some(w) = network_watch {
-        w.abort();
-    }
-    Ok(())
-}
-
-/// What the agent publishes on its Node's annotations.
-struct Published {
-    /// `host:port` of the agent API.
-    endpoint: String,
-    /// SHA-256 of its certificate.
-    fingerprint: String,
-    /// The node's VXLAN address.
-    vtep: Option<String>,
-    /// The runtimes that can run VMs here (`imp.dev/runtimes`).
-    runtimes: String,
-}
-
-/// Writes where the agent API is and its certificate's fingerprint on this node's Node object,
-/// where `imp exec` and `imp console` read them, the node's VXLAN address, which the
-/// operator copies into the VTEP tables, and the runtimes the node can run, which the
-/// scheduler matches with classes' `runtime`.
-/// The API server's address as the agent reaches it, when it is an IPv4 address (in a Pod: the
-/// `kubernetes` Service's), which guests are never let reach.
-fn api_server_address(config: &kube::Config) -> Option<std::net::Ipv4Addr> {
-    config.cluster_url.host()?.parse().ok()
-}
-
-async fn publish_endpoint(
-    client: &kube::Client,
-    node: &str,
-    published: &Published,
-) -> anyhow::Result<()> {
-    use imp_api::shared::{
-        ANNOTATION_AGENT_CERT_SHA256, ANNOTATION_AGENT_ENDPOINT, ANNOTATION_RUNTIMES,
-        ANNOTATION_VTEP_ADDRESS,
-    };
-    let nodes: kube::Api<k8s_openapi::api::core::v1::Node> = kube::Api::all(client.clone());
-    let patch = serde_json::json!({"metadata": {"annotations": {
-        ANNOTATION_AGENT_ENDPOINT: published.endpoint,
-        ANNOTATION_AGENT_CERT_SHA256: published.fingerprint,
-        ANNOTATION_VTEP_ADDRESS: published.vtep,
-        ANNOTATION_RUNTIMES: published.runtimes,
-    }}});
-    nodes
-        .patch(
-            node,
-            &kube::api::PatchParams::apply(reconciler::FIELD_MANAGER),
-            &kube::api::Patch::Merge(&patch),
-        )
-        .await
-        .with_context(|| format!("publishing the agent API's address on Node {node}"))?;
-    Ok(())
+        serial_log_max_bytes: args.serial_log_max_bytes,
+        network: (!args.no_network).then_some(NetworkConfig {
+            vxlan_port: args.vxlan_port,
+            nft: args.nft,
+            egress_deny: args.egress_deny,
+        }),
+        guest_metrics_interval: args.guest_metrics_interval,
+        guest_metrics_timeout: args.guest_metrics_timeout,
+        lease_namespace: args.lease_namespace,
+        fence_after: args.fence_after,
+    })
 }

@@ -74,7 +74,7 @@ pub fn one_line(err: &anyhow::Error) -> String {
         }
         parts.push(text.to_owned());
     }
-    imp_agent::image::layers::escape_controls(&parts.join(": "))
+    imp_image::layers::escape_controls(&parts.join(": "))
 }
 
 /// Prints `err` to stderr (one line, or with `debug` every cause and the backtrace) and

@@ -15,6 +15,7 @@ use anyhow::Context;
 use clap::{CommandFactory, Parser, Subcommand};
 
 mod agent;
+mod args;
 mod cluster;
 mod exit;
 mod local;
@@ -45,9 +46,9 @@ enum Command {
     Run(Box<local::RunArgs>),
     /// Run a command in a VM: a local one, or an ImpVM with -n/--kubeconfig/--context.
     #[command(after_help = exit::HELP)]
-    Exec(local::ExecArgs),
+    Exec(args::ExecArgs),
     /// List VMs: the local ones, or a cluster's ImpVMs with -n/-A/--kubeconfig/--context.
-    Ps(local::PsArgs),
+    Ps(args::PsArgs),
     /// Show the CPU, memory and disk use of a cluster's ImpVMs (-n), as their guests report it.
     Top(cluster::top::TopArgs),
     /// Stop local VMs (SIGTERM to the workload, then power off).
@@ -55,16 +56,16 @@ enum Command {
     /// Remove local VMs that have ended (their disk, logs and record).
     Rm(local::RmArgs),
     /// Show a VM's serial console: a local one, or an ImpVM with -n/--kubeconfig/--context.
-    Console(local::ConsoleArgs),
+    Console(args::ConsoleArgs),
     /// Print a VM's serial console (-f: follow it): a local one, or an ImpVM with
     /// -n/--kubeconfig/--context.
-    Logs(local::LogsArgs),
+    Logs(args::LogsArgs),
     /// Suspend a VM to a snapshot on its node (its memory is freed): a local one, or an ImpVM
     /// with -n/--kubeconfig/--context (sets spec.desiredState).
-    Suspend(local::SuspendArgs),
+    Suspend(args::SuspendArgs),
     /// Resume a suspended VM from its snapshot: a local one, or an ImpVM with
     /// -n/--kubeconfig/--context (sets spec.desiredState).
-    Resume(local::SuspendArgs),
+    Resume(args::SuspendArgs),
     /// Manage the local image cache.
     #[command(subcommand)]
     Image(ImageCommand),
@@ -219,11 +220,7 @@ fn shim(args: ShimArgs) -> anyhow::Result<()> {
         .enable_all()
         .build()
         .context("starting the async runtime")?
-        .block_on(imp_agent::runtime::supervisor::run(
-            state,
-            args.id.clone(),
-            tap,
-        ))
+        .block_on(imp_agent::runtime::shim::run(state, args.id.clone(), tap))
         .with_context(|| format!("supervising VM {}", args.id))
 }
 

@@ -1,19 +1,20 @@
 //! `imp operator`: the controller-manager process.
 //!
-//! Connects with the ambient kubeconfig (`KUBECONFIG`, or in-cluster), serves `/metrics`,
-//! `/healthz` and `/readyz`, optionally the admission webhook, and runs the ImpVM controller —
-//! with `--leader-elect` only while it holds the Lease, exiting when leadership is lost (like
-//! controller-runtime) so that a restart starts from a clean cache.
+//! Turns its flags into an [`imp_operator::process::Config`] and runs it
+//! ([`imp_operator::process::run`]): it connects with the ambient kubeconfig (`KUBECONFIG`, or
+//! in-cluster), serves `/metrics`, `/healthz` and `/readyz`, optionally the admission webhook,
+//! and runs every controller — with `--leader-elect` only while it holds the Lease, exiting
+//! with status 1 when leadership is lost (like controller-runtime) so that a restart starts
+//! from a clean cache.
 
 use std::net::SocketAddr;
-use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use imp_operator::controller::{self, Settings};
-use imp_operator::leader::{LeaderElector, LeaseConfig};
-use imp_operator::metrics::{self, Health, Metrics};
-use tokio::sync::watch;
+use imp_operator::leader::LeaseConfig;
+use imp_operator::process::{self, Config};
+use imp_operator::reservation::PodSettings;
+use imp_operator::vm::Settings;
 
 use crate::shutdown;
 
@@ -98,31 +99,42 @@ fn secs(name: &str, v: f64) -> anyhow::Result<Duration> {
         .with_context(|| format!("--{name} must be a non-negative number of seconds, got {v}"))
 }
 
-/// Runs the operator until it is told to stop.
+/// Runs the operator until it is told to stop; exits with status 1 when it loses leadership.
 pub fn main(args: Args) -> anyhow::Result<()> {
     crate::logging::init(args.log_json);
     let _ = rustls::crypto::ring::default_provider().install_default();
-    tokio::runtime::Builder::new_multi_thread()
+    let config = config(&args)?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
-        .context("starting the tokio runtime")?
-        .block_on(run(args))
+        .context("starting the tokio runtime")?;
+    let ran = runtime.block_on(async {
+        let (stop, _stopping) = shutdown::on_signals("shutting down");
+        process::run(config, stop).await
+    });
+    match ran {
+        // At once, without waiting for the controllers or the runtime's tasks.
+        Err(process::Error::LostLeadership) => std::process::exit(1),
+        r => Ok(r?),
+    }
 }
 
-async fn run(args: Args) -> anyhow::Result<()> {
-    let mut config = kube::Config::infer()
-        .await
-        .context("loading the Kubernetes client config (KUBECONFIG or in-cluster)")?;
-    config.headers.push((
-        http::header::USER_AGENT,
-        http::HeaderValue::from_static(concat!("imp-operator/", env!("CARGO_PKG_VERSION"))),
-    ));
-    let client = kube::Client::try_from(config).context("building the Kubernetes client")?;
-    let identity = args.identity.clone().unwrap_or_else(|| {
+/// The identity of this replica: `--identity`, else `$POD_NAME`, else the hostname and PID.
+fn identity(args: &Args) -> String {
+    args.identity.clone().unwrap_or_else(|| {
         std::env::var("POD_NAME").unwrap_or_else(|_| {
             let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
             format!("{}-{}", host.trim(), std::process::id())
         })
+    })
+}
+
+/// The operator's config from its flags.
+fn config(args: &Args) -> anyhow::Result<Config> {
+    let identity = identity(args);
+    let reservations = (!args.no_reservation_pods).then(|| PodSettings {
+        image: args.reservation_image.clone(),
+        priority_class: Some(args.reservation_priority_class.clone()).filter(|p| !p.is_empty()),
     });
     let settings = Settings {
         requeue_pending: secs("requeue-pending", args.requeue_pending)?,
@@ -135,98 +147,112 @@ async fn run(args: Args) -> anyhow::Result<()> {
         overcommit_suspended: !args.no_suspended_overcommit,
         concurrency: args.concurrency,
         instance: Some(identity.clone()),
-        reservations: (!args.no_reservation_pods).then(|| imp_operator::reservation::PodSettings {
-            image: args.reservation_image.clone(),
-            priority_class: Some(args.reservation_priority_class.clone()).filter(|p| !p.is_empty()),
-        }),
+        reservations,
         ..Settings::default()
     };
-
-    let (stop_tx, stop_rx) = shutdown::on_signals("shutting down");
-    let stopped = shutdown::stopped;
-
-    let metrics = Arc::new(Metrics::new());
-    let health = Arc::new(Health::new());
-    health.set_live();
-    let ops = tokio::spawn(metrics::serve(
-        args.metrics_addr,
-        metrics.clone(),
-        health.clone(),
-        stopped(stop_rx.clone()),
-    ));
-
-    webhook::spawn(
-        &args.webhook,
-        !args.no_reservation_pods,
-        client.clone(),
-        health.clone(),
-        stop_tx.clone(),
-        stop_rx.clone(),
-    )?;
-
-    if args.leader_elect {
-        let lease = LeaseConfig {
+    let lease = match args.leader_elect {
+        false => None,
+        true => Some(LeaseConfig {
             lease_duration: secs("lease-duration", args.lease_duration)?,
             renew_deadline: secs("renew-deadline", args.renew_deadline)?,
             retry_period: secs("retry-period", args.retry_period)?,
             ..LeaseConfig::new(
                 args.lease_namespace.clone(),
                 args.lease_name.clone(),
-                identity.clone(),
+                identity,
             )
-        };
-        let elector = LeaderElector::new(client.clone(), lease);
-        let mut leading = elector.subscribe();
-        // The lease is released only after the controllers have stopped, so the next leader
-        // never writes while this one still finishes a reconcile.
-        let (release_tx, release_rx) = watch::channel(false);
-        let election = tokio::spawn(elector.run(stopped(release_rx)));
-        // Non-leaders are ready too: they stand by.
-        health.set_ready();
-        metrics.set_leader(false);
-        tokio::select! {
-            r = leading.wait_for(|l| *l) => { r.context("leader election ended before leading")?; }
-            _ = stopped(stop_rx.clone()) => {
-                let _ = release_tx.send(true);
-                let _ = election.await;
-                return Ok(());
-            }
-        }
-        tracing::info!(identity = %identity, "leading; starting controllers");
-        metrics.set_leader(true);
-        let ctl = tokio::spawn(controller::run(
-            client.clone(),
-            settings,
-            Some(metrics.clone()),
-            None,
-            stopped(stop_rx.clone()),
-        ));
-        tokio::select! {
-            _ = leading.wait_for(|l| !*l) => {
-                tracing::error!(identity = %identity, "lost leadership; exiting");
-                metrics.set_leader(false);
-                std::process::exit(1);
-            }
-            _ = stopped(stop_rx.clone()) => {}
-        }
-        let _ = ctl.await;
-        let _ = release_tx.send(true);
-        match election.await {
-            Ok(Err(e)) => tracing::warn!(error = %e, "releasing the lease failed"),
-            Err(e) => tracing::warn!(error = %e, "leader election task failed"),
-            Ok(Ok(())) => {}
-        }
-    } else {
-        controller::run(
-            client,
-            settings,
-            Some(metrics.clone()),
-            Some(health.clone()),
-            stopped(stop_rx.clone()),
-        )
-        .await
-        .context("running the ImpVM controller")?;
+        }),
+    };
+    Ok(Config {
+        ops_addr: args.metrics_addr,
+        webhook: webhook::serving(&args.webhook, !args.no_reservation_pods)?,
+        lease,
+        settings,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use clap::Parser;
+    use imp_operator::webhook::serving::Certificate;
+
+    #[derive(clap::Parser)]
+    struct Cli {
+        #[command(flatten)]
+        args: Args,
     }
-    let _ = ops.await;
-    Ok(())
+
+    fn config_of(argv: &[&str]) -> anyhow::Result<Config> {
+        let cli = Cli::try_parse_from(std::iter::once("imp").chain(argv.iter().copied()))?;
+        config(&cli.args)
+    }
+
+    #[test]
+    fn the_flags_become_the_operators_config() {
+        let c = config_of(&[
+            "--metrics-addr",
+            "127.0.0.1:9090",
+            "--leader-elect",
+            "--identity",
+            "replica-1",
+            "--lease-duration",
+            "20",
+            "--node-loss-grace",
+            "1.5",
+            "--no-reservation-pods",
+            "--webhook-addr",
+            "127.0.0.1:9443",
+            "--webhook-secret",
+            "imp-webhook-tls",
+        ])
+        .unwrap();
+        assert_eq!(c.ops_addr, "127.0.0.1:9090".parse().unwrap());
+        let lease = c.lease.unwrap();
+        assert_eq!(
+            (lease.namespace.as_str(), lease.name.as_str()),
+            ("imp-system", "imp-operator")
+        );
+        assert_eq!(lease.identity, "replica-1");
+        assert_eq!(lease.lease_duration, Duration::from_secs(20));
+        assert_eq!(c.settings.instance.as_deref(), Some("replica-1"));
+        assert_eq!(c.settings.node_loss_grace, Duration::from_millis(1500));
+        assert_eq!(c.settings.reservations, None);
+        let webhook = c.webhook.unwrap();
+        assert!(
+            !webhook.quota_preview,
+            "no reservation Pods: no quota preview"
+        );
+        assert!(
+            matches!(&webhook.certificate, Certificate::Kept(k) if k.secret == "imp-webhook-tls"),
+            "{:?}",
+            webhook.certificate
+        );
+    }
+
+    #[test]
+    fn without_flags_the_operator_runs_unelected_with_reservations_and_no_webhook() {
+        let c = config_of(&[]).unwrap();
+        assert!(c.lease.is_none());
+        assert!(c.webhook.is_none());
+        assert_eq!(c.ops_addr, "0.0.0.0:8080".parse().unwrap());
+        let pods = c.settings.reservations.unwrap();
+        assert_eq!(pods.image, imp_operator::reservation::DEFAULT_IMAGE);
+        assert_eq!(pods.priority_class, None);
+        assert_eq!(c.settings.requeue_pending, Duration::from_secs(30));
+        assert!(c.settings.overcommit_suspended);
+    }
+
+    #[test]
+    fn a_negative_number_of_seconds_is_refused_with_its_flag_named() {
+        let e = config_of(&["--requeue-active=-1"]).unwrap_err().to_string();
+        assert!(e.contains("--requeue-active"), "{e}");
+        // Lease timings are read only under election.
+        assert!(config_of(&["--retry-period=-1"]).is_ok());
+        let e = config_of(&["--leader-elect", "--retry-period=-1"])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("--retry-period"), "{e}");
+    }
 }

@@ -26,8 +26,3 @@ pub fn on_signals(message: &'static str) -> (watch::Sender<bool>, watch::Receive
     });
     (tx, rx)
 }
-
-/// Completes once the flag is raised (or its sender is gone).
-pub async fn stopped(mut rx: watch::Receiver<bool>) {
-    let _ = rx.wait_for(|s| *s).await;
-}

@@ -11,7 +11,8 @@ use anyhow::Context;
 use clap::Args;
 use imp_agent::runtime::state::StateDir;
 
-use crate::local::{Common, run::locate};
+use crate::args::Common;
+use crate::local::run::locate;
 
 /// `imp version`.
 #[derive(Args, Debug)]
@@ -36,9 +37,7 @@ pub fn main(args: VersionArgs) -> anyhow::Result<()> {
         "imp",
         format!("{} (commit {COMMIT})", env!("CARGO_PKG_VERSION")),
     );
-    let qemu = imp_agent::vmm::qemu::Launcher::detect()
-        .ok()
-        .map(|l| l.qemu);
+    let qemu = imp_vmm::qemu::Launcher::detect().ok().map(|l| l.qemu);
     line(
         "qemu",
         match &qemu {
@@ -152,7 +151,7 @@ fn kvm_verdict(
     state: &StateDir,
     no_probe: bool,
 ) -> anyhow::Result<String> {
-    use imp_agent::vmm::kvm;
+    use imp_vmm::kvm;
     if let Ok(accel) = std::env::var("IMP_QEMU_ACCEL") {
         return Ok(format!("IMP_QEMU_ACCEL={accel} chooses, no probe"));
     }

@@ -2,7 +2,7 @@
 //! own ServiceAccount's token and only the RBAC rules the product ships.
 //!
 //! The node agent does not exist yet, so tests play the agent by patching status the way the
-//! contract in `imp_operator::controller` says (phases, clearing `spec.nodeName` on cleanup).
+//! contract in `imp_operator::vm` says (phases, clearing `spec.nodeName` on cleanup).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;

@@ -411,7 +411,7 @@ async fn a_running_vm_is_snapshotted_with_its_memory_and_runs_on() {
     let refetch = imp_agent::snapshot::oci::pull(
         &format!("{repo}@{digest}"),
         &gone,
-        &imp_agent::image::RegistryAuth::Anonymous,
+        &imp_image::RegistryAuth::Anonymous,
     )
     .await;
     assert!(refetch.is_err(), "the registry still holds {digest}");

@@ -281,7 +281,7 @@ async fn the_agent_publishes_its_runtimes_and_cpu_model() {
     common::ready_node(&c, "n1").await;
     let agent = Agent::start(&kube, "n1", "auto", &files).await;
 
-    let want = if imp_agent::vmm::qemu::Launcher::detect().is_ok() {
+    let want = if imp_vmm::qemu::Launcher::detect().is_ok() {
         "qemu"
     } else {
         ""

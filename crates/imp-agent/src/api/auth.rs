@@ -340,13 +340,13 @@ impl Authorizer {
             .reviewer
             .review_token(token_review(token))
             .await
-            .map_err(|e| Denial::Unavailable(crate::chain::chain(&e)))?;
+            .map_err(|e| Denial::Unavailable(imp_api::chain::chain(&e)))?;
         let user = user_from_review(answered.status.as_ref())?;
         let answered = self
             .reviewer
             .review_access(access_review(&user, attrs))
             .await
-            .map_err(|e| Denial::Unavailable(crate::chain::chain(&e)))?;
+            .map_err(|e| Denial::Unavailable(imp_api::chain::chain(&e)))?;
         access_decision(&user, attrs, answered.status.as_ref())?;
         self.remember(key, &user);
         Ok(user)

@@ -293,7 +293,7 @@ impl AgentApi {
         held: (InUse, Session),
         on_upgrade: hyper::upgrade::OnUpgrade,
     ) -> Response<Body> {
-        let guest = match crate::vmm::vsock::connect(
+        let guest = match imp_vmm::vsock::connect(
             &vm.vsock,
             vm.agent_port,
             self.config.guest_connect_timeout,

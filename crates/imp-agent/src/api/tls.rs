@@ -104,7 +104,7 @@ impl Identity {
                     restrict(&key, 0o600)?;
                     return Ok((id, Kept::Reused));
                 }
-                Err(e) => Some(crate::chain::chain(&e)),
+                Err(e) => Some(imp_api::chain::chain(&e)),
             }
         } else {
             None

@@ -16,18 +16,13 @@ use kube::api::{Api, Patch, PatchParams};
 use kube::runtime::{WatchStreamExt as _, watcher};
 
 use super::capabilities::Capabilities;
-use crate::runtime::spec::Runtime;
 
 /// The runtimes that can run VMs on this node: those the probe found no problem with.
 pub fn runtimes(caps: &Capabilities) -> Vec<VmRuntime> {
-    [
-        (Runtime::Firecracker, VmRuntime::Firecracker),
-        (Runtime::Qemu, VmRuntime::Qemu),
-    ]
-    .into_iter()
-    .filter(|(r, _)| caps.problem(*r).is_none())
-    .map(|(_, v)| v)
-    .collect()
+    VmRuntime::ALL
+        .into_iter()
+        .filter(|r| caps.problem(*r).is_none())
+        .collect()
 }
 
 /// The value of the Node annotation `imp.dev/runtimes` for `caps` (empty: none can run).
@@ -115,6 +110,66 @@ pub async fn keep_cpu_model(client: kube::Client, node: String, model: String, m
     }
 }
 
+/// What the agent publishes on its Node's annotations.
+#[derive(Debug, Clone)]
+pub struct Published {
+    /// `host:port` of the agent API.
+    pub endpoint: String,
+    /// SHA-256 of its certificate.
+    pub fingerprint: String,
+    /// The node's VXLAN address.
+    pub vtep: Option<String>,
+    /// The runtimes that can run VMs here (`imp.dev/runtimes`).
+    pub runtimes: String,
+}
+
+/// Writes where the agent API is and its certificate's fingerprint on this node's Node object,
+/// where `imp exec` and `imp console` read them, the node's VXLAN address, which the
+/// operator copies into the VTEP tables, and the runtimes the node can run, which the
+/// scheduler matches with classes' `runtime`; as field manager `manager`.
+pub async fn publish(
+    client: &kube::Client,
+    node: &str,
+    published: &Published,
+    manager: &str,
+) -> Result<(), kube::Error> {
+    use imp_api::shared::{
+        ANNOTATION_AGENT_CERT_SHA256, ANNOTATION_AGENT_ENDPOINT, ANNOTATION_RUNTIMES,
+        ANNOTATION_VTEP_ADDRESS,
+    };
+    let nodes: Api<k8s_openapi::api::core::v1::Node> = Api::all(client.clone());
+    let patch = serde_json::json!({"metadata": {"annotations": {
+        ANNOTATION_AGENT_ENDPOINT: published.endpoint,
+        ANNOTATION_AGENT_CERT_SHA256: published.fingerprint,
+        ANNOTATION_VTEP_ADDRESS: published.vtep,
+        ANNOTATION_RUNTIMES: published.runtimes,
+    }}});
+    nodes
+        .patch(node, &PatchParams::apply(manager), &Patch::Merge(&patch))
+        .await?;
+    Ok(())
+}
+
+/// Publishes `published` on Node `node`, retrying every 10 s until it works: a Node that is
+/// not there yet (or a missing RBAC rule) must not keep the agent from running its VMs.
+pub async fn keep_publishing(
+    client: kube::Client,
+    node: String,
+    published: Published,
+    manager: &'static str,
+) {
+    while let Err(e) = publish(&client, &node, &published, manager).await {
+        tracing::warn!(node, error = %imp_api::chain::chain(&e), "cannot publish the agent API's address on the Node yet; retrying in 10 s");
+        tokio::time::sleep(std::time::Duration::from_secs(10)).await;
+    }
+    tracing::info!(
+        node,
+        endpoint = published.endpoint,
+        runtimes = published.runtimes,
+        "published the agent API's address and the node's runtimes on the Node"
+    );
+}
+
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used)]
@@ -132,7 +187,7 @@ mod tests {
             files: (!files).then(|| "guest kernel /k not found: set --kernel".to_owned()),
             qemu: why(qemu, "/usr/bin/qemu-system-x86_64"),
             firecracker: why(firecracker, "/usr/local/bin/firecracker"),
-            default_runtime: Runtime::Qemu,
+            default_runtime: VmRuntime::Qemu,
         }
     }
 

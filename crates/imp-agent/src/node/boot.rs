@@ -9,7 +9,7 @@ use imp_api::shared::VmRuntime;
 use imp_api::vm::ImpVMSpec;
 
 use crate::runtime::cgroup::Limits;
-use crate::runtime::spec::{BootFiles, CgroupSpec, Runtime, VmSpec};
+use crate::runtime::spec::{BootFiles, CgroupSpec, VmSpec};
 use crate::runtime::state::Owner;
 
 use super::capabilities::{Capabilities, HostFiles};
@@ -75,10 +75,10 @@ pub struct BootSettings {
 pub struct SpecError(pub String);
 
 /// The runtime a VM of `class` runs on here.
-pub fn runtime_for(class: &ImpVMClassSpec, caps: &Capabilities) -> Runtime {
+pub fn runtime_for(class: &ImpVMClassSpec, caps: &Capabilities) -> VmRuntime {
     match class.runtime {
-        Some(VmRuntime::Qemu) => Runtime::Qemu,
-        Some(VmRuntime::Firecracker) => Runtime::Firecracker,
+        Some(VmRuntime::Qemu) => VmRuntime::Qemu,
+        Some(VmRuntime::Firecracker) => VmRuntime::Firecracker,
         None => caps.default_runtime,
     }
 }
@@ -87,7 +87,7 @@ pub fn runtime_for(class: &ImpVMClassSpec, caps: &Capabilities) -> Runtime {
 #[derive(Debug, Clone)]
 pub struct Choices {
     /// The VMM.
-    pub runtime: Runtime,
+    pub runtime: VmRuntime,
     /// The workload's environment ([`super::env::resolve`]).
     pub env: Vec<imp_proto::message::EnvVar>,
     /// The credentials file merged from the pull secrets.
@@ -149,7 +149,7 @@ pub fn vm_spec(
             kernel: settings.files.kernel.clone(),
             modules: settings.files.modules.clone(),
             guest: settings.files.guest.clone(),
-            firecracker: (runtime == Runtime::Firecracker)
+            firecracker: (runtime == VmRuntime::Firecracker)
                 .then(|| settings.files.firecracker.clone()),
             extra_kernel_args: settings.extra_kernel_args.clone(),
         },
@@ -209,7 +209,7 @@ mod tests {
         }
     }
 
-    fn choices(runtime: Runtime) -> Choices {
+    fn choices(runtime: VmRuntime) -> Choices {
         Choices {
             runtime,
             env: vec![imp_proto::message::EnvVar::new("A", "1")],
@@ -223,7 +223,14 @@ mod tests {
             image: Some("127.0.0.1:5000/app:1".into()),
             ..Default::default()
         };
-        let s = vm_spec(owner(), &vm, &class(), choices(Runtime::Qemu), &settings()).unwrap();
+        let s = vm_spec(
+            owner(),
+            &vm,
+            &class(),
+            choices(VmRuntime::Qemu),
+            &settings(),
+        )
+        .unwrap();
         assert_eq!((s.vcpus, s.memory_mib, s.disk_gib), (2, 512, 3));
         assert_eq!(s.hostname, "web");
         assert_eq!(s.env, vec![imp_proto::message::EnvVar::new("A", "1")]);
@@ -245,7 +252,7 @@ mod tests {
             owner(),
             &vm,
             &class(),
-            choices(Runtime::Firecracker),
+            choices(VmRuntime::Firecracker),
             &settings(),
         );
         assert_eq!(fc.unwrap().boot.firecracker, Some("/fc".into()));
@@ -274,7 +281,7 @@ mod tests {
             owner(),
             &no_image,
             &class(),
-            choices(Runtime::Qemu),
+            choices(VmRuntime::Qemu),
             &settings(),
         );
         assert!(e.unwrap_err().0.contains("spec.image"));
@@ -286,7 +293,7 @@ mod tests {
             image: Some("x".into()),
             ..Default::default()
         };
-        let e = vm_spec(owner(), &vm, &tiny, choices(Runtime::Qemu), &settings()).unwrap_err();
+        let e = vm_spec(owner(), &vm, &tiny, choices(VmRuntime::Qemu), &settings()).unwrap_err();
         assert!(e.0.contains("memoryMiB 64"), "{e}");
     }
 }

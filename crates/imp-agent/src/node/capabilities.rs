@@ -10,8 +10,7 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use crate::runtime::spec::Runtime;
-use crate::vmm;
+use imp_api::shared::VmRuntime;
 
 /// The host files and binaries the agent was configured with.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -32,7 +31,7 @@ pub enum DefaultRuntime {
     /// Firecracker where KVM boots Linux and the binary exists, else QEMU.
     Auto,
     /// Always this one.
-    Fixed(Runtime),
+    Fixed(VmRuntime),
 }
 
 /// The probe's findings.
@@ -45,18 +44,18 @@ pub struct Capabilities {
     /// Firecracker's binary, or why it cannot run VMs here.
     pub firecracker: Result<PathBuf, String>,
     /// The runtime for VMs whose class names none.
-    pub default_runtime: Runtime,
+    pub default_runtime: VmRuntime,
 }
 
 impl Capabilities {
     /// Why a VM on `runtime` cannot start here, if it cannot.
-    pub fn problem(&self, runtime: Runtime) -> Option<String> {
+    pub fn problem(&self, runtime: VmRuntime) -> Option<String> {
         if let Some(p) = &self.files {
             return Some(p.clone());
         }
         match runtime {
-            Runtime::Qemu => self.qemu.as_ref().err().cloned(),
-            Runtime::Firecracker => self.firecracker.as_ref().err().cloned(),
+            VmRuntime::Qemu => self.qemu.as_ref().err().cloned(),
+            VmRuntime::Firecracker => self.firecracker.as_ref().err().cloned(),
         }
     }
 
@@ -106,7 +105,7 @@ fn file_problem(
 /// `kubectl logs ds/imp-agent | grep FC_BIN` finds it even where the node runs QEMU: VMs
 /// whose class asks for that runtime fail with `RuntimeStartFailed` and the same words.
 pub fn unavailable_note(caps: &Capabilities) -> Option<String> {
-    if caps.default_runtime == Runtime::Firecracker {
+    if caps.default_runtime == VmRuntime::Firecracker {
         return None;
     }
     let why = caps.firecracker.as_ref().err()?;
@@ -128,7 +127,7 @@ pub async fn probe(files: &HostFiles, default: DefaultRuntime, cache_dir: &Path)
                 )
             })
         });
-    let qemu = match vmm::qemu::Launcher::detect() {
+    let qemu = match imp_vmm::qemu::Launcher::detect() {
         Ok(l) => Ok(l.qemu),
         Err(e) => Err(e.to_string()),
     };
@@ -139,8 +138,9 @@ pub async fn probe(files: &HostFiles, default: DefaultRuntime, cache_dir: &Path)
     );
     // The KVM boot probe matters to Firecracker only: without its binary it is not run.
     let kvm_boots = match (&qemu, &file_problem, &fc_file) {
-        (Ok(q), None, None) if vmm::kvm::device_usable() => {
-            vmm::kvm::probe_boot_cached(q, &files.kernel, Duration::from_secs(10), cache_dir).await
+        (Ok(q), None, None) if imp_vmm::kvm::device_usable() => {
+            imp_vmm::kvm::probe_boot_cached(q, &files.kernel, Duration::from_secs(10), cache_dir)
+                .await
         }
         _ => false,
     };
@@ -155,8 +155,8 @@ pub async fn probe(files: &HostFiles, default: DefaultRuntime, cache_dir: &Path)
     };
     let default_runtime = match default {
         DefaultRuntime::Fixed(r) => r,
-        DefaultRuntime::Auto if firecracker.is_ok() => Runtime::Firecracker,
-        DefaultRuntime::Auto => Runtime::Qemu,
+        DefaultRuntime::Auto if firecracker.is_ok() => VmRuntime::Firecracker,
+        DefaultRuntime::Auto => VmRuntime::Qemu,
     };
     Capabilities {
         files: file_problem,
@@ -184,16 +184,16 @@ mod tests {
             files: None,
             qemu: Ok("/usr/bin/qemu".into()),
             firecracker: Err("Firecracker /x missing: set FC_BIN".into()),
-            default_runtime: Runtime::Qemu,
+            default_runtime: VmRuntime::Qemu,
         };
-        assert_eq!(caps.problem(Runtime::Qemu), None);
-        assert!(caps.problem(Runtime::Firecracker).is_some());
+        assert_eq!(caps.problem(VmRuntime::Qemu), None);
+        assert!(caps.problem(VmRuntime::Firecracker).is_some());
         assert_eq!(caps.not_ready(), None);
         let broken = Capabilities {
             files: Some(p.clone()),
             ..caps
         };
-        assert_eq!(broken.problem(Runtime::Qemu), Some(p.clone()));
+        assert_eq!(broken.problem(VmRuntime::Qemu), Some(p.clone()));
         assert_eq!(broken.not_ready(), Some(p));
     }
 
@@ -234,7 +234,7 @@ mod tests {
             files: None,
             qemu: Ok("/usr/bin/qemu".into()),
             firecracker: Err(why.clone()),
-            default_runtime: Runtime::Qemu,
+            default_runtime: VmRuntime::Qemu,
         };
         let note = unavailable_note(&qemu_node).unwrap();
         assert!(
@@ -243,7 +243,7 @@ mod tests {
         );
         // As the default runtime the problem is the node's readiness, said there.
         let fc_node = Capabilities {
-            default_runtime: Runtime::Firecracker,
+            default_runtime: VmRuntime::Firecracker,
             ..qemu_node.clone()
         };
         assert_eq!(unavailable_note(&fc_node), None);

@@ -1,7 +1,7 @@
 //! What the agent does about one ImpVM, decided from the VM as the API shows it and the VM's
 //! local record: a pure function, so every case is a unit test.
 //!
-//! The contract with the operator (see `imp_operator::controller`): the agent acts on VMs whose
+//! The contract with the operator (see `imp_operator::vm`): the agent acts on VMs whose
 //! `spec.nodeName` is its node; it starts a `Scheduled` VM whose `status.startedAt` is unset
 //! (the operator clears it when it restarts a VM in place, with a new `restartCount`, or rolls
 //! a change of its spec into its booking, with a new `booking.revision`: a boot of another

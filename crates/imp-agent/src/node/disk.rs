@@ -16,8 +16,8 @@ use imp_api::shared::{ANNOTATION_DISK, DiskReport};
 use kube::api::{Api, Patch, PatchParams};
 
 use super::metrics::Metrics;
-use crate::image::ImageStore;
 use crate::runtime::state::StateDir;
+use imp_image::ImageStore;
 
 /// How often the state directory's filesystem is read.
 pub const REFRESH: Duration = Duration::from_secs(30);

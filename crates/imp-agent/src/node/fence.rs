@@ -12,7 +12,7 @@
 //!
 //! The operator moves a VM off a node that is not Ready only after that node's Lease has not
 //! changed for its `leaseDurationSeconds` plus a margin, measured on the operator's own clock
-//! from when it saw the last change (see `imp_operator::controller`): by then the agent, if it
+//! from when it saw the last change (see `imp_operator::vm`): by then the agent, if it
 //! lives, has fenced. Timeline (defaults): renewals every 10 s; fenced at most 30 s + 1 s after
 //! the last accepted renewal; moved no earlier than 30 s + 10 s after the operator saw it.
 //!
@@ -29,7 +29,7 @@ use kube::api::{Api, Patch, PatchParams, PostParams};
 use serde_json::json;
 
 use crate::runtime::cgroup::VmCgroup;
-use crate::runtime::shim;
+use crate::runtime::control;
 use crate::runtime::state::StateDir;
 
 /// The name of node `node`'s agent Lease.
@@ -145,7 +145,7 @@ async fn renew(api: &Api<Lease>, s: &Settings, timeout: Duration) -> Result<(), 
     };
     match tokio::time::timeout(timeout, attempt).await {
         Ok(Ok(())) => Ok(()),
-        Ok(Err(e)) => Err(crate::chain::chain(&e)),
+        Ok(Err(e)) => Err(imp_api::chain::chain(&e)),
         Err(_) => Err(format!("no answer within {timeout:?}")),
     }
 }
@@ -213,7 +213,7 @@ fn kill_all_vms(state: &StateDir) -> usize {
     };
     let mut killed = 0;
     for r in records {
-        let cgroup = shim::read_spec(state, &r.name)
+        let cgroup = control::read_spec(state, &r.name)
             .ok()
             .and_then(|s| s.cgroup.map(|c| c.path));
         let by_cgroup = cgroup
@@ -231,8 +231,8 @@ fn kill_all_vms(state: &StateDir) -> usize {
             Some(had) => had,
             None => {
                 let shim = r.supervisor_alive();
-                let _ = shim::signal(&r, nix::sys::signal::Signal::SIGKILL);
-                shim | !shim::kill_orphans(state, &r).is_empty()
+                let _ = control::signal(&r, nix::sys::signal::Signal::SIGKILL);
+                shim | !control::kill_orphans(state, &r).is_empty()
             }
         };
         if had {

@@ -9,7 +9,7 @@
 //! (Suspended) ScaleToZero VM, one whose suspend has begun, one starting, resuming or ended is
 //! never contacted, so polling never wakes a VM and never holds off a suspend. Nor does it keep
 //! a VM awake: scale-to-zero counts the frames the guest sends on its TAP
-//! ([`crate::net::idle`]) and the open exec sessions ([`super::vms`]), and the request travels
+//! ([`imp_net::idle`]) and the open exec sessions ([`super::vms`]), and the request travels
 //! on the guest channel (Firecracker's vsock, QEMU's virtio-serial port), which is neither.
 //!
 //! No stale series: a VM's figures go when it stops running here (stopped, suspended, failed,
@@ -18,7 +18,6 @@
 //! functions; [`run`] applies them.
 
 use std::collections::{HashMap, HashSet};
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
@@ -26,10 +25,10 @@ use imp_proto::MetricsReport;
 use tokio::sync::{Semaphore, mpsc};
 
 use super::metrics::{GuestGauges, GuestLabels, Metrics};
-use super::vms::NodeVms;
+use super::vms::{Guest, NodeVms};
 use crate::api::top::{GuestReading, NetworkBytes};
-use crate::net::link::{LinkState, Netlink};
 use crate::runtime::guest_agent;
+use imp_net::link::{LinkState, Netlink};
 
 /// How often the guests are asked when the agent is not told otherwise.
 pub const DEFAULT_EVERY: Duration = Duration::from_secs(15);
@@ -52,23 +51,6 @@ pub struct Settings {
     pub timeout: Duration,
     /// The node's netlink connection, to read VMs' TAP counters (`None`: no networking).
     pub links: Option<Netlink>,
-}
-
-/// One VM of this node as the poller sees it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Guest {
-    /// The ImpVM's namespace.
-    pub namespace: String,
-    /// The ImpVM's name.
-    pub name: String,
-    /// The VM's uid (its record's name).
-    pub uid: String,
-    /// The host socket of its guest channel.
-    pub vsock: PathBuf,
-    /// The guest agent's port.
-    pub agent_port: u32,
-    /// Whether its guest runs now and may be asked (not sleeping, suspending or ended).
-    pub running: bool,
 }
 
 /// `(namespace, name)` of an ImpVM.
@@ -234,7 +216,7 @@ impl Book {
                 self.shown.insert(answer.key, answer.uid);
             }
             Err(e) => {
-                let error = crate::chain::chain(&e);
+                let error = imp_api::chain::chain(&e);
                 if self.failing.insert(answer.key.clone()) {
                     tracing::warn!(vm = %name, namespace = %namespace, node, error = %error,
                         "the guest did not report its metrics; its figures are dropped until it does");
@@ -299,11 +281,11 @@ pub fn network_bytes(tap: &LinkState) -> NetworkBytes {
 /// The traffic of the guest of VM `namespace/name`, from its TAP; `None` without networking
 /// on the node, or when the VM has no TAP.
 async fn tap_traffic(links: Option<&Netlink>, namespace: &str, name: &str) -> Option<NetworkBytes> {
-    let tap = crate::net::names::tap(namespace, name);
+    let tap = imp_net::names::tap(namespace, name);
     match links?.link_state(&tap).await {
         Ok(state) => state.as_ref().map(network_bytes),
         Err(e) => {
-            tracing::debug!(vm = %name, namespace, tap, error = %crate::chain::chain(&e), "reading a TAP's counters");
+            tracing::debug!(vm = %name, namespace, tap, error = %imp_api::chain::chain(&e), "reading a TAP's counters");
             None
         }
     }
@@ -318,7 +300,7 @@ mod tests {
             namespace: "ns".into(),
             name: name.into(),
             uid: uid.into(),
-            vsock: PathBuf::from("/v"),
+            vsock: std::path::PathBuf::from("/v"),
             agent_port: 10000,
             running,
         }

@@ -205,30 +205,213 @@ impl Trigger {
     }
 }
 
-/// The agent's metrics.
-pub struct Metrics {
-    registry: Registry,
-    vms: Family<PhaseLabels, Gauge>,
+/// The VMs' phases and start times (`imp_agent_vms`, `imp_vm_state`,
+/// `imp_agent_start_duration`).
+struct VmFamilies {
+    by_phase: Family<PhaseLabels, Gauge>,
     states: Family<StateLabels, Gauge>,
-    /// Each VM's labels and phase, by uid.
-    phases: Mutex<BTreeMap<String, (GuestLabels, VmPhase)>>,
     start_steps: Family<StepLabels, Histogram>,
+}
+
+impl VmFamilies {
+    fn register(registry: &mut Registry) -> Self {
+        let families = Self {
+            by_phase: Family::default(),
+            states: Family::default(),
+            start_steps: Family::new_with_constructor(|| {
+                Histogram::new(exponential_buckets(0.05, 2.0, 14))
+            }),
+        };
+        registry.register(
+            "imp_agent_vms",
+            "ImpVMs on this node by phase",
+            families.by_phase.clone(),
+        );
+        registry.register(
+            "imp_vm_state",
+            "1 for each ImpVM on this node, labelled with its phase (the Go agent's name)",
+            families.states.clone(),
+        );
+        registry.register_with_unit(
+            "imp_agent_start_duration",
+            "Time of each step of a VM's start (image, disk, boot, guest_ready) and in all",
+            Unit::Seconds,
+            families.start_steps.clone(),
+        );
+        families
+    }
+}
+
+/// The agent API's open sessions (`imp_agent_exec_sessions`, `imp_agent_console_streams`).
+struct ApiGauges {
     exec_sessions: Gauge,
     console_streams: Gauge,
+}
+
+impl ApiGauges {
+    fn register(registry: &mut Registry) -> Self {
+        let gauges = Self {
+            exec_sessions: Gauge::default(),
+            console_streams: Gauge::default(),
+        };
+        registry.register(
+            "imp_agent_exec_sessions",
+            "Exec sessions the agent API relays now",
+            gauges.exec_sessions.clone(),
+        );
+        registry.register(
+            "imp_agent_console_streams",
+            "Console streams the agent API serves now",
+            gauges.console_streams.clone(),
+        );
+        gauges
+    }
+}
+
+/// What happened to the node's VMs: failures, suspends and resumes, and how sleeping VMs'
+/// TAPs were held.
+struct EventFamilies {
     failures: Family<ReasonLabels, Counter>,
     suspends: Family<TriggerLabels, Counter>,
     resumes: Family<TriggerLabels, Counter>,
     sleeper_holds: Family<DescriptorLabels, Counter>,
     suspend_time: Histogram,
     resume_time: Histogram,
-    guests: GuestFamilies,
+}
+
+impl EventFamilies {
+    fn register(registry: &mut Registry) -> Self {
+        let families = Self {
+            failures: Family::default(),
+            suspends: Family::default(),
+            resumes: Family::default(),
+            sleeper_holds: Family::default(),
+            suspend_time: Histogram::new(exponential_buckets(0.05, 2.0, 10)),
+            resume_time: Histogram::new(exponential_buckets(0.05, 2.0, 10)),
+        };
+        registry.register(
+            "imp_agent_vm_failures",
+            "VMs that failed on this node, by reason",
+            families.failures.clone(),
+        );
+        registry.register(
+            "imp_agent_suspends",
+            "Suspends the agent asked for: requested (desiredState) or scale_to_zero (idle)",
+            families.suspends.clone(),
+        );
+        registry.register(
+            "imp_agent_resumes",
+            "Resumes the agent started: requested (desiredState), scale_to_zero (woken by traffic) or exec (woken by an exec)",
+            families.resumes.clone(),
+        );
+        registry.register(
+            "imp_agent_sleeper_holds",
+            "Sleeping VMs' TAPs held: on the descriptor kept from the suspending VMM (kept: no frame lost) or attached by name (by_name: after an agent restart, or when keeping failed)",
+            families.sleeper_holds.clone(),
+        );
+        registry.register_with_unit(
+            "imp_agent_suspend_duration",
+            "Pause, snapshot and VMM stop of a suspend, on the node",
+            Unit::Seconds,
+            families.suspend_time.clone(),
+        );
+        registry.register_with_unit(
+            "imp_agent_resume_duration",
+            "Restore of a snapshot until the guest agent answers, on the node",
+            Unit::Seconds,
+            families.resume_time.clone(),
+        );
+        families
+    }
+}
+
+/// The node's own state: its state directory's filesystem and the agent's Lease and fencing.
+struct NodeGauges {
     state_dir_free: Gauge,
     state_dir_total: Gauge,
-    lease_silence: Gauge<f64, std::sync::atomic::AtomicU64>,
+    lease_silence: Gauge<f64, AtomicU64>,
     fenced: Gauge,
+}
+
+impl NodeGauges {
+    fn register(registry: &mut Registry) -> Self {
+        let gauges = Self {
+            state_dir_free: Gauge::default(),
+            state_dir_total: Gauge::default(),
+            lease_silence: Gauge::default(),
+            fenced: Gauge::default(),
+        };
+        registry.register_with_unit(
+            "imp_node_state_dir_free",
+            "Bytes free for the agent on the filesystem of its state directory (VM disks, snapshots, image cache)",
+            Unit::Bytes,
+            gauges.state_dir_free.clone(),
+        );
+        registry.register_with_unit(
+            "imp_node_state_dir_total",
+            "Size of the filesystem of the agent's state directory",
+            Unit::Bytes,
+            gauges.state_dir_total.clone(),
+        );
+        registry.register_with_unit(
+            "imp_agent_lease_silence",
+            "Time since the agent's Lease was last renewed (its VMs are fenced past --fence-after)",
+            Unit::Seconds,
+            gauges.lease_silence.clone(),
+        );
+        registry.register(
+            "imp_agent_fenced",
+            "1 while the agent has fenced its node's VMs (it could not renew its Lease), else 0",
+            gauges.fenced.clone(),
+        );
+        gauges
+    }
+}
+
+/// Packets imp's network rules dropped: at VM ports, foreign VXLAN, denied guest egress.
+struct NetworkCounters {
     port_drops: Family<PortDropLabels, Counter>,
     vxlan_foreign: Counter,
     egress_denied: Counter,
+}
+
+impl NetworkCounters {
+    fn register(registry: &mut Registry) -> Self {
+        let counters = Self {
+            port_drops: Family::default(),
+            vxlan_foreign: Counter::default(),
+            egress_denied: Counter::default(),
+        };
+        registry.register(
+            "imp_vm_port_dropped_packets",
+            "Frames a VM's port dropped: not its MAC or address (mac, arp, ip), a DHCP server's answer (dhcp_server), neither IPv4 nor ARP (not_ipv4)",
+            counters.port_drops.clone(),
+        );
+        registry.register(
+            "imp_node_vxlan_foreign_dropped_packets",
+            "VXLAN packets for a network on this node dropped because their sender holds none of its VMs",
+            counters.vxlan_foreign.clone(),
+        );
+        registry.register(
+            "imp_node_guest_egress_denied_packets",
+            "Guests' packets dropped on this node because their destination is denied (link-local, the node's networks, --egress-deny) and their network does not allow it",
+            counters.egress_denied.clone(),
+        );
+        counters
+    }
+}
+
+/// The agent's metrics.
+pub struct Metrics {
+    registry: Registry,
+    /// Each VM's labels and phase, by uid.
+    phases: Mutex<BTreeMap<String, (GuestLabels, VmPhase)>>,
+    vms: VmFamilies,
+    api: ApiGauges,
+    events: EventFamilies,
+    guests: GuestFamilies,
+    node: NodeGauges,
+    network: NetworkCounters,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -248,144 +431,25 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl Metrics {
-    /// A registry with every agent metric.
+    /// A registry with every agent metric, area by area; the order of registration is the
+    /// order of the `/metrics` text.
     pub fn new() -> Self {
         let mut registry = Registry::default();
-        let vms = Family::<PhaseLabels, Gauge>::default();
-        registry.register("imp_agent_vms", "ImpVMs on this node by phase", vms.clone());
-        let states = Family::<StateLabels, Gauge>::default();
-        registry.register(
-            "imp_vm_state",
-            "1 for each ImpVM on this node, labelled with its phase (the Go agent's name)",
-            states.clone(),
-        );
-        let start_steps = Family::<StepLabels, Histogram>::new_with_constructor(|| {
-            Histogram::new(exponential_buckets(0.05, 2.0, 14))
-        });
-        registry.register_with_unit(
-            "imp_agent_start_duration",
-            "Time of each step of a VM's start (image, disk, boot, guest_ready) and in all",
-            Unit::Seconds,
-            start_steps.clone(),
-        );
-        let exec_sessions = Gauge::default();
-        registry.register(
-            "imp_agent_exec_sessions",
-            "Exec sessions the agent API relays now",
-            exec_sessions.clone(),
-        );
-        let console_streams = Gauge::default();
-        registry.register(
-            "imp_agent_console_streams",
-            "Console streams the agent API serves now",
-            console_streams.clone(),
-        );
-        let failures = Family::<ReasonLabels, Counter>::default();
-        registry.register(
-            "imp_agent_vm_failures",
-            "VMs that failed on this node, by reason",
-            failures.clone(),
-        );
-        let suspends = Family::<TriggerLabels, Counter>::default();
-        registry.register(
-            "imp_agent_suspends",
-            "Suspends the agent asked for: requested (desiredState) or scale_to_zero (idle)",
-            suspends.clone(),
-        );
-        let resumes = Family::<TriggerLabels, Counter>::default();
-        registry.register(
-            "imp_agent_resumes",
-            "Resumes the agent started: requested (desiredState), scale_to_zero (woken by traffic) or exec (woken by an exec)",
-            resumes.clone(),
-        );
-        let sleeper_holds = Family::<DescriptorLabels, Counter>::default();
-        registry.register(
-            "imp_agent_sleeper_holds",
-            "Sleeping VMs' TAPs held: on the descriptor kept from the suspending VMM (kept: no frame lost) or attached by name (by_name: after an agent restart, or when keeping failed)",
-            sleeper_holds.clone(),
-        );
-        let suspend_time = Histogram::new(exponential_buckets(0.05, 2.0, 10));
-        registry.register_with_unit(
-            "imp_agent_suspend_duration",
-            "Pause, snapshot and VMM stop of a suspend, on the node",
-            Unit::Seconds,
-            suspend_time.clone(),
-        );
-        let resume_time = Histogram::new(exponential_buckets(0.05, 2.0, 10));
-        registry.register_with_unit(
-            "imp_agent_resume_duration",
-            "Restore of a snapshot until the guest agent answers, on the node",
-            Unit::Seconds,
-            resume_time.clone(),
-        );
+        let vms = VmFamilies::register(&mut registry);
+        let api = ApiGauges::register(&mut registry);
+        let events = EventFamilies::register(&mut registry);
         let guests = GuestFamilies::register(&mut registry);
-        let state_dir_free = Gauge::default();
-        registry.register_with_unit(
-            "imp_node_state_dir_free",
-            "Bytes free for the agent on the filesystem of its state directory (VM disks, snapshots, image cache)",
-            Unit::Bytes,
-            state_dir_free.clone(),
-        );
-        let state_dir_total = Gauge::default();
-        registry.register_with_unit(
-            "imp_node_state_dir_total",
-            "Size of the filesystem of the agent's state directory",
-            Unit::Bytes,
-            state_dir_total.clone(),
-        );
-        let lease_silence = Gauge::<f64, std::sync::atomic::AtomicU64>::default();
-        registry.register_with_unit(
-            "imp_agent_lease_silence",
-            "Time since the agent's Lease was last renewed (its VMs are fenced past --fence-after)",
-            Unit::Seconds,
-            lease_silence.clone(),
-        );
-        let fenced = Gauge::default();
-        registry.register(
-            "imp_agent_fenced",
-            "1 while the agent has fenced its node's VMs (it could not renew its Lease), else 0",
-            fenced.clone(),
-        );
-        let port_drops = Family::<PortDropLabels, Counter>::default();
-        registry.register(
-            "imp_vm_port_dropped_packets",
-            "Frames a VM's port dropped: not its MAC or address (mac, arp, ip), a DHCP server's answer (dhcp_server), neither IPv4 nor ARP (not_ipv4)",
-            port_drops.clone(),
-        );
-        let vxlan_foreign = Counter::default();
-        registry.register(
-            "imp_node_vxlan_foreign_dropped_packets",
-            "VXLAN packets for a network on this node dropped because their sender holds none of its VMs",
-            vxlan_foreign.clone(),
-        );
-        let egress_denied = Counter::default();
-        registry.register(
-            "imp_node_guest_egress_denied_packets",
-            "Guests' packets dropped on this node because their destination is denied (link-local, the node's networks, --egress-deny) and their network does not allow it",
-            egress_denied.clone(),
-        );
+        let node = NodeGauges::register(&mut registry);
+        let network = NetworkCounters::register(&mut registry);
         Self {
-            port_drops,
-            vxlan_foreign,
-            egress_denied,
-            guests,
-            lease_silence,
-            fenced,
-            state_dir_free,
-            state_dir_total,
             registry,
-            vms,
-            suspends,
-            resumes,
-            sleeper_holds,
-            suspend_time,
-            resume_time,
-            states,
             phases: Mutex::new(BTreeMap::new()),
-            start_steps,
-            exec_sessions,
-            console_streams,
-            failures,
+            vms,
+            api,
+            events,
+            guests,
+            node,
+            network,
         }
     }
 
@@ -404,10 +468,11 @@ impl Metrics {
             }
         }
         let mut counts: BTreeMap<&'static str, i64> = BTreeMap::new();
-        self.states.clear();
+        self.vms.states.clear();
         for (labels, p) in phases.values() {
             *counts.entry(p.as_str()).or_default() += 1;
-            self.states
+            self.vms
+                .states
                 .get_or_create(&StateLabels {
                     impvm: labels.impvm.clone(),
                     namespace: labels.namespace.clone(),
@@ -416,9 +481,10 @@ impl Metrics {
                 })
                 .set(1);
         }
-        self.vms.clear();
+        self.vms.by_phase.clear();
         for (phase, n) in counts {
             self.vms
+                .by_phase
                 .get_or_create(&PhaseLabels {
                     phase: phase.to_owned(),
                 })
@@ -436,7 +502,8 @@ impl Metrics {
             ("total", t.image_ms + t.disk_ms + t.boot_ms + t.ready_ms),
         ];
         for (step, ms) in steps {
-            self.start_steps
+            self.vms
+                .start_steps
                 .get_or_create(&StepLabels {
                     step: step.to_owned(),
                 })
@@ -446,30 +513,34 @@ impl Metrics {
 
     /// Records the agent API's open exec sessions and console streams.
     pub fn set_api_sessions(&self, exec: usize, console: usize) {
-        self.exec_sessions
+        self.api
+            .exec_sessions
             .set(i64::try_from(exec).unwrap_or(i64::MAX));
-        self.console_streams
+        self.api
+            .console_streams
             .set(i64::try_from(console).unwrap_or(i64::MAX));
     }
 
     /// Records the state directory filesystem's free and total bytes.
     pub fn set_state_dir(&self, report: &imp_api::shared::DiskReport) {
-        self.state_dir_free
+        self.node
+            .state_dir_free
             .set(i64::try_from(report.free).unwrap_or(i64::MAX));
-        self.state_dir_total
+        self.node
+            .state_dir_total
             .set(i64::try_from(report.total).unwrap_or(i64::MAX));
     }
 
     /// Records how long the agent's Lease has gone unrenewed, and whether the node is fenced.
     pub fn set_fencing(&self, silent: std::time::Duration, fenced: bool) {
-        self.lease_silence.set(silent.as_secs_f64());
-        self.fenced.set(i64::from(fenced));
+        self.node.lease_silence.set(silent.as_secs_f64());
+        self.node.fenced.set(i64::from(fenced));
     }
 
     /// Removes the drop counts of a VM that left the node.
     fn forget_port_drops(&self, vm: &GuestLabels) {
-        for why in crate::net::nft::PortDrop::ALL {
-            self.port_drops.remove(&PortDropLabels {
+        for why in imp_net::nft::PortDrop::ALL {
+            self.network.port_drops.remove(&PortDropLabels {
                 namespace: vm.namespace.clone(),
                 impvm: vm.impvm.clone(),
                 reason: why.label().to_owned(),
@@ -478,10 +549,11 @@ impl Metrics {
     }
 
     /// Adds what imp's rules dropped since the last call.
-    pub fn add_drops(&self, d: &crate::net::Drops) {
+    pub fn add_drops(&self, d: &imp_net::Drops) {
         for ((vm, why), n) in &d.ports {
             let (namespace, impvm) = vm.split_once('/').unwrap_or(("", vm));
-            self.port_drops
+            self.network
+                .port_drops
                 .get_or_create(&PortDropLabels {
                     namespace: namespace.to_owned(),
                     impvm: impvm.to_owned(),
@@ -489,13 +561,14 @@ impl Metrics {
                 })
                 .inc_by(*n);
         }
-        self.vxlan_foreign.inc_by(d.vxlan_foreign);
-        self.egress_denied.inc_by(d.egress_denied);
+        self.network.vxlan_foreign.inc_by(d.vxlan_foreign);
+        self.network.egress_denied.inc_by(d.egress_denied);
     }
 
     /// Counts a failed VM.
     pub fn failure(&self, reason: &str) {
-        self.failures
+        self.events
+            .failures
             .get_or_create(&ReasonLabels {
                 reason: reason.to_owned(),
             })
@@ -504,18 +577,19 @@ impl Metrics {
 
     /// Counts a suspend the agent asked for.
     pub fn suspend_asked(&self, trigger: Trigger) {
-        self.suspends.get_or_create(&trigger.label()).inc();
+        self.events.suspends.get_or_create(&trigger.label()).inc();
     }
 
     /// Counts a resume the agent started.
     pub fn resume_started(&self, trigger: Trigger) {
-        self.resumes.get_or_create(&trigger.label()).inc();
+        self.events.resumes.get_or_create(&trigger.label()).inc();
     }
 
     /// Counts a sleeping VM's TAP held, on the descriptor kept from its VMM or by name.
     pub fn sleeper_held(&self, kept: bool) {
         let descriptor = if kept { "kept" } else { "by_name" };
-        self.sleeper_holds
+        self.events
+            .sleeper_holds
             .get_or_create(&DescriptorLabels {
                 descriptor: descriptor.to_owned(),
             })
@@ -524,12 +598,12 @@ impl Metrics {
 
     /// Records how long a suspend took on the node.
     pub fn observe_suspend(&self, ms: u64) {
-        self.suspend_time.observe(ms as f64 / 1000.0);
+        self.events.suspend_time.observe(ms as f64 / 1000.0);
     }
 
     /// Records how long a resume took until the guest agent answered.
     pub fn observe_resume(&self, ms: u64) {
-        self.resume_time.observe(ms as f64 / 1000.0);
+        self.events.resume_time.observe(ms as f64 / 1000.0);
     }
 
     /// Shows a VM's latest guest figures.
@@ -682,7 +756,7 @@ mod tests {
 
     #[test]
     fn port_drops_count_per_vm_and_reason_and_go_with_the_vm() {
-        use crate::net::nft::PortDrop;
+        use imp_net::nft::PortDrop;
         let m = Metrics::new();
         let evil = GuestLabels {
             impvm: "evil".into(),
@@ -690,7 +764,7 @@ mod tests {
             node: "n1".into(),
         };
         m.set_phase("u1", Some((&evil, VmPhase::Running)));
-        let mut d = crate::net::Drops::default();
+        let mut d = imp_net::Drops::default();
         d.ports.insert(("ns/evil".into(), PortDrop::Arp), 3);
         d.vxlan_foreign = 2;
         d.egress_denied = 5;

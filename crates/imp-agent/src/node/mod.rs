@@ -14,6 +14,7 @@
 //! stops the node's VMs when it cannot.
 
 pub mod advertise;
+pub mod agent;
 pub mod boot;
 pub mod capabilities;
 pub mod decide;

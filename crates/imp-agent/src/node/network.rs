@@ -14,10 +14,10 @@ use kube::api::Api;
 use kube::runtime::reflector::{self, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 
-use crate::net::{NetAttachment, NodeNet, resolv, view};
 use crate::node::metrics::Metrics;
-use crate::runtime::shim;
+use crate::runtime::control;
 use crate::runtime::state::StateDir;
+use imp_net::{NetAttachment, NodeNet, resolv, view};
 
 /// How often the node's network is brought back to the plan even without a change.
 pub const RESYNC: Duration = Duration::from_secs(30);
@@ -71,7 +71,7 @@ pub async fn attach(
     let mtu = net.guest_mtu().await.map_err(|e| {
         NotWired::Waiting(format!(
             "reading the node's interfaces: {}",
-            crate::net::chain(&e)
+            imp_api::chain::chain(&e)
         ))
     })?;
     let dns = resolv::node_nameservers().await;
@@ -97,7 +97,7 @@ pub async fn adopt(net: &NodeNet, state: &StateDir) {
         records
             .into_iter()
             .filter_map(|r| {
-                let spec = shim::read_spec(&st, &r.name).ok()?;
+                let spec = control::read_spec(&st, &r.name).ok()?;
                 Some((r.name, spec.network?))
             })
             .collect::<Vec<_>>()
@@ -143,12 +143,12 @@ pub async fn watch(client: kube::Client, net: Arc<NodeNet>, metrics: Arc<Metrics
         while let Some(Some(_)) = events.next().now_or_never() {}
         net.set_networks(views(&store));
         if let Err(e) = net.sync().await {
-            tracing::warn!(error = %crate::net::chain(&e), "syncing the node's networks");
+            tracing::warn!(error = %imp_api::chain::chain(&e), "syncing the node's networks");
         }
     }
 }
 
-fn views(store: &Store<ImpNetwork>) -> BTreeMap<String, crate::net::plan::NetworkView> {
+fn views(store: &Store<ImpNetwork>) -> BTreeMap<String, imp_net::plan::NetworkView> {
     store
         .state()
         .iter()

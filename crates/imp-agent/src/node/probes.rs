@@ -192,7 +192,7 @@ pub async fn call(p: &Probe, target: &Target) -> (bool, String) {
             }
             Err(e) => (
                 false,
-                format!("{:?}: {}", exec.command, crate::chain::chain(&e)),
+                format!("{:?}: {}", exec.command, imp_api::chain::chain(&e)),
             ),
         };
     }
@@ -220,7 +220,7 @@ async fn get_in_guest(target: &Target, port: u16, path: &str) -> Result<HttpGetR
     };
     guest_agent::http_get(&target.vsock, target.port, request, CALL_TIMEOUT)
         .await
-        .map_err(|e| crate::chain::chain(&e))
+        .map_err(|e| imp_api::chain::chain(&e))
 }
 
 /// GETs `path` from `addr` on the node, off the runtime, within [`CALL_TIMEOUT`].

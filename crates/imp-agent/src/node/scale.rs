@@ -2,7 +2,7 @@
 //! read over netlink), and a [`Sleeper`] per suspended one that holds its TAP, answers ARP for
 //! it, holds the frames sent to it and asks for a reconcile when the first one arrives.
 //!
-//! The decisions are pure ([`crate::net::idle::decide`], [`super::decide`]); this module keeps
+//! The decisions are pure ([`imp_net::idle::decide`], [`super::decide`]); this module keeps
 //! what the agent remembers between reconciles of a VM (the last sample of its TAP, its
 //! sleeper) and performs the side effects. Nothing here is needed after an agent restart: a
 //! suspended VM's record says it sleeps, and its reconcile holds its TAP again; the idle clock
@@ -20,11 +20,11 @@ use std::time::{Duration, Instant, SystemTime};
 
 use tokio::task::JoinHandle;
 
-use crate::net::idle::{self, Activity, TapSample};
-use crate::net::link::Netlink;
-use crate::net::plan::Mac;
-use crate::net::sleeper::{Handover, Release, SleepError, Sleeper, close, inject};
-use crate::net::wake::{HoldBounds, SleepingVm};
+use imp_net::idle::{self, Activity, TapSample};
+use imp_net::link::Netlink;
+use imp_net::plan::Mac;
+use imp_net::sleeper::{Handover, Release, SleepError, Sleeper, close, inject};
+use imp_net::wake::{HoldBounds, SleepingVm};
 
 /// `spec.idleTimeout` when it is unset.
 pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(300);
@@ -161,8 +161,7 @@ impl ScaleToZero {
     pub async fn keep_tap(&self, uid: &str, vmm_pid: u32, tap: &str) {
         let name = tap.to_owned();
         let taken =
-            tokio::task::spawn_blocking(move || crate::net::tap::duplicate_from(vmm_pid, &name))
-                .await;
+            tokio::task::spawn_blocking(move || imp_net::tap::duplicate_from(vmm_pid, &name)).await;
         match taken {
             Ok(Ok(Some(fd))) => {
                 tracing::debug!(uid, tap, vmm_pid, "kept the VMM's TAP for the suspend");
@@ -209,7 +208,7 @@ impl ScaleToZero {
             },
             Ok(None) => return Activity::Active { since: now },
             Err(e) => {
-                tracing::warn!(uid, tap, error = %crate::net::chain(&e), "reading a TAP's counters");
+                tracing::warn!(uid, tap, error = %imp_api::chain::chain(&e), "reading a TAP's counters");
                 return Activity::Active { since: now };
             }
         };
@@ -326,7 +325,7 @@ impl ScaleToZero {
             match Sleeper::hold_fd(tap, fd, vm, self.bounds).await {
                 Ok(sleeper) => return Ok((sleeper, Attached::Kept)),
                 Err(e) => {
-                    tracing::warn!(uid, tap, error = %crate::net::chain(&e), "the TAP kept from the VMM cannot be held; attaching by name");
+                    tracing::warn!(uid, tap, error = %imp_api::chain::chain(&e), "the TAP kept from the VMM cannot be held; attaching by name");
                 }
             }
         }
@@ -379,7 +378,7 @@ impl ScaleToZero {
         match held.sleeper.hand_over(release).await {
             Ok(h) => Some((tap, h)),
             Err(e) => {
-                tracing::warn!(uid, error = %crate::net::chain(&e), "handing a sleeping VM's TAP over");
+                tracing::warn!(uid, error = %imp_api::chain::chain(&e), "handing a sleeping VM's TAP over");
                 None
             }
         }
@@ -429,7 +428,7 @@ impl ScaleToZero {
         if by_name {
             lock(&self.stashed).insert(uid.to_owned(), (tap, h.frames));
         } else if let Err(e) = inject(&tap, &h.frames).await {
-            tracing::warn!(uid, tap, error = %crate::net::chain(&e), "delivering the frames held for a waking VM");
+            tracing::warn!(uid, tap, error = %imp_api::chain::chain(&e), "delivering the frames held for a waking VM");
         }
         wake
     }
@@ -440,7 +439,7 @@ impl ScaleToZero {
             return;
         };
         if let Err(e) = inject(&tap, &frames).await {
-            tracing::warn!(uid, tap, error = %crate::net::chain(&e), "delivering the frames held for a woken VM");
+            tracing::warn!(uid, tap, error = %imp_api::chain::chain(&e), "delivering the frames held for a woken VM");
         }
     }
 

@@ -1,5 +1,5 @@
 //! The node side of ImpVMSnapshot: every execution (labelled `imp.dev/snapshot-parent`) whose
-//! source VM runs on this node is taken here, by the VM's shim ([`crate::runtime::take`]),
+//! source VM runs on this node is taken here, by the VM's shim ([`crate::runtime::shim::snapshot`]),
 //! into `storage.nodeLocal.path/<namespace>/<parent>/<execution>/`, and its status says how it
 //! went (`phase`, `snapshotPath`, `completedAt`, `terminatedAt`, a `Ready` condition and an
 //! Event). The execution carries the finalizer [`FINALIZER`] and the annotation
@@ -23,12 +23,12 @@ use kube::runtime::watcher;
 use kube::{Resource as _, ResourceExt as _};
 use serde_json::json;
 
-use crate::chain::chain;
-use crate::image::RegistryAuth;
+use crate::runtime::control::snapshot as take;
 use crate::runtime::state::{StateDir, VmRecord};
-use crate::runtime::take;
 use crate::snapshot::Source;
 use crate::snapshot::oci;
+use imp_api::chain::chain;
+use imp_image::RegistryAuth;
 use k8s_openapi::api::core::v1::Secret;
 
 /// The finalizer that holds an execution until its files are removed.

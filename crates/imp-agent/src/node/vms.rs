@@ -17,7 +17,6 @@ use kube::runtime::reflector::ObjectRef;
 use tokio::sync::mpsc;
 
 use super::decide::{self, ExecWake};
-use super::guest_metrics::Guest;
 use super::scale::{Knock, ScaleToZero};
 use crate::api::top::GuestReading;
 use crate::api::{GuestEndpoint, VmLookup, Waking};
@@ -286,6 +285,23 @@ impl VmLookup for NodeVms {
             Knock::NotAsleep => Waking::No,
         }
     }
+}
+
+/// One VM of this node as the poller sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Guest {
+    /// The ImpVM's namespace.
+    pub namespace: String,
+    /// The ImpVM's name.
+    pub name: String,
+    /// The VM's uid (its record's name).
+    pub uid: String,
+    /// The host socket of its guest channel.
+    pub vsock: std::path::PathBuf,
+    /// The guest agent's port.
+    pub agent_port: u32,
+    /// Whether its guest runs now and may be asked (not sleeping, suspending or ended).
+    pub running: bool,
 }
 
 #[cfg(test)]

@@ -3,7 +3,7 @@
 //! its own identity, asking for its CPU, memory and disk figures, and the exit report the
 //! guest sends when its workload ends.
 //!
-//! The connection goes through the VMM's vsock socket with [`crate::vmm::vsock::connect`]
+//! The connection goes through the VMM's vsock socket with [`imp_vmm::vsock::connect`]
 //! (async, never abandoning an unanswered `CONNECT`); the synchronous protocol client of
 //! `imp-proto` then runs on a blocking thread, off the async runtime.
 
@@ -17,14 +17,12 @@ use imp_proto::message::{
 };
 use tokio::sync::{Semaphore, mpsc};
 
-use crate::vmm;
-
 /// Failures talking to the guest agent.
 #[derive(Debug, thiserror::Error)]
 pub enum GuestAgentError {
     /// The vsock connection could not be made.
     #[error("connecting to the guest agent")]
-    Connect(#[source] vmm::vsock::Error),
+    Connect(#[source] imp_vmm::vsock::Error),
     /// The connection could not be handed to a blocking client.
     #[error("preparing the guest agent connection")]
     Socket(#[source] std::io::Error),
@@ -167,11 +165,12 @@ pub async fn exec_probe(
         ..imp_proto::ExecRequest::default()
     };
     let started = tokio::time::Instant::now();
-    let stream = vmm::vsock::connect(vsock, port, timeout)
+    let stream = imp_vmm::vsock::connect(vsock, port, timeout)
         .await
         .map_err(GuestAgentError::Connect)?;
     let left = timeout.saturating_sub(started.elapsed());
-    let stream = vmm::vsock::DeadlineStream::new(stream, left).map_err(GuestAgentError::Socket)?;
+    let stream =
+        imp_vmm::vsock::DeadlineStream::new(stream, left).map_err(GuestAgentError::Socket)?;
     tokio::task::spawn_blocking(move || {
         let client = imp_proto::Client::handshake(stream, &hello())?;
         let mut session = client.exec(&request)?;
@@ -211,16 +210,19 @@ async fn exchange<T: Send + 'static>(
     vsock: &Path,
     port: u32,
     timeout: Duration,
-    ask: impl FnOnce(&mut imp_proto::Client<vmm::vsock::DeadlineStream>) -> imp_proto::client::Result<T>
+    ask: impl FnOnce(
+        &mut imp_proto::Client<imp_vmm::vsock::DeadlineStream>,
+    ) -> imp_proto::client::Result<T>
     + Send
     + 'static,
 ) -> Result<imp_proto::client::Result<T>, GuestAgentError> {
     let started = tokio::time::Instant::now();
-    let stream = vmm::vsock::connect(vsock, port, timeout)
+    let stream = imp_vmm::vsock::connect(vsock, port, timeout)
         .await
         .map_err(GuestAgentError::Connect)?;
     let left = timeout.saturating_sub(started.elapsed());
-    let stream = vmm::vsock::DeadlineStream::new(stream, left).map_err(GuestAgentError::Socket)?;
+    let stream =
+        imp_vmm::vsock::DeadlineStream::new(stream, left).map_err(GuestAgentError::Socket)?;
     tokio::task::spawn_blocking(move || {
         let mut client = imp_proto::Client::handshake(stream, &hello())?;
         // The guest names its own software: escaped, bounded, never logged raw.
@@ -257,7 +259,7 @@ fn listen_with(
     deadline: Duration,
     readers: usize,
 ) -> Result<mpsc::Receiver<ExitStatus>, GuestAgentError> {
-    let path = vmm::vsock::host_listener_path(vsock, port);
+    let path = imp_vmm::vsock::host_listener_path(vsock, port);
     let _ = std::fs::remove_file(&path);
     let listener =
         tokio::net::UnixListener::bind(&path).map_err(|source| GuestAgentError::Listen {
@@ -278,7 +280,7 @@ fn listen_with(
             let tx = tx.clone();
             tokio::spawn(async move {
                 let _permit = permit;
-                let read = match vmm::vsock::DeadlineStream::new(stream, deadline) {
+                let read = match imp_vmm::vsock::DeadlineStream::new(stream, deadline) {
                     Ok(mut stream) => tokio::task::spawn_blocking(move || {
                         imp_proto::report::receive_exit_report(&mut stream, &hello())
                     })
@@ -292,28 +294,15 @@ fn listen_with(
                             tracing::warn!(%status, "exit report dropped: earlier ones are still unread");
                         }
                     }
-                    Ok(Err(e)) => tracing::warn!(error = %ErrorChain(&e), "unreadable exit report"),
+                    Ok(Err(e)) => {
+                        tracing::warn!(error = %imp_api::chain::DisplayChain(&e), "unreadable exit report")
+                    }
                     Err(e) => tracing::warn!(error = %e, "exit report task failed"),
                 }
             });
         }
     });
     Ok(rx)
-}
-
-/// An error with its sources, for one log line.
-struct ErrorChain<'a>(&'a dyn std::error::Error);
-
-impl std::fmt::Display for ErrorChain<'_> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}", self.0)?;
-        let mut source = self.0.source();
-        while let Some(s) = source {
-            write!(f, ": {s}")?;
-            source = s.source();
-        }
-        Ok(())
-    }
 }
 
 /// A hostile guest behind a fake VMM vsock socket: what it sends must end in a reported error
@@ -369,7 +358,7 @@ mod tests {
     }
 
     fn chain(e: &dyn std::error::Error) -> String {
-        ErrorChain(e).to_string()
+        imp_api::chain::DisplayChain(e).to_string()
     }
 
     fn guest_hello() -> Vec<u8> {
@@ -619,7 +608,7 @@ mod tests {
         let dir = Scratch::new("flood");
         let vsock = dir.vsock();
         let mut rx = listen_with(&vsock, 77, Duration::from_millis(400), 2).unwrap();
-        let path = vmm::vsock::host_listener_path(&vsock, 77);
+        let path = imp_vmm::vsock::host_listener_path(&vsock, 77);
         let mut silent = Vec::new();
         for _ in 0..20 {
             silent.push(UnixStream::connect(&path).await.unwrap());
@@ -654,7 +643,7 @@ mod tests {
         let dir = Scratch::new("report-loris");
         let vsock = dir.vsock();
         let mut rx = listen_with(&vsock, 78, Duration::from_millis(300), 1).unwrap();
-        let path = vmm::vsock::host_listener_path(&vsock, 78);
+        let path = imp_vmm::vsock::host_listener_path(&vsock, 78);
         let mut loris = UnixStream::connect(&path).await.unwrap();
         let t = Instant::now();
         let mut cut = false;

@@ -15,7 +15,7 @@ use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
 
-use crate::image::progress::{Event, Observer};
+use imp_image::progress::{Event, Observer};
 
 /// The progress file's name inside a VM directory.
 pub const PROGRESS_FILE: &str = "progress.jsonl";

@@ -5,32 +5,24 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use imp_proto::config::NetworkConfig;
 use imp_proto::message::EnvVar;
 use serde::{Deserialize, Serialize};
+
+use imp_api::shared::VmRuntime;
 
 use super::state::Owner;
 
 /// The spec file's name inside a VM directory.
 pub const SPEC_FILE: &str = "spec.json";
 
-/// Which VMM runs the VM.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Runtime {
-    /// QEMU `-M microvm` (TCG where KVM cannot boot Linux guests).
-    Qemu,
-    /// Firecracker (needs a KVM that boots Linux and an uncompressed vmlinux kernel).
-    Firecracker,
-}
-
-impl Runtime {
-    /// The name written in records and status.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Qemu => "qemu",
-            Self::Firecracker => "firecracker",
-        }
+/// Whether `runtime` opens the VM's TAP by its name when it restores a snapshot (Firecracker:
+/// the TAP must then be closed by everyone else) rather than inheriting an open descriptor from
+/// its shim (QEMU: the descriptor held while the VM slept is handed over, with the frames that
+/// woke it already queued in it).
+pub fn reopens_tap_by_name(runtime: VmRuntime) -> bool {
+    match runtime {
+        VmRuntime::Qemu => false,
+        VmRuntime::Firecracker => true,
     }
 }
 
@@ -43,7 +35,7 @@ pub struct BootFiles {
     pub modules: PathBuf,
     /// The static guest init (`imp-guest`).
     pub guest: PathBuf,
-    /// The Firecracker binary, for [`Runtime::Firecracker`].
+    /// The Firecracker binary, for [`VmRuntime::Firecracker`].
     #[serde(default)]
     pub firecracker: Option<PathBuf>,
     /// Kernel arguments added to imp's own.
@@ -89,7 +81,7 @@ pub struct VmSpec {
     /// The VM's own disk in GiB.
     pub disk_gib: u32,
     /// The VMM.
-    pub runtime: Runtime,
+    pub runtime: VmRuntime,
     /// Kernel, modules, guest init, VMM binary.
     pub boot: BootFiles,
     /// How long the guest may take until its agent answers, in milliseconds.
@@ -134,25 +126,7 @@ pub struct VmSpec {
     pub user_data: Option<imp_proto::config::UserData>,
 }
 
-/// A VM's place on an ImpNetwork: the TAP the VMM opens, on the network's bridge, and the
-/// address setup the guest applies to its `eth0`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct NetAttachment {
-    /// The network's `namespace/name`.
-    pub network: String,
-    /// The network's bridge on the node.
-    pub bridge: String,
-    /// The VM's TAP device.
-    pub tap: String,
-    /// The guest interface's MAC.
-    pub mac: String,
-    /// The VM, `namespace/name` (empty in specs written before it was recorded): the label
-    /// of its port's drop counters.
-    #[serde(default)]
-    pub vm: String,
-    /// The guest's address, prefix, gateway, DNS and MTU.
-    pub config: NetworkConfig,
-}
+pub use imp_net::NetAttachment;
 
 impl VmSpec {
     /// The cache directory of this VM's images and initramfs.
@@ -182,7 +156,7 @@ mod tests {
             vcpus: 1,
             memory_mib: 256,
             disk_gib: 1,
-            runtime: Runtime::Qemu,
+            runtime: VmRuntime::Qemu,
             boot: BootFiles {
                 kernel: "/k".into(),
                 modules: "/m".into(),

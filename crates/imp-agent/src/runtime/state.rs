@@ -220,7 +220,7 @@ impl StateDir {
 
     /// The manifest digests of the images the VM records here name (any status: a stopped VM
     /// may start again), which the image cache keeps whatever its budget
-    /// ([`crate::image::ImageStore::evict`]). Unreadable records are skipped.
+    /// ([`imp_image::ImageStore::evict`]). Unreadable records are skipped.
     pub fn image_digests(&self) -> Result<std::collections::BTreeSet<String>> {
         let (records, _unreadable) = self.list()?;
         Ok(records.into_iter().filter_map(|r| r.digest).collect())
@@ -468,7 +468,7 @@ pub struct SuspendRecord {
     pub suspended_unix: u64,
     /// The snapshot's size on disk in bytes.
     pub bytes: u64,
-    /// The VMM that wrote it, `kind version` ([`crate::vmm::version`]); absent in records
+    /// The VMM that wrote it, `kind version` ([`imp_vmm::version`]); absent in records
     /// written before it was kept.
     #[serde(default)]
     pub vmm: Option<String>,
@@ -552,7 +552,7 @@ pub struct VmRecord {
     /// The last lines of the serial console when it failed (for the failure Event).
     #[serde(default)]
     pub console_tail: Option<String>,
-    /// The VMM running the VM, `kind version` ([`crate::vmm::version`]), once launched.
+    /// The VMM running the VM, `kind version` ([`imp_vmm::version`]), once launched.
     #[serde(default)]
     pub vmm: Option<String>,
     /// Whether the VM's directory is deleted when it ends.

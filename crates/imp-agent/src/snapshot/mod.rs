@@ -13,7 +13,7 @@
 //! - [`INITRD`]: the initramfs the source booted;
 //! - [`VMM_NOTE`] (QEMU): the version that wrote the stream and whether the RAM is in it.
 //!
-//! Suspend (`runtime::suspend`) uses the same VMM calls but keeps its files beside the VM.
+//! Suspend (`runtime::shim::suspend`) uses the same VMM calls but keeps its files beside the VM.
 
 pub mod oci;
 pub mod sparse;
@@ -87,7 +87,7 @@ pub fn refuse(m: &Manifest, want: Shape<'_>) -> Option<String> {
             m.format
         ));
     }
-    if let Some(why) = crate::vmm::version::refuse_kind(Some(&m.vmm), want.vmm) {
+    if let Some(why) = imp_vmm::version::refuse_kind(Some(&m.vmm), want.vmm) {
         return Some(why);
     }
     if (m.vcpus, m.memory_mib) != (want.vcpus, want.memory_mib) {

@@ -62,10 +62,10 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest as _, Sha256};
 
 use super::{DISK, FORMAT, INITRD, MANIFEST, MEMORY, Manifest, VMM_NOTE, VMSTATE};
-use crate::image::manifest::{ACCEPT, MAX_DOCUMENT_BYTES, OCI_MANIFEST};
-use crate::image::reference::is_loopback_registry;
-use crate::image::registry::install_crypto_provider;
-use crate::image::{ImageError, RegistryAuth, auth_from_docker_config};
+use imp_image::manifest::{ACCEPT, MAX_DOCUMENT_BYTES, OCI_MANIFEST};
+use imp_image::reference::is_loopback_registry;
+use imp_image::registry::install_crypto_provider;
+use imp_image::{ImageError, RegistryAuth, auth_from_docker_config};
 
 /// The manifest's `artifactType`: an imp snapshot, registry format 1.
 pub const ARTIFACT_TYPE: &str = "application/vnd.imp.snapshot.v1";
@@ -673,24 +673,65 @@ fn build_manifest(artifact: &Artifact, chunk_bytes: u64) -> Result<Vec<u8>, serd
 /// Reads and checks a manifest: that it is an imp snapshot of a kind this agent reads, and that
 /// every size, offset and digest in it is in bounds. `reference` names it in errors.
 fn parse_artifact(reference: &str, bytes: &[u8]) -> Result<Artifact> {
-    let not_snapshot = |found: String| Error::NotASnapshot {
-        reference: reference.to_owned(),
-        found,
-    };
-    let unsupported = |found: String| Error::Unsupported {
-        reference: reference.to_owned(),
-        found,
-    };
-    let invalid = |reason: String| Error::Invalid {
-        reference: reference.to_owned(),
-        reason,
-    };
+    let why = Refusal { reference };
     let value: serde_json::Value = serde_json::from_slice(bytes)
-        .map_err(|e| not_snapshot(format!("its manifest is not JSON ({e})")))?;
+        .map_err(|e| why.not_snapshot(format!("its manifest is not JSON ({e})")))?;
+    check_artifact_type(&value, why)?;
+    let doc: ManifestDoc = serde_json::from_value(value)
+        .map_err(|e| why.invalid(format!("manifest does not parse: {e}")))?;
+    check_config_desc(&doc, why)?;
+    let mut files = file_entries(&doc.annotations, why)?;
+    for (i, layer) in doc.layers.iter().enumerate() {
+        let (file, chunk) = layer_chunk(i, layer, &files, why)?;
+        files[file].chunks.push(chunk);
+    }
+    sort_chunks(&mut files, why)?;
+    Ok(Artifact {
+        config_digest: doc.config.digest,
+        config_size: doc.config.size,
+        files,
+    })
+}
+
+/// The errors a manifest of `reference` is refused with.
+#[derive(Debug, Clone, Copy)]
+struct Refusal<'a> {
+    reference: &'a str,
+}
+
+impl Refusal<'_> {
+    /// Not an imp snapshot at all.
+    fn not_snapshot(self, found: String) -> Error {
+        Error::NotASnapshot {
+            reference: self.reference.to_owned(),
+            found,
+        }
+    }
+
+    /// An imp snapshot (or OCI feature) this agent does not read.
+    fn unsupported(self, found: String) -> Error {
+        Error::Unsupported {
+            reference: self.reference.to_owned(),
+            found,
+        }
+    }
+
+    /// An imp snapshot whose manifest is broken or out of bounds.
+    fn invalid(self, reason: String) -> Error {
+        Error::Invalid {
+            reference: self.reference.to_owned(),
+            reason,
+        }
+    }
+}
+
+/// Checks the manifest's media type and `artifactType` before anything else is read, so
+/// something that is no imp snapshot is named as such.
+fn check_artifact_type(value: &serde_json::Value, why: Refusal<'_>) -> Result<()> {
     let text = |k: &str| value.get(k).and_then(|v| v.as_str()).map(str::to_owned);
     let media_type = text("mediaType");
     if media_type.as_deref().is_some_and(|m| m != OCI_MANIFEST) {
-        return Err(not_snapshot(format!(
+        return Err(why.not_snapshot(format!(
             "manifest media type {:?}",
             media_type.unwrap_or_default()
         )));
@@ -701,49 +742,53 @@ fn parse_artifact(reference: &str, bytes: &[u8]) -> Result<Artifact> {
         .and_then(|m| m.as_str())
         .map(str::to_owned);
     match text("artifactType") {
-        Some(t) if t == ARTIFACT_TYPE => {}
+        Some(t) if t == ARTIFACT_TYPE => Ok(()),
         Some(t) if t.starts_with("application/vnd.imp.snapshot.") => {
-            return Err(unsupported(format!("artifactType {t:?}")));
+            Err(why.unsupported(format!("artifactType {t:?}")))
         }
-        Some(t) => return Err(not_snapshot(format!("artifactType {t:?}"))),
-        None => {
-            return Err(not_snapshot(format!(
-                "no artifactType (config media type {:?})",
-                config_type.unwrap_or_default()
-            )));
-        }
+        Some(t) => Err(why.not_snapshot(format!("artifactType {t:?}"))),
+        None => Err(why.not_snapshot(format!(
+            "no artifactType (config media type {:?})",
+            config_type.unwrap_or_default()
+        ))),
     }
-    let doc: ManifestDoc = serde_json::from_value(value)
-        .map_err(|e| invalid(format!("manifest does not parse: {e}")))?;
+}
+
+/// Checks the schema version and the config's descriptor: media type, digest and size.
+fn check_config_desc(doc: &ManifestDoc, why: Refusal<'_>) -> Result<()> {
     if doc.schema_version != 2 {
-        return Err(unsupported(format!("schemaVersion {}", doc.schema_version)));
+        return Err(why.unsupported(format!("schemaVersion {}", doc.schema_version)));
     }
     if doc.config.media_type != CONFIG_MEDIA_TYPE {
-        return Err(unsupported(format!(
-            "config media type {:?}",
-            doc.config.media_type
-        )));
+        return Err(why.unsupported(format!("config media type {:?}", doc.config.media_type)));
     }
-    check_digest(&doc.config.digest, "the config", &invalid, &unsupported)?;
+    check_digest(&doc.config.digest, "the config", why)?;
     if doc.config.size > MAX_CONFIG_BYTES {
-        return Err(invalid(format!(
+        return Err(why.invalid(format!(
             "config of {} bytes is over the limit of {MAX_CONFIG_BYTES}",
             doc.config.size
         )));
     }
+    Ok(())
+}
 
+/// The artifact's files (each of [`FILES`], in that order, no other) with the sizes the
+/// manifest's annotations give them, their chunks still to be added.
+fn file_entries(
+    annotations: &BTreeMap<String, String>,
+    why: Refusal<'_>,
+) -> Result<Vec<FileEntry>> {
     let mut files = Vec::new();
     for name in FILES {
         let key = format!("{ANNOTATION_SIZE_PREFIX}{name}");
-        let size = doc
-            .annotations
+        let size = annotations
             .get(&key)
-            .ok_or_else(|| invalid(format!("annotation {key} is missing")))?;
+            .ok_or_else(|| why.invalid(format!("annotation {key} is missing")))?;
         let size: u64 = size
             .parse()
-            .map_err(|_| invalid(format!("annotation {key} is {size:?}, not a size")))?;
+            .map_err(|_| why.invalid(format!("annotation {key} is {size:?}, not a size")))?;
         if size > MAX_FILE_BYTES {
-            return Err(invalid(format!(
+            return Err(why.invalid(format!(
                 "{name} of {size} bytes is over the limit of {MAX_FILE_BYTES}"
             )));
         }
@@ -753,98 +798,104 @@ fn parse_artifact(reference: &str, bytes: &[u8]) -> Result<Artifact> {
             chunks: Vec::new(),
         });
     }
-    if let Some(k) = doc
-        .annotations
+    if let Some(k) = annotations
         .keys()
         .filter_map(|k| k.strip_prefix(ANNOTATION_SIZE_PREFIX))
         .find(|f| !FILES.contains(f))
     {
-        return Err(unsupported(format!("a file named {k:?}")));
+        return Err(why.unsupported(format!("a file named {k:?}")));
     }
+    Ok(files)
+}
 
-    for (i, layer) in doc.layers.iter().enumerate() {
-        let what = format!("layer {i} ({})", layer.digest);
-        let codec = Codec::of(&layer.media_type)
-            .ok_or_else(|| unsupported(format!("{what} of media type {:?}", layer.media_type)))?;
-        check_digest(&layer.digest, &what, &invalid, &unsupported)?;
-        let ann = |k: &str| {
-            layer
-                .annotations
-                .get(k)
-                .ok_or_else(|| invalid(format!("{what} has no annotation {k}")))
-        };
-        let file = ann(ANNOTATION_FILE)?;
-        let num = |k: &str| -> Result<u64> {
-            let v = ann(k)?;
-            v.parse()
-                .map_err(|_| invalid(format!("{what}: annotation {k} is {v:?}, not a number")))
-        };
-        let (offset, length) = (num(ANNOTATION_OFFSET)?, num(ANNOTATION_LENGTH)?);
-        let entry = files
-            .iter_mut()
-            .find(|f| f.name == file.as_str())
-            .ok_or_else(|| unsupported(format!("{what} for a file named {file:?}")))?;
-        if length == 0 || length > MAX_CHUNK_BYTES {
-            return Err(invalid(format!(
-                "{what} has length {length}, outside 1..={MAX_CHUNK_BYTES}"
-            )));
-        }
-        if offset
-            .checked_add(length)
-            .is_none_or(|end| end > entry.size)
-        {
-            return Err(invalid(format!(
-                "{what} covers {offset}+{length}, past the end of {file} ({} bytes)",
-                entry.size
-            )));
-        }
-        if layer.size == 0 || layer.size > max_compressed(length) {
-            return Err(invalid(format!(
-                "{what} is {} bytes compressed for {length} bytes of data",
-                layer.size
-            )));
-        }
-        entry.chunks.push(Chunk {
-            offset,
-            length,
-            digest: layer.digest.clone(),
-            size: layer.size,
-            codec,
-        });
+/// Reads layer `i` as a chunk of one of `files`: its codec, digest and annotations, its range
+/// inside the file and its compressed size all in bounds. Returns the file's index and the chunk.
+fn layer_chunk(
+    i: usize,
+    layer: &Desc,
+    files: &[FileEntry],
+    why: Refusal<'_>,
+) -> Result<(usize, Chunk)> {
+    let what = format!("layer {i} ({})", layer.digest);
+    let codec = Codec::of(&layer.media_type)
+        .ok_or_else(|| why.unsupported(format!("{what} of media type {:?}", layer.media_type)))?;
+    check_digest(&layer.digest, &what, why)?;
+    let ann = |k: &str| {
+        layer
+            .annotations
+            .get(k)
+            .ok_or_else(|| why.invalid(format!("{what} has no annotation {k}")))
+    };
+    let file = ann(ANNOTATION_FILE)?;
+    let num = |k: &str| -> Result<u64> {
+        let v = ann(k)?;
+        v.parse()
+            .map_err(|_| why.invalid(format!("{what}: annotation {k} is {v:?}, not a number")))
+    };
+    let (offset, length) = (num(ANNOTATION_OFFSET)?, num(ANNOTATION_LENGTH)?);
+    let index = files
+        .iter()
+        .position(|f| f.name == file.as_str())
+        .ok_or_else(|| why.unsupported(format!("{what} for a file named {file:?}")))?;
+    let entry = &files[index];
+    if length == 0 || length > MAX_CHUNK_BYTES {
+        return Err(why.invalid(format!(
+            "{what} has length {length}, outside 1..={MAX_CHUNK_BYTES}"
+        )));
     }
-    for f in &mut files {
+    if offset
+        .checked_add(length)
+        .is_none_or(|end| end > entry.size)
+    {
+        return Err(why.invalid(format!(
+            "{what} covers {offset}+{length}, past the end of {file} ({} bytes)",
+            entry.size
+        )));
+    }
+    if layer.size == 0 || layer.size > max_compressed(length) {
+        return Err(why.invalid(format!(
+            "{what} is {} bytes compressed for {length} bytes of data",
+            layer.size
+        )));
+    }
+    let chunk = Chunk {
+        offset,
+        length,
+        digest: layer.digest.clone(),
+        size: layer.size,
+        codec,
+    };
+    Ok((index, chunk))
+}
+
+/// Puts each file's chunks in offset order and refuses overlapping ones.
+fn sort_chunks(files: &mut [FileEntry], why: Refusal<'_>) -> Result<()> {
+    for f in files {
         f.chunks.sort_by_key(|c| c.offset);
         if let Some(w) = f
             .chunks
             .windows(2)
             .find(|w| w[0].offset + w[0].length > w[1].offset)
         {
-            return Err(invalid(format!(
+            return Err(why.invalid(format!(
                 "chunks of {} at {} and {} overlap",
                 f.name, w[0].offset, w[1].offset
             )));
         }
     }
-    Ok(Artifact {
-        config_digest: doc.config.digest,
-        config_size: doc.config.size,
-        files,
-    })
+    Ok(())
 }
 
-fn check_digest(
-    digest: &str,
-    what: &str,
-    invalid: &impl Fn(String) -> Error,
-    unsupported: &impl Fn(String) -> Error,
-) -> Result<()> {
+/// Checks a digest is `sha256:<64 hex>`: a malformed one is invalid, another algorithm is
+/// unsupported.
+fn check_digest(digest: &str, what: &str, why: Refusal<'_>) -> Result<()> {
     if is_sha256(digest) {
         return Ok(());
     }
     if digest.starts_with("sha256:") || !digest.contains(':') {
-        return Err(invalid(format!("{what} has a malformed digest {digest:?}")));
+        return Err(why.invalid(format!("{what} has a malformed digest {digest:?}")));
     }
-    Err(unsupported(format!("a digest algorithm in {digest:?}")))
+    Err(why.unsupported(format!("a digest algorithm in {digest:?}")))
 }
 
 /// Checks a config blob: its `format` first (so a newer agent's snapshot is named as such), then
@@ -1234,50 +1285,15 @@ pub async fn push_with(
     auth: &RegistryAuth,
     options: PushOptions,
 ) -> Result<PushOutcome> {
-    if options.chunk_bytes == 0
-        || !options.chunk_bytes.is_multiple_of(BLOCK as u64)
-        || options.chunk_bytes > MAX_CHUNK_BYTES
-        || options.in_flight == 0
-    {
-        return Err(Error::Options {
-            reason: format!(
-                "chunk_bytes {} must be a multiple of {BLOCK} up to {MAX_CHUNK_BYTES}, in_flight {} at least 1",
-                options.chunk_bytes, options.in_flight
-            ),
-        });
-    }
+    check_push_options(&options)?;
     let target = push_target(reference)?;
     let started = std::time::Instant::now();
 
     let config_path = dir.join(MANIFEST);
     let config = read_config(dir, &config_path).await?;
     let sources = open_sources(dir).await?;
-    let mut plans = Vec::new();
-    for (i, s) in sources.iter().enumerate() {
-        let file = s.file.clone();
-        let path = s.path.clone();
-        let ranges = tokio::task::spawn_blocking(move || super::sparse::data_ranges(&file))
-            .await
-            .map_err(|source| Error::Task {
-                what: format!("finding the data of {path:?}"),
-                source,
-            })?
-            .map_err(io_err("Finding the data ranges of", &s.path))?;
-        plans.extend(
-            plan_chunks(s.size, options.chunk_bytes, &ranges)
-                .into_iter()
-                .map(|p| (i, p)),
-        );
-    }
-    let candidates = plans.iter().filter(|(_, p)| p.may_hold_data).count() as u64;
-    if candidates * LAYER_JSON_BYTES + 4096 > MAX_DOCUMENT_BYTES {
-        return Err(Error::Options {
-            reason: format!(
-                "{candidates} chunks of {} bytes would need a manifest over {MAX_DOCUMENT_BYTES} bytes; use larger chunks",
-                options.chunk_bytes
-            ),
-        });
-    }
+    let plans = plan_sources(&sources, options.chunk_bytes).await?;
+    check_manifest_room(&plans, options.chunk_bytes)?;
 
     let session = Session::new(target, reference, auth);
     session
@@ -1296,17 +1312,7 @@ pub async fn push_with(
         .try_collect()
         .await?;
 
-    let mut outcome = PushOutcome {
-        reference: String::new(),
-        digest: String::new(),
-        bytes_uploaded: 0,
-        bytes_stored: config.len() as u64,
-        bytes_data: 0,
-        chunks: 0,
-        chunks_reused: 0,
-        holes: 0,
-    };
-    let mut files: Vec<FileEntry> = sources
+    let files = sources
         .iter()
         .map(|s| FileEntry {
             name: s.name,
@@ -1314,6 +1320,111 @@ pub async fn push_with(
             chunks: Vec::new(),
         })
         .collect();
+    let (mut outcome, files) = tally(files, results, config.len() as u64);
+    let config_digest = sha256(&config);
+    let config_len = config.len() as u64;
+    if session
+        .put_blob(Bytes::from(config), &config_digest, "the config")
+        .await?
+    {
+        outcome.bytes_uploaded += config_len;
+    }
+    let artifact = Artifact {
+        config_digest,
+        config_size: config_len,
+        files,
+    };
+    let (digest, manifest_bytes) =
+        push_manifest(session, reference, &artifact, options.chunk_bytes).await?;
+    outcome.bytes_uploaded += manifest_bytes;
+    outcome.reference = format!("{}@{digest}", session.reference.whole());
+    outcome.digest = digest;
+    tracing::info!(
+        reference = %outcome.reference,
+        chunks = outcome.chunks,
+        reused = outcome.chunks_reused,
+        holes = outcome.holes,
+        bytes_uploaded = outcome.bytes_uploaded,
+        bytes_data = outcome.bytes_data,
+        elapsed_ms = started.elapsed().as_millis() as u64,
+        "snapshot pushed"
+    );
+    Ok(outcome)
+}
+
+/// Refuses options a push cannot use: chunks must be whole blocks up to [`MAX_CHUNK_BYTES`],
+/// and at least one chunk must be in flight.
+fn check_push_options(options: &PushOptions) -> Result<()> {
+    if options.chunk_bytes == 0
+        || !options.chunk_bytes.is_multiple_of(BLOCK as u64)
+        || options.chunk_bytes > MAX_CHUNK_BYTES
+        || options.in_flight == 0
+    {
+        return Err(Error::Options {
+            reason: format!(
+                "chunk_bytes {} must be a multiple of {BLOCK} up to {MAX_CHUNK_BYTES}, in_flight {} at least 1",
+                options.chunk_bytes, options.in_flight
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// The chunks of every source, each with its source's index, planned from the data ranges
+/// the file system reports (read on a blocking thread).
+async fn plan_sources(sources: &[Source], chunk_bytes: u64) -> Result<Vec<(usize, Planned)>> {
+    let mut plans = Vec::new();
+    for (i, s) in sources.iter().enumerate() {
+        let file = s.file.clone();
+        let path = s.path.clone();
+        let ranges = tokio::task::spawn_blocking(move || super::sparse::data_ranges(&file))
+            .await
+            .map_err(|source| Error::Task {
+                what: format!("finding the data of {path:?}"),
+                source,
+            })?
+            .map_err(io_err("Finding the data ranges of", &s.path))?;
+        plans.extend(
+            plan_chunks(s.size, chunk_bytes, &ranges)
+                .into_iter()
+                .map(|p| (i, p)),
+        );
+    }
+    Ok(plans)
+}
+
+/// Refuses a push whose manifest could grow past what a registry (and a pull) accepts: every
+/// chunk that may hold data may become a layer.
+fn check_manifest_room(plans: &[(usize, Planned)], chunk_bytes: u64) -> Result<()> {
+    let candidates = plans.iter().filter(|(_, p)| p.may_hold_data).count() as u64;
+    if candidates * LAYER_JSON_BYTES + 4096 > MAX_DOCUMENT_BYTES {
+        return Err(Error::Options {
+            reason: format!(
+                "{candidates} chunks of {chunk_bytes} bytes would need a manifest over {MAX_DOCUMENT_BYTES} bytes; use larger chunks"
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// Adds the chunks pushed to their `files` (by index, in plan order) and counts them: the
+/// outcome so far (reference, digest and the config's and manifest's uploads still to fill
+/// in) with `config_bytes` already stored.
+fn tally(
+    mut files: Vec<FileEntry>,
+    results: Vec<(usize, ChunkResult)>,
+    config_bytes: u64,
+) -> (PushOutcome, Vec<FileEntry>) {
+    let mut outcome = PushOutcome {
+        reference: String::new(),
+        digest: String::new(),
+        bytes_uploaded: 0,
+        bytes_stored: config_bytes,
+        bytes_data: 0,
+        chunks: 0,
+        chunks_reused: 0,
+        holes: 0,
+    };
     for (i, r) in results {
         match r {
             ChunkResult::Hole => outcome.holes += 1,
@@ -1330,45 +1441,30 @@ pub async fn push_with(
             }
         }
     }
+    (outcome, files)
+}
 
-    let config_digest = sha256(&config);
-    let config_len = config.len() as u64;
-    if session
-        .put_blob(Bytes::from(config), &config_digest, "the config")
-        .await?
-    {
-        outcome.bytes_uploaded += config_len;
-    }
-    let artifact = Artifact {
-        config_digest,
-        config_size: config_len,
-        files,
-    };
-    let manifest = build_manifest(&artifact, options.chunk_bytes).map_err(|e| Error::Invalid {
+/// Pushes the manifest of `artifact` (its blobs already uploaded) under the session's tag;
+/// returns its digest and its size in bytes.
+async fn push_manifest(
+    session: &Session,
+    reference: &str,
+    artifact: &Artifact,
+    chunk_bytes: u64,
+) -> Result<(String, u64)> {
+    let manifest = build_manifest(artifact, chunk_bytes).map_err(|e| Error::Invalid {
         reference: reference.to_owned(),
         reason: format!("serialising the manifest: {e}"),
     })?;
     let digest = sha256(&manifest);
-    outcome.bytes_uploaded += manifest.len() as u64;
+    let len = manifest.len() as u64;
     let content_type = http::HeaderValue::from_static(OCI_MANIFEST);
     session
         .client
         .push_manifest_raw(&session.reference, manifest, content_type)
         .await
         .map_err(session.fail(format!("pushing the manifest of {reference}")))?;
-    outcome.reference = format!("{}@{digest}", session.reference.whole());
-    outcome.digest = digest;
-    tracing::info!(
-        reference = %outcome.reference,
-        chunks = outcome.chunks,
-        reused = outcome.chunks_reused,
-        holes = outcome.holes,
-        bytes_uploaded = outcome.bytes_uploaded,
-        bytes_data = outcome.bytes_data,
-        elapsed_ms = started.elapsed().as_millis() as u64,
-        "snapshot pushed"
-    );
-    Ok(outcome)
+    Ok((digest, len))
 }
 
 /// Reads `snapshot.json` and checks it is a snapshot manifest of [`FORMAT`].
@@ -2065,6 +2161,78 @@ mod tests {
                 },
             ],
         }
+    }
+
+    #[test]
+    fn push_options_and_manifest_room_are_checked_before_any_request() {
+        let ok = PushOptions::default();
+        assert!(check_push_options(&ok).is_ok());
+        for bad in [
+            PushOptions {
+                chunk_bytes: 0,
+                ..ok
+            },
+            PushOptions {
+                chunk_bytes: 4097,
+                ..ok
+            },
+            PushOptions {
+                chunk_bytes: MAX_CHUNK_BYTES + BLOCK as u64,
+                ..ok
+            },
+            PushOptions { in_flight: 0, ..ok },
+        ] {
+            let e = check_push_options(&bad).unwrap_err().to_string();
+            assert!(e.contains("chunk_bytes"), "{e}");
+        }
+        let plan = |may_hold_data| Planned {
+            offset: 0,
+            len: 4096,
+            may_hold_data,
+        };
+        let fits = (MAX_DOCUMENT_BYTES - 4096) / LAYER_JSON_BYTES;
+        let mut plans: Vec<(usize, Planned)> = (0..fits).map(|_| (0, plan(true))).collect();
+        plans.push((0, plan(false)));
+        assert!(
+            check_manifest_room(&plans, 4096).is_ok(),
+            "holes take no room"
+        );
+        plans.push((1, plan(true)));
+        let e = check_manifest_room(&plans, 4096).unwrap_err().to_string();
+        assert!(e.contains("use larger chunks"), "{e}");
+    }
+
+    #[test]
+    fn tally_puts_chunks_in_their_files_and_counts_reuse_and_holes() {
+        let mut expected = artifact();
+        let files: Vec<FileEntry> = expected
+            .files
+            .iter()
+            .map(|f| FileEntry {
+                chunks: Vec::new(),
+                ..f.clone()
+            })
+            .collect();
+        let stored = |file: usize, n: usize, uploaded| {
+            let chunk = expected.files[file].chunks[n].clone();
+            (file, ChunkResult::Stored { chunk, uploaded })
+        };
+        let results = vec![
+            stored(0, 0, true),
+            stored(1, 0, false),
+            (1, ChunkResult::Hole),
+            stored(1, 1, true),
+            (2, ChunkResult::Hole),
+        ];
+        let (outcome, files) = tally(files, results, 2);
+        assert_eq!(files, std::mem::take(&mut expected.files));
+        assert_eq!(
+            (outcome.chunks, outcome.chunks_reused, outcome.holes),
+            (3, 1, 2)
+        );
+        assert_eq!(outcome.bytes_uploaded, 50 + 5000);
+        assert_eq!(outcome.bytes_stored, 2 + 50 + 4000 + 5000);
+        assert_eq!(outcome.bytes_data, 1000 + 64 * MIB);
     }
 
     #[test]

@@ -29,12 +29,10 @@ use serde_json::json;
 
 use crate::ipam::{self, Ipam, allocator, network_key, pool};
 use crate::metrics::{Metrics, Write};
+use crate::names;
 
 /// Finalizer that keeps an ImpNetwork until no VM holds an address on it.
 pub const FINALIZER: &str = "imp.dev/network-addresses";
-
-/// Name the controller reports in metrics.
-pub const CONTROLLER_NAME: &str = "impnetwork";
 
 /// What can go wrong in one network reconcile.
 #[derive(Debug, thiserror::Error)]
@@ -197,7 +195,7 @@ fn same(
 
 async fn reconcile(cached: Arc<ImpNetwork>, ctx: Arc<Ctx>) -> Result<Action, Error> {
     if let Some(m) = &ctx.metrics {
-        m.reconcile(CONTROLLER_NAME);
+        m.reconcile(names::NETWORK_CONTROLLER);
     }
     let requeue = Action::requeue(ctx.resync);
     if !ctx.needs_work(&cached) {
@@ -282,7 +280,7 @@ async fn reconcile(cached: Arc<ImpNetwork>, ctx: Arc<Ctx>) -> Result<Action, Err
 fn error_policy(net: Arc<ImpNetwork>, err: &Error, ctx: Arc<Ctx>) -> Action {
     tracing::warn!(network = %network_key(&net), error = %err, source = ?std::error::Error::source(err), "network reconcile failed");
     if let Some(m) = &ctx.metrics {
-        m.reconcile_error(CONTROLLER_NAME, "api");
+        m.reconcile_error(names::NETWORK_CONTROLLER, "api");
     }
     Action::requeue(Duration::from_secs(2))
 }

@@ -342,40 +342,12 @@ fn schedule(
 ///   due at; conditions `Scheduled` (the schedule's health) and `Ready` (the newest execution's
 ///   outcome).
 pub fn plan(parent: &ImpVMSnapshot, children: &[ImpVMSnapshot], now: Timestamp) -> Plan {
-    let name = parent.name_any();
     let old = parent.status.clone().unwrap_or_default();
     let mut status = old.clone();
     let mut notes = Vec::new();
-    let generation = parent.meta().generation;
-    let time = Time(now);
+    let execs = Executions::of(parent, children);
 
-    let mut mine: Vec<&ImpVMSnapshot> = children
-        .iter()
-        .filter(|c| is_execution_of(c, parent))
-        .collect();
-    mine.sort_by_key(|c| (scheduled_at(c), c.name_any()));
-    let anchor = mine
-        .last()
-        .and_then(|c| scheduled_at(c))
-        .or_else(|| parent.meta().creation_timestamp.as_ref().map(|t| t.0))
-        .unwrap_or(now);
-    let live: Vec<&ImpVMSnapshot> = mine
-        .iter()
-        .copied()
-        .filter(|c| c.meta().deletion_timestamp.is_none())
-        .collect();
-    let running: Vec<&ImpVMSnapshot> = live.iter().copied().filter(|c| !terminated(c)).collect();
-    let succeeded = |n: &str| {
-        live.iter()
-            .any(|c| c.name_any() == n && phase(c) == Some(SnapshotPhase::Succeeded))
-    };
-
-    // Base election.
-    status.base_snapshot = match parent.spec.base_snapshot.as_deref() {
-        Some(b) if succeeded(b) => Some(b.to_owned()),
-        Some(_) => old.base_snapshot.clone().filter(|b| succeeded(b)),
-        None => None,
-    };
+    status.base_snapshot = elect_base(parent, &old, &execs);
     if let Some(b) = &status.base_snapshot
         && old.base_snapshot.as_ref() != Some(b)
     {
@@ -385,15 +357,140 @@ pub fn plan(parent: &ImpVMSnapshot, children: &[ImpVMSnapshot], now: Timestamp) 
             Some(b.clone()),
         ));
     }
+    let prune = prune(parent, &old, &execs);
 
-    // Retention.
+    let verdict = verdict(parent, &old, &execs, now);
+    let create = verdict.start.map(|what| {
+        let object = execution(parent, now);
+        let note = Note::normal(
+            reason::EXECUTION_CREATED,
+            format!("created execution {} for {what}", object.name_any()),
+            Some(object.name_any()),
+        );
+        Execution { object, note }
+    });
+    status.next_scheduled_at = verdict.next.map(Time);
+    notes.extend(set_scheduled(
+        &mut status,
+        &old,
+        parent,
+        verdict.health,
+        now,
+    ));
+
+    let newest = match &create {
+        Some(c) => Some(Newest {
+            name: c.object.name_any(),
+            phase: None,
+            failure: None,
+        }),
+        None => execs.newest_kept(&prune),
+    };
+    show_newest(&mut status, newest, parent.meta().generation, now);
+
+    Plan {
+        prune,
+        create,
+        status,
+        notes,
+        requeue_at: verdict.requeue_at,
+    }
+}
+
+/// A parent's executions as [`plan`] reads them.
+struct Executions<'a> {
+    /// Every execution, oldest first (by [`scheduled_at`], then name).
+    all: Vec<&'a ImpVMSnapshot>,
+    /// Those not being deleted: gone for every purpose but the schedule.
+    live: Vec<&'a ImpVMSnapshot>,
+}
+
+impl<'a> Executions<'a> {
+    fn of(parent: &ImpVMSnapshot, children: &'a [ImpVMSnapshot]) -> Self {
+        let mut all: Vec<&ImpVMSnapshot> = children
+            .iter()
+            .filter(|c| is_execution_of(c, parent))
+            .collect();
+        all.sort_by_key(|c| (scheduled_at(c), c.name_any()));
+        let live = all
+            .iter()
+            .copied()
+            .filter(|c| c.meta().deletion_timestamp.is_none())
+            .collect();
+        Self { all, live }
+    }
+
+    /// When the schedule counts from: the newest execution's [`scheduled_at`], else the
+    /// parent's creation, else `now`.
+    fn anchor(&self, parent: &ImpVMSnapshot, now: Timestamp) -> Timestamp {
+        self.all
+            .last()
+            .and_then(|c| scheduled_at(c))
+            .or_else(|| parent.meta().creation_timestamp.as_ref().map(|t| t.0))
+            .unwrap_or(now)
+    }
+
+    /// The first live execution that has not finished.
+    fn running(&self) -> Option<String> {
+        self.live
+            .iter()
+            .find(|c| !terminated(c))
+            .map(|c| c.name_any())
+    }
+
+    /// Whether live execution `name` has Succeeded.
+    fn succeeded(&self, name: &str) -> bool {
+        self.live
+            .iter()
+            .any(|c| c.name_any() == name && phase(c) == Some(SnapshotPhase::Succeeded))
+    }
+
+    /// The live executions that have finished, oldest first.
+    fn finished(&self) -> Vec<&'a ImpVMSnapshot> {
+        self.live
+            .iter()
+            .copied()
+            .filter(|c| terminated(c))
+            .collect()
+    }
+
+    /// The newest live execution that `prune` does not delete.
+    fn newest_kept(&self, prune: &[Prune]) -> Option<Newest> {
+        self.live
+            .iter()
+            .rev()
+            .find(|c| !prune.iter().any(|p| p.name == c.name_any()))
+            .map(|c| Newest {
+                name: c.name_any(),
+                phase: phase(c),
+                failure: failure(c).map(str::to_owned),
+            })
+    }
+}
+
+/// `status.baseSnapshot`: `spec.baseSnapshot` once its execution has Succeeded; until then the
+/// previous base while it still has; none once the spec is cleared.
+fn elect_base(
+    parent: &ImpVMSnapshot,
+    old: &ImpVMSnapshotStatus,
+    execs: &Executions,
+) -> Option<String> {
+    match parent.spec.base_snapshot.as_deref() {
+        Some(b) if execs.succeeded(b) => Some(b.to_owned()),
+        Some(_) => old.base_snapshot.clone().filter(|b| execs.succeeded(b)),
+        None => None,
+    }
+}
+
+/// The finished executions beyond the newest `spec.retention`, base ones excepted.
+fn prune(parent: &ImpVMSnapshot, old: &ImpVMSnapshotStatus, execs: &Executions) -> Vec<Prune> {
     let retention = usize::try_from(parent.spec.retention.max(1)).unwrap_or(1);
     let protected = |n: &str| {
         parent.spec.base_snapshot.as_deref() == Some(n) || old.base_snapshot.as_deref() == Some(n)
     };
-    let finished: Vec<&ImpVMSnapshot> = live.iter().copied().filter(|c| terminated(c)).collect();
+    let finished = execs.finished();
     let beyond = finished.len().saturating_sub(retention);
-    let prune: Vec<Prune> = finished[..beyond]
+    finished[..beyond]
         .iter()
         .map(|c| c.name_any())
         .filter(|n| !protected(n))
@@ -407,11 +504,24 @@ pub fn plan(parent: &ImpVMSnapshot, children: &[ImpVMSnapshot], now: Timestamp) 
             ),
             name: n,
         })
-        .collect();
+        .collect()
+}
 
-    // Scheduling.
-    let verdict = if name.len() > MAX_LABEL_VALUE {
-        Verdict {
+/// Whether `name` is too long to label the parent's executions with.
+fn name_too_long(name: &str) -> bool {
+    name.len() > MAX_LABEL_VALUE
+}
+
+/// The schedule's [`Verdict`], or an invalid one for a name that cannot label executions.
+fn verdict(
+    parent: &ImpVMSnapshot,
+    old: &ImpVMSnapshotStatus,
+    execs: &Executions,
+    now: Timestamp,
+) -> Verdict {
+    let name = parent.name_any();
+    if name_too_long(&name) {
+        return Verdict {
             health: Err(format!(
                 "the name is {} characters long: its executions carry it in label \
                  {LABEL_SNAPSHOT_PARENT}, which holds at most {MAX_LABEL_VALUE}; use a shorter name",
@@ -420,25 +530,24 @@ pub fn plan(parent: &ImpVMSnapshot, children: &[ImpVMSnapshot], now: Timestamp) 
             start: None,
             next: None,
             requeue_at: None,
-        }
-    } else {
-        let running = running.first().map(|c| c.name_any());
-        let never_ran = mine.is_empty() && old.last_execution_ref.is_none();
-        schedule(parent, anchor, now, running.as_deref(), never_ran)
-    };
-    let create = verdict.start.map(|what| {
-        let object = execution(parent, now);
-        let note = Note::normal(
-            reason::EXECUTION_CREATED,
-            format!("created execution {} for {what}", object.name_any()),
-            Some(object.name_any()),
-        );
-        Execution { object, note }
-    });
-    status.next_scheduled_at = verdict.next.map(Time);
-    let requeue_at = verdict.requeue_at;
-    let scheduled = verdict.health;
-    match scheduled {
+        };
+    }
+    let never_ran = execs.all.is_empty() && old.last_execution_ref.is_none();
+    let anchor = execs.anchor(parent, now);
+    schedule(parent, anchor, now, execs.running().as_deref(), never_ran)
+}
+
+/// Sets the `Scheduled` condition from the schedule's health; an invalid spec is also told in
+/// a Warning Event, unless the condition already said the same.
+fn set_scheduled(
+    status: &mut ImpVMSnapshotStatus,
+    old: &ImpVMSnapshotStatus,
+    parent: &ImpVMSnapshot,
+    health: Result<(ConditionReason, String), String>,
+    now: Timestamp,
+) -> Option<Note> {
+    let generation = parent.meta().generation;
+    let (why, message) = match health {
         Ok((why, message)) => {
             conditions::set(
                 &mut status.conditions,
@@ -447,67 +556,78 @@ pub fn plan(parent: &ImpVMSnapshot, children: &[ImpVMSnapshot], now: Timestamp) 
                 why,
                 message,
                 generation,
-                time.clone(),
+                Time(now),
             );
+            return None;
         }
-        Err(message) => {
-            let changed = conditions::find(&old.conditions, ConditionType::Scheduled)
-                .is_none_or(|c| c.status != "False" || c.message != message);
-            conditions::set(
-                &mut status.conditions,
-                ConditionType::Scheduled,
-                ConditionStatus::False,
-                ConditionReason::InvalidSpec,
-                message.clone(),
-                generation,
-                time.clone(),
-            );
-            if changed {
-                let why = if name.len() > MAX_LABEL_VALUE {
-                    reason::INVALID_NAME
-                } else {
-                    reason::INVALID_SCHEDULE
-                };
-                notes.push(Note::warning(why, message));
-            }
-        }
-    }
-
-    // The newest execution, as the parent shows it.
-    let pruned = |n: &str| prune.iter().any(|p| p.name == n);
-    let newest: Option<(String, Option<SnapshotPhase>, Option<String>)> = match &create {
-        Some(c) => Some((c.object.name_any(), None, None)),
-        None => live
-            .iter()
-            .rev()
-            .find(|c| !pruned(&c.name_any()))
-            .map(|c| (c.name_any(), phase(c), failure(c).map(str::to_owned))),
+        Err(message) => (ConditionReason::InvalidSpec, message),
     };
+    let changed = conditions::find(&old.conditions, ConditionType::Scheduled)
+        .is_none_or(|c| c.status != "False" || c.message != message);
+    conditions::set(
+        &mut status.conditions,
+        ConditionType::Scheduled,
+        ConditionStatus::False,
+        why,
+        message.clone(),
+        generation,
+        Time(now),
+    );
+    let reason = match name_too_long(&parent.name_any()) {
+        true => reason::INVALID_NAME,
+        false => reason::INVALID_SCHEDULE,
+    };
+    changed.then(|| Note::warning(reason, message))
+}
+
+/// The newest execution, as the parent shows it.
+struct Newest {
+    name: String,
+    phase: Option<SnapshotPhase>,
+    /// The message of its failing condition.
+    failure: Option<String>,
+}
+
+/// The parent's `phase`, `lastExecutionRef` and `Ready` condition, from its newest execution.
+fn show_newest(
+    status: &mut ImpVMSnapshotStatus,
+    newest: Option<Newest>,
+    generation: Option<i64>,
+    now: Timestamp,
+) {
     let (ready, why, message) = match &newest {
         None => (
             ConditionStatus::Unknown,
             ConditionReason::Waiting,
             "no execution yet".to_owned(),
         ),
-        Some((n, Some(SnapshotPhase::Succeeded), _)) => (
+        Some(Newest {
+            name: n,
+            phase: Some(SnapshotPhase::Succeeded),
+            ..
+        }) => (
             ConditionStatus::True,
             ConditionReason::Completed,
             format!("execution {n} succeeded"),
         ),
-        Some((n, Some(SnapshotPhase::Failed), cause)) => (
+        Some(Newest {
+            name: n,
+            phase: Some(SnapshotPhase::Failed),
+            failure,
+        }) => (
             ConditionStatus::False,
             ConditionReason::Failed,
-            match cause {
+            match failure {
                 Some(c) => format!("execution {n} failed: {c}"),
                 None => format!("execution {n} failed"),
             },
         ),
-        Some((n, p, _)) => (
+        Some(Newest { name: n, phase, .. }) => (
             ConditionStatus::Unknown,
             ConditionReason::Waiting,
             format!(
                 "execution {n} is {}",
-                match p {
+                match phase {
                     Some(SnapshotPhase::Running) => "running",
                     _ => "pending",
                 }
@@ -521,24 +641,16 @@ pub fn plan(parent: &ImpVMSnapshot, children: &[ImpVMSnapshot], now: Timestamp) 
         why,
         message,
         generation,
-        time,
+        Time(now),
     );
     status.phase = Some(
         newest
             .as_ref()
-            .and_then(|(_, p, _)| *p)
+            .and_then(|n| n.phase)
             .unwrap_or(SnapshotPhase::Pending),
     );
-    if let Some((n, _, _)) = newest {
-        status.last_execution_ref = Some(CoreLocalObjectRef { name: n });
-    }
-
-    Plan {
-        prune,
-        create,
-        status,
-        notes,
-        requeue_at,
+    if let Some(n) = newest {
+        status.last_execution_ref = Some(CoreLocalObjectRef { name: n.name });
     }
 }
 

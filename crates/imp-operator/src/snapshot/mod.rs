@@ -45,12 +45,10 @@ use kube::{Resource, ResourceExt};
 use serde_json::json;
 
 use self::decide::{Note, Plan};
-use crate::controller::FIELD_MANAGER;
 use crate::metrics::{Metrics, Write};
+use crate::names;
+use crate::vm::FIELD_MANAGER;
 use imp_api::shared::ANNOTATION_SNAPSHOT_NODE as SNAPSHOT_NODE;
-
-/// Name the controller reports in metrics.
-pub const CONTROLLER_NAME: &str = "impvmsnapshot";
 
 /// The resource label of this controller's writes in `imp_operator_conflicts_total`.
 const CONFLICT_RESOURCE: &str = "impvmsnapshot";
@@ -282,7 +280,7 @@ fn requeue(plan: &Plan, now: Timestamp) -> Action {
 
 async fn reconcile(cached: Arc<ImpVMSnapshot>, ctx: Arc<Ctx>) -> Result<Action, Error> {
     if let Some(m) = &ctx.metrics {
-        m.reconcile(CONTROLLER_NAME);
+        m.reconcile(names::SNAPSHOT_CONTROLLER);
     }
     // Executions are the agent's; a parent being deleted takes its executions with it.
     if cached.labels().contains_key(LABEL_SNAPSHOT_PARENT)
@@ -328,7 +326,7 @@ async fn reconcile(cached: Arc<ImpVMSnapshot>, ctx: Arc<Ctx>) -> Result<Action, 
 fn error_policy(parent: Arc<ImpVMSnapshot>, err: &Error, ctx: Arc<Ctx>) -> Action {
     tracing::warn!(snapshot = %key(&parent), error = %crate::chain::DisplayChain(err), "snapshot reconcile failed");
     if let Some(m) = &ctx.metrics {
-        m.reconcile_error(CONTROLLER_NAME, err.metric_label());
+        m.reconcile_error(names::SNAPSHOT_CONTROLLER, err.metric_label());
     }
     Action::requeue(RETRY)
 }

@@ -40,9 +40,11 @@
 //! Served through [`tls::LiveCert`], which a rotation swaps without closing the listener. It
 //! comes either from PEM files ([`bind`]: cert-manager's Secret mounted into the Pod) or from
 //! the operator itself ([`certs`]: a CA and serving certificate it keeps in a Secret, rotates,
-//! and whose CA it publishes as the `caBundle` of its webhook configurations).
+//! and whose CA it publishes as the `caBundle` of its webhook configurations); [`serving`]
+//! starts the webhook in either mode.
 
 pub mod certs;
+pub mod serving;
 pub mod tls;
 
 use std::convert::Infallible;

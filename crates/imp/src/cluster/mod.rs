@@ -17,11 +17,9 @@
 
 use std::ffi::OsStr;
 use std::io::Write;
-use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::{Context, bail};
-use clap::Args;
 use imp_agent::api::client::{self, Target};
 use imp_api::shared::VmDesiredState;
 use imp_api::shared::{ANNOTATION_AGENT_CERT_SHA256, ANNOTATION_AGENT_ENDPOINT};
@@ -32,30 +30,12 @@ use k8s_openapi::jiff::Timestamp;
 use kube::config::{AuthInfo, KubeConfigOptions, Kubeconfig};
 use secrecy::ExposeSecret;
 
-use crate::local::{self, ConsoleArgs, ExecArgs, SuspendArgs};
+use crate::args::{ClusterArgs, ConsoleArgs, ExecArgs, SuspendArgs, parse_env};
+use crate::local::exec as local_exec;
 
 pub mod plugin;
 pub mod ps;
 pub mod top;
-
-/// How the commands' help tells local and cluster mode apart.
-pub const MODE_HELP: &str = "Local or cluster: with -n/--namespace, --kubeconfig or --context, or \
-when run as kubectl-imp (`kubectl imp ...`), VM is an ImpVM in the cluster, reached through its \
-node's agent with the kubeconfig user's bearer token; otherwise VM is a local VM of `imp run`.";
-
-/// Flags that point `imp exec` and `imp console` at a cluster instead of a local VM.
-#[derive(Args, Debug, Clone, Default)]
-pub struct ClusterArgs {
-    /// The ImpVM's namespace; selects cluster mode (default: the kubeconfig context's).
-    #[arg(short = 'n', long)]
-    pub namespace: Option<String>,
-    /// Kubeconfig file; selects cluster mode (default: KUBECONFIG, then ~/.kube/config).
-    #[arg(long)]
-    pub kubeconfig: Option<PathBuf>,
-    /// Kubeconfig context; selects cluster mode (default: the current context).
-    #[arg(long)]
-    pub context: Option<String>,
-}
 
 /// Whether a command acts on the cluster rather than on a local VM.
 pub fn wanted(args: &ClusterArgs) -> bool {
@@ -73,9 +53,9 @@ fn selects_cluster(args: &ClusterArgs, argv0: Option<&OsStr>) -> bool {
 
 /// `imp exec -n NS VM -- CMD…` against the cluster: the remote command's exit code.
 pub fn exec(args: ExecArgs) -> anyhow::Result<i32> {
-    let opts = local::exec::ExecOptions {
+    let opts = local_exec::ExecOptions {
         argv: args.command,
-        env: local::parse_env(&args.env)?,
+        env: parse_env(&args.env)?,
         cwd: args.workdir,
         user: args.user,
         tty: args.tty,
@@ -118,7 +98,7 @@ pub fn exec(args: ExecArgs) -> anyhow::Result<i32> {
     handle
         .set_read_timeout(None)
         .context("clearing the handshake timeout")?;
-    let status = local::exec::exec(local::exec::Connection { client, handle }, &opts)?;
+    let status = local_exec::exec(local_exec::Connection { client, handle }, &opts)?;
     Ok(status.code())
 }
 

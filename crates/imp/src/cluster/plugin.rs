@@ -17,7 +17,7 @@ use std::path::Path;
 use clap::error::{ContextKind, ContextValue, ErrorKind};
 use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 
-use crate::local::{ConsoleArgs, ExecArgs, LogsArgs, PsArgs, SuspendArgs};
+use crate::args::{ConsoleArgs, ExecArgs, LogsArgs, PsArgs, SuspendArgs};
 
 /// The file name under which kubectl finds imp as its `imp` plugin.
 pub const NAME: &str = "kubectl-imp";

@@ -6,14 +6,8 @@ use imp_api::vm::ImpVM;
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, ListParams};
 
-use super::{ClusterArgs, load_config, runtime};
-use crate::local::PsArgs;
-
-/// How `imp ps` tells local and cluster mode apart, and what the cluster table shows.
-pub const HELP: &str = "Local or cluster: with -n/--namespace, -A/--all-namespaces, \
---kubeconfig or --context, or when run as kubectl-imp (`kubectl imp ps`), imp ps lists a \
-cluster's ImpVMs (NAMESPACE with -A, NAME, PHASE, NODE, ADDRESS, AGE, IMAGE), read with your \
-kubeconfig; otherwise the local VMs of `imp run` (-a: also those that have ended).";
+use super::{load_config, runtime};
+use crate::args::{ClusterArgs, PsArgs, age};
 
 /// Whether `imp ps` lists a cluster's ImpVMs rather than local VMs.
 pub fn wanted(args: &PsArgs) -> bool {
@@ -73,9 +67,7 @@ fn table(vms: &[ImpVM], all_namespaces: bool, now: Timestamp) -> String {
             .metadata
             .creation_timestamp
             .as_ref()
-            .map(|t| {
-                crate::local::age(u64::try_from(now.as_second() - t.0.as_second()).unwrap_or(0))
-            })
+            .map(|t| age(u64::try_from(now.as_second() - t.0.as_second()).unwrap_or(0)))
             .unwrap_or_else(|| "-".into());
         rows.push([
             dash(vm.metadata.namespace.as_deref()),

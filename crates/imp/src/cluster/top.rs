@@ -20,8 +20,8 @@ use imp_api::vm::{ImpVM, VmPhase};
 use k8s_openapi::api::core::v1::Node;
 use kube::api::{Api, ListParams};
 
-use super::{ClusterArgs, agent_of, bearer_token, load_config, node_of, runtime};
-use crate::local::parse_duration;
+use super::{agent_of, bearer_token, load_config, node_of, runtime};
+use crate::args::{ClusterArgs, parse_duration};
 
 /// What `imp top --help` ends with.
 pub const HELP: &str = "Columns: NAME, NODE, CPU (busy share of the guest's CPU time), IOWAIT, \

@@ -10,12 +10,12 @@ use std::time::Instant;
 
 use anyhow::Context;
 use clap::Args;
-use imp_agent::image::progress::{Event, Observer, Reporter};
-use imp_agent::image::{ImageSource, ImageStore, Limits, RegistryAuth};
 use imp_agent::runtime::state::StateDir;
+use imp_image::progress::{Event, Observer, Reporter};
+use imp_image::{ImageSource, ImageStore, Limits, RegistryAuth};
 
-use super::Common;
 use super::progress::{Mode, Progress};
+use crate::args::Common;
 
 /// `imp image pull`.
 #[derive(Args, Debug)]
@@ -86,7 +86,7 @@ pub fn pull(args: PullArgs) -> anyhow::Result<()> {
         (Some(path), ImageSource::Registry(r)) => {
             let json =
                 std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
-            imp_agent::image::auth_from_docker_config(&json, r.resolve_registry())
+            imp_image::auth_from_docker_config(&json, r.resolve_registry())
                 .with_context(|| format!("credentials in {}", path.display()))?
         }
         (Some(_), _) => anyhow::bail!("--auth-file is for registry images, not {}", args.image),

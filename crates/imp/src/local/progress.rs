@@ -1,4 +1,4 @@
-//! Showing the image pipeline's progress ([`imp_agent::image::progress`]) to the person who
+//! Showing the image pipeline's progress ([`imp_image::progress`]) to the person who
 //! ran `imp run` or `imp image pull`, on stderr (stdout is the workload's).
 //!
 //! On a terminal, one line per layer with its bytes, rate and state, redrawn in place
@@ -13,8 +13,8 @@ use std::io::{IsTerminal, Write};
 use std::path::Path;
 use std::time::Duration;
 
-use imp_agent::image::progress::{Event, LayerInfo};
 use imp_agent::runtime::progress::ProgressReader;
+use imp_image::progress::{Event, LayerInfo};
 use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 /// How often a plain log says how far a long download has got.

@@ -14,12 +14,13 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 use clap::{Args, ValueEnum};
 use imp_agent::runtime::console::{Filter, Follower, Line};
-use imp_agent::runtime::shim::{self, ShimCommand};
-use imp_agent::runtime::spec::{BootFiles, Runtime, VmSpec};
+use imp_agent::runtime::control::{self, ShimCommand};
+use imp_agent::runtime::spec::{BootFiles, VmSpec};
 use imp_agent::runtime::state::{self, StateDir, VmRecord, VmStatus};
+use imp_api::shared::VmRuntime;
 
 use super::progress::{Mode, ShimProgress};
-use super::{Common, parse_duration, parse_env};
+use crate::args::{Common, parse_duration, parse_env};
 
 /// How long the workload gets to exit after Ctrl-C before the VM is killed.
 const INTERRUPT_GRACE: Duration = Duration::from_secs(10);
@@ -33,11 +34,11 @@ pub enum RuntimeArg {
     Firecracker,
 }
 
-impl From<RuntimeArg> for Runtime {
+impl From<RuntimeArg> for VmRuntime {
     fn from(r: RuntimeArg) -> Self {
         match r {
-            RuntimeArg::Qemu => Runtime::Qemu,
-            RuntimeArg::Firecracker => Runtime::Firecracker,
+            RuntimeArg::Qemu => VmRuntime::Qemu,
+            RuntimeArg::Firecracker => VmRuntime::Firecracker,
         }
     }
 }
@@ -120,11 +121,8 @@ pub struct RunArgs {
 }
 
 /// The image cache of local VMs (what the shim uses with no `cache_dir` in the spec).
-pub fn image_store(state: &StateDir) -> imp_agent::image::ImageStore {
-    imp_agent::image::ImageStore::new(
-        state.cache().join("images"),
-        imp_agent::image::Limits::default(),
-    )
+pub fn image_store(state: &StateDir) -> imp_image::ImageStore {
+    imp_image::ImageStore::new(state.cache().join("images"), imp_image::Limits::default())
 }
 
 /// The allowed ranges of `--cpus`, `--memory` and `--disk`: those of an ImpVMClass (vCPU and
@@ -175,7 +173,7 @@ pub fn main(args: RunArgs) -> anyhow::Result<i32> {
         .map(|path| imp_agent::node::boot::vm_cgroup(path, spec.vcpus, spec.memory_mib));
     state.create_vm_dir(&name)?;
     let cmd = ShimCommand::current_exe().context("finding the imp binary")?;
-    if let Err(e) = shim::start(&cmd, &state, &name, &spec) {
+    if let Err(e) = control::start(&cmd, &state, &name, &spec) {
         let _ = state.remove(&name);
         return Err(e).context("starting the VM");
     }
@@ -207,7 +205,7 @@ pub fn main(args: RunArgs) -> anyhow::Result<i32> {
     };
     if args.rm {
         runtime
-            .block_on(shim::remove(&state, &name, None))
+            .block_on(control::remove(&state, &name, None))
             .with_context(|| format!("removing VM {name}"))?;
     }
     result
@@ -290,8 +288,8 @@ fn spec_for(args: &RunArgs, name: &str) -> anyhow::Result<VmSpec> {
 
 fn is_registry_reference(image: &str) -> bool {
     matches!(
-        image.parse::<imp_agent::image::ImageSource>(),
-        Ok(imp_agent::image::ImageSource::Registry(_))
+        image.parse::<imp_image::ImageSource>(),
+        Ok(imp_image::ImageSource::Registry(_))
     )
 }
 
@@ -341,7 +339,7 @@ async fn until_running(
 ) -> anyhow::Result<VmRecord> {
     let waited = boot_timeout + Duration::from_secs(600);
     let deadline = Instant::now() + waited;
-    let shim_log = imp_agent::runtime::supervisor::shim_log(&state.vm_dir(name));
+    let shim_log = imp_agent::runtime::contract::shim_log(&state.vm_dir(name));
     loop {
         progress.poll();
         if let Some(r) = load(state, name).await {
@@ -410,7 +408,7 @@ async fn attached(
     .await;
     // Whatever happened, the VM goes with the session.
     if let Some(record) = load(state, name).await {
-        shim::stop(state, &record, Duration::from_secs(2))
+        control::stop(state, &record, Duration::from_secs(2))
             .await
             .with_context(|| format!("stopping {name}"))?;
     }
@@ -455,7 +453,7 @@ async fn follow(
         if interrupted && stopping.is_none() {
             let (state, r) = (state.clone(), record.clone());
             stopping = Some(tokio::spawn(async move {
-                if let Err(e) = shim::stop(&state, &r, INTERRUPT_GRACE).await {
+                if let Err(e) = control::stop(&state, &r, INTERRUPT_GRACE).await {
                     eprintln!("imp: stopping {}: {e:#}", r.name);
                 }
             }));
@@ -483,7 +481,7 @@ async fn follow(
                 if stopping.is_none() {
                     let (state, r) = (state.clone(), record.clone());
                     stopping = Some(tokio::spawn(async move {
-                        if let Err(e) = shim::stop(&state, &r, INTERRUPT_GRACE).await {
+                        if let Err(e) = control::stop(&state, &r, INTERRUPT_GRACE).await {
                             eprintln!("imp: stopping {}: {e:#}", r.name);
                         }
                     }));
@@ -581,7 +579,7 @@ fn outcome(state: &StateDir, record: &VmRecord) -> anyhow::Result<i32> {
         VmStatus::Starting | VmStatus::Running | VmStatus::Suspending | VmStatus::Resuming => {
             bail!(
                 "the VM's shim died before recording the end; see {}",
-                imp_agent::runtime::supervisor::shim_log(&state.vm_dir(&record.name)).display()
+                imp_agent::runtime::contract::shim_log(&state.vm_dir(&record.name)).display()
             )
         }
     }

@@ -1,19 +1,14 @@
-//! `imp operator`'s admission webhook: its flags, and starting it with a certificate from files
-//! (cert-manager) or from the operator itself (a Secret it keeps, see docs/webhook.md).
+//! `imp operator`'s admission webhook flags, turned into where it serves and where its
+//! certificate comes from: files (cert-manager) or the operator itself (a Secret it keeps, see
+//! docs/webhook.md). [`imp_operator::webhook::serving`] starts it.
 
 use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
-use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use imp_operator::metrics::Health;
-use imp_operator::webhook;
-use imp_operator::webhook::certs::{Keeper, KeeperConfig, Names, Policy};
-use imp_operator::webhook::tls::{self, LiveCert};
-use tokio::sync::watch;
-
-use crate::shutdown::stopped;
+use imp_operator::webhook::certs::{KeeperConfig, Names, Policy};
+use imp_operator::webhook::serving::{Certificate, Serving};
 
 /// The webhook flags of `imp operator`.
 #[derive(clap::Args, Debug)]
@@ -118,51 +113,28 @@ pub fn parse_validity(s: &str) -> Result<Duration, String> {
     Ok(Duration::from_secs(total))
 }
 
-/// Starts the webhook if `--webhook-addr` is set; a failure to bind raises `stop`.
-pub fn spawn(
-    args: &WebhookArgs,
-    quota_preview: bool,
-    client: kube::Client,
-    health: Arc<Health>,
-    stop: watch::Sender<bool>,
-    stopping: watch::Receiver<bool>,
-) -> anyhow::Result<()> {
+/// The webhook the operator serves, if `--webhook-addr` is set; `quota_preview`: refuse at
+/// admission a VM a ResourceQuota would refuse (reservation Pods are made).
+pub fn serving(args: &WebhookArgs, quota_preview: bool) -> anyhow::Result<Option<Serving>> {
     let Some(addr) = args.webhook_addr else {
-        return Ok(());
+        return Ok(None);
     };
-    match (&args.webhook_secret, &args.webhook_cert, &args.webhook_key) {
-        (Some(secret), _, _) => {
-            let keeper = Keeper::new(client.clone(), keeper_config(args, secret)?);
-            // Until it serves, the Service must not send this replica admission requests.
-            health.hold(
-                HEALTH_PART,
-                format!(
-                    "no serving certificate from Secret {}/{secret} yet",
-                    args.namespace
-                ),
-            );
-            let serving = Serving {
-                addr,
-                health,
-                quota_preview,
-            };
-            tokio::spawn(self_managed(serving, keeper, client, stop, stopping));
-        }
-        (None, Some(cert), Some(key)) => {
-            let files = Files {
-                addr,
-                cert: cert.clone(),
-                key: key.clone(),
-                reload: args.webhook_cert_reload,
-                quota_preview,
-            };
-            tokio::spawn(from_files(files, client, stop, stopping));
-        }
+    let certificate = match (&args.webhook_secret, &args.webhook_cert, &args.webhook_key) {
+        (Some(secret), _, _) => Certificate::Kept(keeper_config(args, secret)?),
+        (None, Some(cert), Some(key)) => Certificate::Files {
+            cert: cert.clone(),
+            key: key.clone(),
+            reload: args.webhook_cert_reload,
+        },
         _ => anyhow::bail!(
             "--webhook-addr needs --webhook-cert and --webhook-key, or --webhook-secret"
         ),
-    }
-    Ok(())
+    };
+    Ok(Some(Serving {
+        addr,
+        certificate,
+        quota_preview,
+    }))
 }
 
 fn keeper_config(args: &WebhookArgs, secret: &str) -> anyhow::Result<KeeperConfig> {
@@ -180,84 +152,6 @@ fn keeper_config(args: &WebhookArgs, secret: &str) -> anyhow::Result<KeeperConfi
         configurations: args.webhook_configurations.clone(),
         policy,
     })
-}
-
-/// Gets a certificate from the Secret (making one if needed), then serves with it while the
-/// keeper rotates it.
-/// The part of readiness the self-managed webhook holds back until it serves.
-const HEALTH_PART: &str = "webhook";
-
-/// Where the self-managed webhook serves, and the readiness it releases once it does.
-struct Serving {
-    addr: SocketAddr,
-    health: Arc<Health>,
-    /// Refuse at admission a VM a ResourceQuota would refuse (reservation Pods are made).
-    quota_preview: bool,
-}
-
-async fn self_managed(
-    serving: Serving,
-    keeper: Keeper,
-    client: kube::Client,
-    stop: watch::Sender<bool>,
-    stopping: watch::Receiver<bool>,
-) {
-    let Some(live) = keeper.start(stopped(stopping.clone())).await else {
-        return;
-    };
-    match webhook::bind_live(serving.addr, live.clone(), client).await {
-        Ok(hook) => {
-            let hook = hook.with_quota_preview(serving.quota_preview);
-            serving.health.release(HEALTH_PART);
-            tokio::spawn(keeper.run(live, stopped(stopping.clone())));
-            hook.run(stopped(stopping)).await;
-        }
-        Err(e) => failed(&anyhow::Error::new(e), &stop),
-    }
-}
-
-/// The files mode: where to serve, the certificate's files and how often to read them again.
-struct Files {
-    addr: SocketAddr,
-    cert: PathBuf,
-    key: PathBuf,
-    reload: Duration,
-    /// As [`Serving::quota_preview`].
-    quota_preview: bool,
-}
-
-async fn from_files(
-    files: Files,
-    client: kube::Client,
-    stop: watch::Sender<bool>,
-    stopping: watch::Receiver<bool>,
-) {
-    let bound = async {
-        let key = tls::load_files(&files.cert, &files.key).await?;
-        let live = Arc::new(LiveCert::new(key));
-        webhook::bind_live(files.addr, live.clone(), client)
-            .await
-            .map(|hook| (hook, live))
-    };
-    match bound.await {
-        Ok((hook, live)) => {
-            let hook = hook.with_quota_preview(files.quota_preview);
-            tokio::spawn(tls::follow_files(
-                files.cert,
-                files.key,
-                live,
-                files.reload,
-                stopped(stopping.clone()),
-            ));
-            hook.run(stopped(stopping)).await;
-        }
-        Err(e) => failed(&anyhow::Error::new(e), &stop),
-    }
-}
-
-fn failed(error: &anyhow::Error, stop: &watch::Sender<bool>) {
-    tracing::error!(error = format!("{error:#}"), "admission webhook failed");
-    let _ = stop.send(true);
 }
 
 #[cfg(test)]

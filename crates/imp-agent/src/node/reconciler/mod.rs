@@ -49,16 +49,17 @@ use super::probes::Probes;
 use super::scale::{self, ScaleToZero, SleepingTap};
 use super::serial::{self, Consoles};
 use super::vms::NodeVms;
-use crate::net::NodeNet;
-use crate::runtime::shim::{self, ShimCommand};
-use crate::runtime::state::{Owner, StateDir, StateError, VmRecord, VmStatus};
+use crate::runtime::control::ShimCommand;
+use crate::runtime::state::{Owner, StateDir, VmRecord, VmStatus};
+use crate::runtime::{PrivateFile, Shims, ShimsError};
+use imp_net::NodeNet;
 
 mod probe;
 mod sleep;
 mod start;
 mod status;
 
-use sleep::{resume, runs_again, scale_facts, suspend, sync_sleeper};
+use sleep::{ScaleFacts, resume, runs_again, scale_facts, suspend, sync_sleeper};
 use start::start;
 use status::{now, write_report, write_report_with};
 
@@ -142,6 +143,8 @@ pub struct Context {
     probes: Arc<Probes>,
     /// The node's fence: while it holds, no VM starts, resumes or cold-boots.
     fence: Option<Arc<super::fence::Fence>>,
+    /// The VMs' shims: every start, stop, suspend and resume goes through it.
+    shims: Shims,
 }
 
 fn key(vm: &ImpVM) -> String {
@@ -166,6 +169,7 @@ impl Context {
         Self {
             client,
             consoles: Arc::new(Consoles::new(settings.serial)),
+            shims: Shims::new(settings.state.clone(), settings.shim.clone()),
             settings,
             caps,
             metrics,
@@ -211,22 +215,7 @@ impl Context {
     /// before it serves its API, so a restarted agent never answers "not on this node" for a
     /// VM it runs.
     pub async fn load_vms(&self) -> Option<Vec<(VmRecord, bool)>> {
-        let state = self.settings.state.clone();
-        let listed = tokio::task::spawn_blocking(move || {
-            state.list().map(|(records, _)| {
-                records
-                    .into_iter()
-                    .map(|r| {
-                        let alive = r.supervisor_alive();
-                        (r, alive)
-                    })
-                    .collect::<Vec<_>>()
-            })
-        })
-        .await;
-        let Ok(Ok(listed)) = listed else {
-            return None;
-        };
+        let listed = self.shims.list().await.ok()?;
         self.vms.refresh(&listed);
         Some(listed)
     }
@@ -310,37 +299,14 @@ impl Context {
     }
 }
 
-/// The VM's local record and whether its shim lives, read off the async runtime. No record is
+/// The VM's local record and whether its shim lives ([`Shims::observe`]). No record is
 /// `None`; a record that cannot be read is an error (retried), never taken for a lost VM.
-/// Liveness is checked before the record is trusted: a shim seen dead is read again, since it
-/// writes the VM's end just before it exits.
-async fn local_state(state: &StateDir, uid: &str) -> Result<Option<(VmRecord, bool)>, Error> {
-    let (state, id) = (state.clone(), uid.to_owned());
-    let read = tokio::task::spawn_blocking(move || -> Result<_, StateError> {
-        let load = || match state.load(&id) {
-            Ok(r) => Ok(Some(r)),
-            Err(StateError::NoSuchVm(_)) => Ok(None),
-            Err(e) => Err(e),
-        };
-        let Some(first) = load()? else {
-            return Ok(None);
-        };
-        if first.supervisor_alive() {
-            return Ok(Some((first, true)));
-        }
-        Ok(load()?.map(|r| (r, false)))
-    })
-    .await;
-    let local = |source: Box<dyn std::error::Error + Send + Sync>| Error::Local {
+async fn local_state(ctx: &Context, uid: &str) -> Result<Option<(VmRecord, bool)>, Error> {
+    ctx.shims.observe(uid).await.map_err(|e| Error::Local {
         doing: "reading the record of",
         vm: uid.to_owned(),
-        source,
-    };
-    match read {
-        Ok(Ok(v)) => Ok(v),
-        Ok(Err(e)) => Err(local(Box::new(e))),
-        Err(e) => Err(local(Box::new(e))),
-    }
+        source: Box::new(e),
+    })
 }
 
 fn observed(vm: &ImpVM) -> Observed {
@@ -364,7 +330,7 @@ fn observed(vm: &ImpVM) -> Observed {
 /// Reconciles one VM.
 pub async fn reconcile(vm: Arc<ImpVM>, ctx: Arc<Context>) -> Result<Action, Error> {
     let uid = vm.uid().ok_or_else(|| Error::NoUid(key(&vm)))?;
-    let local = local_state(&ctx.settings.state, &uid).await?;
+    let local = local_state(&ctx, &uid).await?;
     if let Some((record, alive)) = &local {
         ctx.vms.observe(record, *alive);
     }
@@ -405,96 +371,139 @@ pub async fn reconcile(vm: Arc<ImpVM>, ctx: Arc<Context>) -> Result<Action, Erro
     {
         return probe::fail(&ctx, &vm, &uid, record, why).await;
     }
+    let local = local.map(|(record, _)| record);
+    act(&ctx, &vm, &uid, decision, local, &obs, &facts, unheld).await
+}
+
+/// Carries out `decision` for VM `vm` (uid `uid`, its record `local`).
+#[allow(clippy::too_many_arguments)]
+async fn act(
+    ctx: &Context,
+    vm: &ImpVM,
+    uid: &str,
+    decision: Decision,
+    local: Option<VmRecord>,
+    obs: &Observed,
+    facts: &ScaleFacts,
+    unheld: bool,
+) -> Result<Action, Error> {
     match decision {
         Decision::Wait => Ok(Action::requeue(Duration::from_secs(300))),
         Decision::Start { clear_previous } => {
             if clear_previous {
-                teardown(&ctx, &vm, &uid, local.as_ref().map(|(r, _)| r)).await?;
+                teardown(ctx, vm, uid, local.as_ref()).await?;
             }
-            start(&ctx, &vm, &uid).await
+            start(ctx, vm, uid).await
         }
         Decision::Report(report) => {
-            let record = local.as_ref().map(|(r, _)| r);
-            let retry = matches!(report, Report::SuspendFailed { .. });
-            let running = matches!(report, Report::Running);
-            if retry {
-                // The VM runs on: execs may start again — before the report says so, or an
-                // exec sent on reading it could still meet the suspend.
-                ctx.vms
-                    .suspend_over(&vm.namespace().unwrap_or_default(), &vm.name_any());
-            }
-            write_report(&ctx, &vm, report, record).await?;
-            if running {
-                runs_again(&ctx, &uid).await;
-            }
-            if retry {
-                // Its TAP is its VMM's alone again.
-                if let Some(scale) = &ctx.scale {
-                    scale.drop_kept(&uid).await;
-                }
-                let again = ctx.settings.suspend_retry + Duration::from_millis(500);
-                return Ok(Action::requeue(again));
-            }
-            // A sleeper that could not hold the TAP yet tries again soon: until then no
-            // traffic can wake the VM.
-            let again = if unheld {
-                Some(Duration::from_secs(2))
-            } else {
-                facts.sample_every
-            };
-            Ok(Action::requeue(again.unwrap_or(Duration::from_secs(300))))
+            report_now(ctx, vm, uid, report, local.as_ref(), facts, unheld).await
         }
         Decision::Suspend => {
-            let Some((record, _)) = local else {
+            let Some(record) = local else {
                 return Ok(Action::requeue(Duration::from_secs(1)));
             };
-            // Kept for the sleeper: a ScaleToZero VM's TAP under QEMU, whose descriptor has no
-            // virtio-net header (Firecracker's has one, and it opens the TAP by name anyway).
-            let qemu = facts
+            // Kept for the sleeper: a ScaleToZero VM's TAP descriptor, when its VMM takes it
+            // back on resume (QEMU's has no virtio-net header; Firecracker's has one, and it
+            // opens the TAP by name anyway).
+            let handed_back = facts
                 .spec
                 .as_ref()
-                .is_some_and(|s| s.runtime == crate::runtime::spec::Runtime::Qemu);
-            let tap = facts.tap.as_ref().filter(|_| obs.scale_to_zero && qemu);
-            suspend(&ctx, &vm, record, facts.idle_since, tap).await
+                .is_some_and(|s| !crate::runtime::spec::reopens_tap_by_name(s.runtime));
+            let tap = facts
+                .tap
+                .as_ref()
+                .filter(|_| obs.scale_to_zero && handed_back);
+            suspend(ctx, vm, record, facts.idle_since, tap).await
         }
         Decision::Resume => {
-            let Some((record, _)) = local else {
+            let Some(record) = local else {
                 return Ok(Action::requeue(Duration::from_secs(1)));
             };
-            resume(&ctx, &vm, record, facts.spec.as_ref()).await
+            resume(ctx, vm, record, facts.spec.as_ref()).await
         }
-        Decision::ColdBoot { why } => {
-            tracing::warn!(vm = %key(&vm), node = %ctx.settings.node, why, "the snapshot cannot be restored; cold booting as imp.dev/resume-fallback asks");
-            let note = format!(
-                "{why}; booting the VM afresh from its image as {}: {} asks (its memory is lost)",
-                imp_api::shared::ANNOTATION_RESUME_FALLBACK,
-                imp_api::shared::RESUME_FALLBACK_COLD_BOOT
-            );
-            ctx.event(
-                &vm,
-                EventType::Warning,
-                ConditionReason::ResumeFailed.as_str(),
-                note,
-            )
-            .await;
-            teardown(&ctx, &vm, &uid, local.as_ref().map(|(r, _)| r)).await?;
-            start(&ctx, &vm, &uid).await
-        }
+        Decision::ColdBoot { why } => cold_boot(ctx, vm, uid, local.as_ref(), why).await,
         Decision::Teardown { release } => {
-            teardown(&ctx, &vm, &uid, local.as_ref().map(|(r, _)| r)).await?;
+            teardown(ctx, vm, uid, local.as_ref()).await?;
             if release {
-                ctx.release(&vm).await?;
-                ctx.metrics.set_phase(&uid, None);
-                tracing::info!(vm = %key(&vm), node = %ctx.settings.node, "VM removed from the node; released");
+                ctx.release(vm).await?;
+                ctx.metrics.set_phase(uid, None);
+                tracing::info!(vm = %key(vm), node = %ctx.settings.node, "VM removed from the node; released");
             }
             Ok(Action::await_change())
         }
         Decision::Release => {
-            ctx.release(&vm).await?;
-            ctx.metrics.set_phase(&uid, None);
+            ctx.release(vm).await?;
+            ctx.metrics.set_phase(uid, None);
             Ok(Action::await_change())
         }
     }
+}
+
+/// Writes `report` into VM `vm`'s status; after a failed suspend the VM may take execs again
+/// and is retried later; a VM that runs again after a sleep is said so.
+async fn report_now(
+    ctx: &Context,
+    vm: &ImpVM,
+    uid: &str,
+    report: Report,
+    record: Option<&VmRecord>,
+    facts: &ScaleFacts,
+    unheld: bool,
+) -> Result<Action, Error> {
+    let retry = matches!(report, Report::SuspendFailed { .. });
+    let running = matches!(report, Report::Running);
+    if retry {
+        // The VM runs on: execs may start again — before the report says so, or an
+        // exec sent on reading it could still meet the suspend.
+        ctx.vms
+            .suspend_over(&vm.namespace().unwrap_or_default(), &vm.name_any());
+    }
+    write_report(ctx, vm, report, record).await?;
+    if running {
+        runs_again(ctx, uid).await;
+    }
+    if retry {
+        // Its TAP is its VMM's alone again.
+        if let Some(scale) = &ctx.scale {
+            scale.drop_kept(uid).await;
+        }
+        let again = ctx.settings.suspend_retry + Duration::from_millis(500);
+        return Ok(Action::requeue(again));
+    }
+    // A sleeper that could not hold the TAP yet tries again soon: until then no
+    // traffic can wake the VM.
+    let again = if unheld {
+        Some(Duration::from_secs(2))
+    } else {
+        facts.sample_every
+    };
+    Ok(Action::requeue(again.unwrap_or(Duration::from_secs(300))))
+}
+
+/// Boots a VM whose snapshot cannot be restored afresh from its image, as its
+/// `imp.dev/resume-fallback` annotation asks, with a Warning Event saying its memory is lost.
+async fn cold_boot(
+    ctx: &Context,
+    vm: &ImpVM,
+    uid: &str,
+    record: Option<&VmRecord>,
+    why: String,
+) -> Result<Action, Error> {
+    tracing::warn!(vm = %key(vm), node = %ctx.settings.node, why, "the snapshot cannot be restored; cold booting as imp.dev/resume-fallback asks");
+    let note = format!(
+        "{why}; booting the VM afresh from its image as {}: {} asks (its memory is lost)",
+        imp_api::shared::ANNOTATION_RESUME_FALLBACK,
+        imp_api::shared::RESUME_FALLBACK_COLD_BOOT
+    );
+    ctx.event(
+        vm,
+        EventType::Warning,
+        ConditionReason::ResumeFailed.as_str(),
+        note,
+    )
+    .await;
+    teardown(ctx, vm, uid, record).await?;
+    start(ctx, vm, uid).await
 }
 
 fn local_error(
@@ -530,28 +539,14 @@ async fn teardown(
 /// Stops VM `uid` (gracefully, then by force: a shim that does not end in time is killed with
 /// everything in the VM's cgroup, or with its recorded VMM where it has no cgroup) and removes
 /// its cgroup and directory.
-async fn remove_vm(
-    ctx: &Context,
-    uid: &str,
-    record: Option<&VmRecord>,
-) -> Result<(), shim::ShimError> {
-    let state = &ctx.settings.state;
+async fn remove_vm(ctx: &Context, uid: &str, record: Option<&VmRecord>) -> Result<(), ShimsError> {
     if let Some(r) = record
-        && let Err(e) = shim::stop(state, r, ctx.settings.stop_grace).await
+        && let Err(e) = ctx.shims.stop(r, ctx.settings.stop_grace).await
     {
-        tracing::warn!(uid, node = %ctx.settings.node, error = %crate::chain::chain(&e), "the shim did not stop; killing the VM");
-        let _ = shim::signal(r, nix::sys::signal::Signal::SIGKILL);
-    }
-    let cgroup = shim::read_spec(state, uid)
-        .ok()
-        .and_then(|s| s.cgroup.map(|c| c.path));
-    if cgroup.is_none()
-        && let Some(r) = record
-    {
-        shim::kill_orphans(state, r);
+        tracing::warn!(uid, node = %ctx.settings.node, error = %imp_api::chain::chain(&e), "the shim did not stop; the VM was killed");
     }
     relay_rest_of_console(ctx, uid).await;
-    shim::remove(state, uid, cgroup.as_deref()).await?;
+    ctx.shims.remove(uid, record).await?;
     ctx.unwire(uid).await;
     Ok(())
 }
@@ -625,7 +620,7 @@ pub fn error_policy(vm: Arc<ImpVM>, error: &Error, ctx: Arc<Context>) -> Action 
         tracing::debug!(vm = %key(&vm), node = %ctx.settings.node, "conflict; reconciling the newer version");
         return Action::requeue(Duration::from_millis(50));
     }
-    tracing::warn!(vm = %key(&vm), node = %ctx.settings.node, error = %crate::chain::chain(error), "reconcile failed");
+    tracing::warn!(vm = %key(&vm), node = %ctx.settings.node, error = %imp_api::chain::chain(error), "reconcile failed");
     Action::requeue(Duration::from_secs(2))
 }
 
@@ -685,8 +680,7 @@ async fn watch_records(ctx: Arc<Context>, store: Store<ImpVM>, tx: mpsc::Sender<
 /// Tears down records whose ImpVM (by uid) is no longer on this node, and sweeps what
 /// interrupted removals left.
 async fn collect_orphans(ctx: Arc<Context>, store: Store<ImpVM>, records: Vec<VmRecord>) {
-    let state = ctx.settings.state.clone();
-    let _ = tokio::task::spawn_blocking(move || state.sweep_trash()).await;
+    ctx.shims.sweep_trash().await;
     for r in &records {
         let Some(owner) = &r.owner else { continue };
         let key = ObjectRef::new(&owner.name).within(&owner.namespace);
@@ -699,7 +693,7 @@ async fn collect_orphans(ctx: Arc<Context>, store: Store<ImpVM>, records: Vec<Vm
         tracing::info!(vm = %format!("{}/{}", owner.namespace, owner.name), node = %ctx.settings.node, uid = %owner.uid, "the ImpVM left this node; removing its VM");
         let alive = r.supervisor_alive();
         if let Err(e) = remove_vm(&ctx, &r.name, alive.then_some(r)).await {
-            tracing::warn!(uid = %owner.uid, error = %crate::chain::chain(&e), "removing an orphaned VM failed");
+            tracing::warn!(uid = %owner.uid, error = %imp_api::chain::chain(&e), "removing an orphaned VM failed");
         }
         ctx.metrics.set_phase(&owner.uid, None);
     }

@@ -77,7 +77,8 @@ pub(super) async fn fail(
     )
     .await;
     ctx.probes.stop(uid);
-    shim::fail(&ctx.settings.state, record, ctx.settings.stop_grace, &why)
+    ctx.shims
+        .fail(record, ctx.settings.stop_grace, &why)
         .await
         .map_err(|e| Error::Local {
             doing: "stopping after a failed probe",

@@ -36,12 +36,7 @@ pub(super) async fn scale_facts(
     if !obs.scale_to_zero && record.status != VmStatus::Suspended {
         return ScaleFacts::default();
     }
-    let state = ctx.settings.state.clone();
-    let id = uid.to_owned();
-    let spec = tokio::task::spawn_blocking(move || shim::read_spec(&state, &id).ok())
-        .await
-        .ok()
-        .flatten();
+    let spec = ctx.shims.spec(uid).await;
     let tap = spec
         .as_ref()
         .and_then(|s| s.network.as_ref())
@@ -67,7 +62,7 @@ pub(super) async fn scale_facts(
         let activity = scale
             .activity(uid, &t.tap, record.vmm_pid, timeout, in_use)
             .await;
-        if let crate::net::idle::Activity::Idle { since } = activity {
+        if let imp_net::idle::Activity::Idle { since } = activity {
             facts.idle_since = Some(since);
         }
         facts.sample_every = Some(scale::sample_every(timeout));
@@ -117,7 +112,7 @@ pub(super) async fn sync_sleeper(
                 Ok(Some(how)) => ctx.metrics.sleeper_held(how == scale::Attached::Kept),
                 Ok(None) => {}
                 Err(e) => {
-                    tracing::warn!(vm = %key(vm), node = %ctx.settings.node, tap = %tap.tap, error = %crate::chain::chain(&e), "cannot hold a sleeping VM's TAP; it cannot be woken by traffic yet");
+                    tracing::warn!(vm = %key(vm), node = %ctx.settings.node, tap = %tap.tap, error = %imp_api::chain::chain(&e), "cannot hold a sleeping VM's TAP; it cannot be woken by traffic yet");
                     return false;
                 }
             }
@@ -157,24 +152,14 @@ pub(super) async fn suspend(
     if let (Some(scale), Some(tap), Some(pid)) = (&ctx.scale, tap, record.vmm_pid) {
         scale.keep_tap(&uid, pid, &tap.tap).await;
     }
-    let state = ctx.settings.state.clone();
-    let asked = tokio::task::spawn_blocking(move || {
-        crate::runtime::suspend::request_suspend(&state, &record)
-    })
-    .await;
-    let asked = match asked {
-        Ok(Ok(t)) => Ok(t),
-        Ok(Err(e)) => Err(Box::new(e) as Box<dyn std::error::Error + Send + Sync>),
-        Err(e) => Err(Box::new(e) as _),
-    };
-    let token = match asked {
+    let token = match ctx.shims.suspend(record).await {
         Ok(t) => t,
         Err(e) => {
             ctx.vms.suspend_over(&ns, &name);
             if let Some(scale) = &ctx.scale {
                 scale.drop_kept(&uid).await;
             }
-            return Err(local_error("asking for the suspend of", vm, e));
+            return Err(local_error("asking for the suspend of", vm, Box::new(e)));
         }
     };
     let idle =
@@ -209,20 +194,13 @@ pub(super) async fn resume(
         return cannot_resume(ctx, vm, why).await;
     }
     let uid = record.name.clone();
-    let by_name = spec.is_some_and(|s| s.runtime == crate::runtime::spec::Runtime::Firecracker);
+    let by_name = spec.is_some_and(|s| crate::runtime::spec::reopens_tap_by_name(s.runtime));
     let woke = match &ctx.scale {
         Some(scale) => scale.wake_handover(&uid, by_name).await,
         None => scale::Wake::default(),
     };
-    let (state, cmd) = (ctx.settings.state.clone(), ctx.settings.shim.clone());
-    let tap = woke.tap;
-    let started = tokio::task::spawn_blocking(move || {
-        crate::runtime::suspend::start_resume(&cmd, &state, &record, tap.as_ref())
-    })
-    .await;
-    let pid = match started {
-        Ok(Ok(pid)) => pid,
-        Ok(Err(e)) => return Err(local_error("resuming", vm, Box::new(e))),
+    let pid = match ctx.shims.resume(record, woke.tap).await {
+        Ok(pid) => pid,
         Err(e) => return Err(local_error("resuming", vm, Box::new(e))),
     };
     if let Some(scale) = &ctx.scale {

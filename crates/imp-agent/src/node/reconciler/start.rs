@@ -186,6 +186,31 @@ async fn snapshot_source(
     }
 }
 
+/// What a start reads besides the VM's booking: each can refuse the start, with its reason.
+struct Inputs {
+    env: Vec<imp_proto::message::EnvVar>,
+    user_data: Option<imp_proto::config::UserData>,
+    from_snapshot: Option<std::path::PathBuf>,
+    credentials: Option<Value>,
+}
+
+/// Reads the VM's environment, user data, snapshot source and pull credentials.
+async fn inputs(
+    ctx: &Context,
+    vm: &ImpVM,
+    spec: &ImpVMSpec,
+) -> Result<Inputs, (ConditionReason, String)> {
+    let invalid = |why| (ConditionReason::InvalidSpec, why);
+    Ok(Inputs {
+        env: environment(ctx, vm, spec).await.map_err(invalid)?,
+        user_data: user_data(ctx, vm, spec).await.map_err(invalid)?,
+        from_snapshot: snapshot_source(ctx, vm, spec).await.map_err(invalid)?,
+        credentials: pull_credentials(ctx, vm, spec)
+            .await
+            .map_err(|why| (ConditionReason::ImagePullFailed, why))?,
+    })
+}
+
 /// Starts the VM's shim and records phase `Starting`.
 pub(super) async fn start(ctx: &Context, vm: &ImpVM, uid: &str) -> Result<Action, Error> {
     // A descriptor kept from a VMM whose suspend never ended (the VM stopped meanwhile) would
@@ -206,21 +231,9 @@ pub(super) async fn start(ctx: &Context, vm: &ImpVM, uid: &str) -> Result<Action
     if let Some(problem) = ctx.caps.problem(runtime) {
         return not_startable(ctx, vm, ConditionReason::RuntimeStartFailed, problem).await;
     }
-    let env = match environment(ctx, vm, &spec).await {
-        Ok(env) => env,
-        Err(why) => return not_startable(ctx, vm, ConditionReason::InvalidSpec, why).await,
-    };
-    let user_data = match user_data(ctx, vm, &spec).await {
-        Ok(u) => u,
-        Err(why) => return not_startable(ctx, vm, ConditionReason::InvalidSpec, why).await,
-    };
-    let from_snapshot = match snapshot_source(ctx, vm, &spec).await {
-        Ok(s) => s,
-        Err(why) => return not_startable(ctx, vm, ConditionReason::InvalidSpec, why).await,
-    };
-    let credentials = match pull_credentials(ctx, vm, &spec).await {
-        Ok(c) => c,
-        Err(why) => return not_startable(ctx, vm, ConditionReason::ImagePullFailed, why).await,
+    let inputs = match inputs(ctx, vm, &spec).await {
+        Ok(i) => i,
+        Err((reason, why)) => return not_startable(ctx, vm, reason, why).await,
     };
     let network = match wire(ctx, vm, uid, &spec).await {
         Ok(n) => n,
@@ -232,8 +245,31 @@ pub(super) async fn start(ctx: &Context, vm: &ImpVM, uid: &str) -> Result<Action
             return not_startable(ctx, vm, ConditionReason::NetworkSetupFailed, why).await;
         }
     };
-    let state = &ctx.settings.state;
-    let auth_file = credentials.as_ref().map(|_| auth_file(state, uid));
+    let from_snapshot = inputs.from_snapshot.clone();
+    let pid = match launch(ctx, vm, uid, (&spec, &class), runtime, inputs, network).await? {
+        Ok(pid) => pid,
+        Err(invalid) => return end_invalid(ctx, vm, invalid).await,
+    };
+    tracing::info!(vm = %key(vm), node = %ctx.settings.node, shim = pid, runtime = runtime.as_str(), image = spec.image.as_deref().unwrap_or(""), "starting");
+    report_starting(ctx, vm, &spec, runtime, from_snapshot.as_deref()).await
+}
+
+/// Builds the VM's spec for its shim from its booking and `inputs`, and starts the shim; its
+/// pid, or (inner error) why the booking can never boot. The network is unwired if the
+/// start fails.
+async fn launch(
+    ctx: &Context,
+    vm: &ImpVM,
+    uid: &str,
+    (spec, class): (&ImpVMSpec, &imp_api::class::ImpVMClassSpec),
+    runtime: imp_api::shared::VmRuntime,
+    inputs: Inputs,
+    network: Option<imp_net::NetAttachment>,
+) -> Result<Result<u32, String>, Error> {
+    let auth_file = inputs
+        .credentials
+        .as_ref()
+        .map(|_| auth_file(&ctx.settings.state, uid));
     let owner = Owner {
         namespace: vm.namespace().unwrap_or_default(),
         name: vm.name_any(),
@@ -243,60 +279,46 @@ pub(super) async fn start(ctx: &Context, vm: &ImpVM, uid: &str) -> Result<Action
     };
     let choices = boot::Choices {
         runtime,
-        env,
+        env: inputs.env,
         auth_file: auth_file.clone(),
     };
-    let mut vm_spec = match boot::vm_spec(owner, &spec, &class, choices, &ctx.settings.boot) {
+    let mut vm_spec = match boot::vm_spec(owner, spec, class, choices, &ctx.settings.boot) {
         Ok(s) => s,
         Err(e) => {
             ctx.unwire(uid).await;
-            return end_invalid(ctx, vm, e.0).await;
+            return Ok(Err(e.0));
         }
     };
     vm_spec.network = network;
-    vm_spec.from_snapshot = from_snapshot.clone();
-    vm_spec.user_data = user_data;
-    let (st, id, cmd) = (state.clone(), uid.to_owned(), ctx.settings.shim.clone());
-    let started = tokio::task::spawn_blocking(
-        move || -> Result<u32, Box<dyn std::error::Error + Send + Sync>> {
-            // Only a start cut short (an agent killed mid-way) leaves a directory without a
-            // record, and nothing runs there: it is removed so the start can proceed.
-            st.remove(&id)?;
-            st.create_vm_dir(&id)?;
-            let launched = (|| -> Result<u32, Box<dyn std::error::Error + Send + Sync>> {
-                if let (Some(path), Some(creds)) = (auth_file, credentials) {
-                    write_private(&path, &creds)?;
-                }
-                Ok(shim::start(&cmd, &st, &id, &vm_spec)?)
-            })();
-            if launched.is_err() {
-                let _ = st.remove(&id);
-            }
-            launched
-        },
-    )
-    .await;
-    if !matches!(started, Ok(Ok(_))) {
-        ctx.unwire(uid).await;
-    }
-    let pid = match started {
-        Ok(Ok(pid)) => pid,
-        Ok(Err(source)) => {
-            return Err(Error::Local {
-                doing: "starting the shim of",
-                vm: key(vm),
-                source,
-            });
-        }
+    vm_spec.from_snapshot = inputs.from_snapshot;
+    vm_spec.user_data = inputs.user_data;
+    let private = auth_file
+        .zip(inputs.credentials)
+        .map(|(path, creds)| PrivateFile {
+            path,
+            content: creds.to_string().into_bytes(),
+        });
+    match ctx.shims.start(uid, vm_spec, private).await {
+        Ok(pid) => Ok(Ok(pid)),
         Err(e) => {
-            return Err(Error::Local {
+            ctx.unwire(uid).await;
+            Err(Error::Local {
                 doing: "starting the shim of",
                 vm: key(vm),
                 source: Box::new(e),
-            });
+            })
         }
-    };
-    tracing::info!(vm = %key(vm), node = %ctx.settings.node, shim = pid, runtime = runtime.as_str(), image = spec.image.as_deref().unwrap_or(""), "starting");
+    }
+}
+
+/// Records phase `Starting` (Ready False, saying what is booted how) and its Event.
+async fn report_starting(
+    ctx: &Context,
+    vm: &ImpVM,
+    spec: &ImpVMSpec,
+    runtime: imp_api::shared::VmRuntime,
+    from_snapshot: Option<&std::path::Path>,
+) -> Result<Action, Error> {
     let mut status = vm.status.clone().unwrap_or_default();
     status.phase = Some(VmPhase::Starting);
     status.started_at = Some(now());
@@ -306,7 +328,7 @@ pub(super) async fn start(ctx: &Context, vm: &ImpVM, uid: &str) -> Result<Action
     status.runtime_pid = None;
     status.node_name = Some(ctx.settings.node.clone());
     status.runtime = Some(runtime.as_str().to_owned());
-    let msg = match &from_snapshot {
+    let msg = match from_snapshot {
         Some(dir) => format!(
             "restoring snapshot {} ({}) under {}",
             spec.snapshot_ref.as_deref().unwrap_or(""),
@@ -346,7 +368,7 @@ async fn wire(
     vm: &ImpVM,
     uid: &str,
     spec: &ImpVMSpec,
-) -> Result<Option<crate::net::NetAttachment>, NotWired> {
+) -> Result<Option<imp_net::NetAttachment>, NotWired> {
     match &ctx.net {
         Some(net) => network::attach(&ctx.client, net, vm, uid, spec).await,
         None if spec.network_ref.is_some() => Err(NotWired::Refused(
@@ -354,19 +376,6 @@ async fn wire(
         )),
         None => Ok(None),
     }
-}
-
-/// Writes `value` as JSON readable by root only (registry credentials).
-fn write_private(path: &std::path::Path, value: &Value) -> std::io::Result<()> {
-    use std::io::Write;
-    use std::os::unix::fs::OpenOptionsExt;
-    let mut f = std::fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .mode(0o600)
-        .open(path)?;
-    f.write_all(value.to_string().as_bytes())?;
-    f.sync_all()
 }
 
 /// A VM that can never boot as specified: Failed with InvalidSpec.

@@ -39,7 +39,38 @@ pub(super) async fn write_report_with(
     if let Some(r) = record {
         status.runtime = Some(r.runtime.clone());
     }
-    match &report {
+    apply(&mut status, &report, record, generation);
+    if matches!(report, Report::Running | Report::SuspendFailed { .. })
+        && let (Some(spec), Some(v)) = (
+            super::probe::spec_of(vm),
+            vm.uid().and_then(|u| ctx.probes.verdicts(&u)),
+        )
+    {
+        super::probe::conditions(&mut status, &spec, &v, generation);
+    }
+    if let Report::SuspendFailed { request, error } = &report {
+        announce_suspend_failure(ctx, vm, request, error).await;
+    }
+    if status == old {
+        return Ok(());
+    }
+    ctx.patch_status(vm, &status).await?;
+    announce_probes(ctx, vm, &old, &status).await;
+    if old.phase != status.phase {
+        announce(ctx, vm, &report, record).await;
+    }
+    Ok(())
+}
+
+/// Writes what `report` says into `status`: the phase, its times, the VMM's pid and the
+/// `Ready` condition (at `generation`).
+fn apply(
+    status: &mut ImpVMStatus,
+    report: &Report,
+    record: Option<&VmRecord>,
+    generation: Option<i64>,
+) {
+    match report {
         Report::Starting => {
             status.phase = Some(VmPhase::Starting);
             status.started_at.get_or_insert_with(now);
@@ -61,15 +92,9 @@ pub(super) async fn write_report_with(
                 generation,
                 now(),
             );
-            if let (Some(spec), Some(v)) = (
-                super::probe::spec_of(vm),
-                vm.uid().and_then(|u| ctx.probes.verdicts(&u)),
-            ) {
-                super::probe::conditions(&mut status, &spec, &v, generation);
-            }
         }
         Report::Suspending | Report::Resuming => {
-            let (phase, message) = match &report {
+            let (phase, message) = match report {
                 Report::Suspending => (VmPhase::Suspending, "pausing and writing the snapshot"),
                 _ => (VmPhase::Resuming, "restoring from the snapshot"),
             };
@@ -122,18 +147,6 @@ pub(super) async fn write_report_with(
             );
         }
     }
-    if let Report::SuspendFailed { request, error } = &report {
-        announce_suspend_failure(ctx, vm, request, error).await;
-    }
-    if status == old {
-        return Ok(());
-    }
-    ctx.patch_status(vm, &status).await?;
-    announce_probes(ctx, vm, &old, &status).await;
-    if old.phase != status.phase {
-        announce(ctx, vm, &report, record).await;
-    }
-    Ok(())
 }
 
 /// The Warning Event of a failed suspend, once per failed request.

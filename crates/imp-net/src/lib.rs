@@ -1,0 +1,387 @@
+//! The node's side of imp networking: one bridge per ImpNetwork holding the gateway address,
+//! one TAP per VM on it, a VXLAN device per network toward the other nodes with an entry for
+//! every remote VM and a flood entry for every remote node, and imp's nftables tables (NAT and
+//! isolation). Everything is derived from the VMs attached on this node ([`NetAttachment`], kept
+//! in each VM's spec on disk, so a restarted agent adopts them) and the ImpNetworks' specs and
+//! status; [`NodeNet::sync`] applies the [`plan::plan`] idempotently and removes what no VM
+//! needs any more.
+//!
+//! For suspended VMs: [`sleeper`] holds a sleeping VM's TAP, answers ARP for it and holds the
+//! frames that wake it (decisions in [`wake`]); [`idle`] tells an idle VM from its TAP's
+//! counters. See docs/suspend.md, "Wake on traffic".
+
+pub mod idle;
+pub mod link;
+pub mod names;
+pub mod nft;
+pub mod plan;
+pub mod resolv;
+pub mod sleeper;
+pub mod tap;
+pub mod view;
+pub mod wake;
+
+use std::collections::BTreeMap;
+use std::net::Ipv4Addr;
+use std::sync::Mutex;
+
+use imp_api::chain::chain;
+use link::{Link, Netlink};
+use plan::{NetPlan, NodeView, Plan};
+use serde::{Deserialize, Serialize};
+
+/// A VM's place on an ImpNetwork: the TAP the VMM opens, on the network's bridge, and the
+/// address setup the guest applies to its `eth0`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NetAttachment {
+    /// The network's `namespace/name`.
+    pub network: String,
+    /// The network's bridge on the node.
+    pub bridge: String,
+    /// The VM's TAP device.
+    pub tap: String,
+    /// The guest interface's MAC.
+    pub mac: String,
+    /// The VM, `namespace/name` (empty in specs written before it was recorded): the label
+    /// of its port's drop counters.
+    #[serde(default)]
+    pub vm: String,
+    /// The guest's address, prefix, gateway, DNS and MTU.
+    pub config: imp_proto::config::NetworkConfig,
+}
+
+/// Node-wide networking settings.
+#[derive(Clone, Debug)]
+pub struct NetSettings {
+    /// The node's underlay address (VXLAN endpoint); no overlay without it.
+    pub vtep: Option<Ipv4Addr>,
+    /// VXLAN UDP port, the same on every node.
+    pub vxlan_port: u16,
+    /// The `nft` program.
+    pub nft: String,
+    /// Ranges no guest may reach unless its network allows them (`--egress-deny`: the
+    /// cluster's pod and service ranges).
+    pub egress_deny: Vec<imp_api::ipv4::Ipv4Cidr>,
+    /// The API server's address as the agent reaches it, which no guest may reach.
+    pub api_server: Option<Ipv4Addr>,
+}
+
+/// Why the node's network could not be read or changed.
+#[derive(Debug, thiserror::Error)]
+pub enum NetError {
+    /// A netlink request failed.
+    #[error(transparent)]
+    Link(#[from] link::LinkError),
+    /// The netlink socket could not be opened.
+    #[error("Opening a netlink socket")]
+    Socket(#[source] std::io::Error),
+}
+
+/// What imp's rules dropped since it was last taken ([`NodeNet::take_drops`]).
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Drops {
+    /// Frames a VM's port dropped, by VM (`namespace/name`, else its TAP) and reason.
+    pub ports: BTreeMap<(String, nft::PortDrop), u64>,
+    /// VXLAN packets from senders that hold no VM of their network.
+    pub vxlan_foreign: u64,
+    /// Guests' packets to destinations they may not reach.
+    pub egress_denied: u64,
+}
+
+impl Drops {
+    /// Adds counters read from the tables, `(name, packets)`; `vms` names each TAP's VM.
+    pub fn add(&mut self, counters: &[(String, u64)], vms: &BTreeMap<String, String>) {
+        for (name, packets) in counters.iter().filter(|(_, p)| *p > 0) {
+            if name == nft::VXLAN_FOREIGN {
+                self.vxlan_foreign += packets;
+            } else if name == nft::EGRESS_DENIED {
+                self.egress_denied += packets;
+            } else if let Some((tap, why)) = nft::PortDrop::parse_counter(name) {
+                let vm = vms
+                    .get(tap)
+                    .filter(|v| !v.is_empty())
+                    .map_or(tap, String::as_str);
+                *self.ports.entry((vm.to_owned(), why)).or_default() += packets;
+            }
+        }
+    }
+}
+
+/// The node's networks, applied from the VMs attached here.
+pub struct NodeNet {
+    netlink: Netlink,
+    settings: NetSettings,
+    attachments: Mutex<BTreeMap<String, NetAttachment>>,
+    networks: Mutex<BTreeMap<String, plan::NetworkView>>,
+    /// Serialises syncs; holds the last nftables script loaded.
+    applied: tokio::sync::Mutex<Option<String>>,
+    /// While imp's tables exist: each port's VM, by TAP, as the loaded rules have them.
+    loaded_ports: Mutex<Option<BTreeMap<String, String>>>,
+    /// Drops read from tables about to be replaced, not yet taken.
+    drops: Mutex<Drops>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+impl NodeNet {
+    /// Connects to the kernel (the agent's network namespace: the node's, under hostNetwork).
+    pub fn new(settings: NetSettings) -> Result<NodeNet, NetError> {
+        Ok(NodeNet {
+            netlink: Netlink::connect().map_err(NetError::Socket)?,
+            settings,
+            attachments: Mutex::new(BTreeMap::new()),
+            networks: Mutex::new(BTreeMap::new()),
+            applied: tokio::sync::Mutex::new(None),
+            loaded_ports: Mutex::new(None),
+            drops: Mutex::new(Drops::default()),
+        })
+    }
+
+    /// The netlink connection (the node's network namespace).
+    pub fn netlink(&self) -> Netlink {
+        self.netlink.clone()
+    }
+
+    /// Takes over the attachment of a VM found on disk (no sync).
+    pub fn adopt(&self, uid: &str, a: NetAttachment) {
+        lock(&self.attachments).insert(uid.to_owned(), a);
+    }
+
+    /// Replaces what the ImpNetworks say (no sync).
+    pub fn set_networks(&self, views: BTreeMap<String, plan::NetworkView>) {
+        *lock(&self.networks) = views;
+    }
+
+    /// Adds or replaces what one ImpNetwork says (no sync).
+    pub fn upsert_network(&self, view: plan::NetworkView) {
+        lock(&self.networks).insert(view.key.clone(), view);
+    }
+
+    /// Wires VM `uid`'s network; on refusal the attachment is dropped again and the reason,
+    /// naming the network and what it conflicts with, is returned.
+    pub async fn attach(&self, uid: &str, a: NetAttachment) -> Result<(), String> {
+        let network = a.network.clone();
+        lock(&self.attachments).insert(uid.to_owned(), a);
+        let refused = match self.sync().await {
+            Ok(plan) => plan.refused.get(&network).cloned(),
+            Err(e) => Some(format!("wiring ImpNetwork {network}: {}", chain(&e))),
+        };
+        match refused {
+            None => Ok(()),
+            Some(why) => {
+                lock(&self.attachments).remove(uid);
+                if let Err(e) = self.sync().await {
+                    tracing::warn!(uid, error = %chain(&e), "removing a refused network");
+                }
+                Err(why)
+            }
+        }
+    }
+
+    /// Unwires VM `uid` (its TAP, and the network's devices and rules if it was the last).
+    pub async fn detach(&self, uid: &str) {
+        if lock(&self.attachments).remove(uid).is_some()
+            && let Err(e) = self.sync().await
+        {
+            tracing::warn!(uid, error = %chain(&e), "unwiring a VM's network");
+        }
+    }
+
+    /// The node as the plan sees it.
+    pub async fn node_view(&self, links: &BTreeMap<String, Link>) -> Result<NodeView, NetError> {
+        let addresses: Vec<_> = self
+            .netlink
+            .addresses(links)
+            .await?
+            .into_iter()
+            .filter(|(i, a, _)| !names::is_imp(i) && !a.is_loopback())
+            .collect();
+        let default = self.netlink.default_route_interface().await?;
+        let underlay = self
+            .settings
+            .vtep
+            .and_then(|v| addresses.iter().find(|(_, a, _)| *a == v))
+            .and_then(|(i, _, _)| links.get(i))
+            .map_or(1500, |l| l.mtu);
+        Ok(NodeView {
+            vtep: self.settings.vtep,
+            vxlan_port: self.settings.vxlan_port,
+            underlay_mtu: underlay,
+            addresses,
+            default_interface: default
+                .and_then(|i| links.values().find(|l| l.index == i))
+                .map(|l| l.name.clone()),
+            api_server: self.settings.api_server,
+            egress_deny: self.settings.egress_deny.clone(),
+        })
+    }
+
+    /// The MTU guests on this node get.
+    pub async fn guest_mtu(&self) -> Result<u32, NetError> {
+        // One netlink dump at a time: the kernel answers a second one on the socket with EBUSY.
+        let _one = self.applied.lock().await;
+        let links = self.netlink.links().await?;
+        Ok(self.node_view(&links).await?.mtu())
+    }
+
+    /// Makes the node match the plan: devices, addresses, ports, forwarding entries, rules;
+    /// removes imp's devices nobody needs. Networks that cannot be wired are in
+    /// [`Plan::refused`]; one network's failure does not stop the others.
+    pub async fn sync(&self) -> Result<Plan, NetError> {
+        let mut applied = self.applied.lock().await;
+        let links = self.netlink.links().await?;
+        let node = self.node_view(&links).await?;
+        let attachments: Vec<_> = lock(&self.attachments).values().cloned().collect();
+        let networks = lock(&self.networks).clone();
+        let mut plan = plan::plan(&attachments, &networks, &node);
+        let mut wired = Vec::new();
+        for n in std::mem::take(&mut plan.networks) {
+            match self.wire(&n).await {
+                Ok(()) => wired.push(n),
+                Err(e) => {
+                    tracing::warn!(network = %n.key, error = %chain(&e), "wiring a network");
+                    plan.refused.insert(
+                        n.key.clone(),
+                        format!("wiring ImpNetwork {}: {}", n.key, chain(&e)),
+                    );
+                }
+            }
+        }
+        plan.networks = wired;
+        self.rules(&plan.networks, &mut applied).await;
+        let links = self.netlink.links().await?;
+        for stale in plan::stale_links(&plan, links.keys().map(String::as_str)) {
+            if let Some(l) = links.get(&stale)
+                && let Err(e) = self.netlink.delete(l.index, &stale).await
+            {
+                tracing::warn!(interface = %stale, error = %chain(&e), "removing an interface no VM needs");
+            } else {
+                tracing::info!(interface = %stale, "removed an interface no VM needs");
+            }
+        }
+        for (network, why) in &plan.refused {
+            tracing::warn!(%network, why, "network not wired on this node");
+        }
+        for note in &plan.notes {
+            tracing::warn!(note, "network wired with less than asked");
+        }
+        Ok(plan)
+    }
+
+    async fn wire(&self, n: &NetPlan) -> Result<(), NetError> {
+        let bridge = self.netlink.ensure_bridge(&n.bridge, n.mtu).await?;
+        self.netlink
+            .ensure_address(bridge, &n.bridge, n.gateway, n.subnet.prefix())
+            .await?;
+        let links = self.netlink.links().await?;
+        for t in n.ports.keys() {
+            if !links.contains_key(t) {
+                let name = t.clone();
+                tokio::task::spawn_blocking(move || tap::create_persistent(&name))
+                    .await
+                    .map_err(std::io::Error::other)
+                    .and_then(|r| r)
+                    .map_err(NetError::Socket)?;
+                tracing::info!(network = %n.key, tap = %t, "created TAP");
+            }
+        }
+        let links = self.netlink.links().await?;
+        for t in n.ports.keys() {
+            if let Some(l) = links.get(t)
+                && (l.controller != Some(bridge) || !l.up || l.mtu != n.mtu)
+            {
+                self.netlink.set(l.index, t, Some(bridge), n.mtu).await?;
+            }
+        }
+        if let Some(vx) = &n.vxlan {
+            self.netlink.ensure_vxlan(vx, bridge, n.mtu).await?;
+            self.sync_fdb(n, &vx.name).await?;
+        }
+        if let Some(egress) = &n.nat_egress {
+            for iface in [n.bridge.as_str(), egress.as_str()] {
+                if let Err(e) = forwarding_on(iface).await {
+                    tracing::warn!(network = %n.key, interface = iface, error = %e, "turning on IPv4 forwarding");
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Brings the VXLAN device's entries to the plan; one bad entry is logged and skipped.
+    async fn sync_fdb(&self, n: &NetPlan, vxlan: &str) -> Result<(), NetError> {
+        let Some(index) = self.netlink.links().await?.get(vxlan).map(|l| l.index) else {
+            return Ok(());
+        };
+        let observed = self.netlink.fdb(index).await?;
+        let (del, add) = plan::fdb_changes(&observed, &n.fdb);
+        for e in del {
+            if let Err(err) = self.netlink.fdb_del(index, e).await {
+                tracing::warn!(network = %n.key, mac = %e.mac, dst = %e.dst, error = %chain(&err), "removing a forwarding entry");
+            }
+        }
+        for e in add {
+            if let Err(err) = self.netlink.fdb_add(index, e).await {
+                tracing::warn!(network = %n.key, mac = %e.mac, dst = %e.dst, error = %chain(&err), "adding a forwarding entry");
+            }
+        }
+        Ok(())
+    }
+
+    /// Loads the rules when they changed (or were never loaded).
+    async fn rules(&self, networks: &[NetPlan], applied: &mut Option<String>) {
+        let script = nft::script(networks);
+        if applied.as_deref() == Some(script.as_str()) {
+            return;
+        }
+        // Replacing the tables zeroes their counters: keep what they hold first.
+        self.harvest().await;
+        match nft::apply(&self.settings.nft, &script).await {
+            Ok(()) => {
+                *applied = Some(script);
+                *lock(&self.loaded_ports) = (!networks.is_empty()).then(|| {
+                    networks
+                        .iter()
+                        .flat_map(|n| &n.ports)
+                        .map(|(tap, p)| (tap.clone(), p.vm.clone()))
+                        .collect()
+                });
+            }
+            // No nft and nothing to load: there can be no imp tables to remove either.
+            Err(nft::NftError::Spawn { .. }) if networks.is_empty() => *applied = Some(script),
+            Err(e) => tracing::error!(error = %chain(&e), "loading imp's nftables rules"),
+        }
+    }
+}
+
+impl NodeNet {
+    /// What the rules dropped since the last call (read and zeroed in the tables).
+    pub async fn take_drops(&self) -> Drops {
+        let _one = self.applied.lock().await;
+        self.harvest().await;
+        std::mem::take(&mut *lock(&self.drops))
+    }
+
+    /// Reads and zeroes the loaded tables' counters into [`NodeNet::drops`] (callers hold
+    /// `applied`, so the tables do not change meanwhile).
+    async fn harvest(&self) {
+        let Some(vms) = lock(&self.loaded_ports).clone() else {
+            return;
+        };
+        for family in ["bridge", "inet"] {
+            match nft::reset_counters(&self.settings.nft, family).await {
+                Ok(counters) => lock(&self.drops).add(&counters, &vms),
+                Err(e) => {
+                    tracing::warn!(family, error = %chain(&e), "reading imp's drop counters");
+                }
+            }
+        }
+    }
+}
+
+/// Turns on IPv4 forwarding on one interface (not node-wide).
+async fn forwarding_on(iface: &str) -> std::io::Result<()> {
+    let path = format!("/proc/sys/net/ipv4/conf/{iface}/forwarding");
+    tokio::fs::write(path, b"1").await
+}

@@ -1,0 +1,122 @@
+//! A VM's address on its ImpNetwork, chosen before the VM reaches its node: allocated (or
+//! found) in the network's table by [`crate::ipam`], then written to `status.ip`.
+
+use imp_api::conditions::{ConditionReason, ConditionType};
+use imp_api::vm::ImpVM;
+use k8s_openapi::jiff::Timestamp;
+use kube::ResourceExt;
+use kube::runtime::controller::Action;
+
+use super::conditions::{Note, has_cond, set_cond};
+use super::place::unplaced_status;
+use super::world::Resolved;
+use super::{Context, Error, key};
+
+/// Whether the VM's resolved spec names a network and its status has no address yet.
+pub(super) fn needs_address(vm: &ImpVM, r: &Resolved) -> bool {
+    r.spec.network_ref.is_some() && vm.status.as_ref().and_then(|s| s.ip.as_ref()).is_none()
+}
+
+impl Context {
+    /// Makes sure a VM on a network has its address in `status.ip`: `Ok(Ok(vm))` with the
+    /// written VM (or the VM as it was, without a network), `Ok(Err(action))` when the network
+    /// gives none (reported as `NetworkSetupFailed`, the VM stays where it is).
+    pub(super) async fn address(
+        &self,
+        vm: ImpVM,
+        r: &Resolved,
+    ) -> Result<Result<ImpVM, Action>, Error> {
+        let Some(net) = &r.spec.network_ref else {
+            return Ok(Ok(vm));
+        };
+        let ns = vm.namespace().unwrap_or_default();
+        let owner = key(&vm);
+        match self
+            .ipam
+            .ensure(&ns, &net.name, &owner, r.spec.network_group.as_deref())
+            .await
+        {
+            Ok(ip) => {
+                let ip = ip.to_string();
+                let mut status = vm.status.clone().unwrap_or_default();
+                if status.ip.as_deref() == Some(&ip) {
+                    return Ok(Ok(vm));
+                }
+                status.ip = Some(ip.clone());
+                let vm = self
+                    .patch_status(&vm, &status, "recording the address of")
+                    .await?;
+                tracing::info!(vm = %owner, namespace = %ns, network = %net.name, ip = %ip, "address recorded");
+                Ok(Ok(vm))
+            }
+            Err(e) if e.is_setup_failure() => Ok(Err(self.no_address(vm, e.to_string()).await?)),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Reports that the network gives the VM no address: an unplaced VM stays Pending with
+    /// Scheduled=False, a placed one gets Ready=False; both with reason `NetworkSetupFailed`.
+    async fn no_address(&self, vm: ImpVM, message: String) -> Result<Action, Error> {
+        let generation = vm.metadata.generation;
+        let now = Timestamp::now();
+        let status = vm.status.clone().unwrap_or_default();
+        let reason = ConditionReason::NetworkSetupFailed;
+        let (status, note) = if vm.spec.node_name.is_none() {
+            unplaced_status(
+                status,
+                reason,
+                &message,
+                "NetworkSetupFailed",
+                generation,
+                now,
+            )
+        } else {
+            let was = has_cond(&status, ConditionType::Ready, reason, &message);
+            let mut status = status;
+            set_cond(
+                &mut status,
+                ConditionType::Ready,
+                false,
+                reason,
+                message.clone(),
+                generation,
+                now,
+            );
+            (
+                status,
+                (!was).then(|| Note::warning("NetworkSetupFailed", message.clone())),
+            )
+        };
+        let vm = self
+            .patch_status(&vm, &status, "reporting no address for")
+            .await?;
+        if let Some(note) = note {
+            tracing::info!(vm = %key(&vm), why = %message, "no address");
+            self.note(&vm, note).await;
+        }
+        Ok(Action::requeue(self.settings.requeue_pending))
+    }
+
+    /// Releases every address the VM holds on the networks of its namespace (before its
+    /// finalizer goes, so the address is not reused while its agent may still use it).
+    pub(super) async fn release_addresses(&self, vm: &ImpVM) -> Result<(), Error> {
+        let ns = vm.namespace().unwrap_or_default();
+        let owner = key(vm);
+        let holding: Vec<String> = self
+            .networks
+            .state()
+            .iter()
+            .filter(|n| n.namespace().as_deref() == Some(ns.as_str()))
+            .filter(|n| {
+                n.status
+                    .as_ref()
+                    .is_some_and(|s| s.allocations.values().any(|o| *o == owner))
+            })
+            .map(|n| n.name_any())
+            .collect();
+        for name in holding {
+            self.ipam.release(&ns, &name, &owner).await?;
+        }
+        Ok(())
+    }
+}
