@@ -5,12 +5,29 @@
 //! error (never a panic), and copies out no more output than the peer sent.
 #![no_main]
 
-use imp_proto::client::{Client, uds_connect};
+use imp_proto::client::Client;
 use imp_proto::message::{ExecRequest, ExitStatus, Hello};
 use imp_proto::{handshake, read_frame, report};
 use libfuzzer_sys::fuzz_target;
 use std::io::{self, Cursor, Read, Write};
 use std::time::Duration;
+
+/// The VMM's answer line to `CONNECT`, read byte by byte as imp-vmm reads it (what follows
+/// the newline stays in the stream); `None` when the peer ends first or the line is too long.
+fn reply_line(peer: &mut impl Read) -> Option<Vec<u8>> {
+    let mut line = Vec::new();
+    let mut byte = [0u8; 1];
+    while line.len() <= imp_proto::connect::MAX_REPLY {
+        if peer.read(&mut byte).ok()? == 0 {
+            return None;
+        }
+        if byte[0] == b'\n' {
+            return Some(line);
+        }
+        line.push(byte[0]);
+    }
+    None
+}
 
 /// The peer: its bytes come from the fuzzer, what we send it is counted and dropped.
 struct Peer<'a> {
@@ -109,10 +126,13 @@ fuzz_target!(|data: &[u8]| {
         }
         // Host: the VMM's answer to `CONNECT`, then the guest's hello on the same stream.
         3 => {
-            let r = uds_connect(&mut peer, 10_000)
-                .and_then(|()| Client::handshake(&mut peer, &hello).map(drop));
-            if let Err(e) = r {
-                report_chain(&e);
+            let _ = peer.write_all(imp_proto::connect::request(10_000).as_bytes());
+            if let Some(line) = reply_line(&mut peer) {
+                if imp_proto::connect::reply(&line).is_ok() {
+                    if let Err(e) = Client::handshake(&mut peer, &hello) {
+                        report_chain(&e);
+                    }
+                }
             }
         }
         // Guest: the handshake, then requests until the host hangs up or sends garbage.

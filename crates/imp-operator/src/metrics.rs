@@ -1,21 +1,11 @@
-//! Prometheus metrics and liveness/readiness for the operator, served on one ops address.
-//!
-//! [`Metrics`] owns a prometheus-client registry with the operator's metrics and plain methods
-//! the controllers call; [`Health`] holds the liveness and readiness verdicts with a reason;
-//! [`serve`] answers `/metrics` (OpenMetrics text), `/healthz` and `/readyz` (200, or 503 with
-//! a one-line reason).
+//! Prometheus metrics of the operator: [`Metrics`] owns a prometheus-client registry with the
+//! operator's metrics and plain methods the controllers call. The ops server that renders it
+//! on `/metrics`, beside `/healthz` and `/readyz`, is imp-ops, shared with the node agent.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::future::Future;
-use std::net::SocketAddr;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Mutex;
 use std::time::Duration;
 
-use axum::Router;
-use axum::extract::State;
-use axum::http::{StatusCode, header};
-use axum::response::{IntoResponse, Response};
-use axum::routing::get;
 use imp_api::vm::VmPhase;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -23,13 +13,8 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::{Registry, Unit};
-use tokio::net::TcpListener;
 
 use crate::names;
-
-/// The media type of OpenMetrics text, as Prometheus asks for it.
-pub const OPENMETRICS_CONTENT_TYPE: &str =
-    "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
 /// Every phase, so `imp_operator_vms` shows zeros instead of missing series.
 const PHASES: [VmPhase; 11] = [
@@ -49,24 +34,6 @@ const PHASES: [VmPhase; 11] = [
 /// Errors of the ops server.
 #[derive(Debug, thiserror::Error)]
 pub enum MetricsError {
-    /// The listening socket could not be bound.
-    #[error("Binding the metrics and health server to {addr}")]
-    Bind {
-        /// The address asked for.
-        addr: SocketAddr,
-        /// The cause.
-        #[source]
-        source: std::io::Error,
-    },
-    /// The server stopped with an I/O error.
-    #[error("Serving metrics and health on {addr}")]
-    Serve {
-        /// The address served.
-        addr: SocketAddr,
-        /// The cause.
-        #[source]
-        source: std::io::Error,
-    },
     /// Rendering the registry as text failed.
     #[error("Encoding the metrics registry as OpenMetrics text")]
     Encode(#[source] std::fmt::Error),
@@ -216,7 +183,10 @@ impl Metrics {
 
     /// Sets `imp_operator_vms{phase}` from a full count; phases absent from `counts` become 0.
     pub fn set_phase_counts(&self, counts: &BTreeMap<String, i64>) {
-        let mut seen = lock(&self.seen_phases);
+        let mut seen = self
+            .seen_phases
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         for phase in seen.iter() {
             if !counts.contains_key(phase) {
                 self.vms
@@ -399,162 +369,12 @@ fn register_ipam(
     (ipam_allocations, ipam_free)
 }
 
-/// Liveness and readiness verdicts, each `Ok` or a one-line reason it is not.
-#[derive(Debug)]
-pub struct Health {
-    live: Mutex<Option<String>>,
-    ready: Mutex<Option<String>>,
-    /// Parts that hold readiness back on their own (the webhook until it serves), by name.
-    held: Mutex<std::collections::BTreeMap<&'static str, String>>,
-}
-
-impl Default for Health {
-    fn default() -> Self {
-        Self::new()
+impl imp_ops::Exposition for Metrics {
+    fn render(&self) -> Result<String, std::fmt::Error> {
+        let mut out = String::new();
+        prometheus_client::encoding::text::encode(&mut out, &self.registry)?;
+        Ok(out)
     }
-}
-
-impl Health {
-    /// Live, and not ready yet ("starting").
-    pub fn new() -> Self {
-        Self {
-            live: Mutex::new(None),
-            ready: Mutex::new(Some("starting".to_string())),
-            held: Mutex::new(std::collections::BTreeMap::new()),
-        }
-    }
-
-    /// Marks the process live (`/healthz` answers 200).
-    pub fn set_live(&self) {
-        *lock(&self.live) = None;
-    }
-
-    /// Marks the process not live (`/healthz` answers 503 with `reason`): it should be restarted.
-    pub fn set_not_live(&self, reason: impl Into<String>) {
-        *lock(&self.live) = Some(one_line(reason.into()));
-    }
-
-    /// Marks the process ready (`/readyz` answers 200): caches synced, leadership known.
-    pub fn set_ready(&self) {
-        *lock(&self.ready) = None;
-    }
-
-    /// Marks the process not ready (`/readyz` answers 503 with `reason`).
-    pub fn set_not_ready(&self, reason: impl Into<String>) {
-        *lock(&self.ready) = Some(one_line(reason.into()));
-    }
-
-    /// `Ok` when live, else the reason.
-    pub fn liveness(&self) -> Result<(), String> {
-        lock(&self.live).clone().map_or(Ok(()), Err)
-    }
-
-    /// Holds readiness back while `part` is not there (`reason` says why), whatever
-    /// [`Health::set_ready`] says: a replica whose webhook does not serve yet must get no
-    /// admission traffic.
-    pub fn hold(&self, part: &'static str, reason: impl Into<String>) {
-        lock(&self.held).insert(part, one_line(reason.into()));
-    }
-
-    /// `part` no longer holds readiness back.
-    pub fn release(&self, part: &'static str) {
-        lock(&self.held).remove(part);
-    }
-
-    /// `Ok` when ready and nothing holds readiness back, else the reason.
-    pub fn readiness(&self) -> Result<(), String> {
-        if let Some(why) = lock(&self.ready).clone() {
-            return Err(why);
-        }
-        lock(&self.held)
-            .iter()
-            .next()
-            .map_or(Ok(()), |(part, why)| Err(format!("{part}: {why}")))
-    }
-}
-
-fn one_line(s: String) -> String {
-    s.lines().map(str::trim).collect::<Vec<_>>().join(" ")
-}
-
-/// A poisoned lock only means a panic elsewhere while holding it; the data is still usable.
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
-}
-
-#[derive(Clone)]
-struct Ops {
-    metrics: Arc<Metrics>,
-    health: Arc<Health>,
-}
-
-/// The ops routes (`/metrics`, `/healthz`, `/readyz`), for embedding in another server.
-pub fn router(metrics: Arc<Metrics>, health: Arc<Health>) -> Router {
-    Router::new()
-        .route("/metrics", get(metrics_handler))
-        .route("/healthz", get(healthz))
-        .route("/readyz", get(readyz))
-        .with_state(Ops { metrics, health })
-}
-
-async fn metrics_handler(State(ops): State<Ops>) -> Response {
-    match ops.metrics.encode() {
-        Ok(body) => ([(header::CONTENT_TYPE, OPENMETRICS_CONTENT_TYPE)], body).into_response(),
-        Err(e) => {
-            tracing::error!(error = %e, "encoding metrics failed");
-            (StatusCode::INTERNAL_SERVER_ERROR, format!("{e}\n")).into_response()
-        }
-    }
-}
-
-fn verdict(v: Result<(), String>, what: &str) -> Response {
-    match v {
-        Ok(()) => (StatusCode::OK, "ok\n").into_response(),
-        Err(reason) => (
-            StatusCode::SERVICE_UNAVAILABLE,
-            format!("not {what}: {reason}\n"),
-        )
-            .into_response(),
-    }
-}
-
-async fn healthz(State(ops): State<Ops>) -> Response {
-    verdict(ops.health.liveness(), "live")
-}
-
-async fn readyz(State(ops): State<Ops>) -> Response {
-    verdict(ops.health.readiness(), "ready")
-}
-
-/// Binds `addr` and serves the ops routes until `shutdown` completes.
-pub async fn serve(
-    addr: SocketAddr,
-    metrics: Arc<Metrics>,
-    health: Arc<Health>,
-    shutdown: impl Future<Output = ()> + Send + 'static,
-) -> Result<(), MetricsError> {
-    let listener = TcpListener::bind(addr)
-        .await
-        .map_err(|source| MetricsError::Bind { addr, source })?;
-    serve_listener(listener, metrics, health, shutdown).await
-}
-
-/// Serves the ops routes on an already bound listener (tests bind 127.0.0.1:0 and read the port).
-pub async fn serve_listener(
-    listener: TcpListener,
-    metrics: Arc<Metrics>,
-    health: Arc<Health>,
-    shutdown: impl Future<Output = ()> + Send + 'static,
-) -> Result<(), MetricsError> {
-    let addr = listener.local_addr().map_err(|source| MetricsError::Bind {
-        addr: SocketAddr::from(([0, 0, 0, 0], 0)),
-        source,
-    })?;
-    tracing::info!(%addr, "serving /metrics, /healthz and /readyz");
-    axum::serve(listener, router(metrics, health))
-        .with_graceful_shutdown(shutdown)
-        .await
-        .map_err(|source| MetricsError::Serve { addr, source })
 }
 
 #[cfg(test)]
@@ -730,33 +550,5 @@ mod tests {
             sample(&m.encode().unwrap(), "imp_operator_is_leader"),
             Some(0.0)
         );
-    }
-
-    #[test]
-    fn a_held_part_keeps_a_ready_process_unready_until_released() {
-        let h = Health::new();
-        h.hold("webhook", "no serving\n certificate yet");
-        h.set_ready();
-        assert_eq!(
-            h.readiness(),
-            Err("webhook: no serving certificate yet".into())
-        );
-        h.release("webhook");
-        assert_eq!(h.readiness(), Ok(()));
-    }
-
-    #[test]
-    fn health_starts_live_but_not_ready_and_keeps_one_line_reasons() {
-        let h = Health::new();
-        assert_eq!(h.liveness(), Ok(()));
-        assert_eq!(h.readiness(), Err("starting".into()));
-        h.set_ready();
-        assert_eq!(h.readiness(), Ok(()));
-        h.set_not_ready("caches\n  not synced");
-        assert_eq!(h.readiness(), Err("caches not synced".into()));
-        h.set_not_live("watch task died");
-        assert_eq!(h.liveness(), Err("watch task died".into()));
-        h.set_live();
-        assert_eq!(h.liveness(), Ok(()));
     }
 }

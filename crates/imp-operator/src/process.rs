@@ -15,10 +15,11 @@ use tokio::sync::watch;
 use crate::chain::DisplayChain;
 use crate::ipam::Ipam;
 use crate::leader::{LeaderElector, LeaseConfig};
-use crate::metrics::{self, Health, Metrics};
+use crate::metrics::Metrics;
 use crate::shutdown::raised;
 use crate::webhook::serving::{self, Serving};
 use crate::{network, snapshot, vm};
+use imp_ops::Health;
 
 /// Everything the operator process is started with.
 #[derive(Clone, Debug)]
@@ -60,7 +61,7 @@ pub async fn run(config: Config, stop: watch::Sender<bool>) -> Result<(), Error>
     let metrics = Arc::new(Metrics::new());
     let health = Arc::new(Health::new());
     health.set_live();
-    let ops = tokio::spawn(metrics::serve(
+    let ops = tokio::spawn(imp_ops::serve(
         config.ops_addr,
         metrics.clone(),
         health.clone(),

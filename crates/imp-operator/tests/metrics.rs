@@ -8,7 +8,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, Result};
-use imp_operator::metrics::{self, Health, Metrics, OPENMETRICS_CONTENT_TYPE};
+use imp_operator::metrics::Metrics;
+use imp_ops::{self as ops, Health, OPENMETRICS_CONTENT_TYPE};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
@@ -47,7 +48,7 @@ async fn ops_server_serves_metrics_and_flips_probes() -> Result<()> {
     let listener = TcpListener::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?;
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let server = tokio::spawn(metrics::serve_listener(
+    let server = tokio::spawn(ops::serve_listener(
         listener,
         metrics.clone(),
         health.clone(),
@@ -124,7 +125,7 @@ async fn ops_server_serves_metrics_and_flips_probes() -> Result<()> {
 async fn binding_a_taken_address_names_it() -> Result<()> {
     let taken = TcpListener::bind("127.0.0.1:0").await?;
     let addr = taken.local_addr()?;
-    let err = metrics::serve(
+    let err = ops::serve(
         addr,
         Arc::new(Metrics::new()),
         Arc::new(Health::new()),

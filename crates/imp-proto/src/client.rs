@@ -1,8 +1,9 @@
 //! The host side of a guest connection: handshake, unary requests and streamed exec.
 //!
 //! Synchronous and generic over any `Read + Write` stream, so the agent can wrap it around
-//! whatever carries the bytes (the VM's hybrid-vsock Unix socket after [`uds_connect`], served
-//! by Firecracker or by the QEMU driver's mux, or a plain Unix socket in tests).
+//! whatever carries the bytes (the VM's hybrid-vsock Unix socket, opened with `CONNECT <port>`
+//! by imp-vmm's `vsock::connect` and served by Firecracker or by the QEMU driver's mux, or a
+//! plain Unix socket in tests).
 
 use crate::frame::{FrameError, read_frame, write_data, write_frame};
 use crate::handshake::{HandshakeError, handshake};
@@ -10,7 +11,7 @@ use crate::message::{
     Entropy, ErrorReply, ExecRequest, ExitStatus, HealthReport, Hello, HttpGetRequest,
     HttpGetResult, Identity, Message, MetricsReport, ReidentifyReport, Version, WindowSize,
 };
-use std::io::{self, Read, Write};
+use std::io::{Read, Write};
 use std::time::Duration;
 
 /// Why a request to the guest failed.
@@ -59,51 +60,10 @@ pub enum ClientError {
         /// What is wrong with it.
         reason: String,
     },
-    /// The vsock multiplexer refused the `CONNECT`.
-    #[error("Vsock CONNECT to guest port {port} failed: {reason}")]
-    Connect {
-        /// The guest port.
-        port: u32,
-        /// What the multiplexer said, or what went wrong.
-        reason: String,
-    },
 }
 
 /// The crate's client result.
 pub type Result<T, E = ClientError> = std::result::Result<T, E>;
-
-/// Opens a guest port through a Firecracker-style vsock Unix socket (`CONNECT <port>\n` →
-/// `OK <host port>\n`), which Firecracker and the QEMU driver's guest-channel mux both speak.
-///
-/// Reads the answer byte by byte so no protocol bytes after the newline are swallowed.
-pub fn uds_connect<S: Read + Write>(stream: &mut S, port: u32) -> Result<()> {
-    let fail = |reason: String| ClientError::Connect { port, reason };
-    stream
-        .write_all(format!("CONNECT {port}\n").as_bytes())
-        .and_then(|()| stream.flush())
-        .map_err(|e| fail(format!("sending CONNECT: {e}")))?;
-    let mut line = Vec::new();
-    let mut byte = [0u8; 1];
-    while line.len() < 64 {
-        match stream.read(&mut byte) {
-            Ok(0) => {
-                return Err(fail(
-                    "the socket closed before answering (is the guest listening?)".into(),
-                ));
-            }
-            Ok(_) if byte[0] == b'\n' => break,
-            Ok(_) => line.push(byte[0]),
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(fail(format!("reading the answer: {e}"))),
-        }
-    }
-    let line = String::from_utf8_lossy(&line);
-    if line.starts_with("OK ") {
-        Ok(())
-    } else {
-        Err(fail(format!("unexpected answer {line:?}")))
-    }
-}
 
 /// A handshaken connection to the guest agent.
 #[derive(Debug)]
@@ -655,38 +615,5 @@ mod tests {
         assert!(err.to_string().contains("multicast"), "{err}");
         drop(c);
         assert_eq!(g.join().unwrap(), None);
-    }
-
-    #[test]
-    fn uds_connect_speaks_the_firecracker_protocol() {
-        let (mut host, mut mux) = UnixStream::pair().unwrap();
-        let t = thread::spawn(move || {
-            let mut buf = [0u8; 14];
-            mux.read_exact(&mut buf).unwrap();
-            assert_eq!(&buf, b"CONNECT 10000\n");
-            mux.write_all(b"OK 1073741824\nHELLO").unwrap();
-            mux
-        });
-        uds_connect(&mut host, 10000).unwrap();
-        let mut rest = [0u8; 5];
-        host.read_exact(&mut rest).unwrap();
-        assert_eq!(
-            &rest, b"HELLO",
-            "bytes after the OK line are left in the stream"
-        );
-        t.join().unwrap();
-    }
-
-    #[test]
-    fn uds_connect_reports_a_closed_socket() {
-        let (mut host, mux) = UnixStream::pair().unwrap();
-        let t = thread::spawn(move || {
-            let mut m = mux;
-            let mut buf = [0u8; 14];
-            m.read_exact(&mut buf).unwrap();
-        });
-        let err = uds_connect(&mut host, 10000).unwrap_err();
-        assert!(err.to_string().contains("closed before answering"), "{err}");
-        t.join().unwrap();
     }
 }

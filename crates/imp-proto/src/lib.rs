@@ -22,6 +22,7 @@ pub mod client;
 #[cfg(feature = "tokio")]
 pub mod codec;
 pub mod config;
+pub mod connect;
 pub mod frame;
 pub mod handshake;
 pub mod http;

@@ -15,8 +15,6 @@ use std::time::{Duration, Instant};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::UnixStream;
 
-/// Longest reply line we accept (`OK 4294967295\n` is 14 bytes).
-const MAX_REPLY: usize = 32;
 /// First pause between attempts; doubles up to [`MAX_BACKOFF`].
 const FIRST_BACKOFF: Duration = Duration::from_millis(10);
 /// Longest pause between attempts.
@@ -128,7 +126,7 @@ async fn attempt(
     // Nothing is pending in the VMM until the whole line is sent: a timeout here may close.
     tokio::time::timeout_at(
         deadline,
-        stream.write_all(format!("CONNECT {port}\n").as_bytes()),
+        stream.write_all(imp_proto::connect::request(port).as_bytes()),
     )
     .await
     .map_err(|_| late())?
@@ -173,15 +171,13 @@ async fn read_reply(stream: &mut UnixStream) -> std::result::Result<(), Attempt>
             break;
         }
         line.push(byte[0]);
-        if line.len() > MAX_REPLY {
+        if line.len() > imp_proto::connect::MAX_REPLY {
             return Err(Attempt::Fatal(String::from_utf8_lossy(&line).into_owned()));
         }
     }
-    let reply = String::from_utf8_lossy(&line).into_owned();
-    match reply.strip_prefix("OK ") {
-        Some(n) if n.trim().parse::<u32>().is_ok() => Ok(()),
-        _ => Err(Attempt::Fatal(reply)),
-    }
+    imp_proto::connect::reply(&line)
+        .map(drop)
+        .map_err(Attempt::Fatal)
 }
 
 /// A guest connection for imp-proto's blocking client whose every read and write ends by one

@@ -17,7 +17,7 @@ use tokio::task::JoinHandle;
 use super::advertise::{self, Published};
 use super::boot::BootSettings;
 use super::capabilities::{self, Capabilities, DefaultRuntime, HostFiles};
-use super::metrics::{self, Health, Metrics};
+use super::metrics::Metrics;
 use super::reconciler::{self, Context, Settings};
 use super::{disk, fence, guest_metrics, network, serial, snapshots};
 use crate::api::auth::KubeReviewer;
@@ -26,6 +26,7 @@ use crate::api::sessions::SessionLimits;
 use crate::api::tls::{Identity, Kept, TlsError};
 use crate::runtime::control::ShimCommand;
 use crate::runtime::state::StateDir;
+use imp_ops::Health;
 
 /// Everything the agent is told at start.
 #[derive(Debug, Clone)]
@@ -111,7 +112,7 @@ pub enum AgentError {
     },
     /// The ops server could not start.
     #[error(transparent)]
-    Ops(#[from] metrics::OpsError),
+    Ops(#[from] imp_ops::OpsError),
     /// The API's certificate could not be loaded or made.
     #[error("the agent API's certificate")]
     Tls(#[from] TlsError),
@@ -139,14 +140,13 @@ pub async fn run(
     let caps = probe(&config, &cache_dir).await;
     let health = Arc::new(Health::new());
     let metrics = Arc::new(Metrics::new());
-    let ops = metrics::bind(config.metrics_addr).await?;
-    tracing::info!(addr = ?ops.local_addr().ok(), "serving /metrics, /healthz and /readyz");
+    let ops = imp_ops::bind(config.metrics_addr).await?;
     let api_server = client_config
         .cluster_url
         .host()
         .and_then(|h| h.parse().ok());
     let client = kube::Client::try_from(client_config).map_err(AgentError::Client)?;
-    health.set_ready(caps.not_ready());
+    health.set_readiness(caps.not_ready());
     let runtimes = advertise::runtimes_annotation(&caps);
     let settings = settings(&config, state.clone(), cache_dir)?;
     let mut ctx = Context::new(client.clone(), settings, caps, metrics.clone());
@@ -183,7 +183,7 @@ pub async fn run(
         },
     );
     let tls = identity.server_config()?;
-    let served = metrics::serve(ops, metrics.clone(), health, stopped(stop.clone()));
+    let served = imp_ops::serve_listener(ops, metrics.clone(), health, stopped(stop.clone()));
     tasks.push(tokio::spawn(async move {
         if let Err(e) = served.await {
             tracing::error!(error = %imp_api::chain::chain(&e), "serving /metrics, /healthz and /readyz");

@@ -1,16 +1,11 @@
-//! The agent's Prometheus metrics and its liveness and readiness, served on its ops address:
-//! `/metrics` (OpenMetrics text), `/healthz`, `/readyz` (200, or 503 with a one-line reason).
+//! The agent's Prometheus metrics. The ops server that renders them on `/metrics`, beside
+//! `/healthz` and `/readyz`, is imp-ops, shared with the operator.
 
 use std::collections::BTreeMap;
-use std::net::SocketAddr;
-use std::sync::atomic::AtomicU64;
-use std::sync::{Arc, Mutex, MutexGuard};
 
-use axum::Router;
-use axum::extract::State;
-use axum::http::{StatusCode, header};
-use axum::response::{IntoResponse, Response};
-use axum::routing::get;
+use std::sync::atomic::AtomicU64;
+use std::sync::{Mutex, MutexGuard};
+
 use imp_api::vm::VmPhase;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -18,26 +13,8 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::{Registry, Unit};
-use tokio::net::TcpListener;
 
 use crate::runtime::state::Timings;
-
-/// Failures of the ops server.
-#[derive(Debug, thiserror::Error)]
-pub enum OpsError {
-    /// The address could not be bound.
-    #[error("binding the agent's metrics and health server to {addr}")]
-    Bind {
-        /// The address.
-        addr: SocketAddr,
-        /// The cause.
-        #[source]
-        source: std::io::Error,
-    },
-    /// Serving failed.
-    #[error("serving the agent's metrics and health")]
-    Serve(#[source] std::io::Error),
-}
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct PhaseLabels {
@@ -665,88 +642,9 @@ impl Metrics {
     }
 }
 
-/// Liveness and readiness with a reason.
-#[derive(Debug)]
-pub struct Health {
-    ready: Mutex<Option<String>>,
-}
-
-impl Default for Health {
-    fn default() -> Self {
-        Self::new()
-    }
-}
-
-impl Health {
-    /// Not ready yet ("starting").
-    pub fn new() -> Self {
-        Self {
-            ready: Mutex::new(Some("starting".to_owned())),
-        }
-    }
-
-    /// Ready (`None`) or not, with why.
-    pub fn set_ready(&self, problem: Option<String>) {
-        *lock(&self.ready) =
-            problem.map(|s| s.lines().map(str::trim).collect::<Vec<_>>().join(" "));
-    }
-
-    /// `Ok` when ready, else the reason.
-    pub fn readiness(&self) -> Result<(), String> {
-        lock(&self.ready).clone().map_or(Ok(()), Err)
-    }
-}
-
-#[derive(Clone)]
-struct Ops {
-    metrics: Arc<Metrics>,
-    health: Arc<Health>,
-}
-
-/// Serves `/metrics`, `/healthz` and `/readyz` on `listener` until `shutdown`.
-pub async fn serve(
-    listener: TcpListener,
-    metrics: Arc<Metrics>,
-    health: Arc<Health>,
-    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
-) -> Result<(), OpsError> {
-    let app = Router::new()
-        .route("/metrics", get(metrics_handler))
-        .route("/healthz", get(|| async { (StatusCode::OK, "ok\n") }))
-        .route("/readyz", get(readyz))
-        .with_state(Ops { metrics, health });
-    axum::serve(listener, app)
-        .with_graceful_shutdown(shutdown)
-        .await
-        .map_err(OpsError::Serve)
-}
-
-/// Binds the ops address.
-pub async fn bind(addr: SocketAddr) -> Result<TcpListener, OpsError> {
-    TcpListener::bind(addr)
-        .await
-        .map_err(|source| OpsError::Bind { addr, source })
-}
-
-async fn metrics_handler(State(ops): State<Ops>) -> Response {
-    (
-        [(
-            header::CONTENT_TYPE,
-            "application/openmetrics-text; version=1.0.0; charset=utf-8",
-        )],
-        ops.metrics.encode(),
-    )
-        .into_response()
-}
-
-async fn readyz(State(ops): State<Ops>) -> Response {
-    match ops.health.readiness() {
-        Ok(()) => (StatusCode::OK, "ok\n").into_response(),
-        Err(reason) => (
-            StatusCode::SERVICE_UNAVAILABLE,
-            format!("not ready: {reason}\n"),
-        )
-            .into_response(),
+impl imp_ops::Exposition for Metrics {
+    fn render(&self) -> Result<String, std::fmt::Error> {
+        Ok(self.encode())
     }
 }
 

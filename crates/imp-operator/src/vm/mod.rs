@@ -103,8 +103,9 @@ use crate::backlog::Tracker;
 use crate::ipam::{self, Ipam};
 use crate::ledger::Ledger;
 use crate::lifecycle;
-use crate::metrics::{Health, Metrics};
+use crate::metrics::Metrics;
 use crate::names;
+use imp_ops::Health;
 
 /// Decide-and-write rounds of one reconcile before it requeues (each round that continues
 /// removes its own cause, so real VMs need at most three).

@@ -12,8 +12,8 @@ use tokio::sync::watch;
 use super::certs::{Keeper, KeeperConfig};
 use super::tls::{self, LiveCert};
 use crate::chain::DisplayChain;
-use crate::metrics::Health;
 use crate::shutdown::raised;
+use imp_ops::Health;
 
 /// The part of readiness the self-managed webhook holds back until it serves.
 const HEALTH_PART: &str = "webhook";

@@ -1,7 +1,8 @@
 //! Talking to a local VM's guest agent: `imp exec` and the health check `imp run` waits on.
 //!
-//! Everything here is synchronous: the guest client in `imp-proto` works on a blocking Unix
-//! stream, reached through the VMM's vsock socket with `CONNECT <port>`.
+//! The guest client in `imp-proto` works on a blocking Unix stream; the stream is opened with
+//! the one `CONNECT <port>` client of the VMM drivers ([`imp_vmm::vsock::connect`]), run to
+//! completion on this thread.
 
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
@@ -26,23 +27,15 @@ pub fn connect(vsock: &Path, port: u32, timeout: Duration) -> anyhow::Result<Con
     let deadline = Instant::now() + timeout;
     let mut pause = Duration::from_millis(20);
     loop {
-        let attempt = UnixStream::connect(vsock)
-            .with_context(|| format!("connecting to {}", vsock.display()))
-            .and_then(|mut s| {
-                // Bounded, so held signals cannot hold us forever on a guest that never answers.
-                let left = deadline.saturating_duration_since(Instant::now());
-                s.set_read_timeout(Some(left.max(Duration::from_secs(1))))?;
-                let held = HeldSignals::hold();
-                imp_proto::client::uds_connect(&mut s, port)?;
-                drop(held);
-                // The timeout guards the handshake only; execs may be silent for long.
-                s.set_read_timeout(Some(Duration::from_secs(10)))?;
-                let handle = s.try_clone()?;
-                let ours = Hello::new(concat!("imp/", env!("CARGO_PKG_VERSION")));
-                let client = Client::handshake(s, &ours)?;
-                handle.set_read_timeout(None)?;
-                Ok(Connection { client, handle })
-            });
+        let attempt = open(vsock, port, deadline).and_then(|s| {
+            // The timeout guards the handshake only; execs may be silent for long.
+            s.set_read_timeout(Some(Duration::from_secs(10)))?;
+            let handle = s.try_clone()?;
+            let ours = Hello::new(concat!("imp/", env!("CARGO_PKG_VERSION")));
+            let client = Client::handshake(s, &ours)?;
+            handle.set_read_timeout(None)?;
+            Ok(Connection { client, handle })
+        });
         match attempt {
             Ok(c) => return Ok(c),
             Err(e) if Instant::now() >= deadline => {
@@ -59,11 +52,34 @@ pub fn connect(vsock: &Path, port: u32, timeout: Duration) -> anyhow::Result<Con
     }
 }
 
+/// Opens guest `port` through `vsock` (retrying while the guest does not listen, until
+/// `deadline`) as a blocking stream. Signals are held meanwhile (see [`HeldSignals`]).
+fn open(vsock: &Path, port: u32, deadline: Instant) -> anyhow::Result<UnixStream> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_io()
+        .enable_time()
+        .build()
+        .context("starting the connect's runtime")?;
+    let left = deadline.saturating_duration_since(Instant::now());
+    let held = HeldSignals::hold();
+    let stream = rt.block_on(imp_vmm::vsock::connect(
+        vsock,
+        port,
+        left.max(Duration::from_millis(100)),
+    ));
+    drop(held);
+    let stream = stream?.into_std().context("taking the guest stream")?;
+    stream
+        .set_nonblocking(false)
+        .context("making the guest stream blocking")?;
+    Ok(stream)
+}
+
 /// Holds SIGINT, SIGTERM and SIGHUP for as long as a `CONNECT` is unanswered, then lets them
-/// through. Dying in that window closes the socket before the guest's answer; vsock backends
-/// have handled that badly (vhost-device-vsock 0.3.0, QEMU's former backend, lost its only
-/// worker), so a Ctrl-C waits for the answer and then ends the stream cleanly. `imp exec` is single-threaded here, so the
-/// calling thread's mask is the process's.
+/// through: dying in that window closes the socket before the guest's answer, and the guest
+/// then meets a stream that vanished mid-handshake, so a Ctrl-C waits for the answer and then
+/// ends the stream cleanly. `imp exec` is single-threaded here, so the calling thread's mask
+/// is the process's.
 struct HeldSignals(nix::sys::signal::SigSet);
 
 impl HeldSignals {
