@@ -229,6 +229,7 @@ async fn env_with(tag: &str, sessions: SessionLimits) -> Env {
         agent_port: PORT,
         serial_log: dir.join("serial.log"),
         running,
+        guest_agent: true,
     };
     vms.add("vm", endpoint(true));
     vms.add("vm2", endpoint(true));
@@ -239,6 +240,9 @@ async fn env_with(tag: &str, sessions: SessionLimits) -> Env {
     let mut gone = endpoint(true);
     gone.vsock = dir.join("nothing-here.sock");
     vms.add("unreachable", gone);
+    let mut agentless = endpoint(true);
+    agentless.guest_agent = false;
+    vms.add("agentless", agentless);
     let api = AgentApi::new(
         vms.clone(),
         Arc::new(Reviews),
@@ -455,6 +459,18 @@ async fn exec_wakes_a_sleeping_vm_and_waits_for_it_or_says_why_it_cannot() {
     );
     assert_eq!(env.vms.knocks("stopped"), 1);
     assert_eq!(env.vms.in_use("stuck") + env.vms.in_use("stopped"), 0);
+    // A VM without its guest agent: refused at once, naming the field, and nothing dialled.
+    let agentless = refused(client::exec(&env.target, "ns", "agentless").await);
+    says(
+        agentless,
+        StatusCode::CONFLICT,
+        &[
+            "ns/agentless runs without its guest agent",
+            "spec.guestAgent.enabled: false",
+        ],
+    );
+    assert_eq!(env.vms.knocks("agentless"), 0);
+    assert_eq!(env.vms.in_use("agentless"), 0);
     wait_until("the woken VMs' sessions ended", || {
         env.api.exec_sessions() == 0 && env.vms.in_use("suspending") == 0
     })

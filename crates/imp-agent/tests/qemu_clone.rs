@@ -44,6 +44,7 @@ use imp_agent::runtime::guest_agent;
 use imp_proto::config::{GuestConfig, ImageConfig, NetworkConfig, RootDisk};
 use imp_proto::message::steps;
 use imp_proto::{ExecEvent, ExecRequest, ExitStatus, Hello, Identity, StepStatus};
+use imp_testenv::workspace_root;
 use imp_vmm::qemu::{Launcher, Qemu};
 use imp_vmm::{
     Confine, DriveConfig, GuestMemory, NetConfig, SnapshotFiles, VmConfig, Vmm, VsockConfig,
@@ -64,10 +65,6 @@ const NODE_PORT: u16 = 7001;
 const GUEST_PORT: u16 = 7000;
 /// The time the source's clock is set to before the snapshot (2001-09-09).
 const OLD_CLOCK: u64 = 1_000_000_000;
-
-fn workspace_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
 
 fn env_path(var: &str, default: PathBuf) -> PathBuf {
     std::env::var_os(var).map(PathBuf::from).unwrap_or(default)

@@ -21,6 +21,8 @@ use imp_agent::guest::initramfs::{BaseInitramfs, build_for_vm};
 use imp_agent::guest::kernel::VM_MODULES;
 use imp_proto::config::{GuestConfig, ImageConfig, RootDisk};
 use imp_proto::{Client, EnvVar, ExecEvent, ExecRequest, ExitStatus, Hello};
+use imp_testenv::scratch::scratch_dir;
+use imp_testenv::workspace_root;
 use imp_vmm::qemu::{self, Launcher, Qemu, RamIn, SnapshotState};
 use imp_vmm::{
     Confine, DriveConfig, GuestMemory, StopOutcome, VmConfig, VmState, Vmm, VsockConfig,
@@ -31,10 +33,6 @@ const AGENT_PORT: u32 = imp_proto::DEFAULT_API_PORT;
 /// One guest at a time: two TCG guests on the 2-core CI machine make each boot slow and its
 /// timing unpredictable.
 static ONE_VM_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
-
-fn workspace_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
 
 fn env_path(var: &str, default: PathBuf) -> PathBuf {
     std::env::var_os(var).map(PathBuf::from).unwrap_or(default)
@@ -95,13 +93,6 @@ fn inputs() -> Option<Inputs> {
         guest,
         busybox,
     })
-}
-
-fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("imp-qemu-driver-{}-{name}", std::process::id()));
-    let _ = fs::remove_dir_all(&dir);
-    fs::create_dir_all(&dir).unwrap();
-    dir
 }
 
 /// An ext4 image with busybox, an `app` user, `/srv` and a file only the disk has.
@@ -314,7 +305,7 @@ async fn assert_confined(vm: &mut Qemu, cid: u32, disk: &Path) {
 async fn qemu_vm_boots_from_its_disk_and_serves_exec_health_metrics_pause_and_graceful_stop() {
     let _one = ONE_VM_AT_A_TIME.lock().await;
     let Some(inputs) = inputs() else { return };
-    let dir = scratch("main");
+    let dir = scratch_dir("imp-qemu-driver-main").unwrap();
     let script = "trap 'echo workload-terminated; exit 0' TERM; \
                   cat /disk-only.txt > /tmp/seen; \
                   echo \"$MODE $FROM_IMAGE $(pwd) $(id -u):$(id -g) $HOME\" > /tmp/env; \
@@ -435,7 +426,7 @@ fn exit_reports(vm: &Qemu, port: u32) -> tokio::task::JoinHandle<ExitStatus> {
 async fn qemu_vm_with_the_guest_agent_snapshots_and_restores_in_a_new_process() {
     let _one = ONE_VM_AT_A_TIME.lock().await;
     let Some(inputs) = inputs() else { return };
-    let dir = scratch("agent-snapshot");
+    let dir = scratch_dir("imp-qemu-driver-agent-snapshot").unwrap();
     // The workload ends with code 3 when told to (USR1), after the restore.
     let script = "echo $$ > /tmp/workload.pid; trap 'exit 3' USR1; \
                   while true; do sleep 0.1; done";
@@ -580,7 +571,7 @@ async fn set_exit_report_port(config: &mut VmConfig, dir: &Path, script: &str, p
 async fn qemu_vm_shuts_down_gracefully_on_ctrl_alt_del() {
     let _one = ONE_VM_AT_A_TIME.lock().await;
     let Some(inputs) = inputs() else { return };
-    let dir = scratch("cad");
+    let dir = scratch_dir("imp-qemu-driver-cad").unwrap();
     let script = "trap 'echo workload-terminated; exit 0' TERM; while true; do sleep 0.1; done";
     let config = vm_config(&inputs, &dir, "qemu-cad", 7, script).await;
     let mut vm = Qemu::boot(&inputs.launcher, &config).await.unwrap();
@@ -640,7 +631,7 @@ async fn qemu_vm_shuts_down_gracefully_on_ctrl_alt_del() {
 async fn kvm_probe_decides_by_booting_and_caches_the_answer() {
     let _one = ONE_VM_AT_A_TIME.lock().await;
     let Some(inputs) = inputs() else { return };
-    let cache = scratch("kvm");
+    let cache = scratch_dir("imp-qemu-driver-kvm").unwrap();
     let deadline = Duration::from_secs(8);
     let t = Instant::now();
     let probe = imp_vmm::kvm::probe_boot(&inputs.launcher.qemu, &inputs.kernel, deadline).await;
@@ -674,7 +665,7 @@ async fn kvm_probe_decides_by_booting_and_caches_the_answer() {
 async fn qemu_vm_keeps_its_vsock_across_pauses_with_host_traffic() {
     let _one = ONE_VM_AT_A_TIME.lock().await;
     let Some(inputs) = inputs() else { return };
-    let dir = scratch("pauses");
+    let dir = scratch_dir("imp-qemu-driver-pauses").unwrap();
     let script = "i=0; while true; do i=$((i+1)); echo $i > /tmp/count; sleep 0.1; done";
     let config = vm_config(&inputs, &dir, "qemu-pauses", 5, script).await;
     let mut vm = Qemu::boot(&inputs.launcher, &config).await.unwrap();
@@ -758,7 +749,7 @@ async fn wait_tick(log: &Path, min: u64, timeout: Duration) -> String {
 async fn qemu_vm_without_vsock_snapshots_and_restores_in_a_new_process() {
     let _one = ONE_VM_AT_A_TIME.lock().await;
     let Some(inputs) = inputs() else { return };
-    let dir = scratch("snapshot");
+    let dir = scratch_dir("imp-qemu-driver-snapshot").unwrap();
     let script = "i=0; while true; do i=$((i+1)); echo tick $i; sleep 0.2; done";
     let mut config = vm_config(&inputs, &dir, "qemu-snapshot", 7, script).await;
     config.vsock = None;

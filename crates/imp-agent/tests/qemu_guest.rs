@@ -15,19 +15,16 @@
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use imp_agent::guest::initramfs::Cpio;
 use imp_proto::config::{AgentConfig, GuestConfig, PowerAction};
 use imp_proto::marker::{EXIT_PREFIX, SUCCESS_LINE, find_exit_code};
+use imp_testenv::scratch::scratch_dir;
+use imp_testenv::workspace_root;
 
 /// How long one boot may take, kernel start to QEMU's exit.
 const BOOT_DEADLINE: Duration = Duration::from_secs(90);
-
-fn workspace_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
 
 fn env_path(var: &str, default: PathBuf) -> PathBuf {
     std::env::var_os(var).map(PathBuf::from).unwrap_or(default)
@@ -131,21 +128,9 @@ fn inputs() -> Option<Inputs> {
     })
 }
 
-fn scratch_dir(name: &str) -> PathBuf {
-    static N: AtomicUsize = AtomicUsize::new(0);
-    let dir = std::env::temp_dir().join(format!(
-        "imp-qemu-guest-{}-{}-{name}",
-        std::process::id(),
-        N.fetch_add(1, Ordering::Relaxed)
-    ));
-    let _ = fs::remove_dir_all(&dir);
-    fs::create_dir_all(&dir).unwrap();
-    dir
-}
-
 /// Boots the guest with `config` and waits for QEMU to end (or the deadline).
 fn boot(inputs: &Inputs, name: &str, config: &GuestConfig) -> Boot {
-    let dir = scratch_dir(name);
+    let dir = scratch_dir(&format!("imp-qemu-guest-{name}")).unwrap();
     let initrd = dir.join("initrd.cpio");
     fs::write(&initrd, initramfs(&inputs.guest, &inputs.busybox, config)).unwrap();
     let serial = dir.join("serial.log");

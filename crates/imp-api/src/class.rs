@@ -53,8 +53,7 @@ pub struct ImpVMClassSpec {
     /// Default probes for VMs of this class.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub probes: Option<ProbeSpec>,
-    /// Guest-agent switch VMs of this class inherit. `enabled: false`: Not supported yet: refused by the admission webhook
-    /// (the VM needs its guest agent to report Running).
+    /// Guest-agent switch VMs of this class inherit (see the ImpVM's `guestAgent`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub guest_agent: Option<GuestAgentConfig>,
     /// Restart policy of persistent VMs of this class, unless they or their template set one.

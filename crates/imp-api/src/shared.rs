@@ -230,6 +230,15 @@ pub struct ProbeSpec {
     pub http_check: Option<HttpCheckSpec>,
 }
 
+impl ProbeSpec {
+    /// Whether a probe runs in the guest (through its agent): startup, readiness or liveness.
+    pub fn in_guest(&self) -> bool {
+        self.startup_probe.is_some()
+            || self.readiness_probe.is_some()
+            || self.liveness_probe.is_some()
+    }
+}
+
 /// One guest probe: a command or an HTTP GET, exactly one of them.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, kube::KubeSchema)]
 #[serde(rename_all = "camelCase")]
@@ -311,8 +320,11 @@ fn default_http_check_path() -> String {
 /// Switch for the in-guest agent (exec, probes, metrics).
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 pub struct GuestAgentConfig {
-    /// Absent or true: the guest agent runs (it always does). false: Not supported yet: refused by the admission webhook
-    /// (the VM needs its guest agent to report Running).
+    /// Absent or true: the guest agent serves exec, probes, guest metrics and graceful
+    /// shutdown, and the VM is Running once it answers. false: the guest runs its workload
+    /// without it; the VM is Running once its VMM runs, exec and in-guest probes are refused
+    /// (httpCheck from the node still works), no guest figures are reported, a stop kills the
+    /// VM after the grace period, and the workload's exit code is still reported.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub enabled: Option<bool>,
 }

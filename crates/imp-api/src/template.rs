@@ -49,8 +49,7 @@ pub struct ImpVMTemplateSpec {
     /// Probes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub probes: Option<ProbeSpec>,
-    /// Guest-agent switch VMs inherit. `enabled: false`: Not supported yet: refused by the admission webhook
-    /// (the VM needs its guest agent to report Running).
+    /// Guest-agent switch VMs inherit (see the ImpVM's `guestAgent`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub guest_agent: Option<GuestAgentConfig>,
     /// Restart policy of persistent VMs made from this template, unless they set their own. When

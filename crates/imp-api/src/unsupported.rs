@@ -8,16 +8,12 @@
 
 use k8s_openapi::api::core::v1::{EnvVar, Toleration};
 
-use crate::shared::GuestAgentConfig;
 use crate::validation::{FieldError, ValidationErrors};
 use crate::{ClusterImpConfigSpec, ImpNetworkSpec, ImpVMClassSpec, ImpVMSpec, ImpVMTemplateSpec};
 
 /// What every refusal here says, after the field path.
 pub const NOT_SUPPORTED_YET: &str = "is not supported yet";
 
-/// `guestAgent.enabled: false`.
-pub const GUEST_AGENT_OFF: &str =
-    "false is not supported yet: the VM needs its guest agent to report Running";
 /// `runnerLayer` set.
 pub const RUNNER_LAYER: &str = "is not supported yet: no layer is added to the root disk (build the runner tooling into spec.image)";
 /// `ciliumLayer` set.
@@ -56,7 +52,6 @@ pub fn kind(kind: &str) -> Option<String> {
 /// Values of an ImpVM spec nothing honours.
 pub fn vm(spec: &ImpVMSpec) -> Result<(), ValidationErrors> {
     let mut e = Vec::new();
-    guest_agent(&mut e, spec.guest_agent.as_ref());
     layers(
         &mut e,
         spec.runner_layer.as_ref(),
@@ -70,7 +65,6 @@ pub fn vm(spec: &ImpVMSpec) -> Result<(), ValidationErrors> {
 /// Values of an ImpVMTemplate spec nothing honours (its VMs would inherit them).
 pub fn template(spec: &ImpVMTemplateSpec) -> Result<(), ValidationErrors> {
     let mut e = Vec::new();
-    guest_agent(&mut e, spec.guest_agent.as_ref());
     layers(
         &mut e,
         spec.runner_layer.as_ref(),
@@ -83,7 +77,6 @@ pub fn template(spec: &ImpVMTemplateSpec) -> Result<(), ValidationErrors> {
 /// Values of an ImpVMClass spec nothing honours (its VMs would inherit them).
 pub fn class(spec: &ImpVMClassSpec) -> Result<(), ValidationErrors> {
     let mut e = Vec::new();
-    guest_agent(&mut e, spec.guest_agent.as_ref());
     tolerations(&mut e, &spec.tolerations);
     result(e)
 }
@@ -135,12 +128,6 @@ pub fn cluster_config(spec: &ClusterImpConfigSpec) -> Result<(), ValidationError
         }
     }
     result(e)
-}
-
-fn guest_agent(e: &mut Vec<FieldError>, g: Option<&GuestAgentConfig>) {
-    if g.is_some_and(|g| !g.is_enabled()) {
-        push(e, "spec.guestAgent.enabled", GUEST_AGENT_OFF);
-    }
 }
 
 fn layers(e: &mut Vec<FieldError>, runner: Option<&String>, cilium: Option<&String>) {
@@ -201,17 +188,11 @@ mod tests {
         CniConfig, MetricsConfig, NatBackend, NetworkingConfig, ObservabilityConfig, TracingConfig,
     };
     use crate::network::CiliumNetworkSpec;
-    use crate::shared::ClusterObjectRef;
+    use crate::shared::GuestAgentConfig;
     use k8s_openapi::api::core::v1::{EnvVarSource, ObjectFieldSelector, SecretKeySelector};
 
     fn msg(r: Result<(), ValidationErrors>) -> String {
         r.err().map(|e| e.to_string()).unwrap_or_default()
-    }
-
-    fn off() -> Option<GuestAgentConfig> {
-        Some(GuestAgentConfig {
-            enabled: Some(false),
-        })
     }
 
     #[test]
@@ -226,6 +207,17 @@ mod tests {
             ..Default::default()
         };
         assert_eq!(vm(&s), Ok(()));
+        let off = ImpVMSpec {
+            guest_agent: Some(GuestAgentConfig {
+                enabled: Some(false),
+            }),
+            ..Default::default()
+        };
+        assert_eq!(
+            vm(&off),
+            Ok(()),
+            "a VM without its guest agent is supported"
+        );
         assert_eq!(template(&ImpVMTemplateSpec::default()), Ok(()));
         assert_eq!(class(&ImpVMClassSpec::default()), Ok(()));
         assert_eq!(network(&ImpNetworkSpec::default()), Ok(()));
@@ -248,27 +240,6 @@ mod tests {
         };
         assert_eq!(cluster_config(&cfg), Ok(()));
         assert_eq!(kind("ImpVM"), None);
-    }
-
-    #[test]
-    fn guest_agent_off_is_refused_wherever_it_stands() {
-        let want = "spec.guestAgent.enabled: false is not supported yet: the VM needs its guest agent to report Running";
-        let v = ImpVMSpec {
-            guest_agent: off(),
-            ..Default::default()
-        };
-        assert_eq!(msg(vm(&v)), want);
-        let t = ImpVMTemplateSpec {
-            class_ref: ClusterObjectRef { name: "c".into() },
-            guest_agent: off(),
-            ..Default::default()
-        };
-        assert_eq!(msg(template(&t)), want);
-        let c = ImpVMClassSpec {
-            guest_agent: off(),
-            ..Default::default()
-        };
-        assert_eq!(msg(class(&c)), want);
     }
 
     #[test]

@@ -17,7 +17,7 @@ use crate::network::ImpNetworkSpec;
 use crate::pools::{
     ImpVMRunnerPoolSpec, ImpWarmPoolSpec, PlatformType, RunnerScaling, ScalingMode,
 };
-use crate::shared::{Probe, ProbeSpec, RestartPolicy};
+use crate::shared::{GuestAgentConfig, Probe, ProbeSpec, RestartPolicy};
 use crate::snapshot::{ImpVMSnapshotSpec, StorageType};
 use crate::{
     ClusterImpConfig, ClusterImpNodeProfileSpec, ImpVMClassSpec, ImpVMSpec, ImpVMTemplateSpec,
@@ -66,6 +66,12 @@ impl ValidationErrors {
 pub const MIN_EXPIRE_AFTER: Duration = Duration::from_secs(60);
 /// Minimum idleTimeout.
 pub const MIN_IDLE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// A clone of a snapshot takes its own identity (clock, names, address) through its agent.
+pub const CLONE_NEEDS_AGENT: &str = "a clone takes its own identity through the guest agent, which spec.guestAgent.enabled: false turns off";
+
+/// Probes run in the guest (exec, and HTTP from the guest to itself) through its agent.
+pub const PROBES_NEED_AGENT: &str = "startupProbe, readinessProbe and livenessProbe run through the guest agent, which spec.guestAgent.enabled: false turns off (httpCheck, from the node, still works)";
 
 /// Validates an ImpVM spec.
 pub fn vm(spec: &ImpVMSpec) -> Result<(), ValidationErrors> {
@@ -117,9 +123,13 @@ pub fn vm(spec: &ImpVMSpec) -> Result<(), ValidationErrors> {
         &spec.tolerations,
         spec.probes.as_ref(),
         spec.restart_policy.as_ref(),
+        spec.guest_agent.as_ref(),
     );
     if let Some(n) = &spec.node_name {
         dns_subdomain(&mut e, "spec.nodeName", n);
+    }
+    if spec.snapshot_ref.is_some() && spec.guest_agent.as_ref().is_some_and(|a| !a.is_enabled()) {
+        e.push("spec.snapshotRef", CLONE_NEEDS_AGENT);
     }
     e.into_result()
 }
@@ -225,6 +235,7 @@ pub fn class(spec: &ImpVMClassSpec) -> Result<(), ValidationErrors> {
         &spec.tolerations,
         spec.probes.as_ref(),
         spec.restart_policy.as_ref(),
+        spec.guest_agent.as_ref(),
     );
     e.into_result()
 }
@@ -244,6 +255,7 @@ pub fn template(spec: &ImpVMTemplateSpec) -> Result<(), ValidationErrors> {
         &spec.tolerations,
         spec.probes.as_ref(),
         spec.restart_policy.as_ref(),
+        spec.guest_agent.as_ref(),
     );
     e.into_result()
 }
@@ -645,10 +657,14 @@ fn inherited(
     ts: &[Toleration],
     p: Option<&ProbeSpec>,
     r: Option<&RestartPolicy>,
+    agent: Option<&GuestAgentConfig>,
 ) {
     tolerations(e, "spec.tolerations", ts);
     if let Some(p) = p {
         probes(e, "spec.probes", p);
+        if agent.is_some_and(|a| !a.is_enabled()) && p.in_guest() {
+            e.push("spec.probes", PROBES_NEED_AGENT);
+        }
     }
     if let Some(r) = r {
         restart_policy(e, "spec.restartPolicy", r);
@@ -1010,6 +1026,50 @@ mod tests {
 
     fn msg(r: Result<(), ValidationErrors>) -> String {
         r.err().map(|e| e.to_string()).unwrap_or_default()
+    }
+
+    #[test]
+    fn in_guest_probes_need_the_guest_agent_and_the_node_side_check_does_not() {
+        let probe: ProbeSpec = serde_json::from_value(serde_json::json!({
+            "readinessProbe": {"exec": {"command": ["true"]}}
+        }))
+        .unwrap();
+        let check: ProbeSpec = serde_json::from_value(serde_json::json!({
+            "httpCheck": {"enabled": true, "port": 8080}
+        }))
+        .unwrap();
+        let off = Some(GuestAgentConfig {
+            enabled: Some(false),
+        });
+        let with = |probes: &ProbeSpec, agent: Option<GuestAgentConfig>| ImpVMSpec {
+            probes: Some(probes.clone()),
+            guest_agent: agent,
+            ..vm_spec()
+        };
+        assert_eq!(
+            msg(vm(&with(&probe, off.clone()))),
+            format!("spec.probes: {PROBES_NEED_AGENT}")
+        );
+        assert_eq!(vm(&with(&probe, None)), Ok(()));
+        assert_eq!(vm(&with(&check, off.clone())), Ok(()));
+        let t = ImpVMTemplateSpec {
+            class_ref: ClusterObjectRef { name: "c".into() },
+            probes: Some(probe),
+            guest_agent: off,
+            ..Default::default()
+        };
+        assert!(msg(template(&t)).contains("spec.probes"));
+        let clone = ImpVMSpec {
+            snapshot_ref: Some("snap".into()),
+            guest_agent: Some(GuestAgentConfig {
+                enabled: Some(false),
+            }),
+            ..vm_spec()
+        };
+        assert_eq!(
+            msg(vm(&clone)),
+            format!("spec.snapshotRef: {CLONE_NEEDS_AGENT}")
+        );
     }
 
     #[test]

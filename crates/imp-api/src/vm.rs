@@ -94,9 +94,9 @@ pub struct ImpVMSpec {
     /// Guest probes and the operator's HTTP check; VM over template over class.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub probes: Option<ProbeSpec>,
-    /// The in-guest agent switch; VM over template over class. The agent always runs: `enabled:
-    /// false` is not supported yet (refused by the admission webhook), since the VM needs its
-    /// guest agent to report Running.
+    /// The in-guest agent switch; VM over template over class. `enabled: false`: the guest runs
+    /// its workload without it (no exec, in-guest probes or guest figures; Running once the VMM
+    /// runs).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub guest_agent: Option<GuestAgentConfig>,
     /// What happens when a persistent workload fails; VM over template over class. When none of

@@ -264,7 +264,7 @@ const REFUSED_FIXTURES: &[&str] = &[
     "go/runner-pools.yaml ImpVMRunnerPool forgejo-webhook: kind",
     "go/vms-and-networks.yaml ImpNetwork cilium-net: spec.cilium.excludeFromIPAM, spec.cilium.masqueradeViaCilium",
     "go/vms-and-networks.yaml ImpVMTemplate edge-proxy-template: spec.runnerLayer, spec.ciliumLayer",
-    "go/vms-and-networks.yaml ImpVM legacy-service-vm: spec.guestAgent.enabled, spec.env[4].valueFrom.fieldRef",
+    "go/vms-and-networks.yaml ImpVM legacy-service-vm: spec.env[4].valueFrom.fieldRef",
     "valid/cluster.yaml ClusterImpConfig cluster: spec.networking.cni.provider",
     "valid/pools.yaml ImpWarmPool fast-start: kind",
     "valid/pools.yaml ImpVMRunnerPool secure-runners: kind",

@@ -23,6 +23,7 @@ use http_body_util::{BodyExt, Full};
 use hyper::StatusCode;
 use hyper_util::rt::TokioIo;
 use imp_operator::webhook::{self, WebhookConfig, WebhookError};
+use imp_testenv::scratch::scratch_dir;
 use imp_testenv::{ControlPlane, rbac};
 use k8s_openapi::api::admissionregistration::v1::{
     MutatingWebhookConfiguration, ValidatingWebhookConfiguration,
@@ -33,18 +34,6 @@ use rustls::pki_types::{CertificateDer, ServerName};
 use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::oneshot;
-
-/// A directory of its own for each test's certificate.
-fn scratch(tag: &str) -> PathBuf {
-    static N: AtomicU32 = AtomicU32::new(0);
-    let d = std::env::temp_dir().join(format!(
-        "imp-webhook-{tag}-{}-{}",
-        std::process::id(),
-        N.fetch_add(1, Ordering::Relaxed)
-    ));
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
 
 /// A self-signed P-256 certificate for 127.0.0.1, made by the openssl CLI.
 fn make_cert(openssl: &Path, dir: &Path, cn: &str) -> (PathBuf, PathBuf) {
@@ -331,7 +320,11 @@ macro_rules! fixture {
         let Some(cp) = ControlPlane::shared() else {
             return;
         };
-        let (cert, key) = make_cert(&openssl, &scratch("srv"), "127.0.0.1");
+        let (cert, key) = make_cert(
+            &openssl,
+            &scratch_dir("imp-webhook-srv").unwrap(),
+            "127.0.0.1",
+        );
         (
             Fixture::start(cp, cert.clone(), key, cert).await.unwrap(),
             openssl,
@@ -897,7 +890,7 @@ async fn health_answers_and_only_tls_with_the_right_cert_gets_in() {
     assert_eq!(&body[..], b"ok\n");
 
     // A client that trusts a different certificate refuses the server.
-    let other = scratch("other");
+    let other = scratch_dir("imp-webhook-other").unwrap();
     let (other_cert, _) = make_cert(&openssl, &other, "127.0.0.1");
     let err = f
         .post_trusting(&other_cert, "/validate", b"{}".to_vec())
@@ -931,7 +924,7 @@ async fn bad_certificate_files_are_named_in_the_error() {
     // server listens is enough.
     let client =
         kube::Client::try_from(kube::Config::new("https://127.0.0.1:1".parse().unwrap())).unwrap();
-    let dir = scratch("bad");
+    let dir = scratch_dir("imp-webhook-bad").unwrap();
     let (cert, key) = make_cert(&openssl, &dir, "127.0.0.1");
     let missing = dir.join("missing.crt");
     let cfg = |cert: &Path, key: &Path| WebhookConfig {
@@ -965,7 +958,11 @@ async fn bad_certificate_files_are_named_in_the_error() {
     assert!(err.to_string().contains("tls.crt"), "{err}");
 
     // A key that does not match the certificate.
-    let (_, other_key) = make_cert(&openssl, &scratch("bad2"), "127.0.0.1");
+    let (_, other_key) = make_cert(
+        &openssl,
+        &scratch_dir("imp-webhook-bad2").unwrap(),
+        "127.0.0.1",
+    );
     let err = webhook::bind(cfg(&cert, &other_key), client.clone())
         .await
         .err()
@@ -1100,7 +1097,7 @@ async fn kubectl(cp: &ControlPlane, args: &[&str]) -> std::process::Output {
 /// for a namespace of its own that holds template `web`; returns the fixture and the namespace.
 async fn registered() -> Option<(Fixture, String)> {
     let cp = ControlPlane::shared()?;
-    let dir = scratch("served");
+    let dir = scratch_dir("imp-webhook-served").unwrap();
     let pair = cp.serving_pair(&["127.0.0.1".into()]).unwrap();
     let (cert, key, ca) = (dir.join("tls.crt"), dir.join("tls.key"), dir.join("ca.crt"));
     std::fs::write(&cert, &pair.cert).unwrap();
@@ -1151,7 +1148,9 @@ async fn the_api_server_refuses_an_invalid_vm_with_the_webhooks_message() {
     assert!(api.get_opt("backoff").await.unwrap().is_none());
 
     // Through `kubectl apply -f`, as a user meets it.
-    let file = scratch("kubectl").join("backoff.yaml");
+    let file = scratch_dir("imp-webhook-kubectl")
+        .unwrap()
+        .join("backoff.yaml");
     std::fs::write(&file, serde_yaml_ng::to_string(&invalid).unwrap()).unwrap();
     let out = kubectl(f.cp, &["apply", "-f", file.to_str().unwrap()]).await;
     let stderr = String::from_utf8_lossy(&out.stderr);
@@ -1326,21 +1325,20 @@ async fn the_api_server_refuses_what_imp_does_not_support_yet_with_a_field_named
         &ns,
         "agentless",
         json!({"classRef": {"name": "small"}, "image": "busybox",
-               "guestAgent": {"enabled": false}}),
+               "runnerLayer": "ghcr.io/example/runner-layer:1"}),
     );
     refused_eventually(&api, &agentless, &denied).await;
 
     // Through `kubectl apply -f`, as a user meets it: the field and why, nothing stored.
-    let file = scratch("kubectl-unsupported").join("agentless.yaml");
+    let file = scratch_dir("imp-webhook-kubectl-unsupported")
+        .unwrap()
+        .join("agentless.yaml");
     std::fs::write(&file, serde_yaml_ng::to_string(&agentless).unwrap()).unwrap();
     let out = kubectl(f.cp, &["apply", "-f", file.to_str().unwrap()]).await;
     let stderr = String::from_utf8_lossy(&out.stderr);
     println!("kubectl apply: {}", stderr.trim());
     assert!(!out.status.success(), "kubectl apply succeeded: {stderr}");
-    let want = format!(
-        "spec.guestAgent.enabled: {}",
-        imp_api::unsupported::GUEST_AGENT_OFF
-    );
+    let want = format!("spec.runnerLayer: {}", imp_api::unsupported::RUNNER_LAYER);
     assert!(
         stderr.contains(&denied) && stderr.contains(&want),
         "{stderr}"

@@ -10,7 +10,6 @@
 use std::io::Write;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use sha2::{Digest, Sha256};
@@ -46,6 +45,9 @@ pub enum RegistryError {
         /// What happened.
         detail: String,
     },
+    /// A scratch directory for the registry's storage could not be made.
+    #[error(transparent)]
+    Scratch(#[from] crate::scratch::ScratchError),
     /// The registry did not answer in time.
     #[error("Registry on {addr} not ready after {secs} s")]
     NotReady {
@@ -61,16 +63,8 @@ fn io(op: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> RegistryE
     move |source| RegistryError::Io { op, path, source }
 }
 
-static NEXT: AtomicU64 = AtomicU64::new(0);
-
-/// A fresh directory under the system temp dir; removed by whoever owns it.
-pub fn scratch_dir(prefix: &str) -> Result<PathBuf, RegistryError> {
-    let n = NEXT.fetch_add(1, Ordering::Relaxed);
-    let dir = std::env::temp_dir().join(format!("{prefix}-{}-{n}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).map_err(io("Creating directory", &dir))?;
-    Ok(dir)
-}
+/// Kept here for the tests that import it from `registry`; it lives in [`crate::scratch`].
+pub use crate::scratch::scratch_dir;
 
 /// A running `docker-registry serve`; killed and its storage removed on drop.
 #[derive(Debug)]

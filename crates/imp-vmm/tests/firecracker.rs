@@ -16,7 +16,7 @@ use std::process::Command;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use imp_testenv::guard;
+use imp_testenv::{guard, workspace_root};
 use imp_vmm::firecracker::{self, Firecracker, JailerConfig, Launcher, Layout, api, plan};
 use imp_vmm::{
     DriveConfig, NetConfig, SnapshotFiles, StopOutcome, VmConfig, VmState, Vmm, VsockConfig,
@@ -33,10 +33,6 @@ const BANNER: &str = "IMP BAREMETAL GUEST";
 static SEQ: AtomicUsize = AtomicUsize::new(0);
 
 // ---------------------------------------------------------------- environment
-
-fn workspace_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
 
 fn binary(env: &str, name: &str) -> Option<PathBuf> {
     if let Some(p) = std::env::var_os(env) {

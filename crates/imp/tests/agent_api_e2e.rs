@@ -144,6 +144,7 @@ impl Guest {
             agent_port: PORT,
             serial_log: self.dir.join("serial.log"),
             running,
+            guest_agent: true,
         }
     }
 }

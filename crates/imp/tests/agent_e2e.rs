@@ -540,13 +540,24 @@ async fn impvms_boot_end_survive_an_agent_restart_and_clean_up_on_their_nodes() 
         .await
         .unwrap();
 
-    // A job that fails, on node a, while svc keeps running.
-    create_vm(
-        &vms,
-        "job-bad",
-        spec("node-a", "ephemeral", "echo about to fail; exit 7"),
-    )
+    // A job that fails, on node a, while svc keeps running. It runs without its guest agent
+    // (spec.guestAgent.enabled: false): Running once its VMM runs, exec refused naming the
+    // field, and its exit code and last console lines still reported.
+    let mut bad_spec = spec("node-a", "ephemeral", "echo about to fail; exit 7");
+    bad_spec["guestAgent"] = json!({"enabled": false});
+    create_vm(&vms, "job-bad", bad_spec).await;
+    wait_vm(&vms, "job-bad", "Running or done", 120, |v| {
+        matches!(phase(v), Some(VmPhase::Running | VmPhase::Failed))
+    })
     .await;
+    let out = imp_as("alice-token", &["exec", "-n", NS, "job-bad", "--", "true"]);
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success()
+            && said.contains("runs without its guest agent")
+            && said.contains("spec.guestAgent.enabled: false"),
+        "{said}"
+    );
     let bad = wait_vm(&vms, "job-bad", "Failed", 180, |v| {
         phase(v) == Some(VmPhase::Failed)
     })

@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 use imp_testenv::registry::{TestImage, TestLayer, scratch_dir};
+use imp_testenv::workspace_root;
 
 fn imp(args: &[&str]) -> Command {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_imp"));
@@ -25,14 +26,6 @@ fn run(cmd: &mut Command) -> Output {
 
 fn stderr(out: &Output) -> String {
     String::from_utf8_lossy(&out.stderr).into_owned()
-}
-
-fn workspace_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .ancestors()
-        .nth(2)
-        .unwrap()
-        .to_path_buf()
 }
 
 /// A kubeconfig whose user authenticates with a client certificate, which `imp exec -n` cannot

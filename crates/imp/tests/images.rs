@@ -13,19 +13,11 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-use imp_testenv::guard;
 use imp_testenv::registry::scratch_dir;
+use imp_testenv::{guard, workspace_root};
 use serde_json::Value;
 
 const VERSION: &str = env!("CARGO_PKG_VERSION");
-
-fn workspace_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .ancestors()
-        .nth(2)
-        .expect("crates/imp sits two levels below the workspace root")
-        .to_path_buf()
-}
 
 /// The reference the chart's default values name for `name`.
 fn reference(name: &str) -> String {

@@ -317,6 +317,7 @@ impl Vms {
             agent_port: imp_proto::DEFAULT_API_PORT,
             serial_log,
             running: true,
+            guest_agent: true,
         };
         self.0
             .lock()

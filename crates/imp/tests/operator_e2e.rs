@@ -24,6 +24,8 @@ use serde_json::{Value, json};
 use tokio::process::{Child, Command};
 
 const NS: &str = "default";
+/// How long each wait for an ImpVM to reach a state may take, in seconds.
+const WAIT_SECS: u64 = 20;
 
 struct Env {
     kube: common::Cluster,
@@ -139,16 +141,6 @@ fn cond<'a>(
     v.status.as_ref()?.conditions.iter().find(|c| c.type_ == t)
 }
 
-async fn wait_vm(c: &Client, name: &str, what: &str, pred: impl Fn(&ImpVM) -> bool) -> ImpVM {
-    let api = vms(c);
-    common::wait_for(what, Duration::from_secs(20), || {
-        let api = api.clone();
-        let pred = &pred;
-        async move { api.get_opt(name).await.unwrap().filter(|v| pred(v)) }
-    })
-    .await
-}
-
 /// Plays the agent: patches the VM's status.
 async fn agent_status(c: &Client, name: &str, status: Value) {
     vms(c)
@@ -203,7 +195,7 @@ async fn missing_references_wait_in_pending_and_recover_when_created() {
     .await;
     vm(c, "via-template", json!({"templateRef": {"name": "tmpl"}})).await;
 
-    let d = wait_vm(c, "direct", "InvalidSpec on direct", |v| {
+    let d = common::wait_vm(&vms(c), "direct", "InvalidSpec on direct", WAIT_SECS, |v| {
         cond(v, "Ready").is_some_and(|c| c.reason == "InvalidSpec")
     })
     .await;
@@ -214,9 +206,13 @@ async fn missing_references_wait_in_pending_and_recover_when_created() {
         "{msg}"
     );
     assert_eq!(cond(&d, "Ready").unwrap().status, "False");
-    let t = wait_vm(c, "via-template", "InvalidSpec on via-template", |v| {
-        cond(v, "Ready").is_some_and(|c| c.reason == "InvalidSpec")
-    })
+    let t = common::wait_vm(
+        &vms(c),
+        "via-template",
+        "InvalidSpec on via-template",
+        WAIT_SECS,
+        |v| cond(v, "Ready").is_some_and(|c| c.reason == "InvalidSpec"),
+    )
     .await;
     assert!(
         cond(&t, "Ready")
@@ -253,7 +249,7 @@ async fn missing_references_wait_in_pending_and_recover_when_created() {
         .await
         .unwrap();
     for name in ["direct", "via-template"] {
-        let v = wait_vm(c, name, "Scheduled after the fix", |v| {
+        let v = common::wait_vm(&vms(c), name, "Scheduled after the fix", WAIT_SECS, |v| {
             phase(v) == Some(VmPhase::Scheduled)
         })
         .await;
@@ -420,13 +416,13 @@ async fn lifecycle_terminal_restart_reset_node_loss_and_deletion() {
         json!({"classRef": {"name": "small"}, "image": "busybox"}),
     )
     .await;
-    wait_vm(c, "stuck", "stuck Scheduled", |v| {
+    common::wait_vm(&vms(c), "stuck", "stuck Scheduled", WAIT_SECS, |v| {
         phase(v) == Some(VmPhase::Scheduled)
     })
     .await;
     let now = k8s_openapi::jiff::Timestamp::now().to_string();
     agent_status(c, "stuck", json!({"phase": "Starting", "startedAt": now})).await;
-    let stuck = wait_vm(c, "stuck", "stuck Failed", |v| {
+    let stuck = common::wait_vm(&vms(c), "stuck", "stuck Failed", WAIT_SECS, |v| {
         phase(v) == Some(VmPhase::Failed)
     })
     .await;
@@ -452,12 +448,12 @@ async fn lifecycle_terminal_restart_reset_node_loss_and_deletion() {
         json!({"classRef": {"name": "small"}, "image": "busybox"}),
     )
     .await;
-    wait_vm(c, "job", "job Scheduled", |v| {
+    common::wait_vm(&vms(c), "job", "job Scheduled", WAIT_SECS, |v| {
         phase(v) == Some(VmPhase::Scheduled)
     })
     .await;
     agent_status(c, "job", json!({"phase": "Running"})).await;
-    let run = wait_vm(c, "job", "runningAt stamped", |v| {
+    let run = common::wait_vm(&vms(c), "job", "runningAt stamped", WAIT_SECS, |v| {
         v.status.as_ref().unwrap().running_at.is_some()
     })
     .await;
@@ -481,18 +477,18 @@ async fn lifecycle_terminal_restart_reset_node_loss_and_deletion() {
                                  "backoff": {"maxRetries": 1, "initialDelay": "1s", "maxDelay": "2s"}}}),
     )
     .await;
-    wait_vm(c, "svc", "svc Scheduled", |v| {
+    common::wait_vm(&vms(c), "svc", "svc Scheduled", WAIT_SECS, |v| {
         phase(v) == Some(VmPhase::Scheduled)
     })
     .await;
     agent_status(c, "svc", json!({"phase": "Failed", "exitCode": 3})).await;
-    let restarted = wait_vm(c, "svc", "svc restarted", |v| {
+    let restarted = common::wait_vm(&vms(c), "svc", "svc restarted", WAIT_SECS, |v| {
         phase(v) == Some(VmPhase::Scheduled) && v.status.as_ref().unwrap().restart_count == Some(1)
     })
     .await;
     assert!(restarted.spec.node_name.is_some());
     agent_status(c, "svc", json!({"phase": "Failed", "exitCode": 3})).await;
-    let ex = wait_vm(c, "svc", "svc RetryExhausted", |v| {
+    let ex = common::wait_vm(&vms(c), "svc", "svc RetryExhausted", WAIT_SECS, |v| {
         phase(v) == Some(VmPhase::RetryExhausted)
     })
     .await;
@@ -505,11 +501,17 @@ async fn lifecycle_terminal_restart_reset_node_loss_and_deletion() {
         )
         .await
         .unwrap();
-    let reset = wait_vm(c, "svc", "svc scheduled again after reset", |v| {
-        phase(v) == Some(VmPhase::Scheduled)
-            && v.status.as_ref().unwrap().restart_count.is_none()
-            && !v.annotations().contains_key("imp/reset-retries")
-    })
+    let reset = common::wait_vm(
+        &vms(c),
+        "svc",
+        "svc scheduled again after reset",
+        WAIT_SECS,
+        |v| {
+            phase(v) == Some(VmPhase::Scheduled)
+                && v.status.as_ref().unwrap().restart_count.is_none()
+                && !v.annotations().contains_key("imp/reset-retries")
+        },
+    )
     .await;
     assert_eq!(reset.spec.node_name.as_deref(), Some("a"));
     common::events_with(
@@ -534,15 +536,22 @@ async fn lifecycle_terminal_restart_reset_node_loss_and_deletion() {
     )
     .await;
     for n in ["mover", "stayer"] {
-        wait_vm(c, n, "on node a", |v| phase(v) == Some(VmPhase::Scheduled)).await;
+        common::wait_vm(&vms(c), n, "on node a", WAIT_SECS, |v| {
+            phase(v) == Some(VmPhase::Scheduled)
+        })
+        .await;
         agent_status(c, n, json!({"phase": "Running"})).await;
     }
     node(c, "b", "8", "16Gi", true, true).await;
     set_node_ready(c, "a", "8", "16Gi", false).await;
     // Within the node-loss grace (3 s here) the VMs stay put and say why.
-    let noted = wait_vm(c, "mover", "mover noting node a NotReady", |v| {
-        cond(v, "NodeHealthy").is_some_and(|c| c.status == "False")
-    })
+    let noted = common::wait_vm(
+        &vms(c),
+        "mover",
+        "mover noting node a NotReady",
+        WAIT_SECS,
+        |v| cond(v, "NodeHealthy").is_some_and(|c| c.status == "False"),
+    )
     .await;
     assert_eq!(noted.spec.node_name.as_deref(), Some("a"));
     assert!(
@@ -553,7 +562,7 @@ async fn lifecycle_terminal_restart_reset_node_loss_and_deletion() {
         "{:?}",
         cond(&noted, "NodeHealthy")
     );
-    let moved = wait_vm(c, "mover", "mover on node b", |v| {
+    let moved = common::wait_vm(&vms(c), "mover", "mover on node b", WAIT_SECS, |v| {
         v.spec.node_name.as_deref() == Some("b") && phase(v) == Some(VmPhase::Scheduled)
     })
     .await;
@@ -561,7 +570,7 @@ async fn lifecycle_terminal_restart_reset_node_loss_and_deletion() {
         moved.status.as_ref().unwrap().node_name.as_deref(),
         Some("b")
     );
-    let failed = wait_vm(c, "stayer", "stayer Failed", |v| {
+    let failed = common::wait_vm(&vms(c), "stayer", "stayer Failed", WAIT_SECS, |v| {
         phase(v) == Some(VmPhase::Failed)
     })
     .await;
@@ -572,9 +581,16 @@ async fn lifecycle_terminal_restart_reset_node_loss_and_deletion() {
     );
     // stayer sets no restartPolicy: being persistent, it follows the default one (in place,
     // after about 10 s).
-    wait_vm(c, "stayer", "stayer's default restart planned", |v| {
-        phase(v) == Some(VmPhase::Failed) && v.status.as_ref().unwrap().next_retry_after.is_some()
-    })
+    common::wait_vm(
+        &vms(c),
+        "stayer",
+        "stayer's default restart planned",
+        WAIT_SECS,
+        |v| {
+            phase(v) == Some(VmPhase::Failed)
+                && v.status.as_ref().unwrap().next_retry_after.is_some()
+        },
+    )
     .await;
 
     // Deletion waits for the agent's cleanup marker (spec.nodeName cleared).
@@ -582,7 +598,7 @@ async fn lifecycle_terminal_restart_reset_node_loss_and_deletion() {
         .delete("mover", &DeleteParams::default())
         .await
         .unwrap();
-    wait_vm(c, "mover", "mover Terminating", |v| {
+    common::wait_vm(&vms(c), "mover", "mover Terminating", WAIT_SECS, |v| {
         phase(v) == Some(VmPhase::Terminating)
     })
     .await;
@@ -658,7 +674,7 @@ async fn leader_election_failover_within_the_lease_duration() {
         json!({"classRef": {"name": "small"}, "image": "busybox"}),
     )
     .await;
-    wait_vm(c, "before", "before Scheduled", |v| {
+    common::wait_vm(&vms(c), "before", "before Scheduled", WAIT_SECS, |v| {
         phase(v) == Some(VmPhase::Scheduled)
     })
     .await;
@@ -686,9 +702,13 @@ async fn leader_election_failover_within_the_lease_duration() {
         json!({"classRef": {"name": "small"}, "image": "busybox"}),
     )
     .await;
-    wait_vm(c, "after", "after Scheduled by the new leader", |v| {
-        phase(v) == Some(VmPhase::Scheduled)
-    })
+    common::wait_vm(
+        &vms(c),
+        "after",
+        "after Scheduled by the new leader",
+        WAIT_SECS,
+        |v| phase(v) == Some(VmPhase::Scheduled),
+    )
     .await;
     let took = killed.elapsed();
     // lease 3 s + one retry period + the reconcile itself
@@ -746,7 +766,7 @@ async fn a_deleted_class_still_counts_against_its_node() {
         json!({"classRef": {"name": "old"}, "image": "busybox"}),
     )
     .await;
-    wait_vm(c, "first", "first Scheduled", |v| {
+    common::wait_vm(&vms(c), "first", "first Scheduled", WAIT_SECS, |v| {
         phase(v) == Some(VmPhase::Scheduled)
     })
     .await;
@@ -777,7 +797,7 @@ async fn a_deleted_class_still_counts_after_an_operator_restart() {
         json!({"classRef": {"name": "old"}, "image": "busybox"}),
     )
     .await;
-    wait_vm(c, "first", "first Scheduled", |v| {
+    common::wait_vm(&vms(c), "first", "first Scheduled", WAIT_SECS, |v| {
         phase(v) == Some(VmPhase::Scheduled)
     })
     .await;
@@ -845,9 +865,13 @@ async fn advertise_runtimes(c: &Client, name: &str, runtimes: &str) {
 /// The message of `name`'s `Scheduled` condition once it is `NoNodeAvailable` and `pred`
 /// holds of it, with the phase still Pending and no node.
 async fn unschedulable_message(c: &Client, name: &str, pred: impl Fn(&str) -> bool) -> String {
-    let v = wait_vm(c, name, &format!("{name} NoNodeAvailable"), |v| {
-        cond(v, "Scheduled").is_some_and(|s| s.reason == "NoNodeAvailable" && pred(&s.message))
-    })
+    let v = common::wait_vm(
+        &vms(c),
+        name,
+        &format!("{name} NoNodeAvailable"),
+        WAIT_SECS,
+        |v| cond(v, "Scheduled").is_some_and(|s| s.reason == "NoNodeAvailable" && pred(&s.message)),
+    )
     .await;
     assert_eq!(phase(&v), Some(VmPhase::Pending));
     assert_eq!(v.spec.node_name, None);
@@ -917,7 +941,7 @@ async fn a_class_runtime_and_arch_place_vms_only_where_they_can_run() {
     // A node whose agent runs Firecracker takes it, and only it.
     node(c, "fc-node", "8", "16Gi", true, true).await;
     advertise_runtimes(c, "fc-node", "firecracker,qemu").await;
-    let v = wait_vm(c, "needs-fc", "needs-fc Scheduled", |v| {
+    let v = common::wait_vm(&vms(c), "needs-fc", "needs-fc Scheduled", WAIT_SECS, |v| {
         phase(v) == Some(VmPhase::Scheduled)
     })
     .await;
@@ -947,7 +971,7 @@ async fn a_vm_pinned_by_a_user_gets_the_finalizer_and_its_booked_size() {
         json!({"classRef": {"name": "small"}, "image": "busybox", "nodeName": "a"}),
     )
     .await;
-    let v = wait_vm(c, "pinned", "pinned Scheduled", |v| {
+    let v = common::wait_vm(&vms(c), "pinned", "pinned Scheduled", WAIT_SECS, |v| {
         phase(v) == Some(VmPhase::Scheduled)
     })
     .await;
@@ -977,7 +1001,7 @@ async fn expire_after_deletes_running_and_ended_vms() {
         json!({"classRef": {"name": "small"}, "image": "busybox", "expireAfter": "60s"}),
     )
     .await;
-    wait_vm(c, "short", "short Scheduled", |v| {
+    common::wait_vm(&vms(c), "short", "short Scheduled", WAIT_SECS, |v| {
         phase(v) == Some(VmPhase::Scheduled)
     })
     .await;
@@ -990,7 +1014,7 @@ async fn expire_after_deletes_running_and_ended_vms() {
         json!({"phase": "Running", "runningAt": running_at.to_string()}),
     )
     .await;
-    let expiring = wait_vm(c, "short", "expiresAt written", |v| {
+    let expiring = common::wait_vm(&vms(c), "short", "expiresAt written", WAIT_SECS, |v| {
         v.status.as_ref().unwrap().expires_at.is_some()
     })
     .await;
@@ -1021,9 +1045,13 @@ async fn expire_after_deletes_running_and_ended_vms() {
     assert_eq!(phase(&early), Some(VmPhase::Running));
 
     // Then deleted through the finalizer: Terminating until the agent has cleaned up.
-    let term = wait_vm(c, "short", "short Terminating after expiry", |v| {
-        phase(v) == Some(VmPhase::Terminating)
-    })
+    let term = common::wait_vm(
+        &vms(c),
+        "short",
+        "short Terminating after expiry",
+        WAIT_SECS,
+        |v| phase(v) == Some(VmPhase::Terminating),
+    )
     .await;
     let late = Timestamp::now().duration_since(expires_at);
     assert!(
@@ -1070,7 +1098,10 @@ async fn expire_after_deletes_running_and_ended_vms() {
                    "expireAfter": "60s"}),
         )
         .await;
-        wait_vm(c, n, "Scheduled", |v| phase(v) == Some(VmPhase::Scheduled)).await;
+        common::wait_vm(&vms(c), n, "Scheduled", WAIT_SECS, |v| {
+            phase(v) == Some(VmPhase::Scheduled)
+        })
+        .await;
     }
     let long_ago = Timestamp::from_second(Timestamp::now().as_second() - 120).unwrap();
     agent_status(
@@ -1096,9 +1127,13 @@ async fn expire_after_deletes_running_and_ended_vms() {
             .then_some(())
     })
     .await;
-    let term = wait_vm(c, "broke", "broke Terminating after expiry", |v| {
-        phase(v) == Some(VmPhase::Terminating)
-    })
+    let term = common::wait_vm(
+        &vms(c),
+        "broke",
+        "broke Terminating after expiry",
+        WAIT_SECS,
+        |v| phase(v) == Some(VmPhase::Terminating),
+    )
     .await;
     let st = term.status.as_ref().unwrap();
     assert_eq!(
@@ -1147,12 +1182,12 @@ async fn cool_down_after_exhausted_retries_runs_the_vm_again() {
                                  "backoff": {"maxRetries": 1, "initialDelay": "1s", "maxDelay": "1s"}}}),
     )
     .await;
-    wait_vm(c, "flaky", "flaky Scheduled", |v| {
+    common::wait_vm(&vms(c), "flaky", "flaky Scheduled", WAIT_SECS, |v| {
         phase(v) == Some(VmPhase::Scheduled)
     })
     .await;
     agent_status(c, "flaky", json!({"phase": "Failed", "exitCode": 3})).await;
-    wait_vm(c, "flaky", "flaky restarted", |v| {
+    common::wait_vm(&vms(c), "flaky", "flaky restarted", WAIT_SECS, |v| {
         phase(v) == Some(VmPhase::Scheduled) && v.status.as_ref().unwrap().restart_count == Some(1)
     })
     .await;
@@ -1160,7 +1195,7 @@ async fn cool_down_after_exhausted_retries_runs_the_vm_again() {
 
     // Retries used up: exhaustedAt is stamped and the VM stays Failed (not RetryExhausted, which
     // waits for a manual reset) for the cool-down.
-    let ex = wait_vm(c, "flaky", "flaky exhaustedAt", |v| {
+    let ex = common::wait_vm(&vms(c), "flaky", "flaky exhaustedAt", WAIT_SECS, |v| {
         v.status.as_ref().unwrap().exhausted_at.is_some()
     })
     .await;
@@ -1179,10 +1214,11 @@ async fn cool_down_after_exhausted_retries_runs_the_vm_again() {
     assert_eq!(st.exhausted_at.as_ref().map(|t| t.0), Some(exhausted_at));
 
     // After the cool-down the counters are zeroed and the VM is really placed again.
-    let again = wait_vm(
-        c,
+    let again = common::wait_vm(
+        &vms(c),
         "flaky",
         "flaky scheduled again after the cool-down",
+        WAIT_SECS,
         |v| {
             let st = v.status.as_ref().unwrap();
             phase(v) == Some(VmPhase::Scheduled)
@@ -1208,18 +1244,24 @@ async fn cool_down_after_exhausted_retries_runs_the_vm_again() {
 
     // It runs, and the next failure gets a fresh retry budget instead of exhausting at once.
     agent_status(c, "flaky", json!({"phase": "Running"})).await;
-    wait_vm(c, "flaky", "flaky running again", |v| {
+    common::wait_vm(&vms(c), "flaky", "flaky running again", WAIT_SECS, |v| {
         cond(v, "NodeHealthy").is_some_and(|c| c.status == "True")
             && phase(v) == Some(VmPhase::Running)
     })
     .await;
     agent_status(c, "flaky", json!({"phase": "Failed", "exitCode": 3})).await;
-    wait_vm(c, "flaky", "flaky restarted after the cool-down", |v| {
-        let st = v.status.as_ref().unwrap();
-        phase(v) == Some(VmPhase::Scheduled)
-            && st.restart_count == Some(1)
-            && st.exhausted_at.is_none()
-    })
+    common::wait_vm(
+        &vms(c),
+        "flaky",
+        "flaky restarted after the cool-down",
+        WAIT_SECS,
+        |v| {
+            let st = v.status.as_ref().unwrap();
+            phase(v) == Some(VmPhase::Scheduled)
+                && st.restart_count == Some(1)
+                && st.exhausted_at.is_none()
+        },
+    )
     .await;
     let events = common::events_with(
         c,
@@ -1259,10 +1301,16 @@ async fn a_placed_vm_keeps_its_booking_when_its_class_changes_and_users_cannot_e
         json!({"classRef": {"name": "grow"}, "image": "busybox"}),
     )
     .await;
-    let first = wait_vm(c, "first", "first Scheduled with its booking", |v| {
-        phase(v) == Some(VmPhase::Scheduled)
-            && v.status.as_ref().is_some_and(|s| s.booking.is_some())
-    })
+    let first = common::wait_vm(
+        &vms(c),
+        "first",
+        "first Scheduled with its booking",
+        WAIT_SECS,
+        |v| {
+            phase(v) == Some(VmPhase::Scheduled)
+                && v.status.as_ref().is_some_and(|s| s.booking.is_some())
+        },
+    )
     .await;
     let booked = first.status.unwrap().booking.unwrap();
     assert_eq!((booked.class.vcpu, booked.class.memory_mib), (1, 256));
@@ -1474,7 +1522,7 @@ async fn a_lost_nodes_vm_moves_only_once_its_agent_has_surely_fenced_it() {
         json!({"classRef": {"name": "small"}, "image": "busybox"}),
     )
     .await;
-    wait_vm(c, "mover", "on node a", |v| {
+    common::wait_vm(&vms(c), "mover", "on node a", WAIT_SECS, |v| {
         phase(v) == Some(VmPhase::Scheduled)
     })
     .await;
@@ -1482,9 +1530,13 @@ async fn a_lost_nodes_vm_moves_only_once_its_agent_has_surely_fenced_it() {
     node(c, "b", "8", "16Gi", true, true).await;
     set_node_ready(c, "a", "8", "16Gi", false).await;
     // Past the node-loss grace, the VM stays while node a's agent renews: it may run it.
-    let held = wait_vm(c, "mover", "held while the agent renews", |v| {
-        cond(v, "NodeHealthy").is_some_and(|c| c.message.contains("renewed its Lease"))
-    })
+    let held = common::wait_vm(
+        &vms(c),
+        "mover",
+        "held while the agent renews",
+        WAIT_SECS,
+        |v| cond(v, "NodeHealthy").is_some_and(|c| c.message.contains("renewed its Lease")),
+    )
     .await;
     assert_eq!(held.spec.node_name.as_deref(), Some("a"));
     let msg = &cond(&held, "NodeHealthy").unwrap().message;
@@ -1501,8 +1553,9 @@ async fn a_lost_nodes_vm_moves_only_once_its_agent_has_surely_fenced_it() {
     renewing.abort();
     let _ = renewing.await;
     let cut = Instant::now();
-    let moved = wait_vm(c, "mover", "mover on node b", |v| {
-        v.spec.node_name.as_deref() == Some("b")
+    // The placement writes spec.nodeName, then the status that says Scheduled: wait for both.
+    let moved = common::wait_vm(&vms(c), "mover", "mover on node b", WAIT_SECS, |v| {
+        v.spec.node_name.as_deref() == Some("b") && phase(v) == Some(VmPhase::Scheduled)
     })
     .await;
     let after = cut.elapsed();
@@ -1514,5 +1567,5 @@ async fn a_lost_nodes_vm_moves_only_once_its_agent_has_surely_fenced_it() {
         after >= Duration::from_millis(3700),
         "moved after {after:?}"
     );
-    assert_eq!(phase(&moved), Some(VmPhase::Scheduled));
+    assert_eq!(moved.status.unwrap().node_name.as_deref(), Some("b"));
 }

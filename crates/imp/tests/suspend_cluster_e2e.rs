@@ -30,15 +30,6 @@ fn image() -> TestImage {
     common::counter_image()
 }
 
-async fn wait_vm(api: &Api<ImpVM>, what: &str, secs: u64, pred: impl Fn(&ImpVM) -> bool) -> ImpVM {
-    common::wait_for(&format!("{VM}: {what}"), Duration::from_secs(secs), || {
-        let api = api.clone();
-        let pred = &pred;
-        async move { api.get_opt(VM).await.unwrap().filter(|v| pred(v)) }
-    })
-    .await
-}
-
 async fn node(c: &Client, name: &str) {
     common::ready_node(c, name).await;
 }
@@ -125,7 +116,10 @@ async fn desired_state_suspends_and_resumes_an_impvm_across_an_agent_restart() {
     .unwrap();
     let created = vms.create(&PostParams::default(), &obj).await.unwrap();
     let uid = created.uid().unwrap();
-    wait_vm(&vms, "Running", 300, |v| phase(v) == Some(VmPhase::Running)).await;
+    common::wait_vm(&vms, VM, "Running", 300, |v| {
+        phase(v) == Some(VmPhase::Running)
+    })
+    .await;
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
         let out = imp(

@@ -133,6 +133,7 @@ mod tests {
                 agent_port: 0,
                 serial_log: self.log.clone(),
                 running: self.running.load(Ordering::SeqCst),
+                guest_agent: true,
             })
         }
     }

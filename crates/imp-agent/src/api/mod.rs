@@ -42,6 +42,8 @@ pub struct GuestEndpoint {
     pub serial_log: std::path::PathBuf,
     /// Whether the VM runs now (exec is refused with 409 otherwise; console still works).
     pub running: bool,
+    /// Whether its guest serves the guest agent (exec is refused with 409 otherwise).
+    pub guest_agent: bool,
 }
 
 /// Whether a VM that does not run now will run soon without its user asking.

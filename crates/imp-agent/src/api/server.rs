@@ -247,6 +247,13 @@ impl AgentApi {
         let mut asked = false;
         loop {
             match self.lookup.find(ns, name) {
+                Some(vm) if !vm.guest_agent => {
+                    let msg = format!(
+                        "ImpVM {ns}/{name} runs without its guest agent \
+                         (spec.guestAgent.enabled: false), so nothing in it can run a command"
+                    );
+                    return Err(status(StatusCode::CONFLICT, &msg));
+                }
                 Some(vm) if vm.running && self.lookup.exec_begin(ns, name) => {
                     if asked {
                         tracing::info!(vm = %name, namespace = %ns, user,

@@ -130,6 +130,14 @@ pub fn vm_spec(
         .ok()
         .filter(|&d| d >= 1)
         .ok_or_else(|| SpecError(format!("class diskGiB {} is below 1", class.disk_gib)))?;
+    let guest_agent = vm
+        .guest_agent
+        .as_ref()
+        .or(class.guest_agent.as_ref())
+        .is_none_or(imp_api::shared::GuestAgentConfig::is_enabled);
+    if !guest_agent {
+        agentless(vm, class)?;
+    }
     let cgroup = settings
         .cgroup_parent
         .as_ref()
@@ -163,9 +171,29 @@ pub fn vm_spec(
         owner: Some(owner),
         network: None,
         progress: false,
+        guest_agent,
         from_snapshot: None,
         user_data: None,
     })
+}
+
+/// What a VM without its guest agent cannot have, wherever it was inherited from: in-guest
+/// probes, and a snapshot to clone (a clone takes its own identity through the agent).
+fn agentless(vm: &ImpVMSpec, class: &ImpVMClassSpec) -> Result<(), SpecError> {
+    let probes = vm.probes.as_ref().or(class.probes.as_ref());
+    if probes.is_some_and(imp_api::shared::ProbeSpec::in_guest) {
+        return Err(SpecError(format!(
+            "spec.probes: {}",
+            imp_api::validation::PROBES_NEED_AGENT
+        )));
+    }
+    if vm.snapshot_ref.is_some() {
+        return Err(SpecError(format!(
+            "spec.snapshotRef: {}",
+            imp_api::validation::CLONE_NEEDS_AGENT
+        )));
+    }
+    Ok(())
 }
 
 #[cfg(test)]

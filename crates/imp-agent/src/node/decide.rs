@@ -445,6 +445,7 @@ pub(crate) mod tests {
             console_tail: None,
             vmm: None,
             remove_on_exit: false,
+            guest_agent: true,
             attach_argv: None,
             timings: Default::default(),
             suspend: None,

@@ -182,6 +182,7 @@ impl NodeVms {
         let uses = lock(&self.uses);
         let map = self.map.read().unwrap_or_else(PoisonError::into_inner);
         map.iter()
+            .filter(|(_, f)| f.endpoint.guest_agent)
             .map(|((namespace, name), f)| Guest {
                 namespace: namespace.clone(),
                 name: name.clone(),
@@ -214,6 +215,7 @@ fn entry(r: &VmRecord, alive: bool) -> Option<(Key, Found)> {
         agent_port: r.agent_port,
         serial_log: r.serial_log.clone(),
         running: alive && r.status == VmStatus::Running,
+        guest_agent: r.guest_agent,
     };
     let found = Found {
         endpoint,

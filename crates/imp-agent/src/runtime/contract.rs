@@ -115,6 +115,7 @@ pub fn initial_record(id: &str, dir: &Path, spec: &VmSpec, shim_pid: u32) -> VmR
         console_tail: None,
         vmm: None,
         remove_on_exit: spec.remove_on_exit,
+        guest_agent: spec.guest_agent,
         attach_argv: None,
         timings: Default::default(),
         owner: spec.owner.clone(),

@@ -116,6 +116,10 @@ pub struct VmSpec {
     /// ([`super::progress`]; `imp run` asks for it, the agent does not).
     #[serde(default)]
     pub progress: bool,
+    /// Whether the guest serves the guest agent: without it the VM runs once its VMM does, and
+    /// exec, health and figures are not asked of it. Specs written before it existed: yes.
+    #[serde(default = "yes")]
+    pub guest_agent: bool,
     /// Boot from this snapshot directory (`crate::snapshot`) instead of the image: its disk,
     /// memory and device state, restored under this VM's identity.
     #[serde(default)]
@@ -138,6 +142,10 @@ impl VmSpec {
     pub fn boot_timeout(&self) -> Duration {
         Duration::from_millis(self.boot_timeout_ms)
     }
+}
+
+fn yes() -> bool {
+    true
 }
 
 #[cfg(test)]
@@ -178,6 +186,7 @@ mod tests {
             owner: None,
             network: None,
             progress: true,
+            guest_agent: true,
             from_snapshot: None,
             user_data: Some(imp_proto::config::UserData::Script("#!/bin/sh\n".into())),
         };

@@ -557,6 +557,10 @@ pub struct VmRecord {
     pub vmm: Option<String>,
     /// Whether the VM's directory is deleted when it ends.
     pub remove_on_exit: bool,
+    /// Whether its guest serves the guest agent (exec, health, figures); records written
+    /// before it existed are of VMs that did.
+    #[serde(default = "yes")]
+    pub guest_agent: bool,
     /// For an attached VM (`imp run -i/-t`): the workload's argv, which the front end runs.
     #[serde(default)]
     pub attach_argv: Option<Vec<String>>,
@@ -681,6 +685,10 @@ pub fn now_unix() -> u64 {
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_secs())
         .unwrap_or(0)
+}
+
+fn yes() -> bool {
+    true
 }
 
 #[cfg(test)]
@@ -824,6 +832,7 @@ mod tests {
             console_tail: None,
             vmm: None,
             remove_on_exit: false,
+            guest_agent: true,
             attach_argv: None,
             timings: Timings::default(),
             owner: None,

@@ -7,8 +7,8 @@
 //! built in one place, [`kernel_append`].
 //!
 //! Values QEMU parses as `key=value,…` lists double their commas where a path or name may
-//! hold one (the VM's name, the serial log, the guest-memory file); drive files and socket
-//! paths are written as given.
+//! hold one: the VM's name, the serial log, the guest-memory file, the drive files and the
+//! QMP and guest-channel sockets.
 
 use std::ffi::OsString;
 use std::os::fd::RawFd;
@@ -413,8 +413,19 @@ mod tests {
         c.id = "a,b".into();
         c.run_dir = "/run/x,y".into();
         c.memory = GuestMemory::Shared("/run/x,y/memory.ram".into());
+        c.drives[0].path = "/run/x,y/disk.ext4".into();
         let argv = argv(&launcher(Accel::Tcg), &c, &paths(&c, false), None, false);
         assert_eq!(value(&argv, "-name"), "a,,b");
+        assert_eq!(
+            value(&argv, "-drive"),
+            "id=root,file=/run/x,,y/disk.ext4,format=raw,if=none"
+        );
+        let mux = argv
+            .iter()
+            .filter_map(|a| a.to_str())
+            .find(|a| a.starts_with("socket,id=mux,"))
+            .unwrap();
+        assert!(mux.contains("path=/run/x,,y/"), "{mux}");
         assert!(
             value(&argv, "-qmp").starts_with("unix:/run/x,,y/"),
             "{}",

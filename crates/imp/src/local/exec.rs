@@ -52,15 +52,18 @@ pub fn connect(vsock: &Path, port: u32, timeout: Duration) -> anyhow::Result<Con
     }
 }
 
-/// Opens guest `port` through `vsock` (retrying while the guest does not listen, until
-/// `deadline`) as a blocking stream. Signals are held meanwhile (see [`HeldSignals`]).
+/// Opens guest `port` through `vsock` as a blocking stream, trying for at most a second (or
+/// until `deadline`); the caller retries. Signals are held meanwhile (see [`HeldSignals`]), so
+/// a Ctrl-C waits at most that second.
 fn open(vsock: &Path, port: u32, deadline: Instant) -> anyhow::Result<UnixStream> {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_io()
         .enable_time()
         .build()
         .context("starting the connect's runtime")?;
-    let left = deadline.saturating_duration_since(Instant::now());
+    let left = deadline
+        .saturating_duration_since(Instant::now())
+        .min(Duration::from_secs(1));
     let held = HeldSignals::hold();
     let stream = rt.block_on(imp_vmm::vsock::connect(
         vsock,

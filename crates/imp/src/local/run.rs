@@ -281,6 +281,7 @@ fn spec_for(args: &RunArgs, name: &str) -> anyhow::Result<VmSpec> {
         owner: None,
         network: None,
         progress: false,
+        guest_agent: true,
         from_snapshot: None,
         user_data: None,
     })

@@ -13,14 +13,7 @@ use std::time::{Duration, Instant};
 
 use kube::api::{Api, PostParams};
 
-/// The workspace's root (the checkout).
-pub fn workspace_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .ancestors()
-        .nth(2)
-        .expect("crates/imp sits two levels below the workspace root")
-        .to_path_buf()
-}
+pub use imp_testenv::workspace_root;
 
 /// The guest kernel `scripts/setup` fetched.
 pub fn kernel() -> PathBuf {

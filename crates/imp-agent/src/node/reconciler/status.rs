@@ -88,7 +88,10 @@ fn apply(
                 ConditionType::Ready,
                 ConditionStatus::True,
                 ConditionReason::Running,
-                "the guest agent answers",
+                match record.is_some_and(|r| !r.guest_agent) {
+                    true => "the VMM runs (the VM runs without its guest agent)",
+                    false => "the guest agent answers",
+                },
                 generation,
                 now(),
             );

@@ -847,6 +847,7 @@ fn guest_config(
         config.args = Some(spec.command.clone());
     }
     config.agent.exit_report_port = Some(EXIT_REPORT_PORT);
+    config.agent.enabled = spec.guest_agent;
     config.root = Some(RootDisk::ext4("/dev/vda"));
     config.user_data = spec.user_data.clone();
     if !spec.attach {
@@ -1300,7 +1301,17 @@ async fn supervise_loop<V: Vmm>(
     let vsock = record.vsock.clone();
     let health = guest_agent::wait_healthy(&vsock, record.agent_port, run.spec.boot_timeout());
     tokio::pin!(health);
-    let mut healthy = false;
+    // Without its guest agent the VM runs once its VMM does: nothing inside can say more.
+    let mut healthy = !run.spec.guest_agent;
+    if healthy {
+        if matches!(run.launch, Launch::Clone(..)) {
+            return LoopEnd::Failed(Failure::new(
+                Stage::GuestReady,
+                "a clone takes its own identity through the guest agent, which this VM runs without",
+            ));
+        }
+        became_ready(run, record, ready_started, launched).await;
+    }
     let mut tick = tokio::time::interval(Duration::from_millis(100));
     loop {
         tokio::select! {
@@ -1361,17 +1372,27 @@ async fn became_ready(
         Launch::Boot => {
             record.running_unix = Some(state::now_unix());
             record.timings.ready_ms = ms(ready_started.elapsed());
-            tracing::info!(vm = %record.name, ready_ms = record.timings.ready_ms, "guest agent answered");
+            if run.spec.guest_agent {
+                tracing::info!(vm = %record.name, ready_ms = record.timings.ready_ms, "guest agent answered");
+            } else {
+                tracing::info!(vm = %record.name, "the VMM runs; the VM has no guest agent to wait for");
+            }
         }
         Launch::Restore(files) => {
-            // The guest's clock stopped at the snapshot: set it to now.
-            let clock = guest_agent::set_clock(
-                &record.vsock,
-                record.agent_port,
-                std::time::SystemTime::now(),
-                Duration::from_secs(10),
-            )
-            .await;
+            // The guest's clock stopped at the snapshot: set it to now (through its agent;
+            // a guest without one keeps its clock until it resyncs by itself).
+            let clock = match run.spec.guest_agent {
+                true => {
+                    guest_agent::set_clock(
+                        &record.vsock,
+                        record.agent_port,
+                        std::time::SystemTime::now(),
+                        Duration::from_secs(10),
+                    )
+                    .await
+                }
+                false => Ok(()),
+            };
             if let Err(e) = clock {
                 tracing::warn!(vm = %record.name, error = %e, "setting the resumed guest's clock failed");
             }
