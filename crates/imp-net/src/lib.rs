@@ -302,7 +302,7 @@ impl NodeNet {
         if let Some(egress) = &n.nat_egress {
             for iface in [n.bridge.as_str(), egress.as_str()] {
                 if let Err(e) = forwarding_on(iface).await {
-                    tracing::warn!(network = %n.key, interface = iface, error = %e, "turning on IPv4 forwarding");
+                    tracing::warn!(network = %n.key, interface = iface, error = %imp_api::chain::DisplayChain(&e), "turning on IPv4 forwarding");
                 }
             }
         }

@@ -440,7 +440,7 @@ fn on_frame(
             }
             Err(e) => {
                 sleep.reply_failed();
-                tracing::warn!(tap, error = %e, "writing an ARP reply for a sleeping VM");
+                tracing::warn!(tap, error = %imp_api::chain::DisplayChain(&e), "writing an ARP reply for a sleeping VM");
             }
         },
         Action::Wake(w) => {

@@ -173,7 +173,9 @@ async fn lead(parts: Parts, lease: LeaseConfig) -> Result<Led, Error> {
     let _ = release_tx.send(true);
     match election.await {
         Ok(Err(e)) => tracing::warn!(error = %DisplayChain(&e), "releasing the lease failed"),
-        Err(e) => tracing::warn!(error = %e, "leader election task failed"),
+        Err(e) => {
+            tracing::warn!(error = %imp_api::chain::DisplayChain(&e), "leader election task failed")
+        }
         Ok(Ok(())) => {}
     }
     Ok(Led::Once)
@@ -208,10 +210,10 @@ pub async fn controllers(
     ));
     let vms = vm::run(client, settings, ipam, metrics, health, shutdown).await;
     if let Err(e) = networks.await {
-        tracing::warn!(error = %e, "network controller task failed");
+        tracing::warn!(error = %imp_api::chain::DisplayChain(&e), "network controller task failed");
     }
     if let Err(e) = snapshots.await {
-        tracing::warn!(error = %e, "snapshot controller task failed");
+        tracing::warn!(error = %imp_api::chain::DisplayChain(&e), "snapshot controller task failed");
     }
     vms
 }

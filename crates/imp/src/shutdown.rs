@@ -13,7 +13,7 @@ pub fn on_signals(message: &'static str) -> (watch::Sender<bool>, watch::Receive
         let mut term = match signal(SignalKind::terminate()) {
             Ok(s) => s,
             Err(e) => {
-                tracing::error!(error = %e, "cannot listen for SIGTERM");
+                tracing::error!(error = %imp_api::chain::DisplayChain(&e), "cannot listen for SIGTERM");
                 return;
             }
         };

@@ -179,7 +179,7 @@ async fn send(
     let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tls)).await?;
     tokio::spawn(async move {
         if let Err(e) = conn.with_upgrades().await {
-            tracing::debug!(error = %e, "agent API connection ended with an error");
+            tracing::debug!(error = %imp_api::chain::DisplayChain(&e), "agent API connection ended with an error");
         }
     });
     let mut req = Request::builder()

@@ -190,7 +190,7 @@ where
                 // the caller's side goes on until the caller ends it.
                 tracing::debug!("the guest half-closed the exec; relaying the caller's side until it ends");
                 if let Err(e) = (&mut up).await {
-                    tracing::debug!(error = %e, "reading the caller ended with an error");
+                    tracing::debug!(error = %imp_api::chain::DisplayChain(&e), "reading the caller ended with an error");
                 }
                 return Ok(());
             }
@@ -202,7 +202,7 @@ where
         }
         copied = &mut up => {
             if let Err(e) = copied {
-                tracing::debug!(error = %e, "reading the caller ended with an error");
+                tracing::debug!(error = %imp_api::chain::DisplayChain(&e), "reading the caller ended with an error");
             }
             // What the guest sent is still on its way to the caller: drain it to its end.
             down.await?;
@@ -299,7 +299,7 @@ where
                 guest.flush().await
             };
             if let Err(e) = sent.await {
-                tracing::debug!(error = %e, "the guest takes no more of the caller's bytes");
+                tracing::debug!(error = %imp_api::chain::DisplayChain(&e), "the guest takes no more of the caller's bytes");
                 guest_takes = false;
             }
         }

@@ -119,7 +119,7 @@ impl AgentApi {
                     Ok(a) => a,
                     Err(e) => {
                         // Out of descriptors and the like: wait instead of spinning.
-                        tracing::warn!(error = %e, "agent API accept failed");
+                        tracing::warn!(error = %imp_api::chain::DisplayChain(&e), "agent API accept failed");
                         tokio::time::sleep(Duration::from_millis(100)).await;
                         continue;
                     }
@@ -133,7 +133,7 @@ impl AgentApi {
                 let tls = match tokio::time::timeout(limit, acceptor.accept(tcp)).await {
                     Ok(Ok(tls)) => tls,
                     Ok(Err(e)) => {
-                        tracing::debug!(%peer, error = %e, "agent API TLS handshake failed");
+                        tracing::debug!(%peer, error = %imp_api::chain::DisplayChain(&e), "agent API TLS handshake failed");
                         return;
                     }
                     Err(_) => {
@@ -152,7 +152,7 @@ impl AgentApi {
                     .with_upgrades()
                     .await;
                 if let Err(e) = served {
-                    tracing::debug!(%peer, error = %e, "agent API connection ended with an error");
+                    tracing::debug!(%peer, error = %imp_api::chain::DisplayChain(&e), "agent API connection ended with an error");
                 }
             });
         }
@@ -310,7 +310,7 @@ impl AgentApi {
             Ok(g) => g,
             Err(e) => {
                 tracing::warn!(vm = %route.name, namespace = %route.namespace, user = %user,
-                    error = %e, "exec: the guest agent cannot be reached");
+                    error = %imp_api::chain::DisplayChain(&e), "exec: the guest agent cannot be reached");
                 return status(
                     StatusCode::BAD_GATEWAY,
                     &format!(
@@ -329,7 +329,7 @@ impl AgentApi {
                 Ok(up) => TokioIo::new(up),
                 Err(e) => {
                     tracing::warn!(vm = %route.name, namespace = %route.namespace, user = %user,
-                        error = %e, "exec: the upgrade failed");
+                        error = %imp_api::chain::DisplayChain(&e), "exec: the upgrade failed");
                     return;
                 }
             };
@@ -339,7 +339,7 @@ impl AgentApi {
                 Ok(()) => tracing::info!(vm = %route.name, namespace = %route.namespace,
                     user = %user, "exec session ended"),
                 Err(e) => tracing::warn!(vm = %route.name, namespace = %route.namespace,
-                    user = %user, error = %e, "exec session ended abnormally"),
+                    user = %user, error = %imp_api::chain::DisplayChain(&e), "exec session ended abnormally"),
             }
         });
         let mut resp = Response::new(empty());

@@ -59,7 +59,7 @@ pub fn host_cpu_model() -> Option<String> {
             model
         }
         Err(e) => {
-            tracing::warn!(error = %e, "reading /proc/cpuinfo for the CPU model");
+            tracing::warn!(error = %imp_api::chain::DisplayChain(&e), "reading /proc/cpuinfo for the CPU model");
             None
         }
     }
@@ -92,7 +92,7 @@ pub async fn keep_cpu_model(client: kube::Client, node: String, model: String, m
             }
             Ok(watcher::Event::Delete(_)) => continue,
             Err(e) => {
-                tracing::warn!(node, error = %e, "watching this node's ClusterImpNodeProfile");
+                tracing::warn!(node, error = %imp_api::chain::DisplayChain(&e), "watching this node's ClusterImpNodeProfile");
                 continue;
             }
         };
@@ -105,7 +105,9 @@ pub async fn keep_cpu_model(client: kube::Client, node: String, model: String, m
             .await
         {
             Ok(_) => tracing::info!(node, cpu_model = model, "wrote the node profile's cpuModel"),
-            Err(e) => tracing::warn!(node, error = %e, "writing the node profile's cpuModel"),
+            Err(e) => {
+                tracing::warn!(node, error = %imp_api::chain::DisplayChain(&e), "writing the node profile's cpuModel")
+            }
         }
     }
 }

@@ -77,11 +77,11 @@ pub async fn keep_disk_report(
         let report = match tokio::task::spawn_blocking(move || read(&dir)).await {
             Ok(Ok(r)) => r,
             Ok(Err(e)) => {
-                tracing::warn!(state = %state_dir.display(), error = %e, "reading the state directory's free space");
+                tracing::warn!(state = %state_dir.display(), error = %imp_api::chain::DisplayChain(&e), "reading the state directory's free space");
                 continue;
             }
             Err(e) => {
-                tracing::warn!(error = %e, "the free-space reader panicked");
+                tracing::warn!(error = %imp_api::chain::DisplayChain(&e), "the free-space reader panicked");
                 continue;
             }
         };
@@ -104,7 +104,7 @@ pub async fn keep_disk_report(
                 published = Some(report);
             }
             Err(e) => {
-                tracing::warn!(node, error = %e, "publishing the state directory's free space on the Node")
+                tracing::warn!(node, error = %imp_api::chain::DisplayChain(&e), "publishing the state directory's free space on the Node")
             }
         }
     }
@@ -126,7 +126,7 @@ pub async fn keep_image_cache(images: ImageStore, state: StateDir, budget: u64) 
             continue;
         };
         if let Err(e) = images.evict(budget, in_use).await {
-            tracing::warn!(cache = %images.root().display(), error = %e, "evicting from the image cache");
+            tracing::warn!(cache = %images.root().display(), error = %imp_api::chain::DisplayChain(&e), "evicting from the image cache");
         }
     }
 }
@@ -145,7 +145,7 @@ pub async fn keep_serial_logs(state: StateDir, max: u64) {
         tick.tick().await;
         let state = state.clone();
         if let Err(e) = tokio::task::spawn_blocking(move || rotate_serial_logs(&state, max)).await {
-            tracing::warn!(error = %e, "rotating the serial logs panicked");
+            tracing::warn!(error = %imp_api::chain::DisplayChain(&e), "rotating the serial logs panicked");
         }
     }
 }
@@ -155,7 +155,7 @@ pub fn rotate_serial_logs(state: &StateDir, max: u64) -> usize {
     let records = match state.list() {
         Ok((records, _)) => records,
         Err(e) => {
-            tracing::warn!(error = %e, "listing the VMs to rotate their serial logs");
+            tracing::warn!(error = %imp_api::chain::DisplayChain(&e), "listing the VMs to rotate their serial logs");
             return 0;
         }
     };
@@ -168,7 +168,7 @@ pub fn rotate_serial_logs(state: &StateDir, max: u64) -> usize {
             }
             Ok(None) => {}
             Err(e) => {
-                tracing::warn!(vm = r.name, log = %r.serial_log.display(), error = %e, "rotating the serial log")
+                tracing::warn!(vm = r.name, log = %r.serial_log.display(), error = %imp_api::chain::DisplayChain(&e), "rotating the serial log")
             }
         }
     }

@@ -199,7 +199,9 @@ pub async fn watchdog(
                 Ok(n) => {
                     tracing::error!(node = %s.node, vms = n, "fenced: the node's VMs are stopped")
                 }
-                Err(e) => tracing::error!(node = %s.node, error = %e, "fencing failed"),
+                Err(e) => {
+                    tracing::error!(node = %s.node, error = %imp_api::chain::DisplayChain(&e), "fencing failed")
+                }
             }
         }
     }
@@ -223,7 +225,7 @@ fn kill_all_vms(state: &StateDir) -> usize {
             .map(|cg| {
                 let had = !cg.pids().is_empty();
                 if let Err(e) = cg.kill_all(Duration::from_secs(2)) {
-                    tracing::error!(vm = %r.name, error = %e, "fencing: processes survive in the VM's cgroup");
+                    tracing::error!(vm = %r.name, error = %imp_api::chain::DisplayChain(&e), "fencing: processes survive in the VM's cgroup");
                 }
                 had
             });

@@ -131,7 +131,7 @@ pub async fn watch(client: kube::Client, net: Arc<NodeNet>, metrics: Arc<Metrics
             e = events.next() => match e {
                 Some(Ok(_)) => {}
                 Some(Err(e)) => {
-                    tracing::warn!(error = %e, "watching ImpNetworks");
+                    tracing::warn!(error = %imp_api::chain::DisplayChain(&e), "watching ImpNetworks");
                     continue;
                 }
                 None => return,

@@ -174,7 +174,7 @@ impl ScaleToZero {
                 tracing::debug!(uid, tap, vmm_pid, "the VMM holds no descriptor on its TAP");
             }
             Ok(Err(e)) => {
-                tracing::warn!(uid, tap, vmm_pid, error = %e, "cannot keep the VMM's TAP across the suspend; frames sent meanwhile will be retransmitted");
+                tracing::warn!(uid, tap, vmm_pid, error = %imp_api::chain::DisplayChain(&e), "cannot keep the VMM's TAP across the suspend; frames sent meanwhile will be retransmitted");
             }
             Err(_) => {}
         }

@@ -156,7 +156,7 @@ fn drop_cache_entries(state: &StateDir, uids: &[String]) {
             }
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
             Err(e) => {
-                tracing::warn!(dir = %dir.display(), error = %e, "dropping a pulled snapshot from the node's cache")
+                tracing::warn!(dir = %dir.display(), error = %imp_api::chain::DisplayChain(&e), "dropping a pulled snapshot from the node's cache")
             }
         }
     }
@@ -584,7 +584,7 @@ async fn finish(
         secondary: None,
     };
     if let Err(e) = ctx.recorder.publish(&ev, &exec.object_ref(&())).await {
-        tracing::warn!(snapshot = %exec.name_any(), error = %e, "publishing an Event failed");
+        tracing::warn!(snapshot = %exec.name_any(), error = %imp_api::chain::DisplayChain(&e), "publishing an Event failed");
     }
     Ok(Action::await_change())
 }

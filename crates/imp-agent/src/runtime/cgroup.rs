@@ -575,7 +575,7 @@ fn enable_controllers(mount: &Path, dir: &Path) {
         if !wanted.is_empty()
             && let Err(e) = std::fs::write(level.join("cgroup.subtree_control"), wanted.join(" "))
         {
-            tracing::debug!(cgroup = %level.display(), error = %e, "enabling controllers for the VMs' cgroups");
+            tracing::debug!(cgroup = %level.display(), error = %imp_api::chain::DisplayChain(&e), "enabling controllers for the VMs' cgroups");
         }
     }
 }

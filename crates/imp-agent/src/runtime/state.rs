@@ -233,11 +233,11 @@ impl StateDir {
         match tokio::task::spawn_blocking(move || state.image_digests()).await {
             Ok(Ok(d)) => Some(d),
             Ok(Err(e)) => {
-                tracing::warn!(error = %e, "listing the VMs' images; the image cache is not evicted now");
+                tracing::warn!(error = %imp_api::chain::DisplayChain(&e), "listing the VMs' images; the image cache is not evicted now");
                 None
             }
             Err(e) => {
-                tracing::warn!(error = %e, "listing the VMs' images panicked");
+                tracing::warn!(error = %imp_api::chain::DisplayChain(&e), "listing the VMs' images panicked");
                 None
             }
         }

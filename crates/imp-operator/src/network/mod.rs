@@ -140,7 +140,7 @@ impl Ctx {
             secondary: None,
         };
         if let Err(e) = self.recorder.publish(&ev, &net.object_ref(&())).await {
-            tracing::warn!(network = %network_key(net), reason, error = %e, "publishing event failed");
+            tracing::warn!(network = %network_key(net), reason, error = %imp_api::chain::DisplayChain(&e), "publishing event failed");
         }
     }
 
@@ -351,7 +351,7 @@ pub async fn run(
         .run(reconcile, error_policy, ctx)
         .for_each(|r| async move {
             if let Err(e) = r {
-                tracing::debug!(error = %e, "network controller event");
+                tracing::debug!(error = %imp_api::chain::DisplayChain(&e), "network controller event");
             }
         })
         .await;

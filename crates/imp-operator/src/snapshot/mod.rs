@@ -141,7 +141,7 @@ impl Ctx {
             }),
         };
         if let Err(e) = self.recorder.publish(&ev, &parent.object_ref(&())).await {
-            tracing::warn!(snapshot = %key(parent), reason = note.reason, error = %e, "publishing event failed");
+            tracing::warn!(snapshot = %key(parent), reason = note.reason, error = %imp_api::chain::DisplayChain(&e), "publishing event failed");
         }
     }
 
@@ -197,7 +197,7 @@ impl Ctx {
             secondary: None,
         };
         if let Err(e) = self.recorder.publish(&ev, &exec.object_ref(&())).await {
-            tracing::warn!(snapshot = %key(exec), error = %e, "publishing event failed");
+            tracing::warn!(snapshot = %key(exec), error = %imp_api::chain::DisplayChain(&e), "publishing event failed");
         }
         Ok(())
     }
@@ -367,7 +367,7 @@ pub async fn run(
         .run(reconcile, error_policy, ctx)
         .for_each(|r| async move {
             if let Err(e) = r {
-                tracing::debug!(error = %e, "snapshot controller event");
+                tracing::debug!(error = %imp_api::chain::DisplayChain(&e), "snapshot controller event");
             }
         })
         .await;

@@ -424,7 +424,7 @@ async fn wait_filled(
         }
     };
     if let Err(e) = &r {
-        tracing::error!(error = %e, "caches never filled");
+        tracing::error!(error = %imp_api::chain::DisplayChain(&e), "caches never filled");
     }
     if r.is_ok()
         && let Some(h) = &health
@@ -519,7 +519,7 @@ pub async fn run(
         )
         .for_each(|r| async move {
             if let Err(e) = r {
-                tracing::debug!(error = %e, "controller event");
+                tracing::debug!(error = %imp_api::chain::DisplayChain(&e), "controller event");
             }
         })
         .await;

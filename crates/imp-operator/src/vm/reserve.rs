@@ -67,7 +67,7 @@ impl Context {
             Ok(()) => None,
             Err(Refusal::Quota(why)) => Some(why),
             Err(Refusal::Other(e)) => {
-                tracing::warn!(vm = %key(vm), node, error = %e, "reservation Pod not created; placing the VM anyway");
+                tracing::warn!(vm = %key(vm), node, error = %imp_api::chain::DisplayChain(&e), "reservation Pod not created; placing the VM anyway");
                 self.event(
                     vm,
                     EventType::Warning,
@@ -193,8 +193,10 @@ async fn apply(
             {
                 Ok(_) => tracing::info!(namespace = %ns, pod = %name, "reservation Pod deleted"),
                 Err(kube::Error::Api(s)) if s.code == 404 => {}
-                Err(e) => tracing::warn!(namespace = %ns, pod = %name, error = %e,
-                    "deleting a reservation Pod failed"),
+                Err(e) => {
+                    tracing::warn!(namespace = %ns, pod = %name, error = %imp_api::chain::DisplayChain(&e),
+                    "deleting a reservation Pod failed")
+                }
             }
         }
         Op::Create(r) => {

@@ -307,7 +307,7 @@ pub(super) fn agent_leases(
                 }
                 Ok(watcher::Event::Delete(lease)) => l.forget(&lease),
                 Ok(_) => {}
-                Err(e) => tracing::warn!(error = %e, "watching the agents' Leases"),
+                Err(e) => tracing::warn!(error = %imp_api::chain::DisplayChain(&e), "watching the agents' Leases"),
             }
             futures::future::ready(())
         });

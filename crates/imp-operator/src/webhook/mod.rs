@@ -665,7 +665,7 @@ async fn quota_preview(
             ))
         }
         Ok(Err(e)) => {
-            tracing::debug!(namespace, vm = %name, error = %e, "quota preview not conclusive");
+            tracing::debug!(namespace, vm = %name, error = %imp_api::chain::DisplayChain(&e), "quota preview not conclusive");
             None
         }
         Ok(Ok(_)) => None,

@@ -126,7 +126,7 @@ pub async fn follow_files(
                 }
             }
             Err(e) => {
-                tracing::warn!(cert = %cert.display(), error = %e, "reading the webhook certificate files again failed; serving the one read before");
+                tracing::warn!(cert = %cert.display(), error = %imp_api::chain::DisplayChain(&e), "reading the webhook certificate files again failed; serving the one read before");
             }
         }
     }

@@ -251,7 +251,7 @@ impl Context {
             secondary: None,
         };
         if let Err(e) = self.recorder.publish(&ev, &vm.object_ref(&())).await {
-            tracing::warn!(vm = %key(vm), node = %self.settings.node, reason, error = %e, "publishing event failed");
+            tracing::warn!(vm = %key(vm), node = %self.settings.node, reason, error = %imp_api::chain::DisplayChain(&e), "publishing event failed");
         }
     }
 

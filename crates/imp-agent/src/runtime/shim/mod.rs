@@ -249,7 +249,7 @@ async fn leave_cgroup(spec: &VmSpec) {
     })
     .await;
     if let Ok(Err(e)) = left {
-        tracing::warn!(error = %e, "removing the VM's cgroup");
+        tracing::warn!(error = %imp_api::chain::DisplayChain(&e), "removing the VM's cgroup");
     }
 }
 
@@ -720,7 +720,7 @@ async fn evict_images(state: &StateDir, store: &ImageStore, budget: u64, ours: &
     };
     in_use.insert(ours.to_owned());
     if let Err(e) = store.evict(budget, in_use).await {
-        tracing::warn!(cache = %store.root().display(), error = %e, "evicting from the image cache");
+        tracing::warn!(cache = %store.root().display(), error = %imp_api::chain::DisplayChain(&e), "evicting from the image cache");
     }
 }
 
@@ -973,7 +973,7 @@ fn progress_reporter(spec: &VmSpec, dir: &Path) -> imp_image::Reporter {
     match progress::ProgressFile::create(&path) {
         Ok(f) => imp_image::Reporter::new(std::sync::Arc::new(f)),
         Err(e) => {
-            tracing::warn!(path = %path.display(), error = %e, "cannot write the progress file; not reporting progress");
+            tracing::warn!(path = %path.display(), error = %imp_api::chain::DisplayChain(&e), "cannot write the progress file; not reporting progress");
             imp_image::Reporter::default()
         }
     }
@@ -1219,7 +1219,9 @@ async fn stop_on_request<V: Vmm>(vm: V, dir: &Path, name: &str) {
             tracing::warn!(vm = %name, ?grace, "did not power off within the grace period; killed")
         }
         Ok(StopOutcome::Graceful) => tracing::info!(vm = %name, "stopped"),
-        Err(e) => tracing::warn!(vm = %name, error = %e, "stopping the VMM failed"),
+        Err(e) => {
+            tracing::warn!(vm = %name, error = %imp_api::chain::DisplayChain(&e), "stopping the VMM failed")
+        }
     }
 }
 
@@ -1234,7 +1236,7 @@ async fn put_to_sleep<V: Vmm>(
     // The snapshot holds the VM: its VMM goes, and its memory with it.
     let t = Instant::now();
     if let Err(e) = vm.stop(Duration::ZERO).await {
-        tracing::warn!(vm = %record.name, error = %e, "stopping the suspended VMM failed");
+        tracing::warn!(vm = %record.name, error = %imp_api::chain::DisplayChain(&e), "stopping the suspended VMM failed");
     }
     if let GuestMemory::Shared(file) = memory {
         // The RAM file's pages are still in the page cache, many dirty: written back
@@ -1243,10 +1245,10 @@ async fn put_to_sleep<V: Vmm>(
         match tokio::task::spawn_blocking(move || suspend::release_memory_file(&f)).await {
             Ok(Ok(stored)) => s.bytes += stored,
             Ok(Err(e)) => {
-                tracing::warn!(vm = %record.name, file = %file.display(), error = %e, "writing back the suspended VM's memory failed; it stays in the page cache")
+                tracing::warn!(vm = %record.name, file = %file.display(), error = %imp_api::chain::DisplayChain(&e), "writing back the suspended VM's memory failed; it stays in the page cache")
             }
             Err(e) => {
-                tracing::warn!(vm = %record.name, error = %e, "writing back the suspended VM's memory")
+                tracing::warn!(vm = %record.name, error = %imp_api::chain::DisplayChain(&e), "writing back the suspended VM's memory")
             }
         }
     }
@@ -1394,7 +1396,7 @@ async fn became_ready(
                 false => Ok(()),
             };
             if let Err(e) = clock {
-                tracing::warn!(vm = %record.name, error = %e, "setting the resumed guest's clock failed");
+                tracing::warn!(vm = %record.name, error = %imp_api::chain::DisplayChain(&e), "setting the resumed guest's clock failed");
             }
             record.timings.resume_ms = ms(launched.elapsed());
             let snapshot = files.memory.parent().map(Path::to_path_buf);
@@ -1406,7 +1408,7 @@ async fn became_ready(
         }
     }
     if let Err(e) = run.state.save(record) {
-        tracing::warn!(vm = %record.name, error = %e, "saving the VM record");
+        tracing::warn!(vm = %record.name, error = %imp_api::chain::DisplayChain(&e), "saving the VM record");
     }
 }
 
@@ -1449,7 +1451,7 @@ async fn handle_snapshot<V: Vmm>(vm: &mut V, run: &Run<'_>, record: &VmRecord) {
     }
     let path = run.dir.join(contract::SNAPSHOT_OUTCOME_FILE);
     if let Err(e) = state::write_json(&path, &outcome) {
-        tracing::warn!(vm = %record.name, error = %e, "writing the snapshot outcome");
+        tracing::warn!(vm = %record.name, error = %imp_api::chain::DisplayChain(&e), "writing the snapshot outcome");
     }
 }
 
@@ -1487,7 +1489,7 @@ async fn handle_suspend<V: Vmm>(
             error,
         });
         if let Err(e) = run.state.save(record) {
-            tracing::warn!(vm = %record.name, error = %e, "saving the VM record");
+            tracing::warn!(vm = %record.name, error = %imp_api::chain::DisplayChain(&e), "saving the VM record");
         }
     };
     if record.status != VmStatus::Running {
@@ -1500,7 +1502,7 @@ async fn handle_suspend<V: Vmm>(
     let t = Instant::now();
     record.status = VmStatus::Suspending;
     if let Err(e) = run.state.save(record) {
-        tracing::warn!(vm = %record.name, error = %e, "saving the VM record");
+        tracing::warn!(vm = %record.name, error = %imp_api::chain::DisplayChain(&e), "saving the VM record");
     }
     let dir = run.state.snapshot_dir(&record.name);
     // RAM mapped from a file is not in the stream; the file has its room already.
