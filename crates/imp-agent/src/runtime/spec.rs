@@ -118,7 +118,7 @@ pub struct VmSpec {
     pub progress: bool,
     /// Whether the guest serves the guest agent: without it the VM runs once its VMM does, and
     /// exec, health and figures are not asked of it. Specs written before it existed: yes.
-    #[serde(default = "yes")]
+    #[serde(default = "super::state::yes")]
     pub guest_agent: bool,
     /// Boot from this snapshot directory (`crate::snapshot`) instead of the image: its disk,
     /// memory and device state, restored under this VM's identity.
@@ -142,10 +142,6 @@ impl VmSpec {
     pub fn boot_timeout(&self) -> Duration {
         Duration::from_millis(self.boot_timeout_ms)
     }
-}
-
-fn yes() -> bool {
-    true
 }
 
 #[cfg(test)]

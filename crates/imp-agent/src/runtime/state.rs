@@ -687,7 +687,8 @@ pub fn now_unix() -> u64 {
         .unwrap_or(0)
 }
 
-fn yes() -> bool {
+/// `true`, the serde default of switches that were on before they existed.
+pub(crate) fn yes() -> bool {
     true
 }
 

@@ -26,8 +26,14 @@ pub struct Connection {
 pub fn connect(vsock: &Path, port: u32, timeout: Duration) -> anyhow::Result<Connection> {
     let deadline = Instant::now() + timeout;
     let mut pause = Duration::from_millis(20);
+    // One runtime for every attempt (an abandoned CONNECT's linger task lives on it meanwhile).
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_io()
+        .enable_time()
+        .build()
+        .context("starting the connect's runtime")?;
     loop {
-        let attempt = open(vsock, port, deadline).and_then(|s| {
+        let attempt = open(&rt, vsock, port, deadline).and_then(|s| {
             // The timeout guards the handshake only; execs may be silent for long.
             s.set_read_timeout(Some(Duration::from_secs(10)))?;
             let handle = s.try_clone()?;
@@ -55,12 +61,12 @@ pub fn connect(vsock: &Path, port: u32, timeout: Duration) -> anyhow::Result<Con
 /// Opens guest `port` through `vsock` as a blocking stream, trying for at most a second (or
 /// until `deadline`); the caller retries. Signals are held meanwhile (see [`HeldSignals`]), so
 /// a Ctrl-C waits at most that second.
-fn open(vsock: &Path, port: u32, deadline: Instant) -> anyhow::Result<UnixStream> {
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_io()
-        .enable_time()
-        .build()
-        .context("starting the connect's runtime")?;
+fn open(
+    rt: &tokio::runtime::Runtime,
+    vsock: &Path,
+    port: u32,
+    deadline: Instant,
+) -> anyhow::Result<UnixStream> {
     let left = deadline
         .saturating_duration_since(Instant::now())
         .min(Duration::from_secs(1));
