@@ -61,7 +61,8 @@ pub struct ImpVMClassSpec {
     /// to 5m, at most 5 attempts, then stays Failed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub restart_policy: Option<RestartPolicy>,
-    /// Tolerations every VM of this class gets (scheduling only). `tolerationSeconds`: Not supported yet: refused by the admission webhook.
+    /// Tolerations every VM of this class gets, for placement and `NoExecute` eviction (with
+    /// `tolerationSeconds`, as on the VM).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub tolerations: Vec<Toleration>,
 }

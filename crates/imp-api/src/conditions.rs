@@ -57,6 +57,13 @@ string_enum! {
         Started,
         /// The liveness probe passes.
         Healthy,
+        /// (Operator) the VM is to leave its node for a `NoExecute` taint, as Kubernetes marks
+        /// a Pod its taint manager evicts: `False` with reason `TaintTolerated` while the VM
+        /// tolerates the taint for its `tolerationSeconds` (the message says until when; the
+        /// condition's `lastTransitionTime` is when the operator first saw the taint), `True`
+        /// with reason `Evicted` once it is evicted (the node's agent then stops and removes it
+        /// and releases it, and the operator places it anew or applies its restart policy).
+        DisruptionTarget,
     }
 }
 
@@ -77,6 +84,12 @@ string_enum! {
         NodeReady,
         /// The node is gone or not Ready.
         NodeNotReady,
+        /// (Operator) evicted from its node by a `NoExecute` taint it does not tolerate (or no
+        /// longer: its `tolerationSeconds` ran out); the message names the node and the taint.
+        Evicted,
+        /// (Operator) the VM's node has a `NoExecute` taint the VM tolerates for its
+        /// `tolerationSeconds`; the message names the taint and when the VM is evicted.
+        TaintTolerated,
         /// The VM runs.
         Running,
         /// The ephemeral workload finished successfully.
@@ -178,6 +191,13 @@ pub fn find(conditions: &[Condition], type_: ConditionType) -> Option<&Condition
 /// True when the condition of `type_` exists with status True.
 pub fn is_true(conditions: &[Condition], type_: ConditionType) -> bool {
     find(conditions, type_).is_some_and(|c| c.status == "True")
+}
+
+/// Removes the condition of `type_`; returns whether there was one.
+pub fn remove(conditions: &mut Vec<Condition>, type_: ConditionType) -> bool {
+    let before = conditions.len();
+    conditions.retain(|c| c.type_ != type_.as_str());
+    conditions.len() != before
 }
 
 /// Sets one condition, keeping a single entry per type; returns whether anything changed.
@@ -308,5 +328,25 @@ mod tests {
             find(&c, ConditionType::Scheduled).unwrap().reason,
             "NodeAssigned"
         );
+    }
+
+    #[test]
+    fn remove_drops_only_that_type() {
+        let mut c = Vec::new();
+        for type_ in [ConditionType::Ready, ConditionType::DisruptionTarget] {
+            set(
+                &mut c,
+                type_,
+                ConditionStatus::False,
+                ConditionReason::Waiting,
+                "",
+                None,
+                t(1),
+            );
+        }
+        assert!(remove(&mut c, ConditionType::DisruptionTarget));
+        assert!(!remove(&mut c, ConditionType::DisruptionTarget));
+        assert_eq!(c.len(), 1);
+        assert_eq!(c[0].type_, "Ready");
     }
 }

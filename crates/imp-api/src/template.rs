@@ -74,8 +74,8 @@ pub struct ImpVMTemplateSpec {
     /// Node labels VMs from this template require (imp extension).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub node_selector: BTreeMap<String, String>,
-    /// Tolerations VMs from this template get (imp extension; unioned with class and VM).
-    /// `tolerationSeconds`: Not supported yet: refused by the admission webhook.
+    /// Tolerations VMs from this template get (imp extension; unioned with class and VM), for
+    /// placement and `NoExecute` eviction (with `tolerationSeconds`, as on the VM).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub tolerations: Vec<Toleration>,
 }

@@ -6,10 +6,10 @@
 //! the webhook refuses it with a message saying so. Defaults and absent values are always
 //! accepted. A rule is removed when its feature lands.
 
-use k8s_openapi::api::core::v1::{EnvVar, Toleration};
+use k8s_openapi::api::core::v1::EnvVar;
 
 use crate::validation::{FieldError, ValidationErrors};
-use crate::{ClusterImpConfigSpec, ImpNetworkSpec, ImpVMClassSpec, ImpVMSpec, ImpVMTemplateSpec};
+use crate::{ClusterImpConfigSpec, ImpNetworkSpec, ImpVMSpec, ImpVMTemplateSpec};
 
 /// What every refusal here says, after the field path.
 pub const NOT_SUPPORTED_YET: &str = "is not supported yet";
@@ -21,9 +21,6 @@ pub const CILIUM_LAYER: &str = "is not supported yet: no layer is added to the r
 /// An `env[].valueFrom` source other than a Secret or ConfigMap key.
 pub const ENV_SOURCE: &str =
     "is not supported yet: only secretKeyRef and configMapKeyRef are read in valueFrom";
-/// `tolerations[].tolerationSeconds` set.
-pub const TOLERATION_SECONDS: &str =
-    "is not supported yet: imp never evicts a VM for a taint, so a toleration has no time limit";
 /// ImpNetwork `cilium.*` switched on.
 pub const CILIUM_SWITCH: &str = "true is not supported yet: imp does not configure Cilium";
 /// ClusterImpConfig `networking.cni.autoDetect: false` or `provider` set.
@@ -58,7 +55,6 @@ pub fn vm(spec: &ImpVMSpec) -> Result<(), ValidationErrors> {
         spec.cilium_layer.as_ref(),
     );
     env(&mut e, &spec.env);
-    tolerations(&mut e, &spec.tolerations);
     result(e)
 }
 
@@ -70,14 +66,6 @@ pub fn template(spec: &ImpVMTemplateSpec) -> Result<(), ValidationErrors> {
         spec.runner_layer.as_ref(),
         spec.cilium_layer.as_ref(),
     );
-    tolerations(&mut e, &spec.tolerations);
-    result(e)
-}
-
-/// Values of an ImpVMClass spec nothing honours (its VMs would inherit them).
-pub fn class(spec: &ImpVMClassSpec) -> Result<(), ValidationErrors> {
-    let mut e = Vec::new();
-    tolerations(&mut e, &spec.tolerations);
     result(e)
 }
 
@@ -154,18 +142,6 @@ fn env(e: &mut Vec<FieldError>, vars: &[EnvVar]) {
     }
 }
 
-fn tolerations(e: &mut Vec<FieldError>, ts: &[Toleration]) {
-    for (i, t) in ts.iter().enumerate() {
-        if t.toleration_seconds.is_some() {
-            push(
-                e,
-                format!("spec.tolerations[{i}].tolerationSeconds"),
-                TOLERATION_SECONDS,
-            );
-        }
-    }
-}
-
 fn push(e: &mut Vec<FieldError>, path: impl Into<String>, message: &str) {
     e.push(FieldError {
         path: path.into(),
@@ -219,7 +195,6 @@ mod tests {
             "a VM without its guest agent is supported"
         );
         assert_eq!(template(&ImpVMTemplateSpec::default()), Ok(()));
-        assert_eq!(class(&ImpVMClassSpec::default()), Ok(()));
         assert_eq!(network(&ImpNetworkSpec::default()), Ok(()));
         let cfg = ClusterImpConfigSpec {
             networking: Some(NetworkingConfig {
@@ -298,24 +273,6 @@ mod tests {
         assert_eq!(
             msg(vm(&v)),
             format!("spec.env[1].valueFrom.fieldRef: {ENV_SOURCE}")
-        );
-    }
-
-    #[test]
-    fn toleration_seconds_are_refused() {
-        let c = ImpVMClassSpec {
-            tolerations: vec![
-                Toleration::default(),
-                Toleration {
-                    toleration_seconds: Some(30),
-                    ..Default::default()
-                },
-            ],
-            ..Default::default()
-        };
-        assert_eq!(
-            msg(class(&c)),
-            format!("spec.tolerations[1].tolerationSeconds: {TOLERATION_SECONDS}")
         );
     }
 

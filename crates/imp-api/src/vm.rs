@@ -73,8 +73,10 @@ pub struct ImpVMSpec {
     /// Node labels that must match exactly.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub node_selector: BTreeMap<String, String>,
-    /// Taints this VM tolerates, in addition to its template's and class's (scheduling only).
-    /// `tolerationSeconds`: Not supported yet: refused by the admission webhook (imp never evicts a VM for a taint).
+    /// Taints this VM tolerates, in addition to its template's and class's: for placement, and
+    /// for eviction from a node with a `NoExecute` taint (at once when not tolerated, after
+    /// `tolerationSeconds` when tolerated for a limited time, never when tolerated without one;
+    /// the node-loss taints `node.kubernetes.io/unreachable`/`not-ready` are left to node loss).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub tolerations: Vec<Toleration>,
     /// Environment of the workload; `valueFrom` reads `secretKeyRef` and `configMapKeyRef` when

@@ -238,7 +238,6 @@ fn not_yet(doc: &Value) -> Vec<String> {
     }
     match kind {
         "ImpVM" => run(doc, |o: &imp_api::ImpVM| u::vm(&o.spec)),
-        "ImpVMClass" => run(doc, |o: &imp_api::ImpVMClass| u::class(&o.spec)),
         "ImpVMTemplate" => run(doc, |o: &imp_api::ImpVMTemplate| u::template(&o.spec)),
         "ImpNetwork" => run(doc, |o: &imp_api::ImpNetwork| u::network(&o.spec)),
         "ClusterImpConfig" => run(doc, |o: &imp_api::ClusterImpConfig| {

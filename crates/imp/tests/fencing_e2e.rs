@@ -9,7 +9,9 @@
 //! is cut and node a reported NotReady; from then on the test counts, every 100 ms, the QEMU
 //! processes of the VM on this host: at no moment two. It records the timeline: cut → a's QEMU
 //! gone (fenced) → the VM placed on b → running on b; then restores the link and checks that
-//! agent a removes what is left of the VM without starting it.
+//! agent a removes what is left of the VM without starting it. Last, node b is drained with a
+//! `NoExecute` taint the VM tolerates for a few seconds: it leaves b only after them, and runs
+//! on a only once b has stopped and removed it.
 //!
 //! Needs what `agent_e2e.rs` needs (`scripts/setup`): without it, it skips on a developer
 //! machine and fails under `CI=true`.
@@ -26,8 +28,9 @@ use std::time::{Duration, Instant};
 
 use imp_api::vm::{ImpVM, VmPhase};
 use imp_testenv::registry::scratch_dir;
+use k8s_openapi::api::core::v1::Node;
 use kube::ResourceExt;
-use kube::api::{Api, PostParams};
+use kube::api::{Api, Patch, PatchParams, PostParams};
 use serde_json::json;
 use tokio::net::{TcpListener, TcpStream};
 
@@ -38,6 +41,9 @@ const B: &str = "fence-b";
 /// The agents' fence deadline, and the operator's margin and node-loss grace.
 const FENCE_AFTER: u64 = 6;
 const MARGIN: u64 = 2;
+/// The taint that drains node b at the end, and how long the VM tolerates it.
+const DRAIN: &str = "imp.test/drain";
+const TOLERATED: u64 = 3;
 
 /// A TCP proxy to the API server that the test can cut (every connection dropped, new ones
 /// refused) and restore.
@@ -145,7 +151,9 @@ async fn a_cut_off_node_fences_its_vm_before_it_runs_elsewhere_and_never_runs_it
         "apiVersion": "imp.dev/v1alpha1", "kind": "ImpVM",
         "metadata": {"name": VM, "namespace": NS},
         "spec": {"classRef": {"name": "small"}, "image": image, "lifecycle": "persistent",
-                 "rescheduleOnNodeLoss": true}
+                 "rescheduleOnNodeLoss": true,
+                 "tolerations": [{"key": DRAIN, "operator": "Exists", "effect": "NoExecute",
+                                  "tolerationSeconds": TOLERATED}]}
     }))
     .unwrap();
     let uid = vms
@@ -240,4 +248,81 @@ async fn a_cut_off_node_fences_its_vm_before_it_runs_elsewhere_and_never_runs_it
     assert_eq!(v.spec.node_name.as_deref(), Some(B));
     assert_eq!(phase(&v), Some(VmPhase::Running));
     assert!(agent_b.state.join("vms").join(&uid).exists());
+
+    drain_evicts_after_the_toleration(&c, &agent_b.state, &uid).await;
+}
+
+/// Node b is drained with a `NoExecute` taint that the VM tolerates for [`TOLERATED`] seconds
+/// (issue 26): the VM stays that long (its `DisruptionTarget` condition says until when), then
+/// b's agent stops and removes it and releases it, and only then is it placed on a; never two
+/// copies at once.
+async fn drain_evicts_after_the_toleration(c: &kube::Client, state_b: &std::path::Path, uid: &str) {
+    let vms: Api<ImpVM> = Api::namespaced(c.clone(), NS);
+    let nodes: Api<Node> = Api::all(c.clone());
+    let taint =
+        json!({"spec": {"taints": [{"key": DRAIN, "value": "yes", "effect": "NoExecute"}]}});
+    let tainted = Instant::now();
+    nodes
+        .patch(B, &PatchParams::default(), &Patch::Merge(&taint))
+        .await
+        .unwrap();
+    let record_b = state_b.join("vms").join(uid);
+    let (mut tolerated_seen, mut gone_from_b, mut placed_on_a) = (false, None, None);
+    let running_on_a = loop {
+        assert!(
+            tainted.elapsed() < Duration::from_secs(180),
+            "the VM never ran on a after the drain of b"
+        );
+        let n = copies(state_b, uid);
+        assert!(
+            n <= 1,
+            "{n} copies of the VM run {:?} after the drain",
+            tainted.elapsed()
+        );
+        let v = vms.get(VM).await.unwrap();
+        let disruption = v
+            .status
+            .as_ref()
+            .and_then(|s| s.conditions.iter().find(|c| c.type_ == "DisruptionTarget"));
+        if disruption.is_some_and(|c| c.reason == "TaintTolerated" && c.status == "False") {
+            tolerated_seen = true;
+        }
+        if gone_from_b.is_none() && !record_b.exists() {
+            gone_from_b = Some(tainted.elapsed());
+        }
+        if placed_on_a.is_none() && v.spec.node_name.as_deref() == Some(A) {
+            placed_on_a = Some(tainted.elapsed());
+            assert!(gone_from_b.is_some(), "placed on a while b still had it");
+        }
+        if placed_on_a.is_some() && phase(&v) == Some(VmPhase::Running) && n == 1 {
+            break tainted.elapsed();
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let (gone, placed) = (gone_from_b.unwrap(), placed_on_a.unwrap());
+    eprintln!(
+        "drain timeline (tolerated {TOLERATED} s): taint → removed from b {:.1} s → placed on a \
+         {:.1} s → running on a {:.1} s",
+        gone.as_secs_f64(),
+        placed.as_secs_f64(),
+        running_on_a.as_secs_f64()
+    );
+    assert!(
+        tolerated_seen,
+        "DisruptionTarget=False/TaintTolerated while tolerated"
+    );
+    assert!(
+        gone >= Duration::from_secs(TOLERATED),
+        "evicted after {gone:?}, before its {TOLERATED} s toleration ran out"
+    );
+    let events = common::events_with(c, NS, VM, &["Evicted"]).await;
+    let evicted = events
+        .iter()
+        .find(|e| e.reason.as_deref() == Some("Evicted"))
+        .and_then(|e| e.message.clone())
+        .unwrap_or_default();
+    assert!(
+        evicted.contains(&format!("node {B} has taint {DRAIN}=yes:NoExecute")),
+        "{evicted}"
+    );
 }

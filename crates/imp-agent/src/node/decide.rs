@@ -35,6 +35,9 @@ pub struct Observed {
     pub revision: i64,
     /// `spec.lifecycle` is ephemeral (a job) rather than persistent.
     pub ephemeral: bool,
+    /// The operator evicted the VM from this node (`DisruptionTarget=True`, a `NoExecute`
+    /// taint): stop and remove it, then release it so that it can be placed elsewhere.
+    pub evicted: bool,
     /// `spec.desiredState` is `Suspended`.
     pub suspend_wanted: bool,
     /// `spec.desiredState` is `ScaleToZero`: suspend when idle, resume when woken.
@@ -153,8 +156,13 @@ pub fn decide(vm: &Observed, local: Option<Local<'_>>) -> Decision {
     }
     if vm.phase.is_terminal() {
         // Reported already (or the operator ended it, e.g. a start timeout): free the node.
+        // An evicted VM is released too, once nothing of it is left here: the operator moves
+        // it only then, so it never runs on two nodes.
         return match local {
-            Some(_) => Decision::Teardown { release: false },
+            Some(_) => Decision::Teardown {
+                release: vm.evicted,
+            },
+            None if vm.evicted => Decision::Release,
             None => Decision::Wait,
         };
     }
@@ -416,6 +424,7 @@ pub(crate) mod tests {
             attempt: 0,
             revision: 0,
             ephemeral: true,
+            evicted: false,
             suspend_wanted: false,
             scale_to_zero: false,
             cold_boot_fallback: false,
@@ -915,5 +924,22 @@ pub(crate) mod tests {
             Decision::Teardown { release: false }
         );
         assert_eq!(decide(&done, None), Decision::Wait);
+    }
+
+    #[test]
+    fn an_evicted_vm_is_stopped_removed_and_released_so_it_can_move() {
+        let r = record(VmStatus::Running, 0);
+        let mut v = vm(VmPhase::Failed, true);
+        v.evicted = true;
+        assert_eq!(
+            decide(&v, local(&r, true)),
+            Decision::Teardown { release: true },
+            "the VM still runs here: stop it before anything else may run it"
+        );
+        assert_eq!(decide(&v, None), Decision::Release);
+        // Evicted before it started here (Scheduled, then evicted): nothing to stop.
+        let mut early = vm(VmPhase::Failed, false);
+        early.evicted = true;
+        assert_eq!(decide(&early, None), Decision::Release);
     }
 }

@@ -7,12 +7,12 @@
 
 use std::time::Duration;
 
-use imp_api::conditions::{ConditionReason, ConditionType};
+use imp_api::conditions::{self, ConditionReason, ConditionType};
 use imp_api::shared::{
     ANNOTATION_PLACED_RESOURCES, ANNOTATION_RESET_RETRIES, PlacedSize, RestartMode, VmLifecycle,
 };
 use imp_api::vm::{ImpVM, ImpVMStatus, VmPhase};
-use k8s_openapi::api::core::v1::Node;
+use k8s_openapi::api::core::v1::{Node, Toleration};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
 use kube::ResourceExt;
@@ -20,6 +20,7 @@ use serde_json::{Value, json};
 
 use super::address::needs_address;
 use super::conditions::{Note, has_cond, set_cond};
+use super::evict;
 use super::world::Resolved;
 use super::{FINALIZER, Settings};
 use crate::lifecycle::{self, RestartDecision, RestartState};
@@ -329,6 +330,10 @@ fn on_node(vm: &ImpVM, mut status: ImpVMStatus, node: &str, w: &World) -> Plan {
         vm.metadata.generation,
         w.now,
     );
+    let taint_wait = match taints(vm, &mut status, node, w) {
+        Ok(wait) => wait,
+        Err(plan) => return *plan,
+    };
     let s = w.settings;
     let phase = status.phase.unwrap_or_default();
     let started = status.started_at.as_ref().map(|t| t.0);
@@ -342,6 +347,9 @@ fn on_node(vm: &ImpVM, mut status: ImpVMStatus, node: &str, w: &World) -> Plan {
         VmPhase::Running => s.requeue_running,
         _ => s.requeue_active,
     };
+    if let Some(wait) = taint_wait {
+        requeue = requeue.min(wait);
+    }
     if matches!(
         phase,
         VmPhase::Running | VmPhase::Suspending | VmPhase::Suspended | VmPhase::Resuming
@@ -361,6 +369,169 @@ fn on_node(vm: &ImpVM, mut status: ImpVMStatus, node: &str, w: &World) -> Plan {
         next: Next::Requeue(requeue),
         ..Plan::default()
     }
+}
+
+/// The VM's node's `NoExecute` taints ([`evict`]): `Err` with the plan that evicts the VM, or
+/// how long it may stay tolerated (the `DisruptionTarget` condition says until when; it is
+/// removed when no taint applies).
+fn taints(
+    vm: &ImpVM,
+    status: &mut ImpVMStatus,
+    node: &str,
+    w: &World,
+) -> Result<Option<Duration>, Box<Plan>> {
+    let taints = w
+        .node
+        .and_then(|n| n.spec.as_ref())
+        .and_then(|s| s.taints.as_deref())
+        .unwrap_or_default();
+    // The API keeps whole seconds of the condition's time: the first sight was within the
+    // second after it, and counting from its end evicts at worst a second late, never early.
+    let first_seen = conditions::find(&status.conditions, ConditionType::DisruptionTarget)
+        .filter(|c| c.reason == ConditionReason::TaintTolerated.as_str())
+        .map(|c| c.last_transition_time.0 + Duration::from_secs(1));
+    match evict::verdict(taints, tolerations(vm, status, w), first_seen, w.now) {
+        evict::Verdict::Stay => {
+            conditions::remove(&mut status.conditions, ConditionType::DisruptionTarget);
+            Ok(None)
+        }
+        evict::Verdict::TolerateUntil { until, taint } => {
+            let msg = format!(
+                "node {node} has taint {taint}, tolerated until {until}: the VM is evicted then"
+            );
+            let reason = ConditionReason::TaintTolerated;
+            set_cond(
+                status,
+                ConditionType::DisruptionTarget,
+                false,
+                reason,
+                msg,
+                vm.metadata.generation,
+                w.now,
+            );
+            Ok(Some(until_expiry(until, w.now)))
+        }
+        evict::Verdict::Evict { taint, limit } => Err(Box::new(evicted(
+            vm,
+            status.clone(),
+            node,
+            &taint,
+            limit,
+            w,
+        ))),
+    }
+}
+
+/// The tolerations the VM was booked with (class ∪ template ∪ VM), else its own.
+fn tolerations<'a>(vm: &'a ImpVM, status: &'a ImpVMStatus, w: &'a World) -> &'a [Toleration] {
+    match (w.resolved, &status.booking) {
+        (Ok(r), _) => &r.spec.tolerations,
+        (Err(_), Some(b)) => &b.spec.tolerations,
+        (Err(_), None) => &vm.spec.tolerations,
+    }
+}
+
+/// Evicts the VM from `node` for `taint`: it fails with `Evicted` where it is, and
+/// `DisruptionTarget=True` asks the node's agent to stop, remove and release it; what follows
+/// is [`after_eviction`]'s.
+fn evicted(
+    vm: &ImpVM,
+    mut status: ImpVMStatus,
+    node: &str,
+    taint: &str,
+    limit: Option<i64>,
+    w: &World,
+) -> Plan {
+    let why = match limit {
+        None => format!("node {node} has taint {taint}, which the VM does not tolerate"),
+        Some(s) => format!("node {node} has taint {taint}, tolerated for {s}s, which have passed"),
+    };
+    let generation = vm.metadata.generation;
+    status.phase = Some(VmPhase::Failed);
+    status.finished_at = Some(Time(w.now));
+    let reason = ConditionReason::Evicted;
+    let msg = format!("{why}: evicted; the node's agent stops and removes it");
+    set_cond(
+        &mut status,
+        ConditionType::DisruptionTarget,
+        true,
+        reason,
+        msg.clone(),
+        generation,
+        w.now,
+    );
+    set_cond(
+        &mut status,
+        ConditionType::Ready,
+        false,
+        reason,
+        msg,
+        generation,
+        w.now,
+    );
+    Plan {
+        status: Some(status),
+        doing: "evicting",
+        event: Some(Note::warning("Evicted", format!("{why}: evicting"))),
+        next: Next::Requeue(w.settings.requeue_active),
+        ..Plan::default()
+    }
+}
+
+/// Whether `status` says the VM was evicted (and has not gone again since).
+fn was_evicted(status: &ImpVMStatus) -> bool {
+    conditions::is_true(&status.conditions, ConditionType::DisruptionTarget)
+}
+
+/// An evicted VM: while still on its node, wait for the node's agent to release it (or clear
+/// the node once the agent has been silent past its fence deadline: it has stopped the VM
+/// itself); once released, a VM that may move (ephemeral, or `rescheduleOnNodeLoss`) is placed
+/// anew, and any other follows its restart policy. `None`: the restart policy decides.
+fn after_eviction(vm: &ImpVM, mut status: ImpVMStatus, w: &World) -> Option<Plan> {
+    if let Some(node) = vm.spec.node_name.as_deref() {
+        if w.agent.is_some_and(|a| a.fenced()) {
+            return Some(Plan {
+                clear_node: true,
+                doing: "releasing an evicted VM whose node's agent has fenced",
+                event: Some(Note::warning(
+                    "Released",
+                    format!(
+                        "the agent of node {node} is silent past its fence deadline: it has stopped the evicted VM itself"
+                    ),
+                )),
+                next: Next::Requeue(Duration::ZERO),
+                ..Plan::default()
+            });
+        }
+        return Some(Plan::stop(Next::Requeue(w.settings.requeue_active)));
+    }
+    let spec = w.resolved.as_ref().map(|r| &r.spec).unwrap_or(&vm.spec);
+    if spec.lifecycle != VmLifecycle::Ephemeral && !spec.reschedule_on_node_loss {
+        return None;
+    }
+    let from = status.node_name.clone().unwrap_or_default();
+    status.phase = Some(VmPhase::Pending);
+    status.node_name = None;
+    status.suspend_snapshot_path = None;
+    status.suspended_at = None;
+    run_again(&mut status);
+    let msg = format!("evicted from node {from}; placing it on another node");
+    set_cond(
+        &mut status,
+        ConditionType::Scheduled,
+        false,
+        ConditionReason::Evicted,
+        msg.clone(),
+        vm.metadata.generation,
+        w.now,
+    );
+    Some(Plan {
+        status: Some(status),
+        doing: "rescheduling an evicted",
+        event: Some(Note::normal("Rescheduling", msg)),
+        next: Next::Requeue(Duration::ZERO),
+        ..Plan::default()
+    })
 }
 
 /// A running persistent VM whose own spec changed since it was booked: the change goes into
@@ -467,7 +638,11 @@ fn finished(vm: &ImpVM, old: ImpVMStatus, w: &World) -> Plan {
     {
         return expire(status, w);
     }
+    let evicted = was_evicted(&status)
+        .then(|| after_eviction(vm, status.clone(), w))
+        .flatten();
     let mut plan = match (status.phase.unwrap_or_default(), w.resolved) {
+        _ if evicted.is_some() => evicted.unwrap_or_default(),
         (VmPhase::Failed, Ok(r)) => restart(vm, status.clone(), r, w),
         _ => Plan::stop(Next::AwaitChange),
     };
@@ -634,6 +809,7 @@ fn fail_on_lost(mut status: ImpVMStatus, why: String, generation: Option<i64>, w
 /// An ended VM goes again: what its last run left is cleared (an expiry counted from its end
 /// too; one counted from its first run stands).
 fn run_again(status: &mut ImpVMStatus) {
+    conditions::remove(&mut status.conditions, ConditionType::DisruptionTarget);
     status.exit_code = None;
     status.started_at = None;
     status.finished_at = None;
@@ -774,6 +950,7 @@ mod tests {
     use imp_api::shared::{BackoffPolicy, RestartPolicy};
     use imp_api::vm::ImpVMSpec;
     use k8s_openapi::api::core::v1::{NodeCondition, NodeStatus};
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 
     fn vm(node: Option<&str>, phase: Option<VmPhase>) -> ImpVM {
         let mut vm = ImpVM::new("v", ImpVMSpec::default());
@@ -1052,6 +1229,134 @@ mod tests {
         let p = plan(with(40));
         assert!(p.clear_node, "fenced: moved");
         assert_eq!(p.event.unwrap().reason, "Rescheduling");
+    }
+
+    fn tainted(key: &str, since: Timestamp) -> Node {
+        let mut n = node(true, since);
+        n.spec = Some(k8s_openapi::api::core::v1::NodeSpec {
+            taints: Some(vec![k8s_openapi::api::core::v1::Taint {
+                key: key.into(),
+                effect: "NoExecute".into(),
+                ..Default::default()
+            }]),
+            ..Default::default()
+        });
+        n
+    }
+
+    fn cond<'a>(p: &'a Plan, type_: &str) -> Option<&'a Condition> {
+        p.status
+            .as_ref()
+            .and_then(|s| s.conditions.iter().find(|c| c.type_ == type_))
+    }
+
+    #[test]
+    fn a_no_execute_taint_evicts_after_the_tolerated_seconds_and_the_agent_releases_first() {
+        let now = Timestamp::now();
+        let v = vm(Some("n1"), Some(VmPhase::Running));
+        let drain = tainted("drain", now);
+        let mut spec = v.spec.clone();
+        spec.lifecycle = VmLifecycle::Ephemeral;
+        spec.tolerations = vec![Toleration {
+            key: Some("drain".into()),
+            operator: Some("Exists".into()),
+            toleration_seconds: Some(30),
+            ..Default::default()
+        }];
+        let r = resolved(spec.clone());
+        // Tolerated: stays Running, says until when, and looks again then.
+        let p = plan(decide_with(&v, &r, Some(&drain), now));
+        assert_eq!(phase(&p), Some(VmPhase::Running));
+        let c = cond(&p, "DisruptionTarget").unwrap();
+        assert_eq!(
+            (c.status.as_str(), c.reason.as_str()),
+            ("False", "TaintTolerated")
+        );
+        assert!(c.message.contains("drain:NoExecute"), "{}", c.message);
+        assert!(matches!(p.next, Next::Requeue(d) if d <= Duration::from_secs(31)));
+
+        // Past the limit: Failed with Evicted where it is; the node stays for the agent.
+        let later = now + Duration::from_secs(31);
+        let mut seen = v.clone();
+        seen.status = p.status.clone();
+        let p = plan(decide_with(&seen, &r, Some(&drain), later));
+        assert_eq!(phase(&p), Some(VmPhase::Failed));
+        assert!(!p.clear_node, "its agent stops it and releases it");
+        let c = cond(&p, "DisruptionTarget").unwrap();
+        assert_eq!((c.status.as_str(), c.reason.as_str()), ("True", "Evicted"));
+        assert!(c.message.contains("tolerated for 30s"), "{}", c.message);
+        assert_eq!(p.event.as_ref().unwrap().reason, "Evicted");
+
+        // Still on the node: waits for the agent.
+        let mut evicted = seen.clone();
+        evicted.status = p.status.clone();
+        let p = plan(decide_with(&evicted, &r, None, later));
+        assert_eq!((p.status.is_none(), p.clear_node), (true, false));
+
+        // Released by the agent: placed anew, the mark gone.
+        evicted.spec.node_name = None;
+        let p = plan(decide_with(&evicted, &r, None, later));
+        assert_eq!(phase(&p), Some(VmPhase::Pending));
+        assert!(cond(&p, "DisruptionTarget").is_none());
+        assert_eq!(cond(&p, "Scheduled").unwrap().reason, "Evicted");
+        assert_eq!(p.event.unwrap().reason, "Rescheduling");
+
+        // Without any toleration: at once; with the taint gone: no mark.
+        let p = plan(decide_with(
+            &v,
+            &resolved(v.spec.clone()),
+            Some(&drain),
+            now,
+        ));
+        assert_eq!(phase(&p), Some(VmPhase::Failed));
+        let p = plan(decide_with(&seen, &r, Some(&node(true, now)), later));
+        assert_eq!(phase(&p), Some(VmPhase::Running));
+        assert!(cond(&p, "DisruptionTarget").is_none());
+    }
+
+    #[test]
+    fn the_node_lifecycle_taint_does_not_evict_and_a_fenced_agent_releases_itself() {
+        let now = Timestamp::now();
+        let v = vm(Some("n1"), Some(VmPhase::Running));
+        // Ready with the unreachable taint still on (the node just came back): stays.
+        let back = tainted("node.kubernetes.io/unreachable", now);
+        let p = plan(decide_with(&v, &resolved(v.spec.clone()), Some(&back), now));
+        assert_eq!(phase(&p), Some(VmPhase::Running));
+
+        // Evicted, and its agent has been silent past its deadline: the operator releases it.
+        let drain = tainted("drain", now);
+        let mut evicted = v.clone();
+        evicted.status = plan(decide_with(
+            &v,
+            &resolved(v.spec.clone()),
+            Some(&drain),
+            now,
+        ))
+        .status;
+        let settings = Settings::default();
+        let r = resolved(v.spec.clone());
+        let world = |silent| World {
+            now,
+            jitter: 0.5,
+            settings: &settings,
+            resolved: &r,
+            node: None,
+            agent: Some(crate::fencing::Silence {
+                silent: Duration::from_secs(silent),
+                deadline: Duration::from_secs(40),
+            }),
+        };
+        assert!(!plan(decide(&evicted, &world(10))).clear_node);
+        let p = plan(decide(&evicted, &world(40)));
+        assert!(p.clear_node);
+        assert_eq!(p.event.unwrap().reason, "Released");
+        // A persistent VM that may not move, once released, follows its restart policy.
+        evicted.spec.node_name = None;
+        let mut pers = v.spec.clone();
+        pers.lifecycle = VmLifecycle::Persistent;
+        let p = plan(decide_with(&evicted, &resolved(pers), None, now));
+        let retry = p.status.as_ref().and_then(|s| s.next_retry_after.as_ref());
+        assert!(retry.is_some(), "the default policy's first backoff: {p:?}");
     }
 
     #[test]

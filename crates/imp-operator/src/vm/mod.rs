@@ -70,6 +70,7 @@ mod address;
 mod apply;
 mod conditions;
 mod decide;
+mod evict;
 mod finalize;
 mod place;
 mod reserve;

@@ -458,8 +458,9 @@ fn validate(req: &AdmissionRequest<DynamicObject>) -> AdmissionResponse {
     let name = obj.metadata.name.as_deref().unwrap_or(req.name.as_str());
     let outcome = match kind {
         "ImpVM" => return validate_vm(resp, obj, old, name),
-        "ImpVMClass" => typed::<ImpVMClass>(obj, kind, "object")
-            .map(|o| both(validation::class(&o.spec), unsupported::class(&o.spec))),
+        "ImpVMClass" => {
+            typed::<ImpVMClass>(obj, kind, "object").map(|o| validation::class(&o.spec))
+        }
         "ImpVMTemplate" => typed::<ImpVMTemplate>(obj, kind, "object").map(|o| {
             both(
                 validation::template(&o.spec),
