@@ -87,6 +87,9 @@ string_enum! {
         /// (Operator) evicted from its node by a `NoExecute` taint it does not tolerate (or no
         /// longer: its `tolerationSeconds` ran out); the message names the node and the taint.
         Evicted,
+        /// (Operator) the VM's own `classRef` or `templateRef` changed while it ran: it leaves
+        /// its node (whose agent stops and releases it) and is placed anew with the new spec.
+        SpecChanged,
         /// (Operator) the VM's node has a `NoExecute` taint the VM tolerates for its
         /// `tolerationSeconds`; the message names the taint and when the VM is evicted.
         TaintTolerated,

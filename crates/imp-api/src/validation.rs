@@ -189,8 +189,10 @@ pub fn vm_update(old: &ImpVMSpec, new: &ImpVMSpec) -> Result<(), ValidationError
 }
 
 /// The fields of a placed VM's spec that changed from `old` to `new` and that a placed VM
-/// cannot take: what it was sized, networked or restored with. (Image, env, envFrom, userData,
-/// probes, restartPolicy and expireAfter are rolled into its booking by the operator.)
+/// cannot take: what it was networked or restored with, and for an ephemeral VM (a job, never
+/// restarted for an edit) what it was sized with. (Image, env, envFrom, userData, probes,
+/// restartPolicy and expireAfter are rolled into its booking by the operator; a persistent
+/// VM's new classRef or templateRef places it anew.)
 fn fixed_once_placed(old: &ImpVMSpec, new: &ImpVMSpec) -> Vec<&'static str> {
     let mut changed = Vec::new();
     let mut check = |field, differs: bool| {
@@ -198,8 +200,17 @@ fn fixed_once_placed(old: &ImpVMSpec, new: &ImpVMSpec) -> Vec<&'static str> {
             changed.push(field);
         }
     };
-    check("spec.classRef", old.class_ref != new.class_ref);
-    check("spec.templateRef", old.template_ref != new.template_ref);
+    let persistent = [old, new]
+        .iter()
+        .all(|s| s.lifecycle == crate::shared::VmLifecycle::Persistent);
+    check(
+        "spec.classRef",
+        !persistent && old.class_ref != new.class_ref,
+    );
+    check(
+        "spec.templateRef",
+        !persistent && old.template_ref != new.template_ref,
+    );
     check("spec.networkRef", old.network_ref != new.network_ref);
     check("spec.networkGroup", old.network_group != new.network_group);
     check("spec.lifecycle", old.lifecycle != new.lifecycle);
@@ -1164,6 +1175,14 @@ mod tests {
                 && m.contains("spec.lifecycle: cannot change"),
             "{m}"
         );
+        // A persistent VM may take another class or template: it is placed anew with it.
+        let mut persistent = placed.clone();
+        persistent.lifecycle = crate::shared::VmLifecycle::Persistent;
+        assert_eq!(vm_update(&persistent, &other_class), Ok(()));
+        let mut templated = persistent.clone();
+        templated.class_ref = None;
+        templated.template_ref = Some(crate::shared::LocalObjectRef { name: "web".into() });
+        assert_eq!(vm_update(&persistent, &templated), Ok(()));
         // Not placed yet: anything goes.
         let mut unplaced = placed.clone();
         unplaced.node_name = None;

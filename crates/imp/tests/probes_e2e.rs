@@ -9,6 +9,8 @@
 //! what it saw) and its restart policy boots it again: a new QEMU, `restartCount` 1, healthy.
 //! Then its own image is changed: the operator rolls the change into its booking and the agent
 //! boots it again with the new image (a `SpecChanged` Event, a new QEMU, `restartCount` still 1).
+//! Last, its classRef moves to a larger class: it leaves its node and is placed anew with the
+//! new size (a new QEMU with the class's memory).
 //!
 //! Needs what `agent_e2e.rs` needs (`scripts/setup`): without it, it skips on a developer
 //! machine and fails under `CI=true`.
@@ -31,6 +33,8 @@ use serde_json::json;
 const NS: &str = "default";
 const VM: &str = "probed";
 const NODE: &str = "probe-node";
+/// The memory of the class the VM moves to at the end.
+const ROOMY_MIB: i32 = 160;
 
 /// What the workload and the probes run.
 const APPLETS: &[&str] = &[
@@ -215,6 +219,54 @@ async fn probes_gate_readiness_flip_it_and_restart_a_vm_whose_liveness_fails() {
     assert_ne!(rolled_qemu, new_qemu, "the VM was not booted again");
     let id = exec_in(&alice, NS, VM, "id -u").await;
     assert_eq!(id.trim(), "0", "the guest runs the old image: {id}");
+
+    // A new class (issue 26): the VM leaves its node (the agent stops, removes and releases
+    // it) and is placed anew with the class's size: a new QEMU with the new memory.
+    common::create_imp(
+        &c,
+        "ImpVMClass",
+        "impvmclasses",
+        json!({"apiVersion": "imp.dev/v1alpha1", "kind": "ImpVMClass",
+               "metadata": {"name": "roomy"},
+               "spec": {"vcpu": 1, "memoryMiB": ROOMY_MIB, "diskGiB": 1}}),
+    )
+    .await;
+    let patch = json!({"spec": {"classRef": {"name": "roomy"}}});
+    vms.patch(VM, &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+        .unwrap();
+    let roomy = common::wait_vm(&vms, VM, "Running again with the new class", 300, |v| {
+        let booking = v.status.as_ref().and_then(|s| s.booking.as_ref());
+        booking.is_some_and(|b| b.class.memory_mib == ROOMY_MIB)
+            && phase(v) == Some(VmPhase::Running)
+            && is(v, "Started", "True", "ProbeSucceeded")
+    })
+    .await;
+    assert!(
+        condition(&roomy, "DisruptionTarget").is_none(),
+        "the mark stayed"
+    );
+    // (Its SpecChanged Event joins the series of the image's, whose message it keeps.)
+    let events = common::events_of(&c, NS, VM).await;
+    let refused: Vec<_> = events
+        .iter()
+        .filter(|e| e.type_.as_deref() == Some("Warning"))
+        .filter(|e| e.reason.as_deref() == Some("Forbidden"))
+        .collect();
+    assert!(refused.is_empty(), "{refused:?}");
+    let roomy_qemu = common::qemu_of(&agent.state, &uid);
+    assert_eq!(roomy_qemu.len(), 1, "{roomy_qemu:?}");
+    assert_ne!(roomy_qemu, rolled_qemu, "the VM was not booted again");
+    let argv = std::fs::read(format!("/proc/{}/cmdline", roomy_qemu[0])).unwrap();
+    let argv: Vec<String> = argv
+        .split(|b| *b == 0)
+        .map(|a| String::from_utf8_lossy(a).into_owned())
+        .collect();
+    let m = argv
+        .iter()
+        .position(|a| a == "-m")
+        .map(|i| argv[i + 1].clone());
+    assert_eq!(m, Some(format!("{ROOMY_MIB}M")), "{argv:?}");
     let _ = std::fs::remove_dir_all(&layout);
     let _ = std::fs::remove_dir_all(&layout2);
 }

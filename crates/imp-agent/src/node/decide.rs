@@ -35,9 +35,10 @@ pub struct Observed {
     pub revision: i64,
     /// `spec.lifecycle` is ephemeral (a job) rather than persistent.
     pub ephemeral: bool,
-    /// The operator evicted the VM from this node (`DisruptionTarget=True`, a `NoExecute`
-    /// taint): stop and remove it, then release it so that it can be placed elsewhere.
-    pub evicted: bool,
+    /// The operator takes the VM off this node (`DisruptionTarget=True`: evicted for a
+    /// `NoExecute` taint, or its class or template changed): stop and remove it, then release
+    /// it, so that it is placed anew only once nothing of it runs here.
+    pub leaving: bool,
     /// `spec.desiredState` is `Suspended`.
     pub suspend_wanted: bool,
     /// `spec.desiredState` is `ScaleToZero`: suspend when idle, resume when woken.
@@ -154,15 +155,18 @@ pub fn decide(vm: &Observed, local: Option<Local<'_>>) -> Decision {
             None => Decision::Release,
         };
     }
+    if vm.leaving {
+        // Released only once nothing of it is left here: the operator places it anew only
+        // then, so it never runs on two nodes.
+        return match local {
+            Some(_) => Decision::Teardown { release: true },
+            None => Decision::Release,
+        };
+    }
     if vm.phase.is_terminal() {
         // Reported already (or the operator ended it, e.g. a start timeout): free the node.
-        // An evicted VM is released too, once nothing of it is left here: the operator moves
-        // it only then, so it never runs on two nodes.
         return match local {
-            Some(_) => Decision::Teardown {
-                release: vm.evicted,
-            },
-            None if vm.evicted => Decision::Release,
+            Some(_) => Decision::Teardown { release: false },
             None => Decision::Wait,
         };
     }
@@ -424,7 +428,7 @@ pub(crate) mod tests {
             attempt: 0,
             revision: 0,
             ephemeral: true,
-            evicted: false,
+            leaving: false,
             suspend_wanted: false,
             scale_to_zero: false,
             cold_boot_fallback: false,
@@ -927,10 +931,10 @@ pub(crate) mod tests {
     }
 
     #[test]
-    fn an_evicted_vm_is_stopped_removed_and_released_so_it_can_move() {
+    fn a_vm_leaving_the_node_is_stopped_removed_and_released_so_it_can_move() {
         let r = record(VmStatus::Running, 0);
         let mut v = vm(VmPhase::Failed, true);
-        v.evicted = true;
+        v.leaving = true;
         assert_eq!(
             decide(&v, local(&r, true)),
             Decision::Teardown { release: true },
@@ -939,7 +943,14 @@ pub(crate) mod tests {
         assert_eq!(decide(&v, None), Decision::Release);
         // Evicted before it started here (Scheduled, then evicted): nothing to stop.
         let mut early = vm(VmPhase::Failed, false);
-        early.evicted = true;
+        early.leaving = true;
         assert_eq!(decide(&early, None), Decision::Release);
+        // A class change: Pending while its old boot still runs here.
+        let mut moved = vm(VmPhase::Pending, false);
+        moved.leaving = true;
+        assert_eq!(
+            decide(&moved, local(&r, true)),
+            Decision::Teardown { release: true }
+        );
     }
 }

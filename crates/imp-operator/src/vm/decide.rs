@@ -126,6 +126,9 @@ pub(super) fn decide(vm: &ImpVM, w: &World) -> Decision {
             ..Plan::default()
         }));
     }
+    if let Some(plan) = leaving(vm, &status, w) {
+        return Decision::Write(Box::new(plan));
+    }
     if let Some(plan) = book(vm, &status, w.resolved) {
         return Decision::Write(Box::new(plan));
     }
@@ -133,6 +136,9 @@ pub(super) fn decide(vm: &ImpVM, w: &World) -> Decision {
         return Decision::Write(Box::new(finished(vm, status, w)));
     }
     let Some(node) = vm.spec.node_name.as_deref() else {
+        if let Some(plan) = released(&status) {
+            return Decision::Write(Box::new(plan));
+        }
         return match w.resolved {
             Ok(_) => Decision::Place,
             Err(missing) => Decision::Write(Box::new(invalid_spec(vm, status, missing, w))),
@@ -478,33 +484,57 @@ fn evicted(
     }
 }
 
-/// Whether `status` says the VM was evicted (and has not gone again since).
-fn was_evicted(status: &ImpVMStatus) -> bool {
+/// Whether `status` marks the VM to leave its node (`DisruptionTarget=True`: evicted, or its
+/// class or template reference changed).
+fn leaves(status: &ImpVMStatus) -> bool {
     conditions::is_true(&status.conditions, ConditionType::DisruptionTarget)
 }
 
-/// An evicted VM: while still on its node, wait for the node's agent to release it (or clear
-/// the node once the agent has been silent past its fence deadline: it has stopped the VM
-/// itself); once released, a VM that may move (ephemeral, or `rescheduleOnNodeLoss`) is placed
-/// anew, and any other follows its restart policy. `None`: the restart policy decides.
-fn after_eviction(vm: &ImpVM, mut status: ImpVMStatus, w: &World) -> Option<Plan> {
-    if let Some(node) = vm.spec.node_name.as_deref() {
-        if w.agent.is_some_and(|a| a.fenced()) {
-            return Some(Plan {
-                clear_node: true,
-                doing: "releasing an evicted VM whose node's agent has fenced",
-                event: Some(Note::warning(
-                    "Released",
-                    format!(
-                        "the agent of node {node} is silent past its fence deadline: it has stopped the evicted VM itself"
-                    ),
-                )),
-                next: Next::Requeue(Duration::ZERO),
-                ..Plan::default()
-            });
-        }
+/// A VM marked to leave its node that is still on it: wait for the node's agent to stop,
+/// remove and release it (clear `spec.nodeName`), or clear the node once the agent has been
+/// silent past its fence deadline (it has stopped the VM itself by then).
+fn leaving(vm: &ImpVM, status: &ImpVMStatus, w: &World) -> Option<Plan> {
+    let node = vm.spec.node_name.as_deref()?;
+    if !leaves(status) {
+        return None;
+    }
+    if !w.agent.is_some_and(|a| a.fenced()) {
         return Some(Plan::stop(Next::Requeue(w.settings.requeue_active)));
     }
+    Some(Plan {
+        clear_node: true,
+        doing: "releasing a VM whose node's agent has fenced",
+        event: Some(Note::warning(
+            "Released",
+            format!(
+                "the agent of node {node} is silent past its fence deadline: it has stopped \
+                 the VM itself"
+            ),
+        )),
+        next: Next::Requeue(Duration::ZERO),
+        ..Plan::default()
+    })
+}
+
+/// A VM its node's agent released that is not Failed (its class or template changed): the mark
+/// goes before it is placed anew, or the next node's agent would release it at once.
+fn released(status: &ImpVMStatus) -> Option<Plan> {
+    let mut status = status.clone();
+    if !conditions::remove(&mut status.conditions, ConditionType::DisruptionTarget) {
+        return None;
+    }
+    Some(Plan {
+        status: Some(status),
+        doing: "clearing the release mark of",
+        next: Next::Continue,
+        ..Plan::default()
+    })
+}
+
+/// An evicted VM its node's agent released: one that may move (ephemeral, or
+/// `rescheduleOnNodeLoss`) is placed anew; `None` for any other, which follows its restart
+/// policy.
+fn after_eviction(vm: &ImpVM, mut status: ImpVMStatus, w: &World) -> Option<Plan> {
     let spec = w.resolved.as_ref().map(|r| &r.spec).unwrap_or(&vm.spec);
     if spec.lifecycle != VmLifecycle::Ephemeral && !spec.reschedule_on_node_loss {
         return None;
@@ -516,13 +546,15 @@ fn after_eviction(vm: &ImpVM, mut status: ImpVMStatus, w: &World) -> Option<Plan
     status.suspended_at = None;
     run_again(&mut status);
     let msg = format!("evicted from node {from}; placing it on another node");
+    let reason = ConditionReason::Evicted;
+    let generation = vm.metadata.generation;
     set_cond(
         &mut status,
         ConditionType::Scheduled,
         false,
-        ConditionReason::Evicted,
+        reason,
         msg.clone(),
-        vm.metadata.generation,
+        generation,
         w.now,
     );
     Some(Plan {
@@ -534,6 +566,46 @@ fn after_eviction(vm: &ImpVM, mut status: ImpVMStatus, w: &World) -> Option<Plan
     })
 }
 
+/// A running persistent VM whose own `classRef` or `templateRef` changed (`what`): it leaves
+/// `node` to be placed anew with the new spec (its size may change).
+fn replace(vm: &ImpVM, mut status: ImpVMStatus, node: &str, what: &str, w: &World) -> Plan {
+    let generation = vm.metadata.generation;
+    status.phase = Some(VmPhase::Pending);
+    status.suspend_snapshot_path = None;
+    status.suspended_at = None;
+    run_again(&mut status);
+    let msg = format!(
+        "{what} changed: restarting the VM with the new spec, placed anew once node {node} has \
+         stopped it"
+    );
+    let reason = ConditionReason::SpecChanged;
+    set_cond(
+        &mut status,
+        ConditionType::DisruptionTarget,
+        true,
+        reason,
+        msg.clone(),
+        generation,
+        w.now,
+    );
+    set_cond(
+        &mut status,
+        ConditionType::Ready,
+        false,
+        reason,
+        msg.clone(),
+        generation,
+        w.now,
+    );
+    Plan {
+        status: Some(status),
+        doing: "placing anew, for a changed reference,",
+        event: Some(Note::normal("SpecChanged", msg)),
+        next: Next::Requeue(w.settings.requeue_active),
+        ..Plan::default()
+    }
+}
+
 /// A running persistent VM whose own spec changed since it was booked: the change goes into
 /// its booking, and a change of what it boots with restarts it on its node with a new booking
 /// revision ([`super::rollout`]).
@@ -542,6 +614,11 @@ fn roll(vm: &ImpVM, status: &ImpVMStatus, w: &World) -> Option<Plan> {
     let running = status.phase == Some(VmPhase::Running);
     if !running || booking.spec.lifecycle != VmLifecycle::Persistent {
         return None;
+    }
+    let refs = super::rollout::changed_refs(&vm.spec, &booking.spec);
+    if !refs.is_empty() {
+        let node = vm.spec.node_name.as_deref().unwrap_or_default();
+        return Some(replace(vm, status.clone(), node, &refs.join(", "), w));
     }
     let r = super::rollout::rollout(&vm.spec, &booking.spec)?;
     let what = r.changed.join(", ");
@@ -638,7 +715,7 @@ fn finished(vm: &ImpVM, old: ImpVMStatus, w: &World) -> Plan {
     {
         return expire(status, w);
     }
-    let evicted = was_evicted(&status)
+    let evicted = leaves(&status)
         .then(|| after_eviction(vm, status.clone(), w))
         .flatten();
     let mut plan = match (status.phase.unwrap_or_default(), w.resolved) {
@@ -1312,6 +1389,46 @@ mod tests {
         let p = plan(decide_with(&seen, &r, Some(&node(true, now)), later));
         assert_eq!(phase(&p), Some(VmPhase::Running));
         assert!(cond(&p, "DisruptionTarget").is_none());
+    }
+
+    #[test]
+    fn a_new_class_takes_a_running_persistent_vm_off_its_node_to_be_placed_anew() {
+        let now = Timestamp::now();
+        let mut v = vm(Some("n1"), Some(VmPhase::Running));
+        let small = imp_api::shared::ClusterObjectRef {
+            name: "small".into(),
+        };
+        let mut booked = v.spec.clone();
+        booked.lifecycle = VmLifecycle::Persistent;
+        booked.class_ref = Some(small);
+        v.status.as_mut().unwrap().booking.as_mut().unwrap().spec = booked.clone();
+        v.spec = booked.clone();
+        v.spec.class_ref = Some(imp_api::shared::ClusterObjectRef { name: "big".into() });
+        let r = resolved(booked);
+        let p = plan(decide_with(&v, &r, Some(&node(true, now)), now));
+        assert_eq!(phase(&p), Some(VmPhase::Pending));
+        assert!(!p.clear_node, "its agent stops it and releases it");
+        let c = cond(&p, "DisruptionTarget").unwrap();
+        assert_eq!(
+            (c.status.as_str(), c.reason.as_str()),
+            ("True", "SpecChanged")
+        );
+        assert!(c.message.starts_with("classRef changed"), "{}", c.message);
+        assert_eq!(p.event.as_ref().unwrap().reason, "SpecChanged");
+
+        // Until released: nothing else happens (no record of the node, no restart).
+        let mut marked = v.clone();
+        marked.status = p.status.clone();
+        let p = plan(decide_with(&marked, &r, Some(&node(true, now)), now));
+        assert_eq!((p.status.is_none(), p.clear_node), (true, false));
+
+        // Released: the mark goes first (a new node's agent would release it), then placement.
+        marked.spec.node_name = None;
+        let p = plan(decide_with(&marked, &r, None, now));
+        assert!(cond(&p, "DisruptionTarget").is_none());
+        assert_eq!(p.next, Next::Continue);
+        marked.status = p.status.clone();
+        assert_eq!(decide_with(&marked, &r, None, now), Decision::Place);
     }
 
     #[test]

@@ -8,12 +8,18 @@
 //! Normal Event `SpecChanged`. Probes, restartPolicy, expireAfter and imagePullSecrets take
 //! effect without a restart. A field the VM does not set keeps its booked value (clearing the
 //! VM's `env` does not empty the booked one), and edits to the VM's class or template never
-//! reach a placed VM. What a placed VM was sized, networked or restored with (classRef,
-//! templateRef, networkRef, networkGroup, lifecycle, snapshotRef) cannot change: admission
-//! refuses it (`imp_api::validation::vm_update`).
+//! reach a placed VM. What a placed VM was networked or restored with (networkRef,
+//! networkGroup, lifecycle, snapshotRef) cannot change: admission refuses it
+//! (`imp_api::validation::vm_update`).
+//!
+//! A new `classRef` or `templateRef` ([`changed_refs`]) is not rolled on the node: the VM may
+//! change size, so it leaves its node (its agent stops and releases it, as for an eviction) and
+//! is placed anew, resolved from its class and template as they are then, with a Normal Event
+//! `SpecChanged`.
 //!
 //! An ephemeral VM (a job) is never restarted for an edit: its changes are booked for a run
-//! that never comes, so they are not rolled at all.
+//! that never comes, so they are not rolled at all (and admission refuses a new class or
+//! template on a placed one).
 
 use imp_api::vm::ImpVMSpec;
 
@@ -88,6 +94,20 @@ pub(super) fn rollout(own: &ImpVMSpec, booked: &ImpVMSpec) -> Option<Rollout> {
     })
 }
 
+/// The references of `own` that differ from those it was `booked` with: `classRef` (when the
+/// VM sets one; one inherited from its template is not the VM's) and `templateRef`. A VM whose
+/// references changed is placed anew rather than rolled on its node: its size may change.
+pub(super) fn changed_refs(own: &ImpVMSpec, booked: &ImpVMSpec) -> Vec<&'static str> {
+    let mut changed = Vec::new();
+    if own.class_ref.is_some() && own.class_ref != booked.class_ref {
+        changed.push("classRef");
+    }
+    if own.template_ref != booked.template_ref {
+        changed.push("templateRef");
+    }
+    changed
+}
+
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used)]
@@ -135,5 +155,32 @@ mod tests {
         // VM's, and its booking stands.
         assert_eq!(rollout(&spec(json!({})), &booked), None);
         assert_eq!(rollout(&spec(json!({"image": ""})), &booked), None);
+    }
+
+    #[test]
+    fn a_changed_class_or_template_reference_is_named() {
+        let booked = spec(json!({"classRef": {"name": "small"}, "image": "app:1"}));
+        assert!(changed_refs(&spec(json!({"classRef": {"name": "small"}})), &booked).is_empty());
+        assert_eq!(
+            changed_refs(&spec(json!({"classRef": {"name": "big"}})), &booked),
+            ["classRef"]
+        );
+        // From a template: its class is the template's, not the VM's.
+        let from_template =
+            spec(json!({"templateRef": {"name": "web"}, "classRef": {"name": "small"}}));
+        assert!(
+            changed_refs(
+                &spec(json!({"templateRef": {"name": "web"}})),
+                &from_template
+            )
+            .is_empty()
+        );
+        assert_eq!(
+            changed_refs(
+                &spec(json!({"templateRef": {"name": "api"}})),
+                &from_template
+            ),
+            ["templateRef"]
+        );
     }
 }

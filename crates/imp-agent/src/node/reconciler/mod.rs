@@ -280,9 +280,15 @@ impl Context {
             })
     }
 
-    /// Clears `spec.nodeName`: the marker that the node has nothing left of the VM.
+    /// Clears `spec.nodeName`: the marker that the node has nothing left of the VM. With a
+    /// resourceVersion precondition: a reconcile of a stale copy (the watch behind the
+    /// release it already made) gets 409 and looks again, instead of releasing a VM that is no
+    /// longer on this node (which the admission policy refuses, with a Warning Event).
     async fn release(&self, vm: &ImpVM) -> Result<(), Error> {
-        let body = json!({"spec": {"nodeName": null}});
+        let body = json!({
+            "metadata": {"resourceVersion": vm.resource_version()},
+            "spec": {"nodeName": null},
+        });
         self.api(vm)
             .patch(
                 &vm.name_any(),
@@ -318,7 +324,7 @@ fn observed(vm: &ImpVM) -> Observed {
         attempt: status.restart_count.unwrap_or(0),
         revision: status.booking.as_ref().map_or(0, |b| b.revision),
         ephemeral: vm.spec.lifecycle == VmLifecycle::Ephemeral,
-        evicted: imp_api::conditions::is_true(
+        leaving: imp_api::conditions::is_true(
             &status.conditions,
             imp_api::conditions::ConditionType::DisruptionTarget,
         ),
