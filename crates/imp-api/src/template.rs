@@ -60,10 +60,10 @@ pub struct ImpVMTemplateSpec {
     /// Network group to draw IPs from.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub network_group: Option<String>,
-    /// Runner tooling layer VMs would inherit. Not supported yet: refused by the admission webhook when set.
+    /// Runner tooling layer VMs inherit (an OCI image applied over theirs; see ImpVM runnerLayer).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub runner_layer: Option<String>,
-    /// Cilium agent layer VMs would inherit. Not supported yet: refused by the admission webhook when set.
+    /// Cilium agent layer VMs inherit (an OCI image applied over the runner layer).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cilium_layer: Option<String>,
     /// Expiry of VMs made from it; 0 or at least 60s.

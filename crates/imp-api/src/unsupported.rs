@@ -9,15 +9,11 @@
 use k8s_openapi::api::core::v1::EnvVar;
 
 use crate::validation::{FieldError, ValidationErrors};
-use crate::{ClusterImpConfigSpec, ImpNetworkSpec, ImpVMSpec, ImpVMTemplateSpec};
+use crate::{ClusterImpConfigSpec, ImpNetworkSpec, ImpVMSpec};
 
 /// What every refusal here says, after the field path.
 pub const NOT_SUPPORTED_YET: &str = "is not supported yet";
 
-/// `runnerLayer` set.
-pub const RUNNER_LAYER: &str = "is not supported yet: no layer is added to the root disk (build the runner tooling into spec.image)";
-/// `ciliumLayer` set.
-pub const CILIUM_LAYER: &str = "is not supported yet: no layer is added to the root disk and imp does not enrol VMs with Cilium";
 /// An `env[].valueFrom` source other than a Secret or ConfigMap key.
 pub const ENV_SOURCE: &str =
     "is not supported yet: only secretKeyRef and configMapKeyRef are read in valueFrom";
@@ -49,23 +45,7 @@ pub fn kind(kind: &str) -> Option<String> {
 /// Values of an ImpVM spec nothing honours.
 pub fn vm(spec: &ImpVMSpec) -> Result<(), ValidationErrors> {
     let mut e = Vec::new();
-    layers(
-        &mut e,
-        spec.runner_layer.as_ref(),
-        spec.cilium_layer.as_ref(),
-    );
     env(&mut e, &spec.env);
-    result(e)
-}
-
-/// Values of an ImpVMTemplate spec nothing honours (its VMs would inherit them).
-pub fn template(spec: &ImpVMTemplateSpec) -> Result<(), ValidationErrors> {
-    let mut e = Vec::new();
-    layers(
-        &mut e,
-        spec.runner_layer.as_ref(),
-        spec.cilium_layer.as_ref(),
-    );
     result(e)
 }
 
@@ -116,15 +96,6 @@ pub fn cluster_config(spec: &ClusterImpConfigSpec) -> Result<(), ValidationError
         }
     }
     result(e)
-}
-
-fn layers(e: &mut Vec<FieldError>, runner: Option<&String>, cilium: Option<&String>) {
-    if runner.is_some_and(|l| !l.is_empty()) {
-        push(e, "spec.runnerLayer", RUNNER_LAYER);
-    }
-    if cilium.is_some_and(|l| !l.is_empty()) {
-        push(e, "spec.ciliumLayer", CILIUM_LAYER);
-    }
 }
 
 fn env(e: &mut Vec<FieldError>, vars: &[EnvVar]) {
@@ -194,7 +165,6 @@ mod tests {
             Ok(()),
             "a VM without its guest agent is supported"
         );
-        assert_eq!(template(&ImpVMTemplateSpec::default()), Ok(()));
         assert_eq!(network(&ImpNetworkSpec::default()), Ok(()));
         let cfg = ClusterImpConfigSpec {
             networking: Some(NetworkingConfig {
@@ -215,32 +185,6 @@ mod tests {
         };
         assert_eq!(cluster_config(&cfg), Ok(()));
         assert_eq!(kind("ImpVM"), None);
-    }
-
-    #[test]
-    fn layers_are_refused_on_vms_and_templates() {
-        let v = ImpVMSpec {
-            runner_layer: Some("ghcr.io/a/runner:1".into()),
-            cilium_layer: Some("ghcr.io/a/cilium:1".into()),
-            ..Default::default()
-        };
-        let m = msg(vm(&v));
-        assert!(
-            m.contains(&format!("spec.runnerLayer: {RUNNER_LAYER}")),
-            "{m}"
-        );
-        assert!(
-            m.contains(&format!("spec.ciliumLayer: {CILIUM_LAYER}")),
-            "{m}"
-        );
-        let t = ImpVMTemplateSpec {
-            runner_layer: v.runner_layer,
-            ..Default::default()
-        };
-        assert_eq!(
-            msg(template(&t)),
-            format!("spec.runnerLayer: {RUNNER_LAYER}")
-        );
     }
 
     #[test]

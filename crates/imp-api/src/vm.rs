@@ -109,12 +109,12 @@ pub struct ImpVMSpec {
     /// Group of the network to draw the IP from.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub network_group: Option<String>,
-    /// OCI image to layer on top of the base image (CI runner tooling). Not supported yet: refused by the admission webhook
-    /// when set: no layer is added to the root disk.
+    /// OCI image to layer on top of the base image (CI runner tooling): its layers are applied
+    /// over the image's, pulled and checked as the image's own (with its imagePullSecrets).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub runner_layer: Option<String>,
-    /// OCI image to layer on top of the runner layer (Cilium agent). Not supported yet: refused by the admission webhook
-    /// when set: no layer is added and imp does not enrol VMs with Cilium.
+    /// OCI image to layer on top of the runner layer (Cilium agent), applied as runnerLayer is.
+    /// imp itself does not enrol the VM with Cilium: what the layer runs is its own.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cilium_layer: Option<String>,
     /// Delete the VM this long after it first ran (or after it ended, if it never ran), running

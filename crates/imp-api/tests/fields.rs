@@ -238,7 +238,6 @@ fn not_yet(doc: &Value) -> Vec<String> {
     }
     match kind {
         "ImpVM" => run(doc, |o: &imp_api::ImpVM| u::vm(&o.spec)),
-        "ImpVMTemplate" => run(doc, |o: &imp_api::ImpVMTemplate| u::template(&o.spec)),
         "ImpNetwork" => run(doc, |o: &imp_api::ImpNetwork| u::network(&o.spec)),
         "ClusterImpConfig" => run(doc, |o: &imp_api::ClusterImpConfig| {
             u::cluster_config(&o.spec)
@@ -262,7 +261,6 @@ const REFUSED_FIXTURES: &[&str] = &[
     "go/runner-pools.yaml ImpVMRunnerPool forgejo-media: kind",
     "go/runner-pools.yaml ImpVMRunnerPool forgejo-webhook: kind",
     "go/vms-and-networks.yaml ImpNetwork cilium-net: spec.cilium.excludeFromIPAM, spec.cilium.masqueradeViaCilium",
-    "go/vms-and-networks.yaml ImpVMTemplate edge-proxy-template: spec.runnerLayer, spec.ciliumLayer",
     "go/vms-and-networks.yaml ImpVM legacy-service-vm: spec.env[4].valueFrom.fieldRef",
     "valid/cluster.yaml ClusterImpConfig cluster: spec.networking.cni.provider",
     "valid/pools.yaml ImpWarmPool fast-start: kind",

@@ -1325,7 +1325,8 @@ async fn the_api_server_refuses_what_imp_does_not_support_yet_with_a_field_named
         &ns,
         "agentless",
         json!({"classRef": {"name": "small"}, "image": "busybox",
-               "runnerLayer": "ghcr.io/example/runner-layer:1"}),
+               "env": [{"name": "NODE",
+                        "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}]}),
     );
     refused_eventually(&api, &agentless, &denied).await;
 
@@ -1338,7 +1339,10 @@ async fn the_api_server_refuses_what_imp_does_not_support_yet_with_a_field_named
     let stderr = String::from_utf8_lossy(&out.stderr);
     println!("kubectl apply: {}", stderr.trim());
     assert!(!out.status.success(), "kubectl apply succeeded: {stderr}");
-    let want = format!("spec.runnerLayer: {}", imp_api::unsupported::RUNNER_LAYER);
+    let want = format!(
+        "spec.env[0].valueFrom.fieldRef: {}",
+        imp_api::unsupported::ENV_SOURCE
+    );
     assert!(
         stderr.contains(&denied) && stderr.contains(&want),
         "{stderr}"

@@ -9,8 +9,9 @@
 //! what it saw) and its restart policy boots it again: a new QEMU, `restartCount` 1, healthy.
 //! Then its own image is changed: the operator rolls the change into its booking and the agent
 //! boots it again with the new image (a `SpecChanged` Event, a new QEMU, `restartCount` still 1).
-//! Last, its classRef moves to a larger class: it leaves its node and is placed anew with the
-//! new size (a new QEMU with the class's memory).
+//! Last, its classRef moves to a larger class and it gains a runnerLayer: it leaves its node and
+//! is placed anew with the new size (a new QEMU with the class's memory) and the layer's file
+//! over its image.
 //!
 //! Needs what `agent_e2e.rs` needs (`scripts/setup`): without it, it skips on a developer
 //! machine and fails under `CI=true`.
@@ -231,7 +232,18 @@ async fn probes_gate_readiness_flip_it_and_restart_a_vm_whose_liveness_fails() {
                "spec": {"vcpu": 1, "memoryMiB": ROOMY_MIB, "diskGiB": 1}}),
     )
     .await;
-    let patch = json!({"spec": {"classRef": {"name": "roomy"}}});
+    // With a runner layer too (issue 26): an image of one layer whose file the guest then has.
+    let runner = scratch_dir("imp-probes-e2e-runner").unwrap();
+    imp_testenv::registry::TestImage::new()
+        .layer(
+            imp_testenv::registry::TestLayer::new()
+                .dir("opt", 0o755)
+                .file("opt/runner-tool", "from the runner layer\n", 0o755),
+        )
+        .write_layout(&runner, "1")
+        .unwrap();
+    let runner_layer = format!("oci:{}:1", runner.display());
+    let patch = json!({"spec": {"classRef": {"name": "roomy"}, "runnerLayer": runner_layer}});
     vms.patch(VM, &PatchParams::default(), &Patch::Merge(&patch))
         .await
         .unwrap();
@@ -267,6 +279,19 @@ async fn probes_gate_readiness_flip_it_and_restart_a_vm_whose_liveness_fails() {
         .position(|a| a == "-m")
         .map(|i| argv[i + 1].clone());
     assert_eq!(m, Some(format!("{ROOMY_MIB}M")), "{argv:?}");
+    let tool = exec_in(&alice, NS, VM, "test -e /opt/runner-tool && echo layered").await;
+    assert_eq!(
+        tool.trim(),
+        "layered",
+        "the runner layer is not in the guest"
+    );
+    let id = exec_in(&alice, NS, VM, "id -u").await;
+    assert_eq!(
+        id.trim(),
+        "0",
+        "the image under the layer is not the rolled one"
+    );
+    let _ = std::fs::remove_dir_all(&runner);
     let _ = std::fs::remove_dir_all(&layout);
     let _ = std::fs::remove_dir_all(&layout2);
 }

@@ -142,8 +142,15 @@ pub fn vm_spec(
         .cgroup_parent
         .as_ref()
         .map(|parent| vm_cgroup(format!("{parent}/{}", owner.uid), vcpus, memory_mib));
+    let layers = [&vm.runner_layer, &vm.cilium_layer]
+        .into_iter()
+        .flatten()
+        .filter(|l| !l.is_empty())
+        .cloned()
+        .collect();
     Ok(VmSpec {
         image,
+        layers,
         auth_file,
         entrypoint: None,
         command: Vec::new(),
@@ -284,6 +291,37 @@ mod tests {
             &settings(),
         );
         assert_eq!(fc.unwrap().boot.firecracker, Some("/fc".into()));
+    }
+
+    #[test]
+    fn the_runner_and_cilium_layers_go_over_the_image_in_that_order() {
+        let vm = ImpVMSpec {
+            image: Some("app:1".into()),
+            runner_layer: Some("runner:1".into()),
+            cilium_layer: Some("cilium:1".into()),
+            ..Default::default()
+        };
+        let s = vm_spec(
+            owner(),
+            &vm,
+            &class(),
+            choices(VmRuntime::Qemu),
+            &settings(),
+        )
+        .unwrap();
+        assert_eq!(s.layers, ["runner:1", "cilium:1"]);
+        let only_cilium = ImpVMSpec {
+            runner_layer: Some(String::new()),
+            ..vm
+        };
+        let s = vm_spec(
+            owner(),
+            &only_cilium,
+            &class(),
+            choices(VmRuntime::Qemu),
+            &settings(),
+        );
+        assert_eq!(s.unwrap().layers, ["cilium:1"]);
     }
 
     #[test]

@@ -60,6 +60,11 @@ pub struct CgroupSpec {
 pub struct VmSpec {
     /// The image reference (`registry/repo:tag`, `oci:DIR[:TAG]`, `oci-archive:FILE`).
     pub image: String,
+    /// Images whose layers go over `image`'s, lowest first (an ImpVM's `runnerLayer`, then its
+    /// `ciliumLayer`), pulled and unpacked as the image's own; the root filesystem of each
+    /// combination is cached on its own.
+    #[serde(default)]
+    pub layers: Vec<String>,
     /// A `.dockerconfigjson`-style file with registry credentials.
     #[serde(default)]
     pub auth_file: Option<PathBuf>,
@@ -152,6 +157,7 @@ mod tests {
     fn spec_round_trips_through_json() {
         let spec = VmSpec {
             image: "127.0.0.1:5000/app:1".into(),
+            layers: vec!["127.0.0.1:5000/runner:1".into()],
             auth_file: None,
             entrypoint: None,
             command: vec!["sh".into()],

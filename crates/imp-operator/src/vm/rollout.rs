@@ -2,7 +2,7 @@
 //! agent boots exactly the booking, so an edit of the VM goes through here or nowhere.
 //!
 //! A field the VM sets itself that differs from its booking is taken into the booking. Image,
-//! env, envFrom and userData shape the boot: a change of one of them restarts a running
+//! env, envFrom, runnerLayer, ciliumLayer and userData shape the boot: a change of one of them restarts a running
 //! persistent VM with the new spec (the booking's `revision` goes up, the phase back to
 //! `Scheduled`; the agent stops the old boot and starts the new one on the same node) with a
 //! Normal Event `SpecChanged`. Probes, restartPolicy, expireAfter and imagePullSecrets take
@@ -62,6 +62,14 @@ pub(super) fn rollout(own: &ImpVMSpec, booked: &ImpVMSpec) -> Option<Rollout> {
     let env_from = !own.env_from.is_empty() && own.env_from != booked.env_from;
     if take("envFrom", true, env_from) {
         spec.env_from.clone_from(&own.env_from);
+    }
+    let runner = own.runner_layer.is_some() && own.runner_layer != booked.runner_layer;
+    if take("runnerLayer", true, runner) {
+        spec.runner_layer.clone_from(&own.runner_layer);
+    }
+    let cilium = own.cilium_layer.is_some() && own.cilium_layer != booked.cilium_layer;
+    if take("ciliumLayer", true, cilium) {
+        spec.cilium_layer.clone_from(&own.cilium_layer);
     }
     let user_data = own.user_data.is_some() && own.user_data != booked.user_data;
     if take("userData", true, user_data) {
@@ -145,6 +153,19 @@ mod tests {
         assert_eq!(r.changed, ["probes", "expireAfter"]);
         assert!(!r.restart, "probes and expiry need no new boot");
         assert_eq!(r.spec.image.as_deref(), Some("app:1"));
+    }
+
+    #[test]
+    fn a_new_layer_restarts() {
+        let booked = spec(json!({"image": "app:1", "runnerLayer": "runner:1"}));
+        let own = spec(json!({"runnerLayer": "runner:2", "ciliumLayer": "cilium:1"}));
+        let r = rollout(&own, &booked).unwrap();
+        assert_eq!(
+            (r.changed.as_slice(), r.restart),
+            (&["runnerLayer", "ciliumLayer"][..], true)
+        );
+        assert_eq!(r.spec.runner_layer.as_deref(), Some("runner:2"));
+        assert_eq!(r.spec.cilium_layer.as_deref(), Some("cilium:1"));
     }
 
     #[test]

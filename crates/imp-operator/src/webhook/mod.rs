@@ -461,12 +461,9 @@ fn validate(req: &AdmissionRequest<DynamicObject>) -> AdmissionResponse {
         "ImpVMClass" => {
             typed::<ImpVMClass>(obj, kind, "object").map(|o| validation::class(&o.spec))
         }
-        "ImpVMTemplate" => typed::<ImpVMTemplate>(obj, kind, "object").map(|o| {
-            both(
-                validation::template(&o.spec),
-                unsupported::template(&o.spec),
-            )
-        }),
+        "ImpVMTemplate" => {
+            typed::<ImpVMTemplate>(obj, kind, "object").map(|o| validation::template(&o.spec))
+        }
         "ImpNetwork" => typed::<imp_api::ImpNetwork>(obj, kind, "object")
             .map(|o| both(validation::network(&o.spec), unsupported::network(&o.spec))),
         "ImpVMSnapshot" => typed::<imp_api::ImpVMSnapshot>(obj, kind, "object")

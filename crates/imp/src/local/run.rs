@@ -254,6 +254,7 @@ fn spec_for(args: &RunArgs, name: &str) -> anyhow::Result<VmSpec> {
     };
     Ok(VmSpec {
         image: absolute_image(&args.image)?,
+        layers: Vec::new(),
         auth_file,
         entrypoint: args.entrypoint.clone(),
         command: args.command.clone(),

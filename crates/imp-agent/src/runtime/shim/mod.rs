@@ -733,11 +733,13 @@ async fn prepare(
 ) -> Result<VmConfig, Failure> {
     let t = Instant::now();
     let (store, pulled, reporter) = pull(state, dir, spec).await?;
+    let layers = pull_layers(&store, spec).await?;
     record.digest = Some(pulled.manifest_digest.clone());
     record.timings.image_ms = ms(t.elapsed());
 
     let t = Instant::now();
-    let disk = root_disk(dir, spec, &store, &pulled, &reporter, &record.name).await?;
+    let image = (&pulled, layers.as_slice());
+    let disk = root_disk(dir, spec, &store, image, &reporter, &record.name).await?;
     record.timings.disk_ms = ms(t.elapsed());
     if let Some(budget) = spec.image_cache_max_bytes {
         evict_images(state, &store, budget, &pulled.manifest_digest).await;
@@ -780,17 +782,36 @@ async fn pull(
     Ok((store, pulled, reporter))
 }
 
+/// Pulls the images of the spec's extra layers (`runnerLayer`, `ciliumLayer`) into `store`,
+/// lowest first, each with the spec's credentials for its registry.
+async fn pull_layers(store: &ImageStore, spec: &VmSpec) -> Result<Vec<PulledImage>, Failure> {
+    let mut pulled = Vec::with_capacity(spec.layers.len());
+    for layer in &spec.layers {
+        let source: ImageSource = layer
+            .parse()
+            .map_err(at(Stage::Image, format!("layer image {layer:?}")))?;
+        let auth = registry_auth(spec, &source).await?;
+        let image = store
+            .pull(&source, &auth)
+            .await
+            .map_err(at(Stage::Image, format!("pulling layer image {layer}")))?;
+        pulled.push(image);
+    }
+    Ok(pulled)
+}
+
 /// Gives VM `name` its own root disk in `dir` ([`DISK_FILE`], `spec.disk_gib` GiB), cloned
-/// from the image's cached ext4 base (built first when not cached).
+/// from the cached ext4 base of the image with its extra layers' images on top (built first
+/// when not cached).
 async fn root_disk(
     dir: &Path,
     spec: &VmSpec,
     store: &ImageStore,
-    pulled: &PulledImage,
+    (pulled, layers): (&PulledImage, &[PulledImage]),
     reporter: &imp_image::Reporter,
     name: &str,
 ) -> Result<PathBuf, Failure> {
-    let base = match store.rootfs(pulled, &[]).await {
+    let base = match store.rootfs(pulled, layers).await {
         Ok(base) => base,
         Err(e) => {
             let what = format!("building the root filesystem of {}", spec.image);
