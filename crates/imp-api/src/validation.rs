@@ -190,7 +190,8 @@ pub fn vm_update(old: &ImpVMSpec, new: &ImpVMSpec) -> Result<(), ValidationError
 
 /// The fields of a placed VM's spec that changed from `old` to `new` and that a placed VM
 /// cannot take: what it was networked or restored with, and for an ephemeral VM (a job, never
-/// restarted for an edit) what it was sized with. (Image, env, envFrom, userData, probes,
+/// restarted for an edit) or a clone (restored with its snapshot's size) what it was sized
+/// with. (Image, env, envFrom, userData, probes,
 /// restartPolicy and expireAfter are rolled into its booking by the operator; a persistent
 /// VM's new classRef or templateRef places it anew.)
 fn fixed_once_placed(old: &ImpVMSpec, new: &ImpVMSpec) -> Vec<&'static str> {
@@ -200,9 +201,10 @@ fn fixed_once_placed(old: &ImpVMSpec, new: &ImpVMSpec) -> Vec<&'static str> {
             changed.push(field);
         }
     };
+    // A clone (snapshotRef) is restored on its snapshot's node with the snapshot's size.
     let persistent = [old, new]
         .iter()
-        .all(|s| s.lifecycle == crate::shared::VmLifecycle::Persistent);
+        .all(|s| s.lifecycle == crate::shared::VmLifecycle::Persistent && s.snapshot_ref.is_none());
     check(
         "spec.classRef",
         !persistent && old.class_ref != new.class_ref,
@@ -637,6 +639,18 @@ pub fn cluster_config(cfg: &ClusterImpConfig) -> Result<(), ValidationErrors> {
             Some(p.port),
             1,
             65535,
+        );
+    }
+    let tracing = cfg
+        .spec
+        .observability
+        .as_ref()
+        .and_then(|o| o.tracing.as_ref());
+    if tracing.is_some_and(|t| t.enabled && t.endpoint.is_empty()) {
+        e.push(
+            "spec.observability.tracing.endpoint",
+            "must be set when tracing is enabled: http://host[:port][/path] of an OTLP/HTTP \
+             collector (usually port 4318)",
         );
     }
     e.into_result()
@@ -1183,6 +1197,12 @@ mod tests {
         templated.class_ref = None;
         templated.template_ref = Some(crate::shared::LocalObjectRef { name: "web".into() });
         assert_eq!(vm_update(&persistent, &templated), Ok(()));
+        // A clone is restored with its snapshot's size: its class stays.
+        let mut clone = persistent.clone();
+        clone.snapshot_ref = Some("snap".into());
+        let mut clone_resized = other_class.clone();
+        clone_resized.snapshot_ref = clone.snapshot_ref.clone();
+        assert!(msg(vm_update(&clone, &clone_resized)).contains("spec.classRef: cannot change"));
         // Not placed yet: anything goes.
         let mut unplaced = placed.clone();
         unplaced.node_name = None;

@@ -110,6 +110,11 @@ pub(super) fn decide(vm: &ImpVM, w: &World) -> Decision {
     }
     let status = vm.status.clone().unwrap_or_default();
     let phase = status.phase.unwrap_or_default();
+    // Before anything that could clear the node (a reset): a VM leaving its node stays on it
+    // until the node's agent has stopped it.
+    if let Some(plan) = leaving(vm, &status, w) {
+        return Decision::Write(Box::new(plan));
+    }
     if vm
         .annotations()
         .get(ANNOTATION_RESET_RETRIES)
@@ -125,9 +130,6 @@ pub(super) fn decide(vm: &ImpVM, w: &World) -> Decision {
             next: Next::Continue,
             ..Plan::default()
         }));
-    }
-    if let Some(plan) = leaving(vm, &status, w) {
-        return Decision::Write(Box::new(plan));
     }
     if let Some(plan) = book(vm, &status, w.resolved) {
         return Decision::Write(Box::new(plan));
@@ -491,14 +493,19 @@ fn leaves(status: &ImpVMStatus) -> bool {
 }
 
 /// A VM marked to leave its node that is still on it: wait for the node's agent to stop,
-/// remove and release it (clear `spec.nodeName`), or clear the node once the agent has been
-/// silent past its fence deadline (it has stopped the VM itself by then).
+/// remove and release it (clear `spec.nodeName`). The operator clears the node itself only as
+/// node loss would move it: the node gone or NotReady past the grace, and its agent silent past
+/// its fence deadline (or keeping no Lease), so it has stopped the VM itself by then.
 fn leaving(vm: &ImpVM, status: &ImpVMStatus, w: &World) -> Option<Plan> {
     let node = vm.spec.node_name.as_deref()?;
     if !leaves(status) {
         return None;
     }
-    if !w.agent.is_some_and(|a| a.fenced()) {
+    let lost = w.node.is_none_or(|n| {
+        !node_ready(n) && not_ready_for(n, w.now).is_none_or(|d| d >= w.settings.node_loss_grace)
+    });
+    let fenced = w.agent.is_none_or(|a| a.fenced());
+    if !(lost && fenced) {
         return Some(Plan::stop(Next::Requeue(w.settings.requeue_active)));
     }
     Some(Plan {
@@ -507,8 +514,8 @@ fn leaving(vm: &ImpVM, status: &ImpVMStatus, w: &World) -> Option<Plan> {
         event: Some(Note::warning(
             "Released",
             format!(
-                "the agent of node {node} is silent past its fence deadline: it has stopped \
-                 the VM itself"
+                "node {node} is lost and its agent silent past its fence deadline: it has \
+                 stopped the VM itself"
             ),
         )),
         next: Next::Requeue(Duration::ZERO),
@@ -523,6 +530,8 @@ fn released(status: &ImpVMStatus) -> Option<Plan> {
     if !conditions::remove(&mut status.conditions, ConditionType::DisruptionTarget) {
         return None;
     }
+    // Booked anew where it is placed: the old booking would size the new placement.
+    status.booking = None;
     Some(Plan {
         status: Some(status),
         doing: "clearing the release mark of",
@@ -542,6 +551,7 @@ fn after_eviction(vm: &ImpVM, mut status: ImpVMStatus, w: &World) -> Option<Plan
     let from = status.node_name.clone().unwrap_or_default();
     status.phase = Some(VmPhase::Pending);
     status.node_name = None;
+    status.booking = None;
     status.suspend_snapshot_path = None;
     status.suspended_at = None;
     run_again(&mut status);
@@ -1364,11 +1374,21 @@ mod tests {
         assert!(c.message.contains("tolerated for 30s"), "{}", c.message);
         assert_eq!(p.event.as_ref().unwrap().reason, "Evicted");
 
-        // Still on the node: waits for the agent.
+        // Still on its Ready node: waits for the agent (also when a reset is asked for).
         let mut evicted = seen.clone();
         evicted.status = p.status.clone();
-        let p = plan(decide_with(&evicted, &r, None, later));
+        let p = plan(decide_with(&evicted, &r, Some(&drain), later));
         assert_eq!((p.status.is_none(), p.clear_node), (true, false));
+        let mut reset = evicted.clone();
+        reset
+            .metadata
+            .annotations
+            .get_or_insert_default()
+            .insert(ANNOTATION_RESET_RETRIES.into(), "true".into());
+        let p = plan(decide_with(&reset, &r, Some(&drain), later));
+        assert_eq!((p.status.is_none(), p.clear_node), (true, false));
+        // Its node gone and no agent Lease: released by the operator, as node loss would.
+        assert!(plan(decide_with(&evicted, &r, None, later)).clear_node);
 
         // Released by the agent: placed anew, the mark gone.
         evicted.spec.node_name = None;

@@ -3,11 +3,13 @@
 //! with `tolerationSeconds` leaves once those have passed; one it tolerates without a limit
 //! stays.
 //!
-//! The time a tolerated taint is counted from is its `timeAdded` (which `kubectl taint` writes
-//! for `NoExecute` taints), else when the operator first saw it on the VM's node (the
+//! A tolerated taint is counted from when the operator first saw it on the VM's node (the
 //! `DisruptionTarget` condition's `lastTransitionTime`, so an operator restart does not start
-//! the count again). Of the tolerations that match a taint, the shortest limit counts; a limit
-//! of 0 or less evicts at once (both as Kubernetes).
+//! the count again), as the taint manager counts from when it first sees a Pod on the tainted
+//! node. The taint's `timeAdded` is not used: it is the tainting client's clock, and a VM
+//! placed anew on the same node (it tolerates the taint) would be evicted at once, again and
+//! again. Of the tolerations that match a taint, the shortest limit counts; a limit of 0 or
+//! less evicts at once (both as Kubernetes).
 //!
 //! The node lifecycle's own taints ([`NODE_LOSS_TAINTS`]) are not evicted on here: a node
 //! carrying them is not Ready, and the VM leaves it only after the node-loss grace and once its
@@ -40,7 +42,7 @@ pub(super) enum Verdict {
 }
 
 /// The verdict of `taints` on a VM with `tolerations` at `now`; `first_seen` is when the
-/// operator first saw a tolerated taint on the node (for taints without `timeAdded`).
+/// operator first saw a tolerated taint on the VM's node (`None`: now).
 pub(super) fn verdict(
     taints: &[Taint],
     tolerations: &[Toleration],
@@ -58,12 +60,7 @@ pub(super) fn verdict(
         let Some(seconds) = limit else {
             continue; // tolerated without a limit
         };
-        let since = taint
-            .time_added
-            .as_ref()
-            .map(|t| t.0)
-            .or(first_seen)
-            .unwrap_or(now);
+        let since = first_seen.unwrap_or(now);
         let until = since
             .checked_add(SignedDuration::from_secs(seconds.max(0)))
             .unwrap_or(Timestamp::MAX);
@@ -161,24 +158,24 @@ mod tests {
     }
 
     #[test]
-    fn toleration_seconds_count_from_time_added_else_from_first_sight() {
-        let t = [taint("drain", "NoExecute", Some(10))];
+    fn toleration_seconds_count_from_the_first_sight_not_from_time_added() {
+        // Added long ago (a VM placed anew on a node drained an hour ago): counted from now.
+        let t = [taint("drain", "NoExecute", Some(-3600))];
         let tolerations = [tol("drain", Some(30))];
         assert_eq!(
             verdict(&t, &tolerations, None, at(20)),
             Verdict::TolerateUntil {
-                until: at(40),
+                until: at(50),
                 taint: "drain=yes:NoExecute".into()
             }
         );
         assert_eq!(
-            verdict(&t, &tolerations, None, at(40)),
+            verdict(&t, &tolerations, Some(at(20)), at(50)),
             Verdict::Evict {
                 taint: "drain=yes:NoExecute".into(),
                 limit: Some(30)
             }
         );
-        // Without timeAdded: from when the operator first saw it, else from now.
         let bare = [taint("drain", "NoExecute", None)];
         assert_eq!(
             verdict(&bare, &tolerations, Some(at(5)), at(20)),
@@ -213,7 +210,7 @@ mod tests {
         assert_eq!(
             v,
             Verdict::TolerateUntil {
-                until: at(20),
+                until: at(21),
                 taint: "drain=yes:NoExecute".into()
             }
         );
@@ -237,7 +234,7 @@ mod tests {
         assert_eq!(
             verdict(&two, &[tol("a", Some(50)), tol("b", Some(10))], None, at(1)),
             Verdict::TolerateUntil {
-                until: at(10),
+                until: at(11),
                 taint: "b=yes:NoExecute".into()
             }
         );

@@ -230,7 +230,8 @@ impl Context {
         nodes
     }
 
-    /// The node of a placed VM whose decision reads it (deleting, or a non-terminal phase):
+    /// The node of a placed VM whose decision reads it (deleting, leaving it, or in a
+    /// non-terminal phase):
     /// from the cache, else from the API server; `None` when it does not exist.
     pub(super) async fn node_of(&self, vm: &ImpVM) -> Result<Option<Node>, Error> {
         let Some(name) = &vm.spec.node_name else {
@@ -241,7 +242,13 @@ impl Context {
             phase,
             VmPhase::Failed | VmPhase::Succeeded | VmPhase::RetryExhausted
         );
-        if terminal && vm.metadata.deletion_timestamp.is_none() {
+        let leaving = vm.status.as_ref().is_some_and(|s| {
+            imp_api::conditions::is_true(
+                &s.conditions,
+                imp_api::conditions::ConditionType::DisruptionTarget,
+            )
+        });
+        if terminal && vm.metadata.deletion_timestamp.is_none() && !leaving {
             return Ok(None);
         }
         if let Some(n) = self.nodes.get(&ObjectRef::new(name)) {
