@@ -173,11 +173,14 @@ fn default_metrics_port() -> i32 {
 /// Tracing export.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 pub struct TracingConfig {
-    /// Export spans. imp exports no traces; true: Not supported yet: refused by the admission webhook.
+    /// Export spans of every VM's way to Running (a trace per VM: the operator's schedule, the
+    /// agent's start and its steps) to `endpoint`, over OTLP/HTTP with the JSON encoding.
     #[serde(default)]
     #[schemars(transform = crate::schema::no_default)]
     pub enabled: bool,
-    /// OTLP endpoint. imp exports no traces; any endpoint: Not supported yet: refused by the admission webhook.
+    /// OTLP/HTTP collector, `http://host[:port][/path]` (port 4318 by default; spans go to
+    /// `<path>/v1/traces`). Required when enabled. Not supported yet: refused by the admission
+    /// webhook for any other scheme (OTLP over gRPC, as `host:4317`, or HTTPS).
     #[serde(default)]
     #[schemars(transform = crate::schema::no_default)]
     pub endpoint: String,

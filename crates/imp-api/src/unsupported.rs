@@ -25,8 +25,9 @@ pub const CNI: &str = "is not supported yet: imp neither detects nor configures 
 pub const NAT_IPTABLES: &str = "iptables is not supported yet: node agents write nftables rules";
 /// ClusterImpConfig `observability.metrics` other than the defaults.
 pub const METRICS: &str = "is not supported yet: the operator and agents serve metrics where their --metrics-addr flags say";
-/// ClusterImpConfig `observability.tracing` switched on or pointed somewhere.
-pub const TRACING: &str = "is not supported yet: imp exports no traces";
+/// ClusterImpConfig `observability.tracing.endpoint` that is not `http://` (OTLP over gRPC,
+/// or HTTPS).
+pub const TRACING: &str = "is not supported yet unless it is http://host[:port][/path]: imp exports OTLP over HTTP with the JSON encoding (a collector's port 4318), not over gRPC or HTTPS";
 /// A kind no controller acts on, after the kind's name.
 pub const NO_CONTROLLER: &str =
     "is not supported yet by this imp: no controller acts on it (see docs/fields.md)";
@@ -87,13 +88,11 @@ pub fn cluster_config(spec: &ClusterImpConfigSpec) -> Result<(), ValidationError
             push(&mut e, "spec.observability.metrics.port", METRICS);
         }
     }
-    if let Some(t) = o.and_then(|o| o.tracing.as_ref()) {
-        if t.enabled {
-            push(&mut e, "spec.observability.tracing.enabled", TRACING);
-        }
-        if !t.endpoint.is_empty() {
-            push(&mut e, "spec.observability.tracing.endpoint", TRACING);
-        }
+    if let Some(t) = o.and_then(|o| o.tracing.as_ref())
+        && !t.endpoint.is_empty()
+        && !t.endpoint.starts_with("http://")
+    {
+        push(&mut e, "spec.observability.tracing.endpoint", TRACING);
     }
     result(e)
 }
@@ -273,10 +272,21 @@ mod tests {
                 format!("spec.networking.cni.natBackend: {NAT_IPTABLES}"),
                 format!("spec.observability.metrics.enabled: {METRICS}"),
                 format!("spec.observability.metrics.port: {METRICS}"),
-                format!("spec.observability.tracing.enabled: {TRACING}"),
                 format!("spec.observability.tracing.endpoint: {TRACING}"),
             ]
         );
+        // OTLP over HTTP is exported (imp_ops::trace).
+        let http = ClusterImpConfigSpec {
+            observability: Some(ObservabilityConfig {
+                metrics: None,
+                tracing: Some(TracingConfig {
+                    enabled: true,
+                    endpoint: "http://otel.observability:4318".into(),
+                }),
+            }),
+            ..Default::default()
+        };
+        assert_eq!(cluster_config(&http), Ok(()));
     }
 
     #[test]

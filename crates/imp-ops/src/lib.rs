@@ -4,6 +4,8 @@
 //! says how to render it ([`Exposition`]); liveness and readiness are a [`Health`] both
 //! share.
 
+pub mod trace;
+
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex, MutexGuard};

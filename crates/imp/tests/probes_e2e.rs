@@ -73,6 +73,18 @@ async fn probes_gate_readiness_flip_it_and_restart_a_vm_whose_liveness_fails() {
         .unwrap();
     let image = format!("oci:{}:1", layout.display());
 
+    // Traces to a collector on loopback (issue 26, observability): set before anything runs.
+    let collector = common::OtlpReceiver::start().await;
+    common::create_imp(
+        &c,
+        "ClusterImpConfig",
+        "clusterimpconfigs",
+        json!({"apiVersion": "imp.dev/v1alpha1", "kind": "ClusterImpConfig",
+               "metadata": {"name": "cluster"},
+               "spec": {"observability": {"tracing": {"enabled": true,
+                                                      "endpoint": collector.endpoint}}}}),
+    )
+    .await;
     let _operator = common::start_operator(kube.operator_kubeconfig());
     let mut agent = common::agent::HostAgent::new(NODE, "probes-e2e");
     agent.start(&kube).await;
@@ -115,6 +127,8 @@ async fn probes_gate_readiness_flip_it_and_restart_a_vm_whose_liveness_fails() {
             condition(&early, "Ready")
         );
     }
+    traced_from_schedule_to_running(&collector, &uid).await;
+
     // Started, Healthy (the guest's own GET), not Ready (no /tmp/ready).
     let started = common::wait_vm(&vms, VM, "Started and Healthy", 120, |v| {
         is(v, "Started", "True", "ProbeSucceeded") && is(v, "Healthy", "True", "ProbeSucceeded")
@@ -294,4 +308,61 @@ async fn probes_gate_readiness_flip_it_and_restart_a_vm_whose_liveness_fails() {
     let _ = std::fs::remove_dir_all(&runner);
     let _ = std::fs::remove_dir_all(&layout);
     let _ = std::fs::remove_dir_all(&layout2);
+}
+
+/// The VM's trace reached the collector: the operator's `schedule`, the agent's root
+/// `ImpVM default/probed` and `start` with its four steps, all in the trace named by the VM's uid,
+/// `schedule` and `start` under the root, the steps under `start`.
+async fn traced_from_schedule_to_running(collector: &common::OtlpReceiver, uid: &str) {
+    let trace: String = uid.chars().filter(|c| *c != '-').collect();
+    let names = [
+        "ImpVM default/probed",
+        "schedule",
+        "start",
+        "image",
+        "disk",
+        "boot",
+        "guest ready",
+    ];
+    let spans = common::wait_for(
+        "the VM's spans at the collector",
+        Duration::from_secs(30),
+        || {
+            let spans = collector.spans();
+            let all = names.iter().all(|n| spans.iter().any(|s| s["name"] == *n));
+            async move { all.then_some(spans) }
+        },
+    )
+    .await;
+    let by = |name: &str| spans.iter().find(|s| s["name"] == name).unwrap().clone();
+    let (root, schedule, start) = (by(names[0]), by("schedule"), by("start"));
+    for s in &spans {
+        assert_eq!(s["traceId"], trace.as_str(), "{s}");
+    }
+    assert_eq!(
+        root["service"], "imp-agent",
+        "the agent that reports it Running"
+    );
+    assert_eq!(schedule["service"], "imp-operator");
+    assert_eq!(start["service"], "imp-agent");
+    assert_eq!(schedule["parentSpanId"], root["spanId"]);
+    assert_eq!(start["parentSpanId"], root["spanId"]);
+    for step in &names[3..] {
+        assert_eq!(by(step)["parentSpanId"], start["spanId"], "{step}");
+    }
+    let nanos = |s: &serde_json::Value, k: &str| s[k].as_str().unwrap().parse::<u128>().unwrap();
+    let ms = |s: &serde_json::Value| {
+        (nanos(s, "endTimeUnixNano") - nanos(s, "startTimeUnixNano")) / 1_000_000
+    };
+    eprintln!(
+        "trace: created → running {} ms; schedule {} ms; start {} ms (image {} ms, disk {} ms, boot {} ms, guest ready {} ms)",
+        ms(&root),
+        ms(&schedule),
+        ms(&start),
+        ms(&by("image")),
+        ms(&by("disk")),
+        ms(&by("boot")),
+        ms(&by("guest ready"))
+    );
+    assert!(nanos(&schedule, "endTimeUnixNano") <= nanos(&start, "endTimeUnixNano"));
 }

@@ -29,5 +29,6 @@ pub mod reconciler;
 pub mod scale;
 pub mod serial;
 pub mod snapshots;
+pub mod trace;
 pub mod userdata;
 pub mod vms;

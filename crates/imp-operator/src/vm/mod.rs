@@ -75,6 +75,7 @@ mod finalize;
 mod place;
 mod reserve;
 mod rollout;
+mod trace;
 mod watches;
 mod world;
 mod write;

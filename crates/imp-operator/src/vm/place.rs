@@ -244,6 +244,9 @@ impl Context {
             let lat = now.duration_since(created.0);
             m.observe_schedule_latency(Duration::try_from(lat).unwrap_or_default());
         }
+        if first {
+            self.trace(super::trace::schedule_span(&vm, node, now));
+        }
         tracing::info!(vm = %key(&vm), node = %node, vcpu = r.vcpu, memory_mib = r.memory_mib, "scheduled");
         self.note(
             &vm,

@@ -474,10 +474,8 @@ fn validate(req: &AdmissionRequest<DynamicObject>) -> AdmissionResponse {
         "ImpVMRunnerPool" => typed::<imp_api::ImpVMRunnerPool>(obj, kind, "object")
             .map(|o| validation::runner_pool(&o.spec)),
         "ClusterImpConfig" => typed::<imp_api::ClusterImpConfig>(obj, kind, "object").map(|o| {
-            both(
-                validation::cluster_config(&o),
-                unsupported::cluster_config(&o.spec),
-            )
+            let rules = both(validation::cluster_config(&o), tracing_endpoint(&o.spec));
+            both(rules, unsupported::cluster_config(&o.spec))
         }),
         "ClusterImpNodeProfile" => typed::<imp_api::ClusterImpNodeProfile>(obj, kind, "object")
             .map(|o| validation::node_profile(&o.spec)),
@@ -509,6 +507,24 @@ fn deny_unsupported(resp: AdmissionResponse, msg: &str) -> AdmissionResponse {
 }
 
 /// The errors of the field rules followed by those of the not-supported-yet rules.
+/// A `http://` tracing endpoint that the exporter cannot use ([`imp_ops::trace::Endpoint`]);
+/// other schemes are refused as not supported yet.
+fn tracing_endpoint(spec: &imp_api::ClusterImpConfigSpec) -> Result<(), ValidationErrors> {
+    let endpoint = spec
+        .observability
+        .as_ref()
+        .and_then(|o| o.tracing.as_ref())
+        .map(|t| t.endpoint.as_str())
+        .filter(|e| e.starts_with("http://"));
+    match endpoint.map(imp_ops::trace::Endpoint::parse) {
+        Some(Err(e)) => Err(ValidationErrors(vec![imp_api::validation::FieldError {
+            path: "spec.observability.tracing.endpoint".to_owned(),
+            message: e.0,
+        }])),
+        _ => Ok(()),
+    }
+}
+
 fn both(
     rules: Result<(), ValidationErrors>,
     not_yet: Result<(), ValidationErrors>,

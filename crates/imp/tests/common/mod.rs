@@ -819,3 +819,84 @@ impl Drop for LocalEnv {
         let _ = std::fs::remove_dir_all(&self.state);
     }
 }
+
+/// An OTLP/HTTP collector on loopback for the tracing tests: it answers every request 200 and
+/// keeps the JSON bodies posted to `/v1/traces`.
+pub struct OtlpReceiver {
+    /// `http://127.0.0.1:<port>`, the endpoint to configure.
+    pub endpoint: String,
+    bodies: std::sync::Arc<std::sync::Mutex<Vec<serde_json::Value>>>,
+}
+
+impl OtlpReceiver {
+    pub async fn start() -> Self {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let endpoint = format!("http://{}", listener.local_addr().unwrap());
+        let bodies = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let kept = bodies.clone();
+        tokio::spawn(async move {
+            while let Ok((mut conn, _)) = listener.accept().await {
+                let kept = kept.clone();
+                tokio::spawn(async move {
+                    let mut buf = Vec::new();
+                    let mut chunk = [0u8; 8192];
+                    // Headers, then as many body bytes as Content-Length says.
+                    let body = loop {
+                        let Ok(n) = conn.read(&mut chunk).await else {
+                            return;
+                        };
+                        if n == 0 {
+                            return;
+                        }
+                        buf.extend_from_slice(&chunk[..n]);
+                        let text = String::from_utf8_lossy(&buf).to_string();
+                        let Some(end) = text.find("\r\n\r\n") else {
+                            continue;
+                        };
+                        let len = text[..end]
+                            .lines()
+                            .find_map(|l| {
+                                let (k, v) = l.split_once(':')?;
+                                k.eq_ignore_ascii_case("content-length")
+                                    .then(|| v.trim().parse::<usize>().ok())?
+                            })
+                            .unwrap_or(0);
+                        if buf.len() >= end + 4 + len {
+                            let head = text[..end].lines().next().unwrap_or_default().to_owned();
+                            break (head, buf[end + 4..end + 4 + len].to_vec());
+                        }
+                    };
+                    let (request_line, body) = body;
+                    if request_line.starts_with("POST /v1/traces ")
+                        && let Ok(v) = serde_json::from_slice(&body)
+                    {
+                        kept.lock().unwrap().push(v);
+                    }
+                    let _ = conn
+                        .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}")
+                        .await;
+                });
+            }
+        });
+        Self { endpoint, bodies }
+    }
+
+    /// Every span received so far, each with its `service.name` under `"service"`.
+    pub fn spans(&self) -> Vec<serde_json::Value> {
+        let mut out = Vec::new();
+        for body in self.bodies.lock().unwrap().iter() {
+            for rs in body["resourceSpans"].as_array().into_iter().flatten() {
+                let service = rs["resource"]["attributes"][0]["value"]["stringValue"].clone();
+                for ss in rs["scopeSpans"].as_array().into_iter().flatten() {
+                    for span in ss["spans"].as_array().into_iter().flatten() {
+                        let mut span = span.clone();
+                        span["service"] = service.clone();
+                        out.push(span);
+                    }
+                }
+            }
+        }
+        out
+    }
+}

@@ -55,11 +55,31 @@ pub(super) async fn write_report_with(
         return Ok(());
     }
     ctx.patch_status(vm, &status).await?;
+    if let (None, Some(ran)) = (&old.running_at, &status.running_at) {
+        trace_first_run(ctx, vm, ran.0);
+    }
     announce_probes(ctx, vm, &old, &status).await;
     if old.phase != status.phase {
         announce(ctx, vm, &report, record).await;
     }
     Ok(())
+}
+
+/// Exports the root span of `vm`'s trace ([`imp_ops::trace::vm_root`]), which ends when it
+/// first ran (`ran`): this agent's report is where that is known.
+fn trace_first_run(ctx: &Context, vm: &ImpVM, ran: k8s_openapi::jiff::Timestamp) {
+    let (Some(uid), Some(created)) = (vm.uid(), vm.metadata.creation_timestamp.as_ref()) else {
+        return;
+    };
+    let ns = vm.namespace().unwrap_or_default();
+    let root = imp_ops::trace::vm_root(
+        &uid,
+        &ns,
+        &vm.name_any(),
+        std::time::SystemTime::from(created.0),
+        std::time::SystemTime::from(ran),
+    );
+    crate::node::trace::export(ctx.client.clone(), vec![root]);
 }
 
 /// Writes what `report` says into `status`: the phase, its times, the VMM's pid and the
@@ -225,6 +245,15 @@ async fn announce(ctx: &Context, vm: &ImpVM, report: &Report, record: Option<&Vm
         Report::Running => {
             let t = record.map(|r| r.timings).unwrap_or_default();
             ctx.metrics.observe_start(&t);
+            if let Some(owner) = record.and_then(|r| r.owner.as_ref()) {
+                let spans = crate::node::trace::start_spans(
+                    owner,
+                    &ctx.settings.node,
+                    &t,
+                    std::time::SystemTime::now(),
+                );
+                crate::node::trace::export(ctx.client.clone(), spans);
+            }
             tracing::info!(vm = %key(vm), node = %ctx.settings.node, phase = "Running", image_ms = t.image_ms, disk_ms = t.disk_ms, boot_ms = t.boot_ms, ready_ms = t.ready_ms, "VM running");
             ctx.event(
                 vm,
