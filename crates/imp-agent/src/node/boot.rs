@@ -142,15 +142,9 @@ pub fn vm_spec(
         .cgroup_parent
         .as_ref()
         .map(|parent| vm_cgroup(format!("{parent}/{}", owner.uid), vcpus, memory_mib));
-    let layers = [&vm.runner_layer, &vm.cilium_layer]
-        .into_iter()
-        .flatten()
-        .filter(|l| !l.is_empty())
-        .cloned()
-        .collect();
     Ok(VmSpec {
         image,
-        layers,
+        layers: layers(vm),
         auth_file,
         entrypoint: None,
         command: Vec::new(),
@@ -182,6 +176,17 @@ pub fn vm_spec(
         from_snapshot: None,
         user_data: None,
     })
+}
+
+/// The images whose layers go over the VM's image, lowest first: its runner layer, then its
+/// Cilium layer.
+fn layers(vm: &ImpVMSpec) -> Vec<String> {
+    [&vm.runner_layer, &vm.cilium_layer]
+        .into_iter()
+        .flatten()
+        .filter(|l| !l.is_empty())
+        .cloned()
+        .collect()
 }
 
 /// What a VM without its guest agent cannot have, wherever it was inherited from: in-guest

@@ -65,6 +65,18 @@ pub(super) async fn write_report_with(
     Ok(())
 }
 
+/// Exports the spans of the boot `record` tells of ([`crate::node::trace::start_spans`]),
+/// ended now, as the guest agent has just answered.
+fn trace_start(ctx: &Context, record: Option<&VmRecord>) {
+    let Some(r) = record else { return };
+    let Some(owner) = r.owner.as_ref() else {
+        return;
+    };
+    let now = std::time::SystemTime::now();
+    let spans = crate::node::trace::start_spans(owner, &ctx.settings.node, &r.timings, now);
+    crate::node::trace::export(ctx.client.clone(), spans);
+}
+
 /// Exports the root span of `vm`'s trace ([`imp_ops::trace::vm_root`]), which ends when it
 /// first ran (`ran`): this agent's report is where that is known.
 fn trace_first_run(ctx: &Context, vm: &ImpVM, ran: k8s_openapi::jiff::Timestamp) {
@@ -245,15 +257,7 @@ async fn announce(ctx: &Context, vm: &ImpVM, report: &Report, record: Option<&Vm
         Report::Running => {
             let t = record.map(|r| r.timings).unwrap_or_default();
             ctx.metrics.observe_start(&t);
-            if let Some(owner) = record.and_then(|r| r.owner.as_ref()) {
-                let spans = crate::node::trace::start_spans(
-                    owner,
-                    &ctx.settings.node,
-                    &t,
-                    std::time::SystemTime::now(),
-                );
-                crate::node::trace::export(ctx.client.clone(), spans);
-            }
+            trace_start(ctx, record);
             tracing::info!(vm = %key(vm), node = %ctx.settings.node, phase = "Running", image_ms = t.image_ms, disk_ms = t.disk_ms, boot_ms = t.boot_ms, ready_ms = t.ready_ms, "VM running");
             ctx.event(
                 vm,
