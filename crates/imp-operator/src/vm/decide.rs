@@ -457,23 +457,11 @@ fn evicted(
     let generation = vm.metadata.generation;
     status.phase = Some(VmPhase::Failed);
     status.finished_at = Some(Time(w.now));
-    let reason = ConditionReason::Evicted;
     let msg = format!("{why}: evicted; the node's agent stops and removes it");
-    set_cond(
+    mark_leaving(
         &mut status,
-        ConditionType::DisruptionTarget,
-        true,
-        reason,
-        msg.clone(),
-        generation,
-        w.now,
-    );
-    set_cond(
-        &mut status,
-        ConditionType::Ready,
-        false,
-        reason,
-        msg,
+        ConditionReason::Evicted,
+        &msg,
         generation,
         w.now,
     );
@@ -484,6 +472,35 @@ fn evicted(
         next: Next::Requeue(w.settings.requeue_active),
         ..Plan::default()
     }
+}
+
+/// Marks the VM to leave its node for `reason`: `DisruptionTarget=True` (its node's agent
+/// stops, removes and releases it) and `Ready=False`, both saying `msg`.
+fn mark_leaving(
+    status: &mut ImpVMStatus,
+    reason: ConditionReason,
+    msg: &str,
+    generation: Option<i64>,
+    now: Timestamp,
+) {
+    set_cond(
+        status,
+        ConditionType::DisruptionTarget,
+        true,
+        reason,
+        msg,
+        generation,
+        now,
+    );
+    set_cond(
+        status,
+        ConditionType::Ready,
+        false,
+        reason,
+        msg,
+        generation,
+        now,
+    );
 }
 
 /// Whether `status` marks the VM to leave its node (`DisruptionTarget=True`: evicted, or its
@@ -588,22 +605,10 @@ fn replace(vm: &ImpVM, mut status: ImpVMStatus, node: &str, what: &str, w: &Worl
         "{what} changed: restarting the VM with the new spec, placed anew once node {node} has \
          stopped it"
     );
-    let reason = ConditionReason::SpecChanged;
-    set_cond(
+    mark_leaving(
         &mut status,
-        ConditionType::DisruptionTarget,
-        true,
-        reason,
-        msg.clone(),
-        generation,
-        w.now,
-    );
-    set_cond(
-        &mut status,
-        ConditionType::Ready,
-        false,
-        reason,
-        msg.clone(),
+        ConditionReason::SpecChanged,
+        &msg,
         generation,
         w.now,
     );
