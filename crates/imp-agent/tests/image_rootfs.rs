@@ -231,7 +231,7 @@ async fn layout_to_ext4_with_extra_layers_and_cache() {
     }
     let evicted = f
         .store
-        .evict(0, [img.manifest_digest.clone()].into())
+        .evict(0, [vec![img.manifest_digest.clone()]].into())
         .await
         .unwrap();
     assert!(evicted.removed.entries >= 3, "{evicted:?}");

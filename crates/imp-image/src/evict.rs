@@ -89,9 +89,11 @@ pub struct Evicted {
 impl ImageStore {
     /// Brings the cache within `budget` bytes: scans its bases and blobs, [`choose`]s with
     /// [`GRACE`], and removes the chosen ones (renamed into `tmp/`, then deleted). `in_use`
-    /// holds the manifest digests (`sha256:…`) the node's VM records name; their bases and
-    /// blobs stay. An entry another process removed meanwhile is skipped.
-    pub async fn evict(&self, budget: u64, in_use: BTreeSet<String>) -> Result<Evicted> {
+    /// holds the images the node's VM records name, each as its chain of manifest digests
+    /// (`sha256:…`): the VM's image, then the images of its extra layers, lowest first. The
+    /// base of each chain and the blobs of every image in it stay. An entry another process
+    /// removed meanwhile is skipped.
+    pub async fn evict(&self, budget: u64, in_use: BTreeSet<Vec<String>>) -> Result<Evicted> {
         let root = self.root().to_path_buf();
         let evicted = blocking(move || {
             let keep = kept_paths(&root, &in_use);
@@ -126,30 +128,37 @@ impl ImageStore {
     }
 }
 
-/// The bases and blobs of the images whose manifest digests are `in_use`: the base of each
-/// digest alone (the agent's VMs have no extra layers), the manifest blob, and the config and
-/// layer blobs it names when it is cached and readable. Blocking.
-fn kept_paths(root: &Path, in_use: &BTreeSet<String>) -> BTreeSet<PathBuf> {
+/// The bases and blobs of the image chains `in_use` ([`ImageStore::evict`]): the base of each
+/// chain (its image with its extra layers on top), and of every image in it the manifest blob
+/// and the config and layer blobs it names when it is cached and readable. Blocking.
+fn kept_paths(root: &Path, in_use: &BTreeSet<Vec<String>>) -> BTreeSet<PathBuf> {
     let blobs = root.join("blobs").join("sha256");
     let mut keep = BTreeSet::new();
-    for digest in in_use {
-        let key = ImageStore::rootfs_key_of([digest.as_str()]);
+    for chain in in_use {
+        let key = ImageStore::rootfs_key_of(chain.iter().map(String::as_str));
         keep.insert(root.join("rootfs").join(format!("{key}.ext4")));
-        let Ok(d) = Digest::parse(digest, "a VM record's image digest") else {
-            continue;
-        };
-        let manifest = blobs.join(d.hex());
-        if let Ok(Document::Manifest { config, layers }) = std::fs::read(&manifest)
-            .map_err(ImageError::io("Reading", &manifest))
-            .and_then(|bytes| Document::parse(&bytes, digest))
-        {
-            for desc in std::iter::once(config).chain(layers) {
-                keep.insert(blobs.join(desc.digest.hex()));
-            }
+        for digest in chain {
+            keep_image(&blobs, digest, &mut keep);
         }
-        keep.insert(manifest);
     }
     keep
+}
+
+/// Adds the manifest blob of image `digest` and the blobs it names to `keep`.
+fn keep_image(blobs: &Path, digest: &str, keep: &mut BTreeSet<PathBuf>) {
+    let Ok(d) = Digest::parse(digest, "a VM record's image digest") else {
+        return;
+    };
+    let manifest = blobs.join(d.hex());
+    if let Ok(Document::Manifest { config, layers }) = std::fs::read(&manifest)
+        .map_err(ImageError::io("Reading", &manifest))
+        .and_then(|bytes| Document::parse(&bytes, digest))
+    {
+        for desc in std::iter::once(config).chain(layers) {
+            keep.insert(blobs.join(desc.digest.hex()));
+        }
+    }
+    keep.insert(manifest);
 }
 
 /// The cache's bases and blobs (temporaries left out), `in_use` when `keep` holds them.
@@ -301,27 +310,43 @@ mod tests {
         std::fs::remove_file(&path).unwrap();
     }
 
+    fn manifest_json(config: &str, layer: &str) -> String {
+        format!(
+            r#"{{"schemaVersion":2,"mediaType":"application/vnd.oci.image.manifest.v1+json",
+            "config":{{"mediaType":"application/vnd.oci.image.config.v1+json","digest":"sha256:{config}","size":4096}},
+            "layers":[{{"mediaType":"application/vnd.oci.image.layer.v1.tar","digest":"sha256:{layer}","size":65536}}]}}"#
+        )
+    }
+
     #[tokio::test]
     async fn eviction_removes_old_unused_files_whole_and_keeps_a_vms_image() {
         let root = std::env::temp_dir().join(format!("imp-evict-test-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&root);
         let blobs = root.join("blobs/sha256");
         let (config, layer, manifest) = (hex('c'), hex('d'), hex('e'));
+        // The VM's extra layer (a runnerLayer): an image of its own.
+        let (runner_layer, runner) = (hex('b'), hex('f'));
         let in_use = format!("sha256:{manifest}");
-        let manifest_json = format!(
-            r#"{{"schemaVersion":2,"mediaType":"application/vnd.oci.image.manifest.v1+json",
-            "config":{{"mediaType":"application/vnd.oci.image.config.v1+json","digest":"sha256:{config}","size":4096}},
-            "layers":[{{"mediaType":"application/vnd.oci.image.layer.v1.tar","digest":"sha256:{layer}","size":65536}}]}}"#
-        );
+        let chain = vec![in_use.clone(), format!("sha256:{runner}")];
         let old = 24 * 60 * MIN;
         let big = vec![7u8; 64 << 10];
-        // The VM's image: its manifest, config, layer and base, all old.
-        file(&blobs.join(&manifest), manifest_json.as_bytes(), old);
+        // The VM's images: their manifests, config, layers and the base of both, all old.
+        file(
+            &blobs.join(&manifest),
+            manifest_json(&config, &layer).as_bytes(),
+            old,
+        );
         file(&blobs.join(&config), &big[..4096], old);
         file(&blobs.join(&layer), &big, old);
+        file(
+            &blobs.join(&runner),
+            manifest_json(&config, &runner_layer).as_bytes(),
+            old,
+        );
+        file(&blobs.join(&runner_layer), &big, old);
         let vm_base = root.join(format!(
             "rootfs/{}.ext4",
-            ImageStore::rootfs_key_of([in_use.as_str()])
+            ImageStore::rootfs_key_of(chain.iter().map(String::as_str))
         ));
         file(&vm_base, &big, old);
         // Unused: an old base and blob, a newer blob, one just used; a temporary.
@@ -338,13 +363,13 @@ mod tests {
 
         let store = ImageStore::new(root.clone(), crate::Limits::default());
         let all = scan(&root, &BTreeSet::new()).unwrap();
-        assert_eq!(all.len(), 8, "the temporary is no entry: {all:?}");
+        assert_eq!(all.len(), 10, "the temporary is no entry: {all:?}");
         let size = all.iter().find(|e| e.path == unused).unwrap().size;
         // Room for the VM's image, the just-used blob and one more 64 KiB file.
         let keep: u64 = all
             .iter()
             .filter(|e| {
-                [&manifest, &config, &layer]
+                [&manifest, &config, &layer, &runner, &runner_layer]
                     .iter()
                     .any(|h| e.path.ends_with(h))
                     || e.path == vm_base
@@ -353,7 +378,7 @@ mod tests {
             .map(|e| e.size)
             .sum();
         let budget = keep + size;
-        let evicted = store.evict(budget, BTreeSet::from([in_use])).await.unwrap();
+        let evicted = store.evict(budget, BTreeSet::from([chain])).await.unwrap();
         assert_eq!(evicted.removed.entries, 2, "{evicted:?}");
         assert!(evicted.remaining <= budget, "{evicted:?}");
         assert!(
@@ -367,6 +392,8 @@ mod tests {
             &blobs.join(&manifest),
             &blobs.join(&config),
             &blobs.join(&layer),
+            &blobs.join(&runner),
+            &blobs.join(&runner_layer),
             &temp,
         ] {
             assert!(kept.exists(), "{} kept", kept.display());
@@ -381,7 +408,7 @@ mod tests {
         let again = store.evict(budget, BTreeSet::new()).await.unwrap();
         assert_eq!(again.removed.entries, 0);
         let all_out = store.evict(0, BTreeSet::new()).await.unwrap();
-        assert_eq!(all_out.removed.entries, 5, "{all_out:?}");
+        assert_eq!(all_out.removed.entries, 7, "{all_out:?}");
         assert!(fresh.exists() && temp.exists());
         let _ = std::fs::remove_dir_all(&root);
     }

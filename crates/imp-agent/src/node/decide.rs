@@ -440,6 +440,7 @@ pub(crate) mod tests {
             name: "uid-1".into(),
             image: "img".into(),
             digest: None,
+            layer_digests: Vec::new(),
             runtime: "qemu".into(),
             supervisor_pid: 42,
             supervisor_started: None,

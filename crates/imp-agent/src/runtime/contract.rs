@@ -97,6 +97,7 @@ pub fn initial_record(id: &str, dir: &Path, spec: &VmSpec, shim_pid: u32) -> VmR
         name: id.to_owned(),
         image: spec.image.clone(),
         digest: None,
+        layer_digests: Vec::new(),
         runtime: spec.runtime.as_str().to_owned(),
         supervisor_pid: shim_pid,
         supervisor_started: state::process_start_time(shim_pid),

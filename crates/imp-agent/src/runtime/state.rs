@@ -218,19 +218,23 @@ impl StateDir {
         Ok((good, bad))
     }
 
-    /// The manifest digests of the images the VM records here name (any status: a stopped VM
-    /// may start again), which the image cache keeps whatever its budget
-    /// ([`imp_image::ImageStore::evict`]). Unreadable records are skipped.
-    pub fn image_digests(&self) -> Result<std::collections::BTreeSet<String>> {
+    /// The images the VM records here name (any status: a stopped VM may start again), each
+    /// as its chain of manifest digests (the image's, then its extra layers'), which the image
+    /// cache keeps whatever its budget ([`imp_image::ImageStore::evict`]). Unreadable records
+    /// are skipped.
+    pub fn image_chains(&self) -> Result<std::collections::BTreeSet<Vec<String>>> {
         let (records, _unreadable) = self.list()?;
-        Ok(records.into_iter().filter_map(|r| r.digest).collect())
+        Ok(records
+            .into_iter()
+            .filter_map(VmRecord::image_chain)
+            .collect())
     }
 
-    /// [`Self::image_digests`] off the async runtime; `None` (logged) when the records cannot
+    /// [`Self::image_chains`] off the async runtime; `None` (logged) when the records cannot
     /// be listed, and then nothing may be evicted.
-    pub async fn images_in_use(&self) -> Option<std::collections::BTreeSet<String>> {
+    pub async fn images_in_use(&self) -> Option<std::collections::BTreeSet<Vec<String>>> {
         let state = self.clone();
-        match tokio::task::spawn_blocking(move || state.image_digests()).await {
+        match tokio::task::spawn_blocking(move || state.image_chains()).await {
             Ok(Ok(d)) => Some(d),
             Ok(Err(e)) => {
                 tracing::warn!(error = %imp_api::chain::DisplayChain(&e), "listing the VMs' images; the image cache is not evicted now");
@@ -512,6 +516,10 @@ pub struct VmRecord {
     pub image: String,
     /// The image's manifest digest, once pulled.
     pub digest: Option<String>,
+    /// The manifest digests of the images whose layers go over it (`VmSpec::layers`), lowest
+    /// first, once pulled.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub layer_digests: Vec<String>,
     /// `qemu` or `firecracker`.
     pub runtime: String,
     /// The shim's pid: `imp stop` signals it, `imp ps` checks it is alive.
@@ -579,6 +587,13 @@ pub struct VmRecord {
 }
 
 impl VmRecord {
+    /// Its image's chain of manifest digests: the image's, then its extra layers' (`None`
+    /// before the image was pulled).
+    pub fn image_chain(self) -> Option<Vec<String>> {
+        let digest = self.digest?;
+        Some(std::iter::once(digest).chain(self.layer_digests).collect())
+    }
+
     /// Whether the shim still runs, so the record's status can be trusted.
     pub fn supervisor_alive(&self) -> bool {
         pid_alive(self.supervisor_pid)
@@ -759,8 +774,8 @@ mod tests {
         );
         assert_eq!(bad.len(), 1);
         assert_eq!(
-            state.image_digests().unwrap(),
-            std::collections::BTreeSet::from(["sha256:aa".to_owned()]),
+            state.image_chains().unwrap(),
+            std::collections::BTreeSet::from([vec!["sha256:aa".to_owned()]]),
             "only records naming a digest count; the unreadable one is skipped"
         );
         assert!(good[0].supervisor_alive());
@@ -815,6 +830,7 @@ mod tests {
             name: name.into(),
             image: "i".into(),
             digest: None,
+            layer_digests: Vec::new(),
             runtime: "qemu".into(),
             supervisor_pid: 1,
             supervisor_started: None,

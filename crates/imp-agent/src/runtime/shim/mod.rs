@@ -714,11 +714,11 @@ fn full_disk_what(what: &str, dir: &Path, report: Option<imp_api::shared::DiskRe
 /// Brings the image cache within `budget` after a pull, keeping the images of the node's VM
 /// records and `ours` (this VM's, whose record may not say so on disk yet). A failure is
 /// logged: the VM starts all the same, and the agent tries again periodically.
-async fn evict_images(state: &StateDir, store: &ImageStore, budget: u64, ours: &str) {
+async fn evict_images(state: &StateDir, store: &ImageStore, budget: u64, ours: Vec<String>) {
     let Some(mut in_use) = state.images_in_use().await else {
         return;
     };
-    in_use.insert(ours.to_owned());
+    in_use.insert(ours);
     if let Err(e) = store.evict(budget, in_use).await {
         tracing::warn!(cache = %store.root().display(), error = %imp_api::chain::DisplayChain(&e), "evicting from the image cache");
     }
@@ -735,6 +735,7 @@ async fn prepare(
     let (store, pulled, reporter) = pull(state, dir, spec).await?;
     let layers = pull_layers(&store, spec).await?;
     record.digest = Some(pulled.manifest_digest.clone());
+    record.layer_digests = layers.iter().map(|l| l.manifest_digest.clone()).collect();
     record.timings.image_ms = ms(t.elapsed());
 
     let t = Instant::now();
@@ -742,7 +743,8 @@ async fn prepare(
     let disk = root_disk(dir, spec, &store, image, &reporter, &record.name).await?;
     record.timings.disk_ms = ms(t.elapsed());
     if let Some(budget) = spec.image_cache_max_bytes {
-        evict_images(state, &store, budget, &pulled.manifest_digest).await;
+        let ours = record.clone().image_chain().unwrap_or_default();
+        evict_images(state, &store, budget, ours).await;
     }
 
     // The initramfs counts toward the boot step.
