@@ -272,8 +272,16 @@ async fn probes_gate_readiness_flip_it_and_restart_a_vm_whose_liveness_fails() {
         condition(&roomy, "DisruptionTarget").is_none(),
         "the mark stayed"
     );
-    // (Its SpecChanged Event joins the series of the image's, whose message it keeps.)
-    let events = common::events_of(&c, NS, VM).await;
+    // Its SpecChanged Event has an action of its own, so it is not folded into the image's
+    // series (which keeps the series' first message).
+    let events = common::events_with(&c, NS, VM, &["SpecChanged"]).await;
+    assert!(
+        events
+            .iter()
+            .filter_map(|e| e.message.as_deref())
+            .any(|m| m.starts_with("classRef changed: restarting the VM with the new spec")),
+        "{events:?}"
+    );
     let refused: Vec<_> = events
         .iter()
         .filter(|e| e.type_.as_deref() == Some("Warning"))

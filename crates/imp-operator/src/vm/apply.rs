@@ -76,7 +76,9 @@ impl Context {
         } else {
             EventType::Normal
         };
-        self.event(vm, type_, note.reason, note.message).await;
+        let action = note.action.unwrap_or(note.reason);
+        self.event_with(vm, type_, note.reason, action, note.message)
+            .await;
     }
 
     async fn delete(&self, vm: &ImpVM) -> Result<(), Error> {

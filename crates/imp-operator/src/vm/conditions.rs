@@ -17,6 +17,11 @@ pub(super) struct Note {
     pub reason: &'static str,
     /// The Event's message.
     pub message: String,
+    /// The Event's action, when it is not its reason. Events of one reason and action within
+    /// a few minutes join one series that keeps its first message (as client-go's events
+    /// recorder does), so happenings of one reason that say different things take actions
+    /// of their own.
+    pub action: Option<&'static str>,
 }
 
 impl Note {
@@ -25,6 +30,15 @@ impl Note {
             warning: false,
             reason,
             message: message.into(),
+            action: None,
+        }
+    }
+
+    /// The same Note with its own `action`.
+    pub(super) fn action(self, action: &'static str) -> Self {
+        Self {
+            action: Some(action),
+            ..self
         }
     }
 
@@ -33,6 +47,7 @@ impl Note {
             warning: true,
             reason,
             message: message.into(),
+            action: None,
         }
     }
 }

@@ -615,7 +615,7 @@ fn replace(vm: &ImpVM, mut status: ImpVMStatus, node: &str, what: &str, w: &Worl
     Plan {
         status: Some(status),
         doing: "placing anew, for a changed reference,",
-        event: Some(Note::normal("SpecChanged", msg)),
+        event: Some(Note::normal("SpecChanged", msg).action("Reschedule")),
         next: Next::Requeue(w.settings.requeue_active),
         ..Plan::default()
     }
@@ -661,10 +661,11 @@ fn roll(vm: &ImpVM, status: &ImpVMStatus, w: &World) -> Option<Plan> {
         format!("{what} changed: in effect without a restart")
     };
     status.booking = Some(booked);
+    let action = if r.restart { "Restart" } else { "Update" };
     Some(Plan {
         status: Some(status),
         doing: "rolling a spec change into",
-        event: Some(Note::normal("SpecChanged", note)),
+        event: Some(Note::normal("SpecChanged", note).action(action)),
         next: Next::Requeue(w.settings.requeue_active),
         ..Plan::default()
     })
@@ -1439,7 +1440,13 @@ mod tests {
             ("True", "SpecChanged")
         );
         assert!(c.message.starts_with("classRef changed"), "{}", c.message);
-        assert_eq!(p.event.as_ref().unwrap().reason, "SpecChanged");
+        let event = p.event.as_ref().unwrap();
+        assert_eq!(event.reason, "SpecChanged");
+        assert_eq!(
+            event.action,
+            Some("Reschedule"),
+            "not folded into a rollout's series"
+        );
 
         // Until released: nothing else happens (no record of the node, no restart).
         let mut marked = v.clone();

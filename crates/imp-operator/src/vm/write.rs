@@ -33,11 +33,23 @@ impl Context {
     }
 
     pub(super) async fn event(&self, vm: &ImpVM, type_: EventType, reason: &str, note: String) {
+        self.event_with(vm, type_, reason, reason, note).await;
+    }
+
+    /// An Event whose action is not its reason ([`super::conditions::Note::action`]).
+    pub(super) async fn event_with(
+        &self,
+        vm: &ImpVM,
+        type_: EventType,
+        reason: &str,
+        action: &str,
+        note: String,
+    ) {
         let ev = Event {
             type_,
             reason: reason.to_owned(),
             note: Some(note),
-            action: reason.to_owned(),
+            action: action.to_owned(),
             secondary: None,
         };
         if let Err(e) = self.recorder.publish(&ev, &vm.object_ref(&())).await {
