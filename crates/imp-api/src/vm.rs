@@ -304,6 +304,18 @@ fn is_zero(n: &i64) -> bool {
     *n == 0
 }
 
+impl ImpVMStatus {
+    /// Whether the operator takes the VM off its node (`DisruptionTarget=True`: evicted for a
+    /// `NoExecute` taint, or its class or template changed): its node's agent stops and removes
+    /// it, then clears `spec.nodeName`, and only then is it placed anew.
+    pub fn leaving_node(&self) -> bool {
+        crate::conditions::is_true(
+            &self.conditions,
+            crate::conditions::ConditionType::DisruptionTarget,
+        )
+    }
+}
+
 impl Booking {
     /// The vCPU and memory it books on the node.
     pub fn size(&self) -> crate::shared::PlacedSize {

@@ -503,19 +503,13 @@ fn mark_leaving(
     );
 }
 
-/// Whether `status` marks the VM to leave its node (`DisruptionTarget=True`: evicted, or its
-/// class or template reference changed).
-fn leaves(status: &ImpVMStatus) -> bool {
-    conditions::is_true(&status.conditions, ConditionType::DisruptionTarget)
-}
-
 /// A VM marked to leave its node that is still on it: wait for the node's agent to stop,
 /// remove and release it (clear `spec.nodeName`). The operator clears the node itself only as
 /// node loss would move it: the node gone or NotReady past the grace, and its agent silent past
 /// its fence deadline (or keeping no Lease), so it has stopped the VM itself by then.
 fn leaving(vm: &ImpVM, status: &ImpVMStatus, w: &World) -> Option<Plan> {
     let node = vm.spec.node_name.as_deref()?;
-    if !leaves(status) {
+    if !status.leaving_node() {
         return None;
     }
     let lost = w.node.is_none_or(|n| {
@@ -731,12 +725,16 @@ fn finished(vm: &ImpVM, old: ImpVMStatus, w: &World) -> Plan {
     {
         return expire(status, w);
     }
-    let evicted = leaves(&status)
-        .then(|| after_eviction(vm, status.clone(), w))
-        .flatten();
-    let mut plan = match (status.phase.unwrap_or_default(), w.resolved) {
-        _ if evicted.is_some() => evicted.unwrap_or_default(),
-        (VmPhase::Failed, Ok(r)) => restart(vm, status.clone(), r, w),
+    let evicted = status
+        .leaving_node()
+        .then(|| after_eviction(vm, status.clone(), w));
+    let mut plan = match (
+        evicted.flatten(),
+        status.phase.unwrap_or_default(),
+        w.resolved,
+    ) {
+        (Some(moved), _, _) => moved,
+        (None, VmPhase::Failed, Ok(r)) => restart(vm, status.clone(), r, w),
         _ => Plan::stop(Next::AwaitChange),
     };
     if plan.status.is_none() && status != old {

@@ -6,7 +6,7 @@ use imp_api::class::{ImpVMClass, ImpVMClassSpec};
 use imp_api::cluster::CLUSTER_CONFIG_NAME;
 use imp_api::shared::PlacedSize;
 use imp_api::template::ImpVMTemplate;
-use imp_api::vm::{ImpVM, ImpVMSpec, VmPhase};
+use imp_api::vm::{ImpVM, ImpVMSpec, ImpVMStatus, VmPhase};
 use k8s_openapi::api::core::v1::Node;
 use kube::ResourceExt;
 use kube::api::Api;
@@ -242,12 +242,7 @@ impl Context {
             phase,
             VmPhase::Failed | VmPhase::Succeeded | VmPhase::RetryExhausted
         );
-        let leaving = vm.status.as_ref().is_some_and(|s| {
-            imp_api::conditions::is_true(
-                &s.conditions,
-                imp_api::conditions::ConditionType::DisruptionTarget,
-            )
-        });
+        let leaving = vm.status.as_ref().is_some_and(ImpVMStatus::leaving_node);
         if terminal && vm.metadata.deletion_timestamp.is_none() && !leaving {
             return Ok(None);
         }

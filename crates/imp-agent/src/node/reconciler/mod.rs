@@ -324,10 +324,7 @@ fn observed(vm: &ImpVM) -> Observed {
         attempt: status.restart_count.unwrap_or(0),
         revision: status.booking.as_ref().map_or(0, |b| b.revision),
         ephemeral: vm.spec.lifecycle == VmLifecycle::Ephemeral,
-        leaving: imp_api::conditions::is_true(
-            &status.conditions,
-            imp_api::conditions::ConditionType::DisruptionTarget,
-        ),
+        leaving: status.leaving_node(),
         suspend_wanted: vm.spec.desired_state == VmDesiredState::Suspended,
         scale_to_zero: vm.spec.desired_state == VmDesiredState::ScaleToZero,
         cold_boot_fallback: vm

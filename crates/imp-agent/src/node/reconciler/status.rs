@@ -55,9 +55,7 @@ pub(super) async fn write_report_with(
         return Ok(());
     }
     ctx.patch_status(vm, &status).await?;
-    if let (None, Some(ran)) = (&old.running_at, &status.running_at) {
-        trace_first_run(ctx, vm, ran.0);
-    }
+    trace(ctx, vm, &old, &status, &report, record);
     announce_probes(ctx, vm, &old, &status).await;
     if old.phase != status.phase {
         announce(ctx, vm, &report, record).await;
@@ -65,33 +63,43 @@ pub(super) async fn write_report_with(
     Ok(())
 }
 
-/// Exports the spans of the boot `record` tells of ([`crate::node::trace::start_spans`]),
-/// ended now, as the guest agent has just answered.
-fn trace_start(ctx: &Context, record: Option<&VmRecord>) {
-    let Some(r) = record else { return };
-    let Some(owner) = r.owner.as_ref() else {
-        return;
-    };
-    let now = std::time::SystemTime::now();
-    let spans = crate::node::trace::start_spans(owner, &ctx.settings.node, &r.timings, now);
-    crate::node::trace::export(ctx.client.clone(), spans);
-}
-
-/// Exports the root span of `vm`'s trace ([`imp_ops::trace::vm_root`]), which ends when it
-/// first ran (`ran`): this agent's report is where that is known.
-fn trace_first_run(ctx: &Context, vm: &ImpVM, ran: k8s_openapi::jiff::Timestamp) {
-    let (Some(uid), Some(created)) = (vm.uid(), vm.metadata.creation_timestamp.as_ref()) else {
-        return;
-    };
-    let ns = vm.namespace().unwrap_or_default();
-    let root = imp_ops::trace::vm_root(
-        &uid,
-        &ns,
-        &vm.name_any(),
-        std::time::SystemTime::from(created.0),
-        std::time::SystemTime::from(ran),
-    );
-    crate::node::trace::export(ctx.client.clone(), vec![root]);
+/// Exports, in one request, the spans the write of `status` over `old` ends: a boot's
+/// ([`crate::node::trace::start_spans`], ended now, as the guest agent has just answered; a
+/// resume is no boot) and, when the VM first ran, its trace's root
+/// ([`imp_ops::trace::vm_root`]), which only this report knows the end of.
+fn trace(
+    ctx: &Context,
+    vm: &ImpVM,
+    old: &ImpVMStatus,
+    status: &ImpVMStatus,
+    report: &Report,
+    record: Option<&VmRecord>,
+) {
+    let mut spans = Vec::new();
+    let booted = old.phase != status.phase && matches!(report, Report::Running);
+    if let Some(r) = record.filter(|r| booted && r.timings.resume_ms == 0)
+        && let Some(owner) = r.owner.as_ref()
+    {
+        let now = std::time::SystemTime::now();
+        spans = crate::node::trace::start_spans(owner, &ctx.settings.node, &r.timings, now);
+    }
+    if let (None, Some(ran), Some(uid), Some(created)) = (
+        &old.running_at,
+        &status.running_at,
+        vm.uid(),
+        vm.metadata.creation_timestamp.as_ref(),
+    ) {
+        spans.push(imp_ops::trace::vm_root(
+            &uid,
+            &vm.namespace().unwrap_or_default(),
+            &vm.name_any(),
+            std::time::SystemTime::from(created.0),
+            std::time::SystemTime::from(ran.0),
+        ));
+    }
+    if !spans.is_empty() {
+        crate::node::trace::export(ctx.client.clone(), spans);
+    }
 }
 
 /// Writes what `report` says into `status`: the phase, its times, the VMM's pid and the
@@ -257,7 +265,6 @@ async fn announce(ctx: &Context, vm: &ImpVM, report: &Report, record: Option<&Vm
         Report::Running => {
             let t = record.map(|r| r.timings).unwrap_or_default();
             ctx.metrics.observe_start(&t);
-            trace_start(ctx, record);
             tracing::info!(vm = %key(vm), node = %ctx.settings.node, phase = "Running", image_ms = t.image_ms, disk_ms = t.disk_ms, boot_ms = t.boot_ms, ready_ms = t.ready_ms, "VM running");
             ctx.event(
                 vm,
