@@ -1,6 +1,7 @@
-//! The agent API served for real (TLS on loopback) with a scripted guest agent behind a
-//! `CONNECT <port>` socket and a scripted reviewer: what the protocol relay, the sessions and
-//! the console follower do over the wire, and every refusal's status.
+//! The agent API served for real (mutual TLS on loopback) with a scripted guest agent behind a
+//! `CONNECT <port>` socket, called as the gateway (whose certificate it pins) or as a stranger:
+//! what the protocol relay, the sessions and the console follower do over the wire, and every
+//! refusal's status.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::collections::HashMap;
@@ -10,58 +11,28 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use futures::future::BoxFuture;
 use http::{Request, StatusCode};
 use http_body_util::BodyExt;
-use imp_agent::api::auth::{ReviewError, Reviewer};
-use imp_agent::api::client::{self, ClientError, Target};
+use imp_agent::api::auth::Gateway;
 use imp_agent::api::sessions::SessionLimits;
 use imp_agent::api::top::GuestReading;
 use imp_agent::api::{AgentApi, ApiConfig, GuestEndpoint, Identity, VmLookup, Waking};
+use imp_agent_client::client::{self, Caller, ClientError, Target};
+use imp_agent_client::tls::{ClientIdentity, parse_fingerprint};
 use imp_proto::frame::{check_len, decode, encode};
 use imp_proto::message::{ExecRequest, ExitStatus, Hello, Message, WindowSize};
 use imp_proto::{handshake, read_frame, write_frame};
-use k8s_openapi::api::authentication::v1::{TokenReview, TokenReviewStatus, UserInfo};
-use k8s_openapi::api::authorization::v1::{SubjectAccessReview, SubjectAccessReviewStatus};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 const PORT: u32 = 10000;
 
-/// Tokens: "good" is alice (allowed everything), "bob" is bob (allowed nothing).
-struct Reviews;
-
-impl Reviewer for Reviews {
-    fn review_token(
-        &self,
-        mut review: TokenReview,
-    ) -> BoxFuture<'_, Result<TokenReview, ReviewError>> {
-        let user = match review.spec.token.as_deref() {
-            Some("good") => Some("alice"),
-            Some("bob") => Some("bob"),
-            _ => None,
-        };
-        review.status = Some(TokenReviewStatus {
-            authenticated: Some(user.is_some()),
-            user: user.map(|u| UserInfo {
-                username: Some(u.into()),
-                ..Default::default()
-            }),
-            ..Default::default()
-        });
-        Box::pin(async move { Ok(review) })
-    }
-
-    fn review_access(
-        &self,
-        mut review: SubjectAccessReview,
-    ) -> BoxFuture<'_, Result<SubjectAccessReview, ReviewError>> {
-        review.status = Some(SubjectAccessReviewStatus {
-            allowed: review.spec.user.as_deref() == Some("alice"),
-            reason: Some("scripted".into()),
-            ..Default::default()
-        });
-        Box::pin(async move { Ok(review) })
-    }
+/// A fresh self-signed client certificate: the gateway's, or a stranger's.
+fn client_identity() -> ClientIdentity {
+    let certified = rcgen::generate_simple_self_signed(vec!["imp-gateway".to_owned()]).unwrap();
+    ClientIdentity::from_der(
+        certified.cert.der().to_vec(),
+        certified.signing_key.serialize_der(),
+    )
 }
 
 /// VMs by name in namespace "ns", how often each was asked to wake, and its open execs:
@@ -204,8 +175,37 @@ struct Env {
     api: Arc<AgentApi>,
     vms: Arc<Vms>,
     target: Target,
+    /// The gateway's certificate, which the agent pins.
+    gateway: ClientIdentity,
+    /// Another certificate.
+    stranger: ClientIdentity,
     dir: PathBuf,
     seen: Arc<Mutex<Vec<Message>>>,
+}
+
+impl Env {
+    /// The gateway, calling for alice.
+    fn alice(&self) -> Caller<'_> {
+        Caller {
+            identity: &self.gateway,
+            user: "alice",
+            groups: &[],
+        }
+    }
+
+    /// Someone with a certificate the agent does not pin.
+    fn stranger(&self) -> Caller<'_> {
+        Caller {
+            identity: &self.stranger,
+            user: "alice",
+            groups: &[],
+        }
+    }
+
+    /// The SHA-256 of the gateway's certificate.
+    fn gateway_digest(&self) -> [u8; 32] {
+        parse_fingerprint(&self.gateway.fingerprint()).unwrap()
+    }
 }
 
 impl Drop for Env {
@@ -243,9 +243,14 @@ async fn env_with(tag: &str, sessions: SessionLimits) -> Env {
     let mut agentless = endpoint(true);
     agentless.guest_agent = false;
     vms.add("agentless", agentless);
+    let gateway = client_identity();
+    let pins = Gateway::fixed(
+        "imp-system/imp-gateway-client",
+        vec![parse_fingerprint(&gateway.fingerprint()).unwrap()],
+    );
     let api = AgentApi::new(
         vms.clone(),
-        Arc::new(Reviews),
+        pins,
         ApiConfig {
             guest_connect_timeout: Duration::from_millis(300),
             console_poll: Duration::from_millis(20),
@@ -259,7 +264,6 @@ async fn env_with(tag: &str, sessions: SessionLimits) -> Env {
     let target = Target {
         endpoint: listener.local_addr().unwrap().to_string(),
         fingerprint: identity.fingerprint().to_owned(),
-        token: "good".into(),
     };
     tokio::spawn(api.clone().serve(
         listener,
@@ -270,6 +274,8 @@ async fn env_with(tag: &str, sessions: SessionLimits) -> Env {
         api,
         vms,
         target,
+        gateway,
+        stranger: client_identity(),
         dir,
         seen,
     }
@@ -292,7 +298,9 @@ async fn recv(s: &mut client::ExecStream) -> Option<Message> {
 
 /// An exec stream to VM `name` whose guest agent has said hello.
 async fn greeted(env: &Env, name: &str) -> client::ExecStream {
-    let mut s = client::exec(&env.target, "ns", name).await.unwrap();
+    let mut s = client::exec(&env.target, &env.alice(), "ns", name)
+        .await
+        .unwrap();
     send(&mut s, &Message::Hello(Hello::new("test"))).await;
     assert!(matches!(recv(&mut s).await, Some(Message::Hello(_))));
     s
@@ -327,7 +335,9 @@ async fn wait_until(what: &str, f: impl Fn() -> bool) {
 async fn a_tty_exec_relays_window_stdin_resize_and_exit_and_ends_its_session() {
     let _ = rustls::crypto::ring::default_provider().install_default();
     let env = env("tty").await;
-    let mut s = client::exec(&env.target, "ns", "vm").await.unwrap();
+    let mut s = client::exec(&env.target, &env.alice(), "ns", "vm")
+        .await
+        .unwrap();
     send(&mut s, &Message::Hello(Hello::new("test"))).await;
     assert!(
         matches!(recv(&mut s).await, Some(Message::Hello(h)) if h.software == "scripted-guest")
@@ -407,7 +417,7 @@ async fn a_followed_console_ends_when_the_caller_goes_away() {
     let _ = rustls::crypto::ring::default_provider().install_default();
     let env = env("console").await;
     std::fs::write(env.dir.join("serial.log"), b"line one\n").unwrap();
-    let mut body = client::console(&env.target, "ns", "vm", true)
+    let mut body = client::console(&env.target, &env.alice(), "ns", "vm", true)
         .await
         .unwrap();
     let first = body.frame().await.unwrap().unwrap().into_data().unwrap();
@@ -445,13 +455,13 @@ async fn exec_wakes_a_sleeping_vm_and_waits_for_it_or_says_why_it_cannot() {
     assert_eq!(env.vms.knocks("suspending"), 2);
     assert_eq!(env.vms.in_use("suspending"), 1);
     drop(s);
-    let stuck = refused(client::exec(&env.target, "ns", "stuck").await);
+    let stuck = refused(client::exec(&env.target, &env.alice(), "ns", "stuck").await);
     says(
         stuck,
         StatusCode::GATEWAY_TIMEOUT,
         &["ns/stuck", "did not wake within 500ms"],
     );
-    let stopped = refused(client::exec(&env.target, "ns", "stopped").await);
+    let stopped = refused(client::exec(&env.target, &env.alice(), "ns", "stopped").await);
     says(
         stopped,
         StatusCode::CONFLICT,
@@ -460,7 +470,7 @@ async fn exec_wakes_a_sleeping_vm_and_waits_for_it_or_says_why_it_cannot() {
     assert_eq!(env.vms.knocks("stopped"), 1);
     assert_eq!(env.vms.in_use("stuck") + env.vms.in_use("stopped"), 0);
     // A VM without its guest agent: refused at once, naming the field, and nothing dialled.
-    let agentless = refused(client::exec(&env.target, "ns", "agentless").await);
+    let agentless = refused(client::exec(&env.target, &env.alice(), "ns", "agentless").await);
     says(
         agentless,
         StatusCode::CONFLICT,
@@ -481,16 +491,11 @@ async fn exec_wakes_a_sleeping_vm_and_waits_for_it_or_says_why_it_cannot() {
 async fn refusals_have_their_status_and_a_message_naming_the_vm() {
     let _ = rustls::crypto::ring::default_provider().install_default();
     let env = env("refusals").await;
-    let mut t = env.target.clone();
-    t.token = "nope".into();
-    let (status, _) = refused(client::exec(&t, "ns", "vm").await);
-    assert_eq!(status, StatusCode::UNAUTHORIZED);
-    t.token = "bob".into();
-    let bob = refused(client::exec(&t, "ns", "vm").await);
-    says(bob, StatusCode::FORBIDDEN, &["ns/vm", "scripted"]);
-    let missing = refused(client::exec(&env.target, "ns", "missing").await);
+    let stranger = refused(client::exec(&env.target, &env.stranger(), "ns", "vm").await);
+    says(stranger, StatusCode::UNAUTHORIZED, &["only imp's gateway"]);
+    let missing = refused(client::exec(&env.target, &env.alice(), "ns", "missing").await);
     says(missing, StatusCode::NOT_FOUND, &["ns/missing"]);
-    let unreachable = refused(client::exec(&env.target, "ns", "unreachable").await);
+    let unreachable = refused(client::exec(&env.target, &env.alice(), "ns", "unreachable").await);
     says(unreachable, StatusCode::BAD_GATEWAY, &["ns/unreachable"]);
     assert_eq!(
         env.vms.in_use("unreachable"),
@@ -499,39 +504,48 @@ async fn refusals_have_their_status_and_a_message_naming_the_vm() {
     );
     assert_eq!(env.api.exec_sessions(), 0);
 
-    // Straight into the handler: no upgrade asked, wrong method, unknown path.
-    let call = |method: &str, path: &str, token: Option<&str>| {
-        let mut req = Request::builder().method(method).uri(path);
+    // Straight into the handler: no upgrade asked, wrong method, unknown path; a bearer
+    // token is refused whoever presents it.
+    let gateway = env.gateway_digest();
+    let call = |method: &str, path: &str, peer: Option<[u8; 32]>, token: Option<&str>| {
+        let mut req = Request::builder()
+            .method(method)
+            .uri(path)
+            .header("imp-remote-user", "alice");
         if let Some(t) = token {
             req = req.header("authorization", format!("Bearer {t}"));
         }
-        env.api.clone().handle(req.body(()).unwrap())
+        let api = env.api.clone();
+        async move { api.handle(req.body(()).unwrap(), peer.as_ref()).await }
     };
-    let resp = call("POST", "/v1/namespaces/ns/impvms/vm/exec", Some("good")).await;
+    let exec = "/v1/namespaces/ns/impvms/vm/exec";
+    let resp = call("POST", exec, Some(gateway), None).await;
     assert_eq!(resp.status(), StatusCode::UPGRADE_REQUIRED);
-    let resp = call("POST", "/v1/namespaces/ns/impvms/vm/exec", None).await;
+    let resp = call("POST", exec, None, None).await;
     assert_eq!(resp.status(), StatusCode::UNAUTHORIZED);
-    assert!(resp.headers().contains_key("www-authenticate"));
-    let resp = call("GET", "/v1/namespaces/ns/impvms/vm/exec", Some("good")).await;
+    let resp = call("POST", exec, None, Some("a-user-token")).await;
+    assert_eq!(resp.status(), StatusCode::UNAUTHORIZED);
+    let body = resp.into_body().collect().await.unwrap().to_bytes();
+    let body = String::from_utf8_lossy(&body);
+    assert!(body.contains("accepts no user credentials"), "{body}");
+    let resp = call("POST", exec, Some(gateway), Some("a-user-token")).await;
+    assert_eq!(resp.status(), StatusCode::UNAUTHORIZED);
+    let resp = call("GET", exec, Some(gateway), None).await;
     assert_eq!(resp.status(), StatusCode::METHOD_NOT_ALLOWED);
-    let resp = call("GET", "/healthz", None).await;
+    let resp = call("GET", "/healthz", None, None).await;
     assert_eq!(resp.status(), StatusCode::NOT_FOUND);
-    let resp = call(
-        "GET",
-        "/v1/namespaces/ns/impvms/missing/console",
-        Some("bob"),
-    )
-    .await;
+    let missing = "/v1/namespaces/ns/impvms/missing/console";
+    let resp = call("GET", missing, Some([7; 32]), None).await;
     assert_eq!(
         resp.status(),
-        StatusCode::FORBIDDEN,
-        "authorization comes before the lookup"
+        StatusCode::UNAUTHORIZED,
+        "the caller is checked before the lookup"
     );
 
     // A wrong pin never gets as far as HTTP.
     let mut t = env.target.clone();
     t.fingerprint = "00".repeat(32);
-    match client::exec(&t, "ns", "vm").await {
+    match client::exec(&t, &env.alice(), "ns", "vm").await {
         Err(ClientError::Pin { detail, .. }) => {
             assert!(detail.contains(&env.target.fingerprint), "{detail}")
         }
@@ -541,10 +555,12 @@ async fn refusals_have_their_status_and_a_message_naming_the_vm() {
 }
 
 #[tokio::test]
-async fn guest_metrics_are_served_per_namespace_to_those_who_may_list_its_vms() {
+async fn guest_metrics_are_served_per_namespace_to_the_gateway_only() {
     let _ = rustls::crypto::ring::default_provider().install_default();
     let env = env("top").await;
-    let list = client::guest_metrics(&env.target, "ns").await.unwrap();
+    let list = client::guest_metrics(&env.target, &env.alice(), "ns")
+        .await
+        .unwrap();
     assert_eq!(list.namespace, "ns");
     assert_eq!(list.items.len(), 1, "{list:?}");
     assert_eq!(
@@ -554,20 +570,12 @@ async fn guest_metrics_are_served_per_namespace_to_those_who_may_list_its_vms() 
         ),
         ("vm", 42)
     );
-    let other = client::guest_metrics(&env.target, "other").await.unwrap();
+    let other = client::guest_metrics(&env.target, &env.alice(), "other")
+        .await
+        .unwrap();
     assert!(other.items.is_empty(), "{other:?}");
-    let mut t = env.target.clone();
-    t.token = "bob".into();
-    match client::guest_metrics(&t, "ns").await {
-        Err(ClientError::Refused { status, message }) => {
-            assert_eq!(status, StatusCode::FORBIDDEN, "{message}");
-            assert!(message.contains("list impvms in namespace ns"), "{message}");
-        }
-        other => panic!("bob was not refused: {other:?}"),
-    }
-    t.token = "nope".into();
     assert!(matches!(
-        client::guest_metrics(&t, "ns").await,
+        client::guest_metrics(&env.target, &env.stranger(), "ns").await,
         Err(ClientError::Refused {
             status: StatusCode::UNAUTHORIZED,
             ..
@@ -647,7 +655,7 @@ async fn sessions_over_the_per_vm_or_per_caller_limit_are_refused_429() {
     .await;
     let first = greeted(&env, "vm").await;
     let second = greeted(&env, "vm").await;
-    let over_vm = refused(client::exec(&env.target, "ns", "vm").await);
+    let over_vm = refused(client::exec(&env.target, &env.alice(), "ns", "vm").await);
     says(
         over_vm,
         StatusCode::TOO_MANY_REQUESTS,
@@ -657,7 +665,7 @@ async fn sessions_over_the_per_vm_or_per_caller_limit_are_refused_429() {
             "--api-max-sessions-per-vm",
         ],
     );
-    match client::console(&env.target, "ns", "vm", false).await {
+    match client::console(&env.target, &env.alice(), "ns", "vm", false).await {
         Err(ClientError::Refused { status, message }) => {
             assert_eq!(status, StatusCode::TOO_MANY_REQUESTS, "{message}")
         }
@@ -666,7 +674,7 @@ async fn sessions_over_the_per_vm_or_per_caller_limit_are_refused_429() {
     }
     // Alice's third session, into another VM, is within both limits; a fourth is not.
     let third = greeted(&env, "vm2").await;
-    let over_caller = refused(client::exec(&env.target, "ns", "vm2").await);
+    let over_caller = refused(client::exec(&env.target, &env.alice(), "ns", "vm2").await);
     says(
         over_caller,
         StatusCode::TOO_MANY_REQUESTS,
@@ -684,10 +692,8 @@ async fn sessions_over_the_per_vm_or_per_caller_limit_are_refused_429() {
     drop((second, third, again));
     wait_until("every session ended", || env.api.exec_sessions() == 0).await;
     // Unauthorized callers are refused before they count (401, not 429).
-    let mut t = env.target.clone();
-    t.token = "nope".into();
     for _ in 0..4 {
-        let (status, _) = refused(client::exec(&t, "ns", "vm").await);
+        let (status, _) = refused(client::exec(&env.target, &env.stranger(), "ns", "vm").await);
         assert_eq!(status, StatusCode::UNAUTHORIZED);
     }
 }

@@ -21,6 +21,7 @@
 pub mod backlog;
 mod chain;
 pub mod fencing;
+pub mod gateway;
 pub mod ipam;
 pub mod leader;
 pub mod ledger;

@@ -1044,6 +1044,7 @@ fn start_apiserver(
     write(&ca, pki.ca_pem())?;
     write(&crt, &serving.cert)?;
     write(&key, &serving.key)?;
+    let front_proxy = front_proxy_flags(dir)?;
     let (sa_key, sa_pub_pem) = pki::signing_key()?;
     write(&sa, &sa_key)?;
     write(&sa_pub, &sa_pub_pem)?;
@@ -1071,6 +1072,7 @@ fn start_apiserver(
         .arg("--endpoint-reconciler-type=none")
         .arg("--enable-priority-and-fairness=false")
         .arg("--profiling=false")
+        .args(front_proxy)
         .arg("--v=0");
     if let Some(log) = audit_log {
         let policy = dir.join("audit-policy.yaml");
@@ -1085,6 +1087,35 @@ fn start_apiserver(
         path: bin.to_path_buf(),
         source,
     })
+}
+
+/// The common name of the front proxy's client certificate, the one allowed name.
+pub const FRONT_PROXY_CLIENT: &str = "front-proxy-client";
+
+/// The aggregation layer, as kubeadm sets it up: a CA of its own for the requests the API
+/// server proxies to aggregated API servers, its client certificate and the request-header
+/// settings, which the API server publishes in ConfigMap
+/// `kube-system/extension-apiserver-authentication` for those servers to read.
+fn front_proxy_flags(dir: &Path) -> Result<Vec<String>, Error> {
+    let pki = Pki::new("imp-testenv-front-proxy-ca")?;
+    let client = pki.client(FRONT_PROXY_CLIENT, None)?;
+    let (ca, crt, key) = (
+        dir.join("front-proxy-ca.crt"),
+        dir.join("front-proxy-client.crt"),
+        dir.join("front-proxy-client.key"),
+    );
+    write(&ca, pki.ca_pem())?;
+    write(&crt, &client.cert)?;
+    write(&key, &client.key)?;
+    Ok(vec![
+        format!("--requestheader-client-ca-file={}", ca.display()),
+        format!("--requestheader-allowed-names={FRONT_PROXY_CLIENT}"),
+        "--requestheader-username-headers=X-Remote-User".to_owned(),
+        "--requestheader-group-headers=X-Remote-Group".to_owned(),
+        "--requestheader-extra-headers-prefix=X-Remote-Extra-".to_owned(),
+        format!("--proxy-client-cert-file={}", crt.display()),
+        format!("--proxy-client-key-file={}", key.display()),
+    ])
 }
 
 #[cfg(test)]

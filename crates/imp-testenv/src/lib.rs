@@ -14,6 +14,7 @@
 //!
 //! It is not a fake: nothing here answers Kubernetes requests itself.
 
+pub mod aggregation;
 pub mod controlplane;
 pub mod guard;
 pub mod kubeconfig;

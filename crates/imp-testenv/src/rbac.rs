@@ -189,6 +189,7 @@ pub async fn install_roles(
         out.push(cp.service_account_kubeconfig(namespace, sa).await?);
     }
     apply_agent_policy(&client, namespace).await?;
+    crate::aggregation::bind_auth_reader(&client, namespace, "imp-operator").await?;
     let agent = out.pop().unwrap_or_default();
     let operator = out.pop().unwrap_or_default();
     Ok(Identities { operator, agent })

@@ -272,22 +272,15 @@ fn all_containers(objs: &[Value]) -> Vec<&Value> {
 
 // ---- The real server's verdict ----
 
-/// Creates `yaml` on the shared server with `--dry-run=server --validate=strict` in namespace
-/// `ns`: every object is admitted and every field known, or the test fails with the server's
-/// words. A warning fails it too.
-fn server_accepts(cp: &ControlPlane, ns: &str, yaml: &str, what: &str) {
+/// Creates `yaml` on the shared server with `--dry-run=server --validate=strict`: every object
+/// is admitted and every field known, or the test fails with the server's words. A warning
+/// fails it too. Every namespaced object names its namespace (the release's, and kube-system
+/// for the gateway's RoleBinding), as Helm sends them.
+fn server_accepts(cp: &ControlPlane, yaml: &str, what: &str) {
     let out = kubectl(
         cp,
         None,
-        &[
-            "create",
-            "--dry-run=server",
-            "--validate=strict",
-            "-n",
-            ns,
-            "-f",
-            "-",
-        ],
+        &["create", "--dry-run=server", "--validate=strict", "-f", "-"],
         yaml,
     );
     assert!(
@@ -814,6 +807,33 @@ fn check_grafana_dashboard(objs: &[Value]) {
     );
 }
 
+/// The gateway: its APIService names the operator's listener (Service imp-webhook, port 443)
+/// with no CA of its own (the operator publishes it), and the operator may read the API
+/// server's request-header settings in kube-system.
+fn check_gateway(objs: &[Value]) {
+    let svc = find(objs, "APIService", "v1alpha1.subresources.imp.dev");
+    assert_eq!(svc["spec"]["group"], "subresources.imp.dev");
+    assert_eq!(svc["spec"]["service"]["name"], "imp-webhook");
+    assert_eq!(svc["spec"]["service"]["namespace"], NS);
+    assert_eq!(svc["spec"]["service"]["port"], 443);
+    assert!(svc["spec"]["caBundle"].is_null());
+    assert!(svc["spec"]["insecureSkipTLSVerify"].is_null());
+    let binding = find(objs, "RoleBinding", "imp-operator-auth-reader");
+    assert_eq!(binding["metadata"]["namespace"], "kube-system");
+    assert_eq!(
+        binding["roleRef"]["name"],
+        "extension-apiserver-authentication-reader"
+    );
+    assert_eq!(binding["subjects"][0]["name"], "imp-operator");
+    assert!(has(objs, "Service", "imp-webhook"));
+    let c = container(
+        find(objs, "Deployment", "imp-controller-manager"),
+        "manager",
+    );
+    assert!(args(c).contains(&"--webhook-addr=0.0.0.0:9443"));
+    assert_eq!(c["ports"].as_array().unwrap().len(), 2);
+}
+
 /// Every documented toggle, each with what it must change.
 const TOGGLES: &[Toggle] = &[
     Toggle {
@@ -834,6 +854,7 @@ const TOGGLES: &[Toggle] = &[
             check_operator(objs);
             check_agent(objs);
             check_webhook(objs);
+            check_gateway(objs);
             check_crds(objs);
             check_rbac(objs);
             check_agent_policy(objs);
@@ -976,6 +997,46 @@ const TOGGLES: &[Toggle] = &[
         check: |objs| {
             assert!(of_kind(objs, "ValidatingWebhookConfiguration").is_empty());
             assert!(of_kind(objs, "MutatingWebhookConfiguration").is_empty());
+            // The listener stays, for the gateway, and publishes no webhook's CA.
+            check_gateway(objs);
+            let c = container(
+                find(objs, "Deployment", "imp-controller-manager"),
+                "manager",
+            );
+            let a = args(c);
+            assert!(a.contains(&"--webhook-configurations="), "{a:?}");
+            assert!(!a.contains(&"--no-gateway"), "{a:?}");
+        },
+    },
+    Toggle {
+        what: "the gateway off",
+        args: &["--set", "gateway.enabled=false"],
+        check: |objs| {
+            assert!(of_kind(objs, "APIService").is_empty());
+            assert!(!has(objs, "RoleBinding", "imp-operator-auth-reader"));
+            check_webhook(objs);
+            let c = container(
+                find(objs, "Deployment", "imp-controller-manager"),
+                "manager",
+            );
+            let a = args(c);
+            assert!(
+                a.contains(&"--no-gateway") && a.contains(&"--api-services="),
+                "{a:?}"
+            );
+        },
+    },
+    Toggle {
+        what: "the webhook and the gateway off",
+        args: &[
+            "--set",
+            "webhook.enabled=false",
+            "--set",
+            "gateway.enabled=false",
+        ],
+        check: |objs| {
+            assert!(of_kind(objs, "ValidatingWebhookConfiguration").is_empty());
+            assert!(of_kind(objs, "APIService").is_empty());
             assert!(!has(objs, "Service", "imp-webhook"));
             let c = container(
                 find(objs, "Deployment", "imp-controller-manager"),
@@ -1101,7 +1162,7 @@ async fn every_toggle_renders_what_it_says_and_the_server_accepts_it_strictly() 
         let t0 = Instant::now();
         let (yaml, objs) = render(&helm, NS, t.args);
         (t.check)(&objs);
-        server_accepts(cp, NS, &yaml, t.what);
+        server_accepts(cp, &yaml, t.what);
         eprintln!(
             "{}: {} objects rendered, checked and accepted ({:.1} s)",
             t.what,
@@ -1304,11 +1365,21 @@ async fn an_upgrade_keeps_the_operators_ca_bundle(
     }
 }
 
-/// Another upgrade drops the webhook, and then a VM is created. (No operator Pod runs here to
-/// answer the webhook, and a VM created while it is registered would have the API server call
-/// its Service's name, which resolves to nothing of this test.)
+/// Another upgrade drops the webhook and the gateway (so the operator's listener), and then a
+/// VM is created. (No operator Pod runs here to answer the webhook, and a VM created while it
+/// is registered would have the API server call its Service's name, which resolves to nothing
+/// of this test.)
 async fn an_upgrade_drops_the_webhook(cp: &ControlPlane, helm: &Helm, admin: &kube::Client) {
-    let out = upgrade(helm, &["--reuse-values", "--set", "webhook.enabled=false"]);
+    let out = upgrade(
+        helm,
+        &[
+            "--reuse-values",
+            "--set",
+            "webhook.enabled=false",
+            "--set",
+            "gateway.enabled=false",
+        ],
+    );
     assert!(out.contains("REVISION: 3"), "{out}");
     let spec = operator_deployment(admin).await.unwrap().spec.unwrap();
     assert_eq!(spec.replicas, Some(3), "--reuse-values kept the replicas");
@@ -1320,9 +1391,11 @@ async fn an_upgrade_drops_the_webhook(cp: &ControlPlane, helm: &Helm, admin: &ku
         !flags.iter().any(|a| a.starts_with("--webhook")),
         "{flags:?}"
     );
-    let kinds = "validatingwebhookconfigurations,mutatingwebhookconfigurations,services";
+    let kinds =
+        "validatingwebhookconfigurations,mutatingwebhookconfigurations,services,apiservices";
     let left = kubectl_ok(cp, &["get", kinds, "-A", "-o", "name"]);
     for gone in [
+        "apiservice.apiregistration.k8s.io/v1alpha1.subresources.imp.dev",
         "validatingwebhookconfiguration.admissionregistration.k8s.io/imp-validating-webhook",
         "mutatingwebhookconfiguration.admissionregistration.k8s.io/imp-mutating-webhook",
         "service/imp-webhook",
@@ -1603,12 +1676,22 @@ async fn the_installed_service_accounts_hold_their_roles_and_no_more() {
         (&agent, "get", "impnetworks.imp.dev", &all),
         (&agent, "get", "secrets", &elsewhere),
         (&agent, "get", "configmaps", &elsewhere),
-        (&agent, "create", "tokenreviews.authentication.k8s.io", &[]),
+        (&agent, "get", "configmaps/imp-gateway-client", &here),
+        (&operator, "get", "configmaps/imp-gateway-client", &here),
+        (&operator, "update", "configmaps/imp-gateway-client", &here),
+        (&operator, "create", "configmaps", &here),
+        (&operator, "get", "secrets/imp-gateway-client", &here),
         (
-            &agent,
-            "create",
-            "subjectaccessreviews.authorization.k8s.io",
+            &operator,
+            "patch",
+            "apiservices.apiregistration.k8s.io/v1alpha1.subresources.imp.dev",
             &[],
+        ),
+        (
+            &operator,
+            "get",
+            "configmaps/extension-apiserver-authentication",
+            &["-n", "kube-system"],
         ),
     ];
     let no: &[(&Path, &str, &str, &[&str])] = &[
@@ -1650,6 +1733,23 @@ async fn the_installed_service_accounts_hold_their_roles_and_no_more() {
         (&agent, "patch", "leases.coordination.k8s.io", &elsewhere),
         (&agent, "update", "leases.coordination.k8s.io", &here),
         (&agent, "create", "pods", &here),
+        // User credentials never reach a node: the agent reviews no token.
+        (&agent, "create", "tokenreviews.authentication.k8s.io", &[]),
+        (
+            &agent,
+            "create",
+            "subjectaccessreviews.authorization.k8s.io",
+            &[],
+        ),
+        (&agent, "update", "configmaps/imp-gateway-client", &here),
+        (&operator, "get", "configmaps", &elsewhere),
+        (&operator, "get", "configmaps/someone-elses", &here),
+        (
+            &operator,
+            "patch",
+            "apiservices.apiregistration.k8s.io/v1beta1.metrics.k8s.io",
+            &[],
+        ),
     ];
     for (kc, verb, resource, extra) in yes {
         assert!(

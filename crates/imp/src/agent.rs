@@ -117,6 +117,15 @@ pub struct Args {
     /// limit); more are answered 429.
     #[arg(long, default_value_t = imp_agent::api::sessions::DEFAULT_PER_CALLER)]
     api_max_sessions_per_caller: usize,
+    /// The ConfigMap (NAMESPACE/NAME) in which the operator publishes its gateway's client
+    /// certificates: the API serves only callers that present one of them (users reach it
+    /// through the Kubernetes API server and the gateway, never directly).
+    #[arg(
+        long,
+        default_value = "imp-system/imp-gateway-client",
+        value_name = "NAMESPACE/NAME"
+    )]
+    gateway_configmap: String,
     /// How long a guest may take until its agent answers.
     #[arg(long, default_value = "180s", value_parser = parse_duration)]
     boot_timeout: Duration,
@@ -277,6 +286,7 @@ fn config(args: Args) -> anyhow::Result<Config> {
             per_vm: args.api_max_sessions_per_vm,
             per_caller: args.api_max_sessions_per_caller,
         },
+        gateway_configmap: args.gateway_configmap,
         boot_timeout: args.boot_timeout,
         stop_grace: args.stop_grace,
         suspend_retry: args.suspend_retry,

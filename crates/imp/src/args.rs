@@ -11,8 +11,9 @@ use clap::Args;
 
 /// How the commands' help tells local and cluster mode apart.
 pub const MODE_HELP: &str = "Local or cluster: with -n/--namespace, --kubeconfig or --context, or \
-when run as kubectl-imp (`kubectl imp ...`), VM is an ImpVM in the cluster, reached through its \
-node's agent with the kubeconfig user's bearer token; otherwise VM is a local VM of `imp run`.";
+when run as kubectl-imp (`kubectl imp ...`), VM is an ImpVM in the cluster, reached through the \
+Kubernetes API server (imp's aggregated API, subresources.imp.dev) with the kubeconfig's \
+credentials; otherwise VM is a local VM of `imp run`.";
 
 /// Flags that point `imp exec` and `imp console` at a cluster instead of a local VM.
 #[derive(Args, Debug, Clone, Default)]

@@ -1,13 +1,16 @@
 //! End-to-end: the real `imp exec` / `imp console` binary (also as `kubectl imp exec|logs`)
-//! against the node agent's API.
+//! through the Kubernetes API server, imp's gateway and the node agent's API.
 //!
-//! A real kube-apiserver answers the agent's TokenReviews and SubjectAccessReviews (the agent
-//! asks with its own ServiceAccount's token; alice and bob are ServiceAccount token users with
-//! imp's user roles);
-//! the agent API is served in-process (TLS, self-signed) with a `VmLookup` whose VM is a real
-//! `imp-guest` in dev mode behind a small `CONNECT <port>` shim, as a VMM's vsock socket would
-//! be. The Node carries the agent's endpoint and certificate fingerprint; the ImpVM names the
-//! Node in `status.nodeName`. The CLI reads both with the kubeconfig's token and streams.
+//! A real kube-apiserver with its aggregation layer authenticates alice and bob
+//! (ServiceAccount token users with imp's user roles) and authorizes `impvms/exec` and
+//! `impvms/console` of `subresources.imp.dev`, then proxies to the operator's gateway, served
+//! in-process as `imp operator` serves it (with the operator's ServiceAccount). The gateway
+//! finds the VM's node and calls the agent API, served in-process (TLS, self-signed, reading
+//! the gateway's certificate with the agent's ServiceAccount) with a `VmLookup` whose VM is a
+//! real `imp-guest` in dev mode behind a small `CONNECT <port>` shim, as a VMM's vsock socket
+//! would be. The Node carries the agent's endpoint and certificate fingerprint; the ImpVM names
+//! the Node in `status.nodeName`. Nothing of alice's or bob's reaches the agent: a token
+//! presented to it directly is refused.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
@@ -18,8 +21,9 @@ use std::process::{Output, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use imp_agent::api::tls::pinned_client_config;
-use imp_agent::api::{AgentApi, ApiConfig, GuestEndpoint, Identity, KubeReviewer, VmLookup};
+use imp_agent::api::auth::{Gateway, follow_pins};
+use imp_agent::api::{AgentApi, ApiConfig, GuestEndpoint, Identity, VmLookup};
+use imp_agent_client::tls::ClientIdentity;
 use imp_api::shared::{ANNOTATION_AGENT_CERT_SHA256, ANNOTATION_AGENT_ENDPOINT};
 use imp_api::vm::ImpVM;
 use imp_proto::config::{GuestConfig, ImageConfig};
@@ -183,6 +187,7 @@ async fn connect_shim(stream: UnixStream, api: PathBuf) {
 
 struct Env {
     _kube: common::Cluster,
+    _gateway: tokio::sync::watch::Sender<bool>,
     client: Client,
     /// kubeconfig and token of "alice-token" and "bob-token".
     users: HashMap<&'static str, (PathBuf, String)>,
@@ -206,12 +211,17 @@ impl Env {
             let token = imp_testenv::kubeconfig::token_of(&p).expect("a token kubeconfig");
             (k, (p, token))
         }));
-        // The agent reviews with its own ServiceAccount, as in a cluster.
+        let gateway =
+            common::serve_gateway(&kube.cp, kube.operator_kubeconfig(), kube.gateway_port).await;
+        // The agent reads the gateway's certificate with its own ServiceAccount, as in a
+        // cluster.
         let agent_client = kube
             .cp
             .client_from(&kube.agent_kubeconfig_for(NODE).await)
             .await
             .unwrap();
+        let pins = Gateway::reading(agent_client, "imp-system/imp-gateway-client");
+        tokio::spawn(follow_pins(pins.clone(), std::future::pending()));
 
         let guest = Guest::start(binary, &dir.join("vm1")).await;
         let vms = Arc::new(Vms::default());
@@ -223,7 +233,7 @@ impl Env {
         let endpoint = listener.local_addr().unwrap().to_string();
         let api = AgentApi::new(
             vms.clone(),
-            Arc::new(KubeReviewer::new(agent_client)),
+            pins,
             ApiConfig {
                 console_poll: Duration::from_millis(50),
                 ..Default::default()
@@ -235,8 +245,10 @@ impl Env {
             std::future::pending(),
         ));
 
+        common::wait_gateway(&client).await;
         let env = Env {
             _kube: kube,
+            _gateway: gateway,
             client,
             users,
             dir,
@@ -350,14 +362,48 @@ fn text(bytes: &[u8]) -> String {
     String::from_utf8_lossy(bytes).into_owned()
 }
 
-/// Sends an exec request by hand (optionally without a token), with a hello and an exec that
-/// would create `marker` pipelined behind it, so an upgrade that should not happen would run
-/// it. Returns the status line.
+/// Who a hand-made request to the agent comes as.
+enum As<'a> {
+    /// The gateway: its client certificate (read from its Secret) and a user header.
+    Gateway,
+    /// A user presenting their bearer token to the agent directly.
+    UserToken(&'a str),
+    /// Nobody: no certificate, no token.
+    Nobody,
+}
+
+/// The gateway's client certificate and key, from its Secret.
+async fn gateway_identity(env: &Env) -> ClientIdentity {
+    use k8s_openapi::api::core::v1::Secret;
+    let secret = Api::<Secret>::namespaced(env.client.clone(), "imp-system")
+        .get("imp-gateway-client")
+        .await
+        .unwrap();
+    let data = secret.data.unwrap();
+    let text = |k: &str| String::from_utf8(data[k].0.clone()).unwrap();
+    ClientIdentity::from_pem(&text("tls.crt"), &text("tls.key")).unwrap()
+}
+
+/// Sends an exec request to the agent by hand, with a hello and an exec that would create
+/// `marker` pipelined behind it, so an upgrade that should not happen would run it. Returns the
+/// status line and the answer's text.
 ///
-/// The control (a good token) proves the pipelined exec really runs when allowed.
-async fn raw_exec(env: &Env, token: Option<&str>, marker: &Path) -> String {
+/// The control (as the gateway) proves the pipelined exec really runs when allowed.
+async fn raw_exec(env: &Env, who: As<'_>, marker: &Path) -> (String, String) {
     let tcp = TcpStream::connect(&env.endpoint).await.unwrap();
-    let tls = tokio_rustls::TlsConnector::from(pinned_client_config(&env.fingerprint).unwrap())
+    let config = match who {
+        As::Gateway => gateway_identity(env)
+            .await
+            .pinned_config(&env.fingerprint)
+            .unwrap(),
+        As::UserToken(_) | As::Nobody => {
+            // A caller with no certificate of its own, pinning the agent's as the CLI once did.
+            let mut c = no_client_auth(&env.fingerprint);
+            c.alpn_protocols = vec![b"http/1.1".to_vec()];
+            Arc::new(c)
+        }
+    };
+    let tls = tokio_rustls::TlsConnector::from(config)
         .connect("127.0.0.1".try_into().unwrap(), tcp)
         .await
         .unwrap();
@@ -368,9 +414,13 @@ async fn raw_exec(env: &Env, token: Option<&str>, marker: &Path) -> String {
         env.endpoint
     )
     .into_bytes();
-    if let Some(t) = token {
-        let t = env.token(t);
-        request.extend_from_slice(format!("Authorization: Bearer {t}\r\n").as_bytes());
+    match who {
+        As::Gateway => request.extend_from_slice(b"imp-remote-user: alice\r\n"),
+        As::UserToken(t) => {
+            let t = env.token(t);
+            request.extend_from_slice(format!("Authorization: Bearer {t}\r\n").as_bytes());
+        }
+        As::Nobody => {}
     }
     request.extend_from_slice(b"\r\n");
     request.extend(imp_proto::frame::encode(&Message::Hello(Hello::new("raw"))).unwrap());
@@ -389,11 +439,55 @@ async fn raw_exec(env: &Env, token: Option<&str>, marker: &Path) -> String {
     let mut answer = Vec::new();
     let _ = tokio::time::timeout(Duration::from_secs(2), rx.read_to_end(&mut answer)).await;
     let answer = text(&answer);
-    answer.lines().next().unwrap_or("").to_owned()
+    (answer.lines().next().unwrap_or("").to_owned(), answer)
+}
+
+/// A TLS client configuration that pins the agent's certificate and presents none.
+fn no_client_auth(fingerprint: &str) -> rustls::ClientConfig {
+    #[derive(Debug)]
+    struct Pin(String);
+    impl rustls::client::danger::ServerCertVerifier for Pin {
+        fn verify_server_cert(
+            &self,
+            end_entity: &rustls::pki_types::CertificateDer<'_>,
+            _: &[rustls::pki_types::CertificateDer<'_>],
+            _: &rustls::pki_types::ServerName<'_>,
+            _: &[u8],
+            _: rustls::pki_types::UnixTime,
+        ) -> Result<rustls::client::danger::ServerCertVerified, rustls::Error> {
+            assert_eq!(imp_agent_client::tls::fingerprint(end_entity), self.0);
+            Ok(rustls::client::danger::ServerCertVerified::assertion())
+        }
+        fn verify_tls12_signature(
+            &self,
+            _: &[u8],
+            _: &rustls::pki_types::CertificateDer<'_>,
+            _: &rustls::DigitallySignedStruct,
+        ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+            Ok(rustls::client::danger::HandshakeSignatureValid::assertion())
+        }
+        fn verify_tls13_signature(
+            &self,
+            _: &[u8],
+            _: &rustls::pki_types::CertificateDer<'_>,
+            _: &rustls::DigitallySignedStruct,
+        ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+            Ok(rustls::client::danger::HandshakeSignatureValid::assertion())
+        }
+        fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
+            rustls::crypto::ring::default_provider()
+                .signature_verification_algorithms
+                .supported_schemes()
+        }
+    }
+    rustls::ClientConfig::builder()
+        .dangerous()
+        .with_custom_certificate_verifier(Arc::new(Pin(fingerprint.to_owned())))
+        .with_no_client_auth()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn cluster_exec_and_console_through_the_authenticated_agent_api() {
+async fn cluster_exec_and_console_through_the_api_server_and_the_gateway() {
     let Some(binary) = guest_binary() else {
         return;
     };
@@ -578,7 +672,7 @@ async fn cluster_exec_and_console_through_the_authenticated_agent_api() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn no_token_a_wrong_token_a_denied_user_or_a_wrong_certificate_run_nothing() {
+async fn a_denied_user_a_token_presented_to_the_agent_or_a_wrong_certificate_run_nothing() {
     let Some(binary) = guest_binary() else {
         return;
     };
@@ -588,10 +682,10 @@ async fn no_token_a_wrong_token_a_denied_user_or_a_wrong_certificate_run_nothing
     let _ = rustls::crypto::ring::default_provider().install_default();
     let env = Env::start(&binary, "refuse").await;
 
-    // The control: the same raw request with alice's token does run (so the markers below
-    // would appear if the checks let the requests through).
+    // The control: the same raw request as the gateway does run (so the markers below would
+    // appear if the checks let the requests through).
     let control = env.marker("control");
-    let status = raw_exec(&env, Some("alice-token"), &control).await;
+    let (status, _) = raw_exec(&env, As::Gateway, &control).await;
     assert!(status.contains(" 101 "), "{status}");
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
     while !control.exists() {
@@ -602,17 +696,18 @@ async fn no_token_a_wrong_token_a_denied_user_or_a_wrong_certificate_run_nothing
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 
-    let no_token = env.marker("no-token");
-    let status = raw_exec(&env, None, &no_token).await;
+    // A user's token presented to the agent directly, even alice's (who may exec through the
+    // API server), is refused: no user credential is accepted on a node.
+    let token = env.marker("user-token");
+    let (status, answer) = raw_exec(&env, As::UserToken("alice-token"), &token).await;
     assert!(status.contains(" 401 "), "{status}");
-    let wrong = env.marker("wrong-token");
-    let status = raw_exec(&env, Some("not-a-token"), &wrong).await;
+    assert!(answer.contains("accepts no user credentials"), "{answer}");
+    let nobody = env.marker("nobody");
+    let (status, answer) = raw_exec(&env, As::Nobody, &nobody).await;
     assert!(status.contains(" 401 "), "{status}");
-    let denied_raw = env.marker("denied-raw");
-    let status = raw_exec(&env, Some("bob-token"), &denied_raw).await;
-    assert!(status.contains(" 403 "), "{status}");
+    assert!(answer.contains("only imp's gateway"), "{answer}");
 
-    // bob is a valid user without the rule: the real CLI is refused with 403.
+    // bob is a valid user without the rule: the API server refuses him with 403.
     let denied = env.marker("denied-cli");
     let touch = format!("touch {}", denied.display());
     let out = env
@@ -624,7 +719,10 @@ async fn no_token_a_wrong_token_a_denied_user_or_a_wrong_certificate_run_nothing
         .await;
     assert_ne!(out.status.code(), Some(0));
     let err = text(&out.stderr);
-    assert!(err.contains("403") && err.contains("bob"), "{err}");
+    assert!(
+        err.contains("403") && err.contains("bob") && err.contains("impvms/exec"),
+        "{err}"
+    );
     let out = env
         .imp(
             "bob-token",
@@ -633,9 +731,13 @@ async fn no_token_a_wrong_token_a_denied_user_or_a_wrong_certificate_run_nothing
         )
         .await;
     assert_ne!(out.status.code(), Some(0));
-    assert!(text(&out.stderr).contains("403"), "{}", text(&out.stderr));
+    let err = text(&out.stderr);
+    assert!(
+        err.contains("403") && err.contains("impvms/console"),
+        "{err}"
+    );
 
-    // A Node that pins another certificate: the CLI refuses the agent's.
+    // A Node that pins another certificate: the gateway refuses the agent's.
     let other = Identity::self_signed(&["elsewhere".into()]).unwrap();
     env.node(other.fingerprint()).await;
     let pinned = env.marker("wrong-cert");
@@ -656,7 +758,7 @@ async fn no_token_a_wrong_token_a_denied_user_or_a_wrong_certificate_run_nothing
 
     // Give anything wrongly started time to show, then prove nothing ran.
     tokio::time::sleep(Duration::from_millis(500)).await;
-    for m in [&no_token, &wrong, &denied_raw, &denied, &pinned] {
+    for m in [&token, &nobody, &denied, &pinned] {
         assert!(!m.exists(), "{} exists: a refused request ran", m.display());
     }
 }

@@ -293,7 +293,7 @@ async fn impvms_boot_end_survive_an_agent_restart_and_clean_up_on_their_nodes() 
         std::fs::remove_dir_all(&layout).unwrap();
     }
 
-    let mut operator = common::start_operator(kube.operator_kubeconfig());
+    let mut operator = common::start_operator(&kube);
     let mut a = Agent::new("node-a", "a");
     let mut b = Agent::new("node-b", "b");
     a.start(&kube, &common::kernel()).await;

@@ -148,7 +148,7 @@ async fn pods_and_vms_share_a_node_and_a_namespaces_quota() {
     pods.create(&PostParams::default(), &pod("db", Some(NODE), "2500Mi"))
         .await
         .unwrap();
-    let _operator = common::start_operator(kube.operator_kubeconfig());
+    let _operator = common::start_operator(&kube);
     create_vm(&c, "big", "big").await.unwrap();
     let v = common::wait_vm(&vms, "big", "refused for the Pod's requests", 30, |v| {
         scheduled(v).is_some_and(|m| m.contains("Pods request"))

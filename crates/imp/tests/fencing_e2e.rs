@@ -137,7 +137,7 @@ async fn a_cut_off_node_fences_its_vm_before_it_runs_elsewhere_and_never_runs_it
     agent_a.start(&kube).await;
 
     let _operator = common::start_operator_with(
-        kube.operator_kubeconfig(),
+        &kube,
         &[
             "--node-loss-grace",
             "2",

@@ -291,7 +291,7 @@ async fn a_node_cut_from_the_api_server_fences_its_vm_so_a_client_never_sees_two
     let cache = scratch_dir("imp-fencing-net-e2e-cache").unwrap();
 
     let _operator = common::start_operator_with(
-        kube.operator_kubeconfig(),
+        &kube,
         &[
             "--node-loss-grace",
             "2",

@@ -5,9 +5,10 @@
 //! kubectl lists and runs the plugin; `kubectl imp ps` lists ImpVMs with their node, phase and
 //! address; `kubectl imp suspend|resume` set `spec.desiredState` and wait for the phase (the
 //! test plays the node agent's part by writing the status); `kubectl imp logs` reads an ImpVM's
-//! serial console through a real node-agent API served in-process (TLS, the Node's pinned
-//! certificate, TokenReview and SubjectAccessReview against the real server), and says why when
-//! the VM is not placed or its node's agent cannot be reached. No VM boots: the console is a
+//! serial console through the API server (which authorizes `get impvms/console` of
+//! `subresources.imp.dev`), imp's gateway and a real node-agent API, both served in-process
+//! (mutual TLS pinned both ways), and says why when the VM is not placed or its node's agent
+//! cannot be reached. No VM boots: the console is a
 //! file the test writes, as a VMM would.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -20,7 +21,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use common::plugin::Plugin;
-use imp_agent::api::{AgentApi, ApiConfig, GuestEndpoint, Identity, KubeReviewer, VmLookup};
+use imp_agent::api::auth::{Gateway, follow_pins};
+use imp_agent::api::{AgentApi, ApiConfig, GuestEndpoint, Identity, VmLookup};
 use imp_api::shared::{ANNOTATION_AGENT_CERT_SHA256, ANNOTATION_AGENT_ENDPOINT};
 use imp_api::vm::ImpVM;
 use imp_testenv::ControlPlane;
@@ -388,17 +390,28 @@ async fn kubectl_imp_logs_reads_the_serial_console_through_the_node_agent_or_say
         .await
         .unwrap();
 
-    // The node agent's API, as `imp agent` serves it, reviewing with the agent's own
-    // ServiceAccount and the shipped agent role.
+    // The gateway, as `imp operator` serves it, and the node agent's API, as `imp agent`
+    // serves it, reading the gateway's certificate with the agent's own ServiceAccount and the
+    // shipped agent role.
     let ids = imp_testenv::rbac::install(cp, "imp-system").await.unwrap();
-    let reviewer = KubeReviewer::new(cp.client_from(&ids.agent).await.unwrap());
+    let port = common::free_port();
+    imp_testenv::aggregation::register_gateway(&admin, "imp-system", port)
+        .await
+        .unwrap();
+    let _gateway = common::serve_gateway(cp, &ids.operator, port).await;
+    let pins = Gateway::reading(
+        cp.client_from(&ids.agent).await.unwrap(),
+        "imp-system/imp-gateway-client",
+    );
+    tokio::spawn(follow_pins(pins.clone(), std::future::pending()));
+    common::wait_gateway(&admin).await;
     let vms = Arc::new(Vms::default());
     let identity = Identity::self_signed(&["127.0.0.1".into()]).unwrap();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let endpoint = listener.local_addr().unwrap().to_string();
     let api = AgentApi::new(
         vms.clone(),
-        Arc::new(reviewer),
+        pins,
         ApiConfig {
             console_poll: Duration::from_millis(50),
             ..Default::default()
@@ -500,7 +513,8 @@ async fn kubectl_imp_logs_reads_the_serial_console_through_the_node_agent_or_say
     let err = text(&out.stderr);
     assert_eq!(err.lines().count(), 1, "{err}");
     assert!(
-        err.contains(&format!("ImpVM {ns}/stranded on node {gone}"))
+        err.contains(&format!("ImpVM {ns}/stranded"))
+            && err.contains(&format!("the node agent of {gone}"))
             && err.contains(&format!("Connecting to the node agent at {closed} failed")),
         "{err}"
     );

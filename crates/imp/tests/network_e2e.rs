@@ -600,7 +600,7 @@ async fn vms_talk_within_their_network_across_nodes_and_out_through_nat_and_nowh
     let image = format!("oci:{}:1", layout.display());
     let cache = scratch_dir("imp-net-e2e-cache").unwrap();
 
-    let _operator = common::start_operator(kube.operator_kubeconfig());
+    let _operator = common::start_operator(&kube);
     let mut a = Agent::new(&topo, "a", topo.underlay(1));
     let mut b = Agent::new(&topo, "b", topo.underlay(2));
     // The cluster's ranges, as an admin would give them (here: one the outside serves).

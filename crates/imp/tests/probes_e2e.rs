@@ -85,7 +85,7 @@ async fn probes_gate_readiness_flip_it_and_restart_a_vm_whose_liveness_fails() {
                                                       "endpoint": collector.endpoint}}}}),
     )
     .await;
-    let _operator = common::start_operator(kube.operator_kubeconfig());
+    let _operator = common::start_operator(&kube);
     let mut agent = common::agent::HostAgent::new(NODE, "probes-e2e");
     agent.start(&kube).await;
     let vms: Api<ImpVM> = Api::namespaced(c.clone(), NS);

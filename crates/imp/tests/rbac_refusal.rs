@@ -176,7 +176,7 @@ async fn an_agent_refused_by_rbac_says_which_verb_and_resource_in_its_log_and_an
     common::ready_node(&c.client, "n1").await;
     class(&c.client).await;
     // The operator (with its whole role) books and places the VM for the agent.
-    let _operator = common::start_operator(c.operator_kubeconfig());
+    let _operator = common::start_operator(&c);
     let state: PathBuf = scratch_dir("imp-rbac-refusal-agent").unwrap();
     let log = state.join("agent.log");
     let cgroup_parent = format!("imp-rbac-refusal-{}", std::process::id());

@@ -209,7 +209,7 @@ async fn an_idle_vm_sleeps_and_its_first_syn_wakes_it_from_anywhere_without_a_re
     let image = format!("oci:{}:1", layout.display());
     let cache = scratch_dir("imp-s2z-e2e-cache").unwrap();
 
-    let _operator = common::start_operator(kube.operator_kubeconfig());
+    let _operator = common::start_operator(&kube);
     let mut a = Agent::new(&topo, "a", topo.underlay(1));
     let mut b = Agent::new(&topo, "b", topo.underlay(2));
     a.start(&kube.agent_kubeconfig_for(&a.node).await, &cache);

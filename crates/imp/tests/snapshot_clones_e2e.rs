@@ -109,7 +109,7 @@ async fn two_clones_at_once_share_a_network_and_a_qemu_that_cannot_load_the_snap
     let image = format!("oci:{}:1", layout.display());
     let cache = scratch_dir("imp-clones-e2e-cache").unwrap();
 
-    let _operator = common::start_operator(kube.operator_kubeconfig());
+    let _operator = common::start_operator(&kube);
     let mut a = Agent::new(&topo, "a", topo.underlay(1));
     a.env = vec![("PATH".into(), common::path_with(&qemu_10))];
     a.start(&kube.agent_kubeconfig_for(&a.node).await, &cache);

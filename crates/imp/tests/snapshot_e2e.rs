@@ -81,7 +81,7 @@ async fn a_running_vm_is_snapshotted_with_its_memory_and_runs_on() {
     push(&layout, "1", &image, None).await.unwrap();
     std::fs::remove_dir_all(&layout).unwrap();
 
-    let _operator = common::start_operator(kube.operator_kubeconfig());
+    let _operator = common::start_operator(&kube);
     let mut agent = common::agent::HostAgent::new(NODE, "snap-e2e");
     agent.start(&kube).await;
     let vms: Api<ImpVM> = Api::namespaced(c.clone(), NS);

@@ -360,7 +360,7 @@ async fn snapshot_parents_schedule_prune_and_report() {
                "spec": {"image": "example.invalid/none:1", "classRef": {"name": "small"}}}),
     )
     .await;
-    let _op = common::start_operator(kube.operator_kubeconfig());
+    let _op = common::start_operator(&kube);
     // One control plane for all: the minute the cron waits covers the rest.
     tokio::join!(cron_fires_within_its_minute(&c), async {
         one_shot_runs_once(&c).await;

@@ -102,7 +102,7 @@ async fn desired_state_suspends_and_resumes_an_impvm_across_an_agent_restart() {
     push(&layout, "1", &dest, None).await.unwrap();
     std::fs::remove_dir_all(&layout).unwrap();
 
-    let _operator = common::start_operator(kube.operator_kubeconfig());
+    let _operator = common::start_operator(&kube);
     let mut agent = common::agent::HostAgent::new("sp-node", "sp-e2e");
     agent.args = vec!["--suspend-retry".into(), "3s".into()];
     agent.start(&kube).await;

@@ -162,7 +162,7 @@ async fn a_missing_firecracker_binary_is_named_fc_bin_in_the_agent_log_and_the_v
     let qemu = Agent::start(&kube, "qemu-node", "qemu", &files).await;
     let line = qemu.logged(&["FC_BIN", "runtime firecracker"]).await;
     assert!(line.contains("RuntimeStartFailed"), "{line}");
-    let _operator = common::start_operator(kube.operator_kubeconfig());
+    let _operator = common::start_operator(&kube);
     common::create_imp(
         &c,
         "ImpVMClass",

@@ -156,7 +156,7 @@ async fn user_data_runs_before_the_workload_and_what_is_wrong_is_named() {
 
     config_map(&c, "init", CLOUD_CONFIG).await;
     config_map(&c, "unsupported", "#cloud-config\npackages: [curl]\n").await;
-    let _operator = common::start_operator(kube.operator_kubeconfig());
+    let _operator = common::start_operator(&kube);
     let _agent = Agent::start(&kube).await;
     let vms: Api<ImpVM> = Api::namespaced(c.clone(), NS);
     vm(&vms, "no-config-map", &image, "absent").await;

@@ -1,33 +1,33 @@
-//! The node agent's API for people: a command in a VM (`exec`) and its serial console, over
-//! HTTPS, for callers whose Kubernetes bearer token the API server vouches for.
+//! The node agent's API for exec, the serial console and the guests' figures, over HTTPS,
+//! served to one caller: imp's gateway, the operator's aggregated API that the Kubernetes API
+//! server proxies users' requests to (`subresources.imp.dev`).
 //!
-//! It works as the kubelet's own API does for `pods/exec`: every request carries
-//! `Authorization: Bearer <token>`, the agent asks the API server who that is (TokenReview) and
-//! whether they may `create` the `impvms/exec` or `impvms/console` subresource of that VM
-//! (SubjectAccessReview), and refuses with 401 or 403 before anything runs. The certificate is
-//! self-signed (or given by files); the agent publishes its SHA-256 on its Node (annotation
-//! `imp.dev/agent-cert-sha256`, next to `imp.dev/agent-endpoint`), and clients pin it, so the
-//! API server vouches for the agent as it vouches for the caller.
+//! No user credential reaches the node. The API server authenticates and authorizes each user
+//! as it does for `pods/exec`; the gateway calls this API over mutual TLS, pinned both ways: it
+//! accepts only the certificate whose SHA-256 this agent publishes on its Node (annotation
+//! `imp.dev/agent-cert-sha256`, next to `imp.dev/agent-endpoint`), and this agent accepts only
+//! the client certificates the operator publishes in a ConfigMap ([`auth`]). A bearer token
+//! presented here is refused.
 //!
-//! Rooms: [`route`] parses request paths, [`auth`] decides who may do what, [`tls`] holds the
-//! certificate and the clients' pinning verifier, [`exec`] relays an exec between the caller and
-//! the guest agent, [`console`] streams the serial log, [`sessions`] bounds how many of both are
-//! open per VM and per caller, [`top`] answers `imp top` with the guests' latest figures,
-//! [`server`] accepts connections and ties them together, and
-//! [`client`] is the caller's side that the CLI uses. How VMs are found is
-//! not this module's business: the agent's runtime implements [`VmLookup`].
+//! Rooms: [`route`] parses request paths, [`auth`] decides whether the caller is the gateway,
+//! [`tls`] holds the certificate, [`exec`] relays an exec between the caller and the guest
+//! agent, [`console`] streams the serial log, [`sessions`] bounds how many of both are open per
+//! VM and per user, [`server`] accepts connections and ties them together, and answers
+//! `imp top` with the guests' latest figures. The caller's side (paths, headers, pins, the
+//! figures' JSON) is the crate `imp-agent-client`. How VMs are found is not this module's
+//! business: the agent's runtime implements [`VmLookup`].
 
 pub mod auth;
-pub mod client;
 pub mod console;
 pub mod exec;
 pub mod route;
 pub mod server;
 pub mod sessions;
 pub mod tls;
-pub mod top;
 
-pub use auth::{Authorizer, KubeReviewer, Reviewer};
+pub use auth::Gateway;
+pub use imp_agent_client::top;
+pub use imp_agent_client::{EXEC_UPGRADE, top::GuestReading};
 pub use server::{AgentApi, ApiConfig};
 pub use tls::Identity;
 
@@ -83,6 +83,3 @@ pub trait VmLookup: Send + Sync + 'static {
         Vec::new()
     }
 }
-
-/// The value of the `Upgrade` header that turns an exec request into the guest protocol.
-pub const EXEC_UPGRADE: &str = "imp-exec/1";

@@ -2,11 +2,11 @@
 //! it to [`super::exec`] or [`super::console`], or answers it with the guests' figures
 //! ([`super::top`]).
 //!
-//! Order per request: route ([`super::route::parse`]; 404/405/400), authorization (401/403, or
-//! 503 when the API server cannot be asked), and only then the VM lookup (404 naming
-//! namespace/name), so an unauthenticated caller learns nothing about which VMs exist, then the
-//! session limits ([`super::sessions`]; 429). Refusals are Kubernetes `Status` objects (JSON)
-//! whose `message` says why.
+//! Order per request: route ([`super::route::parse`]; 404/405/400), the caller (401 unless it
+//! is imp's gateway, [`super::auth`]; 503 while the gateway's certificates are unknown), and
+//! only then the VM lookup (404 naming namespace/name), so another caller learns nothing about
+//! which VMs exist, then the session limits ([`super::sessions`]; 429). Refusals are Kubernetes
+//! `Status` objects (JSON) whose `message` says why.
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use futures::TryStreamExt;
-use http::header::{CONNECTION, CONTENT_TYPE, UPGRADE, WWW_AUTHENTICATE};
+use http::header::{CONNECTION, CONTENT_TYPE, UPGRADE};
 use http::{HeaderValue, Request, Response, StatusCode};
 use http_body_util::combinators::UnsyncBoxBody;
 use http_body_util::{BodyExt, Full, StreamBody};
@@ -25,7 +25,7 @@ use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::net::TcpListener;
 use tokio_rustls::TlsAcceptor;
 
-use super::auth::{Attributes, Authorizer, Denial, Reviewer};
+use super::auth::Gateway;
 use super::console::Tail;
 use super::route::{self, Action, Route};
 use super::sessions::{Session, SessionLimits, Sessions};
@@ -45,8 +45,6 @@ pub struct ApiConfig {
     pub handshake_timeout: Duration,
     /// Pause between looks at the end of a followed console log.
     pub console_poll: Duration,
-    /// How long an allowed (token, VM, subresource) is remembered; zero disables the cache.
-    pub auth_cache_ttl: Duration,
     /// How long an exec waits for a VM that scale-to-zero put to sleep to run again.
     pub wake_timeout: Duration,
     /// How many exec and console sessions may be open per VM and per caller.
@@ -60,7 +58,6 @@ impl Default for ApiConfig {
             exec_opening_timeout: Duration::from_secs(30),
             handshake_timeout: Duration::from_secs(10),
             console_poll: Duration::from_millis(200),
-            auth_cache_ttl: Duration::from_secs(10),
             wake_timeout: Duration::from_secs(60),
             sessions: SessionLimits::default(),
         }
@@ -70,7 +67,7 @@ impl Default for ApiConfig {
 /// The agent's exec and console API.
 pub struct AgentApi {
     lookup: Arc<dyn VmLookup>,
-    auth: Authorizer,
+    gateway: Arc<Gateway>,
     config: ApiConfig,
     exec_sessions: Arc<AtomicUsize>,
     console_streams: Arc<AtomicUsize>,
@@ -78,15 +75,11 @@ pub struct AgentApi {
 }
 
 impl AgentApi {
-    /// An API that finds VMs with `lookup` and checks callers with `reviewer`.
-    pub fn new(
-        lookup: Arc<dyn VmLookup>,
-        reviewer: Arc<dyn Reviewer>,
-        config: ApiConfig,
-    ) -> Arc<Self> {
+    /// An API that finds VMs with `lookup` and serves the callers `gateway` pins.
+    pub fn new(lookup: Arc<dyn VmLookup>, gateway: Arc<Gateway>, config: ApiConfig) -> Arc<Self> {
         Arc::new(Self {
             lookup,
-            auth: Authorizer::new(reviewer, config.auth_cache_ttl),
+            gateway,
             sessions: Sessions::new(config.sessions),
             config,
             exec_sessions: Arc::default(),
@@ -141,9 +134,15 @@ impl AgentApi {
                         return;
                     }
                 };
+                let client_cert = tls
+                    .get_ref()
+                    .1
+                    .peer_certificates()
+                    .and_then(|c| c.first())
+                    .map(|c| imp_agent_client::tls::digest(c.as_ref()));
                 let service = hyper::service::service_fn(move |req| {
                     let api = api.clone();
-                    async move { Ok::<_, Infallible>(api.handle(req).await) }
+                    async move { Ok::<_, Infallible>(api.handle(req, client_cert.as_ref()).await) }
                 });
                 let served = hyper::server::conn::http1::Builder::new()
                     .timer(TokioTimer::new())
@@ -158,39 +157,24 @@ impl AgentApi {
         }
     }
 
-    /// Answers one request.
-    pub async fn handle<B: Send + 'static>(self: Arc<Self>, mut req: Request<B>) -> Response<Body> {
+    /// Answers one request; `peer` is the SHA-256 of the connection's client certificate.
+    pub async fn handle<B: Send + 'static>(
+        self: Arc<Self>,
+        mut req: Request<B>,
+        peer: Option<&[u8; 32]>,
+    ) -> Response<Body> {
         let route = match route::parse(req.method(), req.uri().path(), req.uri().query()) {
             Ok(r) => r,
             Err(e) => return status(e.status(), &e.to_string()),
         };
-        let attrs = Attributes {
-            namespace: route.namespace.clone(),
-            name: route.name.clone(),
-            subresource: route.subresource(),
-        };
-        let user = match self
-            .auth
-            .authorize(req.headers().get(http::header::AUTHORIZATION), &attrs)
-            .await
-        {
+        let subresource = route.subresource();
+        let user = match self.gateway.authorize(peer, req.headers()).await {
             Ok(u) => u,
             Err(denial) => {
-                let user = match &denial {
-                    Denial::Forbidden { user, .. } => user.as_str(),
-                    _ => "",
-                };
-                tracing::warn!(vm = %route.name, namespace = %route.namespace, user,
-                    subresource = attrs.subresource.as_str(), reason = %denial,
+                tracing::warn!(vm = %route.name, namespace = %route.namespace,
+                    subresource = subresource.as_str(), reason = %denial,
                     "agent API request refused");
-                let mut resp = status(denial.status(), &denial.to_string());
-                if denial.status() == StatusCode::UNAUTHORIZED {
-                    resp.headers_mut().insert(
-                        WWW_AUTHENTICATE,
-                        HeaderValue::from_static("Bearer realm=\"imp-agent\""),
-                    );
-                }
-                return resp;
+                return status(denial.status(), &denial.to_string());
             }
         };
         if route.action == Action::GuestMetrics {
@@ -210,7 +194,7 @@ impl AgentApi {
             Ok(s) => s,
             Err(refusal) => {
                 tracing::warn!(vm = %route.name, namespace = %route.namespace, user,
-                    subresource = attrs.subresource.as_str(), reason = %refusal,
+                    subresource = subresource.as_str(), reason = %refusal,
                     "agent API request refused: too many sessions");
                 return status(StatusCode::TOO_MANY_REQUESTS, &refusal.to_string());
             }
@@ -435,7 +419,11 @@ fn empty() -> Body {
 fn guest_readings(lookup: &dyn VmLookup, namespace: String, user: &str) -> Response<Body> {
     let items = lookup.guest_readings(&namespace);
     tracing::debug!(namespace = %namespace, user, vms = items.len(), "guest metrics read");
-    let list = super::top::GuestReadingList { namespace, items };
+    let list = super::top::GuestReadingList {
+        namespace,
+        items,
+        failures: Vec::new(),
+    };
     let Ok(body) = serde_json::to_vec(&list) else {
         return status(
             StatusCode::INTERNAL_SERVER_ERROR,

@@ -1,25 +1,27 @@
-//! The API's TLS: the agent's certificate and its fingerprint, and the clients' verifier that
-//! accepts exactly the certificate whose fingerprint the Node publishes.
+//! The API's TLS: the agent's certificate and its fingerprint, and the client certificate it
+//! asks of every caller.
 //!
 //! The certificate is self-signed once and kept in the agent's state directory
-//! ([`Identity::persistent`]: the same certificate after a restart, so the fingerprint clients
-//! pin stays), or read from PEM files ([`Identity::from_pem_files`]). Trust does not come from
-//! a CA: the agent writes the
-//! certificate's SHA-256 into its Node's annotations, the API server vouches for that, and
-//! [`pinned_client_config`] refuses any other certificate. Handshake signatures are still
-//! verified, so only the holder of the pinned certificate's key can answer. Both sides use ring
-//! explicitly, so no process-wide crypto provider needs installing.
+//! ([`Identity::persistent`]: the same certificate after a restart, so the fingerprint the
+//! gateway pins stays), or read from PEM files ([`Identity::from_pem_files`]). Trust does not
+//! come from a CA: the agent writes the certificate's SHA-256 into its Node's annotations, the
+//! API server vouches for that, and the gateway refuses any other certificate
+//! ([`imp_agent_client::tls`]). The other way round, the server asks each caller for a
+//! certificate and accepts any whose handshake signature holds ([`AnyClientCert`]): whether it
+//! is the gateway's is decided per request against the published fingerprints
+//! ([`super::auth`]), so a caller without it gets an HTTP answer saying why rather than a
+//! bare TLS alert. ring is named explicitly, so no process-wide crypto provider is needed.
 
 use std::os::unix::fs::DirBuilderExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
-use rustls::crypto::CryptoProvider;
+use imp_agent_client::tls::{fingerprint, provider};
+use rustls::client::danger::HandshakeSignatureValid;
 use rustls::pki_types::pem::PemObject;
-use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName, UnixTime};
-use rustls::{ClientConfig, DigitallySignedStruct, ServerConfig, SignatureScheme};
-use sha2::{Digest, Sha256};
+use rustls::pki_types::{CertificateDer, PrivateKeyDer, UnixTime};
+use rustls::server::danger::{ClientCertVerified, ClientCertVerifier};
+use rustls::{DigitallySignedStruct, DistinguishedName, ServerConfig, SignatureScheme};
 
 /// Why a certificate could not be made, read or used.
 #[derive(Debug, thiserror::Error)]
@@ -41,9 +43,6 @@ pub enum TlsError {
     /// rustls refused the certificate, key or protocol settings.
     #[error("Setting up TLS failed")]
     Rustls(#[source] rustls::Error),
-    /// A fingerprint is not 64 hex digits.
-    #[error("Invalid certificate fingerprint {0:?}: expected a SHA-256 as 64 hex digits")]
-    Fingerprint(String),
     /// The kept certificate or key could not be written.
     #[error("Keeping the agent's certificate in {path} failed")]
     Store {
@@ -163,12 +162,16 @@ impl Identity {
         &self.cert
     }
 
-    /// A server configuration presenting this certificate (HTTP/1.1 only: exec upgrades).
+    /// A server configuration presenting this certificate and asking each caller for one
+    /// ([`AnyClientCert`]); HTTP/1.1 only: exec upgrades.
     pub fn server_config(&self) -> Result<Arc<ServerConfig>, TlsError> {
+        let verifier = AnyClientCert {
+            provider: provider(),
+        };
         let mut config = ServerConfig::builder_with_provider(provider())
             .with_safe_default_protocol_versions()
             .map_err(TlsError::Rustls)?
-            .with_no_client_auth()
+            .with_client_cert_verifier(Arc::new(verifier))
             .with_single_cert(vec![self.cert.clone()], self.key.clone_key())
             .map_err(TlsError::Rustls)?;
         config.alpn_protocols = vec![b"http/1.1".to_vec()];
@@ -177,7 +180,7 @@ impl Identity {
 }
 
 /// `der` as a PEM block labelled `label`.
-fn pem(label: &str, der: &[u8]) -> String {
+pub(crate) fn pem(label: &str, der: &[u8]) -> String {
     use base64::Engine;
     let b64 = base64::engine::general_purpose::STANDARD.encode(der);
     let mut out = format!("-----BEGIN {label}-----\n");
@@ -223,78 +226,34 @@ fn write_atomic(path: &Path, bytes: &[u8], mode: u32) -> Result<(), TlsError> {
     Ok(())
 }
 
-/// The SHA-256 of a DER certificate as lowercase hex.
-pub fn fingerprint(der: &[u8]) -> String {
-    hex(&Sha256::digest(der))
-}
-
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
-/// Parses a fingerprint: 64 hex digits, either case, optionally in colon-separated pairs.
-pub fn parse_fingerprint(s: &str) -> Result<[u8; 32], TlsError> {
-    let digits: String = s.trim().chars().filter(|c| *c != ':').collect();
-    let bad = || TlsError::Fingerprint(s.to_owned());
-    if digits.len() != 64 || !digits.is_ascii() {
-        return Err(bad());
-    }
-    let mut out = [0u8; 32];
-    for (i, byte) in out.iter_mut().enumerate() {
-        let pair = digits.get(2 * i..2 * i + 2).ok_or_else(bad)?;
-        *byte = u8::from_str_radix(pair, 16).map_err(|_| bad())?;
-    }
-    Ok(out)
-}
-
-/// A client configuration that accepts only the certificate with this SHA-256 fingerprint.
-pub fn pinned_client_config(fingerprint: &str) -> Result<Arc<ClientConfig>, TlsError> {
-    let verifier = PinnedCert {
-        want: parse_fingerprint(fingerprint)?,
-        provider: provider(),
-    };
-    let mut config = ClientConfig::builder_with_provider(provider())
-        .with_safe_default_protocol_versions()
-        .map_err(TlsError::Rustls)?
-        .dangerous()
-        .with_custom_certificate_verifier(Arc::new(verifier))
-        .with_no_client_auth();
-    config.alpn_protocols = vec![b"http/1.1".to_vec()];
-    Ok(Arc::new(config))
-}
-
-fn provider() -> Arc<CryptoProvider> {
-    Arc::new(rustls::crypto::ring::default_provider())
-}
-
-/// Accepts the one certificate whose SHA-256 is `want` (the name is not checked: the pin is
-/// stronger), and verifies handshake signatures with it as usual.
+/// Asks each caller for a certificate, accepts a connection without one, and accepts any
+/// certificate whose holder signs the handshake with its key: which certificates are the
+/// gateway's is decided per request ([`super::auth`]), from the connection's peer certificate.
 #[derive(Debug)]
-struct PinnedCert {
-    want: [u8; 32],
-    provider: Arc<CryptoProvider>,
+pub struct AnyClientCert {
+    provider: Arc<rustls::crypto::CryptoProvider>,
 }
 
-impl ServerCertVerifier for PinnedCert {
-    fn verify_server_cert(
+impl ClientCertVerifier for AnyClientCert {
+    fn offer_client_auth(&self) -> bool {
+        true
+    }
+
+    fn client_auth_mandatory(&self) -> bool {
+        false
+    }
+
+    fn root_hint_subjects(&self) -> &[DistinguishedName] {
+        &[]
+    }
+
+    fn verify_client_cert(
         &self,
-        end_entity: &CertificateDer<'_>,
+        _end_entity: &CertificateDer<'_>,
         _intermediates: &[CertificateDer<'_>],
-        _server_name: &ServerName<'_>,
-        _ocsp_response: &[u8],
         _now: UnixTime,
-    ) -> Result<ServerCertVerified, rustls::Error> {
-        let got: [u8; 32] = Sha256::digest(end_entity.as_ref()).into();
-        if got == self.want {
-            Ok(ServerCertVerified::assertion())
-        } else {
-            Err(rustls::Error::InvalidCertificate(
-                rustls::CertificateError::Other(rustls::OtherError(Arc::new(Mismatch {
-                    got: hex(&got),
-                    want: hex(&self.want),
-                }))),
-            ))
-        }
+    ) -> Result<ClientCertVerified, rustls::Error> {
+        Ok(ClientCertVerified::assertion())
     }
 
     fn verify_tls12_signature(
@@ -332,16 +291,9 @@ impl ServerCertVerifier for PinnedCert {
     }
 }
 
-/// The server's certificate is not the pinned one.
-#[derive(Debug, thiserror::Error)]
-#[error("the agent's certificate has SHA-256 {got}, but its Node's annotation pins {want}")]
-struct Mismatch {
-    got: String,
-    want: String,
-}
-
 #[cfg(test)]
 mod tests {
+    #![allow(clippy::unwrap_used)]
     use super::*;
 
     #[test]
@@ -357,29 +309,6 @@ mod tests {
         let other = Identity::self_signed(&["node-1".into()]).unwrap();
         assert_ne!(fp, other.fingerprint(), "each start makes a new key");
         id.server_config().unwrap();
-    }
-
-    #[test]
-    fn fingerprints_parse_in_either_case_with_or_without_colons() {
-        let lower = "00".repeat(31) + "ff";
-        let want = {
-            let mut w = [0u8; 32];
-            w[31] = 0xff;
-            w
-        };
-        assert_eq!(parse_fingerprint(&lower).unwrap(), want);
-        assert_eq!(
-            parse_fingerprint(&lower.to_uppercase()).unwrap(),
-            want,
-            "uppercase"
-        );
-        let colons = vec!["00"; 31].join(":") + ":FF";
-        assert_eq!(parse_fingerprint(&colons).unwrap(), want);
-        for bad in ["", "abc", &"g".repeat(64), &"0".repeat(63), &"é".repeat(32)] {
-            let err = parse_fingerprint(bad).unwrap_err();
-            assert!(err.to_string().contains("64 hex digits"), "{bad}: {err}");
-        }
-        assert!(pinned_client_config("nope").is_err());
     }
 
     #[test]

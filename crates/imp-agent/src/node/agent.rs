@@ -20,7 +20,7 @@ use super::capabilities::{self, Capabilities, DefaultRuntime, HostFiles};
 use super::metrics::Metrics;
 use super::reconciler::{self, Context, Settings};
 use super::{disk, fence, guest_metrics, network, serial, snapshots};
-use crate::api::auth::KubeReviewer;
+use crate::api::auth::{Gateway, follow_pins};
 use crate::api::server::{AgentApi, ApiConfig};
 use crate::api::sessions::SessionLimits;
 use crate::api::tls::{Identity, Kept, TlsError};
@@ -61,6 +61,9 @@ pub struct Config {
     pub tls: Option<(PathBuf, PathBuf)>,
     /// Exec and console sessions allowed at once.
     pub sessions: SessionLimits,
+    /// The ConfigMap (`namespace/name`) in which the operator publishes its gateway's client
+    /// certificates, the only callers the API serves.
+    pub gateway_configmap: String,
     /// How long a guest may take until its agent answers.
     pub boot_timeout: Duration,
     /// How long a deleted VM's workload gets to exit.
@@ -174,9 +177,14 @@ pub async fn run(
     if ctx.load_vms().await.is_none() {
         tracing::warn!(state = %state.root().display(), "cannot list the VM records yet; the agent API knows no VM until the first poll");
     }
+    let gateway = Gateway::reading(client.clone(), &config.gateway_configmap);
+    tasks.push(tokio::spawn(follow_pins(
+        gateway.clone(),
+        stopped(stop.clone()),
+    )));
     let api = AgentApi::new(
         ctx.vms(),
-        Arc::new(KubeReviewer::new(client.clone())),
+        gateway,
         ApiConfig {
             sessions: config.sessions,
             ..ApiConfig::default()

@@ -73,6 +73,7 @@ use tokio::net::TcpListener;
 use tokio_rustls::TlsAcceptor;
 
 use self::tls::LiveCert;
+use crate::gateway::{Gateway, Peer};
 
 /// Largest request body accepted: an AdmissionReview carries the object and the old object, each
 /// at most ~1.5 MiB in etcd.
@@ -161,6 +162,7 @@ pub enum WebhookError {
 pub struct Webhook {
     listener: TcpListener,
     acceptor: TlsAcceptor,
+    live: Arc<LiveCert>,
     state: Arc<State>,
 }
 
@@ -170,6 +172,8 @@ struct State {
     /// Whether an ImpVM CREATE is refused when a ResourceQuota would refuse its reservation
     /// Pod (see [`quota_preview`]).
     quota_preview: bool,
+    /// The aggregated API served beside the webhook (`/apis/…`), if on.
+    gateway: Option<Arc<Gateway>>,
 }
 
 /// Binds the listener and loads the certificate, then serves until `shutdown` resolves.
@@ -195,16 +199,18 @@ pub async fn bind_live(
     live: Arc<LiveCert>,
     client: kube::Client,
 ) -> Result<Webhook, WebhookError> {
-    let tls = tls::server_config(live).map_err(WebhookError::TlsConfig)?;
+    let tls = tls::server_config(live.clone(), None).map_err(WebhookError::TlsConfig)?;
     let listener = TcpListener::bind(addr)
         .await
         .map_err(|source| WebhookError::Bind { addr, source })?;
     Ok(Webhook {
         listener,
         acceptor: TlsAcceptor::from(Arc::new(tls)),
+        live,
         state: Arc::new(State {
             client,
             quota_preview: true,
+            gateway: None,
         }),
     })
 }
@@ -219,9 +225,27 @@ impl Webhook {
             state: Arc::new(State {
                 client: self.state.client.clone(),
                 quota_preview: on,
+                gateway: self.state.gateway.clone(),
             }),
             ..self
         }
+    }
+
+    /// Serves the aggregated API ([`crate::gateway`]) beside the webhook: the listener then
+    /// asks each client for a certificate and verifies one against the API server's
+    /// request-header CA (the webhook's callers present none).
+    pub fn with_gateway(self, gateway: Arc<Gateway>) -> Result<Self, WebhookError> {
+        let tls = tls::server_config(self.live.clone(), Some(gateway.verifier()))
+            .map_err(WebhookError::TlsConfig)?;
+        Ok(Self {
+            acceptor: TlsAcceptor::from(Arc::new(tls)),
+            state: Arc::new(State {
+                client: self.state.client.clone(),
+                quota_preview: self.state.quota_preview,
+                gateway: Some(gateway),
+            }),
+            ..self
+        })
     }
 
     /// The address actually bound (useful when the configured port was 0).
@@ -263,14 +287,16 @@ impl Webhook {
                         return;
                     }
                 };
+                let caller = Arc::new(Peer::of(tls.get_ref().1));
                 let service = hyper::service::service_fn(move |req| {
-                    let state = state.clone();
-                    async move { Ok::<_, Infallible>(route(&state, req).await) }
+                    let (state, caller) = (state.clone(), caller.clone());
+                    async move { Ok::<_, Infallible>(dispatch(state, req, &caller).await) }
                 });
                 let conn = hyper::server::conn::http1::Builder::new()
                     .timer(TokioTimer::new())
                     .header_read_timeout(HANDSHAKE_TIMEOUT)
-                    .serve_connection(TokioIo::new(tls), service);
+                    .serve_connection(TokioIo::new(tls), service)
+                    .with_upgrades();
                 if let Err(error) = conn.await {
                     tracing::debug!(%peer, %error, "webhook connection ended with an error");
                 }
@@ -285,6 +311,22 @@ impl Webhook {
 enum Mode {
     Validate,
     Mutate,
+}
+
+/// The aggregated API's paths to the gateway (when on), the rest to the webhook.
+async fn dispatch(
+    state: Arc<State>,
+    req: Request<Incoming>,
+    caller: &Peer,
+) -> Response<crate::gateway::Body> {
+    if req.uri().path().starts_with("/apis")
+        && let Some(gateway) = state.gateway.clone()
+    {
+        return gateway.handle(req, caller).await;
+    }
+    route(&state, req)
+        .await
+        .map(|b| BodyExt::boxed_unsync(b.map_err(|never| match never {})))
 }
 
 async fn route(state: &State, req: Request<Incoming>) -> Response<Full<Bytes>> {

@@ -12,6 +12,7 @@ use tokio::sync::watch;
 use super::certs::{Keeper, KeeperConfig};
 use super::tls::{self, LiveCert};
 use crate::chain::DisplayChain;
+use crate::gateway::Gateway;
 use crate::shutdown::raised;
 use imp_ops::Health;
 
@@ -44,6 +45,9 @@ pub struct Serving {
     pub certificate: Certificate,
     /// Refuse at admission a VM a ResourceQuota would refuse (reservation Pods are made).
     pub quota_preview: bool,
+    /// Serve the gateway ([`crate::gateway`]) on the same listener, its client certificate
+    /// kept in this namespace; `None`: off.
+    pub gateway: Option<String>,
 }
 
 /// Starts the webhook on tasks of its own; a failure to get a certificate or to bind raises
@@ -86,9 +90,8 @@ async fn self_managed(
     let Some(live) = keeper.start(raised(stop.subscribe())).await else {
         return;
     };
-    match super::bind_live(serving.addr, live.clone(), client).await {
+    match bound(&serving, live.clone(), client, &stop).await {
         Ok(hook) => {
-            let hook = hook.with_quota_preview(serving.quota_preview);
             health.release(HEALTH_PART);
             tokio::spawn(keeper.run(live, raised(stop.subscribe())));
             hook.run(raised(stop.subscribe())).await;
@@ -110,16 +113,15 @@ async fn from_files(
     client: kube::Client,
     stop: watch::Sender<bool>,
 ) {
-    let bound = async {
+    let started = async {
         let key = tls::load_files(&files.cert, &files.key).await?;
         let live = Arc::new(LiveCert::new(key));
-        super::bind_live(serving.addr, live.clone(), client)
+        bound(&serving, live.clone(), client, &stop)
             .await
             .map(|hook| (hook, live))
     };
-    match bound.await {
+    match started.await {
         Ok((hook, live)) => {
-            let hook = hook.with_quota_preview(serving.quota_preview);
             tokio::spawn(tls::follow_files(
                 files.cert,
                 files.key,
@@ -131,6 +133,28 @@ async fn from_files(
         }
         Err(e) => failed(&e, &stop),
     }
+}
+
+/// The listener bound, with the quota preview and, if on, the gateway.
+async fn bound(
+    serving: &Serving,
+    live: Arc<LiveCert>,
+    client: kube::Client,
+    stop: &watch::Sender<bool>,
+) -> Result<super::Webhook, super::WebhookError> {
+    let hook = super::bind_live(serving.addr, live, client.clone())
+        .await?
+        .with_quota_preview(serving.quota_preview);
+    let Some(namespace) = &serving.gateway else {
+        return Ok(hook);
+    };
+    let api_services = match &serving.certificate {
+        Certificate::Kept(k) => k.api_services.clone(),
+        Certificate::Files { .. } => vec![crate::gateway::route::API_SERVICE.to_owned()],
+    };
+    let gateway = Gateway::new(client, namespace, &api_services);
+    gateway.spawn(raised(stop.subscribe()));
+    hook.with_gateway(gateway)
 }
 
 fn failed(error: &super::WebhookError, stop: &watch::Sender<bool>) {

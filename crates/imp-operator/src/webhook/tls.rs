@@ -67,14 +67,21 @@ pub fn certified_key(
     CertifiedKey::from_der(chain, key, &rustls::crypto::ring::default_provider())
 }
 
-/// The server side of TLS: ring only, HTTP/1.1, the certificate from `live` on every handshake.
-pub fn server_config(live: Arc<LiveCert>) -> Result<rustls::ServerConfig, rustls::Error> {
-    let mut tls = rustls::ServerConfig::builder_with_provider(Arc::new(
+/// The server side of TLS: ring only, HTTP/1.1, the certificate from `live` on every
+/// handshake, and client certificates checked by `clients` if given.
+pub fn server_config(
+    live: Arc<LiveCert>,
+    clients: Option<Arc<dyn rustls::server::danger::ClientCertVerifier>>,
+) -> Result<rustls::ServerConfig, rustls::Error> {
+    let builder = rustls::ServerConfig::builder_with_provider(Arc::new(
         rustls::crypto::ring::default_provider(),
     ))
-    .with_safe_default_protocol_versions()?
-    .with_no_client_auth()
-    .with_cert_resolver(live);
+    .with_safe_default_protocol_versions()?;
+    let builder = match clients {
+        Some(verifier) => builder.with_client_cert_verifier(verifier),
+        None => builder.with_no_client_auth(),
+    };
+    let mut tls = builder.with_cert_resolver(live);
     tls.alpn_protocols = vec![b"http/1.1".to_vec()];
     Ok(tls)
 }

@@ -1,18 +1,17 @@
-//! The CLI against a cluster: `imp exec` and `imp console` find the ImpVM's node and reach that
-//! node's agent over TLS pinned to the certificate the Node publishes, as the kubeconfig's
-//! user (`imp logs` reads the same console); `imp suspend|resume` set the ImpVM's desired
-//! state; `imp ps` lists ImpVMs ([`ps`]); `imp top` shows their guests' figures ([`top`]).
+//! The CLI against a cluster: `imp exec` and `imp console` ask the Kubernetes API server for
+//! the `impvms/exec` and `impvms/console` subresources of imp's aggregated API
+//! (`subresources.imp.dev`, [`gateway`]), with the kubeconfig's own credentials; the API
+//! server authorizes them and proxies to the operator's gateway, which reaches the VM's node
+//! agent over mutual TLS (`imp logs` reads the same console). No credential of the user
+//! reaches a node. `imp suspend|resume` set the ImpVM's desired state; `imp ps` lists ImpVMs
+//! ([`ps`]); `imp top` shows their guests' figures ([`top`]).
 //!
 //! Cluster mode is chosen when `-n/--namespace`, `--kubeconfig` or `--context` is given (or
 //! `imp ps -A`), or when the binary runs as `kubectl-imp`, the kubectl plugin ([`plugin`]);
-//! otherwise the commands act on the local VMs of `imp run`. The ImpVM's `status.nodeName`
-//! (or `spec.nodeName`) names the node; its annotations `imp.dev/agent-endpoint` and
-//! `imp.dev/agent-cert-sha256` say where the agent listens and which certificate it has. The
-//! API server vouches for both, so no certificate authority is involved and nothing is
-//! trusted that the API server did not publish.
+//! otherwise the commands act on the local VMs of `imp run`.
 //!
 //! The exec reuses the local exec's terminal, stdin and output handling unchanged: the
-//! upgraded TLS connection is spliced onto one end of a Unix socket pair, and the local code
+//! upgraded connection is spliced onto one end of a Unix socket pair, and the local code
 //! speaks imp-proto on the other end as it does on a VM's vsock.
 
 use std::ffi::OsStr;
@@ -20,19 +19,17 @@ use std::io::Write;
 use std::time::Duration;
 
 use anyhow::{Context, bail};
-use imp_agent::api::client::{self, Target};
 use imp_api::shared::VmDesiredState;
-use imp_api::shared::{ANNOTATION_AGENT_CERT_SHA256, ANNOTATION_AGENT_ENDPOINT};
 use imp_api::vm::{ImpVM, VmPhase};
 use imp_proto::message::Hello;
-use k8s_openapi::api::core::v1::{Event, Node};
+use k8s_openapi::api::core::v1::Event;
 use k8s_openapi::jiff::Timestamp;
-use kube::config::{AuthInfo, KubeConfigOptions, Kubeconfig};
-use secrecy::ExposeSecret;
+use kube::config::{KubeConfigOptions, Kubeconfig};
 
 use crate::args::{ClusterArgs, ConsoleArgs, ExecArgs, SuspendArgs, parse_env};
 use crate::local::exec as local_exec;
 
+pub mod gateway;
 pub mod plugin;
 pub mod ps;
 pub mod top;
@@ -62,16 +59,11 @@ pub fn exec(args: ExecArgs) -> anyhow::Result<i32> {
         stdin: args.interactive || args.tty,
     };
     let rt = runtime()?;
-    let agent = rt.block_on(resolve(&args.cluster, &args.vm, args.timeout))?;
-    let namespace = &agent.namespace;
+    let (kube, namespace) = rt.block_on(connect(&args.cluster, &args.vm, args.timeout))?;
+    let namespace = &namespace;
     let upgraded = rt
-        .block_on(client::exec(&agent.target, namespace, &args.vm))
-        .with_context(|| {
-            format!(
-                "starting an exec in ImpVM {namespace}/{} on node {}",
-                args.vm, agent.node
-            )
-        })?;
+        .block_on(gateway::exec(&kube, namespace, &args.vm))
+        .with_context(|| format!("starting an exec in ImpVM {namespace}/{}", args.vm))?;
     // The local exec speaks imp-proto on a blocking Unix socket; give it one whose other end
     // is spliced onto the upgraded connection.
     let (ours, theirs) =
@@ -130,23 +122,38 @@ pub fn console(args: ConsoleArgs) -> anyhow::Result<()> {
     use http_body_util::BodyExt;
     let rt = runtime()?;
     rt.block_on(async {
-        let agent = resolve(&args.cluster, &args.vm, Duration::from_secs(30)).await?;
-        let namespace = &agent.namespace;
-        let mut body = client::console(&agent.target, namespace, &args.vm, !args.no_follow)
+        let (kube, namespace) = connect(&args.cluster, &args.vm, Duration::from_secs(30)).await?;
+        let console = gateway::console(&kube, &namespace, &args.vm, !args.no_follow)
             .await
-            .with_context(|| {
-                format!(
-                    "reading the console of ImpVM {namespace}/{} on node {}",
-                    args.vm, agent.node
-                )
-            })?;
+            .with_context(|| format!("reading the console of ImpVM {namespace}/{}", args.vm))?;
         let mut out = std::io::stdout().lock();
-        while let Some(frame) = body.frame().await {
-            let frame = frame.context("reading the console stream")?;
-            if let Some(data) = frame.data_ref() {
-                out.write_all(data)
-                    .and_then(|()| out.flush())
-                    .context("writing to stdout")?;
+        let mut write = |data: &[u8]| {
+            out.write_all(data)
+                .and_then(|()| out.flush())
+                .context("writing to stdout")
+        };
+        match console {
+            gateway::Console::Upgraded(mut stream) => {
+                use tokio::io::AsyncReadExt;
+                let mut buf = vec![0u8; 16 * 1024];
+                loop {
+                    let n = stream
+                        .read(&mut buf)
+                        .await
+                        .context("reading the console stream")?;
+                    if n == 0 {
+                        break;
+                    }
+                    write(&buf[..n])?;
+                }
+            }
+            gateway::Console::Body(mut body) => {
+                while let Some(frame) = body.frame().await {
+                    let frame = frame.context("reading the console stream")?;
+                    if let Some(data) = frame.data_ref() {
+                        write(data)?;
+                    }
+                }
             }
         }
         Ok(())
@@ -162,48 +169,23 @@ fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
         .context("starting the async runtime")
 }
 
-/// The node agent that runs an ImpVM, and where the VM is.
-struct Agent {
-    /// How to reach the agent, as whom.
-    target: Target,
-    /// The VM's namespace.
-    namespace: String,
-    /// The node the VM runs on.
-    node: String,
-}
-
-/// Finds the agent of the node that runs `vm`.
-async fn resolve(args: &ClusterArgs, vm: &str, timeout: Duration) -> anyhow::Result<Agent> {
-    let config = load_config(args).await?;
-    let token = bearer_token(&config.auth_info)?;
+/// A Kubernetes client for the cluster flags, and the namespace they select; `vm` must be a
+/// name that can stand in a path.
+async fn connect(
+    args: &ClusterArgs,
+    vm: &str,
+    timeout: Duration,
+) -> anyhow::Result<(kube::Client, String)> {
+    gateway::check_name("ImpVM", vm)?;
+    let mut config = load_config(args).await?;
     let namespace = args
         .namespace
         .clone()
         .unwrap_or_else(|| config.default_namespace.clone());
-    let mut config = config;
+    gateway::check_name("namespace", &namespace)?;
     config.connect_timeout = Some(timeout);
     let kube = kube::Client::try_from(config).context("building the Kubernetes client")?;
-    let found = kube::Api::<ImpVM>::namespaced(kube.clone(), &namespace)
-        .get_opt(vm)
-        .await
-        .with_context(|| format!("reading ImpVM {namespace}/{vm}"))?
-        .with_context(|| format!("ImpVM {namespace}/{vm} not found"))?;
-    let node_name = node_of(&found)
-        .with_context(|| format!("ImpVM {namespace}/{vm} is not placed on a node yet"))?;
-    let node = kube::Api::<Node>::all(kube)
-        .get(&node_name)
-        .await
-        .with_context(|| format!("reading Node {node_name}, where ImpVM {namespace}/{vm} runs"))?;
-    let (endpoint, fingerprint) = agent_of(&node)?;
-    Ok(Agent {
-        target: Target {
-            endpoint,
-            fingerprint,
-            token,
-        },
-        namespace,
-        node: node_name,
-    })
+    Ok((kube, namespace))
 }
 
 /// The kubeconfig the cluster flags select.
@@ -339,69 +321,11 @@ pub fn set_desired_state(args: SuspendArgs, desired: VmDesiredState) -> anyhow::
     })
 }
 
-/// The node an ImpVM runs on: `status.nodeName`, else `spec.nodeName`.
-fn node_of(vm: &ImpVM) -> Option<String> {
-    vm.status
-        .as_ref()
-        .and_then(|s| s.node_name.clone())
-        .or_else(|| vm.spec.node_name.clone())
-        .filter(|n| !n.is_empty())
-}
-
-/// The agent endpoint and certificate fingerprint a Node publishes.
-fn agent_of(node: &Node) -> anyhow::Result<(String, String)> {
-    let name = node.metadata.name.as_deref().unwrap_or("");
-    let annotations = node.metadata.annotations.as_ref();
-    let get = |key: &str| {
-        annotations
-            .and_then(|a| a.get(key))
-            .map(|v| v.trim().to_owned())
-            .filter(|v| !v.is_empty())
-            .with_context(|| {
-                format!("Node {name} has no annotation {key}: is the imp agent running there?")
-            })
-    };
-    Ok((
-        get(ANNOTATION_AGENT_ENDPOINT)?,
-        get(ANNOTATION_AGENT_CERT_SHA256)?,
-    ))
-}
-
-/// The bearer token of the kubeconfig's user (`token`, or the file `tokenFile` names).
-fn bearer_token(auth: &AuthInfo) -> anyhow::Result<String> {
-    if let Some(token) = auth.token.as_ref() {
-        return Ok(token.expose_secret().trim().to_owned());
-    }
-    if let Some(file) = auth.token_file.as_deref() {
-        let token = std::fs::read_to_string(file)
-            .with_context(|| format!("reading the kubeconfig user's tokenFile {file}"))?;
-        let token = token.trim();
-        if token.is_empty() {
-            bail!("the kubeconfig user's tokenFile {file} is empty");
-        }
-        return Ok(token.to_owned());
-    }
-    let method = if auth.client_certificate.is_some() || auth.client_certificate_data.is_some() {
-        "client certificates"
-    } else if auth.exec.is_some() {
-        "an exec credential plugin"
-    } else if auth.auth_provider.is_some() {
-        "an auth provider"
-    } else if auth.username.is_some() {
-        "a username and password"
-    } else {
-        "no credentials"
-    };
-    bail!(
-        "the kubeconfig user authenticates with {method}; imp exec and imp console need a bearer \
-         token (users[].user.token or tokenFile) to present to the node agent"
-    )
-}
+pub(crate) use imp_operator::gateway::forward::node_of;
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::collections::BTreeMap;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
     #[tokio::test]
@@ -533,82 +457,5 @@ mod tests {
             )),
         });
         assert!(fresh_suspend_failure(&[repeated], "u1", now).is_some());
-    }
-
-    #[test]
-    fn the_node_comes_from_status_then_spec() {
-        let vm = |spec: Option<&str>, status: Option<&str>| -> ImpVM {
-            serde_json::from_value(serde_json::json!({
-                "apiVersion": "imp.dev/v1alpha1", "kind": "ImpVM",
-                "metadata": {"name": "v", "namespace": "d"},
-                "spec": {"image": "x", "nodeName": spec},
-                "status": {"nodeName": status},
-            }))
-            .unwrap()
-        };
-        assert_eq!(node_of(&vm(Some("a"), Some("b"))).as_deref(), Some("b"));
-        assert_eq!(node_of(&vm(Some("a"), None)).as_deref(), Some("a"));
-        assert_eq!(node_of(&vm(None, None)), None);
-        assert_eq!(node_of(&vm(Some(""), None)), None);
-    }
-
-    #[test]
-    fn the_agent_is_read_from_the_node_annotations_or_named_missing() {
-        let node = |annotations: BTreeMap<String, String>| -> Node {
-            let mut n = Node::default();
-            n.metadata.name = Some("n1".into());
-            n.metadata.annotations = Some(annotations);
-            n
-        };
-        let both = BTreeMap::from([
-            (
-                ANNOTATION_AGENT_ENDPOINT.to_owned(),
-                "10.0.0.1:10251".into(),
-            ),
-            (ANNOTATION_AGENT_CERT_SHA256.to_owned(), "ab".repeat(32)),
-        ]);
-        assert_eq!(
-            agent_of(&node(both.clone())).unwrap(),
-            ("10.0.0.1:10251".into(), "ab".repeat(32))
-        );
-        let mut no_fp = both;
-        no_fp.remove(ANNOTATION_AGENT_CERT_SHA256);
-        let err = agent_of(&node(no_fp)).unwrap_err().to_string();
-        assert!(
-            err.contains("n1") && err.contains(ANNOTATION_AGENT_CERT_SHA256),
-            "{err}"
-        );
-    }
-
-    #[test]
-    fn only_token_users_are_accepted_and_others_are_told_why() {
-        let mut auth = AuthInfo {
-            token: Some(" abc \n".to_owned().into()),
-            ..Default::default()
-        };
-        assert_eq!(bearer_token(&auth).unwrap(), "abc");
-        let dir = std::env::temp_dir().join(format!("imp-cluster-token-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let file = dir.join("token");
-        std::fs::write(&file, "from-file\n").unwrap();
-        auth.token = None;
-        auth.token_file = Some(file.display().to_string());
-        assert_eq!(bearer_token(&auth).unwrap(), "from-file");
-        auth.token_file = Some(dir.join("missing").display().to_string());
-        let err = format!("{:#}", bearer_token(&auth).unwrap_err());
-        assert!(
-            err.contains("tokenFile") && err.contains("missing"),
-            "{err}"
-        );
-        std::fs::remove_dir_all(&dir).unwrap();
-        let certs = AuthInfo {
-            client_certificate: Some("c.pem".into()),
-            ..Default::default()
-        };
-        let err = bearer_token(&certs).unwrap_err().to_string();
-        assert!(
-            err.contains("client certificates") && err.contains("bearer token"),
-            "{err}"
-        );
     }
 }

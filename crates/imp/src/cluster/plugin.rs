@@ -30,9 +30,9 @@ their serial console, list them and show their guests' figures, suspend and resu
 const AFTER_HELP: &str = "kubectl passes none of its own flags to a plugin: write -n/--namespace, \
 --kubeconfig and --context after `kubectl imp` (`kubectl imp -n team ps`). Without them the \
 kubeconfig is KUBECONFIG's, else ~/.kube/config, and the namespace its context's. exec, \
-console and logs reach the VM's node agent with the kubeconfig user's bearer token; the agent \
-asks the API server whether you may create impvms/exec or impvms/console (logs reads the \
-console). Local VMs (imp run, stop, rm, image, …) are not the cluster's: use `imp` for them.";
+console, logs and top go through the API server, which checks whether you may create \
+impvms/exec, get impvms/console or list guestmetrics of subresources.imp.dev (logs reads the \
+console); no credential of yours reaches a node. Local VMs (imp run, stop, rm, image, …) are not the cluster's: use `imp` for them.";
 
 /// What each command's help ends with.
 const COMMAND_HELP: &str = "VM is an ImpVM in the namespace of -n (default: the kubeconfig \

@@ -1,26 +1,24 @@
 //! `imp top -n NS` (and `kubectl imp top`): the CPU, memory and disk figures of a namespace's
 //! ImpVMs as their guests last reported them to their nodes' agents.
 //!
-//! The figures are read from each node's agent API (`GET /v1/namespaces/NS/guest-metrics`,
-//! [`imp_agent::api::top`]), reached as `imp exec` reaches it: the address and certificate the
-//! Node publishes, the kubeconfig user's bearer token. Not from the agents' `/metrics` through
-//! the API server's node proxy: that needs `nodes/proxy` (which opens the kubelet too) and
-//! shows every namespace; the agent API asks the API server whether the caller may `list` the
-//! namespace's ImpVMs, as `kubectl top` asks for pods. One request per node that runs a VM of
-//! the namespace; the agents answer from what they last polled, so no guest is woken or asked.
+//! The figures come from the `guestmetrics` resource of imp's aggregated API
+//! (`subresources.imp.dev`, [`super::gateway`]): the API server authorizes `list guestmetrics`
+//! in the namespace (the `imp-view` role grants it, as Kubernetes' `view` grants `pods` of
+//! `metrics.k8s.io`) and the operator's gateway asks every node that runs one of the
+//! namespace's VMs, so no user credential reaches a node. Not from the agents' `/metrics`
+//! through the API server's node proxy: that needs `nodes/proxy` (which opens the kubelet too)
+//! and shows every namespace. The agents answer from what they last polled, so no guest is
+//! woken or asked.
 
-use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use anyhow::Context;
 use clap::Args;
-use imp_agent::api::client::{self, Target};
-use imp_agent::api::top::{GuestReading, GuestReadingList};
-use imp_api::vm::{ImpVM, VmPhase};
-use k8s_openapi::api::core::v1::Node;
+use imp_agent_client::top::{GuestReading, GuestReadingList};
+use imp_api::vm::ImpVM;
 use kube::api::{Api, ListParams};
 
-use super::{agent_of, bearer_token, load_config, node_of, runtime};
+use super::{gateway, load_config, node_of, runtime};
 use crate::args::{ClusterArgs, parse_duration};
 
 /// What `imp top --help` ends with.
@@ -29,8 +27,8 @@ MEMORY and DISK (used/total of the guest's memory and root filesystem), as each 
 reported them to its node's agent (every 15 s by default), and NET (bytes the guest received/sent \
 since its interface was made, for a VM on an ImpNetwork). A VM that does not run (or sleeps) \
 shows -. Always acts on the cluster: the namespace of -n, else the kubeconfig context's. Needs \
-`list impvms` in the namespace and a kubeconfig user with a bearer token, which each node's \
-agent checks with the API server.";
+`list impvms` and `list guestmetrics` (of subresources.imp.dev) in the namespace: the imp-view \
+role grants both.";
 
 /// `imp top`.
 #[derive(Args, Debug)]
@@ -60,13 +58,14 @@ pub fn top(args: TopArgs) -> anyhow::Result<()> {
 
 async fn gather(args: &TopArgs) -> anyhow::Result<Vec<Row>> {
     let mut config = load_config(&args.cluster).await?;
-    let token = bearer_token(&config.auth_info)?;
     let namespace = args
         .cluster
         .namespace
         .clone()
         .unwrap_or_else(|| config.default_namespace.clone());
+    gateway::check_name("namespace", &namespace)?;
     config.connect_timeout = Some(args.timeout);
+    config.read_timeout = Some(args.timeout);
     let kube = kube::Client::try_from(config).context("building the Kubernetes client")?;
     let mut vms = Api::<ImpVM>::namespaced(kube.clone(), &namespace)
         .list(&ListParams::default())
@@ -74,83 +73,28 @@ async fn gather(args: &TopArgs) -> anyhow::Result<Vec<Row>> {
         .with_context(|| format!("listing the ImpVMs of namespace {namespace}"))?
         .items;
     vms.sort_by(|a, b| a.metadata.name.cmp(&b.metadata.name));
-    let mut asked = tokio::task::JoinSet::new();
-    for node in nodes_to_ask(&vms) {
-        let (kube, token, namespace) = (kube.clone(), token.clone(), namespace.clone());
-        let timeout = args.timeout;
-        asked.spawn(async move {
-            let got = readings_of(&kube, &node, token, &namespace, timeout).await;
-            (node, got)
-        });
-    }
-    let mut readings: BTreeMap<String, GuestReadingList> = BTreeMap::new();
-    let mut failures = Vec::new();
-    while let Some(joined) = asked.join_next().await {
-        let (node, got) = joined.context("asking a node's agent")?;
-        match got {
-            Ok(list) => {
-                readings.insert(node, list);
-            }
-            Err(e) => failures.push((node, e)),
-        }
-    }
-    if readings.is_empty()
-        && let Some((_, e)) = failures.pop()
-    {
-        return Err(e);
-    }
-    for (node, e) in &failures {
-        eprintln!("imp: no figures from node {node}: {e:#}");
+    let readings = gateway::guest_metrics(&kube, &namespace).await?;
+    for failure in &readings.failures {
+        eprintln!(
+            "imp: no figures from node {}: {}",
+            failure.node, failure.message
+        );
     }
     Ok(rows(&vms, &readings))
 }
 
-/// The nodes that run a VM of the list now (only a running VM has figures).
-fn nodes_to_ask(vms: &[ImpVM]) -> BTreeSet<String> {
-    vms.iter()
-        .filter(|vm| vm.status.as_ref().and_then(|s| s.phase) == Some(VmPhase::Running))
-        .filter_map(node_of)
-        .collect()
-}
-
-/// What node `node`'s agent last read from the guests of `namespace`'s VMs.
-async fn readings_of(
-    kube: &kube::Client,
-    node: &str,
-    token: String,
-    namespace: &str,
-    timeout: Duration,
-) -> anyhow::Result<GuestReadingList> {
-    let found = Api::<Node>::all(kube.clone())
-        .get(node)
-        .await
-        .with_context(|| format!("reading Node {node}"))?;
-    let (endpoint, fingerprint) = agent_of(&found)?;
-    let target = Target {
-        endpoint,
-        fingerprint,
-        token,
-    };
-    tokio::time::timeout(timeout, client::guest_metrics(&target, namespace))
-        .await
-        .with_context(|| format!("the agent of node {node} did not answer within {timeout:?}"))?
-        .with_context(|| {
-            format!("reading the guest metrics of namespace {namespace} on node {node}")
-        })
-}
-
-/// The table's rows: every VM, with its node's reading of it (the same uid: a VM recreated
-/// under the same name is another VM).
-fn rows(vms: &[ImpVM], readings: &BTreeMap<String, GuestReadingList>) -> Vec<Row> {
+/// The table's rows: every VM, with its reading (the same uid: a VM recreated under the same
+/// name is another VM).
+fn rows(vms: &[ImpVM], readings: &GuestReadingList) -> Vec<Row> {
     vms.iter()
         .map(|vm| {
             let name = vm.metadata.name.clone().unwrap_or_default();
             let uid = vm.metadata.uid.as_deref().unwrap_or_default();
             let node = node_of(vm);
-            let reading = node
-                .as_ref()
-                .and_then(|n| readings.get(n))
-                .and_then(|list| list.items.iter().find(|r| r.name == name && r.uid == uid))
+            let reading = readings
+                .items
+                .iter()
+                .find(|r| r.name == name && r.uid == uid)
                 .cloned();
             Row {
                 name,
@@ -243,7 +187,7 @@ fn table(rows: &[Row]) -> String {
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
-    use imp_agent::api::top::NetworkBytes;
+    use imp_agent_client::top::NetworkBytes;
     use imp_proto::MetricsReport;
 
     fn vm(name: &str, uid: &str, phase: &str, node: Option<&str>) -> ImpVM {
@@ -277,30 +221,17 @@ mod tests {
     }
 
     #[test]
-    fn only_nodes_running_a_vm_are_asked() {
-        let vms = [
-            vm("a", "u1", "Running", Some("n1")),
-            vm("b", "u2", "Suspended", Some("n2")),
-            vm("c", "u3", "Pending", None),
-            vm("d", "u4", "Running", Some("n1")),
-        ];
-        assert_eq!(nodes_to_ask(&vms), BTreeSet::from(["n1".to_owned()]));
-    }
-
-    #[test]
     fn every_vm_gets_a_line_and_only_its_own_figures() {
         let vms = [
             vm("web", "u1", "Running", Some("n1")),
             vm("again", "new", "Running", Some("n1")),
             vm("asleep", "u3", "Suspended", Some("n2")),
         ];
-        let readings = BTreeMap::from([(
-            "n1".to_owned(),
-            GuestReadingList {
-                namespace: "team".into(),
-                items: vec![reading("web", "u1"), reading("again", "old")],
-            },
-        )]);
+        let readings = GuestReadingList {
+            namespace: "team".into(),
+            items: vec![reading("web", "u1"), reading("again", "old")],
+            failures: vec![],
+        };
         let rows = rows(&vms, &readings);
         assert_eq!(rows[0].reading, Some(reading("web", "u1")));
         assert_eq!(

@@ -70,7 +70,21 @@ pub struct WebhookArgs {
     /// have passed.
     #[arg(long, default_value = "10y", value_name = "DURATION", value_parser = parse_validity)]
     webhook_ca_validity: Duration,
-    /// The operator's own namespace, which holds --webhook-secret.
+    /// The APIServices served on the webhook's listener whose caBundle the operator sets with
+    /// --webhook-secret, comma-separated (the gateway's; empty: none).
+    #[arg(
+        long,
+        value_delimiter = ',',
+        value_name = "NAMES",
+        default_value = "v1alpha1.subresources.imp.dev"
+    )]
+    api_services: Vec<String>,
+    /// Do not serve the gateway (the aggregated API `subresources.imp.dev` through which
+    /// users exec into VMs, read consoles and guest figures) on the webhook's listener.
+    #[arg(long)]
+    no_gateway: bool,
+    /// The operator's own namespace, which holds --webhook-secret and the gateway's client
+    /// certificate (Secret and ConfigMap imp-gateway-client).
     #[arg(long, env = "POD_NAMESPACE", default_value = "imp-system")]
     namespace: String,
 }
@@ -134,6 +148,7 @@ pub fn serving(args: &WebhookArgs, quota_preview: bool) -> anyhow::Result<Option
         addr,
         certificate,
         quota_preview,
+        gateway: (!args.no_gateway).then(|| args.namespace.clone()),
     }))
 }
 
@@ -149,7 +164,18 @@ fn keeper_config(args: &WebhookArgs, secret: &str) -> anyhow::Result<KeeperConfi
     Ok(KeeperConfig {
         namespace: args.namespace.clone(),
         secret: secret.to_owned(),
-        configurations: args.webhook_configurations.clone(),
+        configurations: args
+            .webhook_configurations
+            .iter()
+            .filter(|n| !n.is_empty())
+            .cloned()
+            .collect(),
+        api_services: args
+            .api_services
+            .iter()
+            .filter(|n| !n.is_empty())
+            .cloned()
+            .collect(),
         policy,
     })
 }

@@ -125,6 +125,9 @@ pub struct Cluster {
     pub client: kube::Client,
     /// Kubeconfigs of the operator's and the agents' ServiceAccounts.
     pub ids: imp_testenv::rbac::Identities,
+    /// The port of the operator's HTTPS listener on 127.0.0.1, where the API server's
+    /// aggregator reaches the gateway (APIService `v1alpha1.subresources.imp.dev`).
+    pub gateway_port: u16,
 }
 
 impl Cluster {
@@ -214,7 +217,16 @@ pub async fn cluster_with(mut opts: imp_testenv::Options, namespaces: &[&str]) -
     let ids = imp_testenv::rbac::install(&cp, "imp-system")
         .await
         .unwrap_or_else(|e| panic!("installing imp's RBAC: {e}"));
-    Cluster { cp, client, ids }
+    let gateway_port = free_port();
+    imp_testenv::aggregation::register_gateway(&client, "imp-system", gateway_port)
+        .await
+        .unwrap_or_else(|e| panic!("registering imp's gateway: {e}"));
+    Cluster {
+        cp,
+        client,
+        ids,
+        gateway_port,
+    }
 }
 
 /// The people of the exec tests, as ServiceAccount token users in namespace `ns`: alice holds
@@ -557,20 +569,30 @@ pub fn vm_processes(state: &Path, uid: &str) -> Vec<u32> {
     pids
 }
 
-/// The real `imp operator` against `kubeconfig`, polling pending and active VMs every 2 s and
-/// 1 s, its log with the test's; killed when dropped.
-pub fn start_operator(kubeconfig: &Path) -> tokio::process::Child {
-    start_operator_with(kubeconfig, &[])
+/// The real `imp operator` of cluster `c`, with its ServiceAccount's token, polling pending
+/// and active VMs every 2 s and 1 s, serving the gateway (with a certificate it makes) where
+/// the cluster's APIService expects it; its log with the test's; killed when dropped.
+pub fn start_operator(c: &Cluster) -> tokio::process::Child {
+    start_operator_with(c, &[])
 }
 
 /// [`start_operator`] with more flags (e.g. `--node-loss-grace`).
-pub fn start_operator_with(kubeconfig: &Path, extra: &[&str]) -> tokio::process::Child {
+pub fn start_operator_with(c: &Cluster, extra: &[&str]) -> tokio::process::Child {
     tokio::process::Command::new(env!("CARGO_BIN_EXE_imp"))
         .arg("operator")
         .args(["--metrics-addr", &format!("127.0.0.1:{}", free_port())])
         .args(["--requeue-pending", "2", "--requeue-active", "1"])
+        .args(["--webhook-addr", &format!("127.0.0.1:{}", c.gateway_port)])
+        .args([
+            "--webhook-secret",
+            "imp-webhook-tls",
+            "--namespace",
+            "imp-system",
+        ])
+        // No admission webhook is registered in these tests: only the gateway is served.
+        .arg("--webhook-configurations=")
         .args(extra)
-        .env("KUBECONFIG", kubeconfig)
+        .env("KUBECONFIG", c.operator_kubeconfig())
         .env("RUST_LOG", rust_log())
         .stdout(std::process::Stdio::null())
         .stderr(logs())
@@ -899,4 +921,89 @@ impl OtlpReceiver {
         }
         out
     }
+}
+
+/// The operator's HTTPS listener serving only the gateway (the aggregated API
+/// `subresources.imp.dev`), in this process, with the operator ServiceAccount's `kubeconfig`,
+/// on 127.0.0.1:`port` where the cluster's APIService expects it, exactly as `imp operator`
+/// serves it; stopped when the returned sender is dropped or raised.
+pub async fn serve_gateway(
+    cp: &imp_testenv::ControlPlane,
+    kubeconfig: &Path,
+    port: u16,
+) -> tokio::sync::watch::Sender<bool> {
+    use imp_operator::webhook::certs::{KeeperConfig, Names, Policy};
+    use imp_operator::webhook::serving::{Certificate, Serving, spawn};
+    let client = cp
+        .client_from(kubeconfig)
+        .await
+        .expect("the operator's client");
+    let names = Names::for_service(
+        imp_testenv::aggregation::SERVICE,
+        "imp-system",
+        &[],
+        &["127.0.0.1".parse().expect("an address")],
+    );
+    let year = Duration::from_secs(365 * 86_400);
+    let policy = Policy::new(names, year, year * 10).expect("a certificate policy");
+    let serving = Serving {
+        addr: std::net::SocketAddr::from(([127, 0, 0, 1], port)),
+        certificate: Certificate::Kept(KeeperConfig {
+            namespace: "imp-system".into(),
+            secret: "imp-webhook-tls".into(),
+            configurations: Vec::new(),
+            api_services: vec![imp_testenv::aggregation::API_SERVICE.into()],
+            policy,
+        }),
+        quota_preview: false,
+        gateway: Some("imp-system".into()),
+    };
+    let (stop, _) = tokio::sync::watch::channel(false);
+    spawn(
+        serving,
+        client,
+        std::sync::Arc::new(imp_ops::Health::new()),
+        stop.clone(),
+    );
+    stop
+}
+
+/// Waits until the gateway answers through the API server (its APIService is Available: its
+/// discovery answered the aggregator through the published CA) and has published its client
+/// certificate for the agents (ConfigMap imp-system/imp-gateway-client, written only once the
+/// gateway presents it).
+pub async fn wait_gateway(client: &kube::Client) {
+    use k8s_openapi::api::core::v1::ConfigMap;
+    use k8s_openapi::kube_aggregator::pkg::apis::apiregistration::v1::APIService;
+    let services: Api<APIService> = Api::all(client.clone());
+    wait_for(
+        "the gateway's APIService to be Available",
+        Duration::from_secs(60),
+        || {
+            let services = services.clone();
+            async move {
+                let s = services
+                    .get_opt(imp_testenv::aggregation::API_SERVICE)
+                    .await
+                    .ok()??;
+                let available = s
+                    .status?
+                    .conditions?
+                    .into_iter()
+                    .any(|c| c.type_ == "Available" && c.status == "True");
+                available.then_some(())
+            }
+        },
+    )
+    .await;
+    let maps: Api<ConfigMap> = Api::namespaced(client.clone(), "imp-system");
+    wait_for(
+        "the gateway's client certificate",
+        Duration::from_secs(60),
+        || {
+            let maps = maps.clone();
+            async move { maps.get_opt("imp-gateway-client").await.ok()?.map(drop) }
+        },
+    )
+    .await;
 }

@@ -13,6 +13,7 @@ use k8s_openapi::api::admissionregistration::v1::{
 };
 use k8s_openapi::api::core::v1::Secret;
 use k8s_openapi::jiff::Timestamp;
+use k8s_openapi::kube_aggregator::pkg::apis::apiregistration::v1::APIService;
 use kube::Api;
 use kube::api::{ObjectMeta, PatchParams, PostParams};
 use rustls::pki_types::pem::PemObject;
@@ -44,6 +45,9 @@ pub struct KeeperConfig {
     /// Names of the operator's webhook configurations; each is looked up as a
     /// ValidatingWebhookConfiguration and as a MutatingWebhookConfiguration.
     pub configurations: Vec<String>,
+    /// Names of the APIServices served on the same listener (the gateway's,
+    /// `v1alpha1.subresources.imp.dev`), whose `spec.caBundle` is published too.
+    pub api_services: Vec<String>,
     /// Names and lifetimes.
     pub policy: Policy,
 }
@@ -105,6 +109,7 @@ pub struct Keeper {
     secrets: Api<Secret>,
     validating: Api<ValidatingWebhookConfiguration>,
     mutating: Api<MutatingWebhookConfiguration>,
+    api_services: Api<APIService>,
     /// Configurations found under neither kind on the last pass (warned about once).
     missing: Mutex<Vec<String>>,
 }
@@ -115,7 +120,8 @@ impl Keeper {
         Keeper {
             secrets: Api::namespaced(client.clone(), &config.namespace),
             validating: Api::all(client.clone()),
-            mutating: Api::all(client),
+            mutating: Api::all(client.clone()),
+            api_services: Api::all(client),
             missing: Mutex::new(Vec::new()),
             config,
         }
@@ -353,6 +359,20 @@ impl Keeper {
             found.extend(validating.map(from_validating));
             found.extend(mutating.map(from_mutating));
         }
+        for name in &self.config.api_services {
+            let service =
+                self.api_services
+                    .get_opt(name)
+                    .await
+                    .map_err(|source| KeeperError::Kube {
+                        what: format!("Reading APIService {name}"),
+                        source,
+                    })?;
+            match service {
+                Some(s) => found.push(from_api_service(s)),
+                None => missing.push(name.clone()),
+            }
+        }
         let all_found = missing.is_empty();
         self.note_missing(missing);
         Ok((found, all_found))
@@ -368,7 +388,7 @@ impl Keeper {
             if !now.is_empty() {
                 tracing::warn!(
                     configurations = ?now,
-                    "no Validating- or MutatingWebhookConfiguration of these names: their caBundle is published once they exist"
+                    "no webhook configuration or APIService of these names: their caBundle is published once they exist"
                 );
             }
             *last = now;
@@ -408,6 +428,11 @@ impl Keeper {
             let result = match p.kind {
                 Kind::Validating => self.validating.patch(&p.name, &pp, &patch).await.map(drop),
                 Kind::Mutating => self.mutating.patch(&p.name, &pp, &patch).await.map(drop),
+                Kind::ApiService => self
+                    .api_services
+                    .patch(&p.name, &pp, &patch)
+                    .await
+                    .map(drop),
             };
             match result {
                 Ok(()) => tracing::info!(
@@ -429,10 +454,7 @@ impl Keeper {
                 }
                 Err(source) => {
                     return Err(KeeperError::Kube {
-                        what: format!(
-                            "Patching the caBundle of {:?}WebhookConfiguration {}",
-                            p.kind, p.name
-                        ),
+                        what: format!("Patching the caBundle of {:?} {}", p.kind, p.name),
                         source,
                     });
                 }
@@ -505,6 +527,21 @@ fn from_validating(c: ValidatingWebhookConfiguration) -> Published {
                 )
             })
             .collect(),
+    }
+}
+
+fn from_api_service(s: APIService) -> Published {
+    Published {
+        kind: Kind::ApiService,
+        name: s.metadata.name.unwrap_or_default(),
+        resource_version: s.metadata.resource_version,
+        hooks: vec![(
+            String::new(),
+            s.spec
+                .and_then(|spec| spec.ca_bundle)
+                .map(|b| b.0)
+                .unwrap_or_default(),
+        )],
     }
 }
 

@@ -28,6 +28,8 @@ pub enum Kind {
     Validating,
     /// A MutatingWebhookConfiguration.
     Mutating,
+    /// The APIService of the gateway (`spec.caBundle`; one entry in `hooks`, unnamed).
+    ApiService,
 }
 
 /// One of the operator's webhook configurations, as read.
@@ -194,12 +196,18 @@ pub fn ca_patch(config: &Published, bundle: &[u8]) -> Option<Patch> {
         }
         changed = true;
         let index = i.to_string();
-        ops.push(PatchOperation::Test(TestOperation {
-            path: PointerBuf::from_tokens(["webhooks", index.as_str(), "name"]),
-            value: Value::String(name.clone()),
-        }));
+        let path = match config.kind {
+            Kind::ApiService => PointerBuf::from_tokens(["spec", "caBundle"]),
+            Kind::Validating | Kind::Mutating => {
+                ops.push(PatchOperation::Test(TestOperation {
+                    path: PointerBuf::from_tokens(["webhooks", index.as_str(), "name"]),
+                    value: Value::String(name.clone()),
+                }));
+                PointerBuf::from_tokens(["webhooks", index.as_str(), "clientConfig", "caBundle"])
+            }
+        };
         ops.push(PatchOperation::Add(AddOperation {
-            path: PointerBuf::from_tokens(["webhooks", index.as_str(), "clientConfig", "caBundle"]),
+            path,
             value: Value::String(encoded.clone()),
         }));
     }

@@ -1,15 +1,11 @@
-//! `GET /v1/namespaces/{ns}/guest-metrics`: the latest CPU, memory and disk figures of the
-//! namespace's VMs on this node, as JSON, for `imp top`.
+//! The guests' latest CPU, memory and disk figures of a namespace's VMs, as JSON, for `imp top`.
 //!
-//! Why a route of the agent API rather than the agent's `/metrics` read through the API
-//! server's node proxy: `/metrics` is plain HTTP for the cluster's Prometheus and shows every
-//! namespace's VMs, and the proxy needs `nodes/proxy`, a right that reaches the kubelet too
-//! and that no user should need to see their VMs' figures. Here the caller's token and the
-//! agent's pinned certificate work as for exec, and the SubjectAccessReview asks the question
-//! `kubectl top` asks: may this user `list` the `impvms` of that namespace (Kubernetes' `view`
-//! role grants it, as it grants `pods` of `metrics.k8s.io`). One request per node answers for
-//! every VM of the namespace there, from what the agent's poller last read
-//! ([`crate::node::guest_metrics`]): a request never reaches a guest.
+//! A node's agent answers `GET /v1/namespaces/{ns}/guest-metrics` with the VMs of that
+//! namespace on its node ([`GuestReadingList`]), from what its poller last read: a request never
+//! reaches a guest. The operator's gateway asks every node that runs one of the namespace's VMs
+//! and answers the user with the lists merged, naming the nodes that did not answer
+//! ([`GuestReadingList::failures`]). Who may read them is the API server's business: the gateway
+//! is reached as `list guestmetrics` of `subresources.imp.dev` in the namespace.
 
 use imp_proto::MetricsReport;
 use serde::{Deserialize, Serialize};
@@ -51,6 +47,19 @@ pub struct GuestReadingList {
     pub namespace: String,
     /// One per VM with figures, by name.
     pub items: Vec<GuestReading>,
+    /// The nodes that were asked and did not answer (only in the gateway's merged answer).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub failures: Vec<NodeFailure>,
+}
+
+/// A node whose agent gave no figures, and why.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct NodeFailure {
+    /// The node.
+    pub node: String,
+    /// Why (the error, with its causes).
+    pub message: String,
 }
 
 /// The route's path for `namespace`.
@@ -63,6 +72,7 @@ pub const ENDPOINT: &str = "guest-metrics";
 
 #[cfg(test)]
 mod tests {
+    #![allow(clippy::unwrap_used)]
     use super::*;
 
     #[test]
@@ -82,6 +92,7 @@ mod tests {
                     transmit: 3,
                 }),
             }],
+            failures: vec![],
         };
         let text = serde_json::to_string(&list).unwrap();
         assert!(text.contains("\"sampledUnix\":7"), "{text}");

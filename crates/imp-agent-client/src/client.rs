@@ -1,10 +1,9 @@
-//! The caller's side of the agent API (what `imp exec`, `imp console` and `imp top` use
-//! against a cluster): TLS to `host:port` pinned to the Node's published fingerprint, the
-//! caller's bearer token, and the upgraded exec connection, the console's byte stream or the
-//! guests' figures.
+//! The gateway's side of the agent API: mutual TLS to `host:port` pinned both ways, the user
+//! the API server authenticated named in headers, and the upgraded exec connection, the
+//! console's byte stream or the guests' figures.
 
 use bytes::Bytes;
-use http::header::{AUTHORIZATION, CONNECTION, HOST, UPGRADE};
+use http::header::{CONNECTION, HOST, UPGRADE};
 use http::{HeaderValue, Method, Request, Response, StatusCode};
 use http_body_util::{BodyExt, Empty};
 use hyper::body::Incoming;
@@ -13,28 +12,27 @@ use rustls::pki_types::ServerName;
 use tokio::net::TcpStream;
 use tokio_rustls::TlsConnector;
 
-use super::EXEC_UPGRADE;
-use super::tls::{TlsError, pinned_client_config};
+use crate::tls::{ClientIdentity, TlsError};
+use crate::{EXEC_UPGRADE, GROUP_HEADER, USER_HEADER};
 
-/// Where the agent is and who is asking.
-#[derive(Clone)]
+/// Where the agent is.
+#[derive(Debug, Clone)]
 pub struct Target {
     /// `host:port` (the Node's `imp.dev/agent-endpoint`).
     pub endpoint: String,
     /// The certificate's SHA-256 (the Node's `imp.dev/agent-cert-sha256`).
     pub fingerprint: String,
-    /// The caller's bearer token.
-    pub token: String,
 }
 
-impl std::fmt::Debug for Target {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Target")
-            .field("endpoint", &self.endpoint)
-            .field("fingerprint", &self.fingerprint)
-            .field("token", &"<redacted>")
-            .finish()
-    }
+/// Who asks: the gateway's certificate, and the user the API server authenticated.
+#[derive(Debug, Clone)]
+pub struct Caller<'a> {
+    /// The gateway's client certificate and key.
+    pub identity: &'a ClientIdentity,
+    /// The user's name.
+    pub user: &'a str,
+    /// The user's groups.
+    pub groups: &'a [String],
 }
 
 /// Why a request to the agent failed.
@@ -46,9 +44,9 @@ pub enum ClientError {
     /// The fingerprint is unusable.
     #[error("Invalid agent certificate fingerprint")]
     Tls(#[from] TlsError),
-    /// The token cannot be sent as a header.
-    #[error("The bearer token contains characters that cannot be sent in a header")]
-    Token,
+    /// The user's name or a group cannot be sent as a header.
+    #[error("The user name or a group contains characters that cannot be sent in a header")]
+    User,
     /// No TCP connection.
     #[error("Connecting to the node agent at {endpoint} failed")]
     Connect {
@@ -97,9 +95,14 @@ pub enum ClientError {
 pub type ExecStream = TokioIo<hyper::upgrade::Upgraded>;
 
 /// Asks for an exec in `namespace/name`; on success the stream carries the guest protocol.
-pub async fn exec(target: &Target, namespace: &str, name: &str) -> Result<ExecStream, ClientError> {
-    let path = format!("/v1/namespaces/{namespace}/impvms/{name}/exec");
-    let mut resp = send(target, Method::POST, &path, true).await?;
+pub async fn exec(
+    target: &Target,
+    caller: &Caller<'_>,
+    namespace: &str,
+    name: &str,
+) -> Result<ExecStream, ClientError> {
+    let path = crate::exec_path(namespace, name);
+    let mut resp = send(target, caller, Method::POST, &path, true).await?;
     if resp.status() != StatusCode::SWITCHING_PROTOCOLS {
         return Err(refusal(resp).await);
     }
@@ -110,12 +113,13 @@ pub async fn exec(target: &Target, namespace: &str, name: &str) -> Result<ExecSt
 /// Asks for the console log of `namespace/name`; the body streams it.
 pub async fn console(
     target: &Target,
+    caller: &Caller<'_>,
     namespace: &str,
     name: &str,
     follow: bool,
 ) -> Result<Incoming, ClientError> {
-    let path = format!("/v1/namespaces/{namespace}/impvms/{name}/console?follow={follow}");
-    let resp = send(target, Method::GET, &path, false).await?;
+    let path = crate::console_path(namespace, name, follow);
+    let resp = send(target, caller, Method::GET, &path, false).await?;
     if !resp.status().is_success() {
         return Err(refusal(resp).await);
     }
@@ -128,9 +132,11 @@ const MAX_READINGS_BYTES: usize = 8 << 20;
 /// The latest guest figures of `namespace`'s VMs on the target's node.
 pub async fn guest_metrics(
     target: &Target,
+    caller: &Caller<'_>,
     namespace: &str,
-) -> Result<super::top::GuestReadingList, ClientError> {
-    let resp = send(target, Method::GET, &super::top::path(namespace), false).await?;
+) -> Result<crate::top::GuestReadingList, ClientError> {
+    let path = crate::top::path(namespace);
+    let resp = send(target, caller, Method::GET, &path, false).await?;
     if !resp.status().is_success() {
         return Err(refusal(resp).await);
     }
@@ -155,6 +161,7 @@ fn host_of(endpoint: &str) -> Option<&str> {
 
 async fn send(
     target: &Target,
+    caller: &Caller<'_>,
     method: Method,
     path: &str,
     upgrade: bool,
@@ -163,9 +170,13 @@ async fn send(
     let host = host_of(endpoint).ok_or_else(|| ClientError::Endpoint(endpoint.clone()))?;
     let server_name = ServerName::try_from(host.to_owned())
         .map_err(|_| ClientError::Endpoint(endpoint.clone()))?;
-    let config = pinned_client_config(&target.fingerprint)?;
-    let auth = HeaderValue::from_str(&format!("Bearer {}", target.token))
-        .map_err(|_| ClientError::Token)?;
+    let config = caller.identity.pinned_config(&target.fingerprint)?;
+    let user = HeaderValue::from_str(caller.user).map_err(|_| ClientError::User)?;
+    let groups = caller
+        .groups
+        .iter()
+        .map(|g| HeaderValue::from_str(g).map_err(|_| ClientError::User))
+        .collect::<Result<Vec<_>, _>>()?;
     let tcp = TcpStream::connect(endpoint.as_str())
         .await
         .map_err(|source| ClientError::Connect {
@@ -179,14 +190,17 @@ async fn send(
     let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tls)).await?;
     tokio::spawn(async move {
         if let Err(e) = conn.with_upgrades().await {
-            tracing::debug!(error = %imp_api::chain::DisplayChain(&e), "agent API connection ended with an error");
+            tracing::debug!(error = %e, "agent API connection ended with an error");
         }
     });
     let mut req = Request::builder()
         .method(method)
         .uri(path)
         .header(HOST, endpoint.as_str())
-        .header(AUTHORIZATION, auth);
+        .header(USER_HEADER, user);
+    for group in groups {
+        req = req.header(GROUP_HEADER, group);
+    }
     if upgrade {
         req = req
             .header(CONNECTION, "upgrade")
@@ -248,15 +262,5 @@ mod tests {
         assert_eq!(host_of("node-1"), None);
         assert_eq!(host_of(":443"), None);
         assert_eq!(host_of("node:http"), None);
-    }
-
-    #[test]
-    fn the_token_never_shows_in_debug_output() {
-        let t = Target {
-            endpoint: "h:1".into(),
-            fingerprint: "f".into(),
-            token: "s3cret".into(),
-        };
-        assert!(!format!("{t:?}").contains("s3cret"));
     }
 }

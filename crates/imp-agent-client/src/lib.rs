@@ -1,0 +1,55 @@
+//! The node agent's API as its one caller, the operator's gateway, sees it.
+//!
+//! No user credential reaches a node. `imp exec`, `imp console`, `imp top` and `kubectl imp`
+//! ask the Kubernetes API server for the `impvms/exec`, `impvms/console` and `guestmetrics`
+//! resources of the aggregated API group `subresources.imp.dev`; the API server authenticates
+//! and authorizes the user and proxies the request to the operator's gateway, which calls the
+//! node's agent over mutual TLS, pinned both ways ([`tls`]), naming the user in
+//! [`USER_HEADER`] and [`GROUP_HEADER`] for the agent's logs and per-caller limits. The agent
+//! serves nobody else: a caller without the gateway's certificate, a bearer token included, is
+//! refused (docs/security.md).
+//!
+//! Rooms: [`tls`] the pins and the gateway's identity, [`client`] the calls, [`top`] the guests'
+//! figures as JSON.
+
+pub mod client;
+pub mod tls;
+pub mod top;
+
+/// The value of the `Upgrade` header that turns an exec request into the guest protocol.
+pub const EXEC_UPGRADE: &str = "imp-exec/1";
+
+/// The value of the `Upgrade` header that turns a followed console request, through the API
+/// server, into a raw byte stream (a plain streamed answer would be cut by the API server's
+/// request timeout; an upgraded connection is not).
+pub const CONSOLE_UPGRADE: &str = "imp-console/1";
+
+/// The header in which the gateway names the user the API server authenticated.
+pub const USER_HEADER: &str = "imp-remote-user";
+
+/// The header (repeated) in which the gateway names the user's groups.
+pub const GROUP_HEADER: &str = "imp-remote-group";
+
+/// The agent's path of an exec into VM `namespace/name`.
+pub fn exec_path(namespace: &str, name: &str) -> String {
+    format!("/v1/namespaces/{namespace}/impvms/{name}/exec")
+}
+
+/// The agent's path of VM `namespace/name`'s console.
+pub fn console_path(namespace: &str, name: &str, follow: bool) -> String {
+    format!("/v1/namespaces/{namespace}/impvms/{name}/console?follow={follow}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn paths_name_the_vm() {
+        assert_eq!(exec_path("a", "b"), "/v1/namespaces/a/impvms/b/exec");
+        assert_eq!(
+            console_path("a", "b", true),
+            "/v1/namespaces/a/impvms/b/console?follow=true"
+        );
+    }
+}
