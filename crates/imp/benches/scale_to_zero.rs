@@ -187,7 +187,7 @@ async fn main() {
         .unwrap();
     let image = format!("oci:{}:1", layout.display());
     let cache = scratch_dir("imp-s2z-bench-cache").unwrap();
-    let _operator = common::start_operator(kube.operator_kubeconfig());
+    let _operator = common::start_operator(&kube);
     let mut agent = Agent::new(&topo, "a", topo.underlay(1));
     agent.start(&kube.agent_kubeconfig_for(&agent.node).await, &cache);
     let state = StateDir::new(&agent.state);
