@@ -91,6 +91,10 @@ pub enum ClientError {
     },
 }
 
+/// How long the TCP connection and then the TLS handshake to an agent may each take (a node
+/// that is down must not hold a user's request until the API server gives up).
+pub const CONNECT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// The upgraded exec connection: speak imp-proto on it (hello, exec, stream).
 pub type ExecStream = TokioIo<hyper::upgrade::Upgraded>;
 
@@ -177,16 +181,26 @@ async fn send(
         .iter()
         .map(|g| HeaderValue::from_str(g).map_err(|_| ClientError::User))
         .collect::<Result<Vec<_>, _>>()?;
-    let tcp = TcpStream::connect(endpoint.as_str())
+    let timed_out = || {
+        std::io::Error::new(
+            std::io::ErrorKind::TimedOut,
+            format!("no answer within {CONNECT_TIMEOUT:?}"),
+        )
+    };
+    let tcp = tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(endpoint.as_str()))
         .await
+        .unwrap_or_else(|_| Err(timed_out()))
         .map_err(|source| ClientError::Connect {
             endpoint: endpoint.clone(),
             source,
         })?;
-    let tls = TlsConnector::from(config)
-        .connect(server_name, tcp)
-        .await
-        .map_err(|source| handshake_error(endpoint, source))?;
+    let tls = tokio::time::timeout(
+        CONNECT_TIMEOUT,
+        TlsConnector::from(config).connect(server_name, tcp),
+    )
+    .await
+    .unwrap_or_else(|_| Err(timed_out()))
+    .map_err(|source| handshake_error(endpoint, source))?;
     let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tls)).await?;
     tokio::spawn(async move {
         if let Err(e) = conn.with_upgrades().await {

@@ -143,6 +143,10 @@ pub struct Options {
     /// resources only every 30 s): an ownerReference to a custom object is honoured, and a
     /// quota's `count/<plural>.<group>` is counted, at once.
     pub crds: Vec<CustomResourceDefinition>,
+    /// kube-apiserver's `--request-timeout` (its default, 60 s, when `None`): how long a
+    /// request that is not long-running (not a watch, exec, attach, log, proxy or
+    /// port-forward) may take. A short one shows what a stream would lose to it.
+    pub request_timeout: Option<Duration>,
 }
 
 impl Default for Options {
@@ -154,6 +158,7 @@ impl Default for Options {
             scheduler: false,
             audit: false,
             crds: Vec::new(),
+            request_timeout: None,
         }
     }
 }
@@ -1074,6 +1079,9 @@ fn start_apiserver(
         .arg("--profiling=false")
         .args(front_proxy)
         .arg("--v=0");
+    if let Some(t) = opts.request_timeout {
+        cmd.arg(format!("--request-timeout={}s", t.as_secs().max(1)));
+    }
     if let Some(log) = audit_log {
         let policy = dir.join("audit-policy.yaml");
         write(&policy, AUDIT_POLICY)?;

@@ -495,6 +495,7 @@ fn check_agent_container(c: &Value) {
         // 20 GiB, written as an integer (Helm would print a float as 2.147483648e+10).
         "--image-cache-max-bytes=21474836480",
         "--fence-after=30s",
+        "--gateway-configmap=$(POD_NAMESPACE)/imp-gateway-client",
     ] {
         assert!(a.contains(&flag), "agent args {a:?} lack {flag}");
     }
@@ -1680,7 +1681,6 @@ async fn the_installed_service_accounts_hold_their_roles_and_no_more() {
         (&operator, "get", "configmaps/imp-gateway-client", &here),
         (&operator, "update", "configmaps/imp-gateway-client", &here),
         (&operator, "create", "configmaps", &here),
-        (&operator, "get", "secrets/imp-gateway-client", &here),
         (
             &operator,
             "patch",

@@ -39,6 +39,8 @@ use tokio::process::Command;
 const NS: &str = "team";
 const NODE: &str = "node-a";
 const PORT: u32 = imp_proto::DEFAULT_API_PORT;
+/// The test API server's `--request-timeout`.
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(3);
 
 /// The guest binary: the static build of scripts/build-guest.sh, else a plain debug build.
 fn guest_binary() -> Option<PathBuf> {
@@ -186,8 +188,10 @@ async fn connect_shim(stream: UnixStream, api: PathBuf) {
 }
 
 struct Env {
-    _kube: common::Cluster,
+    kube: common::Cluster,
     _gateway: tokio::sync::watch::Sender<bool>,
+    /// The agent's view of the gateway's certificates.
+    pins: Arc<Gateway>,
     client: Client,
     /// kubeconfig and token of "alice-token" and "bob-token".
     users: HashMap<&'static str, (PathBuf, String)>,
@@ -204,7 +208,13 @@ impl Env {
             std::env::temp_dir().join(format!("imp-agent-api-e2e-{tag}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
-        let kube = common::cluster(&[NS]).await;
+        // A short request timeout: a followed console must outlive it (it would be cut at
+        // the API server's 60 s otherwise).
+        let opts = imp_testenv::Options {
+            request_timeout: Some(REQUEST_TIMEOUT),
+            ..Default::default()
+        };
+        let kube = common::cluster_with(opts, &[NS]).await;
         let client = kube.client.clone();
         let (alice, bob) = common::exec_users(&kube, NS).await;
         let users = HashMap::from([("alice-token", alice), ("bob-token", bob)].map(|(k, p)| {
@@ -233,7 +243,7 @@ impl Env {
         let endpoint = listener.local_addr().unwrap().to_string();
         let api = AgentApi::new(
             vms.clone(),
-            pins,
+            pins.clone(),
             ApiConfig {
                 console_poll: Duration::from_millis(50),
                 ..Default::default()
@@ -247,8 +257,9 @@ impl Env {
 
         common::wait_gateway(&client).await;
         let env = Env {
-            _kube: kube,
+            kube,
             _gateway: gateway,
+            pins,
             client,
             users,
             dir,
@@ -364,24 +375,39 @@ fn text(bytes: &[u8]) -> String {
 
 /// Who a hand-made request to the agent comes as.
 enum As<'a> {
-    /// The gateway: its client certificate (read from its Secret) and a user header.
-    Gateway,
+    /// A gateway: a client certificate published in the gateway's ConfigMap (as an operator
+    /// replica publishes its own, whose key never leaves it), and a user header.
+    Gateway(&'a ClientIdentity),
     /// A user presenting their bearer token to the agent directly.
     UserToken(&'a str),
     /// Nobody: no certificate, no token.
     Nobody,
 }
 
-/// The gateway's client certificate and key, from its Secret.
-async fn gateway_identity(env: &Env) -> ClientIdentity {
-    use k8s_openapi::api::core::v1::Secret;
-    let secret = Api::<Secret>::namespaced(env.client.clone(), "imp-system")
-        .get("imp-gateway-client")
+/// A client certificate of the test's, published in the gateway's ConfigMap as a replica
+/// publishes its own, once the agent pins it.
+async fn published_identity(env: &Env) -> ClientIdentity {
+    use imp_operator::gateway::identity;
+    let (id, cert) = identity::generate().unwrap();
+    let key = identity::entry_key("test-control", 1);
+    identity::publish(&env.client, "imp-system", &key, &cert)
         .await
         .unwrap();
-    let data = secret.data.unwrap();
-    let text = |k: &str| String::from_utf8(data[k].0.clone()).unwrap();
-    ClientIdentity::from_pem(&text("tls.crt"), &text("tls.key")).unwrap()
+    let digest = imp_agent_client::tls::parse_fingerprint(&id.fingerprint()).unwrap();
+    let pins = env.pins.clone();
+    common::wait_for(
+        "the agent to pin the published certificate",
+        Duration::from_secs(30),
+        || {
+            let pins = pins.clone();
+            async move {
+                pins.read().await;
+                pins.knows(&digest).then_some(())
+            }
+        },
+    )
+    .await;
+    id
 }
 
 /// Sends an exec request to the agent by hand, with a hello and an exec that would create
@@ -392,10 +418,7 @@ async fn gateway_identity(env: &Env) -> ClientIdentity {
 async fn raw_exec(env: &Env, who: As<'_>, marker: &Path) -> (String, String) {
     let tcp = TcpStream::connect(&env.endpoint).await.unwrap();
     let config = match who {
-        As::Gateway => gateway_identity(env)
-            .await
-            .pinned_config(&env.fingerprint)
-            .unwrap(),
+        As::Gateway(id) => id.pinned_config(&env.fingerprint).unwrap(),
         As::UserToken(_) | As::Nobody => {
             // A caller with no certificate of its own, pinning the agent's as the CLI once did.
             let mut c = no_client_auth(&env.fingerprint);
@@ -415,7 +438,7 @@ async fn raw_exec(env: &Env, who: As<'_>, marker: &Path) -> (String, String) {
     )
     .into_bytes();
     match who {
-        As::Gateway => request.extend_from_slice(b"imp-remote-user: alice\r\n"),
+        As::Gateway(_) => request.extend_from_slice(b"imp-remote-user: alice\r\n"),
         As::UserToken(t) => {
             let t = env.token(t);
             request.extend_from_slice(format!("Authorization: Bearer {t}\r\n").as_bytes());
@@ -440,6 +463,85 @@ async fn raw_exec(env: &Env, who: As<'_>, marker: &Path) -> (String, String) {
     let _ = tokio::time::timeout(Duration::from_secs(2), rx.read_to_end(&mut answer)).await;
     let answer = text(&answer);
     (answer.lines().next().unwrap_or("").to_owned(), answer)
+}
+
+/// An exec sent to the gateway's listener directly, as the API server's front proxy would send
+/// it but without its client certificate, claiming to be alice of system:masters, with a
+/// command that would create `marker` pipelined behind it. Returns the status line and the
+/// answer.
+async fn forged_front_proxy(env: &Env, marker: &Path) -> (String, String) {
+    let tcp = TcpStream::connect(("127.0.0.1", env.kube.gateway_port))
+        .await
+        .unwrap();
+    let mut config = rustls::ClientConfig::builder()
+        .dangerous()
+        .with_custom_certificate_verifier(Arc::new(AnyServer))
+        .with_no_client_auth();
+    config.alpn_protocols = vec![b"http/1.1".to_vec()];
+    let tls = tokio_rustls::TlsConnector::from(Arc::new(config))
+        .connect("127.0.0.1".try_into().unwrap(), tcp)
+        .await
+        .unwrap();
+    let (mut rx, mut tx) = tokio::io::split(tls);
+    let mut request = format!(
+        "POST /apis/subresources.imp.dev/v1alpha1/namespaces/{NS}/impvms/vm1/exec HTTP/1.1\r\n\
+         Host: imp-webhook.imp-system.svc\r\nConnection: Upgrade\r\nUpgrade: imp-exec/1\r\n\
+         X-Remote-User: alice\r\nX-Remote-Group: system:masters\r\n\r\n"
+    )
+    .into_bytes();
+    request.extend(imp_proto::frame::encode(&Message::Hello(Hello::new("raw"))).unwrap());
+    let exec = ExecRequest {
+        argv: vec![
+            "sh".into(),
+            "-c".into(),
+            format!("touch {}", marker.display()),
+        ],
+        ..Default::default()
+    };
+    request.extend(imp_proto::frame::encode(&Message::Exec(exec)).unwrap());
+    tx.write_all(&request).await.unwrap();
+    let mut answer = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(2), rx.read_to_end(&mut answer)).await;
+    let answer = text(&answer);
+    (answer.lines().next().unwrap_or("").to_owned(), answer)
+}
+
+/// Accepts any server certificate (the forged caller does not care whom it talks to).
+#[derive(Debug)]
+struct AnyServer;
+
+impl rustls::client::danger::ServerCertVerifier for AnyServer {
+    fn verify_server_cert(
+        &self,
+        _: &rustls::pki_types::CertificateDer<'_>,
+        _: &[rustls::pki_types::CertificateDer<'_>],
+        _: &rustls::pki_types::ServerName<'_>,
+        _: &[u8],
+        _: rustls::pki_types::UnixTime,
+    ) -> Result<rustls::client::danger::ServerCertVerified, rustls::Error> {
+        Ok(rustls::client::danger::ServerCertVerified::assertion())
+    }
+    fn verify_tls12_signature(
+        &self,
+        _: &[u8],
+        _: &rustls::pki_types::CertificateDer<'_>,
+        _: &rustls::DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        Ok(rustls::client::danger::HandshakeSignatureValid::assertion())
+    }
+    fn verify_tls13_signature(
+        &self,
+        _: &[u8],
+        _: &rustls::pki_types::CertificateDer<'_>,
+        _: &rustls::DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        Ok(rustls::client::danger::HandshakeSignatureValid::assertion())
+    }
+    fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
+        rustls::crypto::ring::default_provider()
+            .signature_verification_algorithms
+            .supported_schemes()
+    }
 }
 
 /// A TLS client configuration that pins the agent's certificate and presents none.
@@ -517,6 +619,27 @@ async fn cluster_exec_and_console_through_the_api_server_and_the_gateway() {
     assert_eq!(out.status.code(), Some(3), "stderr: {}", text(&out.stderr));
     assert_eq!(text(&out.stdout), "hi\n");
     assert!(text(&out.stderr).contains("oops"), "{}", text(&out.stderr));
+
+    // A figure, not a limit: the whole `imp exec -- true` (process start, kubeconfig, TLS to the
+    // API server, its proxy to the gateway, the gateway's mutual TLS to the agent, the guest).
+    let mut took = Vec::new();
+    for _ in 0..5 {
+        let t0 = std::time::Instant::now();
+        let out = env
+            .imp(
+                "alice-token",
+                &["exec", "-n", NS, "vm1", "--", "true"],
+                None,
+            )
+            .await;
+        assert_eq!(out.status.code(), Some(0), "stderr: {}", text(&out.stderr));
+        took.push(t0.elapsed());
+    }
+    took.sort();
+    eprintln!(
+        "imp exec -- true through the API server and the gateway: median {:?} (min {:?}, max {:?})",
+        took[2], took[0], took[4]
+    );
 
     // exec -i: stdin reaches the command and its end closes the command's stdin.
     let out = env
@@ -605,7 +728,9 @@ async fn cluster_exec_and_console_through_the_api_server_and_the_gateway() {
         );
     }
 
-    // console following: appended bytes arrive, and the stream ends when the VM stops.
+    // console following: appended bytes arrive, also after the API server's request timeout
+    // (the stream is an upgraded connection, which the timeout does not cut), and the stream
+    // ends when the VM stops.
     let follower = {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_imp"));
         cmd.args(["console", "-n", NS, "vm1"])
@@ -615,7 +740,7 @@ async fn cluster_exec_and_console_through_the_api_server_and_the_gateway() {
             .kill_on_drop(true);
         cmd.spawn().unwrap()
     };
-    tokio::time::sleep(Duration::from_millis(1500)).await;
+    tokio::time::sleep(REQUEST_TIMEOUT + Duration::from_secs(2)).await;
     {
         use std::io::Write;
         let mut f = std::fs::OpenOptions::new().append(true).open(&log).unwrap();
@@ -682,10 +807,11 @@ async fn a_denied_user_a_token_presented_to_the_agent_or_a_wrong_certificate_run
     let _ = rustls::crypto::ring::default_provider().install_default();
     let env = Env::start(&binary, "refuse").await;
 
-    // The control: the same raw request as the gateway does run (so the markers below would
-    // appear if the checks let the requests through).
+    // The control: the same raw request with a published certificate does run (so the markers
+    // below would appear if the checks let the requests through).
     let control = env.marker("control");
-    let (status, _) = raw_exec(&env, As::Gateway, &control).await;
+    let published = published_identity(&env).await;
+    let (status, _) = raw_exec(&env, As::Gateway(&published), &control).await;
     assert!(status.contains(" 101 "), "{status}");
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
     while !control.exists() {
@@ -706,6 +832,13 @@ async fn a_denied_user_a_token_presented_to_the_agent_or_a_wrong_certificate_run
     let (status, answer) = raw_exec(&env, As::Nobody, &nobody).await;
     assert!(status.contains(" 401 "), "{status}");
     assert!(answer.contains("only imp's gateway"), "{answer}");
+
+    // The gateway serves the API server's front proxy only: a caller without its client
+    // certificate, naming any user it likes, is refused before anything is looked up.
+    let forged = env.marker("forged-front-proxy");
+    let (status, answer) = forged_front_proxy(&env, &forged).await;
+    assert!(status.contains(" 401 "), "{status}");
+    assert!(answer.contains("front proxy only"), "{answer}");
 
     // bob is a valid user without the rule: the API server refuses him with 403.
     let denied = env.marker("denied-cli");
@@ -758,7 +891,7 @@ async fn a_denied_user_a_token_presented_to_the_agent_or_a_wrong_certificate_run
 
     // Give anything wrongly started time to show, then prove nothing ran.
     tokio::time::sleep(Duration::from_millis(500)).await;
-    for m in [&token, &nobody, &denied, &pinned] {
+    for m in [&token, &nobody, &forged, &denied, &pinned] {
         assert!(!m.exists(), "{} exists: a refused request ran", m.display());
     }
 }

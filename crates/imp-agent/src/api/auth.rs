@@ -19,9 +19,6 @@ use imp_agent_client::tls::{certificates_from_pem, digest, hex};
 use imp_agent_client::{GROUP_HEADER, USER_HEADER};
 use k8s_openapi::api::core::v1::ConfigMap;
 
-/// The ConfigMap key that holds the gateway's certificates (PEM, one or more).
-pub const PINS_KEY: &str = "tls.crt";
-
 /// How often the ConfigMap of the gateway's certificates is read again.
 pub const PINS_REFRESH: Duration = Duration::from_secs(10);
 
@@ -150,24 +147,21 @@ pub fn decide(
     })
 }
 
-/// The pins a ConfigMap publishes: the SHA-256 of every certificate under [`PINS_KEY`].
+/// The pins a ConfigMap publishes: the SHA-256 of every certificate in its values (one per
+/// operator replica, each under a key of its own).
 pub fn pins_of(cm: Option<&ConfigMap>, source: &str) -> Pins {
     let Some(cm) = cm else {
         return Pins::Unknown(format!("ConfigMap {source} does not exist"));
     };
-    let pem = cm
+    let pins: Vec<[u8; 32]> = cm
         .data
-        .as_ref()
-        .and_then(|d| d.get(PINS_KEY))
-        .map_or("", String::as_str);
-    let pins: Vec<[u8; 32]> = certificates_from_pem(pem)
         .iter()
+        .flat_map(|d| d.values())
+        .flat_map(|pem| certificates_from_pem(pem))
         .map(|c| digest(c.as_ref()))
         .collect();
     if pins.is_empty() {
-        Pins::Unknown(format!(
-            "ConfigMap {source} holds no certificate under {PINS_KEY}"
-        ))
+        Pins::Unknown(format!("ConfigMap {source} holds no certificate"))
     } else {
         Pins::Known(pins)
     }
@@ -219,6 +213,11 @@ impl Gateway {
     /// Where the pins come from.
     pub fn source(&self) -> &str {
         &self.source
+    }
+
+    /// Whether the certificate with SHA-256 `digest` is pinned now.
+    pub fn knows(&self, digest: &[u8; 32]) -> bool {
+        matches!(self.current(), Pins::Known(p) if p.contains(digest))
     }
 
     /// Replaces the pins.
@@ -373,7 +372,7 @@ mod tests {
         let cert = rcgen::generate_simple_self_signed(vec!["gw".to_owned()]).unwrap();
         let pem = super::super::tls::pem("CERTIFICATE", cert.cert.der());
         let cm = |data: Option<&str>| ConfigMap {
-            data: data.map(|d| [(PINS_KEY.to_owned(), d.to_owned())].into()),
+            data: data.map(|d| [("01700000000-op-1.crt".to_owned(), d.to_owned())].into()),
             ..Default::default()
         };
         assert_eq!(

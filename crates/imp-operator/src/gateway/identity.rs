@@ -1,34 +1,39 @@
-//! The gateway's client certificate, the one credential node agents accept.
+//! The gateway's client certificates, the one credential node agents accept.
 //!
-//! Made once, self-signed, and kept in Secret `<namespace>/imp-gateway-client` (`tls.crt`,
-//! `tls.key`), so every replica presents the same one; its certificate (public) is published in
-//! ConfigMap `<namespace>/imp-gateway-client` (`tls.crt`), which each agent reads and pins
-//! (`imp-agent`'s `api::auth`). Replicas agree through the API server: the Secret is created
-//! only if absent, and the replica whose create is refused (409) uses what the winner wrote.
+//! Each operator replica makes its own key and self-signed certificate when it starts and keeps
+//! the key in memory only. No Secret holds it: agents read Secrets (a VM's pull secrets, its
+//! environment), so a key kept in one would let a compromised node act as the gateway towards
+//! every other node. Each replica publishes only its certificate, in ConfigMap
+//! `<namespace>/imp-gateway-client` under a key of its own (`<unix time>-<replica>.crt`), which
+//! every agent reads and pins ([`imp-agent`'s `api::auth`]). A replica that restarts publishes
+//! a new certificate and drops its old entry; the entries of replicas that are gone are harmless
+//! (their keys died with them) and the oldest are dropped beyond [`MAX_ENTRIES`]. Each replica
+//! looks at its entry every [`KEEP_EVERY`] and writes it again if it is gone.
 
 use std::collections::BTreeMap;
-use std::sync::Arc;
+use std::time::Duration;
 
 use imp_agent_client::tls::ClientIdentity;
-use k8s_openapi::ByteString;
-use k8s_openapi::api::core::v1::{ConfigMap, Secret};
+use k8s_openapi::api::core::v1::ConfigMap;
 use kube::Api;
 use kube::api::{ObjectMeta, PostParams};
 
-/// Name of the Secret and of the ConfigMap.
+/// Name of the ConfigMap.
 pub const NAME: &str = "imp-gateway-client";
-/// Key of the certificate (PEM) in both.
-pub const CERT_KEY: &str = "tls.crt";
-/// Key of the private key (PEM) in the Secret.
-pub const KEY_KEY: &str = "tls.key";
+/// The most certificates the ConfigMap holds (the oldest are dropped first).
+pub const MAX_ENTRIES: usize = 16;
+/// How often a replica looks that its certificate is still published.
+pub const KEEP_EVERY: Duration = Duration::from_secs(60);
+/// How many times a write lost to another replica is tried again at once.
+const WRITE_ATTEMPTS: usize = 5;
 
-/// Why the identity could not be had.
+/// Why the identity could not be made or published.
 #[derive(Debug, thiserror::Error)]
 pub enum IdentityError {
     /// The API server refused or failed a read or write.
-    #[error("{what} {namespace}/{NAME} failed")]
+    #[error("{what} ConfigMap {namespace}/{NAME} failed")]
     Kube {
-        /// What was done ("reading Secret", "creating ConfigMap", …).
+        /// What was done ("reading", "creating", "updating").
         what: &'static str,
         /// The namespace.
         namespace: String,
@@ -36,32 +41,22 @@ pub enum IdentityError {
         #[source]
         source: kube::Error,
     },
+    /// Other replicas kept writing the ConfigMap between this one's read and write.
+    #[error("ConfigMap {namespace}/{NAME} changed under each of {WRITE_ATTEMPTS} writes")]
+    Contended {
+        /// The namespace.
+        namespace: String,
+    },
     /// Making the certificate failed.
     #[error("Generating the gateway's client certificate failed")]
     Generate(#[source] rcgen::Error),
-    /// The Secret holds something unusable.
-    #[error("Secret {namespace}/{NAME} holds no usable certificate and key")]
-    Unusable {
-        /// The namespace.
-        namespace: String,
-        /// The cause.
-        #[source]
-        source: imp_agent_client::tls::TlsError,
-    },
+    /// The certificate made could not be used (never expected).
+    #[error("Using the gateway's client certificate failed")]
+    Unusable(#[source] imp_agent_client::tls::TlsError),
 }
 
-/// The certificate and key PEM of a Secret, if it holds both.
-fn pair_of(secret: &Secret) -> Option<(String, String)> {
-    let data = secret.data.as_ref()?;
-    let text = |k: &str| {
-        data.get(k)
-            .and_then(|b| String::from_utf8(b.0.clone()).ok())
-    };
-    Some((text(CERT_KEY)?, text(KEY_KEY)?))
-}
-
-/// A fresh self-signed client certificate and its key (PEM).
-fn generate() -> Result<(String, String), IdentityError> {
+/// A fresh self-signed client certificate: the identity (key in memory) and its PEM.
+pub fn generate() -> Result<(ClientIdentity, String), IdentityError> {
     let mut params =
         rcgen::CertificateParams::new(Vec::<String>::new()).map_err(IdentityError::Generate)?;
     params
@@ -70,74 +65,54 @@ fn generate() -> Result<(String, String), IdentityError> {
     params.extended_key_usages = vec![rcgen::ExtendedKeyUsagePurpose::ClientAuth];
     let key = rcgen::KeyPair::generate().map_err(IdentityError::Generate)?;
     let cert = params.self_signed(&key).map_err(IdentityError::Generate)?;
-    Ok((cert.pem(), key.serialize_pem()))
+    let identity = ClientIdentity::from_pem(&cert.pem(), &key.serialize_pem())
+        .map_err(IdentityError::Unusable)?;
+    Ok((identity, cert.pem()))
 }
 
-/// The gateway's identity, read from the Secret or made if it is absent, and its certificate
-/// (PEM) for [`publish`].
-pub async fn ensure(
-    client: &kube::Client,
-    namespace: &str,
-) -> Result<(Arc<ClientIdentity>, String), IdentityError> {
-    let secrets = Api::<Secret>::namespaced(client.clone(), namespace);
-    let kube = |what| {
-        let namespace = namespace.to_owned();
-        move |source| IdentityError::Kube {
-            what,
-            namespace,
-            source,
-        }
-    };
-    let (cert, key) = match secrets
-        .get_opt(NAME)
-        .await
-        .map_err(kube("reading Secret"))?
-    {
-        Some(s) => pair_of(&s).unwrap_or_default(),
-        None => {
-            let (cert, key) = generate()?;
-            let secret = Secret {
-                metadata: ObjectMeta {
-                    name: Some(NAME.into()),
-                    ..ObjectMeta::default()
-                },
-                type_: Some("kubernetes.io/tls".into()),
-                data: Some(BTreeMap::from([
-                    (CERT_KEY.to_owned(), ByteString(cert.clone().into_bytes())),
-                    (KEY_KEY.to_owned(), ByteString(key.clone().into_bytes())),
-                ])),
-                ..Secret::default()
-            };
-            match secrets.create(&PostParams::default(), &secret).await {
-                Ok(_) => {
-                    tracing::info!(secret = %format!("{namespace}/{NAME}"),
-                        "gateway: client certificate made");
-                    (cert, key)
-                }
-                // Another replica made it first: use theirs.
-                Err(kube::Error::Api(s)) if s.code == 409 => secrets
-                    .get(NAME)
-                    .await
-                    .map_err(kube("reading Secret"))
-                    .map(|s| pair_of(&s).unwrap_or_default())?,
-                Err(e) => return Err(kube("creating Secret")(e)),
-            }
-        }
-    };
-    let identity =
-        ClientIdentity::from_pem(&cert, &key).map_err(|source| IdentityError::Unusable {
-            namespace: namespace.to_owned(),
-            source,
-        })?;
-    Ok((Arc::new(identity), cert))
+/// The ConfigMap key of replica `replica`'s certificate made at `unix` (characters a key may
+/// not hold become `_`); keys sort by time.
+pub fn entry_key(replica: &str, unix: i64) -> String {
+    let name: String = replica
+        .chars()
+        .map(|c| match c {
+            'a'..='z' | 'A'..='Z' | '0'..='9' | '-' | '_' | '.' => c,
+            _ => '_',
+        })
+        .collect();
+    format!("{unix:011}-{name}.crt")
 }
 
-/// Writes the certificate into the ConfigMap agents read, unless it is there already. The
-/// gateway publishes only once it presents the certificate, so an agent that trusts it is
-/// never called by a gateway without it.
+/// The replica part of an entry key (after the time).
+fn replica_of(key: &str) -> Option<&str> {
+    key.split_once('-')
+        .and_then(|(_, rest)| rest.strip_suffix(".crt"))
+}
+
+/// The ConfigMap's data with `cert` under `key`: any older entry of the same replica dropped,
+/// then the oldest entries beyond [`MAX_ENTRIES`].
+pub fn with_entry(
+    mut data: BTreeMap<String, String>,
+    key: &str,
+    cert: &str,
+) -> BTreeMap<String, String> {
+    let replica = replica_of(key);
+    data.retain(|k, _| k == key || replica.is_none() || replica_of(k) != replica);
+    data.insert(key.to_owned(), cert.to_owned());
+    while data.len() > MAX_ENTRIES {
+        let Some(oldest) = data.keys().find(|k| *k != key).cloned() else {
+            break;
+        };
+        data.remove(&oldest);
+    }
+    data
+}
+
+/// Publishes `cert` under `key` in the ConfigMap (created if absent), unless it is there.
 pub async fn publish(
     client: &kube::Client,
     namespace: &str,
+    key: &str,
     cert: &str,
 ) -> Result<(), IdentityError> {
     let maps = Api::<ConfigMap>::namespaced(client.clone(), namespace);
@@ -149,37 +124,46 @@ pub async fn publish(
             source,
         }
     };
-    let data = BTreeMap::from([(CERT_KEY.to_owned(), cert.to_owned())]);
-    match maps
-        .get_opt(NAME)
-        .await
-        .map_err(kube("reading ConfigMap"))?
-    {
-        Some(cm) if cm.data.as_ref() == Some(&data) => Ok(()),
-        Some(mut cm) => {
-            cm.data = Some(data);
-            maps.replace(NAME, &PostParams::default(), &cm)
-                .await
-                .map(drop)
-                .map_err(kube("updating ConfigMap"))
-        }
-        None => {
-            let cm = ConfigMap {
-                metadata: ObjectMeta {
-                    name: Some(NAME.into()),
-                    ..ObjectMeta::default()
-                },
-                data: Some(data),
-                ..ConfigMap::default()
-            };
-            match maps.create(&PostParams::default(), &cm).await {
-                Ok(_) => Ok(()),
-                // Another replica published it (the same Secret, so the same certificate).
-                Err(kube::Error::Api(s)) if s.code == 409 => Ok(()),
-                Err(e) => Err(kube("creating ConfigMap")(e)),
+    for _ in 0..WRITE_ATTEMPTS {
+        let written = match maps.get_opt(NAME).await.map_err(kube("reading"))? {
+            Some(cm)
+                if cm
+                    .data
+                    .as_ref()
+                    .and_then(|d| d.get(key))
+                    .map(String::as_str)
+                    == Some(cert) =>
+            {
+                return Ok(());
             }
+            Some(mut cm) => {
+                cm.data = Some(with_entry(cm.data.take().unwrap_or_default(), key, cert));
+                maps.replace(NAME, &PostParams::default(), &cm)
+                    .await
+                    .map(drop)
+            }
+            None => {
+                let cm = ConfigMap {
+                    metadata: ObjectMeta {
+                        name: Some(NAME.into()),
+                        ..ObjectMeta::default()
+                    },
+                    data: Some(with_entry(BTreeMap::new(), key, cert)),
+                    ..ConfigMap::default()
+                };
+                maps.create(&PostParams::default(), &cm).await.map(drop)
+            }
+        };
+        match written {
+            Ok(()) => return Ok(()),
+            // Another replica wrote first: read again.
+            Err(kube::Error::Api(s)) if s.code == 409 => continue,
+            Err(e) => return Err(kube("writing")(e)),
         }
     }
+    Err(IdentityError::Contended {
+        namespace: namespace.to_owned(),
+    })
 }
 
 #[cfg(test)]
@@ -188,18 +172,47 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_generated_pair_is_a_usable_identity_and_a_secret_gives_it_back() {
-        let (cert, key) = generate().unwrap();
-        let id = ClientIdentity::from_pem(&cert, &key).unwrap();
+    fn a_generated_certificate_is_a_usable_identity() {
+        let (id, pem) = generate().unwrap();
         assert_eq!(id.fingerprint().len(), 64);
-        let secret = Secret {
-            data: Some(BTreeMap::from([
-                (CERT_KEY.to_owned(), ByteString(cert.clone().into_bytes())),
-                (KEY_KEY.to_owned(), ByteString(key.clone().into_bytes())),
-            ])),
-            ..Secret::default()
-        };
-        assert_eq!(pair_of(&secret), Some((cert, key)));
-        assert_eq!(pair_of(&Secret::default()), None);
+        assert!(pem.contains("BEGIN CERTIFICATE"));
+        let (other, _) = generate().unwrap();
+        assert_ne!(id.fingerprint(), other.fingerprint(), "a key per replica");
+    }
+
+    #[test]
+    fn keys_sort_by_time_and_hold_only_allowed_characters() {
+        let a = entry_key("imp-controller-manager-7d9/x:1", 1_700_000_000);
+        assert_eq!(a, "01700000000-imp-controller-manager-7d9_x_1.crt");
+        assert!(entry_key("r", 9) < entry_key("r", 10));
+        assert_eq!(replica_of(&a), Some("imp-controller-manager-7d9_x_1"));
+    }
+
+    #[test]
+    fn a_replica_replaces_its_own_entry_and_the_oldest_go_beyond_the_limit() {
+        let data = with_entry(BTreeMap::new(), &entry_key("a", 1), "A1");
+        let data = with_entry(data, &entry_key("b", 2), "B2");
+        let data = with_entry(data, &entry_key("a", 3), "A3");
+        assert_eq!(
+            data.values().cloned().collect::<Vec<_>>(),
+            ["B2", "A3"],
+            "a's restart replaced its entry, b's stayed"
+        );
+        let mut data = data;
+        for i in 0..MAX_ENTRIES as i64 {
+            data = with_entry(data, &entry_key(&format!("r{i}"), 10 + i), "R");
+        }
+        assert_eq!(data.len(), MAX_ENTRIES);
+        assert!(!data.values().any(|v| v == "B2"), "the oldest went first");
+        let newest = entry_key("late", 1000);
+        let data = with_entry(data, &newest, "L");
+        assert!(data.contains_key(&newest));
+        // An entry of the replica's own with the same key is kept, not dropped as oldest.
+        let mut full: BTreeMap<String, String> = (0..MAX_ENTRIES)
+            .map(|i| (entry_key(&format!("x{i}"), 100 + i as i64), "X".to_owned()))
+            .collect();
+        let early = entry_key("early", 1);
+        full = with_entry(full, &early, "E");
+        assert!(full.contains_key(&early) && full.len() == MAX_ENTRIES);
     }
 }

@@ -13,7 +13,8 @@
 //!    the front proxy's certificate against the API server's request-header CA
 //!    ([`front_proxy`]), finds the VM's node ([`forward`]) and calls its agent over mutual TLS:
 //!    it pins the certificate the Node publishes and presents its own client certificate
-//!    ([`identity`]), the only one agents accept, naming the user for their logs;
+//!    ([`identity`]: each replica's own, its key never leaves the process), the only kind agents
+//!    accept, naming the user for their logs;
 //! 4. both upgraded connections are spliced.
 //!
 //! This is what KubeVirt's virt-api does for `virtctl console`: a compromised node sees no
@@ -106,7 +107,18 @@ impl Peer {
     }
 }
 
-/// How often making the gateway's identity is tried again after a failure.
+/// This replica's name: `$POD_NAME`, else the host's name and the process id.
+async fn replica_name() -> String {
+    if let Ok(pod) = std::env::var("POD_NAME") {
+        return pod;
+    }
+    let host = tokio::fs::read_to_string("/proc/sys/kernel/hostname")
+        .await
+        .unwrap_or_default();
+    format!("{}-{}", host.trim(), std::process::id())
+}
+
+/// How often publishing the gateway's certificate is tried again after a failure.
 const IDENTITY_RETRY: Duration = Duration::from_secs(5);
 
 /// How often the announcement looks whether the front proxy's settings are read.
@@ -158,29 +170,38 @@ impl Gateway {
         tokio::spawn(front_proxy::follow(client, front, stop));
         let me = self.clone();
         tokio::spawn(async move {
-            let cert = loop {
-                match identity::ensure(&me.client, &me.namespace).await {
-                    Ok((id, cert)) => {
-                        tracing::info!(fingerprint = %id.fingerprint(), "gateway: client certificate ready");
-                        if let Ok(mut slot) = me.identity.write() {
-                            *slot = Some(id);
-                        }
-                        break cert;
-                    }
-                    Err(e) => tracing::warn!(error = %imp_api::chain::DisplayChain(&e),
-                        "gateway: no client certificate yet; exec, console and top refused"),
+            let (id, cert) = match identity::generate() {
+                Ok(made) => made,
+                Err(e) => {
+                    tracing::error!(error = %imp_api::chain::DisplayChain(&e),
+                        "gateway: no client certificate; exec, console and top refused");
+                    return;
                 }
-                tokio::time::sleep(IDENTITY_RETRY).await;
             };
-            while let Err(e) = identity::publish(&me.client, &me.namespace, &cert).await {
+            let replica = replica_name().await;
+            let unix = k8s_openapi::jiff::Timestamp::now().as_second();
+            let key = identity::entry_key(&replica, unix);
+            while let Err(e) = identity::publish(&me.client, &me.namespace, &key, &cert).await {
                 tracing::warn!(error = %imp_api::chain::DisplayChain(&e),
                     "gateway: publishing the client certificate for the agents failed");
                 tokio::time::sleep(IDENTITY_RETRY).await;
+            }
+            tracing::info!(fingerprint = %id.fingerprint(), entry = %key,
+                "gateway: client certificate published (its key stays in this process)");
+            if let Ok(mut slot) = me.identity.write() {
+                *slot = Some(Arc::new(id));
             }
             while me.front.settings().is_none() {
                 tokio::time::sleep(SETTINGS_POLL).await;
             }
             me.announce().await;
+            loop {
+                tokio::time::sleep(identity::KEEP_EVERY).await;
+                if let Err(e) = identity::publish(&me.client, &me.namespace, &key, &cert).await {
+                    tracing::warn!(error = %imp_api::chain::DisplayChain(&e),
+                        "gateway: checking the published client certificate failed");
+                }
+            }
         });
     }
 
