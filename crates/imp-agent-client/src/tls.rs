@@ -121,7 +121,7 @@ impl ClientIdentity {
     pub fn pinned_config(&self, server_fingerprint: &str) -> Result<Arc<ClientConfig>, TlsError> {
         let verifier = PinnedCert {
             want: parse_fingerprint(server_fingerprint)?,
-            provider: provider(),
+            signatures: Signatures::default(),
         };
         let mut config = ClientConfig::builder_with_provider(provider())
             .with_safe_default_protocol_versions()
@@ -140,12 +140,61 @@ pub fn provider() -> Arc<CryptoProvider> {
     Arc::new(rustls::crypto::ring::default_provider())
 }
 
+/// The handshake-signature checks of ring's algorithms, which every certificate verifier of
+/// imp's (pins here, the agent's and the gateway's client verifiers) hands its own three
+/// methods to: what a verifier decides is which certificate, never how a signature is checked.
+#[derive(Debug, Clone)]
+pub struct Signatures(Arc<CryptoProvider>);
+
+impl Default for Signatures {
+    fn default() -> Self {
+        Self(provider())
+    }
+}
+
+impl Signatures {
+    /// A TLS 1.2 handshake signature made with `cert`'s key.
+    pub fn tls12(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls12_signature(
+            message,
+            cert,
+            dss,
+            &self.0.signature_verification_algorithms,
+        )
+    }
+
+    /// A TLS 1.3 handshake signature made with `cert`'s key.
+    pub fn tls13(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls13_signature(
+            message,
+            cert,
+            dss,
+            &self.0.signature_verification_algorithms,
+        )
+    }
+
+    /// The signature schemes ring checks.
+    pub fn schemes(&self) -> Vec<SignatureScheme> {
+        self.0.signature_verification_algorithms.supported_schemes()
+    }
+}
+
 /// Accepts the one certificate whose SHA-256 is `want` (the name is not checked: the pin is
 /// stronger), and verifies handshake signatures with it as usual.
 #[derive(Debug)]
 struct PinnedCert {
     want: [u8; 32],
-    provider: Arc<CryptoProvider>,
+    signatures: Signatures,
 }
 
 impl ServerCertVerifier for PinnedCert {
@@ -176,12 +225,7 @@ impl ServerCertVerifier for PinnedCert {
         cert: &CertificateDer<'_>,
         dss: &DigitallySignedStruct,
     ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        rustls::crypto::verify_tls12_signature(
-            message,
-            cert,
-            dss,
-            &self.provider.signature_verification_algorithms,
-        )
+        self.signatures.tls12(message, cert, dss)
     }
 
     fn verify_tls13_signature(
@@ -190,18 +234,11 @@ impl ServerCertVerifier for PinnedCert {
         cert: &CertificateDer<'_>,
         dss: &DigitallySignedStruct,
     ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        rustls::crypto::verify_tls13_signature(
-            message,
-            cert,
-            dss,
-            &self.provider.signature_verification_algorithms,
-        )
+        self.signatures.tls13(message, cert, dss)
     }
 
     fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
-        self.provider
-            .signature_verification_algorithms
-            .supported_schemes()
+        self.signatures.schemes()
     }
 }
 

@@ -16,7 +16,7 @@ use std::os::unix::fs::DirBuilderExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use imp_agent_client::tls::{fingerprint, provider};
+use imp_agent_client::tls::{Signatures, fingerprint, provider};
 use rustls::client::danger::HandshakeSignatureValid;
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, UnixTime};
@@ -166,7 +166,7 @@ impl Identity {
     /// ([`AnyClientCert`]); HTTP/1.1 only: exec upgrades.
     pub fn server_config(&self) -> Result<Arc<ServerConfig>, TlsError> {
         let verifier = AnyClientCert {
-            provider: provider(),
+            signatures: Signatures::default(),
         };
         let mut config = ServerConfig::builder_with_provider(provider())
             .with_safe_default_protocol_versions()
@@ -231,7 +231,7 @@ fn write_atomic(path: &Path, bytes: &[u8], mode: u32) -> Result<(), TlsError> {
 /// gateway's is decided per request ([`super::auth`]), from the connection's peer certificate.
 #[derive(Debug)]
 pub struct AnyClientCert {
-    provider: Arc<rustls::crypto::CryptoProvider>,
+    signatures: Signatures,
 }
 
 impl ClientCertVerifier for AnyClientCert {
@@ -262,12 +262,7 @@ impl ClientCertVerifier for AnyClientCert {
         cert: &CertificateDer<'_>,
         dss: &DigitallySignedStruct,
     ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        rustls::crypto::verify_tls12_signature(
-            message,
-            cert,
-            dss,
-            &self.provider.signature_verification_algorithms,
-        )
+        self.signatures.tls12(message, cert, dss)
     }
 
     fn verify_tls13_signature(
@@ -276,18 +271,11 @@ impl ClientCertVerifier for AnyClientCert {
         cert: &CertificateDer<'_>,
         dss: &DigitallySignedStruct,
     ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        rustls::crypto::verify_tls13_signature(
-            message,
-            cert,
-            dss,
-            &self.provider.signature_verification_algorithms,
-        )
+        self.signatures.tls13(message, cert, dss)
     }
 
     fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
-        self.provider
-            .signature_verification_algorithms
-            .supported_schemes()
+        self.signatures.schemes()
     }
 }
 

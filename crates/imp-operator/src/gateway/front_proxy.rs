@@ -17,6 +17,7 @@ use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use http::HeaderMap;
+use imp_agent_client::tls::Signatures;
 use k8s_openapi::api::core::v1::ConfigMap;
 use rustls::client::danger::HandshakeSignatureValid;
 use rustls::pki_types::pem::PemObject;
@@ -144,6 +145,7 @@ struct Known {
 pub struct FrontProxy {
     known: RwLock<Option<Arc<Known>>>,
     provider: Arc<rustls::crypto::CryptoProvider>,
+    signatures: Signatures,
 }
 
 impl std::fmt::Debug for FrontProxy {
@@ -159,7 +161,8 @@ impl FrontProxy {
     pub fn new() -> Arc<Self> {
         Arc::new(Self {
             known: RwLock::new(None),
-            provider: Arc::new(rustls::crypto::ring::default_provider()),
+            provider: imp_agent_client::tls::provider(),
+            signatures: Signatures::default(),
         })
     }
 
@@ -233,12 +236,7 @@ impl ClientCertVerifier for FrontProxy {
         cert: &CertificateDer<'_>,
         dss: &DigitallySignedStruct,
     ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        rustls::crypto::verify_tls12_signature(
-            message,
-            cert,
-            dss,
-            &self.provider.signature_verification_algorithms,
-        )
+        self.signatures.tls12(message, cert, dss)
     }
 
     fn verify_tls13_signature(
@@ -247,18 +245,11 @@ impl ClientCertVerifier for FrontProxy {
         cert: &CertificateDer<'_>,
         dss: &DigitallySignedStruct,
     ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        rustls::crypto::verify_tls13_signature(
-            message,
-            cert,
-            dss,
-            &self.provider.signature_verification_algorithms,
-        )
+        self.signatures.tls13(message, cert, dss)
     }
 
     fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
-        self.provider
-            .signature_verification_algorithms
-            .supported_schemes()
+        self.signatures.schemes()
     }
 }
 
