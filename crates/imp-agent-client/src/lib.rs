@@ -40,9 +40,38 @@ pub fn console_path(namespace: &str, name: &str, follow: bool) -> String {
     format!("/v1/namespaces/{namespace}/impvms/{name}/console?follow={follow}")
 }
 
+/// Whether `value` is a Kubernetes name: lowercase letters, digits and `-` (and `.` when
+/// `dots`), at most `max` bytes, starting and ending alphanumeric. Namespaces are labels (63,
+/// no dots), ImpVM names subdomains (253, dots). The gateway and the agent both check the
+/// names of a path with it, so what one lets through the other reads the same way.
+pub fn is_kubernetes_name(value: &str, max: usize, dots: bool) -> bool {
+    let alnum = |b: u8| b.is_ascii_lowercase() || b.is_ascii_digit();
+    let bytes = value.as_bytes();
+    !bytes.is_empty()
+        && bytes.len() <= max
+        && bytes.first().copied().is_some_and(alnum)
+        && bytes.last().copied().is_some_and(alnum)
+        && bytes
+            .iter()
+            .all(|&b| alnum(b) || b == b'-' || (dots && b == b'.'))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn kubernetes_names_are_lowercase_alphanumeric_inside_and_at_both_ends() {
+        assert!(is_kubernetes_name("web-1.a", 253, true));
+        assert!(
+            !is_kubernetes_name("web-1.a", 63, false),
+            "no dots in a label"
+        );
+        for bad in ["", "-a", "a-", ".a", "..", "A", "a/b", "a_b"] {
+            assert!(!is_kubernetes_name(bad, 253, true), "{bad:?}");
+        }
+        assert!(!is_kubernetes_name(&"a".repeat(64), 63, false));
+    }
 
     #[test]
     fn paths_name_the_vm() {

@@ -221,6 +221,9 @@ impl Env {
             let token = imp_testenv::kubeconfig::token_of(&p).expect("a token kubeconfig");
             (k, (p, token))
         }));
+        imp_testenv::aggregation::register_gateway(&client, "imp-system", kube.gateway_port)
+            .await
+            .unwrap();
         let gateway =
             common::serve_gateway(&kube.cp, kube.operator_kubeconfig(), kube.gateway_port).await;
         // The agent reads the gateway's certificate with its own ServiceAccount, as in a
@@ -373,6 +376,30 @@ fn text(bytes: &[u8]) -> String {
     String::from_utf8_lossy(bytes).into_owned()
 }
 
+/// Follows vm1's console through the API server as a plain streamed answer and asserts the
+/// API server ends it soon after its request timeout, while the VM still runs.
+async fn cut_by_the_request_timeout(env: &Env) {
+    use http_body_util::BodyExt;
+    let req = http::Request::get(format!(
+        "/apis/subresources.imp.dev/v1alpha1/namespaces/{NS}/impvms/vm1/console?follow=true"
+    ))
+    .body(kube::client::Body::empty())
+    .unwrap();
+    let t0 = std::time::Instant::now();
+    let resp = env.client.send(req).await.unwrap();
+    assert_eq!(resp.status(), http::StatusCode::OK);
+    let mut body = resp.into_body();
+    let ended = tokio::time::timeout(REQUEST_TIMEOUT + Duration::from_secs(10), async {
+        while let Some(Ok(_)) = body.frame().await {}
+    })
+    .await;
+    assert!(
+        ended.is_ok() && t0.elapsed() >= REQUEST_TIMEOUT,
+        "a plain followed console was not cut at the request timeout (after {:?})",
+        t0.elapsed()
+    );
+}
+
 /// Who a hand-made request to the agent comes as.
 enum As<'a> {
     /// A gateway: a client certificate published in the gateway's ConfigMap (as an operator
@@ -469,19 +496,34 @@ async fn raw_exec(env: &Env, who: As<'_>, marker: &Path) -> (String, String) {
 /// it but without its client certificate, claiming to be alice of system:masters, with a
 /// command that would create `marker` pipelined behind it. Returns the status line and the
 /// answer.
-async fn forged_front_proxy(env: &Env, marker: &Path) -> (String, String) {
+async fn forged_front_proxy(
+    env: &Env,
+    marker: &Path,
+    client_cert: Option<(String, String)>,
+) -> (String, String) {
+    use rustls::pki_types::pem::PemObject;
     let tcp = TcpStream::connect(("127.0.0.1", env.kube.gateway_port))
         .await
         .unwrap();
-    let mut config = rustls::ClientConfig::builder()
+    let builder = rustls::ClientConfig::builder()
         .dangerous()
-        .with_custom_certificate_verifier(Arc::new(AnyServer))
-        .with_no_client_auth();
+        .with_custom_certificate_verifier(Arc::new(AnyServer));
+    let mut config = match client_cert {
+        None => builder.with_no_client_auth(),
+        Some((cert, key)) => builder
+            .with_client_auth_cert(
+                vec![rustls::pki_types::CertificateDer::from_pem_slice(cert.as_bytes()).unwrap()],
+                rustls::pki_types::PrivateKeyDer::from_pem_slice(key.as_bytes()).unwrap(),
+            )
+            .unwrap(),
+    };
     config.alpn_protocols = vec![b"http/1.1".to_vec()];
-    let tls = tokio_rustls::TlsConnector::from(Arc::new(config))
+    let Ok(tls) = tokio_rustls::TlsConnector::from(Arc::new(config))
         .connect("127.0.0.1".try_into().unwrap(), tcp)
         .await
-        .unwrap();
+    else {
+        return ("the handshake was refused".to_owned(), String::new());
+    };
     let (mut rx, mut tx) = tokio::io::split(tls);
     let mut request = format!(
         "POST /apis/subresources.imp.dev/v1alpha1/namespaces/{NS}/impvms/vm1/exec HTTP/1.1\r\n\
@@ -499,11 +541,25 @@ async fn forged_front_proxy(env: &Env, marker: &Path) -> (String, String) {
         ..Default::default()
     };
     request.extend(imp_proto::frame::encode(&Message::Exec(exec)).unwrap());
-    tx.write_all(&request).await.unwrap();
+    // A refused client certificate may end the connection at the first write.
+    let _ = tx.write_all(&request).await;
     let mut answer = Vec::new();
     let _ = tokio::time::timeout(Duration::from_secs(2), rx.read_to_end(&mut answer)).await;
     let answer = text(&answer);
     (answer.lines().next().unwrap_or("").to_owned(), answer)
+}
+
+/// The admin's client certificate and key (PEM), signed by the cluster's CA: a certificate the
+/// API server trusts from its clients, but not the front proxy's.
+fn admin_certificate(env: &Env) -> (String, String) {
+    let text = std::fs::read_to_string(env.kube.admin_kubeconfig()).unwrap();
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let pem = |field: &str| {
+        let b64 = v["users"][0]["user"][field].clone();
+        let bytes: k8s_openapi::ByteString = serde_json::from_value(b64).unwrap();
+        String::from_utf8(bytes.0).unwrap()
+    };
+    (pem("client-certificate-data"), pem("client-key-data"))
 }
 
 /// Accepts any server certificate (the forged caller does not care whom it talks to).
@@ -759,6 +815,9 @@ async fn cluster_exec_and_console_through_the_api_server_and_the_gateway() {
         "{}",
         text(&out.stdout)
     );
+    // The control: the same followed console as a plain streamed answer (no upgrade) is cut
+    // by the request timeout although the VM runs on.
+    cut_by_the_request_timeout(&env).await;
 
     // A VM that does not run: exec is refused with 409, console still works.
     let out = env
@@ -836,9 +895,17 @@ async fn a_denied_user_a_token_presented_to_the_agent_or_a_wrong_certificate_run
     // The gateway serves the API server's front proxy only: a caller without its client
     // certificate, naming any user it likes, is refused before anything is looked up.
     let forged = env.marker("forged-front-proxy");
-    let (status, answer) = forged_front_proxy(&env, &forged).await;
+    let (status, answer) = forged_front_proxy(&env, &forged, None).await;
     assert!(status.contains(" 401 "), "{status}");
     assert!(answer.contains("front proxy only"), "{answer}");
+    // With a certificate of the cluster's own CA (the admin's), which is not the front
+    // proxy's: the handshake or the request is refused.
+    let other_ca = env.marker("other-ca");
+    let (status, _) = forged_front_proxy(&env, &other_ca, Some(admin_certificate(&env))).await;
+    assert!(
+        !status.contains(" 101 ") && !status.contains(" 200 "),
+        "{status}"
+    );
 
     // bob is a valid user without the rule: the API server refuses him with 403.
     let denied = env.marker("denied-cli");
@@ -891,7 +958,7 @@ async fn a_denied_user_a_token_presented_to_the_agent_or_a_wrong_certificate_run
 
     // Give anything wrongly started time to show, then prove nothing ran.
     tokio::time::sleep(Duration::from_millis(500)).await;
-    for m in [&token, &nobody, &forged, &denied, &pinned] {
+    for m in [&token, &nobody, &forged, &other_ca, &denied, &pinned] {
         assert!(!m.exists(), "{} exists: a refused request ran", m.display());
     }
 }

@@ -394,7 +394,7 @@ async fn kubectl_imp_logs_reads_the_serial_console_through_the_node_agent_or_say
     // serves it, reading the gateway's certificate with the agent's own ServiceAccount and the
     // shipped agent role.
     let ids = imp_testenv::rbac::install(cp, "imp-system").await.unwrap();
-    let port = common::free_port();
+    let port = common::gateway_port();
     imp_testenv::aggregation::register_gateway(&admin, "imp-system", port)
         .await
         .unwrap();

@@ -234,17 +234,22 @@ impl Gateway {
             .unwrap_or_else(|_| Pins::Unknown("the pins' lock is poisoned".into()))
     }
 
-    /// Reads the ConfigMap once (unless it was read less than a second ago) and keeps what
-    /// it holds; an unreadable ConfigMap keeps the pins known before (a restarting API
-    /// server does not lock the gateway out). Returns the pins read, if read.
+    /// The pins as of a read of the ConfigMap that started after this call: a read already
+    /// begun after it answers it too, else one is made, at most one a second (a caller waits
+    /// out the rest of the second rather than being refused on stale pins). What was read is
+    /// kept; an unreadable ConfigMap keeps the pins known before (a restarting API server does
+    /// not lock the gateway out). `None` when the pins are fixed or the read failed.
     pub async fn read(&self) -> Option<Pins> {
         let (api, name) = self.reader.as_ref()?;
+        let asked = tokio::time::Instant::now();
         let mut last = self.last_read.lock().await;
-        let now = tokio::time::Instant::now();
-        if last.is_some_and(|t| now.duration_since(t) < ON_DEMAND_GAP) {
-            return None;
+        if last.is_some_and(|started| started >= asked) {
+            return Some(self.current());
         }
-        *last = Some(now);
+        if let Some(started) = *last {
+            tokio::time::sleep_until(started + ON_DEMAND_GAP).await;
+        }
+        *last = Some(tokio::time::Instant::now());
         match api.get_opt(name).await {
             Ok(cm) => {
                 let pins = pins_of(cm.as_ref(), &self.source);
@@ -278,7 +283,7 @@ impl Gateway {
     }
 }
 
-/// The shortest time between two reads of the ConfigMap that requests ask for.
+/// The shortest time between two reads of the ConfigMap.
 const ON_DEMAND_GAP: Duration = Duration::from_secs(1);
 
 /// Reads the ConfigMap of the gateway's certificates every [`PINS_REFRESH`] (every second

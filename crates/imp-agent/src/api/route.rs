@@ -169,16 +169,7 @@ fn follow(query: Option<&str>) -> Result<bool, RouteError> {
 /// A lowercase RFC 1123 name: alphanumerics, '-' (and '.' where `dots`: a subdomain rather
 /// than a label), starting and ending alphanumeric.
 fn check_name(what: &'static str, value: &str, max: usize, dots: bool) -> Result<(), RouteError> {
-    let alnum = |b: u8| b.is_ascii_lowercase() || b.is_ascii_digit();
-    let bytes = value.as_bytes();
-    let ok = !bytes.is_empty()
-        && bytes.len() <= max
-        && bytes.first().copied().is_some_and(alnum)
-        && bytes.last().copied().is_some_and(alnum)
-        && bytes
-            .iter()
-            .all(|&b| alnum(b) || b == b'-' || (dots && b == b'.'));
-    if ok {
+    if imp_agent_client::is_kubernetes_name(value, max, dots) {
         Ok(())
     } else {
         Err(RouteError::InvalidName {

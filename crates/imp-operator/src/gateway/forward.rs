@@ -102,14 +102,25 @@ fn unavailable(message: &str) -> Refusal {
     Box::new(status(StatusCode::SERVICE_UNAVAILABLE, message))
 }
 
-/// The answer for an agent call that failed: the agent's own refusal passed on, anything
-/// else a 502 naming the node.
+/// The answer for an agent call that failed: the agent's answer about the VM (404, 409, 429,
+/// 504…) passed on; its refusal of the gateway itself (401, or 503 while it does not know the
+/// gateway's certificates) is the gateway's failure, not the user's credentials, so it is a
+/// 502 naming the node, as is any other failure to reach it.
 fn failed(node: &str, e: &ClientError) -> Response<Body> {
     match e {
         ClientError::Refused {
             status: code,
             message,
-        } => status(*code, message),
+        } if *code != StatusCode::UNAUTHORIZED && *code != StatusCode::SERVICE_UNAVAILABLE => {
+            status(*code, message)
+        }
+        ClientError::Refused {
+            status: code,
+            message,
+        } => status(
+            StatusCode::BAD_GATEWAY,
+            &format!("the node agent of {node} refused the gateway ({code}): {message}"),
+        ),
         other => status(
             StatusCode::BAD_GATEWAY,
             &format!(
@@ -119,6 +130,9 @@ fn failed(node: &str, e: &ClientError) -> Response<Body> {
         ),
     }
 }
+
+/// How long one node's agent may take to answer for its guests' figures.
+pub const NODE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// Whether a request asks to upgrade to `protocol`.
 pub fn asks_upgrade(headers: &HeaderMap, protocol: &str) -> bool {
@@ -219,18 +233,40 @@ pub async fn console<B: Send + 'static>(
     }
     let on_upgrade = hyper::upgrade::on(req);
     tokio::spawn(async move {
-        use tokio::io::AsyncWriteExt;
         let Ok(up) = on_upgrade.await else { return };
-        let mut user_side = TokioIo::new(up);
-        let mut frames = body.into_data_stream();
-        while let Ok(Some(chunk)) = frames.try_next().await {
-            if user_side.write_all(&chunk).await.is_err() {
-                return;
-            }
-        }
-        let _ = user_side.shutdown().await;
+        follow_console(TokioIo::new(up), body).await;
     });
     switching(CONSOLE_UPGRADE)
+}
+
+/// Writes the console's bytes to the user's upgraded connection until the log ends or the
+/// user goes away; a user who leaves a quiet console is noticed at once (their side reads
+/// its end), so the agent's session is not held until the VM next prints.
+async fn follow_console<S>(mut user_side: S, body: hyper::body::Incoming)
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+{
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut frames = body.into_data_stream();
+    let mut scratch = [0u8; 512];
+    loop {
+        tokio::select! {
+            chunk = frames.try_next() => match chunk {
+                Ok(Some(chunk)) => {
+                    if user_side.write_all(&chunk).await.is_err() {
+                        return;
+                    }
+                }
+                _ => break,
+            },
+            read = user_side.read(&mut scratch) => match read {
+                // The user hung up (what they send otherwise means nothing here).
+                Ok(0) | Err(_) => return,
+                Ok(_) => {}
+            },
+        }
+    }
+    let _ = user_side.shutdown().await;
 }
 
 /// The nodes that run a VM of the list now (only a running VM has figures).
@@ -262,10 +298,14 @@ pub async fn guest_metrics(
     };
     let asks = nodes_to_ask(&vms).into_iter().map(|node| async move {
         let got = match target_of_node(kube, &node).await {
-            Ok(target) => client::guest_metrics(&target, caller, namespace)
-                .await
-                .map_err(|e| imp_api::chain::chain(&e)),
-            Err(refusal) => Err(format!("{}", refusal.status())),
+            Ok(target) => tokio::time::timeout(
+                NODE_TIMEOUT,
+                client::guest_metrics(&target, caller, namespace),
+            )
+            .await
+            .map_err(|_| format!("no answer within {NODE_TIMEOUT:?}"))
+            .and_then(|r| r.map_err(|e| imp_api::chain::chain(&e))),
+            Err(refusal) => Err(message_of(*refusal).await),
         };
         (node, got)
     });
@@ -282,6 +322,21 @@ pub async fn guest_metrics(
     }
     merged.items.sort_by(|a, b| a.name.cmp(&b.name));
     json(StatusCode::OK, &merged)
+}
+
+/// The message of one of the gateway's own refusals.
+async fn message_of(refusal: Response<Body>) -> String {
+    let code = refusal.status();
+    let body = refusal
+        .into_body()
+        .collect()
+        .await
+        .map(|b| b.to_bytes())
+        .unwrap_or_default();
+    serde_json::from_slice::<serde_json::Value>(&body)
+        .ok()
+        .and_then(|v| v["message"].as_str().map(str::to_owned))
+        .unwrap_or_else(|| code.to_string())
 }
 
 #[cfg(test)]

@@ -134,6 +134,8 @@ pub struct Gateway {
     api_services: Vec<String>,
     front: Arc<FrontProxy>,
     identity: RwLock<Option<Arc<ClientIdentity>>>,
+    /// Why the identity is not ready yet, when making or publishing it failed.
+    not_ready: RwLock<Option<String>>,
 }
 
 impl std::fmt::Debug for Gateway {
@@ -155,6 +157,7 @@ impl Gateway {
             api_services: api_services.to_vec(),
             front: FrontProxy::new(),
             identity: RwLock::new(None),
+            not_ready: RwLock::new(None),
         })
     }
 
@@ -175,6 +178,7 @@ impl Gateway {
                 Err(e) => {
                     tracing::error!(error = %imp_api::chain::DisplayChain(&e),
                         "gateway: no client certificate; exec, console and top refused");
+                    me.note_not_ready(&e);
                     return;
                 }
             };
@@ -184,6 +188,7 @@ impl Gateway {
             while let Err(e) = identity::publish(&me.client, &me.namespace, &key, &cert).await {
                 tracing::warn!(error = %imp_api::chain::DisplayChain(&e),
                     "gateway: publishing the client certificate for the agents failed");
+                me.note_not_ready(&e);
                 tokio::time::sleep(IDENTITY_RETRY).await;
             }
             tracing::info!(fingerprint = %id.fingerprint(), entry = %key,
@@ -229,6 +234,12 @@ impl Gateway {
         }
     }
 
+    fn note_not_ready(&self, e: &identity::IdentityError) {
+        if let Ok(mut slot) = self.not_ready.write() {
+            *slot = Some(imp_api::chain::chain(e));
+        }
+    }
+
     fn identity(&self) -> Option<Arc<ClientIdentity>> {
         self.identity.read().ok().and_then(|i| i.clone())
     }
@@ -269,10 +280,12 @@ impl Gateway {
             );
         };
         let Some(identity) = self.identity() else {
-            return status(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "the gateway's client certificate is not ready yet",
-            );
+            let why = self.not_ready.read().ok().and_then(|w| w.clone());
+            let message = match why {
+                Some(why) => format!("the gateway's client certificate is not published: {why}"),
+                None => "the gateway's client certificate is not published yet".to_owned(),
+            };
+            return status(StatusCode::SERVICE_UNAVAILABLE, &message);
         };
         let caller = Caller {
             identity: &identity,

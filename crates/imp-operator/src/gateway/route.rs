@@ -93,19 +93,24 @@ pub fn parse(method: &Method, path: &str, query: Option<&str>) -> Result<Route, 
         p if p == format!("/apis/{GROUP}") => (Route::Group, Method::GET),
         p if p == base => (Route::Resources, Method::GET),
         p => {
-            let rest = p.strip_prefix(&base).ok_or_else(not_found)?;
-            let parts: Vec<&str> = rest.trim_start_matches('/').split('/').collect();
+            // Exactly one `/` after the base and none doubled: the API server splits the path
+            // the same way when it authorizes, so what runs is what it authorized.
+            let rest = p
+                .strip_prefix(&base)
+                .and_then(|r| r.strip_prefix('/'))
+                .ok_or_else(not_found)?;
+            let parts: Vec<&str> = rest.split('/').collect();
             match parts.as_slice() {
                 ["namespaces", ns, "impvms", name, "exec"] => (
                     Route::Exec {
-                        namespace: name_part(ns, path)?,
+                        namespace: namespace_part(ns, path)?,
                         name: name_part(name, path)?,
                     },
                     Method::POST,
                 ),
                 ["namespaces", ns, "impvms", name, "console"] => (
                     Route::Console {
-                        namespace: name_part(ns, path)?,
+                        namespace: namespace_part(ns, path)?,
                         name: name_part(name, path)?,
                         follow: follow(query)?,
                     },
@@ -113,7 +118,7 @@ pub fn parse(method: &Method, path: &str, query: Option<&str>) -> Result<Route, 
                 ),
                 ["namespaces", ns, "guestmetrics"] => (
                     Route::GuestMetrics {
-                        namespace: name_part(ns, path)?,
+                        namespace: namespace_part(ns, path)?,
                     },
                     Method::GET,
                 ),
@@ -131,14 +136,17 @@ pub fn parse(method: &Method, path: &str, query: Option<&str>) -> Result<Route, 
     Ok(route)
 }
 
-/// A namespace or VM name: a Kubernetes name (lowercase letters, digits, `-`, `.`).
+/// A VM's name: a Kubernetes name (a DNS subdomain).
 fn name_part(part: &str, path: &str) -> Result<String, RouteError> {
-    let ok = !part.is_empty()
-        && part.len() <= 253
-        && part
-            .bytes()
-            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'.');
-    ok.then(|| part.to_owned())
+    imp_agent_client::is_kubernetes_name(part, 253, true)
+        .then(|| part.to_owned())
+        .ok_or_else(|| RouteError::NotFound(path.to_owned()))
+}
+
+/// A namespace: a DNS label.
+fn namespace_part(part: &str, path: &str) -> Result<String, RouteError> {
+    imp_agent_client::is_kubernetes_name(part, 63, false)
+        .then(|| part.to_owned())
         .ok_or_else(|| RouteError::NotFound(path.to_owned()))
 }
 
@@ -262,6 +270,11 @@ mod tests {
             format!("{BASE}/namespaces/a/impvms/b"),
             format!("{BASE}/namespaces/A/impvms/b/exec"),
             format!("{BASE}/namespaces/a/impvms/../exec/x"),
+            format!("{BASE}/namespaces/a/impvms/../exec"),
+            format!("{BASE}/namespaces/a.b/impvms/c/exec"),
+            format!("{BASE}//namespaces/a/impvms/b/exec"),
+            format!("{BASE}/namespaces//a/impvms/b/exec"),
+            format!("{BASE}namespaces/a/impvms/b/exec"),
             "/apis/other.dev/v1".to_owned(),
             "/api/v1".to_owned(),
         ] {

@@ -34,7 +34,7 @@ role grants both.";
 #[derive(Args, Debug)]
 #[command(after_help = HELP)]
 pub struct TopArgs {
-    /// How long to wait for the API server and for each node's agent.
+    /// How long to wait for the API server's answer (the gateway gives each node's agent 10 s).
     #[arg(long, default_value = "30s", value_parser = parse_duration)]
     pub timeout: Duration,
     #[command(flatten)]

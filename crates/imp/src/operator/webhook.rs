@@ -83,8 +83,8 @@ pub struct WebhookArgs {
     /// users exec into VMs, read consoles and guest figures) on the webhook's listener.
     #[arg(long)]
     no_gateway: bool,
-    /// The operator's own namespace, which holds --webhook-secret and the gateway's client
-    /// certificate (Secret and ConfigMap imp-gateway-client).
+    /// The operator's own namespace, which holds --webhook-secret and the ConfigMap in which
+    /// the gateway publishes its client certificates (imp-gateway-client).
     #[arg(long, env = "POD_NAMESPACE", default_value = "imp-system")]
     namespace: String,
 }

@@ -103,6 +103,28 @@ pub async fn http_get(port: u16, path: &str) -> std::io::Result<(u16, String)> {
     Ok((code, out))
 }
 
+/// A loopback port nothing listens on now, below the kernel's range of ephemeral ports, so no
+/// outgoing connection takes it in the minutes between a test's cluster and its operator.
+pub fn gateway_port() -> u16 {
+    let low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|r| r.split_whitespace().next()?.parse::<u16>().ok())
+        .unwrap_or(32768);
+    let span = u32::from(low.saturating_sub(10_000).max(1));
+    let mut seed = std::process::id().wrapping_mul(2_654_435_761)
+        ^ std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.subsec_nanos());
+    for _ in 0..200 {
+        seed = seed.wrapping_mul(1_103_515_245).wrapping_add(12_345);
+        let port = 10_000 + u16::try_from(seed % span).unwrap_or(0);
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
+    panic!("no free port between 10000 and {low}");
+}
+
 /// A loopback port nothing listens on now.
 pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
@@ -217,10 +239,7 @@ pub async fn cluster_with(mut opts: imp_testenv::Options, namespaces: &[&str]) -
     let ids = imp_testenv::rbac::install(&cp, "imp-system")
         .await
         .unwrap_or_else(|e| panic!("installing imp's RBAC: {e}"));
-    let gateway_port = free_port();
-    imp_testenv::aggregation::register_gateway(&client, "imp-system", gateway_port)
-        .await
-        .unwrap_or_else(|e| panic!("registering imp's gateway: {e}"));
+    let gateway_port = gateway_port();
     Cluster {
         cp,
         client,
@@ -578,6 +597,16 @@ pub fn start_operator(c: &Cluster) -> tokio::process::Child {
 
 /// [`start_operator`] with more flags (e.g. `--node-loss-grace`).
 pub fn start_operator_with(c: &Cluster, extra: &[&str]) -> tokio::process::Child {
+    // The APIService exists only while an operator serves it: an aggregated API nobody
+    // serves would fail the controller-manager's discovery (namespace deletion, quotas).
+    let (client, port) = (c.client.clone(), c.gateway_port);
+    tokio::spawn(async move {
+        if let Err(e) =
+            imp_testenv::aggregation::register_gateway(&client, "imp-system", port).await
+        {
+            eprintln!("registering imp's gateway failed: {e}");
+        }
+    });
     tokio::process::Command::new(env!("CARGO_BIN_EXE_imp"))
         .arg("operator")
         .args(["--metrics-addr", &format!("127.0.0.1:{}", free_port())])
@@ -970,8 +999,8 @@ pub async fn serve_gateway(
 
 /// Waits until the gateway answers through the API server (its APIService is Available: its
 /// discovery answered the aggregator through the published CA) and has published its client
-/// certificate for the agents (ConfigMap imp-system/imp-gateway-client, written only once the
-/// gateway presents it).
+/// certificate for the agents (ConfigMap imp-system/imp-gateway-client; the gateway presents
+/// its certificate only once it is published there).
 pub async fn wait_gateway(client: &kube::Client) {
     use k8s_openapi::api::core::v1::ConfigMap;
     use k8s_openapi::kube_aggregator::pkg::apis::apiregistration::v1::APIService;
