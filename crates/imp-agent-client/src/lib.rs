@@ -16,6 +16,9 @@ pub mod client;
 pub mod tls;
 pub mod top;
 
+use http::header::{CONNECTION, UPGRADE};
+use http::{HeaderMap, StatusCode};
+
 /// The value of the `Upgrade` header that turns an exec request into the guest protocol.
 pub const EXEC_UPGRADE: &str = "imp-exec/1";
 
@@ -40,6 +43,51 @@ pub fn console_path(namespace: &str, name: &str, follow: bool) -> String {
     format!("/v1/namespaces/{namespace}/impvms/{name}/console?follow={follow}")
 }
 
+/// A refusal as the body of a Kubernetes `Status`, which kubectl, kube clients and the CLI
+/// print the message of: what the agent answers the gateway, and the gateway the API server.
+pub fn status_body(code: StatusCode, message: &str) -> serde_json::Value {
+    let reason = match code {
+        StatusCode::UNAUTHORIZED => "Unauthorized",
+        StatusCode::FORBIDDEN => "Forbidden",
+        StatusCode::NOT_FOUND => "NotFound",
+        StatusCode::CONFLICT => "Conflict",
+        StatusCode::METHOD_NOT_ALLOWED => "MethodNotAllowed",
+        StatusCode::SERVICE_UNAVAILABLE => "ServiceUnavailable",
+        StatusCode::GATEWAY_TIMEOUT => "Timeout",
+        StatusCode::TOO_MANY_REQUESTS => "TooManyRequests",
+        StatusCode::BAD_REQUEST | StatusCode::UPGRADE_REQUIRED => "BadRequest",
+        _ => "InternalError",
+    };
+    serde_json::json!({
+        "kind": "Status",
+        "apiVersion": "v1",
+        "status": "Failure",
+        "message": message,
+        "reason": reason,
+        "code": code.as_u16(),
+    })
+}
+
+/// Whether a comma-separated header value (`Connection`, `Upgrade`) holds `token`, in any
+/// case.
+pub fn lists_token(value: &str, token: &str) -> bool {
+    value
+        .split(',')
+        .any(|t| t.trim().eq_ignore_ascii_case(token))
+}
+
+/// Whether a request asks to upgrade to `protocol`: `Connection` lists `upgrade` and `Upgrade`
+/// lists the protocol, in any of their values.
+pub fn asks_upgrade(headers: &HeaderMap, protocol: &str) -> bool {
+    let has = |name, want: &str| {
+        headers
+            .get_all(name)
+            .iter()
+            .any(|v| v.to_str().is_ok_and(|s| lists_token(s, want)))
+    };
+    has(CONNECTION, "upgrade") && has(UPGRADE, protocol)
+}
+
 /// Whether `value` is a Kubernetes name: lowercase letters, digits and `-` (and `.` when
 /// `dots`), at most `max` bytes, starting and ending alphanumeric. Namespaces are labels (63,
 /// no dots), ImpVM names subdomains (253, dots). The gateway and the agent both check the
@@ -59,6 +107,38 @@ pub fn is_kubernetes_name(value: &str, max: usize, dots: bool) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_status_names_its_reason_and_code() {
+        let s = status_body(StatusCode::FORBIDDEN, "no");
+        assert_eq!(
+            (s["reason"].as_str(), s["code"].as_u64()),
+            (Some("Forbidden"), Some(403))
+        );
+        assert_eq!(s["message"], "no");
+        assert_eq!(
+            status_body(StatusCode::UPGRADE_REQUIRED, "")["reason"],
+            "BadRequest"
+        );
+        assert_eq!(
+            status_body(StatusCode::BAD_GATEWAY, "")["reason"],
+            "InternalError"
+        );
+    }
+
+    #[test]
+    fn an_upgrade_is_recognised_in_lists_and_any_case() {
+        let mut h = HeaderMap::new();
+        assert!(!asks_upgrade(&h, EXEC_UPGRADE));
+        h.insert(
+            CONNECTION,
+            http::HeaderValue::from_static("keep-alive, Upgrade"),
+        );
+        h.insert(UPGRADE, http::HeaderValue::from_static("IMP-EXEC/1"));
+        assert!(asks_upgrade(&h, EXEC_UPGRADE));
+        assert!(!asks_upgrade(&h, CONSOLE_UPGRADE));
+        assert!(lists_token("a, b ,c", "B") && !lists_token("ab", "b"));
+    }
 
     #[test]
     fn kubernetes_names_are_lowercase_alphanumeric_inside_and_at_both_ends() {

@@ -446,50 +446,28 @@ async fn raw_exec(env: &Env, who: As<'_>, marker: &Path) -> (String, String) {
     let tcp = TcpStream::connect(&env.endpoint).await.unwrap();
     let config = match who {
         As::Gateway(id) => id.pinned_config(&env.fingerprint).unwrap(),
+        // A caller with no certificate of its own, pinning the agent's as the CLI once did.
         As::UserToken(_) | As::Nobody => {
-            // A caller with no certificate of its own, pinning the agent's as the CLI once did.
-            let mut c = no_client_auth(&env.fingerprint);
-            c.alpn_protocols = vec![b"http/1.1".to_vec()];
-            Arc::new(c)
+            Arc::new(no_client_auth(Server(Some(env.fingerprint.clone()))))
         }
     };
     let tls = tokio_rustls::TlsConnector::from(config)
         .connect("127.0.0.1".try_into().unwrap(), tcp)
         .await
         .unwrap();
-    let (mut rx, mut tx) = tokio::io::split(tls);
-    let mut request = format!(
-        "POST /v1/namespaces/{NS}/impvms/vm1/exec HTTP/1.1\r\nHost: {}\r\n\
-         Connection: Upgrade\r\nUpgrade: imp-exec/1\r\n",
-        env.endpoint
-    )
-    .into_bytes();
-    match who {
-        As::Gateway(_) => request.extend_from_slice(b"imp-remote-user: alice\r\n"),
-        As::UserToken(t) => {
-            let t = env.token(t);
-            request.extend_from_slice(format!("Authorization: Bearer {t}\r\n").as_bytes());
-        }
-        As::Nobody => {}
-    }
-    request.extend_from_slice(b"\r\n");
-    request.extend(imp_proto::frame::encode(&Message::Hello(Hello::new("raw"))).unwrap());
-    let exec = ExecRequest {
-        argv: vec![
-            "sh".into(),
-            "-c".into(),
-            format!("touch {}", marker.display()),
-        ],
-        ..Default::default()
+    let (rx, mut tx) = tokio::io::split(tls);
+    let who = match who {
+        As::Gateway(_) => "imp-remote-user: alice\r\n".to_owned(),
+        As::UserToken(t) => format!("Authorization: Bearer {}\r\n", env.token(t)),
+        As::Nobody => String::new(),
     };
-    request.extend(imp_proto::frame::encode(&Message::Exec(exec)).unwrap());
-    tx.write_all(&request).await.unwrap();
-    // Keep the connection open (a hang-up would kill an exec that wrongly started) until the
-    // agent closes it or for two seconds, then return the status line.
-    let mut answer = Vec::new();
-    let _ = tokio::time::timeout(Duration::from_secs(2), rx.read_to_end(&mut answer)).await;
-    let answer = text(&answer);
-    (answer.lines().next().unwrap_or("").to_owned(), answer)
+    let head = format!(
+        "POST /v1/namespaces/{NS}/impvms/vm1/exec HTTP/1.1\r\nHost: {}\r\n\
+         Connection: Upgrade\r\nUpgrade: imp-exec/1\r\n{who}\r\n",
+        env.endpoint
+    );
+    tx.write_all(&pipelined_exec(head, marker)).await.unwrap();
+    answer_of(rx).await
 }
 
 /// An exec sent to the gateway's listener directly, as the API server's front proxy would send
@@ -505,48 +483,38 @@ async fn forged_front_proxy(
     let tcp = TcpStream::connect(("127.0.0.1", env.kube.gateway_port))
         .await
         .unwrap();
-    let builder = rustls::ClientConfig::builder()
-        .dangerous()
-        .with_custom_certificate_verifier(Arc::new(AnyServer));
-    let mut config = match client_cert {
-        None => builder.with_no_client_auth(),
-        Some((cert, key)) => builder
-            .with_client_auth_cert(
-                vec![rustls::pki_types::CertificateDer::from_pem_slice(cert.as_bytes()).unwrap()],
-                rustls::pki_types::PrivateKeyDer::from_pem_slice(key.as_bytes()).unwrap(),
-            )
-            .unwrap(),
+    let config = match client_cert {
+        None => no_client_auth(Server(None)),
+        Some((cert, key)) => {
+            let mut c = rustls::ClientConfig::builder()
+                .dangerous()
+                .with_custom_certificate_verifier(Arc::new(Server(None)))
+                .with_client_auth_cert(
+                    vec![
+                        rustls::pki_types::CertificateDer::from_pem_slice(cert.as_bytes()).unwrap(),
+                    ],
+                    rustls::pki_types::PrivateKeyDer::from_pem_slice(key.as_bytes()).unwrap(),
+                )
+                .unwrap();
+            c.alpn_protocols = vec![b"http/1.1".to_vec()];
+            c
+        }
     };
-    config.alpn_protocols = vec![b"http/1.1".to_vec()];
     let Ok(tls) = tokio_rustls::TlsConnector::from(Arc::new(config))
         .connect("127.0.0.1".try_into().unwrap(), tcp)
         .await
     else {
         return ("the handshake was refused".to_owned(), String::new());
     };
-    let (mut rx, mut tx) = tokio::io::split(tls);
-    let mut request = format!(
+    let (rx, mut tx) = tokio::io::split(tls);
+    let head = format!(
         "POST /apis/subresources.imp.dev/v1alpha1/namespaces/{NS}/impvms/vm1/exec HTTP/1.1\r\n\
          Host: imp-webhook.imp-system.svc\r\nConnection: Upgrade\r\nUpgrade: imp-exec/1\r\n\
          X-Remote-User: alice\r\nX-Remote-Group: system:masters\r\n\r\n"
-    )
-    .into_bytes();
-    request.extend(imp_proto::frame::encode(&Message::Hello(Hello::new("raw"))).unwrap());
-    let exec = ExecRequest {
-        argv: vec![
-            "sh".into(),
-            "-c".into(),
-            format!("touch {}", marker.display()),
-        ],
-        ..Default::default()
-    };
-    request.extend(imp_proto::frame::encode(&Message::Exec(exec)).unwrap());
+    );
     // A refused client certificate may end the connection at the first write.
-    let _ = tx.write_all(&request).await;
-    let mut answer = Vec::new();
-    let _ = tokio::time::timeout(Duration::from_secs(2), rx.read_to_end(&mut answer)).await;
-    let answer = text(&answer);
-    (answer.lines().next().unwrap_or("").to_owned(), answer)
+    let _ = tx.write_all(&pipelined_exec(head, marker)).await;
+    answer_of(rx).await
 }
 
 /// The admin's client certificate and key (PEM), signed by the cluster's CA: a certificate the
@@ -562,19 +530,23 @@ fn admin_certificate(env: &Env) -> (String, String) {
     (pem("client-certificate-data"), pem("client-key-data"))
 }
 
-/// Accepts any server certificate (the forged caller does not care whom it talks to).
+/// A test caller's check of the server: the certificate with this fingerprint (the agent's),
+/// or any (the forged caller does not care whom it talks to).
 #[derive(Debug)]
-struct AnyServer;
+struct Server(Option<String>);
 
-impl rustls::client::danger::ServerCertVerifier for AnyServer {
+impl rustls::client::danger::ServerCertVerifier for Server {
     fn verify_server_cert(
         &self,
-        _: &rustls::pki_types::CertificateDer<'_>,
+        end_entity: &rustls::pki_types::CertificateDer<'_>,
         _: &[rustls::pki_types::CertificateDer<'_>],
         _: &rustls::pki_types::ServerName<'_>,
         _: &[u8],
         _: rustls::pki_types::UnixTime,
     ) -> Result<rustls::client::danger::ServerCertVerified, rustls::Error> {
+        if let Some(pin) = &self.0 {
+            assert_eq!(&imp_agent_client::tls::fingerprint(end_entity), pin);
+        }
         Ok(rustls::client::danger::ServerCertVerified::assertion())
     }
     fn verify_tls12_signature(
@@ -594,54 +566,45 @@ impl rustls::client::danger::ServerCertVerifier for AnyServer {
         Ok(rustls::client::danger::HandshakeSignatureValid::assertion())
     }
     fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
-        rustls::crypto::ring::default_provider()
-            .signature_verification_algorithms
-            .supported_schemes()
+        imp_agent_client::tls::Signatures::default().schemes()
     }
 }
 
-/// A TLS client configuration that pins the agent's certificate and presents none.
-fn no_client_auth(fingerprint: &str) -> rustls::ClientConfig {
-    #[derive(Debug)]
-    struct Pin(String);
-    impl rustls::client::danger::ServerCertVerifier for Pin {
-        fn verify_server_cert(
-            &self,
-            end_entity: &rustls::pki_types::CertificateDer<'_>,
-            _: &[rustls::pki_types::CertificateDer<'_>],
-            _: &rustls::pki_types::ServerName<'_>,
-            _: &[u8],
-            _: rustls::pki_types::UnixTime,
-        ) -> Result<rustls::client::danger::ServerCertVerified, rustls::Error> {
-            assert_eq!(imp_agent_client::tls::fingerprint(end_entity), self.0);
-            Ok(rustls::client::danger::ServerCertVerified::assertion())
-        }
-        fn verify_tls12_signature(
-            &self,
-            _: &[u8],
-            _: &rustls::pki_types::CertificateDer<'_>,
-            _: &rustls::DigitallySignedStruct,
-        ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
-            Ok(rustls::client::danger::HandshakeSignatureValid::assertion())
-        }
-        fn verify_tls13_signature(
-            &self,
-            _: &[u8],
-            _: &rustls::pki_types::CertificateDer<'_>,
-            _: &rustls::DigitallySignedStruct,
-        ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
-            Ok(rustls::client::danger::HandshakeSignatureValid::assertion())
-        }
-        fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
-            rustls::crypto::ring::default_provider()
-                .signature_verification_algorithms
-                .supported_schemes()
-        }
-    }
-    rustls::ClientConfig::builder()
+/// A TLS client configuration that checks the server with `server` and presents none.
+fn no_client_auth(server: Server) -> rustls::ClientConfig {
+    let mut c = rustls::ClientConfig::builder()
         .dangerous()
-        .with_custom_certificate_verifier(Arc::new(Pin(fingerprint.to_owned())))
-        .with_no_client_auth()
+        .with_custom_certificate_verifier(Arc::new(server))
+        .with_no_client_auth();
+    c.alpn_protocols = vec![b"http/1.1".to_vec()];
+    c
+}
+
+/// An exec request's head (`head`, ending in its blank line) with a hello and an exec that
+/// would create `marker` pipelined behind it, so an upgrade that should not happen would run
+/// it.
+fn pipelined_exec(head: String, marker: &Path) -> Vec<u8> {
+    let mut request = head.into_bytes();
+    request.extend(imp_proto::frame::encode(&Message::Hello(Hello::new("raw"))).unwrap());
+    let exec = ExecRequest {
+        argv: vec![
+            "sh".into(),
+            "-c".into(),
+            format!("touch {}", marker.display()),
+        ],
+        ..Default::default()
+    };
+    request.extend(imp_proto::frame::encode(&Message::Exec(exec)).unwrap());
+    request
+}
+
+/// What the server answers within two seconds (the connection is kept open meanwhile: a
+/// hang-up would kill an exec that wrongly started): the status line and the whole text.
+async fn answer_of(mut rx: impl tokio::io::AsyncRead + Unpin) -> (String, String) {
+    let mut answer = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(2), rx.read_to_end(&mut answer)).await;
+    let answer = text(&answer);
+    (answer.lines().next().unwrap_or("").to_owned(), answer)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -26,6 +26,7 @@ use imp_proto::message::{ErrorKind, Message};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 use super::EXEC_UPGRADE;
+use imp_agent_client::lists_token;
 
 /// Why an exec request cannot be upgraded.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -50,12 +51,10 @@ impl UpgradeError {
 
 /// Checks that a request asks to upgrade to [`EXEC_UPGRADE`].
 pub fn check_upgrade(headers: &HeaderMap) -> Result<(), UpgradeError> {
-    let connection_upgrade = headers.get_all(CONNECTION).iter().any(|v| {
-        v.to_str().is_ok_and(|s| {
-            s.split(',')
-                .any(|t| t.trim().eq_ignore_ascii_case("upgrade"))
-        })
-    });
+    let connection_upgrade = headers
+        .get_all(CONNECTION)
+        .iter()
+        .any(|v| v.to_str().is_ok_and(|s| lists_token(s, "upgrade")));
     let Some(upgrade) = headers.get(UPGRADE) else {
         return Err(UpgradeError::Missing);
     };
@@ -63,10 +62,7 @@ pub fn check_upgrade(headers: &HeaderMap) -> Result<(), UpgradeError> {
         return Err(UpgradeError::Missing);
     }
     let upgrade = upgrade.to_str().unwrap_or("");
-    if upgrade
-        .split(',')
-        .any(|p| p.trim().eq_ignore_ascii_case(EXEC_UPGRADE))
-    {
+    if lists_token(upgrade, EXEC_UPGRADE) {
         Ok(())
     } else {
         Err(UpgradeError::Protocol(upgrade.to_owned()))

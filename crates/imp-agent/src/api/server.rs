@@ -451,26 +451,7 @@ fn not_on_this_node(route: &Route) -> Response<Body> {
 
 /// A Kubernetes `Status` answering a failed request.
 fn status(code: StatusCode, message: &str) -> Response<Body> {
-    let reason = match code {
-        StatusCode::UNAUTHORIZED => "Unauthorized",
-        StatusCode::FORBIDDEN => "Forbidden",
-        StatusCode::NOT_FOUND => "NotFound",
-        StatusCode::CONFLICT => "Conflict",
-        StatusCode::METHOD_NOT_ALLOWED => "MethodNotAllowed",
-        StatusCode::SERVICE_UNAVAILABLE => "ServiceUnavailable",
-        StatusCode::GATEWAY_TIMEOUT => "Timeout",
-        StatusCode::TOO_MANY_REQUESTS => "TooManyRequests",
-        StatusCode::BAD_REQUEST | StatusCode::UPGRADE_REQUIRED => "BadRequest",
-        _ => "InternalError",
-    };
-    let body = serde_json::json!({
-        "kind": "Status",
-        "apiVersion": "v1",
-        "status": "Failure",
-        "message": message,
-        "reason": reason,
-        "code": code.as_u16(),
-    });
+    let body = imp_agent_client::status_body(code, message);
     let mut resp = Response::new(
         Full::new(Bytes::from(body.to_string()))
             .map_err(|never| match never {})

@@ -7,13 +7,13 @@ use std::collections::BTreeSet;
 
 use futures::TryStreamExt;
 use http::header::{CONNECTION, UPGRADE};
-use http::{HeaderMap, HeaderValue, Response, StatusCode};
+use http::{HeaderValue, Response, StatusCode};
 use http_body_util::{BodyExt, StreamBody};
 use hyper::body::Frame;
 use hyper_util::rt::TokioIo;
 use imp_agent_client::client::{self, Caller, ClientError, Target};
 use imp_agent_client::top::{GuestReadingList, NodeFailure};
-use imp_agent_client::{CONSOLE_UPGRADE, EXEC_UPGRADE};
+use imp_agent_client::{CONSOLE_UPGRADE, EXEC_UPGRADE, asks_upgrade};
 use imp_api::shared::{ANNOTATION_AGENT_CERT_SHA256, ANNOTATION_AGENT_ENDPOINT};
 use imp_api::vm::{ImpVM, VmPhase};
 use k8s_openapi::api::core::v1::Node;
@@ -133,17 +133,6 @@ fn failed(node: &str, e: &ClientError) -> Response<Body> {
 
 /// How long one node's agent may take to answer for its guests' figures.
 pub const NODE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
-
-/// Whether a request asks to upgrade to `protocol`.
-pub fn asks_upgrade(headers: &HeaderMap, protocol: &str) -> bool {
-    let has = |name, want: &str| {
-        headers.get_all(name).iter().any(|v| {
-            v.to_str()
-                .is_ok_and(|s| s.split(',').any(|p| p.trim().eq_ignore_ascii_case(want)))
-        })
-    };
-    has(CONNECTION, "upgrade") && has(UPGRADE, protocol)
-}
 
 /// The 101 answer that switches to `protocol`.
 fn switching(protocol: &'static str) -> Response<Body> {
@@ -381,15 +370,5 @@ mod tests {
             e.contains("n1") && e.contains(ANNOTATION_AGENT_CERT_SHA256),
             "{e}"
         );
-    }
-
-    #[test]
-    fn an_upgrade_is_recognised_in_lists_and_any_case() {
-        let mut h = HeaderMap::new();
-        assert!(!asks_upgrade(&h, EXEC_UPGRADE));
-        h.insert(CONNECTION, HeaderValue::from_static("keep-alive, Upgrade"));
-        h.insert(UPGRADE, HeaderValue::from_static("IMP-EXEC/1"));
-        assert!(asks_upgrade(&h, EXEC_UPGRADE));
-        assert!(!asks_upgrade(&h, CONSOLE_UPGRADE));
     }
 }

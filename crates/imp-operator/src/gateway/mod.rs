@@ -66,25 +66,7 @@ pub fn json<T: serde::Serialize>(code: StatusCode, value: &T) -> Response<Body> 
 
 /// A refusal as a Kubernetes `Status`, which kubectl and the CLI print the message of.
 pub fn status(code: StatusCode, message: &str) -> Response<Body> {
-    let reason = match code {
-        StatusCode::UNAUTHORIZED => "Unauthorized",
-        StatusCode::FORBIDDEN => "Forbidden",
-        StatusCode::NOT_FOUND => "NotFound",
-        StatusCode::CONFLICT => "Conflict",
-        StatusCode::METHOD_NOT_ALLOWED => "MethodNotAllowed",
-        StatusCode::BAD_REQUEST => "BadRequest",
-        StatusCode::TOO_MANY_REQUESTS => "TooManyRequests",
-        StatusCode::SERVICE_UNAVAILABLE => "ServiceUnavailable",
-        StatusCode::GATEWAY_TIMEOUT => "Timeout",
-        _ => "InternalError",
-    };
-    json(
-        code,
-        &serde_json::json!({
-            "kind": "Status", "apiVersion": "v1", "metadata": {},
-            "status": "Failure", "message": message, "reason": reason, "code": code.as_u16(),
-        }),
-    )
+    json(code, &imp_agent_client::status_body(code, message))
 }
 
 /// What a connection's TLS handshake established about its client.
