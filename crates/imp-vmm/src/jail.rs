@@ -255,14 +255,34 @@ impl Prepared {
     }
 
     /// Makes the tmpfs the root (the old root, stacked under it, detached), read-only.
+    ///
+    /// Where a seccomp filter refuses `pivot_root` (containerd's and Docker's RuntimeDefault
+    /// profile do, even to a holder of `CAP_SYS_ADMIN`: the agent in a Pod), the tmpfs is
+    /// moved over `/` and becomes the root with `chroot`, as runc does without `pivot_root`.
+    /// The old root then stays mounted beneath, out of the VMM's reach: leaving a chroot
+    /// takes `CAP_SYS_CHROOT`, and the VMM keeps no capability and gets no way to regain one
+    /// ([`Self::drop_privileges`]).
     fn pivot(&self) -> std::io::Result<()> {
-        // SAFETY: plain system calls on C strings owned by `self` or static.
+        // SAFETY: plain system calls on C strings owned by `self` or static; errno is read
+        // through `__errno_location`, this thread's.
         unsafe {
             check(libc::chdir(self.root.as_ptr()))?;
-            check(
-                libc::syscall(libc::SYS_pivot_root, c".".as_ptr(), c".".as_ptr()) as libc::c_int,
-            )?;
-            check(libc::umount2(c".".as_ptr(), libc::MNT_DETACH))?;
+            let pivoted =
+                libc::syscall(libc::SYS_pivot_root, c".".as_ptr(), c".".as_ptr()) as libc::c_int;
+            if pivoted == 0 {
+                check(libc::umount2(c".".as_ptr(), libc::MNT_DETACH))?;
+            } else if *libc::__errno_location() == libc::EPERM {
+                check(libc::mount(
+                    c".".as_ptr(),
+                    c"/".as_ptr(),
+                    std::ptr::null(),
+                    libc::MS_MOVE,
+                    std::ptr::null(),
+                ))?;
+                check(libc::chroot(c".".as_ptr()))?;
+            } else {
+                return Err(std::io::Error::last_os_error());
+            }
             check(libc::chdir(c"/".as_ptr()))?;
             // The root itself read-only (the binds keep their own flags).
             check(libc::mount(
