@@ -147,6 +147,14 @@ pub struct Options {
     /// request that is not long-running (not a watch, exec, attach, log, proxy or
     /// port-forward) may take. A short one shows what a stream would lose to it.
     pub request_timeout: Option<Duration>,
+    /// Whether real kubelets join ([`crate::podnode`]): kube-controller-manager also runs the
+    /// controllers that turn Deployments and DaemonSets into Pods, keep Services' endpoints,
+    /// publish `kube-root-ca.crt` and watch Nodes' heartbeats; kube-apiserver publishes its own
+    /// address as the endpoint of Service `kubernetes` (in-cluster clients reach it through
+    /// kube-proxy), calls webhooks and aggregated APIs at their Pods' addresses (no kube-proxy
+    /// runs beside it) and kubelets at their Nodes' InternalIP. [`Options::host`] must be an
+    /// address the nodes' namespaces reach.
+    pub kubelets: bool,
 }
 
 impl Default for Options {
@@ -159,6 +167,7 @@ impl Default for Options {
             audit: false,
             crds: Vec::new(),
             request_timeout: None,
+            kubelets: false,
         }
     }
 }
@@ -269,6 +278,7 @@ pub struct ControlPlane {
     admin: PathBuf,
     audit_log: Option<PathBuf>,
     started_in: Duration,
+    kubelets: bool,
     // Dropped in this order: the scheduler, the controller-manager, the API server, etcd, the
     // directory.
     scheduler: Option<Proc>,
@@ -426,6 +436,7 @@ impl ControlPlane {
             admin,
             audit_log,
             started_in: Duration::ZERO,
+            kubelets: opts.kubelets,
             scheduler: None,
             kcm: None,
             apiserver,
@@ -569,11 +580,22 @@ impl ControlPlane {
     fn start_kcm(&self, bin: &Path) -> Result<Proc, Error> {
         let ca = self.dir.join("ca.crt");
         let own = [
-            format!("--controllers={}", KCM_CONTROLLERS.join(",")),
+            format!("--controllers={}", self.controllers().join(",")),
             format!("--root-ca-file={}", ca.display()),
             "--concurrent-gc-syncs=5".to_owned(),
         ];
         self.start_component(bin, "kube-controller-manager", "kcm.log", &own)
+    }
+
+    /// The controllers kube-controller-manager runs: [`KCM_CONTROLLERS`], and
+    /// [`KUBELET_CONTROLLERS`] when kubelets join.
+    fn controllers(&self) -> Vec<&'static str> {
+        let extra = if self.kubelets {
+            KUBELET_CONTROLLERS
+        } else {
+            &[]
+        };
+        KCM_CONTROLLERS.iter().chain(extra).copied().collect()
     }
 
     /// Starts kube-scheduler as the admin, logging to `scheduler.log`: no leader election (one
@@ -910,6 +932,19 @@ const KCM_CONTROLLERS: &[&str] = &[
     "resourcequota-controller",
 ];
 
+/// The controllers added when real kubelets join ([`Options::kubelets`]): Deployments and
+/// DaemonSets become Pods, Services get endpoints, every namespace gets `kube-root-ca.crt`
+/// (a Pod's token volume needs it), and Nodes whose kubelet stops are marked unreachable.
+const KUBELET_CONTROLLERS: &[&str] = &[
+    "deployment-controller",
+    "replicaset-controller",
+    "daemonset-controller",
+    "endpointslice-controller",
+    "endpoints-controller",
+    "root-ca-certificate-publisher-controller",
+    "node-lifecycle-controller",
+];
+
 /// The name of the Pod [`ControlPlane::start`] has kube-scheduler look at.
 const PROBE_POD: &str = "imp-scheduler-probe";
 
@@ -1074,11 +1109,11 @@ fn start_apiserver(
         ))
         .arg("--service-cluster-ip-range=10.0.0.0/24")
         .arg("--allow-privileged=true")
-        .arg("--endpoint-reconciler-type=none")
         .arg("--enable-priority-and-fairness=false")
         .arg("--profiling=false")
         .args(front_proxy)
         .arg("--v=0");
+    cmd.args(kubelet_flags(opts.kubelets));
     if let Some(t) = opts.request_timeout {
         cmd.arg(format!("--request-timeout={}s", t.as_secs().max(1)));
     }
@@ -1095,6 +1130,19 @@ fn start_apiserver(
         path: bin.to_path_buf(),
         source,
     })
+}
+
+/// kube-apiserver's flags that depend on whether kubelets join ([`Options::kubelets`]).
+fn kubelet_flags(kubelets: bool) -> &'static [&'static str] {
+    if kubelets {
+        &[
+            "--enable-aggregator-routing=true",
+            "--kubelet-preferred-address-types=InternalIP",
+        ]
+    } else {
+        // Without kube-proxy nothing could use the endpoint of Service `kubernetes`.
+        &["--endpoint-reconciler-type=none"]
+    }
 }
 
 /// The common name of the front proxy's client certificate, the one allowed name.

@@ -6,6 +6,8 @@
 //!   ResourceQuota and webhooks by URL; one per test binary or one per test.
 //! - [`rbac`]: the ClusterRoles the product ships, bound to a ServiceAccount per component, so
 //!   the operator and the agents run in tests with their production permissions.
+//! - [`podnode`]: a Node made of a real kubelet, containerd and kube-proxy in a network
+//!   namespace of the test's own, where the chart's Pods run for real.
 //! - [`registry`]: a real OCI registry on loopback and a writer of test images.
 //! - [`scratch`]: fresh per-process temporary directories; [`workspace_root`]: the checkout.
 //! - [`guard`]: whether a test whose environment is missing (root, a tool, a binary) skips or
@@ -20,6 +22,7 @@ pub mod guard;
 pub mod kubeconfig;
 pub mod nodes;
 pub mod pki;
+pub mod podnode;
 mod process;
 pub mod procfs;
 pub mod rbac;

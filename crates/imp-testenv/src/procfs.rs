@@ -1,5 +1,23 @@
 //! What a test reads of a process in `/proc`: the fields of its `status` (uid, capabilities,
-//! `NoNewPrivs`, `Seccomp`), to prove how a VMM runs.
+//! `NoNewPrivs`, `Seccomp`), to prove how a VMM runs, and which processes name something.
+
+/// Pids of processes whose command line contains `needle` (a VM's directory, a socket).
+pub fn processes_naming(needle: &str) -> Vec<u32> {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    let mut out = Vec::new();
+    for e in entries.flatten() {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+        if String::from_utf8_lossy(&cmdline).contains(needle) {
+            out.push(pid);
+        }
+    }
+    out
+}
 
 /// A process's `/proc/PID/status`.
 #[derive(Debug, Clone)]

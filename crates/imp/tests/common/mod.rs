@@ -525,17 +525,7 @@ pub async fn ready_node(c: &kube::Client, name: &str) {
 
 /// Pids of processes whose command line names `needle` (a VM's directory).
 pub fn processes_naming(needle: &str) -> Vec<u32> {
-    let mut out = Vec::new();
-    for e in std::fs::read_dir("/proc").expect("reading /proc").flatten() {
-        let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else {
-            continue;
-        };
-        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-        if String::from_utf8_lossy(&cmdline).contains(needle) {
-            out.push(pid);
-        }
-    }
-    out
+    imp_testenv::procfs::processes_naming(needle)
 }
 
 /// Asserts that VMM process `pid` runs confined as the product starts it: not root (and not
