@@ -257,14 +257,16 @@ impl Prepared {
     /// Makes the tmpfs the root (the old root, stacked under it, detached), read-only.
     ///
     /// Where a seccomp filter refuses `pivot_root` (containerd's and Docker's RuntimeDefault
-    /// profile do, even to a holder of `CAP_SYS_ADMIN`: the agent in a Pod), the tmpfs is
-    /// moved over `/` and becomes the root with `chroot`, as runc does without `pivot_root`.
-    /// The old root then stays mounted beneath, out of the VMM's reach: leaving a chroot
-    /// takes `CAP_SYS_CHROOT`, and the VMM keeps no capability and gets no way to regain one
-    /// ([`Self::drop_privileges`]).
+    /// profile do, even to a holder of `CAP_SYS_ADMIN`: the agent in a Pod), the tmpfs becomes
+    /// the root with `chroot` alone. The old root then stays mounted in the VMM's namespace,
+    /// out of its reach: leaving a chroot takes `CAP_SYS_CHROOT`, which the VMM drops with
+    /// every other capability ([`Self::drop_privileges`]), and the kernel refuses a new user
+    /// namespace (where it could gain one) to a chrooted process. The tmpfs is not moved over
+    /// `/` first, as runc does without `pivot_root`: the kernel would then no longer count the
+    /// process as chrooted and would let it create that user namespace.
     fn pivot(&self) -> std::io::Result<()> {
         // SAFETY: plain system calls on C strings owned by `self` or static; errno is read
-        // through `__errno_location`, this thread's.
+        // through `__errno_location`, this thread's, right after the call that set it.
         unsafe {
             check(libc::chdir(self.root.as_ptr()))?;
             let pivoted =
@@ -272,13 +274,6 @@ impl Prepared {
             if pivoted == 0 {
                 check(libc::umount2(c".".as_ptr(), libc::MNT_DETACH))?;
             } else if *libc::__errno_location() == libc::EPERM {
-                check(libc::mount(
-                    c".".as_ptr(),
-                    c"/".as_ptr(),
-                    std::ptr::null(),
-                    libc::MS_MOVE,
-                    std::ptr::null(),
-                ))?;
                 check(libc::chroot(c".".as_ptr()))?;
             } else {
                 return Err(std::io::Error::last_os_error());
