@@ -1192,6 +1192,15 @@ fn values_the_chart_cannot_honour_are_refused_by_name() {
         ("agent.runtime=kvmtool", "/agent/runtime"),
         ("operator.replicas=two", "/operator/replicas"),
         ("agent.stateDir=var/lib/imp", "/agent/stateDir"),
+        // Below the Pod's /tmp emptyDir: unmounted under running VMs when the Pod goes.
+        (
+            "agent.stateDir=/tmp/imp",
+            "agent.stateDir (/tmp/imp) must not be under /tmp",
+        ),
+        (
+            "agent.snapshotPaths[0]=/tmp//snaps",
+            "agent.snapshotPaths[0] (/tmp//snaps) must not be under /tmp",
+        ),
     ] {
         let said = helm.refused(&["template", "imp", CHART, "--namespace", NS, "--set", set]);
         assert!(said.contains(says), "--set {set}: {said}");
