@@ -44,6 +44,9 @@ pub enum Error {
         /// Where it should be.
         path: PathBuf,
     },
+    /// The options cannot work together.
+    #[error("control plane options: {0}")]
+    Options(&'static str),
     /// A pin is missing from scripts/kube/pins.
     #[error("scripts/kube/pins has no {0}")]
     Pin(&'static str),
@@ -400,6 +403,12 @@ impl ControlPlane {
     }
 
     async fn start_once(opts: &Options) -> Result<ControlPlane, Error> {
+        if opts.kubelets && (!opts.scheduler || opts.host.is_loopback()) {
+            return Err(Error::Options(
+                "kubelets need the scheduler (DaemonSets' Pods are placed by it) and a host \
+                 address the nodes' namespaces reach (not loopback)",
+            ));
+        }
         let t0 = Instant::now();
         let bins = binaries(opts)?;
         let version = opts.release.version()?;

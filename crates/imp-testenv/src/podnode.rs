@@ -37,6 +37,22 @@ const CNI_BIN: &str = "/usr/lib/cni";
 /// every node: a Pod may run it too.
 pub const PAUSE_IMAGE: &str = "registry.k8s.io/pause:imp-test";
 
+/// The host-wide kernel settings the kubelet sets at its start (`vm.overcommit_memory=1`,
+/// `kernel.panic=10`, `kernel.panic_on_oops=1` …, none of them per network namespace): saved
+/// before it starts and written back when the node is dropped, so the tests that run after
+/// it find the machine as it was.
+const KUBELET_SYSCTLS: &[&str] = &[
+    "vm/overcommit_memory",
+    "vm/panic_on_oom",
+    "kernel/panic",
+    "kernel/panic_on_oops",
+    "kernel/keys/root_maxkeys",
+    "kernel/keys/root_maxbytes",
+];
+
+/// Where the kubelet links every container's log, whatever its configuration says.
+const CONTAINER_LOG_LINKS: &str = "/var/log/containers";
+
 /// The tools a node needs from the machine, with the Debian package that has each.
 const TOOLS: &[(&str, &str)] = &[
     ("containerd", "containerd"),
@@ -209,6 +225,7 @@ pub struct PodNode {
     pub name: String,
     dir: PathBuf,
     cgroup: String,
+    sysctls: Vec<(PathBuf, String)>,
     // Dropped before `net`, in this order, by `Drop`.
     proxy: Option<Proc>,
     kubelet: Option<Proc>,
@@ -231,6 +248,7 @@ impl PodNode {
         let mut node = PodNode {
             name: name.to_owned(),
             cgroup: format!("imp-testenv-{}-{name}", std::process::id()),
+            sysctls: read_sysctls(),
             dir,
             proxy: None,
             kubelet: None,
@@ -282,22 +300,24 @@ impl PodNode {
         self.dir.join("containerd.sock")
     }
 
-    /// The cgroup v1 hierarchies (each mount under /sys/fs/cgroup but the v2 one).
-    fn hierarchies() -> Vec<PathBuf> {
+    /// The cgroup hierarchies mounted under /sys/fs/cgroup: the v1 ones, and also the v2 one
+    /// (hybrid mode's `unified`, where the kubelet makes its tree too) unless `v1_only`.
+    fn hierarchies(v1_only: bool) -> Vec<PathBuf> {
         let Ok(entries) = std::fs::read_dir("/sys/fs/cgroup") else {
             return Vec::new();
         };
         entries
             .flatten()
             .map(|e| e.path())
-            .filter(|p| p.join("cgroup.procs").is_file() && !p.join("cgroup.controllers").exists())
+            .filter(|p| p.join("cgroup.procs").is_file())
+            .filter(|p| !v1_only || !p.join("cgroup.controllers").exists())
             .collect()
     }
 
     /// The kubelet's cgroup root in every hierarchy (the kubelet refuses to start without
     /// it), cpuset's with the root's CPUs and memory nodes (an empty cpuset admits no task).
     fn make_cgroups(&self) -> Result<(), Error> {
-        for h in Self::hierarchies() {
+        for h in Self::hierarchies(true) {
             let dir = h.join(&self.cgroup);
             std::fs::create_dir_all(&dir).map_err(io("creating", &dir))?;
             for file in ["cpuset.cpus", "cpuset.mems"] {
@@ -413,12 +433,13 @@ impl PodNode {
     fn teardown(&mut self) {
         self.proxy.take();
         self.kubelet.take();
-        for h in Self::hierarchies() {
+        restore_sysctls(&self.sysctls);
+        for h in Self::hierarchies(false) {
             kill_tree(&h.join(&self.cgroup));
         }
         self.containerd.take();
         let sock = self.socket().display().to_string();
-        for pid in crate::procfs::processes_naming(&sock) {
+        for pid in crate::procfs::processes_naming(&sock).unwrap_or_default() {
             // SAFETY: kill(2) on a pid whose command line names this node's socket: one of
             // its shims.
             #[allow(unsafe_code)]
@@ -427,16 +448,49 @@ impl PodNode {
             }
         }
         unmount_below(&self.dir);
-        for h in Self::hierarchies() {
+        for h in Self::hierarchies(false) {
             remove_tree(&h.join(&self.cgroup));
         }
-        let _ = std::fs::remove_dir_all(&self.dir);
+        remove_links_into(Path::new(CONTAINER_LOG_LINKS), &self.dir);
+        if let Err(e) = std::fs::remove_dir_all(&self.dir) {
+            eprintln!("imp-testenv: removing {}: {e}", self.dir.display());
+        }
     }
 }
 
 impl Drop for PodNode {
     fn drop(&mut self) {
+        if std::thread::panicking() {
+            eprintln!("imp-testenv: node {}'s logs:\n{}", self.name, self.logs(30));
+        }
         self.teardown();
+    }
+}
+
+/// The values of [`KUBELET_SYSCTLS`] (those that can be read).
+fn read_sysctls() -> Vec<(PathBuf, String)> {
+    KUBELET_SYSCTLS
+        .iter()
+        .map(|k| Path::new("/proc/sys").join(k))
+        .filter_map(|p| Some((p.clone(), std::fs::read_to_string(&p).ok()?)))
+        .collect()
+}
+
+/// Writes back what [`read_sysctls`] read.
+fn restore_sysctls(saved: &[(PathBuf, String)]) {
+    for (path, value) in saved {
+        if let Err(e) = std::fs::write(path, value) {
+            eprintln!("imp-testenv: restoring {}: {e}", path.display());
+        }
+    }
+}
+
+/// Removes the symbolic links in `dir` that point into `into`.
+fn remove_links_into(dir: &Path, into: &Path) {
+    for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        if std::fs::read_link(e.path()).is_ok_and(|t| t.starts_with(into)) {
+            let _ = std::fs::remove_file(e.path());
+        }
     }
 }
 
@@ -504,16 +558,19 @@ fn procs_below(dir: &Path) -> Vec<libc::pid_t> {
 }
 
 /// Removes cgroup `dir` and every cgroup below it (deepest first; a cgroup is removed with
-/// rmdir, its files go with it).
+/// rmdir, its files go with it), saying which one it could not.
 fn remove_tree(dir: &Path) {
-    if let Ok(entries) = std::fs::read_dir(dir) {
-        for e in entries.flatten() {
-            if e.path().is_dir() {
-                remove_tree(&e.path());
-            }
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for e in entries.flatten() {
+        if e.path().is_dir() {
+            remove_tree(&e.path());
         }
     }
-    let _ = std::fs::remove_dir(dir);
+    if let Err(e) = std::fs::remove_dir(dir) {
+        eprintln!("imp-testenv: removing cgroup {}: {e}", dir.display());
+    }
 }
 
 /// Detaches every mount at or below `dir` (the runtime's overlays and network namespaces,
@@ -593,6 +650,9 @@ state = "{d}/containerd/state"
     conf_dir = "{cni}"
   [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
     runtime_type = "io.containerd.runc.v2"
+    # runc's state under the node's directory, not the machine's /run/containerd/runc.
+    [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
+      Root = "{d}/runc"
 "#,
         socket = socket.display(),
         cni = cni.display(),

@@ -2,12 +2,10 @@
 //! `NoNewPrivs`, `Seccomp`), to prove how a VMM runs, and which processes name something.
 
 /// Pids of processes whose command line contains `needle` (a VM's directory, a socket).
-pub fn processes_naming(needle: &str) -> Vec<u32> {
-    let Ok(entries) = std::fs::read_dir("/proc") else {
-        return Vec::new();
-    };
+/// Fails when `/proc` cannot be read, so that "none" always means none.
+pub fn processes_naming(needle: &str) -> std::io::Result<Vec<u32>> {
     let mut out = Vec::new();
-    for e in entries.flatten() {
+    for e in std::fs::read_dir("/proc")?.flatten() {
         let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else {
             continue;
         };
@@ -16,7 +14,7 @@ pub fn processes_naming(needle: &str) -> Vec<u32> {
             out.push(pid);
         }
     }
-    out
+    Ok(out)
 }
 
 /// A process's `/proc/PID/status`.

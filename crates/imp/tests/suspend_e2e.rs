@@ -62,13 +62,6 @@ fn vmm_pid(state: &Path) -> Option<u32> {
     v["vmm_pid"].as_u64().map(|p| u32::try_from(p).unwrap())
 }
 
-fn alive(pid: u32) -> bool {
-    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
-        s.rsplit_once(')')
-            .is_some_and(|(_, r)| !r.trim_start().starts_with('Z'))
-    })
-}
-
 /// The counter the workload keeps in its tmpfs.
 fn counter(env: &Env) -> u64 {
     let out = imp(env, &["exec", VM, "--", "cat", "/mnt/t/count"]);
@@ -119,7 +112,7 @@ async fn suspend_frees_the_vmm_and_resume_brings_back_the_same_guest() {
     assert!(stderr(&out).contains("not suspended"), "{}", stderr(&out));
 
     let old_pid = vmm_pid(&env.state).expect("a running VM has a VMM pid");
-    assert!(alive(old_pid));
+    assert!(common::alive(old_pid));
 
     // Too little disk for the snapshot (a 16 MiB file system under the snapshot directory):
     // refused with the cause, and the VM runs on untouched.
@@ -145,13 +138,13 @@ async fn suspend_frees_the_vmm_and_resume_brings_back_the_same_guest() {
     );
     assert!(ps_line(&env).contains("running"), "{}", ps_line(&env));
     assert_eq!(vmm_pid(&env.state), Some(old_pid));
-    assert!(alive(old_pid));
+    assert!(common::alive(old_pid));
 
     let before = counter(&env);
     let (out, suspend_took) = timed(&env, &["suspend", VM]);
     assert!(out.status.success(), "suspend failed: {}", stderr(&out));
     assert!(
-        !alive(old_pid),
+        !common::alive(old_pid),
         "the VMM (pid {old_pid}) still runs after the suspend"
     );
     assert!(ps_line(&env).contains("suspended"), "{}", ps_line(&env));
@@ -182,7 +175,7 @@ async fn suspend_frees_the_vmm_and_resume_brings_back_the_same_guest() {
     assert!(out.status.success(), "resume failed: {}", stderr(&out));
     let new_pid = vmm_pid(&env.state).expect("a resumed VM has a VMM pid");
     assert_ne!(new_pid, old_pid, "the resumed VM runs in a new VMM");
-    assert!(alive(new_pid));
+    assert!(common::alive(new_pid));
     assert!(ps_line(&env).contains("running"), "{}", ps_line(&env));
     let after = counter(&env);
     assert!(

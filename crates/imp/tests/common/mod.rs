@@ -523,9 +523,18 @@ pub async fn ready_node(c: &kube::Client, name: &str) {
         .unwrap_or_else(|e| panic!("{e}"));
 }
 
+/// Whether process `pid` exists and is not a zombie (a killed VMM its shim has not reaped yet
+/// counts as gone).
+pub fn alive(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
+        s.rsplit_once(')')
+            .is_some_and(|(_, r)| !r.trim_start().starts_with('Z'))
+    })
+}
+
 /// Pids of processes whose command line names `needle` (a VM's directory).
 pub fn processes_naming(needle: &str) -> Vec<u32> {
-    imp_testenv::procfs::processes_naming(needle)
+    imp_testenv::procfs::processes_naming(needle).expect("reading /proc")
 }
 
 /// Asserts that VMM process `pid` runs confined as the product starts it: not root (and not
