@@ -11,7 +11,9 @@
 //!   confined (the container runtime's seccomp profile refuses `pivot_root` to the jail);
 //! - the agent's Pod is deleted (its container and sandbox torn down, its processes killed) and
 //!   the DaemonSet makes another: the VM's QEMU is the same process, its guest the same boot,
-//!   and exec works through the new agent.
+//!   and exec works through the new agent;
+//! - the VM is suspended, `helm upgrade --wait` rolls the operator and the agent (new Pod
+//!   templates), and the VM resumes on the new agent: the same guest boot.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
@@ -22,7 +24,6 @@ use std::time::{Duration, Instant};
 
 use imp_api::vm::{ImpVM, VmPhase};
 use imp_testenv::podnode::{NodeNet, PodNode};
-use imp_testenv::registry::scratch_dir;
 use imp_testenv::{ControlPlane, Options, workspace_root};
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, DeleteParams, ListParams};
@@ -68,6 +69,16 @@ fn kubectl(cp: &ControlPlane, args: &[&str]) -> Output {
         .args(args)
         .output()
         .expect("running kubectl")
+}
+
+/// The test's directory on the host: under /var/tmp, not /tmp, where the agent's Pod mounts an
+/// emptyDir (the chart refuses host directories under /tmp: when the Pod goes, the emptyDir's
+/// removal would unmount the state directory nested in it under the VMs' shims).
+fn host_dir() -> PathBuf {
+    let dir = PathBuf::from(format!("/var/tmp/imp-pods-e2e-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
 }
 
 /// The values the test installs with: the node's host directories under `dir` (not the
@@ -119,29 +130,40 @@ impl Drop for Leftovers {
 fn install(cp: &ControlPlane, dir: &Path, values: &str) {
     let file = dir.join("values.yaml");
     std::fs::write(&file, values).unwrap();
-    let helm = imp_testenv::controlplane::helm().expect("helm (scripts/kube/build)");
-    let out = std::process::Command::new(helm)
-        .args(["install", "imp"])
+    let file = file.display().to_string();
+    helm(cp, &["install", "--create-namespace", "-f", &file]);
+}
+
+/// `helm VERB imp charts/imp -n imp-system --wait EXTRA…`, which must succeed.
+fn helm(cp: &ControlPlane, args: &[&str]) {
+    let bin = imp_testenv::controlplane::helm().expect("helm (scripts/kube/build)");
+    let (verb, extra) = args.split_first().expect("a helm verb");
+    let out = std::process::Command::new(bin)
+        .args([verb, "imp"])
         .arg(workspace_root().join("charts/imp"))
-        .args(["-n", NS, "--create-namespace", "--wait", "--timeout", "5m"])
-        .arg("-f")
-        .arg(&file)
+        .args(["-n", NS, "--wait", "--timeout", "3m"])
+        .args(extra)
         .arg("--kubeconfig")
         .arg(cp.admin_kubeconfig())
         .output()
         .expect("running helm");
-    assert!(out.status.success(), "helm install: {}", text(&out));
+    assert!(out.status.success(), "helm {verb}: {}", text(&out));
+}
+
+/// Runs `imp ARGS…` as the admin; it must succeed.
+async fn imp(cp: &ControlPlane, args: &[&str]) -> String {
+    let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_imp"));
+    cmd.env("KUBECONFIG", cp.admin_kubeconfig()).args(args);
+    let out = common::output_within(cmd, Duration::from_secs(120), "imp").await;
+    assert!(out.status.success(), "imp {args:?}: {}", text(&out));
+    String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
 /// Runs `imp exec -n default NAME -- ARGS` as the admin, through the API server.
 async fn exec(cp: &ControlPlane, vm: &str, args: &[&str]) -> String {
-    let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_imp"));
-    cmd.env("KUBECONFIG", cp.admin_kubeconfig())
-        .args(["exec", "-n", VM_NS, vm, "--"])
-        .args(args);
-    let out = common::output_within(cmd, Duration::from_secs(60), "imp exec").await;
-    assert!(out.status.success(), "imp exec {args:?}: {}", text(&out));
-    String::from_utf8_lossy(&out.stdout).into_owned()
+    let mut all = vec!["exec", "-n", VM_NS, vm, "--"];
+    all.extend_from_slice(args);
+    imp(cp, &all).await
 }
 
 /// The names of the agent's Pods that are Ready.
@@ -163,10 +185,6 @@ async fn ready_agents(pods: &Api<Pod>) -> Vec<String> {
         .collect()
 }
 
-fn alive(pid: u32) -> bool {
-    Path::new(&format!("/proc/{pid}")).exists()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_charts_pods_run_on_a_real_kubelet_and_vms_outlive_the_agents_pod() {
     if ready().is_none() {
@@ -184,7 +202,7 @@ async fn the_charts_pods_run_on_a_real_kubelet_and_vms_outlive_the_agents_pod() 
     let cp = ControlPlane::start(opts)
         .await
         .unwrap_or_else(|e| panic!("{e}"));
-    let dir = scratch_dir("imp-pods-e2e").unwrap();
+    let dir = host_dir();
     let _leftovers = Leftovers(dir.clone());
     let labels = [("imp/enabled", "true")];
     let node = PodNode::start(&cp, net, NODE, &labels, dir.join("node"))
@@ -208,12 +226,15 @@ async fn the_charts_pods_run_on_a_real_kubelet_and_vms_outlive_the_agents_pod() 
     let state = dir.join("state");
     let (qemu, boot) = boot_vm(&cp, &admin, &layout, &state).await;
     restart_agent(&cp, &admin, &node, &state).await;
-    assert!(alive(qemu), "QEMU {qemu} died with the agent's Pod");
+    assert!(common::alive(qemu), "QEMU {qemu} died with the agent's Pod");
     let vms: Api<ImpVM> = Api::namespaced(admin.clone(), VM_NS);
     let vm = vms.get("vm1").await.unwrap();
     assert_eq!(common::phase(&vm), Some(VmPhase::Running));
     let again = exec(&cp, "vm1", &["cat", "/proc/sys/kernel/random/boot_id"]).await;
     assert_eq!(again, boot, "the guest rebooted");
+    let qemu = upgrade_while_suspended(&cp, &admin, &state, qemu).await;
+    let again = exec(&cp, "vm1", &["cat", "/proc/sys/kernel/random/boot_id"]).await;
+    assert_eq!(again, boot, "the guest rebooted instead of resuming");
 
     vms.delete("vm1", &DeleteParams::default()).await.unwrap();
     let t2 = Instant::now();
@@ -224,7 +245,61 @@ async fn the_charts_pods_run_on_a_real_kubelet_and_vms_outlive_the_agents_pod() 
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    assert!(!alive(qemu), "QEMU {qemu} outlived its deleted VM");
+    assert!(!common::alive(qemu), "QEMU {qemu} outlived its deleted VM");
+}
+
+/// Suspends vm1 (`imp suspend`), rolls the operator and the agent with `helm upgrade --wait`
+/// (a new log level: new Pod templates), and resumes it (`imp resume`) on the new agent.
+/// Returns the new QEMU's pid.
+async fn upgrade_while_suspended(
+    cp: &ControlPlane,
+    admin: &kube::Client,
+    state: &Path,
+    qemu: u32,
+) -> u32 {
+    let vms: Api<ImpVM> = Api::namespaced(admin.clone(), VM_NS);
+    // `imp suspend` waits for Suspended; the wait beside it says why when that never comes.
+    let suspend = imp(cp, &["suspend", "-n", VM_NS, "vm1"]);
+    let suspended = common::wait_vm(&vms, "vm1", "Suspended", 110, |v| {
+        common::phase(v) == Some(VmPhase::Suspended)
+    });
+    tokio::join!(suspend, suspended);
+    assert!(!common::alive(qemu), "QEMU {qemu} runs on while Suspended");
+    let pods: Api<Pod> = Api::namespaced(admin.clone(), NS);
+    let before = ready_agents(&pods).await;
+    let t0 = Instant::now();
+    helm(
+        cp,
+        &["upgrade", "--reuse-values", "--set", "logLevel=debug"],
+    );
+    let after = ready_agents(&pods).await;
+    assert!(
+        after.len() == 1 && after != before,
+        "the upgrade did not roll the agent: {before:?} then {after:?}"
+    );
+    eprintln!(
+        "helm upgrade --wait (operator and agent rolled) with vm1 Suspended: {:?}",
+        t0.elapsed()
+    );
+    let vm = vms.get("vm1").await.unwrap();
+    assert_eq!(
+        common::phase(&vm),
+        Some(VmPhase::Suspended),
+        "{:?}",
+        vm.status
+    );
+    imp(cp, &["resume", "-n", VM_NS, "vm1"]).await;
+    let vm = vms.get("vm1").await.unwrap();
+    assert_eq!(
+        common::phase(&vm),
+        Some(VmPhase::Running),
+        "{:?}",
+        vm.status
+    );
+    let uid = vm.metadata.uid.clone().unwrap();
+    let now = common::qemu_of(state, &uid);
+    assert_eq!(now.len(), 1, "one QEMU for the resumed vm1: {now:?}");
+    now[0]
 }
 
 /// The troubleshooting guide's log commands answer, through the API server and the kubelet.
@@ -286,6 +361,13 @@ async fn boot_vm(
     assert_eq!(qemu.len(), 1, "one QEMU for vm1: {qemu:?}");
     // Confined in the agent's Pod too, where seccomp refuses pivot_root to the jail.
     common::assert_vmm_confined(qemu[0]);
+    // Its own filter (QEMU's -sandbox) on top of the one inherited from the agent's container.
+    let filters = imp_testenv::procfs::Status::of(qemu[0]).field("Seccomp_filters");
+    assert!(
+        filters.parse::<u32>().is_ok_and(|n| n >= 2),
+        "QEMU {} has {filters:?} seccomp filters",
+        qemu[0]
+    );
     let boot = exec(cp, "vm1", &["cat", "/proc/sys/kernel/random/boot_id"]).await;
     assert_eq!(boot.trim().len(), 36, "a boot id: {boot:?}");
     (qemu[0], boot)
@@ -341,7 +423,7 @@ async fn restart_agent(cp: &ControlPlane, admin: &kube::Client, node: &PodNode, 
         text(&out)
     );
     assert!(
-        old_pid.is_some_and(|p| !alive(p)),
+        old_pid.is_some_and(|p| !common::alive(p)),
         "the old agent {old_pid:?} outlived its Pod"
     );
     loop {
@@ -366,7 +448,5 @@ async fn restart_agent(cp: &ControlPlane, admin: &kube::Client, node: &PodNode, 
 /// namespace: the Pod has `hostPID`).
 fn agent_pid(state: &Path) -> Option<u32> {
     let arg = format!("--state-dir={}", state.display());
-    imp_testenv::procfs::processes_naming(&arg)
-        .into_iter()
-        .next()
+    common::processes_naming(&arg).into_iter().next()
 }
