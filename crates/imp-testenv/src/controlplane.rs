@@ -562,13 +562,7 @@ impl ControlPlane {
         .into_iter()
         .flatten()
         {
-            if let Some(status) = p.exited() {
-                return Err(Error::Exited {
-                    what: p.name,
-                    status,
-                    log: p.log_tail(40),
-                });
-            }
+            still_running(p)?;
         }
         if t0.elapsed() > READY_WITHIN {
             let log = match what {
@@ -1139,6 +1133,18 @@ fn start_apiserver(
         path: bin.to_path_buf(),
         source,
     })
+}
+
+/// Fails with the end of its log if process `p` has exited.
+pub(crate) fn still_running(p: &mut Proc) -> Result<(), Error> {
+    match p.exited() {
+        Some(status) => Err(Error::Exited {
+            what: p.name,
+            status,
+            log: p.log_tail(40),
+        }),
+        None => Ok(()),
+    }
 }
 
 /// kube-apiserver's flags that depend on whether kubelets join ([`Options::kubelets`]).

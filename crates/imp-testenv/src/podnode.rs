@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 use k8s_openapi::api::core::v1::Node;
 use kube::api::Api;
 
-use crate::controlplane::{ControlPlane, Error, bin_dir, pin};
+use crate::controlplane::{ControlPlane, Error, bin_dir, pin, still_running};
 use crate::process::{self, Proc};
 use crate::registry::{TestImage, TestLayer, write_archive};
 
@@ -414,13 +414,7 @@ impl PodNode {
                 .into_iter()
                 .flatten()
             {
-                if let Some(status) = p.exited() {
-                    return Err(Error::Exited {
-                        what: p.name,
-                        status,
-                        log: p.log_tail(40),
-                    });
-                }
+                still_running(p)?;
             }
             if let Some(p) = self.kubelet.as_mut() {
                 wait_or_fail(p, "kubelet", t0).await?;
@@ -504,13 +498,7 @@ fn node_ready(n: &Node) -> bool {
 
 /// Fails if `p` has exited or `t0` is older than [`READY_WITHIN`]; else waits a moment.
 async fn wait_or_fail(p: &mut Proc, what: &'static str, t0: Instant) -> Result<(), Error> {
-    if let Some(status) = p.exited() {
-        return Err(Error::Exited {
-            what,
-            status,
-            log: p.log_tail(40),
-        });
-    }
+    still_running(p)?;
     if t0.elapsed() > READY_WITHIN {
         return Err(Error::NotReady {
             what,

@@ -228,8 +228,7 @@ async fn the_charts_pods_run_on_a_real_kubelet_and_vms_outlive_the_agents_pod() 
     restart_agent(&cp, &admin, &node, &state).await;
     assert!(common::alive(qemu), "QEMU {qemu} died with the agent's Pod");
     let vms: Api<ImpVM> = Api::namespaced(admin.clone(), VM_NS);
-    let vm = vms.get("vm1").await.unwrap();
-    assert_eq!(common::phase(&vm), Some(VmPhase::Running));
+    vm_in(&vms, VmPhase::Running).await;
     let again = exec(&cp, "vm1", &["cat", "/proc/sys/kernel/random/boot_id"]).await;
     assert_eq!(again, boot, "the guest rebooted");
     let qemu = upgrade_while_suspended(&cp, &admin, &state, qemu).await;
@@ -281,21 +280,9 @@ async fn upgrade_while_suspended(
         "helm upgrade --wait (operator and agent rolled) with vm1 Suspended: {:?}",
         t0.elapsed()
     );
-    let vm = vms.get("vm1").await.unwrap();
-    assert_eq!(
-        common::phase(&vm),
-        Some(VmPhase::Suspended),
-        "{:?}",
-        vm.status
-    );
+    vm_in(&vms, VmPhase::Suspended).await;
     imp(cp, &["resume", "-n", VM_NS, "vm1"]).await;
-    let vm = vms.get("vm1").await.unwrap();
-    assert_eq!(
-        common::phase(&vm),
-        Some(VmPhase::Running),
-        "{:?}",
-        vm.status
-    );
+    let vm = vm_in(&vms, VmPhase::Running).await;
     let uid = vm.metadata.uid.clone().unwrap();
     let now = common::qemu_of(state, &uid);
     assert_eq!(now.len(), 1, "one QEMU for the resumed vm1: {now:?}");
@@ -371,6 +358,13 @@ async fn boot_vm(
     let boot = exec(cp, "vm1", &["cat", "/proc/sys/kernel/random/boot_id"]).await;
     assert_eq!(boot.trim().len(), 36, "a boot id: {boot:?}");
     (qemu[0], boot)
+}
+
+/// vm1, which must be in `phase`.
+async fn vm_in(vms: &Api<ImpVM>, phase: VmPhase) -> ImpVM {
+    let vm = vms.get("vm1").await.unwrap();
+    assert_eq!(common::phase(&vm), Some(phase), "{:?}", vm.status);
+    vm
 }
 
 /// Waits until vm1's reservation Pod (docs/capacity.md) runs: the kubelet admitted it with
