@@ -281,7 +281,6 @@ pub struct ControlPlane {
     admin: PathBuf,
     audit_log: Option<PathBuf>,
     started_in: Duration,
-    kubelets: bool,
     // Dropped in this order: the scheduler, the controller-manager, the API server, etcd, the
     // directory.
     scheduler: Option<Proc>,
@@ -445,7 +444,6 @@ impl ControlPlane {
             admin,
             audit_log,
             started_in: Duration::ZERO,
-            kubelets: opts.kubelets,
             scheduler: None,
             kcm: None,
             apiserver,
@@ -458,7 +456,7 @@ impl ControlPlane {
             cp.install_crds(&admin, &opts.crds).await?;
         }
         if let Some(bin) = &bins.kcm {
-            cp.kcm = Some(cp.start_kcm(bin)?);
+            cp.kcm = Some(cp.start_kcm(bin, opts.kubelets)?);
             cp.wait_kcm().await?;
         }
         if let Some(bin) = &bins.scheduler {
@@ -580,25 +578,14 @@ impl ControlPlane {
         Ok(())
     }
 
-    fn start_kcm(&self, bin: &Path) -> Result<Proc, Error> {
+    fn start_kcm(&self, bin: &Path, kubelets: bool) -> Result<Proc, Error> {
         let ca = self.dir.join("ca.crt");
         let own = [
-            format!("--controllers={}", self.controllers().join(",")),
+            format!("--controllers={}", controllers(kubelets).join(",")),
             format!("--root-ca-file={}", ca.display()),
             "--concurrent-gc-syncs=5".to_owned(),
         ];
         self.start_component(bin, "kube-controller-manager", "kcm.log", &own)
-    }
-
-    /// The controllers kube-controller-manager runs: [`KCM_CONTROLLERS`], and
-    /// [`KUBELET_CONTROLLERS`] when kubelets join.
-    fn controllers(&self) -> Vec<&'static str> {
-        let extra = if self.kubelets {
-            KUBELET_CONTROLLERS
-        } else {
-            &[]
-        };
-        KCM_CONTROLLERS.iter().chain(extra).copied().collect()
     }
 
     /// Starts kube-scheduler as the admin, logging to `scheduler.log`: no leader election (one
@@ -947,6 +934,13 @@ const KUBELET_CONTROLLERS: &[&str] = &[
     "root-ca-certificate-publisher-controller",
     "node-lifecycle-controller",
 ];
+
+/// The controllers kube-controller-manager runs: [`KCM_CONTROLLERS`], and
+/// [`KUBELET_CONTROLLERS`] when kubelets join.
+fn controllers(kubelets: bool) -> Vec<&'static str> {
+    let extra: &[&str] = if kubelets { KUBELET_CONTROLLERS } else { &[] };
+    KCM_CONTROLLERS.iter().chain(extra).copied().collect()
+}
 
 /// The name of the Pod [`ControlPlane::start`] has kube-scheduler look at.
 const PROBE_POD: &str = "imp-scheduler-probe";

@@ -265,16 +265,6 @@ impl PodNode {
         Ok(node)
     }
 
-    /// The node's InternalIP.
-    pub fn address(&self) -> Ipv4Addr {
-        self.net.node
-    }
-
-    /// Its network namespace.
-    pub fn netns(&self) -> &str {
-        &self.net.netns
-    }
-
     /// Imports the OCI archive `archive` into containerd's `k8s.io` namespace, where the
     /// kubelet finds images (a Pod with `imagePullPolicy: IfNotPresent` then pulls nothing).
     pub fn import(&self, archive: &Path) -> Result<(), Error> {
@@ -360,7 +350,7 @@ impl PodNode {
             if self.socket().exists() && run(&mut version).is_ok() {
                 return Ok(p);
             }
-            wait_or_fail(&mut p, "containerd", t0).await?;
+            wait_or_fail(&mut p, t0).await?;
         }
     }
 
@@ -417,7 +407,7 @@ impl PodNode {
                 still_running(p)?;
             }
             if let Some(p) = self.kubelet.as_mut() {
-                wait_or_fail(p, "kubelet", t0).await?;
+                wait_or_fail(p, t0).await?;
             }
         }
     }
@@ -497,11 +487,11 @@ fn node_ready(n: &Node) -> bool {
 }
 
 /// Fails if `p` has exited or `t0` is older than [`READY_WITHIN`]; else waits a moment.
-async fn wait_or_fail(p: &mut Proc, what: &'static str, t0: Instant) -> Result<(), Error> {
+async fn wait_or_fail(p: &mut Proc, t0: Instant) -> Result<(), Error> {
     still_running(p)?;
     if t0.elapsed() > READY_WITHIN {
         return Err(Error::NotReady {
-            what,
+            what: p.name,
             secs: READY_WITHIN.as_secs(),
             log: p.log_tail(40),
         });

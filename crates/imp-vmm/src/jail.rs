@@ -254,7 +254,8 @@ impl Prepared {
         self.steps.iter().try_for_each(CStep::make)
     }
 
-    /// Makes the tmpfs the root (the old root, stacked under it, detached), read-only.
+    /// Makes the tmpfs the root, read-only; with `pivot_root`, the old root (stacked under it)
+    /// is detached.
     ///
     /// Where a seccomp filter refuses `pivot_root` (containerd's and Docker's RuntimeDefault
     /// profile do, even to a holder of `CAP_SYS_ADMIN`: the agent in a Pod), the tmpfs becomes

@@ -28,6 +28,8 @@ use imp_testenv::{ControlPlane, Options, workspace_root};
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, DeleteParams, ListParams};
 
+use common::nodes::text;
+
 const NS: &str = "imp-system";
 const VM_NS: &str = "default";
 const NODE: &str = "pod-node";
@@ -52,14 +54,6 @@ fn ready() -> Option<()> {
 
 fn archive(image: &str) -> PathBuf {
     workspace_root().join(format!("target/images/{image}.oci.tar"))
-}
-
-fn text(o: &Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
 }
 
 /// Runs kubectl as the admin; returns its output whatever its status.
