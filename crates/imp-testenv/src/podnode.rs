@@ -276,6 +276,16 @@ impl PodNode {
         .map(|_| ())
     }
 
+    /// Names the image `from` also `to` in containerd's `k8s.io` namespace (`ctr images tag
+    /// --force`): an image imported before another one with the same name keeps a name.
+    pub fn tag(&self, from: &str, to: &str) -> Result<(), Error> {
+        run(Command::new("ctr")
+            .arg("--address")
+            .arg(self.socket())
+            .args(["-n", "k8s.io", "images", "tag", "--force", from, to]))
+        .map(|_| ())
+    }
+
     /// The last `lines` lines of each component's log, for a failing test's message.
     pub fn logs(&self, lines: usize) -> String {
         [&self.containerd, &self.kubelet, &self.proxy]
@@ -319,14 +329,21 @@ impl PodNode {
         Ok(())
     }
 
-    /// Starts `bin` with `args` inside the node's network namespace (only that one: the
-    /// mount namespace stays the host's), logging to `log` in the node's directory.
-    fn spawn(&self, name: &'static str, bin: &Path, args: &[String]) -> Result<Proc, Error> {
+    /// A command that runs `program` in the node's network namespace (only that one: the
+    /// mount namespace stays the host's), as a process on the node's host network would.
+    pub fn command(&self, program: impl AsRef<std::ffi::OsStr>) -> Command {
         let mut cmd = Command::new("nsenter");
         cmd.arg(format!("--net={}", self.net.path()))
             .arg("--")
-            .arg(bin)
-            .args(args);
+            .arg(program);
+        cmd
+    }
+
+    /// Starts `bin` with `args` inside the node's network namespace, logging to `log` in the
+    /// node's directory.
+    fn spawn(&self, name: &'static str, bin: &Path, args: &[String]) -> Result<Proc, Error> {
+        let mut cmd = self.command(bin);
+        cmd.args(args);
         let log = self.dir.join(format!("{name}.log"));
         process::start(name, cmd, &log).map_err(io("starting", bin))
     }

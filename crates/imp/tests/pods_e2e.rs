@@ -18,216 +18,57 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
-use std::process::Output;
 use std::time::{Duration, Instant};
 
 use imp_api::vm::{ImpVM, VmPhase};
-use imp_testenv::podnode::{NodeNet, PodNode};
-use imp_testenv::{ControlPlane, Options, workspace_root};
+use imp_testenv::workspace_root;
 use k8s_openapi::api::core::v1::Pod;
-use kube::api::{Api, DeleteParams, ListParams};
+use kube::api::{Api, DeleteParams};
 
 use common::nodes::text;
+use common::pods::{Cluster, NS, archive};
 
-const NS: &str = "imp-system";
 const VM_NS: &str = "default";
-const NODE: &str = "pod-node";
-const AGENT_PODS: &str = "app.kubernetes.io/component=agent";
-
-/// Whether everything the node and a guest boot need is here (else skip, or fail in CI).
-fn ready() -> Option<()> {
-    common::guest_boot_ready()?;
-    common::control_plane_ready()?;
-    let mut ok = true;
-    for what in imp_testenv::podnode::missing() {
-        ok &= imp_testenv::guard::require(false, &what);
-    }
-    for image in ["imp-operator", "imp-agent"] {
-        ok &= imp_testenv::guard::require(
-            archive(image).is_file(),
-            &format!("target/images/{image}.oci.tar (scripts/images)"),
-        );
-    }
-    ok.then_some(())
-}
-
-fn archive(image: &str) -> PathBuf {
-    workspace_root().join(format!("target/images/{image}.oci.tar"))
-}
-
-/// Runs kubectl as the admin; returns its output whatever its status.
-fn kubectl(cp: &ControlPlane, args: &[&str]) -> Output {
-    cp.kubectl()
-        .expect("kubectl")
-        .args(args)
-        .output()
-        .expect("running kubectl")
-}
-
-/// The test's directory on the host: under /var/tmp, not /tmp, where the agent's Pod mounts an
-/// emptyDir (the chart refuses host directories under /tmp: when the Pod goes, the emptyDir's
-/// removal would unmount the state directory nested in it under the VMs' shims).
-fn host_dir() -> PathBuf {
-    let dir = PathBuf::from(format!("/var/tmp/imp-pods-e2e-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
-
-/// The values the test installs with: the node's host directories under `dir` (not the
-/// machine's /var/lib), VMs' cgroups under a parent of the test's own, the VM image's layout
-/// mounted read-only into the agent and the node's pause image for reservation Pods (no
-/// registry reaches the node).
-fn values(dir: &Path, layout: &Path) -> String {
-    let d = dir.display();
-    let l = layout.display();
-    format!(
-        r#"operator:
-  reservations:
-    image: {pause}
-agent:
-  stateDir: {d}/state
-  imageCache: {d}/cache
-  snapshotPaths: [{d}/snapshots]
-  cgroupParent: {parent}
-  extraVolumes:
-    - name: test-images
-      hostPath: {{path: {l}, type: Directory}}
-  extraVolumeMounts:
-    - name: test-images
-      mountPath: {l}
-      readOnly: true
-"#,
-        parent = cgroup_parent(),
-        pause = imp_testenv::podnode::PAUSE_IMAGE,
-    )
-}
-
-/// The parent of the VMs' cgroups, the test's own.
-fn cgroup_parent() -> String {
-    format!("imp-pods-e2e-{}", std::process::id())
-}
-
-/// Whatever the VMs leave if the test fails half-way (their cgroups, killing what runs there),
-/// and the test's directory; dropped after the node.
-struct Leftovers(PathBuf);
-
-impl Drop for Leftovers {
-    fn drop(&mut self) {
-        common::remove_agent_leftovers(&self.0.join("state"), &cgroup_parent());
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-/// `helm install imp charts/imp -n imp-system --create-namespace --wait` with `values`.
-fn install(cp: &ControlPlane, dir: &Path, values: &str) {
-    let file = dir.join("values.yaml");
-    std::fs::write(&file, values).unwrap();
-    let file = file.display().to_string();
-    helm(cp, &["install", "--create-namespace", "-f", &file]);
-}
-
-/// `helm VERB imp charts/imp -n imp-system --wait EXTRA…`, which must succeed.
-fn helm(cp: &ControlPlane, args: &[&str]) {
-    let bin = imp_testenv::controlplane::helm().expect("helm (scripts/kube/build)");
-    let (verb, extra) = args.split_first().expect("a helm verb");
-    let out = std::process::Command::new(bin)
-        .args([verb, "imp"])
-        .arg(workspace_root().join("charts/imp"))
-        .args(["-n", NS, "--wait", "--timeout", "3m"])
-        .args(extra)
-        .arg("--kubeconfig")
-        .arg(cp.admin_kubeconfig())
-        .output()
-        .expect("running helm");
-    assert!(out.status.success(), "helm {verb}: {}", text(&out));
-}
-
-/// Runs `imp ARGS…` as the admin; it must succeed.
-async fn imp(cp: &ControlPlane, args: &[&str]) -> String {
-    let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_imp"));
-    cmd.env("KUBECONFIG", cp.admin_kubeconfig()).args(args);
-    let out = common::output_within(cmd, Duration::from_secs(120), "imp").await;
-    assert!(out.status.success(), "imp {args:?}: {}", text(&out));
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
-/// Runs `imp exec -n default NAME -- ARGS` as the admin, through the API server.
-async fn exec(cp: &ControlPlane, vm: &str, args: &[&str]) -> String {
-    let mut all = vec!["exec", "-n", VM_NS, vm, "--"];
-    all.extend_from_slice(args);
-    imp(cp, &all).await
-}
-
-/// The names of the agent's Pods that are Ready.
-async fn ready_agents(pods: &Api<Pod>) -> Vec<String> {
-    let list = pods
-        .list(&ListParams::default().labels(AGENT_PODS))
-        .await
-        .expect("listing the agent's Pods");
-    list.items
-        .into_iter()
-        .filter(|p| p.metadata.deletion_timestamp.is_none())
-        .filter(|p| {
-            p.status
-                .as_ref()
-                .and_then(|s| s.conditions.as_ref())
-                .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
-        })
-        .filter_map(|p| p.metadata.name)
-        .collect()
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_charts_pods_run_on_a_real_kubelet_and_vms_outlive_the_agents_pod() {
-    if ready().is_none() {
+    if common::pods::ready(&[archive("imp-operator"), archive("imp-agent")]).is_none() {
         return;
     }
     let _run = common::test_run("pods_e2e", Duration::from_secs(900));
-    let t0 = Instant::now();
-    let net = NodeNet::create(0).unwrap_or_else(|e| panic!("{e}"));
-    let opts = Options {
-        host: net.host.into(),
-        kubelets: true,
-        scheduler: true,
-        ..Options::default()
-    };
-    let cp = ControlPlane::start(opts)
-        .await
-        .unwrap_or_else(|e| panic!("{e}"));
-    let dir = host_dir();
-    let _leftovers = Leftovers(dir.clone());
-    let labels = [("imp/enabled", "true")];
-    let node = PodNode::start(&cp, net, NODE, &labels, dir.join("node"))
-        .await
-        .unwrap_or_else(|e| panic!("{e}"));
-    eprintln!("a Ready node with a kubelet in {:?}", t0.elapsed());
+    let c = Cluster::start("pods-e2e").await;
     for image in ["imp-operator", "imp-agent"] {
-        node.import(&archive(image))
+        c.node
+            .import(&archive(image))
             .unwrap_or_else(|e| panic!("{e}"));
     }
-    let layout = dir.join("layout");
     common::busybox_image(&["sh", "cat", "sleep"], "sleep 3600")
-        .write_layout(&layout, "1")
+        .write_layout(&c.layout(), "1")
         .unwrap();
     let t1 = Instant::now();
-    install(&cp, &dir, &values(&dir, &layout));
+    let values = c.values();
+    let chart = workspace_root().join("charts/imp");
+    c.helm(
+        "install",
+        &chart,
+        &["--create-namespace", "-f", &values.display().to_string()],
+    );
     eprintln!("helm install --wait: {:?}", t1.elapsed());
 
-    check_logs(&cp, &node);
-    let admin = cp.admin().await.unwrap();
-    let state = dir.join("state");
-    let (qemu, boot) = boot_vm(&cp, &admin, &layout, &state).await;
-    restart_agent(&cp, &admin, &node, &state).await;
+    check_logs(&c);
+    let admin = c.cp.admin().await.unwrap();
+    let (qemu, boot) = boot_vm(&c, &admin).await;
+    restart_agent(&c).await;
     assert!(common::alive(qemu), "QEMU {qemu} died with the agent's Pod");
     let vms: Api<ImpVM> = Api::namespaced(admin.clone(), VM_NS);
     vm_in(&vms, VmPhase::Running).await;
-    let again = exec(&cp, "vm1", &["cat", "/proc/sys/kernel/random/boot_id"]).await;
-    assert_eq!(again, boot, "the guest rebooted");
-    let qemu = upgrade_while_suspended(&cp, &admin, &state, qemu).await;
-    let again = exec(&cp, "vm1", &["cat", "/proc/sys/kernel/random/boot_id"]).await;
-    assert_eq!(again, boot, "the guest rebooted instead of resuming");
+    assert_eq!(c.boot_id(VM_NS, "vm1").await, boot, "the guest rebooted");
+    let qemu = upgrade_while_suspended(&c, &admin, qemu).await;
+    assert_eq!(
+        c.boot_id(VM_NS, "vm1").await,
+        boot,
+        "the guest rebooted instead of resuming"
+    );
 
     vms.delete("vm1", &DeleteParams::default()).await.unwrap();
     let t2 = Instant::now();
@@ -244,28 +85,24 @@ async fn the_charts_pods_run_on_a_real_kubelet_and_vms_outlive_the_agents_pod() 
 /// Suspends vm1 (`imp suspend`), rolls the operator and the agent with `helm upgrade --wait`
 /// (a new log level: new Pod templates), and resumes it (`imp resume`) on the new agent.
 /// Returns the new QEMU's pid.
-async fn upgrade_while_suspended(
-    cp: &ControlPlane,
-    admin: &kube::Client,
-    state: &Path,
-    qemu: u32,
-) -> u32 {
+async fn upgrade_while_suspended(c: &Cluster, admin: &kube::Client, qemu: u32) -> u32 {
     let vms: Api<ImpVM> = Api::namespaced(admin.clone(), VM_NS);
     // `imp suspend` waits for Suspended; the wait beside it says why when that never comes.
-    let suspend = imp(cp, &["suspend", "-n", VM_NS, "vm1"]);
+    let suspend = c.imp(&["suspend", "-n", VM_NS, "vm1"]);
     let suspended = common::wait_vm(&vms, "vm1", "Suspended", 110, |v| {
         common::phase(v) == Some(VmPhase::Suspended)
     });
     tokio::join!(suspend, suspended);
     assert!(!common::alive(qemu), "QEMU {qemu} runs on while Suspended");
-    let pods: Api<Pod> = Api::namespaced(admin.clone(), NS);
-    let before = ready_agents(&pods).await;
+    let before = c.ready_agents().await;
     let t0 = Instant::now();
-    helm(
-        cp,
-        &["upgrade", "--reuse-values", "--set", "logLevel=debug"],
+    let chart = workspace_root().join("charts/imp");
+    c.helm(
+        "upgrade",
+        &chart,
+        &["--reuse-values", "--set", "logLevel=debug"],
     );
-    let after = ready_agents(&pods).await;
+    let after = c.ready_agents().await;
     assert!(
         after.len() == 1 && after != before,
         "the upgrade did not roll the agent: {before:?} then {after:?}"
@@ -275,34 +112,31 @@ async fn upgrade_while_suspended(
         t0.elapsed()
     );
     vm_in(&vms, VmPhase::Suspended).await;
-    imp(cp, &["resume", "-n", VM_NS, "vm1"]).await;
+    c.imp(&["resume", "-n", VM_NS, "vm1"]).await;
     let vm = vm_in(&vms, VmPhase::Running).await;
     let uid = vm.metadata.uid.clone().unwrap();
-    let now = common::qemu_of(state, &uid);
+    let now = common::qemu_of(&c.state(), &uid);
     assert_eq!(now.len(), 1, "one QEMU for the resumed vm1: {now:?}");
     now[0]
 }
 
 /// The troubleshooting guide's log commands answer, through the API server and the kubelet.
-fn check_logs(cp: &ControlPlane, node: &PodNode) {
-    let agent = kubectl(cp, &["logs", "-n", NS, "ds/imp-agent"]);
+fn check_logs(c: &Cluster) {
+    let agent = c.kubectl(&["logs", "-n", NS, "ds/imp-agent"]);
     assert!(
         agent.status.success() && text(&agent).contains("imp_agent"),
         "kubectl logs ds/imp-agent: {}\n{}",
         text(&agent),
-        node.logs(20)
+        c.node.logs(20)
     );
-    let operator = kubectl(
-        cp,
-        &[
-            "logs",
-            "-n",
-            NS,
-            "deploy/imp-controller-manager",
-            "-c",
-            "manager",
-        ],
-    );
+    let operator = c.kubectl(&[
+        "logs",
+        "-n",
+        NS,
+        "deploy/imp-controller-manager",
+        "-c",
+        "manager",
+    ]);
     assert!(
         operator.status.success() && text(&operator).contains("imp_operator"),
         "kubectl logs deploy/imp-controller-manager -c manager: {}",
@@ -312,14 +146,9 @@ fn check_logs(cp: &ControlPlane, node: &PodNode) {
 
 /// Creates VM `vm1` from the test image and waits until it runs; returns its QEMU's pid and
 /// its guest's boot id, read with `imp exec`.
-async fn boot_vm(
-    cp: &ControlPlane,
-    admin: &kube::Client,
-    layout: &Path,
-    state: &Path,
-) -> (u32, String) {
+async fn boot_vm(c: &Cluster, admin: &kube::Client) -> (u32, String) {
     common::small_class(admin, 256).await;
-    let image = format!("oci:{}:1", layout.display());
+    let image = format!("oci:{}:1", c.layout().display());
     common::create_imp(
         admin,
         "ImpVM",
@@ -338,7 +167,7 @@ async fn boot_vm(
     eprintln!("vm1 Running through the chart's Pods in {:?}", t0.elapsed());
     let uid = vm.metadata.uid.clone().unwrap();
     reservation_runs(admin).await;
-    let qemu = common::qemu_of(state, &uid);
+    let qemu = common::qemu_of(&c.state(), &uid);
     assert_eq!(qemu.len(), 1, "one QEMU for vm1: {qemu:?}");
     // Confined in the agent's Pod too, where seccomp refuses pivot_root to the jail.
     common::assert_vmm_confined(qemu[0]);
@@ -349,9 +178,7 @@ async fn boot_vm(
         "QEMU {} has {filters:?} seccomp filters",
         qemu[0]
     );
-    let boot = exec(cp, "vm1", &["cat", "/proc/sys/kernel/random/boot_id"]).await;
-    assert_eq!(boot.trim().len(), 36, "a boot id: {boot:?}");
-    (qemu[0], boot)
+    (qemu[0], c.boot_id(VM_NS, "vm1").await)
 }
 
 /// vm1, which must be in `phase`.
@@ -382,29 +209,25 @@ async fn reservation_runs(admin: &kube::Client) {
 }
 
 /// Deletes the agent's Pod and waits for the DaemonSet's next one to be Ready.
-async fn restart_agent(cp: &ControlPlane, admin: &kube::Client, node: &PodNode, state: &Path) {
-    let pods: Api<Pod> = Api::namespaced(admin.clone(), NS);
-    let before = ready_agents(&pods).await;
+async fn restart_agent(c: &Cluster) {
+    let before = c.ready_agents().await;
     assert_eq!(before.len(), 1, "one agent Pod: {before:?}");
-    let old_pid = agent_pid(state);
+    let old_pid = c.agent_pid();
     assert!(
         old_pid.is_some(),
         "no agent process with --state-dir={}",
-        state.display()
+        c.state().display()
     );
     let t0 = Instant::now();
-    let out = kubectl(
-        cp,
-        &[
-            "delete",
-            "pod",
-            "-n",
-            NS,
-            &before[0],
-            "--wait=true",
-            "--timeout=120s",
-        ],
-    );
+    let out = c.kubectl(&[
+        "delete",
+        "pod",
+        "-n",
+        NS,
+        &before[0],
+        "--wait=true",
+        "--timeout=120s",
+    ]);
     assert!(
         out.status.success(),
         "deleting the agent's Pod: {}",
@@ -415,14 +238,14 @@ async fn restart_agent(cp: &ControlPlane, admin: &kube::Client, node: &PodNode, 
         "the old agent {old_pid:?} outlived its Pod"
     );
     loop {
-        let now = ready_agents(&pods).await;
+        let now = c.ready_agents().await;
         if now.len() == 1 && now != before {
             break;
         }
         assert!(
             t0.elapsed() < Duration::from_secs(180),
             "no new Ready agent Pod after 180 s: {now:?}\n{}",
-            node.logs(30)
+            c.node.logs(30)
         );
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
@@ -430,11 +253,4 @@ async fn restart_agent(cp: &ControlPlane, admin: &kube::Client, node: &PodNode, 
         "the agent's Pod deleted and the DaemonSet's next one Ready in {:?}",
         t0.elapsed()
     );
-}
-
-/// The pid of the agent whose state directory is `state` (the Pod's, seen in the host's PID
-/// namespace: the Pod has `hostPID`).
-fn agent_pid(state: &Path) -> Option<u32> {
-    let arg = format!("--state-dir={}", state.display());
-    common::processes_naming(&arg).into_iter().next()
 }

@@ -6,6 +6,7 @@
 pub mod agent;
 pub mod nodes;
 pub mod plugin;
+pub mod pods;
 pub mod snapshots;
 
 use std::path::{Path, PathBuf};
