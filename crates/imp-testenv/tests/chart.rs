@@ -404,6 +404,9 @@ fn check_operator(objs: &[Value]) {
         "RuntimeDefault"
     );
     let c = container(deploy, "manager");
+    // A replica being replaced serves on until its endpoint is gone, within the grace period.
+    assert_eq!(c["lifecycle"]["preStop"]["sleep"]["seconds"], 5);
+    assert_eq!(pod["terminationGracePeriodSeconds"], 35);
     let a = args(c);
     assert_eq!(a[0], "operator");
     for flag in [
@@ -837,6 +840,19 @@ fn check_gateway(objs: &[Value]) {
 
 /// Every documented toggle, each with what it must change.
 const TOGGLES: &[Toggle] = &[
+    Toggle {
+        what: "no drain before SIGTERM",
+        args: &["--set", "operator.drainSeconds=0"],
+        check: |objs| {
+            let deploy = find(objs, "Deployment", "imp-controller-manager");
+            let c = container(deploy, "manager");
+            assert!(c.get("lifecycle").is_none(), "{:?}", c["lifecycle"]);
+            assert_eq!(
+                deploy["spec"]["template"]["spec"]["terminationGracePeriodSeconds"],
+                30
+            );
+        },
+    },
     Toggle {
         what: "no reservation Pods",
         args: &["--set", "operator.reservations.enabled=false"],

@@ -13,17 +13,21 @@
 //!   the DaemonSet makes another: the VM's QEMU is the same process, its guest the same boot,
 //!   and exec works through the new agent;
 //! - the VM is suspended, `helm upgrade --wait` rolls the operator and the agent (new Pod
-//!   templates), and the VM resumes on the new agent: the same guest boot.
+//!   templates), and the VM resumes on the new agent: the same guest boot. Throughout the
+//!   roll, until the replaced operator Pods are gone, a dry-run create every 50 ms passes the
+//!   admission webhooks: a replaced replica serves until its endpoint is gone.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use imp_api::vm::{ImpVM, VmPhase};
 use imp_testenv::workspace_root;
 use k8s_openapi::api::core::v1::Pod;
-use kube::api::{Api, DeleteParams};
+use kube::api::{Api, DeleteParams, PostParams};
 
 use common::nodes::text;
 use common::pods::{Cluster, NS, archive};
@@ -95,12 +99,34 @@ async fn upgrade_while_suspended(c: &Cluster, admin: &kube::Client, qemu: u32) -
     tokio::join!(suspend, suspended);
     assert!(!common::alive(qemu), "QEMU {qemu} runs on while Suspended");
     let before = c.ready_agents().await;
+    // Admission keeps answering while the operator's replicas are replaced: each serves on
+    // until its endpoint is gone (the chart's operator.drainSeconds).
+    let stop = Arc::new(AtomicBool::new(false));
+    let image = format!("oci:{}:1", c.layout().display());
+    let probe = tokio::spawn(admissions_until(admin.clone(), image, stop.clone()));
     let t0 = Instant::now();
     let chart = workspace_root().join("charts/imp");
     c.helm(
         "upgrade",
         &chart,
         &["--reuse-values", "--set", "logLevel=debug"],
+    );
+    // Until the replaced replicas are gone: they drain after helm has seen the new ones ready.
+    common::wait_for(
+        "the replaced operator Pods gone",
+        Duration::from_secs(60),
+        || async { c.terminating("operator").await.is_empty().then_some(()) },
+    )
+    .await;
+    stop.store(true, Ordering::Relaxed);
+    let (admitted, refused) = probe.await.unwrap();
+    eprintln!(
+        "while the operator rolled: {admitted} dry-run creates admitted, {} refused",
+        refused.len()
+    );
+    assert!(
+        admitted > 0 && refused.is_empty(),
+        "admission failed while the operator rolled ({admitted} admitted): {refused:#?}"
     );
     let after = c.ready_agents().await;
     assert!(
@@ -118,6 +144,35 @@ async fn upgrade_while_suspended(c: &Cluster, admin: &kube::Client, qemu: u32) -
     let now = common::qemu_of(&c.state(), &uid);
     assert_eq!(now.len(), 1, "one QEMU for the resumed vm1: {now:?}");
     now[0]
+}
+
+/// Dry-run creates of an ImpVM, one every 50 ms until `stop`, each through the operator's
+/// admission webhooks: how many were admitted, and the errors of the others.
+async fn admissions_until(
+    admin: kube::Client,
+    image: String,
+    stop: Arc<AtomicBool>,
+) -> (u32, Vec<String>) {
+    let vms: Api<ImpVM> = Api::namespaced(admin, VM_NS);
+    let vm: ImpVM = serde_json::from_value(serde_json::json!({
+        "apiVersion": "imp.dev/v1alpha1", "kind": "ImpVM",
+        "metadata": {"name": "probe", "namespace": VM_NS},
+        "spec": {"classRef": {"name": "small"}, "image": image}
+    }))
+    .unwrap();
+    let dry = PostParams {
+        dry_run: true,
+        ..PostParams::default()
+    };
+    let (mut admitted, mut refused) = (0, Vec::new());
+    while !stop.load(Ordering::Relaxed) {
+        match vms.create(&dry, &vm).await {
+            Ok(_) => admitted += 1,
+            Err(e) => refused.push(e.to_string()),
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    (admitted, refused)
 }
 
 /// The troubleshooting guide's log commands answer, through the API server and the kubelet.

@@ -30,7 +30,11 @@ pub fn ready(archives: &[PathBuf]) -> Option<()> {
         ok &= imp_testenv::guard::require(false, &what);
     }
     for archive in archives {
-        ok &= imp_testenv::guard::require(archive.is_file(), &archive.display().to_string());
+        let what = format!(
+            "{} (scripts/images builds target/images, scripts/previous-release target/previous)",
+            archive.display()
+        );
+        ok &= imp_testenv::guard::require(archive.is_file(), &what);
     }
     ok.then_some(())
 }
@@ -198,6 +202,21 @@ agent:
                     .and_then(|s| s.conditions.as_ref())
                     .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
             })
+            .filter_map(|p| p.metadata.name)
+            .collect()
+    }
+
+    /// The names of the Pods of `component` (`operator`, `agent`) being deleted.
+    pub async fn terminating(&self, component: &str) -> Vec<String> {
+        let pods: Api<Pod> = Api::namespaced(self.cp.admin().await.unwrap(), NS);
+        let labels = format!("app.kubernetes.io/component={component}");
+        let list = pods
+            .list(&ListParams::default().labels(&labels))
+            .await
+            .expect("listing the chart's Pods");
+        list.items
+            .into_iter()
+            .filter(|p| p.metadata.deletion_timestamp.is_some())
             .filter_map(|p| p.metadata.name)
             .collect()
     }
