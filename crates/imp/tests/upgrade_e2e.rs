@@ -48,8 +48,9 @@ fn app_version(chart: &Path) -> String {
         .expect("an appVersion in the previous chart")
 }
 
-/// The images of the Pods of `component` that are not being deleted.
-async fn images_of(c: &Cluster, component: &str) -> Vec<String> {
+/// The image (name, and the ID the runtime runs) of each container of the Pods of `component`
+/// that are not being deleted.
+async fn images_of(c: &Cluster, component: &str) -> Vec<(String, String)> {
     let pods: Api<Pod> = Api::namespaced(c.cp.admin().await.unwrap(), NS);
     let labels = format!("app.kubernetes.io/component={component}");
     let list = pods
@@ -59,8 +60,12 @@ async fn images_of(c: &Cluster, component: &str) -> Vec<String> {
     list.items
         .iter()
         .filter(|p| p.metadata.deletion_timestamp.is_none())
-        .flat_map(|p| p.spec.iter().flat_map(|s| s.containers.iter()))
-        .filter_map(|c| c.image.clone())
+        .flat_map(|p| {
+            p.status
+                .iter()
+                .flat_map(|s| s.container_statuses.iter().flatten())
+        })
+        .map(|s| (s.image.clone(), s.image_id.clone()))
         .collect()
 }
 
@@ -167,6 +172,10 @@ async fn every_vm_survives_an_upgrade_from_the_previous_release() {
     let before = vms_in_every_state(&c, &admin, &vms).await;
 
     let agents = c.ready_agents().await;
+    let mut previous_ids = Vec::new();
+    for component in ["operator", "agent"] {
+        previous_ids.extend(images_of(&c, component).await.into_iter().map(|(_, id)| id));
+    }
     let t1 = Instant::now();
     c.helm(
         "upgrade",
@@ -174,6 +183,15 @@ async fn every_vm_survives_an_upgrade_from_the_previous_release() {
         &["-f", &values],
     );
     eprintln!("helm upgrade --wait to this release: {:?}", t1.elapsed());
+    // The previous release's operator stops serving at SIGTERM (it has no drainSeconds): the
+    // API server may route a call to it until its Pod's endpoint is gone, which is before the
+    // Pod itself is.
+    common::wait_for(
+        "the previous operator's Pods gone",
+        Duration::from_secs(60),
+        || async { c.terminating("operator").await.is_empty().then_some(()) },
+    )
+    .await;
     let now = c.ready_agents().await;
     assert!(
         now.len() == 1 && now != agents,
@@ -183,8 +201,11 @@ async fn every_vm_survives_an_upgrade_from_the_previous_release() {
         let running = images_of(&c, component).await;
         let want = format!("{REGISTRY}/{image}:{new}");
         assert!(
-            !running.is_empty() && running.iter().all(|i| *i == want),
-            "the {component}'s Pods run {running:?}, not {want}"
+            !running.is_empty()
+                && running
+                    .iter()
+                    .all(|(name, id)| *name == want && !previous_ids.contains(id)),
+            "the {component}'s Pods run {running:?}, not {want} (the previous images: {previous_ids:?})"
         );
     }
 
