@@ -483,11 +483,7 @@ async fn impvms_boot_end_survive_an_agent_restart_and_clean_up_on_their_nodes() 
     let slow_dir = a.state.join("vms").join(slow.uid().unwrap());
     assert!(slow_dir.exists());
     vms.delete("slow", &DeleteParams::default()).await.unwrap();
-    common::wait_for("slow deleted", Duration::from_secs(30), || {
-        let vms = vms.clone();
-        async move { vms.get_opt("slow").await.unwrap().is_none().then_some(()) }
-    })
-    .await;
+    common::wait_vm_gone(&vms, "slow", 30).await;
     assert!(!slow_dir.exists(), "{} remains", slow_dir.display());
     assert!(common::vm_processes(&a.state, &slow.uid().unwrap()).is_empty());
     holder.abort();
@@ -761,11 +757,7 @@ async fn impvms_boot_end_survive_an_agent_restart_and_clean_up_on_their_nodes() 
         vms.delete(name, &DeleteParams::default()).await.unwrap();
     }
     for name in ["svc", "svc2", "job-bad", "job-ok", "no-image", "evil"] {
-        common::wait_for(&format!("{name} deleted"), Duration::from_secs(60), || {
-            let vms = vms.clone();
-            async move { vms.get_opt(name).await.unwrap().is_none().then_some(()) }
-        })
-        .await;
+        common::wait_vm_gone(&vms, name, 60).await;
     }
     assert!(
         common::vm_processes(&a.state, &svc_uid).is_empty(),

@@ -791,11 +791,7 @@ async fn vms_talk_within_their_network_across_nodes_and_out_through_nat_and_nowh
     // up. b1, which has just talked to a2 and still holds a2's MAC for the address, learns
     // a3's from the announcement instead of sending into the void until its entry expires.
     vms.delete("a2", &DeleteParams::default()).await.unwrap();
-    common::wait_for("a2 gone", Duration::from_secs(90), || {
-        let vms = vms.clone();
-        async move { vms.get_opt("a2").await.unwrap().is_none().then_some(()) }
-    })
-    .await;
+    common::wait_vm_gone(&vms, "a2", 90).await;
     let a3: ImpVM = serde_json::from_value(json!({
         "apiVersion": "imp.dev/v1alpha1", "kind": "ImpVM",
         "metadata": {"name": "a3", "namespace": NS}, "spec": vm("node-a", "net1", None)

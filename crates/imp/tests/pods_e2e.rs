@@ -75,14 +75,7 @@ async fn the_charts_pods_run_on_a_real_kubelet_and_vms_outlive_the_agents_pod() 
     );
 
     vms.delete("vm1", &DeleteParams::default()).await.unwrap();
-    let t2 = Instant::now();
-    while vms.get_opt("vm1").await.unwrap().is_some() {
-        assert!(
-            t2.elapsed() < Duration::from_secs(120),
-            "vm1 not deleted in 120 s"
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    common::wait_vm_gone(&vms, "vm1", 120).await;
     assert!(!common::alive(qemu), "QEMU {qemu} outlived its deleted VM");
 }
 

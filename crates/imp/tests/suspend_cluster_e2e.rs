@@ -312,10 +312,6 @@ async fn desired_state_suspends_and_resumes_an_impvm_across_an_agent_restart() {
     );
 
     vms.delete(VM, &DeleteParams::default()).await.unwrap();
-    common::wait_for("the VM's deletion", Duration::from_secs(60), || {
-        let vms = vms.clone();
-        async move { vms.get_opt(VM).await.unwrap().is_none().then_some(()) }
-    })
-    .await;
+    common::wait_vm_gone(&vms, VM, 60).await;
     assert!(!Path::new(&path).exists(), "snapshot left after deletion");
 }

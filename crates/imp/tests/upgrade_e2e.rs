@@ -17,12 +17,11 @@ use std::time::{Duration, Instant};
 
 use imp_api::vm::{ImpVM, VmPhase};
 use imp_testenv::workspace_root;
-use k8s_openapi::api::core::v1::Pod;
-use kube::api::{Api, DeleteParams, ListParams};
+use kube::api::{Api, DeleteParams};
 use serde_json::json;
 
 use common::nodes::text;
-use common::pods::{Cluster, NS, archive};
+use common::pods::{Cluster, archive};
 use common::{phase, wait_vm};
 
 const VM_NS: &str = "default";
@@ -51,13 +50,8 @@ fn app_version(chart: &Path) -> String {
 /// The image (name, and the ID the runtime runs) of each container of the Pods of `component`
 /// that are not being deleted.
 async fn images_of(c: &Cluster, component: &str) -> Vec<(String, String)> {
-    let pods: Api<Pod> = Api::namespaced(c.cp.admin().await.unwrap(), NS);
-    let labels = format!("app.kubernetes.io/component={component}");
-    let list = pods
-        .list(&ListParams::default().labels(&labels))
+    c.pods(component)
         .await
-        .unwrap();
-    list.items
         .iter()
         .filter(|p| p.metadata.deletion_timestamp.is_none())
         .flat_map(|p| {
@@ -294,11 +288,7 @@ async fn vms_in_every_state(c: &Cluster, admin: &kube::Client, vms: &Api<ImpVM>)
 /// Deletes VM `name` and waits until it is gone.
 async fn delete(vms: &Api<ImpVM>, name: &str) {
     vms.delete(name, &DeleteParams::default()).await.unwrap();
-    common::wait_for(&format!("{name} deleted"), Duration::from_secs(120), || {
-        let vms = vms.clone();
-        async move { vms.get_opt(name).await.unwrap().is_none().then_some(()) }
-    })
-    .await;
+    common::wait_vm_gone(vms, name, 120).await;
 }
 
 /// Under this release: `run` is the same QEMU and guest, `sus` resumes into its guest, and

@@ -666,6 +666,22 @@ pub async fn wait_vm(
     }
 }
 
+/// Waits up to `secs` until ImpVM `name` is gone (its finalizers done).
+pub async fn wait_vm_gone(api: &Api<imp_api::vm::ImpVM>, name: &str, secs: u64) {
+    wait_for(
+        &format!("{name} deleted"),
+        Duration::from_secs(secs),
+        || {
+            let api = api.clone();
+            async move {
+                let vm = api.get_opt(name).await.expect("reading an ImpVM");
+                vm.is_none().then_some(())
+            }
+        },
+    )
+    .await;
+}
+
 /// The Events of object `name` in namespace `ns`.
 pub async fn events_of(
     c: &kube::Client,

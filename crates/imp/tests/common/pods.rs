@@ -18,8 +18,6 @@ use super::nodes::text;
 pub const NS: &str = "imp-system";
 /// The node's name.
 pub const NODE: &str = "pod-node";
-/// The label of the agent's Pods.
-pub const AGENT_PODS: &str = "app.kubernetes.io/component=agent";
 
 /// Whether the node can run here (else skip, or fail in CI); `archives` must exist too.
 pub fn ready(archives: &[PathBuf]) -> Option<()> {
@@ -186,14 +184,20 @@ agent:
         boot
     }
 
+    /// The chart's Pods of `component` (`operator`, `agent`).
+    pub async fn pods(&self, component: &str) -> Vec<Pod> {
+        let pods: Api<Pod> = Api::namespaced(self.cp.admin().await.unwrap(), NS);
+        let labels = format!("app.kubernetes.io/component={component}");
+        pods.list(&ListParams::default().labels(&labels))
+            .await
+            .expect("listing the chart's Pods")
+            .items
+    }
+
     /// The names of the agent's Pods that are Ready.
     pub async fn ready_agents(&self) -> Vec<String> {
-        let pods: Api<Pod> = Api::namespaced(self.cp.admin().await.unwrap(), NS);
-        let list = pods
-            .list(&ListParams::default().labels(AGENT_PODS))
+        self.pods("agent")
             .await
-            .expect("listing the agent's Pods");
-        list.items
             .into_iter()
             .filter(|p| p.metadata.deletion_timestamp.is_none())
             .filter(|p| {
@@ -206,15 +210,10 @@ agent:
             .collect()
     }
 
-    /// The names of the Pods of `component` (`operator`, `agent`) being deleted.
+    /// The names of the Pods of `component` being deleted.
     pub async fn terminating(&self, component: &str) -> Vec<String> {
-        let pods: Api<Pod> = Api::namespaced(self.cp.admin().await.unwrap(), NS);
-        let labels = format!("app.kubernetes.io/component={component}");
-        let list = pods
-            .list(&ListParams::default().labels(&labels))
+        self.pods(component)
             .await
-            .expect("listing the chart's Pods");
-        list.items
             .into_iter()
             .filter(|p| p.metadata.deletion_timestamp.is_some())
             .filter_map(|p| p.metadata.name)
