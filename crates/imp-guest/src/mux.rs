@@ -95,9 +95,37 @@ struct State {
     listeners: HashMap<u32, VecDeque<u32>>,
 }
 
+/// The port's write side. The guest's own reset is the first frame it ever writes, whichever
+/// thread writes first: a host that already holds streams from before this guest started must
+/// forget them, and a reset of ours that went out after an answer or an accept would make the
+/// host forget streams we have taken since (their clients would see them close unanswered).
+#[derive(Debug)]
+struct PortWriter {
+    port: File,
+    greeted: bool,
+}
+
+impl PortWriter {
+    /// Writes our reset unless it went out already.
+    fn greet(&mut self) -> io::Result<()> {
+        if !self.greeted {
+            self.port
+                .write_all(&mux::encoded(&Frame::Reset { answer: false }))?;
+            self.greeted = true;
+        }
+        Ok(())
+    }
+
+    /// Writes `frame`, after our reset.
+    fn write(&mut self, frame: &Frame) -> io::Result<()> {
+        self.greet()?;
+        self.port.write_all(&mux::encoded(frame))
+    }
+}
+
 #[derive(Debug)]
 struct Shared {
-    writer: Mutex<File>,
+    writer: Mutex<PortWriter>,
     state: Mutex<State>,
     changed: Condvar,
 }
@@ -107,12 +135,12 @@ impl Shared {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
+    fn writer(&self) -> MutexGuard<'_, PortWriter> {
+        self.writer.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
     fn send(&self, frame: &Frame) -> io::Result<()> {
-        let bytes = mux::encoded(frame);
-        self.writer
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .write_all(&bytes)
+        self.writer().write(frame)
     }
 
     /// Sends `frame`, logging a failure (the reader notices a dead port on its own).
@@ -145,7 +173,10 @@ impl Mux {
     /// socket pair).
     pub fn over(reader: File, writer: File) -> io::Result<Self> {
         let shared = Arc::new(Shared {
-            writer: Mutex::new(writer),
+            writer: Mutex::new(PortWriter {
+                port: writer,
+                greeted: false,
+            }),
             state: Mutex::new(State {
                 next_id: 1,
                 ..State::default()
@@ -156,11 +187,17 @@ impl Mux {
         thread::Builder::new()
             .name("mux".into())
             .spawn(move || read_loop(reader, &for_reader))?;
-        // Tell a host that is already there to forget whatever it had (it answers).
+        // Tell a host that is already there to forget whatever it had (it answers). The write
+        // blocks until a host connects, hence the thread; if the reader answers first, its
+        // write sends the reset before the answer.
         let s = Arc::clone(&shared);
         thread::Builder::new()
             .name("mux-hello".into())
-            .spawn(move || s.send_or_log(&Frame::Reset { answer: false }))?;
+            .spawn(move || {
+                if let Err(e) = s.writer().greet() {
+                    eprintln!("imp-guest: writing to the mux port failed: {e}");
+                }
+            })?;
         Ok(Mux { shared })
     }
 
@@ -304,10 +341,10 @@ fn apply(shared: &Shared, frame: Frame) {
 /// stream may speak at once (the guest agent sends its hello), and the host drops data for a
 /// stream it still sees opening, so no byte of the stream may go out before its Accept.
 fn open(shared: &Shared, frame: Frame) {
-    let mut writer = shared.writer.lock().unwrap_or_else(PoisonError::into_inner);
+    let mut writer = shared.writer();
     let reply = update(&mut shared.lock(), frame);
     if let Some(reply) = reply
-        && let Err(e) = writer.write_all(&mux::encoded(&reply))
+        && let Err(e) = writer.write(&reply)
     {
         eprintln!("imp-guest: writing to the mux port failed: {e}");
     }
@@ -590,6 +627,31 @@ mod tests {
             let mut b = [0u8; 1];
             host.read_exact(&mut b).unwrap();
             buf.push(b[0]);
+        }
+    }
+
+    /// A host already connected when the guest's mux starts (a guest booting under a waiting
+    /// host mux) gets the guest's reset before anything else, even when the reader answers the
+    /// host's reset at once: a reset of the guest's arriving after its accept would make the
+    /// host drop a stream the guest agent already took.
+    #[test]
+    fn the_guests_reset_goes_out_before_its_first_answer() {
+        for round in 0..200 {
+            let (guest, mut host) = UnixStream::pair().unwrap();
+            send(&mut host, &Frame::Reset { answer: false });
+            let reader = File::from(std::os::fd::OwnedFd::from(guest));
+            let writer = reader.try_clone().unwrap();
+            let _mux = Mux::over(reader, writer).unwrap();
+            assert_eq!(
+                recv(&mut host),
+                Frame::Reset { answer: false },
+                "round {round}"
+            );
+            assert_eq!(
+                recv(&mut host),
+                Frame::Reset { answer: true },
+                "round {round}"
+            );
         }
     }
 

@@ -17,6 +17,8 @@
 //! byte stream may resume in the middle of a frame. A reset forgets every stream on both
 //! sides: the side that sends a reset (not an answer) has forgotten its streams, the side that
 //! receives one forgets its streams and answers; an answer changes nothing but ends the search.
+//! A side that starts with a reset of its own writes it before any other frame, answers
+//! included: arriving after an accept, it would end the stream the sender had just taken.
 //!
 //! Everything here is pure: encoding, decoding with strict bounds, and the credit arithmetic.
 //! The host (tokio) and the guest (threads) drive it each in their own way.
