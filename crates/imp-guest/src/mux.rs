@@ -143,6 +143,18 @@ impl Shared {
         self.writer().write(frame)
     }
 
+    /// Sends a frame of a stream of `epoch` unless a reset has ended that epoch. The check and
+    /// the write are one step under the writer's lock, which a reset also holds while it ends
+    /// the epoch and answers ([`answer_in_order`]): no frame of an ended epoch follows the
+    /// answer, where the host would take it for one of its new stream with the same id.
+    fn send_in(&self, epoch: u64, frame: &Frame) -> io::Result<()> {
+        let mut writer = self.writer();
+        if self.lock().epoch != epoch {
+            return Err(reset_error());
+        }
+        writer.write(frame)
+    }
+
     /// Sends `frame`, logging a failure (the reader notices a dead port on its own).
     fn send_or_log(&self, frame: &Frame) {
         if let Err(e) = self.send(frame) {
@@ -224,7 +236,7 @@ impl Mux {
             (id, st.epoch)
         };
         let stream = MuxStream::new(Arc::clone(&self.shared), id, epoch);
-        self.shared.send(&Frame::Open { id, port })?;
+        self.shared.send_in(epoch, &Frame::Open { id, port })?;
         let deadline = Instant::now() + CONNECT_TIMEOUT;
         let mut st = self.shared.lock();
         loop {
@@ -281,7 +293,10 @@ fn read_loop(mut port: File, shared: &Shared) {
     loop {
         let n = match port.read(&mut chunk) {
             Ok(0) => {
-                // No host on the other end yet (or any more): it resets when it connects.
+                // No host on the other end yet (or any more): what it left unfinished is
+                // dropped, and the next one resets when it connects.
+                buf.clear();
+                hunting = true;
                 thread::sleep(NO_HOST_POLL);
                 continue;
             }
@@ -303,6 +318,8 @@ fn read_loop(mut port: File, shared: &Shared) {
                         break;
                     }
                 }
+            } else {
+                buf.drain(..mux::padding(&buf));
             }
             match mux::decode(&buf) {
                 Ok(Some((frame, used))) => {
@@ -323,8 +340,8 @@ fn read_loop(mut port: File, shared: &Shared) {
 
 /// Applies one frame from the host; replies go out after the state lock is released.
 fn apply(shared: &Shared, frame: Frame) {
-    if matches!(frame, Frame::Open { .. }) {
-        return open(shared, frame);
+    if matches!(frame, Frame::Open { .. } | Frame::Reset { answer: false }) {
+        return answer_in_order(shared, frame);
     }
     let reply = {
         let mut st = shared.lock();
@@ -337,10 +354,13 @@ fn apply(shared: &Shared, frame: Frame) {
     }
 }
 
-/// Applies a host's Open and answers it under the writer's lock: the server of an accepted
+/// Applies a host's Open or reset and answers it under the writer's lock, so that nothing
+/// another thread writes comes between the change and its answer: the server of an accepted
 /// stream may speak at once (the guest agent sends its hello), and the host drops data for a
-/// stream it still sees opening, so no byte of the stream may go out before its Accept.
-fn open(shared: &Shared, frame: Frame) {
+/// stream it still sees opening, so no byte of the stream may go out before its Accept; and
+/// every frame of the streams a reset ends goes out before its answer or not at all
+/// ([`Shared::send_in`]).
+fn answer_in_order(shared: &Shared, frame: Frame) {
     let mut writer = shared.writer();
     let reply = update(&mut shared.lock(), frame);
     if let Some(reply) = reply
@@ -465,14 +485,17 @@ struct Handle {
 impl Handle {
     /// Forgets the stream and tells the host, unless it is already gone.
     fn close(&self) {
+        // The writer's lock first, as in `Shared::send_in`: the check, the removal and the
+        // close go out together, or a reset comes first and there is nothing to close.
+        let mut writer = self.shared.writer();
         let known = {
             let mut st = self.shared.lock();
             let known = st.epoch == self.epoch && st.streams.remove(&self.id).is_some();
             self.shared.changed.notify_all();
             known
         };
-        if known {
-            self.shared.send_or_log(&Frame::Close { id: self.id });
+        if known && let Err(e) = writer.write(&Frame::Close { id: self.id }) {
+            eprintln!("imp-guest: writing to the mux port failed: {e}");
         }
     }
 }
@@ -522,7 +545,8 @@ impl Read for MuxStream {
                 let credit = s.recv.consume(n);
                 drop(st);
                 if let Some(bytes) = credit {
-                    h.shared.send(&Frame::Credit { id: h.id, bytes })?;
+                    h.shared
+                        .send_in(h.epoch, &Frame::Credit { id: h.id, bytes })?;
                 }
                 return Ok(n);
             }
@@ -558,10 +582,13 @@ impl Write for MuxStream {
             let n = s.send.take(buf.len());
             if n > 0 {
                 drop(st);
-                h.shared.send(&Frame::Data {
-                    id: h.id,
-                    data: buf[..n].to_vec(),
-                })?;
+                h.shared.send_in(
+                    h.epoch,
+                    &Frame::Data {
+                        id: h.id,
+                        data: buf[..n].to_vec(),
+                    },
+                )?;
                 return Ok(n);
             }
             st = wait(&h.shared, st, None);
@@ -653,6 +680,38 @@ mod tests {
                 "round {round}"
             );
         }
+    }
+
+    /// A guest restored from a snapshot holding part of the old host's frame: the new host's
+    /// padding completes that frame and is skipped, and its reset is answered; a listener's
+    /// stream of the old host ends, and the new host's streams are accepted.
+    #[test]
+    fn a_new_hosts_padding_and_reset_reach_a_guest_paused_mid_frame() {
+        let (mux, mut host) = pair();
+        let listener = mux.listen(10000);
+        send(&mut host, &Frame::Reset { answer: true });
+        send(&mut host, &Frame::Open { id: 2, port: 10000 });
+        assert_eq!(recv(&mut host), Frame::Accept { id: 2 });
+        let mut old = listener.accept().unwrap();
+        let mut frame = mux::encoded(&Frame::Data {
+            id: 2,
+            data: vec![b'x'; 100],
+        });
+        frame.truncate(mux::HEADER_LEN + 10);
+        host.write_all(&frame).unwrap();
+        host.write_all(&[mux::PAD; mux::FLUSH_LEN]).unwrap();
+        send(&mut host, &Frame::Reset { answer: false });
+        assert_eq!(recv(&mut host), Frame::Reset { answer: true });
+        let mut buf = vec![0u8; 200];
+        let err = loop {
+            match old.read(&mut buf) {
+                Ok(n) => assert!(n > 0, "the old stream ended without a reset"),
+                Err(e) => break e,
+            }
+        };
+        assert_eq!(err.kind(), io::ErrorKind::ConnectionReset);
+        send(&mut host, &Frame::Open { id: 2, port: 10000 });
+        assert_eq!(recv(&mut host), Frame::Accept { id: 2 });
     }
 
     #[test]

@@ -19,6 +19,9 @@
 //! receives one forgets its streams and answers; an answer changes nothing but ends the search.
 //! A side that starts with a reset of its own writes it before any other frame, answers
 //! included: arriving after an accept, it would end the stream the sender had just taken.
+//! Between frames, [`PAD`] bytes mean nothing; a side sends [`FLUSH_LEN`] of them before the
+//! first reset of a connection, so that a peer holding part of a frame (a guest restored from a
+//! snapshot taken mid-frame) completes it and then finds the reset.
 //!
 //! Everything here is pure: encoding, decoding with strict bounds, and the credit arithmetic.
 //! The host (tokio) and the guest (threads) drive it each in their own way.
@@ -47,6 +50,22 @@ pub const SYNC: [u8; 8] = [KIND_RESET, b'I', b'M', b'P', b'M', b'U', b'X', 1];
 
 /// Bytes of an encoded [`Frame::Reset`]: [`SYNC`] and the answer flag.
 pub const RESET_LEN: usize = SYNC.len() + 1;
+
+/// A byte between frames that means nothing: receivers skip it ([`padding`]).
+pub const PAD: u8 = 0;
+
+/// How many [`PAD`] bytes a side sends before its first reset on a connection: enough to
+/// complete any frame the peer may hold a part of. A guest restored from a snapshot may have
+/// been paused in the middle of one of the old host's frames and would otherwise take the new
+/// host's reset for the rest of that frame's payload; with this it finishes that frame, skips
+/// the rest and reads the reset (an older guest takes the padding for garbage and searches
+/// for the reset, which it finds as well).
+pub const FLUSH_LEN: usize = HEADER_LEN + MAX_PAYLOAD;
+
+/// How many [`PAD`] bytes `buf` starts with.
+pub fn padding(buf: &[u8]) -> usize {
+    buf.iter().take_while(|&&b| b == PAD).count()
+}
 
 const KIND_RESET: u8 = 0xff;
 const KIND_OPEN: u8 = 1;

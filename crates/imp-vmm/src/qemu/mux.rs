@@ -248,10 +248,16 @@ impl<'a> Session<'a> {
             out_rx,
             Arc::clone(&self.stats),
         ))]);
+        // A restored guest may hold part of the old host's last frame: the padding completes
+        // it, so the guest reads our reset as one.
+        self.send_bytes(vec![mux::PAD; mux::FLUSH_LEN]);
         self.send(&Frame::Reset { answer: false });
         let mut buf: Vec<u8> = Vec::with_capacity(mux::HEADER_LEN + mux::MAX_PAYLOAD);
         let mut chunk = vec![0u8; 64 * 1024];
-        let mut resend = tokio::time::interval(RESET_EVERY);
+        // The first repeat a period from now: one at once would reach a guest right behind
+        // the first and end the streams it opened after answering that one.
+        let mut resend =
+            tokio::time::interval_at(tokio::time::Instant::now() + RESET_EVERY, RESET_EVERY);
         loop {
             tokio::select! {
                 read = rd.read(&mut chunk) => match read {
@@ -328,7 +334,10 @@ impl<'a> Session<'a> {
     }
 
     fn send(&self, frame: &Frame) {
-        let bytes = mux::encoded(frame);
+        self.send_bytes(mux::encoded(frame));
+    }
+
+    fn send_bytes(&self, bytes: Vec<u8>) {
         self.stats.queued.fetch_add(bytes.len(), Ordering::Relaxed);
         let _ = self.out.send(bytes);
     }
@@ -743,6 +752,8 @@ mod tests {
 
         async fn recv(&mut self) -> Frame {
             loop {
+                let pads = mux::padding(&self.buf);
+                self.buf.drain(..pads);
                 if let Some(at) = mux::find_sync(&self.buf).filter(|_| self.buf[0] == 0xff) {
                     self.buf.drain(..at);
                 }
@@ -799,6 +810,43 @@ mod tests {
         };
         guest.send(&Frame::Accept { id }).await;
         (connect.await.unwrap().unwrap(), id)
+    }
+
+    /// A guest restored from a snapshot taken while it held part of the old host's frame (here
+    /// the header of a full-size data frame and a few bytes of it) reads the new host's reset as
+    /// a reset: the padding in front of it completes that frame, so the reset is not taken for
+    /// the rest of its payload (the host would hunt, and refuse every client, for minutes).
+    #[tokio::test]
+    async fn a_guest_restored_mid_frame_finds_the_new_hosts_reset() {
+        let dir = Scratch::new("midframe");
+        let chardev = dir.0.join("mux.sock");
+        let qemu = UnixListener::bind(&chardev).unwrap();
+        let _host = HostMux::spawn("test".into(), chardev, dir.0.join("vsock.sock")).unwrap();
+        let (port, _) = qemu.accept().await.unwrap();
+        let mut held = mux::encoded(&Frame::Data {
+            id: 2,
+            data: vec![b'x'; mux::MAX_PAYLOAD],
+        });
+        held.truncate(mux::HEADER_LEN + 5);
+        let mut guest = Guest { port, buf: held };
+        // Without the padding the host's resets (9 bytes a second) would fill the held frame
+        // only after an hour.
+        let first_two = tokio::time::timeout(Duration::from_secs(30), async {
+            (guest.recv().await, guest.recv().await)
+        })
+        .await
+        .expect("the guest was still in the held frame after 30 s");
+        assert_eq!(
+            first_two,
+            (
+                Frame::Data {
+                    id: 2,
+                    data: [vec![b'x'; 5], vec![0; mux::MAX_PAYLOAD - 5]].concat()
+                },
+                Frame::Reset { answer: false }
+            ),
+            "the padding completes the held frame, then the reset follows"
+        );
     }
 
     #[tokio::test]
