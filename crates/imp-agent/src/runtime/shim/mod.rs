@@ -1361,8 +1361,11 @@ async fn supervise_loop<V: Vmm>(
                         became_ready(run, record, ready_started, launched).await;
                     }
                     Err(e) if reported.is_none() && !vm.exited().unwrap_or(true) => {
+                        // Said with the time it took: a handshake that failed at once is
+                        // not a guest that never booted.
                         break LoopEnd::Failed(at(run.stage(Stage::GuestReady), format!(
-                            "the guest did not come up within {:?}; console: {}",
+                            "the guest did not come up ({} ms of the {:?} allowed); console: {}",
+                            ready_started.elapsed().as_millis(),
                             run.spec.boot_timeout(),
                             record.serial_log.display()
                         ))(e));
