@@ -155,11 +155,9 @@ impl Shared {
         writer.write(frame)
     }
 
-    /// Sends `frame`, logging a failure (the reader notices a dead port on its own).
+    /// Sends `frame`, logging a failure.
     fn send_or_log(&self, frame: &Frame) {
-        if let Err(e) = self.send(frame) {
-            eprintln!("imp-guest: writing to the mux port failed: {e}");
-        }
+        log_failed_write(self.send(frame));
     }
 }
 
@@ -205,11 +203,7 @@ impl Mux {
         let s = Arc::clone(&shared);
         thread::Builder::new()
             .name("mux-hello".into())
-            .spawn(move || {
-                if let Err(e) = s.writer().greet() {
-                    eprintln!("imp-guest: writing to the mux port failed: {e}");
-                }
-            })?;
+            .spawn(move || log_failed_write(s.writer().greet()))?;
         Ok(Mux { shared })
     }
 
@@ -275,6 +269,13 @@ fn wait<'a>(
             .changed
             .wait(guard)
             .unwrap_or_else(PoisonError::into_inner),
+    }
+}
+
+/// Logs a failed write to the port (the reader notices a dead port on its own).
+fn log_failed_write(written: io::Result<()>) {
+    if let Err(e) = written {
+        eprintln!("imp-guest: writing to the mux port failed: {e}");
     }
 }
 
@@ -363,10 +364,8 @@ fn apply(shared: &Shared, frame: Frame) {
 fn answer_in_order(shared: &Shared, frame: Frame) {
     let mut writer = shared.writer();
     let reply = update(&mut shared.lock(), frame);
-    if let Some(reply) = reply
-        && let Err(e) = writer.write(&reply)
-    {
-        eprintln!("imp-guest: writing to the mux port failed: {e}");
+    if let Some(reply) = reply {
+        log_failed_write(writer.write(&reply));
     }
     drop(writer);
     shared.changed.notify_all();
@@ -494,8 +493,8 @@ impl Handle {
             self.shared.changed.notify_all();
             known
         };
-        if known && let Err(e) = writer.write(&Frame::Close { id: self.id }) {
-            eprintln!("imp-guest: writing to the mux port failed: {e}");
+        if known {
+            log_failed_write(writer.write(&Frame::Close { id: self.id }));
         }
     }
 }
@@ -626,12 +625,20 @@ mod tests {
     use super::*;
     use std::os::unix::net::UnixStream;
 
-    /// A guest mux over a socket pair, and the host's end of it, past the first reset.
-    fn pair() -> (Mux, UnixStream) {
+    /// A guest mux over a socket pair whose host end has already sent `sent`, and that end.
+    fn started_after(sent: &[Frame]) -> (Mux, UnixStream) {
         let (guest, mut host) = UnixStream::pair().unwrap();
+        for frame in sent {
+            send(&mut host, frame);
+        }
         let reader = File::from(std::os::fd::OwnedFd::from(guest));
         let writer = reader.try_clone().unwrap();
-        let mux = Mux::over(reader, writer).unwrap();
+        (Mux::over(reader, writer).unwrap(), host)
+    }
+
+    /// A guest mux over a socket pair, and the host's end of it, past the first reset.
+    fn pair() -> (Mux, UnixStream) {
+        let (mux, mut host) = started_after(&[]);
         let mut hello = [0u8; mux::RESET_LEN];
         host.read_exact(&mut hello).unwrap();
         assert_eq!(
@@ -664,11 +671,7 @@ mod tests {
     #[test]
     fn the_guests_reset_goes_out_before_its_first_answer() {
         for round in 0..200 {
-            let (guest, mut host) = UnixStream::pair().unwrap();
-            send(&mut host, &Frame::Reset { answer: false });
-            let reader = File::from(std::os::fd::OwnedFd::from(guest));
-            let writer = reader.try_clone().unwrap();
-            let _mux = Mux::over(reader, writer).unwrap();
+            let (_mux, mut host) = started_after(&[Frame::Reset { answer: false }]);
             assert_eq!(
                 recv(&mut host),
                 Frame::Reset { answer: false },

@@ -105,12 +105,7 @@ async fn upgrade_while_suspended(c: &Cluster, admin: &kube::Client, qemu: u32) -
         &["--reuse-values", "--set", "logLevel=debug"],
     );
     // Until the replaced replicas are gone: they drain after helm has seen the new ones ready.
-    common::wait_for(
-        "the replaced operator Pods gone",
-        Duration::from_secs(60),
-        || async { c.terminating("operator").await.is_empty().then_some(()) },
-    )
-    .await;
+    c.wait_none_terminating("operator").await;
     stop.store(true, Ordering::Relaxed);
     let (admitted, refused) = probe.await.unwrap();
     eprintln!(

@@ -180,12 +180,7 @@ async fn every_vm_survives_an_upgrade_from_the_previous_release() {
     // The previous release's operator stops serving at SIGTERM (it has no drainSeconds): the
     // API server may route a call to it until its Pod's endpoint is gone, which is before the
     // Pod itself is.
-    common::wait_for(
-        "the previous operator's Pods gone",
-        Duration::from_secs(60),
-        || async { c.terminating("operator").await.is_empty().then_some(()) },
-    )
-    .await;
+    c.wait_none_terminating("operator").await;
     let now = c.ready_agents().await;
     assert!(
         now.len() == 1 && now != agents,

@@ -784,18 +784,21 @@ mod tests {
 
     /// A host mux whose chardev the test serves as the guest, past the handshake.
     async fn setup(dir: &Path) -> (HostMux, Guest, PathBuf) {
+        let (host, mut guest, uds) = connected(dir, Vec::new()).await;
+        assert_eq!(guest.recv().await, Frame::Reset { answer: false });
+        guest.send(&Frame::Reset { answer: true }).await;
+        (host, guest, uds)
+    }
+
+    /// A host mux whose chardev the test serves as a guest that holds `held` from before
+    /// (bytes of an earlier host), as the mux connects.
+    async fn connected(dir: &Path, held: Vec<u8>) -> (HostMux, Guest, PathBuf) {
         let chardev = dir.join("mux.sock");
         let uds = dir.join("vsock.sock");
         let qemu = UnixListener::bind(&chardev).unwrap();
         let host = HostMux::spawn("test".into(), chardev, uds.clone()).unwrap();
         let (port, _) = qemu.accept().await.unwrap();
-        let mut guest = Guest {
-            port,
-            buf: Vec::new(),
-        };
-        assert_eq!(guest.recv().await, Frame::Reset { answer: false });
-        guest.send(&Frame::Reset { answer: true }).await;
-        (host, guest, uds)
+        (host, Guest { port, buf: held }, uds)
     }
 
     /// A host client's stream to guest port 10000, accepted by the fake guest as `id`.
@@ -819,16 +822,12 @@ mod tests {
     #[tokio::test]
     async fn a_guest_restored_mid_frame_finds_the_new_hosts_reset() {
         let dir = Scratch::new("midframe");
-        let chardev = dir.0.join("mux.sock");
-        let qemu = UnixListener::bind(&chardev).unwrap();
-        let _host = HostMux::spawn("test".into(), chardev, dir.0.join("vsock.sock")).unwrap();
-        let (port, _) = qemu.accept().await.unwrap();
         let mut held = mux::encoded(&Frame::Data {
             id: 2,
             data: vec![b'x'; mux::MAX_PAYLOAD],
         });
         held.truncate(mux::HEADER_LEN + 5);
-        let mut guest = Guest { port, buf: held };
+        let (_host, mut guest, _) = connected(&dir.0, held).await;
         // Without the padding the host's resets (9 bytes a second) would fill the held frame
         // only after an hour.
         let first_two = tokio::time::timeout(Duration::from_secs(30), async {

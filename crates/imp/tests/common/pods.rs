@@ -210,14 +210,16 @@ agent:
             .collect()
     }
 
-    /// The names of the Pods of `component` being deleted.
-    pub async fn terminating(&self, component: &str) -> Vec<String> {
-        self.pods(component)
-            .await
-            .into_iter()
-            .filter(|p| p.metadata.deletion_timestamp.is_some())
-            .filter_map(|p| p.metadata.name)
-            .collect()
+    /// Waits up to 60 s until no Pod of `component` is being deleted (replaced Pods, after a
+    /// roll, are gone).
+    pub async fn wait_none_terminating(&self, component: &str) {
+        let what = format!("the replaced {component} Pods gone");
+        super::wait_for(&what, Duration::from_secs(60), || async {
+            let pods = self.pods(component).await;
+            let stopping = pods.iter().any(|p| p.metadata.deletion_timestamp.is_some());
+            (!stopping).then_some(())
+        })
+        .await;
     }
 
     /// The pid of the agent (the Pod's, seen in the host's PID namespace: the Pod has
