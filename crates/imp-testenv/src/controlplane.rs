@@ -87,6 +87,9 @@ pub enum Error {
     /// A kubeconfig could not be loaded into a client.
     #[error("loading kubeconfig {0}")]
     Kubeconfig(PathBuf, #[source] kube::config::KubeconfigError),
+    /// The route and tripwire that keep Service traffic on this machine could not be set up.
+    #[error("keeping test traffic to the Service range on this machine: {0}")]
+    Egress(String),
     /// A request to the API server failed.
     #[error("{what}")]
     Kube {
@@ -353,6 +356,24 @@ fn write(path: &Path, data: &str) -> Result<(), Error> {
     })
 }
 
+/// Puts [`crate::egress::guard`] in place before a control plane starts: under `CI=true` a
+/// guard that cannot be set up fails the start; on a developer machine (no root) it is a
+/// warning, and what dials a ClusterIP may leave through the default route.
+fn keep_traffic_here() -> Result<(), Error> {
+    match crate::egress::guard() {
+        Ok(()) => Ok(()),
+        Err(e) if crate::guard::in_ci() => Err(Error::Egress(e)),
+        Err(e) => {
+            eprintln!(
+                "imp-testenv: WARNING: packets to the Service range {} are not kept on this \
+                 machine: {e}",
+                crate::egress::SERVICE_RANGE
+            );
+            Ok(())
+        }
+    }
+}
+
 /// How many times a start is tried when another process took a port between our choice and
 /// the component's bind (free ports cannot be reserved for a child that binds by number).
 const PORT_RACE_TRIES: u32 = 3;
@@ -410,6 +431,7 @@ impl ControlPlane {
         }
         let t0 = Instant::now();
         let bins = binaries(opts)?;
+        keep_traffic_here()?;
         let version = opts.release.version()?;
         let dir = fresh_dir()?;
         let pki = Pki::new("imp-testenv-ca")?;
@@ -1062,7 +1084,7 @@ fn start_apiserver(
     let names: Vec<String> = [
         opts.host.to_string(),
         "127.0.0.1".into(),
-        "10.0.0.1".into(),
+        crate::egress::KUBERNETES_SERVICE_IP.into(),
         "localhost".into(),
         "kubernetes".into(),
         "kubernetes.default".into(),
@@ -1104,7 +1126,10 @@ fn start_apiserver(
             "--service-account-signing-key-file={}",
             sa.display()
         ))
-        .arg("--service-cluster-ip-range=10.0.0.0/24")
+        .arg(format!(
+            "--service-cluster-ip-range={}",
+            crate::egress::SERVICE_RANGE
+        ))
         .arg("--allow-privileged=true")
         .arg("--enable-priority-and-fairness=false")
         .arg("--profiling=false")

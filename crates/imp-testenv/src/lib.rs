@@ -4,6 +4,8 @@
 //!   kube-controller-manager, and kube-scheduler when asked for) built from pinned Go modules by
 //!   `scripts/kube/build`, with TLS, an admin client certificate, RBAC, ServiceAccount tokens,
 //!   ResourceQuota and webhooks by URL; one per test binary or one per test.
+//! - [`egress`]: the Service range's blackhole route and the nftables tripwire that keep
+//!   test traffic on this machine.
 //! - [`rbac`]: the ClusterRoles the product ships, bound to a ServiceAccount per component, so
 //!   the operator and the agents run in tests with their production permissions.
 //! - [`podnode`]: a Node made of a real kubelet, containerd and kube-proxy in a network
@@ -18,6 +20,7 @@
 
 pub mod aggregation;
 pub mod controlplane;
+pub mod egress;
 pub mod guard;
 pub mod kubeconfig;
 pub mod nodes;

@@ -386,3 +386,154 @@ async fn an_agent_token_bound_to_its_pod_names_the_pods_node_even_before_the_nod
     })
     .await;
 }
+
+/// A namespace of the test's own for [`the_tripwire_counts_a_packet_to_the_guarded_range_that_would_leave`],
+/// removed when dropped.
+struct TestNetns(String);
+
+impl Drop for TestNetns {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("ip")
+            .args(["netns", "del", &self.0])
+            .status();
+    }
+}
+
+fn sh_in(netns: &str, script: &str) -> std::process::Output {
+    std::process::Command::new("ip")
+        .args(["netns", "exec", netns, "bash", "-c", script])
+        .output()
+        .unwrap()
+}
+
+fn needs_root_and_nft() -> bool {
+    imp_testenv::guard::require(
+        imp_testenv::guard::is_root() && imp_testenv::guard::which("nft").is_some(),
+        "root and nft (apt-get install nftables) for the egress guard",
+    )
+}
+
+/// The tripwire is not a check that cannot fail: in a namespace of the test's own where the
+/// guarded range is routed out through an interface, a packet to it is counted (and dropped);
+/// once the blackhole route is in place, the next one never gets that far.
+#[test]
+fn the_tripwire_counts_a_packet_to_the_guarded_range_that_would_leave() {
+    use imp_testenv::egress;
+    if !needs_root_and_nft() {
+        return;
+    }
+    let ns = TestNetns(format!("imp-egress-{}", std::process::id()));
+    let ok = |o: std::process::Output| assert!(o.status.success(), "{o:?}");
+    ok(std::process::Command::new("ip")
+        .args(["netns", "add", &ns.0])
+        .output()
+        .unwrap());
+    ok(sh_in(
+        &ns.0,
+        &format!(
+            "ip link set lo up && ip link add d0 type veth peer name d1 \
+             && ip link set d0 up && ip link set d1 up \
+             && ip addr add 192.0.2.1/24 dev d0 && ip route add {} dev d0",
+            egress::GUARDED
+        ),
+    ));
+    egress::tripwire(Some(&ns.0)).unwrap();
+    assert_eq!(egress::leaked(Some(&ns.0)).unwrap(), 0);
+    // Loading it again (a second control plane, another test process) keeps the count.
+    let send = || sh_in(&ns.0, "echo x > /dev/udp/198.18.7.7/9");
+    // The tripwire's drop of a local packet reaches the sender as EPERM.
+    let dropped = send();
+    let why = String::from_utf8_lossy(&dropped.stderr).into_owned();
+    assert!(why.contains("Operation not permitted"), "{dropped:?}");
+    assert_eq!(egress::leaked(Some(&ns.0)).unwrap(), 1, "counted");
+    // Loading it again (a second control plane, another test process) keeps the count.
+    egress::tripwire(Some(&ns.0)).unwrap();
+    assert_eq!(egress::leaked(Some(&ns.0)).unwrap(), 1, "kept on reload");
+    // With the route, the dial fails in the kernel (EINVAL) and nothing reaches the tripwire.
+    egress::blackhole(Some(&ns.0)).unwrap();
+    let refused = send();
+    let why = String::from_utf8_lossy(&refused.stderr).into_owned();
+    assert!(why.contains("Invalid argument"), "{refused:?}");
+    assert_eq!(egress::leaked(Some(&ns.0)).unwrap(), 1);
+}
+
+/// kube-apiserver dials a webhook's Service at its ClusterIP (no kube-proxy, no aggregator
+/// routing here): the ClusterIP comes from the guarded range, the dial fails on this machine,
+/// and the host's tripwire counts nothing that left.
+#[tokio::test]
+async fn a_webhook_service_the_apiserver_dials_is_kept_on_this_machine() {
+    use imp_testenv::egress;
+    use k8s_openapi::api::admissionregistration::v1::ValidatingWebhookConfiguration;
+    use k8s_openapi::api::core::v1::Service;
+    if !needs_root_and_nft() {
+        return;
+    }
+    let Some(cp) = ControlPlane::shared() else {
+        return;
+    };
+    let before = egress::leaked(None).unwrap();
+    let admin = cp.admin().await.unwrap();
+    let ns = cp.namespace(&admin, "egress").await.unwrap();
+    let services: Api<Service> = Api::namespaced(admin.clone(), &ns);
+    let svc: Service = serde_json::from_value(json!({
+        "metadata": {"name": "hook"},
+        "spec": {"ports": [{"port": 443, "targetPort": 8443}]}
+    }))
+    .unwrap();
+    let svc = services.create(&PostParams::default(), &svc).await.unwrap();
+    let ip = svc.spec.unwrap().cluster_ip.unwrap();
+    assert!(
+        ip.starts_with("198.18.0."),
+        "ClusterIP {ip} outside {}",
+        egress::SERVICE_RANGE
+    );
+    let hooks: Api<ValidatingWebhookConfiguration> = Api::all(admin.clone());
+    let name = format!("imp-egress-{ns}");
+    let hook: ValidatingWebhookConfiguration = serde_json::from_value(json!({
+        "metadata": {"name": name},
+        "webhooks": [{
+            "name": "egress.imp.dev",
+            "clientConfig": {"service": {"namespace": ns, "name": "hook", "port": 443}},
+            "rules": [{"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE"],
+                       "resources": ["configmaps"]}],
+            "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": ns}},
+            "failurePolicy": "Fail",
+            "sideEffects": "None",
+            "admissionReviewVersions": ["v1"],
+            "timeoutSeconds": 5
+        }]
+    }))
+    .unwrap();
+    hooks.create(&PostParams::default(), &hook).await.unwrap();
+    let cms: Api<ConfigMap> = Api::namespaced(admin.clone(), &ns);
+    let cm: ConfigMap = serde_json::from_value(json!({"metadata": {"name": "c"}})).unwrap();
+    // The configuration reaches the server's webhook cache a moment after it is stored: until
+    // the create is refused for the dial, it is admitted without the call.
+    let t0 = std::time::Instant::now();
+    let refusal = loop {
+        match cms.create(&PostParams::default(), &cm).await {
+            Err(e) => break e.to_string(),
+            Ok(_) => cms
+                .delete("c", &DeleteParams::default())
+                .await
+                .map(drop)
+                .unwrap(),
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "the API server never called the webhook"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    hooks.delete(&name, &DeleteParams::default()).await.unwrap();
+    assert!(
+        refusal.contains("failed calling webhook") && refusal.contains(&ip),
+        "the refusal names the dial to {ip}: {refusal}"
+    );
+    assert_eq!(
+        egress::leaked(None).unwrap(),
+        before,
+        "a packet to {} reached the host's postrouting: {refusal}",
+        egress::GUARDED
+    );
+}
