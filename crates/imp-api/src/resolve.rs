@@ -117,6 +117,13 @@ pub enum MissingRef {
     },
     /// Neither the VM nor its template names a class.
     NoClass,
+    /// The VM's own spec is one the admission webhook refuses ([`crate::validation::vm`],
+    /// [`crate::unsupported::vm`]): it reached the API without the webhook (turned off, a
+    /// by-hand install) and is never placed.
+    Refused {
+        /// The webhook's message, naming each field.
+        message: String,
+    },
 }
 
 impl MissingRef {
@@ -136,7 +143,27 @@ impl MissingRef {
                 "neither spec.classRef nor a template names an ImpVMClass: set spec.classRef or spec.templateRef"
                     .to_owned()
             }
+            Self::Refused { message } => {
+                format!("the spec is refused (as the admission webhook would refuse it): {message}")
+            }
         }
+    }
+}
+
+/// The checks the admission webhook makes of a new ImpVM's own spec, for a controller that
+/// must hold them without the webhook: [`MissingRef::Refused`] naming every field refused.
+pub fn admissible(spec: &ImpVMSpec) -> Result<(), MissingRef> {
+    let errors: Vec<String> = [crate::validation::vm(spec), crate::unsupported::vm(spec)]
+        .into_iter()
+        .filter_map(Result::err)
+        .map(|e| e.to_string())
+        .collect();
+    if errors.is_empty() {
+        Ok(())
+    } else {
+        Err(MissingRef::Refused {
+            message: errors.join("; "),
+        })
     }
 }
 
@@ -167,6 +194,34 @@ mod tests {
     use crate::shared::{
         ClusterObjectRef, GuestAgentConfig, LocalObjectRef, RestartMode, RestartPolicy,
     };
+
+    #[test]
+    fn what_the_webhook_refuses_is_not_admissible_and_names_the_field() {
+        let ok: ImpVMSpec = serde_json::from_value(serde_json::json!({
+            "classRef": {"name": "c"}, "image": "busybox"
+        }))
+        .unwrap();
+        assert!(admissible(&ok).is_ok());
+        let field_ref: ImpVMSpec = serde_json::from_value(serde_json::json!({
+            "classRef": {"name": "c"}, "image": "busybox",
+            "env": [{"name": "N", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}]
+        }))
+        .unwrap();
+        let msg = admissible(&field_ref).unwrap_err().message();
+        assert!(
+            msg.contains("spec.env[0].valueFrom.fieldRef")
+                && msg.contains(crate::unsupported::NOT_SUPPORTED_YET),
+            "{msg}"
+        );
+        let mut bad = ok.clone();
+        bad.image = Some("Not An Image".into());
+        assert!(
+            admissible(&bad)
+                .unwrap_err()
+                .message()
+                .contains("spec.image")
+        );
+    }
 
     fn tol(key: &str) -> Toleration {
         Toleration {

@@ -16,7 +16,7 @@
 //! state; everything it decides is written to the API, and what it keeps in memory (caches, the
 //! ledger) is rebuilt from the API after a restart. It is not the binary either (`imp operator`
 //! in the `imp` crate turns its flags into a [`process::Config`] and calls [`process::run`]), nor what takes a snapshot (the node agent executes them), and the
-//! migration and pool kinds have no controller yet.
+//! migration and pool kinds have no controller yet ([`unsupported`] says so on each).
 
 pub mod backlog;
 mod chain;
@@ -38,5 +38,6 @@ pub mod reservation;
 pub mod schedule;
 pub mod shutdown;
 pub mod snapshot;
+pub mod unsupported;
 pub mod vm;
 pub mod webhook;

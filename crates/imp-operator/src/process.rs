@@ -208,7 +208,15 @@ pub async fn controllers(
         settings.instance.clone(),
         shutdown.clone(),
     ));
+    let unsupported = tokio::spawn(crate::unsupported::run(
+        client.clone(),
+        settings.instance.clone(),
+        shutdown.clone(),
+    ));
     let vms = vm::run(client, settings, ipam, metrics, health, shutdown).await;
+    if let Err(e) = unsupported.await {
+        tracing::warn!(error = %imp_api::chain::DisplayChain(&e), "the watch of kinds with no controller failed");
+    }
     if let Err(e) = networks.await {
         tracing::warn!(error = %imp_api::chain::DisplayChain(&e), "network controller task failed");
     }

@@ -1569,3 +1569,111 @@ async fn a_lost_nodes_vm_moves_only_once_its_agent_has_surely_fenced_it() {
     );
     assert_eq!(moved.status.unwrap().node_name.as_deref(), Some("b"));
 }
+
+/// With no admission webhook (these tests register none), what the webhook would refuse is
+/// refused by the controllers instead, never stored and silently ignored: a VM whose env
+/// names a source nothing reads waits in Pending with `InvalidSpec` naming the field (a
+/// valid class is there, so it would otherwise be placed), and every object of a kind no
+/// controller acts on says so in its status (a migration fails).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn what_the_webhook_refuses_the_controllers_refuse_too() {
+    use kube::api::{ApiResource, DynamicObject, GroupVersionKind};
+    let Some(e) = env().await else {
+        return;
+    };
+    let c = &e.client;
+    let _op = Operator::start(&e, "solo", &[]).await;
+    node(c, "w1", "4", "8Gi", true, true).await;
+    class(c, "small", 1, 256).await;
+    vm(
+        c,
+        "field-ref",
+        json!({"classRef": {"name": "small"}, "image": "busybox",
+               "env": [{"name": "NODE", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}]}),
+    )
+    .await;
+    vm(
+        c,
+        "fine",
+        json!({"classRef": {"name": "small"}, "image": "busybox"}),
+    )
+    .await;
+    let v = common::wait_vm(
+        &vms(c),
+        "field-ref",
+        "InvalidSpec on field-ref",
+        WAIT_SECS,
+        |v| cond(v, "Ready").is_some_and(|c| c.reason == "InvalidSpec"),
+    )
+    .await;
+    let msg = &cond(&v, "Ready").unwrap().message;
+    assert!(
+        msg.contains("spec.env[0].valueFrom.fieldRef") && msg.contains("not supported yet"),
+        "{msg}"
+    );
+    // The operator placed the other VM after it judged this one: it is not merely slow.
+    common::wait_vm(&vms(c), "fine", "fine Scheduled", WAIT_SECS, |v| {
+        phase(v) == Some(VmPhase::Scheduled)
+    })
+    .await;
+    let v = vms(c).get("field-ref").await.unwrap();
+    assert_eq!(phase(&v), Some(VmPhase::Pending));
+    assert_eq!(v.spec.node_name, None);
+
+    for (kind, spec) in [
+        (
+            "ImpWarmPool",
+            json!({"snapshotRef": "base", "templateName": "t", "size": 2}),
+        ),
+        (
+            "ImpVMMigration",
+            json!({"sourceVMName": "fine", "sourceVMNamespace": NS}),
+        ),
+        (
+            "ImpVMRunnerPool",
+            json!({"templateName": "t",
+                   "platform": {"type": "github-actions", "scope": {"repo": "o/r"},
+                                "credentialsSecret": "gh"},
+                   "scaling": {"mode": "webhook", "minIdle": 0, "maxConcurrent": 2, "scaleUpStep": 1, "cooldownSeconds": 30,
+                               "webhook": {"secretRef": "hook"}}}),
+        ),
+    ] {
+        let resource = ApiResource::from_gvk(&GroupVersionKind::gvk("imp.dev", "v1alpha1", kind));
+        let api: Api<DynamicObject> = Api::namespaced_with(c.clone(), NS, &resource);
+        let obj: DynamicObject = serde_json::from_value(json!({
+            "apiVersion": "imp.dev/v1alpha1", "kind": kind,
+            "metadata": {"name": "x", "namespace": NS}, "spec": spec
+        }))
+        .unwrap();
+        api.create(&PostParams::default(), &obj).await.unwrap();
+        let got = common::wait_for(
+            &format!("{kind} refused in its status"),
+            Duration::from_secs(WAIT_SECS),
+            || async {
+                let o = api.get("x").await.ok()?;
+                let conds = o.data["status"]["conditions"].as_array()?.clone();
+                conds
+                    .iter()
+                    .any(|c| c["type"] == "Ready" && c["reason"] == "NotSupported")
+                    .then_some(o)
+            },
+        )
+        .await;
+        let cond = got.data["status"]["conditions"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["type"] == "Ready")
+            .unwrap()
+            .clone();
+        assert_eq!(cond["status"], "False");
+        let msg = cond["message"].as_str().unwrap();
+        assert!(
+            msg.starts_with(kind) && msg.contains("not supported yet"),
+            "{msg}"
+        );
+        if kind == "ImpVMMigration" {
+            assert_eq!(got.data["status"]["phase"], "Failed");
+        }
+    }
+}

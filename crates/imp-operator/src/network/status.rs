@@ -52,6 +52,11 @@ pub fn readiness(net: &ImpNetwork, others: &[&ImpNetwork]) -> Readiness {
     if let Err(e) = validation::network(&net.spec) {
         return Readiness::not(ConditionReason::InvalidSpec, e.to_string());
     }
+    // What the webhook refuses as not supported yet is refused here too (a network stored
+    // without the webhook is never used with a switch nothing honours).
+    if let Err(e) = imp_api::unsupported::network(&net.spec) {
+        return Readiness::not(ConditionReason::InvalidSpec, e.to_string());
+    }
     let Ok(subnet) = net.spec.subnet_cidr() else {
         return Readiness::not(
             ConditionReason::InvalidSpec,
@@ -235,6 +240,21 @@ mod tests {
         let r = readiness(&cil, &[]);
         assert_eq!(r.reason, ConditionReason::NetworkSetupFailed);
         assert!(r.message.contains("not supported yet"));
+        // A switch the webhook refuses as not supported yet, stored without the webhook.
+        let mut switch = net("a", "switch", "10.0.0.0/24", 1);
+        switch.spec.cilium = Some(imp_api::network::CiliumNetworkSpec {
+            masquerade_via_cilium: true,
+            ..Default::default()
+        });
+        let r = readiness(&switch, &[]);
+        assert!(!r.ok);
+        assert_eq!(r.reason, ConditionReason::InvalidSpec);
+        assert!(
+            r.message.contains("spec.cilium.masqueradeViaCilium")
+                && r.message.contains("not supported yet"),
+            "{}",
+            r.message
+        );
     }
 
     #[test]

@@ -93,6 +93,7 @@ impl Context {
         if let Some(booked) = self.booked(vm) {
             return booked;
         }
+        resolve::admissible(&vm.spec)?;
         let ns = vm.namespace().unwrap_or_default();
         let template = match &vm.spec.template_ref {
             Some(t) => Some(
