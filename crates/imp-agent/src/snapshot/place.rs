@@ -56,16 +56,23 @@ pub enum RootError {
 }
 
 impl Roots {
-    /// [`DEFAULT_ROOT`], [`STATE_AREA`] of `state_dir`, and `extra` (the `--snapshot-root`s).
-    /// Refuses a root that is not plain, or that holds or is inside another root or the state
-    /// directory (other than [`STATE_AREA`] itself).
+    /// [`DEFAULT_ROOT`] (unless it holds or is inside `state_dir`), [`STATE_AREA`] of
+    /// `state_dir`, and `extra` (the `--snapshot-root`s). Refuses a root that is not plain, or
+    /// that holds or is inside another root or the state directory (other than [`STATE_AREA`]
+    /// itself).
     pub fn new(state_dir: &Path, extra: &[PathBuf]) -> Result<Self, RootError> {
         let plain = |p: &Path| {
             let s = p.to_string_lossy();
             normalize(&s).ok_or_else(|| RootError::NotPlain(s.into_owned()))
         };
         let state = plain(state_dir)?;
-        let mut roots = vec![PathBuf::from(DEFAULT_ROOT), state.join(STATE_AREA)];
+        let default = PathBuf::from(DEFAULT_ROOT);
+        // A state directory that holds the default root (or is in it) keeps only its own area:
+        // VM directories must never be a namespace's.
+        let mut roots = match default.starts_with(&state) || state.starts_with(&default) {
+            true => vec![state.join(STATE_AREA)],
+            false => vec![default, state.join(STATE_AREA)],
+        };
         for e in extra {
             let r = plain(e)?;
             if r.starts_with(&state) || state.starts_with(&r) {
@@ -494,6 +501,11 @@ mod tests {
             let e = Roots::new(state, &[PathBuf::from(bad)]).unwrap_err();
             assert!(matches!(e, RootError::Overlaps { .. }), "{bad}: {e}");
         }
+        let inside = Roots::new(Path::new("/var/lib/imp"), &[]).unwrap();
+        assert_eq!(
+            inside.dirs(),
+            [PathBuf::from("/var/lib/imp/snapshot-files")]
+        );
         for bad in ["data", "/data/../etc", "/data/./x"] {
             let e = Roots::new(state, &[PathBuf::from(bad)]).unwrap_err();
             assert_eq!(e, RootError::NotPlain(bad.into()));
