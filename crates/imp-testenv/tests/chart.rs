@@ -499,6 +499,8 @@ fn check_agent_container(c: &Value) {
         "--image-cache-max-bytes=21474836480",
         "--fence-after=30s",
         "--gateway-configmap=$(POD_NAMESPACE)/imp-gateway-client",
+        // The directories node-local snapshots may name: those the chart mounts.
+        "--snapshot-root=/var/lib/imp/snapshots",
     ] {
         assert!(a.contains(&flag), "agent args {a:?} lack {flag}");
     }
@@ -579,6 +581,7 @@ fn check_agent_mounts(ds: &Value) {
         "/sys/fs/cgroup",
         "/var/lib/imp/agent",
         "/var/cache/imp",
+        "/var/lib/imp/snapshots",
     ] {
         assert_eq!(host_path_at(ds, c, path), Some(path), "{path}");
     }

@@ -57,6 +57,16 @@ pub struct Args {
         default_value = "/var/lib/imp/agent"
     )]
     state_dir: PathBuf,
+    /// A directory node-local ImpVMSnapshots may be stored in (`storage.nodeLocal.path`, which
+    /// must name one exactly), besides `/var/lib/imp/snapshots` and `snapshot-files/` of the
+    /// state directory; any other path fails the snapshot. Repeat, or separate with commas.
+    #[arg(
+        long = "snapshot-root",
+        env = "IMP_SNAPSHOT_ROOTS",
+        value_delimiter = ',',
+        value_name = "DIR"
+    )]
+    snapshot_roots: Vec<PathBuf>,
     /// The image cache (default: `cache/` in the state directory).
     #[arg(long, env = "IMP_IMAGE_CACHE")]
     image_cache: Option<PathBuf>,
@@ -262,6 +272,7 @@ fn config(args: Args) -> anyhow::Result<Config> {
         node: args.node_name,
         node_ip,
         state_dir: args.state_dir,
+        snapshot_roots: args.snapshot_roots,
         image_cache: args.image_cache,
         image_max_bytes: args.image_max_bytes,
         image_cache_max_bytes: args.image_cache_max_bytes,

@@ -20,7 +20,7 @@
 mod common;
 
 use common::nodes::{Agent, Topology, ready, text};
-use common::snapshots::{exec_in, parent, terminated_execution};
+use common::snapshots::{self, exec_in, parent, terminated_execution};
 use common::{phase, wait_vm};
 
 use std::time::Duration;
@@ -109,9 +109,11 @@ async fn two_clones_at_once_share_a_network_and_a_qemu_that_cannot_load_the_snap
     let image = format!("oci:{}:1", layout.display());
     let cache = scratch_dir("imp-clones-e2e-cache").unwrap();
 
+    let store = snapshots::snapshot_root("imp-clones-e2e-store");
     let _operator = common::start_operator(&kube);
     let mut a = Agent::new(&topo, "a", topo.underlay(1));
     a.env = vec![("PATH".into(), common::path_with(&qemu_10))];
+    a.extra_args = vec![format!("--snapshot-root={}", store.display())];
     a.start(&kube.agent_kubeconfig_for(&a.node).await, &cache);
 
     let vms: Api<ImpVM> = Api::namespaced(c.clone(), NS);
@@ -129,7 +131,6 @@ async fn two_clones_at_once_share_a_network_and_a_qemu_that_cannot_load_the_snap
     .await;
     let data = exec_in(&alice, NS, "src", "md5sum /mnt/t/blob").await;
 
-    let store = scratch_dir("imp-clones-e2e-store").unwrap();
     parent(
         &c,
         NS,

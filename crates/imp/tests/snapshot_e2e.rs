@@ -6,7 +6,9 @@
 //! files under `storage.nodeLocal.path/<ns>/<parent>/<execution>/`, the guest's memory image
 //! holds the secret, the source VM was paused for the reported time and runs on in the same
 //! QEMU, and deleting the execution removes its files (finalizer). A snapshot that cannot be
-//! stored fails with a condition naming the cause, and the VM still runs.
+//! stored fails with a condition naming the cause, and the VM still runs. A path that is not
+//! one of the agent's snapshot roots, or a root with a link planted in it, fails the snapshot
+//! naming the cause, with nothing made outside the roots.
 //!
 //! Needs what `agent_e2e.rs` needs (`scripts/setup`): without it, it skips on a developer
 //! machine and fails under `CI=true`.
@@ -81,8 +83,18 @@ async fn a_running_vm_is_snapshotted_with_its_memory_and_runs_on() {
     push(&layout, "1", &image, None).await.unwrap();
     std::fs::remove_dir_all(&layout).unwrap();
 
+    // The agent's snapshot roots: where snapshots go, one whose namespace directory is a file,
+    // and one whose namespace directory is a link to a directory outside every root.
+    let store = snapshots::snapshot_root("imp-snapshot-e2e-store");
+    let blocked = snapshots::snapshot_root("imp-snapshot-e2e-blocked");
+    let linked = snapshots::snapshot_root("imp-snapshot-e2e-linked");
     let _operator = common::start_operator(&kube);
     let mut agent = common::agent::HostAgent::new(NODE, "snap-e2e");
+    for root in [&store, &blocked, &linked] {
+        agent
+            .args
+            .push(format!("--snapshot-root={}", root.display()));
+    }
     agent.start(&kube).await;
     let vms: Api<ImpVM> = Api::namespaced(c.clone(), NS);
     let obj: ImpVM = serde_json::from_value(json!({
@@ -117,7 +129,6 @@ async fn a_running_vm_is_snapshotted_with_its_memory_and_runs_on() {
         .trim()
         .parse()
         .unwrap();
-    let store = scratch_dir("imp-snapshot-e2e-store").unwrap();
     parent(
         &c,
         "nightly",
@@ -272,7 +283,6 @@ async fn a_running_vm_is_snapshotted_with_its_memory_and_runs_on() {
     assert!(!dir.exists(), "{} left behind", dir.display());
 
     // Storage that cannot be written: the execution fails, saying why, and the VM runs on.
-    let blocked = scratch_dir("imp-snapshot-e2e-blocked").unwrap();
     std::fs::write(blocked.join(NS), b"a file where a directory must go").unwrap();
     parent(
         &c,
@@ -294,6 +304,76 @@ async fn a_running_vm_is_snapshotted_with_its_memory_and_runs_on() {
     assert_eq!(phase(&vms.get(VM).await.unwrap()), Some(VmPhase::Running));
     assert_eq!(common::qemu_of(&agent.state, &uid), qemu);
     assert_eq!(exec(&alice, "cat /mnt/t/secret").await.trim(), secret);
+
+    // A path that is not one of the node's snapshot roots: the execution fails naming the
+    // field and the roots, and nothing is made there.
+    let outside = scratch_dir("imp-snapshot-e2e-outside").unwrap();
+    let elsewhere = outside.join("elsewhere");
+    for (name, path, want) in [
+        (
+            "elsewhere",
+            elsewhere.clone(),
+            "spec.storage.nodeLocal.path",
+        ),
+        ("linked", linked.clone(), "symbolic link"),
+    ] {
+        if name == "linked" {
+            std::os::unix::fs::symlink(&outside, linked.join(NS)).unwrap();
+        }
+        parent(
+            &c,
+            name,
+            json!({"type": "node-local", "nodeLocal": {"path": path.to_str().unwrap()}}),
+        )
+        .await;
+        let failed = terminated_execution(&c, name).await;
+        let status = failed.status.clone().unwrap();
+        assert_eq!(
+            status.phase,
+            Some(SnapshotPhase::Failed),
+            "{name}: {status:?}"
+        );
+        let ready = ready_of(&status);
+        assert!(
+            ready.reason == "SnapshotFailed" && ready.message.contains(want),
+            "{name}: {}",
+            ready.message
+        );
+        if want.starts_with("spec.") {
+            assert!(
+                ready.message.contains(store.to_str().unwrap()),
+                "{}",
+                ready.message
+            );
+        }
+        common::events_with(&c, NS, &failed.name_any(), &["SnapshotFailed"]).await;
+        // Deleting it removes nothing through the link, and it goes.
+        snaps
+            .delete(&failed.name_any(), &DeleteParams::default())
+            .await
+            .unwrap();
+        common::wait_for(
+            "the refused execution gone",
+            Duration::from_secs(60),
+            || async {
+                snaps
+                    .get_opt(&failed.name_any())
+                    .await
+                    .unwrap()
+                    .is_none()
+                    .then_some(())
+            },
+        )
+        .await;
+    }
+    assert!(!elsewhere.exists(), "{} was made", elsewhere.display());
+    assert_eq!(
+        std::fs::read_dir(&outside).unwrap().count(),
+        0,
+        "something was written through the link into {}",
+        outside.display()
+    );
+    assert_eq!(common::qemu_of(&agent.state, &uid), qemu);
 
     // A snapshot of a VM that does not exist: the operator fails the execution, naming it.
     let snaps_api: Api<ImpVMSnapshot> = Api::namespaced(c.clone(), NS);

@@ -37,6 +37,8 @@ pub struct Config {
     pub node_ip: Option<Ipv4Addr>,
     /// Where VM directories and records live.
     pub state_dir: PathBuf,
+    /// Directories, besides the defaults, node-local snapshots may go in (`--snapshot-root`).
+    pub snapshot_roots: Vec<PathBuf>,
     /// The image cache (default: `cache/` in the state directory).
     pub image_cache: Option<PathBuf>,
     /// The most bytes one image may unpack to.
@@ -128,6 +130,9 @@ pub enum AgentError {
     /// The Kubernetes client could not be built.
     #[error("building the Kubernetes client")]
     Client(#[source] kube::Error),
+    /// A `--snapshot-root` cannot be one.
+    #[error("--snapshot-root")]
+    SnapshotRoots(#[from] crate::snapshot::place::RootError),
 }
 
 /// Runs the agent on `client_config` until `stop` is raised.
@@ -137,6 +142,12 @@ pub async fn run(
     stop: watch::Receiver<bool>,
 ) -> Result<(), AgentError> {
     let state = StateDir::new(config.state_dir.clone());
+    let state_abs = std::path::absolute(&config.state_dir).unwrap_or(config.state_dir.clone());
+    let roots = crate::snapshot::place::Roots::new(&state_abs, &config.snapshot_roots)?;
+    tracing::info!(
+        roots = roots.shown(),
+        "node-local snapshots go only in these directories"
+    );
     let cache_dir = config.image_cache.clone().unwrap_or_else(|| state.cache());
     let mut tasks = Vec::new();
     tasks.extend(keep_image_cache(&config, &state, &cache_dir).await);
@@ -151,7 +162,7 @@ pub async fn run(
     let client = kube::Client::try_from(client_config).map_err(AgentError::Client)?;
     health.set_readiness(caps.not_ready());
     let runtimes = advertise::runtimes_annotation(&caps);
-    let settings = settings(&config, state.clone(), cache_dir)?;
+    let settings = settings(&config, state.clone(), cache_dir, roots.clone())?;
     let mut ctx = Context::new(client.clone(), settings, caps, metrics.clone());
     if let Some((fence, lease, watchdog)) = fencing(&config, &client, &state, &metrics) {
         ctx = ctx.with_fence(fence);
@@ -203,7 +214,7 @@ pub async fn run(
         stopped(stop.clone()),
     )));
     tasks.extend(observers(
-        &config, &ctx, &client, &state, &metrics, api, &stop, links,
+        &config, &ctx, &client, &state, &metrics, api, &stop, links, roots,
     ));
     reconciler::run(ctx, stopped(stop)).await;
     for t in tasks {
@@ -254,7 +265,12 @@ async fn probe(config: &Config, cache_dir: &std::path::Path) -> Capabilities {
 }
 
 /// The reconciler's settings.
-fn settings(config: &Config, state: StateDir, cache_dir: PathBuf) -> Result<Settings, AgentError> {
+fn settings(
+    config: &Config,
+    state: StateDir,
+    cache_dir: PathBuf,
+    snapshot_roots: crate::snapshot::place::Roots,
+) -> Result<Settings, AgentError> {
     Ok(Settings {
         node: config.node.clone(),
         state,
@@ -273,6 +289,7 @@ fn settings(config: &Config, state: StateDir, cache_dir: PathBuf) -> Result<Sett
         resume_reserve_mib: config.resume_reserve_mib,
         serial: config.serial,
         poll: Duration::from_millis(250),
+        snapshot_roots,
     })
 }
 
@@ -430,6 +447,7 @@ fn observers(
     api: Arc<AgentApi>,
     stop: &watch::Receiver<bool>,
     links: Option<imp_net::link::Netlink>,
+    roots: crate::snapshot::place::Roots,
 ) -> Vec<JoinHandle<()>> {
     let guests = tokio::spawn(guest_metrics::run(
         ctx.vms(),
@@ -454,6 +472,7 @@ fn observers(
             client.clone(),
             config.node.clone(),
             state.clone(),
+            roots,
         )),
         stopped(stop.clone()),
     ));

@@ -5,8 +5,14 @@
 //! Event). The execution carries the finalizer [`FINALIZER`] and the annotation
 //! [`NODE_ANNOTATION`] from the moment its files may exist: deleting it removes them on this
 //! node first. Parents and schedules are the operator's.
+//!
+//! The path is the tenant's choice, and the agent is root: it must be one of the node's allowed
+//! snapshot roots, the directory is made without following links, and it is recorded in
+//! `status.snapshotPath` before anything is written; deleting and restoring use that record
+//! only ([`crate::snapshot::place`]). A path outside the roots fails the execution, naming the
+//! field and the roots, with nothing made on the host.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -27,6 +33,7 @@ use crate::runtime::control::snapshot as take;
 use crate::runtime::state::{StateDir, VmRecord};
 use crate::snapshot::Source;
 use crate::snapshot::oci;
+use crate::snapshot::place::{self, Place, Refusal, Roots, TreeError};
 use imp_api::chain::chain;
 use imp_image::RegistryAuth;
 use k8s_openapi::api::core::v1::Secret;
@@ -59,8 +66,9 @@ pub enum Step {
     NotHere,
     /// Take it: the source VM (this record's name) runs here.
     Take(String),
-    /// It is being deleted and its files are on this node: remove them, then the finalizer.
-    Remove(PathBuf),
+    /// It is being deleted and its files are on this node: remove the directory recorded
+    /// when it was taken (`status.snapshotPath`, if any), then the finalizer.
+    Remove(Option<String>),
 }
 
 /// Decides what this node does with execution `exec`; `local` finds a VM record of this node
@@ -73,7 +81,7 @@ pub fn decide<'a>(
     let ours = exec.annotations().get(NODE_ANNOTATION).map(String::as_str) == Some(node);
     if exec.meta().deletion_timestamp.is_some() {
         return match exec.finalizers().iter().any(|f| f == FINALIZER) && ours {
-            true => Step::Remove(destination(exec)),
+            true => Step::Remove(exec.status.as_ref().and_then(|s| s.snapshot_path.clone())),
             false => Step::Nothing,
         };
     }
@@ -104,8 +112,9 @@ pub enum Stored {
     Registry(String),
 }
 
-/// Where a VM on node `node` boots from Succeeded execution `exec`, or why it cannot there.
-pub fn source_on(exec: &ImpVMSnapshot, node: &str) -> Result<Stored, String> {
+/// Where a VM on node `node` boots from Succeeded execution `exec`, or why it cannot there: a
+/// node-local snapshot only from the directory recorded for it under one of `roots`.
+pub fn source_on(exec: &ImpVMSnapshot, node: &str, roots: &Roots) -> Result<Stored, String> {
     let status = exec.status.clone().unwrap_or_default();
     if status.phase != Some(SnapshotPhase::Succeeded) {
         return Err("the snapshot has not succeeded".to_owned());
@@ -124,10 +133,17 @@ pub fn source_on(exec: &ImpVMSnapshot, node: &str) -> Result<Stored, String> {
         Some(n) => return Err(format!("its files are on node {n}, not on {node}")),
         None => return Err(format!("it names no node ({NODE_ANNOTATION})")),
     }
-    status
+    let path = status
         .snapshot_path
-        .map(|p| Stored::Here(PathBuf::from(p)))
-        .ok_or_else(|| "it has no status.snapshotPath".to_owned())
+        .ok_or_else(|| "it has no status.snapshotPath".to_owned())?;
+    place::recorded(
+        &path,
+        &exec.namespace().unwrap_or_default(),
+        &exec.name_any(),
+        roots,
+    )
+    .map(|p| Stored::Here(p.dir()))
+    .map_err(|e| e.to_string())
 }
 
 /// Where registry execution `uid` is pulled to on this node (complete once its manifest is
@@ -238,24 +254,32 @@ pub async fn registry_auth(
         .map_err(|e| format!("storage.ociRegistry.pullSecretRef {ns}/{name}: {e}"))
 }
 
-/// Where execution `exec`'s files go on the node.
-pub fn destination(exec: &ImpVMSnapshot) -> PathBuf {
-    let root = exec
+/// Where execution `exec`'s files go on this node, or why they may not: `None` for a
+/// registry snapshot (written in the state directory, pushed, removed); for a node-local one
+/// its place under one of `roots`. Pure.
+pub fn destination(exec: &ImpVMSnapshot, roots: &Roots) -> Result<Option<Place>, Refusal> {
+    if exec.spec.storage.type_ == StorageType::OciRegistry {
+        return Ok(None);
+    }
+    let path = exec
         .spec
         .storage
         .node_local
         .as_ref()
-        .map(|n| n.path.clone())
-        .unwrap_or_else(|| "/var/lib/imp/snapshots".to_owned());
+        .map_or(place::DEFAULT_ROOT, |n| n.path.as_str());
     let parent = exec
         .labels()
         .get(LABEL_SNAPSHOT_PARENT)
-        .cloned()
+        .map(String::as_str)
         .unwrap_or_default();
-    PathBuf::from(root)
-        .join(exec.namespace().unwrap_or_default())
-        .join(parent)
-        .join(exec.name_any())
+    place::place(
+        path,
+        &exec.namespace().unwrap_or_default(),
+        parent,
+        &exec.name_any(),
+        roots,
+    )
+    .map(Some)
 }
 
 /// What the controller needs.
@@ -263,12 +287,14 @@ pub struct Context {
     client: kube::Client,
     node: String,
     state: StateDir,
+    roots: Roots,
     recorder: Recorder,
 }
 
 impl Context {
-    /// The controller's context on node `node` with VM records in `state`.
-    pub fn new(client: kube::Client, node: String, state: StateDir) -> Self {
+    /// The controller's context on node `node` with VM records in `state`, putting node-local
+    /// snapshots only under `roots`.
+    pub fn new(client: kube::Client, node: String, state: StateDir, roots: Roots) -> Self {
         let recorder = Recorder::new(
             client.clone(),
             Reporter {
@@ -280,6 +306,7 @@ impl Context {
             client,
             node,
             state,
+            roots,
             recorder,
         }
     }
@@ -299,15 +326,9 @@ pub enum Error {
         #[source]
         source: kube::Error,
     },
-    /// A file could not be removed.
-    #[error("removing the snapshot files {path}")]
-    Files {
-        /// The directory.
-        path: PathBuf,
-        /// Why.
-        #[source]
-        source: std::io::Error,
-    },
+    /// A snapshot directory could not be removed (and may be again).
+    #[error("removing the snapshot directory")]
+    Tree(#[source] TreeError),
 }
 
 fn kube_err(action: &'static str, exec: &ImpVMSnapshot) -> impl FnOnce(kube::Error) -> Error {
@@ -363,8 +384,13 @@ fn api(exec: &ImpVMSnapshot, ctx: &Context) -> Api<ImpVMSnapshot> {
     Api::namespaced(ctx.client.clone(), &exec.namespace().unwrap_or_default())
 }
 
-/// Removes the execution's files (or its registry manifest), then its finalizer.
-async fn remove(exec: &ImpVMSnapshot, ctx: &Context, dir: PathBuf) -> Result<Action, Error> {
+/// Removes the execution's files (the directory recorded in `recorded`, or its registry
+/// manifest), then its finalizer.
+async fn remove(
+    exec: &ImpVMSnapshot,
+    ctx: &Context,
+    recorded: Option<String>,
+) -> Result<Action, Error> {
     if let (Some(reference), Some(digest)) = (
         registry_reference(exec),
         exec.status.as_ref().and_then(|s| s.digest.clone()),
@@ -391,17 +417,10 @@ async fn remove(exec: &ImpVMSnapshot, ctx: &Context, dir: PathBuf) -> Result<Act
             let _ = ctx.recorder.publish(&ev, &exec.object_ref(&())).await;
         }
     }
-    let d = dir.clone();
-    let removed = tokio::task::spawn_blocking(move || match std::fs::remove_dir_all(&d) {
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
-        other => other,
-    })
-    .await
-    .unwrap_or_else(|e| Err(std::io::Error::other(e)));
-    removed.map_err(|source| Error::Files {
-        path: dir.clone(),
-        source,
-    })?;
+    let removed = match &recorded {
+        Some(path) => remove_recorded(exec, ctx, path).await?,
+        None => None,
+    };
     let finalizers: Vec<&String> = exec
         .finalizers()
         .iter()
@@ -419,17 +438,64 @@ async fn remove(exec: &ImpVMSnapshot, ctx: &Context, dir: PathBuf) -> Result<Act
         )
         .await
         .map_err(kube_err("removing the finalizer of", exec))?;
-    tracing::info!(snapshot = %exec.name_any(), namespace = ?exec.namespace(), dir = %dir.display(), node = %ctx.node, "snapshot files removed");
+    if let Some(dir) = removed {
+        tracing::info!(snapshot = %exec.name_any(), namespace = ?exec.namespace(), dir = %dir.display(), node = %ctx.node, "snapshot files removed");
+    }
     Ok(Action::await_change())
+}
+
+/// Removes the directory recorded as `path` for `exec`, following no link; the directory
+/// removed, or `None` when the record is not one the agent may remove (not this execution's
+/// place under an allowed root, or a link or a directory others may write on the way): then
+/// nothing is removed, a Warning says what is left, and the execution goes anyway. An error
+/// that may pass is retried.
+async fn remove_recorded(
+    exec: &ImpVMSnapshot,
+    ctx: &Context,
+    path: &str,
+) -> Result<Option<PathBuf>, Error> {
+    let ns = exec.namespace().unwrap_or_default();
+    let refused = match place::recorded(path, &ns, &exec.name_any(), &ctx.roots) {
+        Err(why) => why.to_string(),
+        Ok(p) => {
+            let dir = p.dir();
+            let removed = tokio::task::spawn_blocking(move || place::remove(&p))
+                .await
+                .unwrap_or_else(|e| {
+                    Err(TreeError::Io {
+                        action: "removing",
+                        path: PathBuf::from(path),
+                        source: std::io::Error::other(e),
+                    })
+                });
+            match removed {
+                Ok(()) => return Ok(Some(dir)),
+                Err(e @ (TreeError::NotDirectory(_) | TreeError::Unsafe { .. })) => chain(&e),
+                Err(e) => return Err(Error::Tree(e)),
+            }
+        }
+    };
+    let note = format!("the snapshot files were not removed: {refused}");
+    tracing::warn!(snapshot = %exec.name_any(), namespace = %ns, node = %ctx.node, note, "snapshot files not removed");
+    let ev = Event {
+        type_: EventType::Warning,
+        reason: "SnapshotFilesKept".to_owned(),
+        note: Some(note),
+        action: "Delete".to_owned(),
+        secondary: None,
+    };
+    let _ = ctx.recorder.publish(&ev, &exec.object_ref(&())).await;
+    Ok(None)
 }
 
 /// Takes execution `exec` of VM `record`, with its status and Event.
 async fn take_one(exec: &ImpVMSnapshot, ctx: &Context, record: &VmRecord) -> Result<Action, Error> {
-    let dest = destination(exec);
+    let placed = destination(exec, &ctx.roots);
     let mut status = exec.status.clone().unwrap_or_default();
-    // From here on its files may exist: the finalizer and the node come first.
+    // From here on its files may exist: the finalizer and the node come first (the node
+    // alone for a path that is refused: it says why, and nothing is made).
     let mut finalizers: Vec<String> = exec.finalizers().to_vec();
-    if !finalizers.iter().any(|f| f == FINALIZER) {
+    if placed.is_ok() && !finalizers.iter().any(|f| f == FINALIZER) {
         finalizers.push(FINALIZER.to_owned());
     }
     let body = json!({"metadata": {
@@ -446,7 +512,15 @@ async fn take_one(exec: &ImpVMSnapshot, ctx: &Context, record: &VmRecord) -> Res
         )
         .await
         .map_err(kube_err("marking", exec))?;
+    let place = match placed {
+        Ok(p) => p,
+        Err(why) => {
+            return finish(&marked, ctx, status, Err(why.to_string()), Path::new("")).await;
+        }
+    };
     status.phase = Some(SnapshotPhase::Running);
+    // The record a deletion and a restore go by, written before any file is.
+    status.snapshot_path = place.as_ref().map(|p| p.dir().display().to_string());
     condition(
         &mut status,
         ConditionStatus::False,
@@ -455,15 +529,9 @@ async fn take_one(exec: &ImpVMSnapshot, ctx: &Context, record: &VmRecord) -> Res
     );
     write_status(&marked, ctx, &status).await?;
 
-    let registry = registry_reference(exec);
-    // A registry's snapshot is written on the node first, pushed, then removed here.
-    let dest = match &registry {
-        Some(_) => ctx
-            .state
-            .root()
-            .join("snapshot-push")
-            .join(exec.uid().unwrap_or_default()),
-        None => dest,
+    let dest = match prepare(exec, ctx, place).await {
+        Ok(d) => d,
+        Err(why) => return finish(&marked, ctx, status, Err(why), Path::new("")).await,
     };
     let source = Source {
         namespace: record
@@ -474,20 +542,13 @@ async fn take_one(exec: &ImpVMSnapshot, ctx: &Context, record: &VmRecord) -> Res
         name: exec.spec.source_vm_name.clone(),
         image: String::new(),
     };
-    let d = dest.clone();
-    // A directory left by an interrupted attempt is not this snapshot.
-    let _ = tokio::task::spawn_blocking(move || {
-        let _ = std::fs::remove_dir_all(&d);
-        d.parent().map(std::fs::create_dir_all)
-    })
-    .await;
     let taken = match take::request(&ctx.state, record, &dest, source) {
         Ok(token) => take::wait(&ctx.state, &record.name, &token, TAKE_TIMEOUT)
             .await
             .map_err(|e| e.to_string()),
         Err(e) => Err(e.to_string()),
     };
-    let Some(reference) = registry else {
+    let Some(reference) = registry_reference(exec) else {
         return finish(&marked, ctx, status, taken.map(|t| (t, None)), &dest).await;
     };
     let pushed = match taken {
@@ -499,6 +560,39 @@ async fn take_one(exec: &ImpVMSnapshot, ctx: &Context, record: &VmRecord) -> Res
     let d = dest.clone();
     let _ = tokio::task::spawn_blocking(move || std::fs::remove_dir_all(d)).await;
     finish(&marked, ctx, status, pushed, &dest).await
+}
+
+/// Makes the empty directory execution `exec` is written into: its `place` (made without
+/// following links, what an interrupted attempt left removed), or for a registry snapshot
+/// one in the state directory, pushed and removed afterwards.
+async fn prepare(
+    exec: &ImpVMSnapshot,
+    ctx: &Context,
+    place: Option<Place>,
+) -> Result<PathBuf, String> {
+    let made = match place {
+        Some(p) => {
+            tokio::task::spawn_blocking(move || place::create_fresh(&p).map_err(|e| chain(&e)))
+                .await
+        }
+        None => {
+            let uid = exec
+                .uid()
+                .filter(|u| !u.is_empty())
+                .ok_or("the execution has no uid")?;
+            let dir = ctx.state.root().join("snapshot-push").join(uid);
+            tokio::task::spawn_blocking(move || {
+                let _ = std::fs::remove_dir_all(&dir);
+                match dir.parent().map(std::fs::create_dir_all) {
+                    Some(Err(e)) => Err(format!("making {}: {e}", dir.display())),
+                    _ => Ok(dir),
+                }
+            })
+            .await
+        }
+    };
+    made.unwrap_or_else(|e| Err(e.to_string()))
+        .map_err(|why| format!("making the snapshot directory: {why}"))
 }
 
 /// Pushes the snapshot in `dir` to `reference`.
@@ -699,8 +793,87 @@ mod tests {
         e.metadata.deletion_timestamp = Some(Time(Timestamp::now()));
         e.metadata.finalizers = Some(vec![FINALIZER.into()]);
         e.metadata.annotations = Some([(NODE_ANNOTATION.to_owned(), "n1".to_owned())].into());
-        let want = PathBuf::from("/var/lib/imp/snapshots/ns/s/s-20261204-000000");
-        assert_eq!(decide(&e, "n1", |_, _| None), Step::Remove(want));
+        // The directory recorded when it was taken, whatever the spec says now.
+        let recorded = "/var/lib/imp/snapshots/ns/s/s-20261204-000000".to_owned();
+        e.status = Some(ImpVMSnapshotStatus {
+            snapshot_path: Some(recorded.clone()),
+            ..Default::default()
+        });
+        e.spec.storage.node_local = Some(imp_api::snapshot::NodeLocalStorage {
+            path: "/etc".into(),
+        });
+        assert_eq!(decide(&e, "n1", |_, _| None), Step::Remove(Some(recorded)));
         assert_eq!(decide(&e, "n2", |_, _| None), Step::Nothing);
+        e.status = None;
+        assert_eq!(
+            decide(&e, "n1", |_, _| None),
+            Step::Remove(None),
+            "none recorded"
+        );
+    }
+
+    fn roots() -> Roots {
+        Roots::new(std::path::Path::new("/var/lib/imp/agent"), &[]).unwrap()
+    }
+
+    #[test]
+    fn a_snapshot_goes_only_under_an_allowed_root() {
+        let mut e = exec(true);
+        let p = destination(&e, &roots()).unwrap().unwrap();
+        assert_eq!(
+            p.dir(),
+            PathBuf::from("/var/lib/imp/snapshots/ns/s/s-20261204-000000")
+        );
+        for path in [
+            "/etc",
+            "/",
+            "/var/lib/imp/snapshots/../../../root",
+            "/var/lib/imp/agent",
+        ] {
+            e.spec.storage.node_local =
+                Some(imp_api::snapshot::NodeLocalStorage { path: path.into() });
+            let why = destination(&e, &roots()).unwrap_err().to_string();
+            assert!(
+                why.contains("spec.storage.nodeLocal.path")
+                    && why.contains(&format!("{path:?}"))
+                    && why.contains("/var/lib/imp/snapshots, /var/lib/imp/agent/snapshot-files"),
+                "{why}"
+            );
+        }
+        // The parent's name (a label the tenant sets) forms the path too.
+        e.spec.storage.node_local = None;
+        e.metadata.labels = Some([(LABEL_SNAPSHOT_PARENT.to_owned(), "..".to_owned())].into());
+        let why = destination(&e, &roots()).unwrap_err().to_string();
+        assert!(why.contains("parent") && why.contains("\"..\""), "{why}");
+        e.spec.storage.type_ = StorageType::OciRegistry;
+        assert_eq!(destination(&e, &roots()), Ok(None), "a registry's");
+    }
+
+    #[test]
+    fn a_restore_reads_only_its_recorded_directory_under_an_allowed_root() {
+        let mut e = exec(true);
+        e.metadata.annotations = Some([(NODE_ANNOTATION.to_owned(), "n1".to_owned())].into());
+        let dir = "/var/lib/imp/snapshots/ns/s/s-20261204-000000";
+        for (path, ok) in [
+            (dir, true),
+            ("/etc", false),
+            ("/var/lib/imp/snapshots/other/s/s-20261204-000000", false),
+            ("/var/lib/imp/snapshots/ns/s/../../other/s/x", false),
+        ] {
+            e.status = Some(ImpVMSnapshotStatus {
+                phase: Some(SnapshotPhase::Succeeded),
+                snapshot_path: Some(path.into()),
+                ..Default::default()
+            });
+            let got = source_on(&e, "n1", &roots());
+            match ok {
+                true => assert_eq!(got, Ok(Stored::Here(PathBuf::from(dir)))),
+                false => assert!(
+                    got.as_ref()
+                        .is_err_and(|w| w.contains("status.snapshotPath")),
+                    "{path}: {got:?}"
+                ),
+            }
+        }
     }
 }

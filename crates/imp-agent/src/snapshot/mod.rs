@@ -13,9 +13,13 @@
 //! - [`INITRD`]: the initramfs the source booted;
 //! - [`VMM_NOTE`] (QEMU): the version that wrote the stream and whether the RAM is in it.
 //!
+//! Which directories a node-local snapshot may use, and how the agent reaches them without
+//! following a link out of them, is [`place`].
+//!
 //! Suspend (`runtime::shim::suspend`) uses the same VMM calls but keeps its files beside the VM.
 
 pub mod oci;
+pub mod place;
 pub mod sparse;
 
 /// The manifest's file name.

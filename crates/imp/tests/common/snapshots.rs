@@ -38,6 +38,15 @@ pub async fn exec_in(kubeconfig: &Path, ns: &str, vm: &str, script: &str) -> Str
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
+/// A fresh directory for node-local snapshots, as an agent's `--snapshot-root` must be: owned
+/// by root (the test's user) and writable by no one else (0755, whatever the umask).
+pub fn snapshot_root(prefix: &str) -> std::path::PathBuf {
+    use std::os::unix::fs::PermissionsExt as _;
+    let dir = imp_testenv::registry::scratch_dir(prefix).unwrap();
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+    dir
+}
+
 /// Creates parent ImpVMSnapshot `ns/name` of VM `vm` (in `ns`) stored as `storage`.
 pub async fn parent(c: &Client, ns: &str, name: &str, vm: &str, storage: serde_json::Value) {
     let snaps: Api<ImpVMSnapshot> = Api::namespaced(c.clone(), ns);

@@ -87,6 +87,8 @@ pub struct Settings {
     pub resume_reserve_mib: u64,
     /// Which VMs' serial consoles reach the agent's log, and how many lines per second.
     pub serial: serial::Policy,
+    /// The directories node-local snapshots may be in (a restore reads only from them).
+    pub snapshot_roots: crate::snapshot::place::Roots,
 }
 
 /// Failures of one reconcile; all are retried.

@@ -160,10 +160,26 @@ async fn snapshot_source(
         .await
         .map_err(|e| format!("reading spec.snapshotRef {ns}/{name}: {e}"))?
         .ok_or_else(|| format!("spec.snapshotRef: ImpVMSnapshot {ns}/{name} not found"))?;
-    let stored = crate::node::snapshots::source_on(&exec, &ctx.settings.node)
-        .map_err(|why| format!("spec.snapshotRef {ns}/{name}: {why}"))?;
+    let stored =
+        crate::node::snapshots::source_on(&exec, &ctx.settings.node, &ctx.settings.snapshot_roots)
+            .map_err(|why| format!("spec.snapshotRef {ns}/{name}: {why}"))?;
     match stored {
-        Stored::Here(dir) => Ok(Some(dir)),
+        Stored::Here(dir) => {
+            // Read only through directories no link leads out of, and no one else may change.
+            let place = crate::snapshot::place::recorded(
+                &dir.to_string_lossy(),
+                &ns,
+                name,
+                &ctx.settings.snapshot_roots,
+            )
+            .map_err(|why| format!("spec.snapshotRef {ns}/{name}: {why}"))?;
+            tokio::task::spawn_blocking(move || crate::snapshot::place::open(&place))
+                .await
+                .map_err(|e| e.to_string())
+                .and_then(|r| r.map_err(|e| imp_api::chain::chain(&e)))
+                .map(Some)
+                .map_err(|why| format!("spec.snapshotRef {ns}/{name}: {why}"))
+        }
         Stored::Registry(reference) => {
             // Pulled once per execution into the node's cache; a directory with its
             // snapshot.json is complete (a pull writes it last).
