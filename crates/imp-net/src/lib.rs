@@ -50,6 +50,63 @@ pub struct NetAttachment {
     pub config: imp_proto::config::NetworkConfig,
 }
 
+impl NetAttachment {
+    /// Checks the names the attachment gives the node (its TAP, its bridge, its MAC): an
+    /// attachment is read back from a VM's spec on disk, and only names imp derives go into
+    /// netlink requests, nftables rules and the VMM's command line.
+    pub fn check(&self) -> Result<(), BadAttachment> {
+        let name = |field: &'static str, value: &str| {
+            names::check_own(value).map_err(|source| BadAttachment::Name {
+                vm: self.vm.clone(),
+                network: self.network.clone(),
+                field,
+                value: value.to_owned(),
+                source,
+            })
+        };
+        name("TAP", &self.tap)?;
+        name("bridge", &self.bridge)?;
+        if plan::Mac::parse(&self.mac).is_none() {
+            return Err(BadAttachment::Mac {
+                vm: self.vm.clone(),
+                network: self.network.clone(),
+                mac: self.mac.clone(),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// Why a VM's attachment cannot be wired: it names something imp would not have made.
+#[derive(Debug, thiserror::Error)]
+pub enum BadAttachment {
+    /// An interface name that is not imp's.
+    #[error("VM {vm} on ImpNetwork {network}: {field} {value:?}")]
+    Name {
+        /// The VM, `namespace/name`.
+        vm: String,
+        /// The network, `namespace/name`.
+        network: String,
+        /// Which name.
+        field: &'static str,
+        /// The name.
+        value: String,
+        /// What is wrong with it.
+        #[source]
+        source: names::BadName,
+    },
+    /// A MAC that does not parse.
+    #[error("VM {vm} on ImpNetwork {network}: MAC {mac:?} is not of the form aa:bb:cc:dd:ee:ff")]
+    Mac {
+        /// The VM, `namespace/name`.
+        vm: String,
+        /// The network, `namespace/name`.
+        network: String,
+        /// The MAC.
+        mac: String,
+    },
+}
+
 /// Node-wide networking settings.
 #[derive(Clone, Debug)]
 pub struct NetSettings {
@@ -75,6 +132,22 @@ pub enum NetError {
     /// The netlink socket could not be opened.
     #[error("Opening a netlink socket")]
     Socket(#[source] std::io::Error),
+    /// The rules could not be written: a name in the plan cannot go into them.
+    #[error(transparent)]
+    Script(#[from] nft::ScriptError),
+    /// `nft` did not load the rules: the tables loaded before stay as they were, without the
+    /// ports of VMs attached since.
+    #[error(transparent)]
+    Rules(#[from] nft::NftError),
+    /// A VM's port is not in the rules loaded (its anti-spoofing and isolation are not in
+    /// place).
+    #[error("TAP {tap} of VM {vm} is not in the nftables rules loaded on this node")]
+    PortNotGuarded {
+        /// The TAP.
+        tap: String,
+        /// The VM, `namespace/name`.
+        vm: String,
+    },
 }
 
 /// What imp's rules dropped since it was last taken ([`NodeNet::take_drops`]).
@@ -159,13 +232,21 @@ impl NodeNet {
         lock(&self.networks).insert(view.key.clone(), view);
     }
 
-    /// Wires VM `uid`'s network; on refusal the attachment is dropped again and the reason,
-    /// naming the network and what it conflicts with, is returned.
+    /// Wires VM `uid`'s network, its port's rules (anti-spoofing, isolation) loaded; on
+    /// refusal the attachment is dropped again and the reason, naming the network and what it
+    /// conflicts with, or what `nft` said, is returned. A VM must not start without `Ok`.
     pub async fn attach(&self, uid: &str, a: NetAttachment) -> Result<(), String> {
-        let network = a.network.clone();
+        a.check().map_err(|e| chain(&e))?;
+        let (network, tap, vm) = (a.network.clone(), a.tap.clone(), a.vm.clone());
         lock(&self.attachments).insert(uid.to_owned(), a);
         let refused = match self.sync().await {
-            Ok(plan) => plan.refused.get(&network).cloned(),
+            Ok(plan) => match plan.refused.get(&network).or(plan.closed.get(&network)) {
+                Some(why) => Some(why.clone()),
+                None => self
+                    .guarded(&tap, &vm)
+                    .err()
+                    .map(|e| format!("wiring ImpNetwork {network}: {}", chain(&e))),
+            },
             Err(e) => Some(format!("wiring ImpNetwork {network}: {}", chain(&e))),
         };
         match refused {
@@ -177,6 +258,18 @@ impl NodeNet {
                 }
                 Err(why)
             }
+        }
+    }
+
+    /// Whether the rules loaded hold `tap`'s port for `vm`.
+    fn guarded(&self, tap: &str, vm: &str) -> Result<(), NetError> {
+        let loaded = lock(&self.loaded_ports);
+        match loaded.as_ref().and_then(|ports| ports.get(tap)) {
+            Some(v) if v == vm => Ok(()),
+            _ => Err(NetError::PortNotGuarded {
+                tap: tap.to_owned(),
+                vm: vm.to_owned(),
+            }),
         }
     }
 
@@ -228,7 +321,8 @@ impl NodeNet {
 
     /// Makes the node match the plan: devices, addresses, ports, forwarding entries, rules;
     /// removes imp's devices nobody needs. Networks that cannot be wired are in
-    /// [`Plan::refused`]; one network's failure does not stop the others.
+    /// [`Plan::refused`]; one network's failure does not stop the others. Rules that do not
+    /// load are an error (after the rest is done): the ports they should have guarded are not.
     pub async fn sync(&self) -> Result<Plan, NetError> {
         let mut applied = self.applied.lock().await;
         let links = self.netlink.links().await?;
@@ -250,7 +344,7 @@ impl NodeNet {
             }
         }
         plan.networks = wired;
-        self.rules(&plan.networks, &mut applied).await;
+        let rules = self.rules(&plan.networks, &mut applied).await;
         let links = self.netlink.links().await?;
         for stale in plan::stale_links(&plan, links.keys().map(String::as_str)) {
             if let Some(l) = links.get(&stale)
@@ -266,6 +360,10 @@ impl NodeNet {
         }
         for note in &plan.notes {
             tracing::warn!(note, "network wired with less than asked");
+        }
+        if let Err(e) = rules {
+            tracing::error!(error = %chain(&e), "loading imp's nftables rules: VMs attached since the last load do not start");
+            return Err(e);
         }
         Ok(plan)
     }
@@ -330,10 +428,14 @@ impl NodeNet {
     }
 
     /// Loads the rules when they changed (or were never loaded).
-    async fn rules(&self, networks: &[NetPlan], applied: &mut Option<String>) {
-        let script = nft::script(networks);
+    async fn rules(
+        &self,
+        networks: &[NetPlan],
+        applied: &mut Option<String>,
+    ) -> Result<(), NetError> {
+        let script = nft::script(networks)?;
         if applied.as_deref() == Some(script.as_str()) {
-            return;
+            return Ok(());
         }
         // Replacing the tables zeroes their counters: keep what they hold first.
         self.harvest().await;
@@ -350,8 +452,9 @@ impl NodeNet {
             }
             // No nft and nothing to load: there can be no imp tables to remove either.
             Err(nft::NftError::Spawn { .. }) if networks.is_empty() => *applied = Some(script),
-            Err(e) => tracing::error!(error = %chain(&e), "loading imp's nftables rules"),
+            Err(e) => return Err(e.into()),
         }
+        Ok(())
     }
 }
 
@@ -380,8 +483,15 @@ impl NodeNet {
     }
 }
 
-/// Turns on IPv4 forwarding on one interface (not node-wide).
+/// Turns on IPv4 forwarding on one interface (not node-wide); a name that is not an interface
+/// name (`..`, one holding `/`) is refused before it becomes a path.
 async fn forwarding_on(iface: &str) -> std::io::Result<()> {
+    names::check_interface(iface).map_err(|e| {
+        std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            format!("interface {iface:?} {e}"),
+        )
+    })?;
     let path = format!("/proc/sys/net/ipv4/conf/{iface}/forwarding");
     tokio::fs::write(path, b"1").await
 }

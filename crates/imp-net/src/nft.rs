@@ -33,6 +33,7 @@
 
 use std::fmt::Write;
 
+use super::names::{BadName, check_interface};
 use super::plan::{NetPlan, Port, fold_nested};
 use imp_api::ipv4::Ipv4Cidr;
 
@@ -103,8 +104,53 @@ impl PortDrop {
     }
 }
 
-/// The `nft -f` script that makes the tables match `networks` (removes them when empty).
-pub fn script(networks: &[NetPlan]) -> String {
+/// A name that cannot be written into imp's rules: the whole script is refused, so nothing of
+/// it reaches `nft`.
+#[derive(Debug, thiserror::Error)]
+#[error("ImpNetwork {network}: {field} {name:?} cannot go into imp's nftables rules")]
+pub struct ScriptError {
+    /// The network (`namespace/name`) whose plan holds the name.
+    pub network: String,
+    /// What the name is (`spec.nat.egressInterface`, `bridge`, …).
+    pub field: &'static str,
+    /// The name.
+    pub name: String,
+    /// What is wrong with it.
+    #[source]
+    pub source: BadName,
+}
+
+/// Checks every name `n` puts into the script (interface names, in quotes, and the chain and
+/// counter names built from them): text is never escaped, it is refused.
+fn check_names(n: &NetPlan) -> Result<(), ScriptError> {
+    let refuse = |field: &'static str, name: &str| {
+        check_interface(name).map_err(|source| ScriptError {
+            network: n.key.clone(),
+            field,
+            name: name.to_owned(),
+            source,
+        })
+    };
+    refuse("bridge", &n.bridge)?;
+    if let Some(vx) = &n.vxlan {
+        refuse("VXLAN device", &vx.name)?;
+    }
+    for tap in n.ports.keys() {
+        refuse("TAP", tap)?;
+    }
+    if let Some(egress) = &n.nat_egress {
+        refuse("spec.nat.egressInterface", egress)?;
+    }
+    Ok(())
+}
+
+/// The `nft -f` script that makes the tables match `networks` (removes them when empty), or
+/// the first name in them that cannot be written into it ([`check_names`]). Everything else
+/// it writes is typed (addresses, CIDRs, MACs, numbers) or imp's own constants.
+pub fn script(networks: &[NetPlan]) -> Result<String, ScriptError> {
+    for n in networks {
+        check_names(n)?;
+    }
     let mut s = String::new();
     // Creating then deleting makes the delete valid whether or not the table exists; the
     // whole file is one transaction.
@@ -112,11 +158,11 @@ pub fn script(networks: &[NetPlan]) -> String {
         let _ = writeln!(s, "table {family} {TABLE}\ndelete table {family} {TABLE}");
     }
     if networks.is_empty() {
-        return s;
+        return Ok(s);
     }
     s.push_str(&inet_table(networks));
     s.push_str(&bridge_table(networks));
-    s
+    Ok(s)
 }
 
 fn inet_table(networks: &[NetPlan]) -> String {
@@ -445,7 +491,7 @@ mod tests {
 
     #[test]
     fn no_network_removes_both_tables_and_nothing_else() {
-        let s = script(&[]);
+        let s = script(&[]).unwrap();
         assert_eq!(
             s,
             "table inet imp\ndelete table inet imp\ntable bridge imp\ndelete table bridge imp\n"
@@ -457,7 +503,8 @@ mod tests {
         let s = script(&[
             net("impbr-a", "10.1.0.0/24", Some("eth0"), &[]),
             net("impbr-b", "10.2.0.0/24", None, &[]),
-        ]);
+        ])
+        .unwrap();
         assert!(
             s.contains("ip saddr 10.1.0.0/24 ip daddr != 10.1.0.0/24 oifname \"eth0\" masquerade"),
             "{s}"
@@ -483,7 +530,7 @@ mod tests {
     fn an_isolated_group_is_fenced_at_the_bridge_and_at_the_gateway() {
         let mut n = net("impbr-a", "10.1.0.0/24", None, &["10.1.0.16/28"]);
         n.ports = [port("imptap-1", 5), port("imptap-2", 6)].into();
-        let s = script(&[n]);
+        let s = script(&[n]).unwrap();
         let ports = "iifname { \"imptap-1\", \"imptap-2\" }";
         let g = "10.1.0.16/28";
         assert!(
@@ -520,7 +567,7 @@ mod tests {
     fn each_port_passes_only_its_vms_mac_and_address_and_counts_the_rest() {
         let mut n = net("impbr-a", "10.1.0.0/24", None, &[]);
         n.ports = [port("imptap-00000005", 5), port("imptap-00000006", 6)].into();
-        let s = script(&[n]);
+        let s = script(&[n]).unwrap();
         let chain = &s[s.find("chain port-imptap-00000005 {").unwrap()..];
         let chain = &chain[..chain.find("  }").unwrap()];
         let c = |why: &str| format!("counter name imptap-00000005-{why} drop");
@@ -553,14 +600,14 @@ mod tests {
         let (tap, mut p) = port("imptap-00000005", 5);
         p.mac = None;
         n.ports = [(tap, p)].into();
-        let s = script(&[n]);
+        let s = script(&[n]).unwrap();
         assert!(
             s.contains(
                 "chain port-imptap-00000005 {\n    counter name imptap-00000005-mac drop\n  }"
             ),
             "{s}"
         );
-        let s = script(&[net("impbr-a", "10.1.0.0/24", None, &[])]);
+        let s = script(&[net("impbr-a", "10.1.0.0/24", None, &[])]).unwrap();
         let bridge = &s[s.find("table bridge imp {").unwrap()..];
         assert!(
             !bridge.contains("prerouting"),
@@ -577,7 +624,7 @@ mod tests {
             port: 4789,
             local: "192.168.5.1".parse().unwrap(),
         });
-        let s = script(std::slice::from_ref(&n));
+        let s = script(std::slice::from_ref(&n)).unwrap();
         assert!(
             s.contains("udp dport 4789 @th,96,24 0xabcd counter name vxlan-foreign drop"),
             "no VTEP yet: nobody: {s}"
@@ -602,13 +649,13 @@ mod tests {
             },
         ]
         .into();
-        let s = script(&[n]);
+        let s = script(&[n]).unwrap();
         assert!(s.contains(
             "udp dport 4789 @th,96,24 0xabcd ip saddr != { 192.168.5.2, 192.168.5.3 } counter name vxlan-foreign drop"
         ), "{s}");
         let input = &s[s.find("chain input").unwrap()..];
         assert!(input.find("vxlan-foreign").unwrap() < input.find("ct state").unwrap());
-        let s = script(&[net("impbr-a", "10.1.0.0/24", None, &[])]);
+        let s = script(&[net("impbr-a", "10.1.0.0/24", None, &[])]).unwrap();
         assert!(!s.contains("vxlan-foreign"), "no overlay, no rule: {s}");
     }
 
@@ -657,7 +704,7 @@ mod tests {
         n.egress_deny = vec![cidr("10.96.0.0/12")];
         n.egress_allow = vec![cidr("10.96.0.10/32"), cidr("10.96.0.0/28")];
         n.dns = BTreeSet::from(["192.168.5.53".parse().unwrap()]);
-        let s = script(&[n]);
+        let s = script(&[n]).unwrap();
         let chain = &s[s.find("chain egress-impbr-a {").unwrap()..];
         let rules: Vec<&str> = chain.lines().skip(1).take(8).map(str::trim).collect();
         assert_eq!(
@@ -686,5 +733,87 @@ mod tests {
             "chain forward {\n    type filter hook forward priority filter; policy accept;\n    iifname \"impbr-a\" jump egress-impbr-a\n"
         ), "{s}");
         assert!(s.contains("  counter egress-denied {}"));
+    }
+
+    /// A tenant's `spec.nat.egressInterface` of `x";accept;#` used to close the quoted name
+    /// and load as an unconditional accept in forward and postrouting; `i*` as a wildcard
+    /// matching every imp bridge. Now no script is made, naming the network and the field.
+    #[test]
+    fn a_hostile_egress_interface_is_refused_and_no_script_is_made() {
+        for hostile in [
+            "x\";accept;#",
+            "i*",
+            "eth0\"\naccept",
+            "a\\",
+            "",
+            "..",
+            "x y",
+        ] {
+            let err = script(&[net("impbr-a", "10.1.0.0/24", Some(hostile), &[])]).unwrap_err();
+            let msg = imp_api::chain::chain(&err);
+            assert!(
+                msg.starts_with(&format!(
+                    "ImpNetwork ns/impbr-a: spec.nat.egressInterface {hostile:?} cannot go into"
+                )),
+                "{msg}"
+            );
+        }
+    }
+
+    #[test]
+    fn every_name_written_into_the_script_is_checked() {
+        let good = || {
+            let mut n = net("impbr-a", "10.1.0.0/24", Some("eth0"), &["10.1.0.16/28"]);
+            n.ports = [port("imptap-00000005", 5)].into();
+            n.vxlan = Some(VxlanPlan {
+                name: "impvx-1".into(),
+                vni: 7,
+                port: 4789,
+                local: "192.168.5.1".parse().unwrap(),
+            });
+            n
+        };
+        assert!(script(&[good()]).is_ok());
+        let hostile = "a\";accept;#";
+        let mut n = good();
+        n.bridge = hostile.into();
+        let mut v = good();
+        v.vxlan.as_mut().unwrap().name = hostile.into();
+        let mut t = good();
+        t.ports = [port(hostile, 5)].into();
+        for (n, field) in [(n, "bridge"), (v, "VXLAN device"), (t, "TAP")] {
+            let err = script(&[good(), n]).unwrap_err();
+            assert_eq!(err.field, field);
+            assert_eq!(err.name, hostile);
+        }
+    }
+
+    /// Whatever name the tenant writes, the script either is refused or has the rules it has
+    /// with `eth0`, the name standing quoted where `eth0` stood.
+    #[test]
+    fn no_egress_interface_changes_the_shape_of_the_rules() {
+        let with = |name: &str| script(&[net("impbr-a", "10.1.0.0/24", Some(name), &[])]);
+        let base = with("eth0").unwrap();
+        let alphabet: Vec<char> = "ax0-_.\"';#*\\/: {}\n\té@".chars().collect();
+        let mut seed = 0x2545_f491_4f6c_dd1d_u64;
+        let mut accepted = 0;
+        for _ in 0..5_000 {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            let len = 1 + (seed % 16) as usize;
+            let name: String = (0..len)
+                .map(|i| alphabet[((seed >> (i * 3)) as usize) % alphabet.len()])
+                .collect();
+            if let Ok(s) = with(&name) {
+                accepted += 1;
+                assert_eq!(
+                    s,
+                    base.replace("\"eth0\"", &format!("\"{name}\"")),
+                    "{name:?}"
+                );
+            }
+        }
+        assert!(accepted > 0, "the generator made no valid name");
     }
 }

@@ -8,6 +8,7 @@ use std::net::Ipv4Addr;
 use imp_api::ipv4::Ipv4Cidr;
 
 use crate::NetAttachment;
+use crate::names::check_interface;
 
 /// Bytes a VXLAN encapsulation adds on IPv4 (outer IP 20 + UDP 8 + VXLAN 8 + inner Ethernet 14).
 pub const VXLAN_OVERHEAD: u32 = 50;
@@ -209,6 +210,10 @@ pub struct Plan {
     pub networks: Vec<NetPlan>,
     /// Networks not wired, by key, with the reason naming both sides of a conflict.
     pub refused: BTreeMap<String, String>,
+    /// Networks wired for the VMs already on them but closed to new ones, by key, with why:
+    /// their spec asks for something the node will not write (an `egressInterface` that is
+    /// no interface name); a VM about to start on one is refused.
+    pub closed: BTreeMap<String, String>,
     /// What is wired with less than asked, and why.
     pub notes: Vec<String>,
 }
@@ -219,11 +224,16 @@ pub fn plan(
     networks: &BTreeMap<String, NetworkView>,
     node: &NodeView,
 ) -> Plan {
+    let mut out = Plan::default();
     let mut by_network: BTreeMap<&str, Vec<&NetAttachment>> = BTreeMap::new();
     for a in attachments {
+        // Names read back from a spec on disk: one that is not imp's is never used.
+        if let Err(e) = a.check() {
+            out.notes.push(imp_api::chain::chain(&e));
+            continue;
+        }
         by_network.entry(a.network.as_str()).or_default().push(a);
     }
-    let mut out = Plan::default();
     for (key, members) in by_network {
         let view = networks.get(key);
         let subnet = match view.map(|v| v.subnet).or_else(|| subnet_of(members[0])) {
@@ -239,9 +249,29 @@ pub fn plan(
             continue;
         }
         let nat_egress = match view.and_then(|v| v.nat.clone()) {
-            Some(Some(iface)) => Some(iface),
+            Some(Some(iface)) => match check_interface(&iface) {
+                Ok(()) => Some(iface),
+                // Without NAT nothing leaves the network: closed, not open.
+                Err(e) => {
+                    let why = format!(
+                        "ImpNetwork {key}: spec.nat.egressInterface {iface:?} is not a valid \
+                         interface name: {e}; no NAT on this node and no new VM on the network"
+                    );
+                    out.notes.push(why.clone());
+                    out.closed.insert(key.to_owned(), why);
+                    None
+                }
+            },
             Some(None) => match &node.default_interface {
-                Some(iface) => Some(iface.clone()),
+                Some(iface) if check_interface(iface).is_ok() => Some(iface.clone()),
+                Some(iface) => {
+                    out.notes.push(format!(
+                        "ImpNetwork {key} has nat.enabled, but the node's default route leaves \
+                         through {iface:?}, which imp will not write into its rules: no NAT on \
+                         this node (set spec.nat.egressInterface)"
+                    ));
+                    None
+                }
                 None => {
                     out.notes.push(format!(
                         "ImpNetwork {key} has nat.enabled, but the node has no default route and \
@@ -601,6 +631,71 @@ mod tests {
         let p = plan(&a, &nets, &n);
         assert_eq!(p.networks[0].nat_egress, None, "wired, without NAT");
         assert!(p.notes[0].contains("no default route"), "{:?}", p.notes);
+    }
+
+    /// `x";accept;#` as the egress interface: the network's VMs on the node keep their ports
+    /// and isolation but get no NAT, new VMs are refused naming the field, and the script is
+    /// made without the name.
+    #[test]
+    fn a_hostile_egress_interface_closes_the_network_and_never_reaches_the_rules() {
+        let hostile = "x\";accept;#";
+        let a = [attach("ns/net", "a", "10.7.0.2")];
+        let mut v = view("ns/net", "10.7.0.0/24");
+        v.nat = Some(Some(hostile.into()));
+        let nets = BTreeMap::from([("ns/net".to_owned(), v.clone())]);
+        let p = plan(&a, &nets, &node());
+        assert_eq!(p.networks.len(), 1, "still wired for the VMs on it");
+        assert_eq!(p.networks[0].nat_egress, None);
+        let why = &p.closed["ns/net"];
+        assert!(
+            why.starts_with(
+                "ImpNetwork ns/net: spec.nat.egressInterface \"x\\\";accept;#\" is not a valid \
+                 interface name: holds '\"'"
+            ),
+            "{why}"
+        );
+        let script = crate::nft::script(&p.networks).unwrap();
+        assert!(!script.contains("x\""), "{script}");
+        assert!(!script.contains("masquerade"), "{script}");
+        // The node's own default interface, if odd, is not written either (and closes nothing).
+        v.nat = Some(None);
+        let nets = BTreeMap::from([("ns/net".to_owned(), v)]);
+        let mut n = node();
+        n.default_interface = Some("e*".into());
+        let p = plan(&a, &nets, &n);
+        assert_eq!(p.networks[0].nat_egress, None);
+        assert!(p.closed.is_empty());
+        assert!(p.notes[0].contains("\"e*\""), "{:?}", p.notes);
+    }
+
+    /// Names read back from a VM's spec on disk are used only if imp could have made them.
+    #[test]
+    fn an_attachment_with_names_imp_did_not_make_is_left_out() {
+        let good = attach("ns/net", "a", "10.7.0.2");
+        let nets = BTreeMap::from([("ns/net".to_owned(), view("ns/net", "10.7.0.0/24"))]);
+        for bad in [
+            NetAttachment {
+                tap: "imptap-\";acc".into(),
+                ..good.clone()
+            },
+            NetAttachment {
+                bridge: "eth0".into(),
+                ..good.clone()
+            },
+            NetAttachment {
+                mac: "02:00:00:00:00:01,x".into(),
+                ..good.clone()
+            },
+        ] {
+            let p = plan(&[bad], &nets, &node());
+            assert!(p.networks.is_empty(), "{:?}", p.networks);
+            assert!(
+                p.notes[0].starts_with("VM ns/a on ImpNetwork ns/net: "),
+                "{:?}",
+                p.notes
+            );
+        }
+        assert_eq!(plan(&[good], &nets, &node()).networks.len(), 1);
     }
 
     #[test]
