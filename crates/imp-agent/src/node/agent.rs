@@ -37,6 +37,9 @@ pub struct Config {
     pub node_ip: Option<Ipv4Addr>,
     /// Where VM directories and records live.
     pub state_dir: PathBuf,
+    /// The host-wide record of claimed VMM uids, shared with `imp run` and any other agent of
+    /// the host (`None`: `vmm-uids/` of the state directory, this agent's VMs alone).
+    pub vmm_uid_dir: Option<PathBuf>,
     /// The image cache (default: `cache/` in the state directory).
     pub image_cache: Option<PathBuf>,
     /// The most bytes one image may unpack to.
@@ -136,7 +139,10 @@ pub async fn run(
     client_config: kube::Config,
     stop: watch::Receiver<bool>,
 ) -> Result<(), AgentError> {
-    let state = StateDir::new(config.state_dir.clone());
+    let mut state = StateDir::new(config.state_dir.clone());
+    if let Some(dir) = &config.vmm_uid_dir {
+        state = state.with_vmm_uid_dir(dir);
+    }
     let cache_dir = config.image_cache.clone().unwrap_or_else(|| state.cache());
     let mut tasks = Vec::new();
     tasks.extend(keep_image_cache(&config, &state, &cache_dir).await);
