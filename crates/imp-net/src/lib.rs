@@ -217,9 +217,34 @@ impl NodeNet {
         self.netlink.clone()
     }
 
-    /// Takes over the attachment of a VM found on disk (no sync).
-    pub fn adopt(&self, uid: &str, a: NetAttachment) {
-        lock(&self.attachments).insert(uid.to_owned(), a);
+    /// Takes over the attachment of a VM found on disk (no sync); refused, naming both VMs,
+    /// when another VM adopted before it has the same TAP ([`tap_clash`]).
+    pub fn adopt(&self, uid: &str, a: NetAttachment) -> Result<(), String> {
+        claim(&mut lock(&self.attachments), uid, a)
+    }
+
+    /// Refuses VM `a.vm`'s TAP when the node's TAP of that name was made for another VM (its
+    /// alias names that VM: one whose attachment this agent no longer holds, or another
+    /// agent's); then takes it in the agent's records unless another VM's attachment there has
+    /// it ([`tap_clash`]).
+    async fn claim_tap(&self, uid: &str, a: NetAttachment) -> Result<(), String> {
+        let links = {
+            // One netlink dump at a time (see `guest_mtu`).
+            let _one = self.applied.lock().await;
+            self.netlink.links().await
+        };
+        let links = links.map_err(|e| format!("reading the node's interfaces: {}", chain(&e)))?;
+        if let Some(owner) = links
+            .get(&a.tap)
+            .and_then(|l| alias_clash(l.alias.as_deref(), &a.vm))
+        {
+            return Err(format!(
+                "TAP {} of VM {} exists on this node for VM {owner} (the two names hash to one \
+                 TAP name); it is not taken over: this VM cannot be wired here while that TAP exists",
+                a.tap, a.vm
+            ));
+        }
+        claim(&mut lock(&self.attachments), uid, a)
     }
 
     /// Replaces what the ImpNetworks say (no sync).
@@ -238,7 +263,7 @@ impl NodeNet {
     pub async fn attach(&self, uid: &str, a: NetAttachment) -> Result<(), String> {
         a.check().map_err(|e| chain(&e))?;
         let (network, tap, vm) = (a.network.clone(), a.tap.clone(), a.vm.clone());
-        lock(&self.attachments).insert(uid.to_owned(), a);
+        self.claim_tap(uid, a).await?;
         let refused = match self.sync().await {
             Ok(plan) => match plan.refused.get(&network).or(plan.closed.get(&network)) {
                 Some(why) => Some(why.clone()),
@@ -386,11 +411,18 @@ impl NodeNet {
             }
         }
         let links = self.netlink.links().await?;
-        for t in n.ports.keys() {
+        for (t, port) in &n.ports {
+            // The TAP says which VM it is for ([`alias_clash`]).
+            let alias = Some(port.vm.as_str()).filter(|vm| !vm.is_empty());
             if let Some(l) = links.get(t)
-                && (l.controller != Some(bridge) || !l.up || l.mtu != n.mtu)
+                && (l.controller != Some(bridge)
+                    || !l.up
+                    || l.mtu != n.mtu
+                    || (alias.is_some() && l.alias.as_deref() != alias))
             {
-                self.netlink.set(l.index, t, Some(bridge), n.mtu).await?;
+                self.netlink
+                    .set(l.index, t, Some(bridge), n.mtu, alias)
+                    .await?;
             }
         }
         if let Some(vx) = &n.vxlan {
@@ -483,6 +515,59 @@ impl NodeNet {
     }
 }
 
+/// Why VM `uid` may not have the TAP its attachment `a` names, if another VM's attachment in
+/// `attachments` has it: a TAP's name is a 32-bit hash of its VM's `namespace/name`
+/// ([`names::tap`]), so two VMs can meet on one, and the second would move the first one's
+/// port (its bridge, its rules) to itself. The same VM under another uid (deleted and made
+/// again before its old attachment went) is no clash.
+pub fn tap_clash(
+    attachments: &BTreeMap<String, NetAttachment>,
+    uid: &str,
+    a: &NetAttachment,
+) -> Option<String> {
+    let (other, b) = attachments
+        .iter()
+        .find(|(other, b)| other.as_str() != uid && b.tap == a.tap)?;
+    if !a.vm.is_empty() && a.vm == b.vm {
+        return None;
+    }
+    let named = |vm: &str, uid: &str| {
+        if vm.is_empty() {
+            format!("uid {uid}")
+        } else {
+            format!("{vm} (uid {uid})")
+        }
+    };
+    Some(format!(
+        "TAP {} of VM {} is VM {}'s on this node (the two names hash to one TAP name); it is \
+         not taken over: this VM cannot be wired here while that VM is",
+        a.tap,
+        named(&a.vm, uid),
+        named(&b.vm, other)
+    ))
+}
+
+/// Puts VM `uid`'s attachment `a` into `attachments` unless [`tap_clash`] refuses it.
+fn claim(
+    attachments: &mut BTreeMap<String, NetAttachment>,
+    uid: &str,
+    a: NetAttachment,
+) -> Result<(), String> {
+    if let Some(why) = tap_clash(attachments, uid, &a) {
+        return Err(why);
+    }
+    attachments.insert(uid.to_owned(), a);
+    Ok(())
+}
+
+/// The VM a TAP was made for, from its `alias`, when that is not `vm`: the TAP is another
+/// VM's. A TAP without an alias (made before imp set one) or an attachment without a VM (a spec
+/// written before it was recorded) is no clash.
+pub fn alias_clash(alias: Option<&str>, vm: &str) -> Option<String> {
+    let alias = alias.filter(|a| !a.is_empty())?;
+    (!vm.is_empty() && alias != vm).then(|| alias.to_owned())
+}
+
 /// Turns on IPv4 forwarding on one interface (not node-wide); a name that is not an interface
 /// name (`..`, one holding `/`) is refused before it becomes a path.
 async fn forwarding_on(iface: &str) -> std::io::Result<()> {
@@ -494,4 +579,92 @@ async fn forwarding_on(iface: &str) -> std::io::Result<()> {
     })?;
     let path = format!("/proc/sys/net/ipv4/conf/{iface}/forwarding");
     tokio::fs::write(path, b"1").await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn attachment(vm: &str, tap: &str) -> NetAttachment {
+        NetAttachment {
+            network: "ns/net".into(),
+            bridge: names::bridge("ns", "net"),
+            tap: tap.into(),
+            mac: "02:00:00:00:00:01".into(),
+            vm: vm.into(),
+            config: imp_proto::config::NetworkConfig {
+                interface: "eth0".into(),
+                address: Ipv4Addr::new(10, 0, 0, 2),
+                prefix_len: 24,
+                gateway: None,
+                dns: Vec::new(),
+                search: Vec::new(),
+                mtu: None,
+            },
+        }
+    }
+
+    /// Two VMs whose names hash to one TAP name (forced here: the name is given): the second
+    /// is refused, naming both, and the first keeps its port.
+    #[test]
+    fn a_second_vm_on_a_taken_tap_name_is_refused_and_the_first_keeps_it() {
+        let mut all = BTreeMap::new();
+        claim(
+            &mut all,
+            "uid-a",
+            attachment("team-a/db", "imptap-0badf00d"),
+        )
+        .unwrap();
+        let why = claim(
+            &mut all,
+            "uid-b",
+            attachment("team-b/web", "imptap-0badf00d"),
+        )
+        .unwrap_err();
+        for needle in [
+            "imptap-0badf00d",
+            "team-a/db",
+            "team-b/web",
+            "uid-a",
+            "not taken over",
+        ] {
+            assert!(why.contains(needle), "{needle}: {why}");
+        }
+        assert_eq!(all.len(), 1);
+        assert_eq!(all["uid-a"].vm, "team-a/db");
+        // The same VM again (a restart, or made again under a new uid) is no clash.
+        claim(
+            &mut all,
+            "uid-a",
+            attachment("team-a/db", "imptap-0badf00d"),
+        )
+        .unwrap();
+        assert_eq!(
+            tap_clash(&all, "uid-a2", &attachment("team-a/db", "imptap-0badf00d")),
+            None
+        );
+        // Another TAP name is none of its business.
+        claim(
+            &mut all,
+            "uid-b",
+            attachment("team-b/web", "imptap-12345678"),
+        )
+        .unwrap();
+        // A recorded attachment without a VM (an old spec) still holds its TAP.
+        let mut old = BTreeMap::new();
+        claim(&mut old, "uid-o", attachment("", "imptap-0badf00d")).unwrap();
+        assert!(tap_clash(&old, "uid-b", &attachment("team-b/web", "imptap-0badf00d")).is_some());
+    }
+
+    #[test]
+    fn a_tap_whose_alias_names_another_vm_is_that_vms() {
+        assert_eq!(
+            alias_clash(Some("team-a/db"), "team-b/web"),
+            Some("team-a/db".to_owned())
+        );
+        assert_eq!(alias_clash(Some("team-a/db"), "team-a/db"), None);
+        assert_eq!(alias_clash(None, "team-b/web"), None, "made before aliases");
+        assert_eq!(alias_clash(Some(""), "team-b/web"), None);
+        assert_eq!(alias_clash(Some("team-a/db"), ""), None, "an old spec");
+    }
 }

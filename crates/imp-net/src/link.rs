@@ -58,6 +58,9 @@ pub struct Link {
     pub up: bool,
     /// VXLAN settings, for a VXLAN device: (VNI, port, local).
     pub vxlan: Option<(u32, u16, Option<Ipv4Addr>)>,
+    /// The interface's alias (`ip link set DEV alias`): on a VM's TAP, the VM it was made
+    /// for (`namespace/name`), so a TAP of the same name asked for by another VM is refused.
+    pub alias: Option<String>,
 }
 
 impl Link {
@@ -69,10 +72,12 @@ impl Link {
             mtu: 0,
             up: m.header.flags.contains(LinkFlags::Up),
             vxlan: None,
+            alias: None,
         };
         for a in &m.attributes {
             match a {
                 LinkAttribute::IfName(n) => link.name = n.clone(),
+                LinkAttribute::IfAlias(a) => link.alias = Some(a.clone()).filter(|a| !a.is_empty()),
                 LinkAttribute::Controller(c) => link.controller = Some(*c),
                 LinkAttribute::Mtu(mtu) => link.mtu = *mtu,
                 LinkAttribute::LinkInfo(infos) => link.vxlan = vxlan_info(infos),
@@ -194,7 +199,7 @@ impl Netlink {
             what: name.to_owned(),
             source: rtnetlink::Error::RequestFailed,
         })?;
-        self.set(index, name, None, mtu).await?;
+        self.set(index, name, None, mtu, None).await?;
         Ok(index)
     }
 
@@ -346,20 +351,25 @@ impl Netlink {
                 })?
             }
         };
-        self.set(index, &plan.name, Some(bridge), mtu).await
+        self.set(index, &plan.name, Some(bridge), mtu, None).await
     }
 
-    /// Makes interface `index` a port of `controller` (if given) with `mtu`, and up.
+    /// Makes interface `index` a port of `controller` (if given) with `mtu`, and up; gives it
+    /// `alias` if one is given.
     pub async fn set(
         &self,
         index: u32,
         name: &str,
         controller: Option<u32>,
         mtu: u32,
+        alias: Option<&str>,
     ) -> Result<()> {
         let mut msg = LinkUnspec::new_with_index(index).mtu(mtu).up();
         if let Some(c) = controller {
             msg = msg.controller(c);
+        }
+        if let Some(a) = alias {
+            msg = msg.alias(a);
         }
         self.handle
             .link()

@@ -494,6 +494,7 @@ fn check_agent_container(c: &Value) {
         "--metrics-addr=0.0.0.0:9090",
         "--cgroup-parent=imp",
         "--state-dir=/var/lib/imp/agent",
+        "--vmm-uid-dir=/var/lib/imp/vmm-uids",
         "--image-cache=/var/cache/imp",
         // 20 GiB, written as an integer (Helm would print a float as 2.147483648e+10).
         "--image-cache-max-bytes=21474836480",
@@ -504,6 +505,11 @@ fn check_agent_container(c: &Value) {
     ] {
         assert!(a.contains(&flag), "agent args {a:?} lack {flag}");
     }
+    // Firecracker runs only under its jailer unless agent.firecracker.allowUnjailed says so.
+    assert!(
+        !a.contains(&"--allow-unjailed-firecracker"),
+        "agent args {a:?} allow an unjailed Firecracker by default"
+    );
     let field = |name| env(c, name)["valueFrom"]["fieldRef"]["fieldPath"].clone();
     assert_eq!(field("NODE_NAME"), "spec.nodeName");
     assert_eq!(field("NODE_IP"), "status.hostIP");
@@ -580,6 +586,7 @@ fn check_agent_mounts(ds: &Value) {
         "/dev/net/tun",
         "/sys/fs/cgroup",
         "/var/lib/imp/agent",
+        "/var/lib/imp/vmm-uids",
         "/var/cache/imp",
         "/var/lib/imp/snapshots",
     ] {
@@ -1103,6 +1110,8 @@ const TOGGLES: &[Toggle] = &[
             "agent.logLevel=info\\,imp_agent=trace",
             "--set",
             "agent.stateDir=/srv/imp/state",
+            "--set",
+            "agent.firecracker.allowUnjailed=true",
         ],
         check: |objs| {
             let ds = find(objs, "DaemonSet", "imp-agent");
@@ -1120,6 +1129,7 @@ const TOGGLES: &[Toggle] = &[
                 Some("/srv/imp/state")
             );
             assert!(args(c).contains(&"--state-dir=/srv/imp/state"));
+            assert!(args(c).contains(&"--allow-unjailed-firecracker"));
             assert!(args(c).contains(&"--log-json"));
             let deploy = find(objs, "Deployment", "imp-controller-manager");
             let m = container(deploy, "manager");

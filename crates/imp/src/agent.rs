@@ -67,6 +67,15 @@ pub struct Args {
         value_name = "DIR"
     )]
     snapshot_roots: Vec<PathBuf>,
+    /// The host-wide record of claimed VMM uids, shared with `imp run` (as root) and every
+    /// other agent of the host, so no two of imp's VMMs run as one uid; empty: `vmm-uids/` of
+    /// the state directory (this agent's VMs alone).
+    #[arg(
+        long,
+        env = "IMP_VMM_UID_DIR",
+        default_value = imp_agent::runtime::state::HOST_VMM_UID_DIR
+    )]
+    vmm_uid_dir: PathBuf,
     /// The image cache (default: `cache/` in the state directory).
     #[arg(long, env = "IMP_IMAGE_CACHE")]
     image_cache: Option<PathBuf>,
@@ -92,9 +101,14 @@ pub struct Args {
     /// /var/lib/imp/imp-guest).
     #[arg(long, env = "IMP_GUEST")]
     guest: Option<PathBuf>,
-    /// The Firecracker binary.
+    /// The Firecracker binary; its jailer must be beside it.
     #[arg(long, env = "FC_BIN", default_value = "/usr/local/bin/firecracker")]
     firecracker: PathBuf,
+    /// Run Firecracker even where no jailer is beside it: its VMs then run unconfined, as
+    /// root (a guest that escapes into the VMM owns the node). Without it such a node runs
+    /// no Firecracker VMs (RuntimeStartFailed, naming this flag).
+    #[arg(long)]
+    allow_unjailed_firecracker: bool,
     /// The VMM for VMs whose class names none.
     #[arg(long, env = "IMP_RUNTIME", value_enum, default_value_t = RuntimeChoice::Auto)]
     runtime: RuntimeChoice,
@@ -273,6 +287,7 @@ fn config(args: Args) -> anyhow::Result<Config> {
         node_ip,
         state_dir: args.state_dir,
         snapshot_roots: args.snapshot_roots,
+        vmm_uid_dir: Some(args.vmm_uid_dir).filter(|d| !d.as_os_str().is_empty()),
         image_cache: args.image_cache,
         image_max_bytes: args.image_max_bytes,
         image_cache_max_bytes: args.image_cache_max_bytes,
@@ -281,6 +296,7 @@ fn config(args: Args) -> anyhow::Result<Config> {
             modules,
             guest,
             firecracker: args.firecracker,
+            allow_unjailed_firecracker: args.allow_unjailed_firecracker,
         },
         kernel_args: args.kernel_args,
         default_runtime: match args.runtime {

@@ -103,6 +103,10 @@ struct ShimArgs {
     /// The state directory holding `vms/ID/`.
     #[arg(long)]
     state_dir: std::path::PathBuf,
+    /// Where VMM uids are claimed (the record its starter uses; default: `vmm-uids/` of the
+    /// state directory).
+    #[arg(long)]
+    vmm_uid_dir: Option<std::path::PathBuf>,
     /// The VM's TAP, already open under this descriptor number (the agent held it while the
     /// VM slept); the VMM of a resume inherits it.
     #[arg(long)]
@@ -209,7 +213,10 @@ fn shim(args: ShimArgs) -> anyhow::Result<()> {
         .with_writer(std::io::stderr)
         .with_ansi(false)
         .try_init();
-    let state = imp_agent::runtime::state::StateDir::new(args.state_dir);
+    let mut state = imp_agent::runtime::state::StateDir::new(args.state_dir);
+    if let Some(dir) = args.vmm_uid_dir {
+        state = state.with_vmm_uid_dir(dir);
+    }
     let tap = args
         .tap_fd
         .map(imp_agent::runtime::shim::inherited_tap)

@@ -59,7 +59,11 @@ fn every_flag_the_chart_passes_is_parsed_by_imp() {
     };
     let toggles: [&[&str]; 3] = [
         &[],
-        &["webhook.certManager.enabled=true", "logJson=true"],
+        &[
+            "webhook.certManager.enabled=true",
+            "logJson=true",
+            "agent.firecracker.allowUnjailed=true",
+        ],
         &[
             "webhook.enabled=false",
             "agent.extraArgs={--no-network}",

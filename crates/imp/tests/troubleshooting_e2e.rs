@@ -7,6 +7,9 @@
 //! agent's line at startup, whether Firecracker is the node's default runtime or only a class
 //! asks for it, and the VM that needs it says the same in its condition and Event.
 //!
+//! A Firecracker with no jailer beside it is refused the same way (`RuntimeStartFailed`, naming
+//! the jailer's path and `--allow-unjailed-firecracker`): it would run as root, unconfined.
+//!
 //! "NoNodeAvailable — runs no firecracker": the agent publishes the runtimes it can run on its
 //! Node (`imp.dev/runtimes`) and its CPU model in its ClusterImpNodeProfile.
 //!
@@ -52,13 +55,24 @@ impl Agent {
     /// Starts an agent for `node` with `runtime` as its default and Firecracker missing; the
     /// kernel and guest init are empty files (the agent only checks they exist).
     async fn start(kube: &common::Cluster, node: &str, runtime: &str, files: &Path) -> Self {
+        Self::start_with(kube, node, runtime, files, Path::new(MISSING_FC)).await
+    }
+
+    /// [`Agent::start`] with the Firecracker binary `fc`.
+    async fn start_with(
+        kube: &common::Cluster,
+        node: &str,
+        runtime: &str,
+        files: &Path,
+        fc: &Path,
+    ) -> Self {
         let kubeconfig = kube.agent_kubeconfig_for(node).await;
         let metrics_port = common::free_port();
         let state = scratch_dir(&format!("imp-troubleshooting-{node}")).unwrap();
         let mut child = Command::new(env!("CARGO_BIN_EXE_imp"))
             .arg("agent")
             .env("NODE_NAME", node)
-            .env("FC_BIN", MISSING_FC)
+            .env("FC_BIN", fc)
             .env("FC_KERNEL", files.join("vmlinux"))
             .env("IMP_GUEST", files.join("imp-guest"))
             .env("KUBECONFIG", kubeconfig)
@@ -238,7 +252,44 @@ async fn a_missing_firecracker_binary_is_named_fc_bin_in_the_agent_log_and_the_v
         !body.contains("FC_BIN"),
         "Firecracker is not this node's default: {body}"
     );
-    drop((fc, qemu));
+
+    // A Firecracker with no jailer beside it is not started (it would run as root,
+    // unconfined): the VM fails with RuntimeStartFailed naming the missing jailer and the
+    // opt-out flag, and the agent says so at startup.
+    let fc_dir = files.join("fc");
+    std::fs::create_dir_all(&fc_dir).unwrap();
+    let bare_fc = fc_dir.join("firecracker");
+    std::fs::write(&bare_fc, b"#!/bin/sh\nexit 1\n").unwrap();
+    std::fs::set_permissions(
+        &bare_fc,
+        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    )
+    .unwrap();
+    common::ready_node(&c, "nojail-node").await;
+    let nojail = Agent::start_with(&kube, "nojail-node", "qemu", &files, &bare_fc).await;
+    let line = nojail
+        .logged(&["runtime firecracker", "--allow-unjailed-firecracker"])
+        .await;
+    assert!(line.contains("without its jailer"), "{line}");
+    let vm: ImpVM = serde_json::from_value(json!({
+        "apiVersion": "imp.dev/v1alpha1", "kind": "ImpVM",
+        "metadata": {"name": "needs-jailer", "namespace": NS},
+        "spec": {"classRef": {"name": "fc"}, "image": "busybox", "nodeName": "nojail-node"}
+    }))
+    .unwrap();
+    vms.create(&PostParams::default(), &vm).await.unwrap();
+    let blocked = common::wait_vm(&vms, "needs-jailer", "RuntimeStartFailed", 60, |v| {
+        ready_reason(v).is_some_and(|r| r.0 == "RuntimeStartFailed")
+    })
+    .await;
+    let (_, message) = ready_reason(&blocked).unwrap();
+    assert!(
+        message.contains("without its jailer")
+            && message.contains(&fc_dir.join("jailer").display().to_string())
+            && message.contains("--allow-unjailed-firecracker"),
+        "{message}"
+    );
+    drop((fc, qemu, nojail));
     std::fs::remove_dir_all(&files).unwrap();
 }
 

@@ -337,7 +337,17 @@ fn write_atomically(path: &Path, bytes: &[u8]) -> Result<(), InitramfsError> {
     static SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
     let seq = SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let tmp = path.with_extension(format!("tmp-{}-{seq}", std::process::id()));
-    let mut f = std::fs::File::create(&tmp).map_err(io("Creating", &tmp))?;
+    // Owner-only from its creation: a VM's initramfs holds its config, environment included.
+    let mut f = {
+        use std::os::unix::fs::OpenOptionsExt as _;
+        std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(0o600)
+            .open(&tmp)
+            .map_err(io("Creating", &tmp))?
+    };
     f.write_all(bytes)
         .and_then(|()| f.sync_all())
         .map_err(io("Writing", &tmp))?;
@@ -425,6 +435,10 @@ mod tests {
         };
         let dest = dir.join("vm1.cpio");
         build_for_vm(&changed, &config, &dest).await.unwrap();
+        // It carries the VM's environment (Secrets): owner-only from its creation.
+        use std::os::unix::fs::PermissionsExt as _;
+        let mode = std::fs::metadata(&dest).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o600, "the VM's initramfs");
         let entries = parse(&std::fs::read(&dest).unwrap());
         let find = |n: &str| {
             entries

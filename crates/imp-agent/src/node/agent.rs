@@ -39,6 +39,9 @@ pub struct Config {
     pub state_dir: PathBuf,
     /// Directories, besides the defaults, node-local snapshots may go in (`--snapshot-root`).
     pub snapshot_roots: Vec<PathBuf>,
+    /// The host-wide record of claimed VMM uids, shared with `imp run` and any other agent of
+    /// the host (`None`: `vmm-uids/` of the state directory, this agent's VMs alone).
+    pub vmm_uid_dir: Option<PathBuf>,
     /// The image cache (default: `cache/` in the state directory).
     pub image_cache: Option<PathBuf>,
     /// The most bytes one image may unpack to.
@@ -141,7 +144,10 @@ pub async fn run(
     client_config: kube::Config,
     stop: watch::Receiver<bool>,
 ) -> Result<(), AgentError> {
-    let state = StateDir::new(config.state_dir.clone());
+    let mut state = StateDir::new(config.state_dir.clone());
+    if let Some(dir) = &config.vmm_uid_dir {
+        state = state.with_vmm_uid_dir(dir);
+    }
     let state_abs = std::path::absolute(&config.state_dir).unwrap_or(config.state_dir.clone());
     let roots = crate::snapshot::place::Roots::new(&state_abs, &config.snapshot_roots)?;
     tracing::info!(

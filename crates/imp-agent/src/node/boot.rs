@@ -161,6 +161,8 @@ pub fn vm_spec(
             firecracker: (runtime == VmRuntime::Firecracker)
                 .then(|| settings.files.firecracker.clone()),
             extra_kernel_args: settings.extra_kernel_args.clone(),
+            allow_unjailed_firecracker: runtime == VmRuntime::Firecracker
+                && settings.files.allow_unjailed_firecracker,
         },
         boot_timeout_ms: u64::try_from(settings.boot_timeout.as_millis()).unwrap_or(u64::MAX),
         remove_on_exit: false,
@@ -220,6 +222,7 @@ mod tests {
                 modules: "/k/modules".into(),
                 guest: "/g".into(),
                 firecracker: "/fc".into(),
+                allow_unjailed_firecracker: false,
             },
             extra_kernel_args: Some("quiet".into()),
             boot_timeout: Duration::from_secs(60),

@@ -23,6 +23,10 @@ pub struct HostFiles {
     pub guest: PathBuf,
     /// The Firecracker binary (`--firecracker`, `FC_BIN`).
     pub firecracker: PathBuf,
+    /// Firecracker may run without the jailer beside it (`--allow-unjailed-firecracker`):
+    /// without it a Firecracker that has none cannot run VMs here
+    /// ([`crate::runtime::shim::jailer`]).
+    pub allow_unjailed_firecracker: bool,
 }
 
 /// The runtime an agent uses for VMs whose class names none.
@@ -115,6 +119,24 @@ pub fn unavailable_note(caps: &Capabilities) -> Option<String> {
     ))
 }
 
+/// Why the Firecracker of `files` may not run VMs for want of its jailer, if so; an allowed
+/// unconfined Firecracker is warned about once here, and again at every VM's start.
+fn unjailed_problem(files: &HostFiles) -> Option<String> {
+    use crate::runtime::shim::jailer;
+    match jailer::for_binary(&files.firecracker, files.allow_unjailed_firecracker) {
+        Ok(jailer::FirecrackerJail::Jailer(_)) => None,
+        Ok(jailer::FirecrackerJail::Unjailed) => {
+            tracing::warn!(
+                firecracker = %files.firecracker.display(),
+                opt_out = jailer::ALLOW_UNJAILED_FLAG,
+                "no jailer beside Firecracker and unconfined Firecracker allowed: its VMs run as root, unconfined"
+            );
+            None
+        }
+        Err(why) => Some(why),
+    }
+}
+
 /// Probes the node. `cache_dir` remembers the KVM boot probe's answer per kernel.
 pub async fn probe(files: &HostFiles, default: DefaultRuntime, cache_dir: &Path) -> Capabilities {
     let file_problem = check_file("guest kernel", &files.kernel, "--kernel or FC_KERNEL")
@@ -135,7 +157,8 @@ pub async fn probe(files: &HostFiles, default: DefaultRuntime, cache_dir: &Path)
         "Firecracker binary",
         &files.firecracker,
         "--firecracker or FC_BIN",
-    );
+    )
+    .or_else(|| unjailed_problem(files));
     // The KVM boot probe matters to Firecracker only: without its binary it is not run.
     let kvm_boots = match (&qemu, &file_problem, &fc_file) {
         (Ok(q), None, None) if imp_vmm::kvm::device_usable() => {
@@ -224,6 +247,45 @@ mod tests {
         assert_eq!(check_executable("Firecracker binary", &plain, how), None);
         let a_dir = check_executable("Firecracker binary", &dir, how).unwrap();
         assert!(a_dir.contains("is not a file"), "{a_dir}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A node whose Firecracker has no jailer beside it runs no Firecracker VMs (their start
+    /// fails with RuntimeStartFailed and these words), unless the agent was told to allow it.
+    #[tokio::test]
+    async fn a_firecracker_without_its_jailer_cannot_run_vms_here() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = std::env::temp_dir().join(format!("imp-caps-jail-{}", std::process::id()));
+        std::fs::create_dir_all(dir.join("modules")).unwrap();
+        let fc = dir.join("firecracker");
+        std::fs::write(&fc, b"#!/bin/sh\n").unwrap();
+        std::fs::set_permissions(&fc, std::fs::Permissions::from_mode(0o755)).unwrap();
+        for f in ["vmlinux", "imp-guest"] {
+            std::fs::write(dir.join(f), b"").unwrap();
+        }
+        let files = HostFiles {
+            kernel: dir.join("vmlinux"),
+            modules: dir.join("modules"),
+            guest: dir.join("imp-guest"),
+            firecracker: fc.clone(),
+            allow_unjailed_firecracker: false,
+        };
+        let caps = probe(&files, DefaultRuntime::Auto, &dir.join("cache")).await;
+        let why = caps.problem(VmRuntime::Firecracker).unwrap();
+        assert!(
+            why.contains("without its jailer") && why.contains("--allow-unjailed-firecracker"),
+            "{why}"
+        );
+        assert_eq!(caps.default_runtime, VmRuntime::Qemu, "auto never picks it");
+        assert_eq!(
+            unjailed_problem(&HostFiles {
+                allow_unjailed_firecracker: true,
+                ..files.clone()
+            }),
+            None
+        );
+        std::fs::write(dir.join("jailer"), b"").unwrap();
+        assert_eq!(unjailed_problem(&files), None);
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

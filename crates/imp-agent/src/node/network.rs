@@ -105,8 +105,15 @@ pub async fn adopt(net: &NodeNet, state: &StateDir) {
     .await
     .unwrap_or_default();
     for (uid, a) in found {
-        tracing::info!(uid, network = %a.network, tap = %a.tap, "adopted a VM's network");
-        net.adopt(&uid, a);
+        let (network, tap) = (a.network.clone(), a.tap.clone());
+        match net.adopt(&uid, a) {
+            Ok(()) => {
+                tracing::info!(uid, %network, %tap, "adopted a VM's network");
+            }
+            Err(why) => {
+                tracing::error!(uid, %network, %tap, why, "not adopting a VM's network");
+            }
+        }
     }
 }
 

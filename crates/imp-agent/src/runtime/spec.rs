@@ -41,6 +41,11 @@ pub struct BootFiles {
     /// Kernel arguments added to imp's own.
     #[serde(default)]
     pub extra_kernel_args: Option<String>,
+    /// Firecracker may run without its jailer (unconfined, as root): the front end's
+    /// `--allow-unjailed-firecracker`; without it such a VM is refused
+    /// ([`super::shim::jailer`]). Specs written before it existed: no.
+    #[serde(default)]
+    pub allow_unjailed_firecracker: bool,
 }
 
 /// The cgroup a VM's processes run in (outside the front end's own).
@@ -173,6 +178,7 @@ mod tests {
                 guest: "/g".into(),
                 firecracker: None,
                 extra_kernel_args: None,
+                allow_unjailed_firecracker: false,
             },
             boot_timeout_ms: 1000,
             remove_on_exit: false,

@@ -64,6 +64,18 @@ pub enum StateError {
     /// Every VMM uid is claimed.
     #[error("every VMM uid is claimed under {}", .0.display())]
     NoFreeUid(PathBuf),
+    /// The uid a VM kept is claimed by another VM of the host.
+    #[error(
+        "VMM uid {uid} of VM {id} is claimed by another VM ({owner}); its VMM is not started as a uid another VMM has"
+    )]
+    UidTaken {
+        /// The uid.
+        uid: u32,
+        /// The VM that kept it.
+        id: String,
+        /// The claim's owner (a VM directory).
+        owner: String,
+    },
 }
 
 /// This module's result type.
@@ -84,17 +96,44 @@ pub const VMM_UID_BASE: u32 = 200_000_000;
 pub const VMM_UIDS: u32 = 1_000_000;
 /// The file in a VM's directory that keeps its VMM's uid.
 const VMM_UID_FILE: &str = "vmm-uid";
+/// The host-wide record of claimed VMM uids that `imp agent` and `imp run` (as root) share,
+/// so two of imp's VMMs on one host never run as one uid, whichever state directory their VMs
+/// live in.
+pub const HOST_VMM_UID_DIR: &str = "/var/lib/imp/vmm-uids";
+/// The variable that moves [`HOST_VMM_UID_DIR`] (for `imp run`; `imp agent` has a flag).
+pub const VMM_UID_DIR_ENV: &str = "IMP_VMM_UID_DIR";
 
 /// Where VMs and the image cache live.
 #[derive(Debug, Clone)]
 pub struct StateDir {
     root: PathBuf,
+    /// Where VMM uids are claimed (`None`: `vmm-uids/` of the root, for this directory's VMs
+    /// alone).
+    vmm_uids: Option<PathBuf>,
 }
 
 impl StateDir {
-    /// A state directory at `root`.
+    /// A state directory at `root`, claiming VMM uids in `root` alone (see
+    /// [`Self::with_vmm_uid_dir`]).
     pub fn new(root: impl Into<PathBuf>) -> Self {
-        Self { root: root.into() }
+        Self {
+            root: root.into(),
+            vmm_uids: None,
+        }
+    }
+
+    /// The same directory, claiming VMM uids in `dir`, a record shared with every other
+    /// front end of the host ([`HOST_VMM_UID_DIR`]).
+    pub fn with_vmm_uid_dir(mut self, dir: impl Into<PathBuf>) -> Self {
+        self.vmm_uids = Some(dir.into());
+        self
+    }
+
+    /// Where this directory's VMs claim their VMM uids.
+    pub fn vmm_uid_dir(&self) -> PathBuf {
+        self.vmm_uids
+            .clone()
+            .unwrap_or_else(|| self.root.join("vmm-uids"))
     }
 
     /// Picks the local state directory from `--state-dir`, `IMP_STATE_DIR`, or the user's
@@ -111,7 +150,16 @@ impl StateDir {
                 },
             },
         };
-        Ok(Self { root })
+        // As root its VMMs run as uids of their own, which the host's other front ends (the
+        // agent, other state directories) must not hand out too.
+        let vmm_uids = std::env::var_os(VMM_UID_DIR_ENV)
+            .map(PathBuf::from)
+            .or_else(|| {
+                nix::unistd::geteuid()
+                    .is_root()
+                    .then(|| HOST_VMM_UID_DIR.into())
+            });
+        Ok(Self { root, vmm_uids })
     }
 
     /// The root directory.
@@ -134,13 +182,15 @@ impl StateDir {
         self.root.join("snapshots").join(id)
     }
 
-    /// Creates the directory of a new VM, refusing an id that is taken.
+    /// Creates the directory of a new VM, refusing an id that is taken. It is made 0700 (and
+    /// `vms/` too, when this makes it): its spec and initramfs hold the VM's resolved
+    /// environment, Secrets included.
     pub fn create_vm_dir(&self, id: &str) -> Result<PathBuf> {
         validate_name(id)?;
         let dir = self.vm_dir(id);
         let vms = self.root.join("vms");
-        std::fs::create_dir_all(&vms).map_err(io("creating", &vms))?;
-        match std::fs::create_dir(&dir) {
+        create_private_dir_all(&vms).map_err(io("creating", &vms))?;
+        match private_dir_builder(false).create(&dir) {
             Ok(()) => Ok(dir),
             Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Err(StateError::NameTaken {
                 name: id.to_owned(),
@@ -249,49 +299,119 @@ impl StateDir {
 
     /// The uid (and gid: the same number) VM `id`'s confined VMM runs as. The one it was given
     /// before, kept in its directory (a restored VMM finds its disk and sockets its own); else
-    /// the lowest free one from [`VMM_UID_BASE`], claimed with an exclusive create in
-    /// `vmm-uids/`, so two VMs never share one; a claim whose VM directory is gone is taken
-    /// back. Released by [`Self::remove`].
+    /// the lowest free one from [`VMM_UID_BASE`]. Claimed with an exclusive create in
+    /// [`Self::vmm_uid_dir`], a record every front end of the host shares, the claim naming the
+    /// VM's directory: so two VMs never share one, whichever state directory holds them. A
+    /// claim is taken back only by its own state directory, when its VM directory is gone
+    /// without a removal. A kept uid whose claim is missing (kept before the record was
+    /// shared) is claimed again, and refused if another VM holds it meanwhile. Released by
+    /// [`Self::remove`].
     pub fn vmm_uid(&self, id: &str) -> Result<u32> {
         validate_name(id)?;
         let mine = self.vm_dir(id).join(VMM_UID_FILE);
+        let claims = self.vmm_uid_dir();
+        std::fs::create_dir_all(&claims).map_err(io("creating", &claims))?;
+        // One claimant at a time, host-wide: taking back a gone VM's claim is then no race.
+        let lock_path = claims.join(".lock");
+        let lock = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&lock_path)
+            .map_err(io("opening", &lock_path))?;
+        let _held = nix::fcntl::Flock::lock(lock, nix::fcntl::FlockArg::LockExclusive)
+            .map_err(|(_, errno)| io("locking", &lock_path)(std::io::Error::from(errno)))?;
         if let Ok(text) = std::fs::read_to_string(&mine)
             && let Ok(uid) = text.trim().parse::<u32>()
         {
+            return match self.claim_uid(&claims, uid, id)? {
+                true => Ok(uid),
+                false => Err(StateError::UidTaken {
+                    uid,
+                    id: id.to_owned(),
+                    owner: read_claim(&claims.join(uid.to_string())),
+                }),
+            };
+        }
+        for uid in VMM_UID_BASE..VMM_UID_BASE + VMM_UIDS {
+            if self.legacy_claimed(uid, &claims, id) || !self.claim_uid(&claims, uid, id)? {
+                continue;
+            }
+            std::fs::write(&mine, uid.to_string()).map_err(io("writing", &mine))?;
             return Ok(uid);
         }
-        let claims = self.root.join("vmm-uids");
-        std::fs::create_dir_all(&claims).map_err(io("creating", &claims))?;
-        for uid in VMM_UID_BASE..VMM_UID_BASE + VMM_UIDS {
-            let claim = claims.join(uid.to_string());
-            let taken = match std::fs::OpenOptions::new()
-                .write(true)
-                .create_new(true)
-                .open(&claim)
-            {
-                Ok(mut f) => {
-                    std::io::Write::write_all(&mut f, id.as_bytes())
-                        .map_err(io("writing", &claim))?;
-                    false
-                }
-                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
-                    let owner = std::fs::read_to_string(&claim).unwrap_or_default();
-                    if owner.is_empty() || self.vm_dir(owner.trim()).exists() {
-                        true
-                    } else {
-                        // Its VM is gone without releasing it.
-                        std::fs::write(&claim, id).map_err(io("writing", &claim))?;
-                        false
-                    }
-                }
-                Err(e) => return Err(io("creating", &claim)(e)),
-            };
-            if !taken {
-                std::fs::write(&mine, uid.to_string()).map_err(io("writing", &mine))?;
-                return Ok(uid);
-            }
-        }
         Err(StateError::NoFreeUid(claims))
+    }
+
+    /// The claim of VM `id` in the claims directory: what a claim file holds.
+    fn claim_owner(&self, id: &str) -> String {
+        self.vm_dir(id).display().to_string()
+    }
+
+    /// Claims `uid` in `claims` for VM `id`: `true` when the claim is (now) VM `id`'s, `false`
+    /// when another VM holds it. A claim of this state directory whose VM directory is gone
+    /// is taken over; another directory's claims are never touched.
+    fn claim_uid(&self, claims: &Path, uid: u32, id: &str) -> Result<bool> {
+        let claim = claims.join(uid.to_string());
+        let me = self.claim_owner(id);
+        match std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(&claim)
+        {
+            Ok(mut f) => {
+                std::io::Write::write_all(&mut f, me.as_bytes()).map_err(io("writing", &claim))?;
+                Ok(true)
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                let owner = read_claim(&claim);
+                if owner == me {
+                    return Ok(true);
+                }
+                match self.own_gone_vm(&owner, claims) {
+                    true => {
+                        std::fs::write(&claim, &me).map_err(io("writing", &claim))?;
+                        Ok(true)
+                    }
+                    false => Ok(false),
+                }
+            }
+            Err(e) => Err(io("creating", &claim)(e)),
+        }
+    }
+
+    /// Whether `owner`, a claim in `claims`, is a VM of this state directory whose directory
+    /// is gone. An empty owner (a claim being written) is nobody's to take; in a state
+    /// directory's own claims (no shared record) a bare id names its VM (claims of old).
+    fn own_gone_vm(&self, owner: &str, claims: &Path) -> bool {
+        let bare_ids = claims == self.root.join("vmm-uids");
+        self.own_claim(owner, bare_ids)
+            .is_some_and(|id| !self.vm_dir(&id).exists())
+    }
+
+    /// The id of this state directory's VM that claim `owner` names: its VM directory, or
+    /// (`bare_ids`, in the directory's own `vmm-uids/`) its id, as claims of old held.
+    fn own_claim(&self, owner: &str, bare_ids: bool) -> Option<String> {
+        let vms = self.root.join("vms");
+        let id = match Path::new(owner).strip_prefix(&vms) {
+            Ok(rest) => rest.to_str()?.to_owned(),
+            Err(_) if bare_ids => owner.to_owned(),
+            Err(_) => return None,
+        };
+        validate_name(&id).is_ok().then_some(id)
+    }
+
+    /// Whether `uid` is held by a claim in this state directory's own `vmm-uids/` (where
+    /// claims were made before the host shared one record) by a VM other than `id` that still
+    /// exists, while the shared record is used.
+    fn legacy_claimed(&self, uid: u32, claims: &Path, id: &str) -> bool {
+        let legacy = self.root.join("vmm-uids");
+        if claims == legacy {
+            return false;
+        }
+        let owner = read_claim(&legacy.join(uid.to_string()));
+        self.own_claim(&owner, true)
+            .is_some_and(|o| o != id && self.vm_dir(&o).exists())
     }
 
     /// Deletes VM `id`'s directory (disk, logs, record); a missing one is not an error. The
@@ -305,9 +425,13 @@ impl StateDir {
             .join("vms")
             .join(format!(".trash-{id}-{}", std::process::id()));
         if let Ok(uid) = std::fs::read_to_string(dir.join(VMM_UID_FILE)) {
-            let claim = self.root.join("vmm-uids").join(uid.trim());
-            if std::fs::read_to_string(&claim).is_ok_and(|owner| owner == id) {
-                let _ = std::fs::remove_file(&claim);
+            let legacy = self.root.join("vmm-uids");
+            for claims in [self.vmm_uid_dir(), legacy.clone()] {
+                let claim = claims.join(uid.trim());
+                let owner = read_claim(&claim);
+                if self.own_claim(&owner, claims == legacy).as_deref() == Some(id) {
+                    let _ = std::fs::remove_file(&claim);
+                }
             }
         }
         let snapshot = self.snapshot_dir(id);
@@ -336,6 +460,28 @@ impl StateDir {
     }
 }
 
+/// A directory builder that makes owner-only (0700) directories, created so rather than
+/// changed after (no moment in which another user may open them).
+fn private_dir_builder(recursive: bool) -> std::fs::DirBuilder {
+    use std::os::unix::fs::DirBuilderExt as _;
+    let mut b = std::fs::DirBuilder::new();
+    b.recursive(recursive).mode(0o700);
+    b
+}
+
+/// Creates `path` and any missing parent as owner-only (0700) directories; those that exist
+/// are left as they are. For what holds a VM's Secrets: its directory, its snapshots.
+pub fn create_private_dir_all(path: &Path) -> std::io::Result<()> {
+    private_dir_builder(true).create(path)
+}
+
+/// The owner a claim file names (empty when missing or unreadable).
+fn read_claim(claim: &Path) -> String {
+    std::fs::read_to_string(claim)
+        .map(|o| o.trim().to_owned())
+        .unwrap_or_default()
+}
+
 /// Reads a JSON file into `T`.
 pub fn read_json<T: serde::de::DeserializeOwned>(path: &Path) -> Result<T> {
     let bytes = std::fs::read(path).map_err(io("reading", path))?;
@@ -359,7 +505,15 @@ pub fn write_json<T: Serialize>(path: &Path, value: &T) -> Result<()> {
     })?;
     {
         use std::io::Write;
-        let mut f = std::fs::File::create(&tmp).map_err(io("creating", &tmp))?;
+        use std::os::unix::fs::OpenOptionsExt as _;
+        // Owner-only from its creation: a VM's spec holds its resolved environment.
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(0o600)
+            .open(&tmp)
+            .map_err(io("creating", &tmp))?;
         f.write_all(&bytes)
             .and_then(|()| f.sync_all())
             .map_err(io("writing", &tmp))?;
@@ -734,6 +888,90 @@ mod tests {
         std::fs::remove_dir_all(state.vm_dir("b")).unwrap();
         state.create_vm_dir("d").unwrap();
         assert_eq!(state.vmm_uid("d").unwrap(), b);
+        let _ = std::fs::remove_dir_all(&root);
+    }
+
+    /// `imp run` and `imp agent` on one host (two state directories) claim from one record:
+    /// they never hand out the same uid, neither takes back the other's claims, and a VM
+    /// whose kept uid another VM claimed meanwhile is refused.
+    #[test]
+    fn two_state_directories_of_one_host_never_share_a_vmm_uid() {
+        let base = std::env::temp_dir().join(format!("imp-uid-host-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&base);
+        let host = base.join("vmm-uids");
+        let agent = StateDir::new(base.join("agent")).with_vmm_uid_dir(&host);
+        let local = StateDir::new(base.join("local")).with_vmm_uid_dir(&host);
+        agent.create_vm_dir("a").unwrap();
+        local.create_vm_dir("a").unwrap();
+        let ua = agent.vmm_uid("a").unwrap();
+        let ul = local.vmm_uid("a").unwrap();
+        assert_ne!(ua, ul, "one uid for two VMMs");
+        assert_eq!(local.vmm_uid("a").unwrap(), ul, "kept");
+        // The agent's VM is gone without a removal: `imp run` does not take its claim back
+        // (it may not see the agent's directory), the agent does.
+        std::fs::remove_dir_all(agent.vm_dir("a")).unwrap();
+        local.create_vm_dir("b").unwrap();
+        let ub = local.vmm_uid("b").unwrap();
+        assert!(ub != ua && ub != ul, "{ub}");
+        agent.create_vm_dir("c").unwrap();
+        assert_eq!(agent.vmm_uid("c").unwrap(), ua, "its own claim, taken back");
+        // A uid kept from before the shared record, claimed meanwhile by another VM.
+        agent.create_vm_dir("old").unwrap();
+        std::fs::write(agent.vm_dir("old").join(VMM_UID_FILE), ul.to_string()).unwrap();
+        let e = agent.vmm_uid("old").unwrap_err();
+        assert!(
+            matches!(e, StateError::UidTaken { uid, .. } if uid == ul),
+            "{e}"
+        );
+        // Released by the removal, for anyone.
+        local.remove("a").unwrap();
+        assert_eq!(agent.vmm_uid("old").unwrap(), ul);
+        let _ = std::fs::remove_dir_all(&base);
+    }
+
+    /// An agent upgraded to the shared record still sees the claims it made in its own
+    /// directory before.
+    #[test]
+    fn claims_made_before_the_shared_record_still_hold() {
+        let base = std::env::temp_dir().join(format!("imp-uid-legacy-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&base);
+        let before = StateDir::new(base.join("agent"));
+        before.create_vm_dir("a").unwrap();
+        let kept = before.vmm_uid("a").unwrap();
+        let after = StateDir::new(base.join("agent")).with_vmm_uid_dir(base.join("host"));
+        after.create_vm_dir("b").unwrap();
+        assert_ne!(after.vmm_uid("b").unwrap(), kept);
+        assert_eq!(after.vmm_uid("a").unwrap(), kept, "claimed again, shared");
+        after.remove("a").unwrap();
+        assert!(!base.join("agent/vmm-uids").join(kept.to_string()).exists());
+        assert!(!base.join("host").join(kept.to_string()).exists());
+        let _ = std::fs::remove_dir_all(&base);
+    }
+
+    /// A VM's Secrets at rest: its directory is 0700 and its spec (the resolved environment)
+    /// and record 0600 from the moment they exist, whatever the umask (its initramfs: see
+    /// `guest::initramfs`'s tests).
+    #[tokio::test]
+    async fn a_vms_spec_and_initramfs_are_owner_only_in_an_owner_only_directory() {
+        use std::os::unix::fs::PermissionsExt as _;
+        let root = std::env::temp_dir().join(format!("imp-modes-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        let state = StateDir::new(&root);
+        // The most permissive umask a front end could run with.
+        let old = nix::sys::stat::umask(nix::sys::stat::Mode::empty());
+        let dir = state.create_vm_dir("vm1").unwrap();
+        let spec = serde_json::json!({"env": [{"name": "PASSWORD", "value": "hunter2"}]});
+        write_json(&dir.join(super::super::spec::SPEC_FILE), &spec).unwrap();
+        state.save(&state_record("vm1")).unwrap();
+        let snap = state.snapshot_dir("vm1");
+        create_private_dir_all(&snap).unwrap();
+        nix::sys::stat::umask(old);
+        let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode(&dir), 0o700, "the VM's directory");
+        assert_eq!(mode(&root.join("vms")), 0o700, "vms/, made with it");
+        assert_eq!(mode(&dir.join("spec.json")), 0o600);
+        assert_eq!(mode(&dir.join(RECORD)), 0o600);
+        assert_eq!(mode(&snap), 0o700, "the VM's suspend snapshot");
         let _ = std::fs::remove_dir_all(&root);
     }
 

@@ -162,9 +162,10 @@ pub fn seed(
         sparse::copy(&src, to)
             .map_err(|e| format!("copying {} to {}: {e}", src.display(), to.display()))?;
     }
-    // A confined VMM reads its initramfs (and a mapped image) as itself (it writes its disk
-    // and memory, which its jail's preparation gives it).
-    let mut modes = vec![(initrd, 0o644)];
+    // A confined VMM reads a mapped image as itself (it writes its disk and memory, which its
+    // jail's preparation gives it). Its initramfs, which holds the VM's environment, stays
+    // owner-only (0600): the shim gives it to the VMM's uid.
+    let mut modes: Vec<(&std::path::Path, u32)> = Vec::new();
     // The VMM's state too: Firecracker opens it by name, as itself.
     let state = snap.join(VMSTATE);
     if let SeededRam::Mapped(image) = &ram {

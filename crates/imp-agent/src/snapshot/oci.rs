@@ -1634,8 +1634,12 @@ pub async fn pull(reference: &str, dest: &Path, auth: &RegistryAuth) -> Result<P
         .await?;
     let manifest = parse_config(reference, &config)?;
 
-    tokio::fs::create_dir_all(dest)
+    // Owner-only: the snapshot holds its source VM's memory and environment (Secrets).
+    let d = dest.to_path_buf();
+    tokio::task::spawn_blocking(move || crate::runtime::state::create_private_dir_all(&d))
         .await
+        .map_err(io::Error::other)
+        .and_then(|r| r)
         .map_err(io_err("Creating the snapshot directory", dest))?;
     let final_manifest = dest.join(MANIFEST);
     match tokio::fs::remove_file(&final_manifest).await {

@@ -87,9 +87,14 @@ pub struct RunArgs {
     /// Environment for the workload, NAME=value (repeatable; wins over the image's Env).
     #[arg(short = 'e', long = "env", value_name = "NAME=VALUE")]
     pub env: Vec<String>,
-    /// The VMM (default: qemu; firecracker needs a KVM that boots Linux).
+    /// The VMM (default: qemu; firecracker needs a KVM that boots Linux, and its jailer
+    /// beside it).
     #[arg(long, value_enum, default_value_t = RuntimeArg::Qemu)]
     pub runtime: RuntimeArg,
+    /// Start Firecracker even when no jailer is beside it: it then runs unconfined, as the
+    /// user running imp (root: the whole host). Without it such a VM is refused.
+    #[arg(long)]
+    pub allow_unjailed_firecracker: bool,
     /// Guest kernel, an ELF vmlinux or a bzImage (default: IMP_KERNEL, or
     /// target/guest-kernel/vmlinux beside the binary).
     #[arg(long)]
@@ -235,12 +240,18 @@ fn spec_for(args: &RunArgs, name: &str) -> anyhow::Result<VmSpec> {
         "imp-guest/imp-guest",
     )?;
     let firecracker = match args.runtime {
-        RuntimeArg::Firecracker => Some(locate(
-            "firecracker",
-            None,
-            "IMP_FIRECRACKER",
-            "firecracker/firecracker",
-        )?),
+        RuntimeArg::Firecracker => {
+            let fc = locate(
+                "firecracker",
+                None,
+                "IMP_FIRECRACKER",
+                "firecracker/firecracker",
+            )?;
+            // Refused here already, before a VM directory exists; the shim asks again.
+            imp_agent::runtime::shim::jailer::for_binary(&fc, args.allow_unjailed_firecracker)
+                .map_err(anyhow::Error::msg)?;
+            Some(fc)
+        }
         RuntimeArg::Qemu => None,
     };
     if args.auth_file.is_some() && !is_registry_reference(&args.image) {
@@ -270,6 +281,7 @@ fn spec_for(args: &RunArgs, name: &str) -> anyhow::Result<VmSpec> {
             guest,
             firecracker,
             extra_kernel_args: args.kernel_args.clone().filter(|a| !a.trim().is_empty()),
+            allow_unjailed_firecracker: args.allow_unjailed_firecracker,
         },
         boot_timeout_ms: u64::try_from(args.boot_timeout.as_millis()).unwrap_or(u64::MAX),
         // In the foreground this process removes the VM once it has read how it ended.

@@ -133,7 +133,12 @@ pub fn spawn(
         .map_err(io_err)?;
     let log2 = log.try_clone().map_err(io_err)?;
     let mut command = std::process::Command::new(&cmd.exe);
-    command.args(&cmd.args).arg("--state-dir").arg(state.root());
+    command
+        .args(&cmd.args)
+        .arg("--state-dir")
+        .arg(state.root())
+        .arg("--vmm-uid-dir")
+        .arg(state.vmm_uid_dir());
     if let Some(fd) = tap {
         command.arg("--tap-fd").arg(TAP_FD.to_string());
         inherit_as(&mut command, fd, TAP_FD);

@@ -13,6 +13,7 @@
 //! The shim writes everything it learns into the VM's record; front ends and the node agent
 //! read the record and never hold the VMM themselves, so they may come and go.
 
+pub mod jailer;
 pub mod snapshot;
 pub mod suspend;
 
@@ -199,7 +200,7 @@ pub async fn run(
     };
     state.save(&record)?;
     tracing::info!(vm = %id, image = %spec.image, resuming, "shim started");
-    let ended = match join_cgroup(&spec) {
+    let ended = match refuse_unjailed(&spec, &id).and_then(|()| join_cgroup(&spec)) {
         Ok(()) if resuming => resume(&state, &dir, &spec, &mut record, &mut stop, tap).await,
         Ok(()) if spec.from_snapshot.is_some() => {
             restore_new(&state, &dir, &spec, &mut record, &mut stop).await
@@ -225,6 +226,31 @@ async fn failed_on_request(dir: &Path, ended: Ended) -> Ended {
     match tokio::fs::read_to_string(dir.join(FAIL_REASON_FILE)).await {
         Ok(why) if !why.trim().is_empty() => Ended::Failed(Failure::new(Stage::Probe, why.trim())),
         _ => ended,
+    }
+}
+
+/// Refuses a Firecracker VM whose Firecracker has no jailer beside it unless the spec's
+/// front end was told to allow that ([`jailer::decide`]), before anything is pulled or
+/// started; an allowed unconfined start is logged as a warning each time.
+fn refuse_unjailed(spec: &VmSpec, id: &str) -> Result<(), Failure> {
+    let Some(fc) = spec.boot.firecracker.as_deref() else {
+        return Ok(());
+    };
+    if spec.runtime != VmRuntime::Firecracker {
+        return Ok(());
+    }
+    match jailer::for_binary(fc, spec.boot.allow_unjailed_firecracker) {
+        Ok(jailer::FirecrackerJail::Jailer(_)) => Ok(()),
+        Ok(jailer::FirecrackerJail::Unjailed) => {
+            tracing::warn!(
+                vm = %id,
+                firecracker = %fc.display(),
+                opt_out = jailer::ALLOW_UNJAILED_FLAG,
+                "starting Firecracker WITHOUT its jailer: the VMM runs unconfined, as root; a guest that escapes into it owns the node"
+            );
+            Ok(())
+        }
+        Err(why) => Err(Failure::new(Stage::Config, why)),
     }
 }
 
@@ -452,6 +478,9 @@ async fn restore_new(
             ));
         }
     };
+    if let Err(f) = give_initrd(&dir.join(INITRD_FILE), confine).await {
+        return Ended::Failed(f);
+    }
     tracing::info!(vm = %record.name, snapshot = %snap.display(), writer = %manifest.vmm, %loader, memory = ?ram, "restoring a new VM from a snapshot");
     record.timings.boot_ms = ms(t.elapsed());
     let mut config = vm_config(
@@ -645,11 +674,6 @@ async fn resume(
     }
 }
 
-/// The `jailer` that ships beside `firecracker` in Firecracker's release bundles, if there.
-fn jailer_beside(firecracker: &Path) -> Option<PathBuf> {
-    Some(firecracker.with_file_name("jailer")).filter(|j| j.is_file())
-}
-
 /// Firecracker's launcher: under its jailer (the VM's own uid, a chroot of its own, its
 /// namespaces and seccomp filters) when `confine` says who it runs as; the jailer creates no
 /// cgroup of its own (none is named), so Firecracker stays in the VM's cgroup with its shim.
@@ -660,7 +684,7 @@ fn firecracker_launcher(
     confine: Option<imp_vmm::Confine>,
 ) -> imp_vmm::firecracker::Launcher {
     let mut launcher = imp_vmm::firecracker::Launcher::new(fc.to_path_buf());
-    if let (Some(binary), Some(c)) = (jailer_beside(fc), confine) {
+    if let (Some(binary), Some(c)) = (jailer::jailer_beside(fc), confine) {
         let cgroup_version = if Path::new("/sys/fs/cgroup/cgroup.controllers").exists() {
             2
         } else {
@@ -757,7 +781,25 @@ async fn prepare(
     record.timings.boot_ms = ms(t.elapsed());
 
     let confine = confinement(state, spec, &record.name).await?;
+    give_initrd(&initrd, confine).await?;
     Ok(vm_config(spec, dir, &record.name, (initrd, disk), confine))
+}
+
+/// Gives a confined VMM its initramfs: the file is owner-only (0600, it holds the VM's
+/// environment) and the VMM reads it as its own uid; unconfined, it stays root's.
+async fn give_initrd(initrd: &Path, confine: Option<imp_vmm::Confine>) -> Result<(), Failure> {
+    let Some(c) = confine else {
+        return Ok(());
+    };
+    let path = initrd.to_path_buf();
+    tokio::task::spawn_blocking(move || std::os::unix::fs::chown(&path, Some(c.uid), Some(c.gid)))
+        .await
+        .map_err(std::io::Error::other)
+        .and_then(|r| r)
+        .map_err(at(
+            Stage::Initramfs,
+            format!("giving {} to the VM's VMM uid {}", initrd.display(), c.uid),
+        ))
 }
 
 /// Pulls the spec's image into the node's image cache (with the spec's registry
@@ -968,15 +1010,15 @@ async fn confinement(
     spec: &VmSpec,
     name: &str,
 ) -> Result<Option<imp_vmm::Confine>, Failure> {
-    if spec.runtime == VmRuntime::Firecracker
-        && spec
-            .boot
-            .firecracker
-            .as_deref()
-            .and_then(jailer_beside)
-            .is_none()
-    {
-        return Ok(None);
+    if spec.runtime == VmRuntime::Firecracker {
+        let Some(fc) = spec.boot.firecracker.as_deref() else {
+            return Err(Failure::new(Stage::Config, "no Firecracker binary given"));
+        };
+        match jailer::for_binary(fc, spec.boot.allow_unjailed_firecracker) {
+            Ok(jailer::FirecrackerJail::Jailer(_)) => {}
+            Ok(jailer::FirecrackerJail::Unjailed) => return Ok(None),
+            Err(why) => return Err(Failure::new(Stage::Config, why)),
+        }
     }
     let (state, id) = (state.clone(), name.to_owned());
     let uid = tokio::task::spawn_blocking(move || state.vmm_uid(&id))
@@ -1657,6 +1699,54 @@ mod tests {
             f.chain(),
             "image example.com/app:1 has no ENTRYPOINT or CMD and no command was given"
         );
+    }
+
+    /// A Firecracker with no jailer beside it is refused before anything is pulled, as a
+    /// config failure (the agent's `RuntimeStartFailed`) naming the opt-out; with the opt-out
+    /// it starts unconfined.
+    #[tokio::test]
+    async fn firecracker_without_its_jailer_is_refused_unless_the_spec_allows_it() {
+        let dir = std::env::temp_dir().join(format!("imp-unjailed-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let fc = dir.join("firecracker");
+        std::fs::write(&fc, b"").unwrap();
+        let state = StateDir::new(dir.join("state"));
+        let boot = |allow: bool| {
+            serde_json::json!({"runtime": "firecracker", "boot": {
+                "kernel": "/k", "modules": "/m", "guest": "/g",
+                "firecracker": fc, "allow_unjailed_firecracker": allow,
+            }})
+        };
+        let refused = spec_with(boot(false));
+        let f = confinement(&state, &refused, "vm1").await.unwrap_err();
+        assert_eq!(f.stage, Stage::Config);
+        assert!(
+            f.chain().contains(jailer::ALLOW_UNJAILED_FLAG),
+            "{}",
+            f.chain()
+        );
+        assert_eq!(
+            crate::node::decide::reason_for(Some(f.stage)),
+            imp_api::conditions::ConditionReason::RuntimeStartFailed
+        );
+        let f = refuse_unjailed(&refused, "vm1").unwrap_err();
+        assert!(f.chain().contains("without its jailer"), "{}", f.chain());
+        // A spec written before the field existed is refused too.
+        let old = spec_with(serde_json::json!({"runtime": "firecracker", "boot": {
+            "kernel": "/k", "modules": "/m", "guest": "/g", "firecracker": fc,
+        }}));
+        assert!(refuse_unjailed(&old, "vm1").is_err());
+        let allowed = spec_with(boot(true));
+        assert!(refuse_unjailed(&allowed, "vm1").is_ok());
+        assert!(
+            confinement(&state, &allowed, "vm1")
+                .await
+                .unwrap()
+                .is_none()
+        );
+        // QEMU is not Firecracker's business.
+        assert!(refuse_unjailed(&spec_with(serde_json::json!({})), "vm1").is_ok());
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

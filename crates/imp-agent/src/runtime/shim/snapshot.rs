@@ -82,7 +82,8 @@ async fn take_inner<V: Vmm>(
     req: &Request,
 ) -> Result<(Manifest, u64), String> {
     let dest = req.dest.clone();
-    blocking(move || std::fs::create_dir_all(&dest))
+    // Owner-only: memory, disk and initramfs hold the VM's Secrets.
+    blocking(move || state::create_private_dir_all(&dest))
         .await
         .map_err(|e| format!("creating {}: {e}", req.dest.display()))?;
     let t = Instant::now();
@@ -134,7 +135,7 @@ async fn copy_paused<V: Vmm>(vm: &mut V, src: &Sources<'_>, dest: &Path) -> Resu
         let mut bytes = 0;
         match ram {
             Some(Ok(ram)) => bytes += sparse::copy(&ram, &dest.join(format::MEMORY))?,
-            Some(Err(len)) => std::fs::File::create(dest.join(format::MEMORY))?.set_len(len)?,
+            Some(Err(len)) => private_file(&dest.join(format::MEMORY))?.set_len(len)?,
             None => {}
         }
         bytes += sparse::copy(&disk, &dest.join(format::DISK))?;
@@ -142,7 +143,7 @@ async fn copy_paused<V: Vmm>(vm: &mut V, src: &Sources<'_>, dest: &Path) -> Resu
         // Firecracker's state needs no note; every snapshot directory has the same files.
         let note = dest.join(format::VMM_NOTE);
         if !note.exists() {
-            std::fs::write(&note, b"{}")?;
+            std::io::Write::write_all(&mut private_file(&note)?, b"{}")?;
         }
         for f in [&files.state, &files.memory] {
             bytes += sparse::data_bytes(f).unwrap_or(0);
@@ -151,6 +152,17 @@ async fn copy_paused<V: Vmm>(vm: &mut V, src: &Sources<'_>, dest: &Path) -> Resu
     })
     .await
     .map_err(|e| format!("copying memory and disk into {shown}: {e}"))
+}
+
+/// A new owner-only (0600) file at `path`.
+fn private_file(path: &Path) -> std::io::Result<std::fs::File> {
+    use std::os::unix::fs::OpenOptionsExt as _;
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(path)
 }
 
 async fn blocking<T: Send + 'static>(
@@ -165,6 +177,73 @@ async fn blocking<T: Send + 'static>(
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
+
+    /// What a snapshot holds, and who may read it on the node: the VM's memory, disk and
+    /// initramfs, whose config carries the VM's resolved environment, Secrets included (a
+    /// restore does not resolve them again: docs/snapshots.md says so); so the directory is
+    /// 0700 and the files imp writes into it 0600, whatever the umask.
+    #[tokio::test]
+    async fn a_snapshot_carries_the_vms_environment_in_owner_only_files() {
+        use std::os::unix::fs::PermissionsExt as _;
+        let base = std::env::temp_dir().join(format!("imp-snap-holds-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&base);
+        std::fs::create_dir_all(&base).unwrap();
+        let (ram, disk, initrd) = (base.join("ram"), base.join("disk"), base.join("initrd"));
+        std::fs::write(&ram, b"guest memory: PASSWORD=hunter2").unwrap();
+        std::fs::write(&disk, b"ext4").unwrap();
+        let config = br#"{"env":[{"name":"PASSWORD","value":"hunter2"}]}"#;
+        let archive = crate::guest::initramfs::config_archive(config).unwrap();
+        std::fs::write(&initrd, &archive).unwrap();
+        let memory = GuestMemory::Shared(ram);
+        let src = Sources {
+            vmm: "qemu 7.2.0",
+            machine: "microvm",
+            vcpus: 1,
+            memory_mib: 1,
+            memory: &memory,
+            disk: &disk,
+            initrd: &initrd,
+        };
+        let req = Request {
+            token: "t".into(),
+            dest: base.join("snapshots/ns/s1"),
+            source: format::Source {
+                namespace: "ns".into(),
+                name: "db".into(),
+                image: "app:1".into(),
+            },
+        };
+        let mut vm = super::super::suspend::tests::FakeVmm {
+            calls: Vec::new(),
+            fail_snapshot: false,
+            serial: "/s".into(),
+        };
+        let old = nix::sys::stat::umask(nix::sys::stat::Mode::empty());
+        let out = take(&mut vm, &src, &req).await;
+        nix::sys::stat::umask(old);
+        out.result.unwrap();
+        let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode(&req.dest), 0o700, "the snapshot directory");
+        assert_eq!(mode(&base.join("snapshots/ns")), 0o700, "made with it");
+        for f in [
+            format::MEMORY,
+            format::DISK,
+            format::INITRD,
+            format::MANIFEST,
+        ] {
+            assert_eq!(mode(&req.dest.join(f)), 0o600, "{f}");
+        }
+        let has_secret = |f: &str| {
+            let bytes = std::fs::read(req.dest.join(f)).unwrap();
+            bytes.windows(7).any(|w| w == b"hunter2")
+        };
+        assert!(
+            has_secret(format::INITRD),
+            "the environment, in the initramfs"
+        );
+        assert!(has_secret(format::MEMORY), "and in the guest's memory");
+        let _ = std::fs::remove_dir_all(&base);
+    }
 
     #[test]
     fn a_mapped_vm_keeps_its_stream_and_its_memory_apart() {

@@ -123,7 +123,8 @@ pub async fn suspend_vm<V: Vmm>(
     let d = dir.to_path_buf();
     let prepared = tokio::task::spawn_blocking(move || -> std::io::Result<u64> {
         let _ = std::fs::remove_dir_all(&d);
-        std::fs::create_dir_all(&d)?;
+        // Owner-only: the VM's memory holds its Secrets.
+        state::create_private_dir_all(&d)?;
         free_bytes(&d)
     })
     .await
@@ -200,7 +201,7 @@ pub fn snapshot_present(files: &SnapshotFiles) -> std::result::Result<(), PathBu
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
 
@@ -214,15 +215,15 @@ mod tests {
     }
 
     /// A VMM that records what it was asked and fails the step it is told to.
-    struct FakeVmm {
-        calls: Vec<&'static str>,
-        fail_snapshot: bool,
-        serial: PathBuf,
+    pub(crate) struct FakeVmm {
+        pub(crate) calls: Vec<&'static str>,
+        pub(crate) fail_snapshot: bool,
+        pub(crate) serial: PathBuf,
     }
 
     #[derive(Debug, thiserror::Error)]
     #[error("fake VMM refused {0}")]
-    struct FakeError(&'static str);
+    pub(crate) struct FakeError(&'static str);
 
     impl Vmm for FakeVmm {
         type Launcher = ();
