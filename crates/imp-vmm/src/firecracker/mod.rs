@@ -369,8 +369,13 @@ impl Firecracker {
                     tail: log_tail(&self.layout.serial_log()),
                 });
             }
-            if UnixStream::connect(&socket).await.is_ok() {
-                return Ok(());
+            match crate::uds::connect(&socket).await {
+                Ok(_) => return Ok(()),
+                // Not a socket Firecracker made there: no wait makes it one.
+                Err(e) if crate::uds::is_refused(&e) => {
+                    return Err(Error::Api(api::Error::Connect { socket, source: e }));
+                }
+                Err(_) => {}
             }
             if Instant::now() >= deadline {
                 return Err(Error::SocketTimeout { socket, timeout });
