@@ -727,7 +727,7 @@ async fn wait_for_qmp(
     )
     .await;
     match greeted {
-        Ok(Ok(qmp)) => return Ok(qmp),
+        Ok(Ok(qmp)) => Ok(qmp),
         Ok(Err(source)) => {
             // QMP closes as QEMU exits; give the exit a moment to be reaped.
             if let Ok(Ok(status)) = tokio::time::timeout(Duration::from_secs(2), child.wait()).await
