@@ -1056,6 +1056,11 @@ async fn a_jailed_firecracker_that_replaces_its_sockets_leads_root_nowhere() {
     let mut vm = Firecracker::boot(&launcher, &config).await.unwrap();
     wait_tick(vm.serial_log_path(), 1, Duration::from_secs(20)).await;
     let root = vm.layout().root.clone();
+    // What the check trusts: the jail root is the VMM's (its sockets are), its parent root's,
+    // so the VMM cannot replace the jail root itself.
+    use std::os::unix::fs::MetadataExt as _;
+    assert_eq!(std::fs::metadata(&root).unwrap().uid(), 40124);
+    assert_eq!(std::fs::metadata(root.parent().unwrap()).unwrap().uid(), 0);
     let elsewhere = dir.0.join("elsewhere");
     std::fs::create_dir_all(&elsewhere).unwrap();
     let mut planted = Vec::new();
