@@ -277,7 +277,7 @@ async fn assert_confined(vm: &mut Qemu, cid: u32, disk: &Path) {
     assert_eq!(
         root,
         [
-            "bin", "boot", "dev", "drives", "lib", "lib64", "log", "mem", "tmp", "usr", "vm"
+            "bin", "boot", "dev", "drives", "lib", "lib64", "log", "mem", "tmp", "usr"
         ]
     );
     // Host files by path: /etc/shadow, and its own VM directory's disk by its host path.
@@ -387,6 +387,119 @@ async fn qemu_vm_boots_from_its_disk_and_serves_exec_health_metrics_pause_and_gr
         .output()
         .unwrap();
     assert!(fsck.status.success(), "disk not clean after stop: {fsck:?}");
+    let _ = fs::remove_dir_all(&dir);
+}
+
+/// Where a QEMU confined by an earlier release made its sockets, and the driver connected to
+/// them by path: `vmm/` in the run directory, which that QEMU's uid owned.
+const OLD_SOCKETS: [&str; 2] = ["vmm/qmp.sock", "vmm/mux.sock"];
+
+/// Sockets the test listens on where a compromised QEMU would point the driver.
+fn plant(run_dir: &Path) -> Vec<(PathBuf, std::os::unix::net::UnixListener)> {
+    fs::create_dir_all(run_dir.join("vmm")).unwrap();
+    OLD_SOCKETS
+        .iter()
+        .map(|name| {
+            let path = run_dir.join(name);
+            let _ = fs::remove_file(&path);
+            let listener = std::os::unix::net::UnixListener::bind(&path).unwrap();
+            listener.set_nonblocking(true).unwrap();
+            (path, listener)
+        })
+        .collect()
+}
+
+/// Shuts down, as QEMU itself could, every Unix socket process `pid` holds (its QMP and guest
+/// channel connections among them), through duplicates taken with pidfd_getfd(2): the
+/// driver's ends see their peer go, which is what made the driver connect again.
+#[allow(unsafe_code)]
+fn shut_sockets_of(pid: u32) -> usize {
+    use std::os::fd::{AsRawFd as _, FromRawFd as _, OwnedFd};
+    // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1.
+    let pidfd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
+    assert!(
+        pidfd >= 0,
+        "pidfd_open: {}",
+        std::io::Error::last_os_error()
+    );
+    // SAFETY: a descriptor the kernel just returned to us alone.
+    let pidfd = unsafe { OwnedFd::from_raw_fd(pidfd as i32) };
+    let mut shut = 0;
+    for entry in fs::read_dir(format!("/proc/{pid}/fd")).unwrap() {
+        let entry = entry.unwrap();
+        let Ok(target) = fs::read_link(entry.path()) else {
+            continue;
+        };
+        if !target.to_string_lossy().starts_with("socket:") {
+            continue;
+        }
+        let n: i32 = entry.file_name().to_str().unwrap().parse().unwrap();
+        // SAFETY: pidfd_getfd takes a pidfd, a descriptor number in that process and flags,
+        // and returns a new descriptor or -1.
+        let fd = unsafe { libc::syscall(libc::SYS_pidfd_getfd, pidfd.as_raw_fd(), n, 0) };
+        if fd < 0 {
+            continue;
+        }
+        // SAFETY: as above, a new descriptor that is ours alone.
+        let fd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
+        // SAFETY: shutdown(2) on a descriptor we own; an error (a listener) is ignored.
+        if unsafe { libc::shutdown(fd.as_raw_fd(), libc::SHUT_RDWR) } == 0 {
+            shut += 1;
+        }
+    }
+    shut
+}
+
+/// Item 5 of issue 38: the driver (root, in the shim) connects only to the sockets it created.
+/// A compromised QEMU replaces the socket paths the driver knew it by (here: sockets the test
+/// listens on, where an earlier release's QEMU made its QMP and guest-channel sockets) and then
+/// closes its end of every socket it holds, as it would to make the driver connect again.
+/// Nothing connects to the test's sockets; the driver reports QMP and the guest channel gone
+/// instead, and stops the VM.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_qemu_that_replaces_its_socket_paths_leads_the_driver_nowhere() {
+    let _one = ONE_VM_AT_A_TIME.lock().await;
+    let Some(inputs) = inputs() else { return };
+    let dir = scratch_dir("imp-qemu-driver-sockets").unwrap();
+    let config = vm_config(&inputs, &dir, "qemu-sockets", 9, "sleep 3600").await;
+    let mut vm = Qemu::boot(&inputs.launcher, &config).await.unwrap();
+    let mut c = client(&vm).await;
+    tokio::task::spawn_blocking(move || c.health().unwrap())
+        .await
+        .unwrap();
+    let pid = vm.pid().unwrap();
+    let cmdline = String::from_utf8_lossy(&fs::read(format!("/proc/{pid}/cmdline")).unwrap())
+        .replace('\0', " ");
+    let planted = plant(&config.run_dir);
+    let shut = shut_sockets_of(pid);
+    eprintln!("shut {shut} sockets of QEMU {pid}");
+    assert!(shut >= 1, "QEMU held no socket to shut");
+    // An earlier release reconnected its guest channel every 100 ms.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    for (path, listener) in &planted {
+        match listener.accept() {
+            Ok(_) => panic!("the driver connected to {}", path.display()),
+            Err(e) => assert_eq!(e.kind(), std::io::ErrorKind::WouldBlock, "{e}"),
+        }
+    }
+    let qmp = vm.qmp("query-status", None).await;
+    eprintln!("QMP after QEMU closed it: {qmp:?}");
+    assert!(qmp.is_err(), "QMP still answered: {qmp:?}");
+    let vsock = vm.connect_vsock(AGENT_PORT, Duration::from_secs(2)).await;
+    assert!(vsock.is_err(), "the guest channel still answered");
+    for (path, listener) in &planted {
+        assert!(
+            listener.accept().is_err(),
+            "the driver connected to {}",
+            path.display()
+        );
+    }
+    // QEMU was given no socket path to make its sockets at.
+    assert!(
+        !cmdline.contains("unix:") && !cmdline.contains(".sock"),
+        "{cmdline}"
+    );
+    vm.stop(Duration::ZERO).await.unwrap();
     let _ = fs::remove_dir_all(&dir);
 }
 

@@ -16,6 +16,7 @@ pub mod firecracker;
 pub mod jail;
 pub mod kvm;
 pub mod qemu;
+pub mod uds;
 pub mod version;
 pub mod vsock;
 

@@ -45,6 +45,15 @@ pub enum Error {
         /// The reply line as received.
         reply: String,
     },
+    /// The path holds something other than a socket its directory's owner made there (a
+    /// symlink a compromised VMM planted, say): nothing was connected to.
+    #[error("Not connecting to the vsock socket {uds}: {reason}")]
+    Refused {
+        /// The VMM's vsock Unix socket.
+        uds: PathBuf,
+        /// What [`crate::uds`] found.
+        reason: String,
+    },
 }
 
 /// Result of this module.
@@ -82,6 +91,13 @@ pub async fn connect(uds: &Path, port: u32, timeout: Duration) -> Result<UnixStr
                     reply,
                 });
             }
+            Err(Attempt::Refused(reason)) => {
+                tracing::warn!(uds = %uds.display(), port, reason, "vsock socket refused");
+                return Err(Error::Refused {
+                    uds: uds.to_owned(),
+                    reason,
+                });
+            }
             Err(Attempt::Retry(why)) => why,
         };
         let now = Instant::now();
@@ -108,6 +124,8 @@ enum Attempt {
     Retry(String),
     /// The VMM spoke something we do not understand.
     Fatal(String),
+    /// The socket is not one the VMM (or root) made in its directory ([`crate::uds`]).
+    Refused(String),
 }
 
 /// One connect + handshake, answered by `deadline` or handed to [`linger`].
@@ -119,10 +137,17 @@ async fn attempt(
     let io_err = |what: &str, e: io::Error| Attempt::Retry(format!("{what}: {e}"));
     let late = || Attempt::Retry("attempt still waiting at the deadline".to_owned());
     let deadline = tokio::time::Instant::from_std(deadline);
-    let mut stream = tokio::time::timeout_at(deadline, UnixStream::connect(uds))
+    // Only a socket its directory's owner made there: never a symlink a VMM planted.
+    let mut stream = tokio::time::timeout_at(deadline, crate::uds::connect(uds))
         .await
         .map_err(|_| late())?
-        .map_err(|e| io_err("connect", e))?;
+        .map_err(|e| {
+            if crate::uds::is_refused(&e) {
+                Attempt::Refused(e.to_string())
+            } else {
+                io_err("connect", e)
+            }
+        })?;
     // Nothing is pending in the VMM until the whole line is sent: a timeout here may close.
     tokio::time::timeout_at(
         deadline,
@@ -378,6 +403,25 @@ mod tests {
             "{err}"
         );
         server.abort();
+    }
+
+    /// A VMM that replaced its vsock socket with a symlink to another VM's socket (which would
+    /// answer) gets no connection made to that socket: the caller (root) is refused at once,
+    /// by name, not retried until its deadline.
+    #[tokio::test]
+    async fn a_symlink_in_place_of_the_vmms_socket_is_refused_at_once() {
+        let dir = Scratch::new("symlink");
+        let other = dir.0.join("other-vm.sock");
+        let listener = UnixListener::bind(&other).unwrap();
+        let uds = dir.0.join("v.sock");
+        std::os::unix::fs::symlink(&other, &uds).unwrap();
+        let started = Instant::now();
+        let err = connect(&uds, 52, Duration::from_secs(5)).await.unwrap_err();
+        assert!(matches!(err, Error::Refused { .. }), "{err}");
+        assert!(err.to_string().contains("a symlink"), "{err}");
+        assert!(started.elapsed() < Duration::from_secs(1));
+        let accepted = tokio::time::timeout(Duration::from_millis(200), listener.accept()).await;
+        assert!(accepted.is_err(), "the other VM's socket was connected to");
     }
 
     #[test]

@@ -1019,3 +1019,79 @@ fn request_bodies_follow_the_spec() {
     .collect();
     assert_eq!(seen, expected);
 }
+
+/// Issue 38, item 5: a jailed Firecracker's API socket and hybrid vsock socket are in its jail
+/// root, which its uid may write. A compromised Firecracker replaces both with symlinks to
+/// sockets the test listens on (another VM's, a root-only one): the driver's next API call and
+/// a vsock connect are refused by name, and nothing connects to the test's sockets.
+#[tokio::test]
+async fn a_jailed_firecracker_that_replaces_its_sockets_leads_root_nowhere() {
+    let Some(env) = vm_env() else { return };
+    let Some(jailer) = env.jailer.clone() else {
+        guard::require(
+            false,
+            "jailer binary (IMP_JAILER_BIN or target/firecracker/jailer)",
+        );
+        return;
+    };
+    let dir = TempDir::new("swap");
+    let kernel = build_guest(&dir.0);
+    let cgroup_version = if Path::new("/sys/fs/cgroup/cgroup.controllers").exists() {
+        2
+    } else {
+        1
+    };
+    let mut launcher = Launcher::new(&env.firecracker);
+    launcher.jailer = Some(JailerConfig {
+        binary: jailer,
+        chroot_base: dir.0.join("j"),
+        uid: 40124,
+        gid: 40124,
+        cgroup_version,
+        cgroups: vec![],
+        parent_cgroup: None,
+    });
+    let mut config = base_config("swapped", &dir.0, &kernel);
+    config.vsock = Some(VsockConfig { guest_cid: 3 });
+    let mut vm = Firecracker::boot(&launcher, &config).await.unwrap();
+    wait_tick(vm.serial_log_path(), 1, Duration::from_secs(20)).await;
+    let root = vm.layout().root.clone();
+    // What the check trusts: the jail root is the VMM's (its sockets are), its parent root's,
+    // so the VMM cannot replace the jail root itself.
+    use std::os::unix::fs::MetadataExt as _;
+    assert_eq!(std::fs::metadata(&root).unwrap().uid(), 40124);
+    assert_eq!(std::fs::metadata(root.parent().unwrap()).unwrap().uid(), 0);
+    let elsewhere = dir.0.join("elsewhere");
+    std::fs::create_dir_all(&elsewhere).unwrap();
+    let mut planted = Vec::new();
+    for name in [firecracker::files::API_SOCKET, firecracker::files::VSOCK] {
+        let target = elsewhere.join(name);
+        let listener = std::os::unix::net::UnixListener::bind(&target).unwrap();
+        listener.set_nonblocking(true).unwrap();
+        let path = root.join(name);
+        std::fs::remove_file(&path).unwrap();
+        std::os::unix::fs::symlink(&target, &path).unwrap();
+        planted.push((target, listener));
+    }
+    let paused = vm.pause().await;
+    let refused = imp_testenv::report::chain(&paused.unwrap_err());
+    eprintln!("pause through a replaced API socket: {refused}");
+    assert!(refused.contains("a symlink"), "{refused}");
+    let vsock = vm
+        .connect_vsock(52, Duration::from_secs(2))
+        .await
+        .unwrap_err();
+    let vsock = imp_testenv::report::chain(&vsock);
+    assert!(
+        vsock.contains("Not connecting to the vsock socket"),
+        "{vsock}"
+    );
+    for (target, listener) in &planted {
+        assert!(
+            listener.accept().is_err(),
+            "root connected to {} through the VMM's symlink",
+            target.display()
+        );
+    }
+    vm.stop(Duration::ZERO).await.unwrap();
+}

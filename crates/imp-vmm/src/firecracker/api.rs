@@ -16,7 +16,6 @@ use http_body_util::{BodyExt, Full};
 use hyper::header;
 use hyper_util::rt::TokioIo;
 use serde::{Deserialize, Serialize};
-use tokio::net::UnixStream;
 
 /// Why a Firecracker API call failed.
 #[derive(Debug, thiserror::Error)]
@@ -521,7 +520,9 @@ impl Client {
             path: req.path.clone(),
             source,
         };
-        let stream = UnixStream::connect(&self.socket)
+        // Firecracker's socket is in a directory it may write (its jail): never follow what
+        // it put there in place of its socket.
+        let stream = crate::uds::connect(&self.socket)
             .await
             .map_err(|source| Error::Connect {
                 socket: self.socket.clone(),

@@ -369,8 +369,13 @@ impl Firecracker {
                     tail: log_tail(&self.layout.serial_log()),
                 });
             }
-            if UnixStream::connect(&socket).await.is_ok() {
-                return Ok(());
+            match crate::uds::connect(&socket).await {
+                Ok(_) => return Ok(()),
+                // Not a socket Firecracker made there: no wait makes it one.
+                Err(e) if crate::uds::is_refused(&e) => {
+                    return Err(Error::Api(api::Error::Connect { socket, source: e }));
+                }
+                Err(_) => {}
             }
             if Instant::now() >= deadline {
                 return Err(Error::SocketTimeout { socket, timeout });
@@ -716,12 +721,40 @@ fn set_tap_up(tap: &str, netns: Option<&str>, up: bool) -> std::result::Result<(
         .unwrap_or_else(|_| Err("the thread setting the link panicked".into()))
 }
 
-/// Moves a snapshot file out of the jail to where the caller wants it.
+/// Moves a snapshot file out of the jail to where the caller wants it. The jail is the VMM's to
+/// write: anything but a regular file where Firecracker should have written its snapshot (a
+/// symlink to a host file, say) is refused, or the snapshot would carry what it names. A moved
+/// file is checked where it landed, out of the VMM's reach; a copied one is read through a
+/// descriptor opened without following a symlink.
 fn move_out(from: &Path, to: &Path) -> Result<()> {
-    if std::fs::rename(from, to).is_err() {
-        std::fs::copy(from, to).map_err(files_err("copy snapshot out of jail", from))?;
-        std::fs::remove_file(from).map_err(files_err("remove jailed snapshot", from))?;
+    let not_regular = || Error::Files {
+        what: "take out of the jail the snapshot file",
+        path: from.to_path_buf(),
+        source: std::io::Error::other("it is not a regular file (a symlink the VMM made?)"),
+    };
+    if std::fs::rename(from, to).is_ok() {
+        let meta = std::fs::symlink_metadata(to).map_err(files_err("inspect snapshot", to))?;
+        if !meta.file_type().is_file() {
+            remove_quietly(to);
+            return Err(not_regular());
+        }
+        return Ok(());
     }
+    use std::os::unix::fs::OpenOptionsExt as _;
+    let mut src = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(nix::fcntl::OFlag::O_NOFOLLOW.bits())
+        .open(from)
+        .map_err(files_err("open jailed snapshot", from))?;
+    let meta = src
+        .metadata()
+        .map_err(files_err("inspect jailed snapshot", from))?;
+    if !meta.file_type().is_file() {
+        return Err(not_regular());
+    }
+    let mut dst = std::fs::File::create(to).map_err(files_err("create snapshot", to))?;
+    std::io::copy(&mut src, &mut dst).map_err(files_err("copy snapshot out of jail", from))?;
+    std::fs::remove_file(from).map_err(files_err("remove jailed snapshot", from))?;
     Ok(())
 }
 
@@ -838,6 +871,32 @@ fn log_tail(path: &Path) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A snapshot file the VMM replaced with a symlink to a host file is not taken out of the
+    /// jail: the snapshot would carry the host file.
+    #[test]
+    fn a_symlink_in_place_of_a_snapshot_file_is_refused() {
+        let dir = std::env::temp_dir().join(format!("imp-fc-moveout-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(dir.join("jail")).unwrap();
+        std::fs::create_dir_all(dir.join("out")).unwrap();
+        let secret = dir.join("secret");
+        std::fs::write(&secret, "host only").unwrap();
+        let jailed = dir.join("jail/snapshot.mem");
+        std::os::unix::fs::symlink(&secret, &jailed).unwrap();
+        let out = dir.join("out/memory");
+        let e = move_out(&jailed, &out).unwrap_err();
+        assert!(e.to_string().contains("snapshot file"), "{e}");
+        assert!(
+            std::fs::symlink_metadata(&out).is_err(),
+            "the symlink reached the snapshot"
+        );
+        let _ = std::fs::remove_file(&jailed);
+        std::fs::write(&jailed, "pages").unwrap();
+        move_out(&jailed, &out).unwrap();
+        assert_eq!(std::fs::read_to_string(&out).unwrap(), "pages");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 
     #[test]
     fn ids_are_checked() {

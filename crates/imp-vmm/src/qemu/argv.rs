@@ -7,31 +7,46 @@
 //! built in one place, [`kernel_append`].
 //!
 //! Values QEMU parses as `key=value,…` lists double their commas where a path or name may
-//! hold one: the VM's name, the serial log, the guest-memory file, the drive files and the
-//! QMP and guest-channel sockets.
+//! hold one: the VM's name, the serial log, the guest-memory file and the drive files.
+//!
+//! QEMU is given no socket path: QMP and the guest channel are chardevs on descriptors it
+//! inherits ([`Fds`]), each one end of a socket pair the driver made and holds the other end
+//! of. The driver (root) never connects to a path QEMU could have replaced, and a confined
+//! QEMU needs no directory to write sockets in.
 
 use std::ffi::OsString;
 use std::os::fd::RawFd;
 use std::path::Path;
 
-use super::{Accel, Launcher, MUX_PORT, SANDBOX, confine, files};
+use super::{Accel, Launcher, MUX_PORT, SANDBOX, confine};
 use crate::{GuestMemory, NetConfig, VmConfig};
 
 /// The id of the guest's RAM: the one QEMU gives microvm's own RAM, so a stream written from
 /// anonymous RAM (a suspend of an earlier release) loads into a VM whose RAM is a file.
 const RAM_ID: &str = "microvm.ram";
 
+/// The descriptors QEMU inherits under their own numbers and is told about on its command line.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Fds {
+    /// QEMU's end of the QMP socket pair.
+    pub qmp: RawFd,
+    /// QEMU's end of the guest channel's socket pair (VMs with vsock): its virtio-serial port.
+    pub mux: Option<RawFd>,
+    /// Its TAP, when it is handed one (then `-netdev` names the fd, not the TAP).
+    pub tap: Option<RawFd>,
+}
+
 /// The whole command line, program first: `qemu-system-x86_64 …`, or `ip netns exec NS
 /// qemu-system-x86_64 …` for a VM in a network namespace.
 ///
-/// `tap_fd` is the number under which QEMU inherits its TAP, when it is handed one (then
-/// `-netdev` names the fd, not the TAP); `incoming` adds `-incoming defer` for a restore,
-/// whose migration QMP starts once its capabilities are set.
+/// `fds` are the descriptors QEMU inherits (QMP, the guest channel, the TAP); `incoming`
+/// adds `-incoming defer` for a restore, whose migration QMP starts once its capabilities
+/// are set. A boot and a restore of the same VM get the same command line but for that.
 pub fn argv(
     launcher: &Launcher,
     config: &VmConfig,
     paths: &confine::Paths,
-    tap_fd: Option<RawFd>,
+    fds: &Fds,
     incoming: bool,
 ) -> Vec<OsString> {
     let mut a = Argv(program(launcher, config));
@@ -39,7 +54,7 @@ pub fn argv(
     // No exec, no privilege changes, no scheduler or resource games, no obsolete calls:
     // QEMU's seccomp filter, installed before the guest runs.
     a.push(["-sandbox", SANDBOX]);
-    console(&mut a, paths);
+    console(&mut a, paths, fds.qmp);
     a.push(["-kernel"]);
     a.push_os(&paths.kernel_arg);
     if let Some(initrd) = &paths.initrd_arg {
@@ -48,7 +63,7 @@ pub fn argv(
     }
     let append = kernel_append(&config.kernel_args, launcher.accel, &launcher.tsc_arg());
     a.push(["-append", &append]);
-    devices(&mut a, config, paths, tap_fd);
+    devices(&mut a, config, paths, fds);
     if incoming {
         // A snapshot is read from a descriptor: a confined QEMU cannot open it, and
         // `-sandbox spawn=deny` forbids the `exec:` migration URI.
@@ -123,8 +138,10 @@ fn machine(a: &mut Argv, launcher: &Launcher, config: &VmConfig, paths: &confine
     }
 }
 
-/// No display, monitor, reboot or sound; the serial console to its log; QMP on its socket.
-fn console(a: &mut Argv, paths: &confine::Paths) {
+/// No display, monitor, reboot or sound; the serial console to its log; QMP on the inherited
+/// descriptor `qmp` (a connected socket: `server=off`, and no `reconnect`, which would need a
+/// path).
+fn console(a: &mut Argv, paths: &confine::Paths, qmp: RawFd) {
     // `append=on`: `-serial file:` truncates the log, so a restore would lose the console
     // from before the snapshot (a boot empties the log itself).
     // No sound: without an audio backend QEMU ≥ 8 probes the host's (PulseAudio's
@@ -136,15 +153,13 @@ fn console(a: &mut Argv, paths: &confine::Paths) {
         escape(&paths.serial_arg.display().to_string())
     );
     a.push(["-chardev", &serial, "-serial", "chardev:serial"]);
-    let qmp = format!(
-        "unix:{},server=on,wait=off",
-        escape(&paths.sock_dir_arg.join(files::QMP).display().to_string())
-    );
-    a.push(["-qmp", &qmp]);
+    let qmp = format!("socket,id=qmp,fd={qmp},server=off");
+    a.push(["-chardev", &qmp, "-mon", "chardev=qmp,mode=control"]);
 }
 
-/// The drives, the network device and the guest channel's virtio-serial port.
-fn devices(a: &mut Argv, config: &VmConfig, paths: &confine::Paths, tap_fd: Option<RawFd>) {
+/// The drives, the network device and the guest channel's virtio-serial port, whose chardev
+/// is the inherited descriptor `fds.mux`.
+fn devices(a: &mut Argv, config: &VmConfig, paths: &confine::Paths, fds: &Fds) {
     for (d, path) in config.drives.iter().zip(&paths.drive_args) {
         let file = escape(&path.display().to_string());
         let mut drive = format!("id={},file={file},format=raw,if=none", d.id);
@@ -159,13 +174,10 @@ fn devices(a: &mut Argv, config: &VmConfig, paths: &confine::Paths, tap_fd: Opti
         if let Some(mac) = &n.mac {
             dev.push_str(&format!(",mac={mac}"));
         }
-        a.push(["-netdev", &netdev_arg(n, tap_fd), "-device", &dev]);
+        a.push(["-netdev", &netdev_arg(n, fds.tap), "-device", &dev]);
     }
-    if config.vsock.is_some() {
-        let chardev = format!(
-            "socket,id=mux,path={},server=on,wait=off",
-            escape(&paths.sock_dir_arg.join(files::MUX).display().to_string())
-        );
+    if let Some(mux) = fds.mux.filter(|_| config.vsock.is_some()) {
+        let chardev = format!("socket,id=mux,fd={mux},server=off");
         let port = format!("virtserialport,chardev=mux,name={MUX_PORT}");
         a.push(["-device", "virtio-serial-device", "-chardev", &chardev]);
         a.push(["-device", &port]);
@@ -222,6 +234,7 @@ fn escape(value: &str) -> String {
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
+    use crate::qemu::files;
     use crate::{Confine, DriveConfig, VsockConfig};
     use std::path::PathBuf;
     use std::time::Duration;
@@ -278,6 +291,16 @@ mod tests {
         confine::paths(config, &run_dir, &run_dir.join(files::SERIAL), kvm)
     }
 
+    /// The descriptors the driver would hand `config`'s QEMU (QMP on 20, the guest channel on
+    /// 21), with the TAP's `tap`.
+    fn fds(config: &VmConfig, tap: Option<RawFd>) -> Fds {
+        Fds {
+            qmp: 20,
+            mux: config.vsock.as_ref().map(|_| 21),
+            tap,
+        }
+    }
+
     fn strings(argv: &[OsString]) -> Vec<&str> {
         argv.iter().map(|a| a.to_str().unwrap()).collect()
     }
@@ -293,7 +316,7 @@ mod tests {
         let mut c = config();
         c.confine = Some(Confine { uid: 7, gid: 8 });
         let p = paths(&c, true);
-        let argv = argv(&launcher(Accel::Kvm), &c, &p, Some(9), false);
+        let argv = argv(&launcher(Accel::Kvm), &c, &p, &fds(&c, Some(9)), false);
         let expected = [
             "/usr/bin/qemu-system-x86_64",
             "-name",
@@ -320,8 +343,10 @@ mod tests {
             "file,id=serial,path=/log/serial.log,append=on",
             "-serial",
             "chardev:serial",
-            "-qmp",
-            "unix:/vm/qmp.sock,server=on,wait=off",
+            "-chardev",
+            "socket,id=qmp,fd=20,server=off",
+            "-mon",
+            "chardev=qmp,mode=control",
             "-kernel",
             "/boot/kernel",
             "-initrd",
@@ -343,11 +368,49 @@ mod tests {
             "-device",
             "virtio-serial-device",
             "-chardev",
-            "socket,id=mux,path=/vm/mux.sock,server=on,wait=off",
+            "socket,id=mux,fd=21,server=off",
             "-device",
             "virtserialport,chardev=mux,name=imp.mux",
         ];
         assert_eq!(strings(&argv), expected);
+    }
+
+    /// Every socket QEMU talks to the host over is a descriptor it inherits: it is given no
+    /// socket path to listen on (which the driver, as root, would then connect to), confined
+    /// or not, booted or restored, and a restore's command line is the boot's plus
+    /// `-incoming defer`.
+    #[test]
+    fn qemu_is_given_its_sockets_as_descriptors_never_as_paths() {
+        for confine in [None, Some(Confine { uid: 7, gid: 8 })] {
+            let mut c = config();
+            c.confine = confine;
+            let p = paths(&c, false);
+            let l = launcher(Accel::Tcg);
+            let boot = argv(&l, &c, &p, &fds(&c, Some(9)), false);
+            let sockets: Vec<&str> = boot
+                .windows(2)
+                .filter(|w| w[0] == "-chardev" || w[0] == "-qmp" || w[0] == "-mon")
+                .map(|w| w[1].to_str().unwrap())
+                .filter(|v| !v.starts_with("file,id=serial,"))
+                .collect();
+            assert_eq!(
+                sockets,
+                [
+                    "socket,id=qmp,fd=20,server=off",
+                    "chardev=qmp,mode=control",
+                    "socket,id=mux,fd=21,server=off",
+                ]
+            );
+            assert!(
+                !strings(&boot)
+                    .iter()
+                    .any(|a| a.contains("unix:") || a.contains(".sock")),
+                "{boot:?}"
+            );
+            let restore = argv(&l, &c, &p, &fds(&c, Some(9)), true);
+            assert_eq!(restore[..boot.len()], boot[..]);
+            assert_eq!(strings(&restore[boot.len()..]), ["-incoming", "defer"]);
+        }
     }
 
     #[test]
@@ -356,16 +419,18 @@ mod tests {
         c.vsock = None;
         c.drives.truncate(1);
         c.net.as_mut().unwrap().mac = None;
-        let argv = argv(&launcher(Accel::Tcg), &c, &paths(&c, false), None, false);
+        let argv = argv(
+            &launcher(Accel::Tcg),
+            &c,
+            &paths(&c, false),
+            &fds(&c, None),
+            false,
+        );
         let s = strings(&argv);
         assert_eq!(value(&argv, "-accel"), "tcg");
         assert!(!s.contains(&"-cpu"), "no host CPU under TCG");
         assert_eq!(value(&argv, "-kernel"), "/k/vmlinux");
         assert_eq!(value(&argv, "-initrd"), "/run/imp/vm-1/initramfs.cpio");
-        assert_eq!(
-            value(&argv, "-qmp"),
-            "unix:/run/imp/vm-1/qmp.sock,server=on,wait=off"
-        );
         assert_eq!(
             value(&argv, "-drive"),
             "id=root,file=/run/imp/vm-1/disk.ext4,format=raw,if=none"
@@ -386,7 +451,13 @@ mod tests {
     fn a_vm_in_a_network_namespace_runs_qemu_through_ip_netns_exec() {
         let mut c = config();
         c.netns = Some("imp-ns".into());
-        let argv = argv(&launcher(Accel::Tcg), &c, &paths(&c, false), None, false);
+        let argv = argv(
+            &launcher(Accel::Tcg),
+            &c,
+            &paths(&c, false),
+            &fds(&c, None),
+            false,
+        );
         assert_eq!(
             strings(&argv[..5]),
             [
@@ -402,7 +473,13 @@ mod tests {
     #[test]
     fn a_restore_waits_for_its_migration_at_the_end_of_the_line() {
         let c = config();
-        let argv = argv(&launcher(Accel::Tcg), &c, &paths(&c, false), None, true);
+        let argv = argv(
+            &launcher(Accel::Tcg),
+            &c,
+            &paths(&c, false),
+            &fds(&c, None),
+            true,
+        );
         assert_eq!(strings(&argv[argv.len() - 2..]), ["-incoming", "defer"]);
         assert_eq!(argv.iter().filter(|a| *a == "-incoming").count(), 1);
     }
@@ -414,22 +491,17 @@ mod tests {
         c.run_dir = "/run/x,y".into();
         c.memory = GuestMemory::Shared("/run/x,y/memory.ram".into());
         c.drives[0].path = "/run/x,y/disk.ext4".into();
-        let argv = argv(&launcher(Accel::Tcg), &c, &paths(&c, false), None, false);
+        let argv = argv(
+            &launcher(Accel::Tcg),
+            &c,
+            &paths(&c, false),
+            &fds(&c, None),
+            false,
+        );
         assert_eq!(value(&argv, "-name"), "a,,b");
         assert_eq!(
             value(&argv, "-drive"),
             "id=root,file=/run/x,,y/disk.ext4,format=raw,if=none"
-        );
-        let mux = argv
-            .iter()
-            .filter_map(|a| a.to_str())
-            .find(|a| a.starts_with("socket,id=mux,"))
-            .unwrap();
-        assert!(mux.contains("path=/run/x,,y/"), "{mux}");
-        assert!(
-            value(&argv, "-qmp").starts_with("unix:/run/x,,y/"),
-            "{}",
-            value(&argv, "-qmp")
         );
         assert_eq!(
             value(&argv, "-chardev"),
@@ -463,7 +535,13 @@ mod tests {
         );
         assert_eq!(kernel_append("", Accel::Kvm, tsc), "tsc_early_khz=2000");
         let c = config();
-        let argv = argv(&launcher(Accel::Tcg), &c, &paths(&c, false), None, false);
+        let argv = argv(
+            &launcher(Accel::Tcg),
+            &c,
+            &paths(&c, false),
+            &fds(&c, None),
+            false,
+        );
         let append = value(&argv, "-append");
         assert_eq!(append.matches("tsc=reliable").count(), 1);
         assert_eq!(append.matches("tsc_early_khz=").count(), 1);
@@ -472,7 +550,13 @@ mod tests {
     #[test]
     fn read_only_drives_say_so_and_writable_ones_do_not() {
         let c = config();
-        let argv = argv(&launcher(Accel::Tcg), &c, &paths(&c, false), None, false);
+        let argv = argv(
+            &launcher(Accel::Tcg),
+            &c,
+            &paths(&c, false),
+            &fds(&c, None),
+            false,
+        );
         let drives: Vec<&str> = argv
             .windows(2)
             .filter(|w| w[0] == "-drive")
@@ -492,7 +576,13 @@ mod tests {
         use std::os::unix::ffi::OsStrExt as _;
         let mut c = config();
         c.kernel = PathBuf::from(std::ffi::OsStr::from_bytes(b"/k/\xffvmlinux"));
-        let argv = argv(&launcher(Accel::Tcg), &c, &paths(&c, false), None, false);
+        let argv = argv(
+            &launcher(Accel::Tcg),
+            &c,
+            &paths(&c, false),
+            &fds(&c, None),
+            false,
+        );
         let i = argv.iter().position(|a| a == "-kernel").unwrap();
         assert_eq!(argv[i + 1].as_bytes(), b"/k/\xffvmlinux");
     }

@@ -1,30 +1,27 @@
 //! Where QEMU finds its VM's files: the host's paths for a QEMU that runs as its caller, or
 //! the paths inside its [`Jail`] for a confined one, with the jail that makes them so.
 //!
-//! A confined QEMU sees, besides `/usr` (read-only) and a few devices: its sockets' directory
-//! `/vm` (the host's `RUN_DIR/vmm`, the only directory it may write), its serial log
+//! A confined QEMU sees, besides `/usr` (read-only) and a few devices: its serial log
 //! `/log/serial.log`, its kernel and initramfs under `/boot` (read-only) and each drive as
-//! `/drives/ID`, and its guest-memory file (when the RAM is one) as `/mem/ram`. Everything else in the VM's directory — the records the shim and the agent
-//! trust (`vm.json`, `spec.json`), the host end of the guest channel (`vsock.sock`), the
-//! snapshot — stays out of its reach; a snapshot reaches it as a descriptor.
+//! `/drives/ID`, and its guest-memory file (when the RAM is one) as `/mem/ram`. It may write
+//! no directory of the host: its sockets (QMP, the guest channel) are descriptors it
+//! inherits (see [`super::argv::Fds`]), so there is no path of its making that the driver,
+//! as root, could be led to connect to. Everything else in the VM's directory — the records
+//! the shim and the agent trust (`vm.json`, `spec.json`), the host end of the guest channel
+//! (`vsock.sock`), the snapshot — stays out of its reach; a snapshot reaches it as a
+//! descriptor.
 
 use std::path::{Path, PathBuf};
 
 use super::super::jail::{Bind, Jail};
 use super::super::{Confine, VmConfig};
 
-/// The directory (under the run directory) that holds a confined QEMU's sockets.
-pub const SOCK_DIR: &str = "vmm";
 /// The empty directory its jail's root is mounted on (in its own mount namespace only).
 pub const JAIL_ROOT: &str = "vmm-root";
 
 /// The paths QEMU is given, and where their host side is.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Paths {
-    /// Where QEMU makes its sockets, on the host.
-    pub sock_dir: PathBuf,
-    /// The same directory as QEMU names it.
-    pub sock_dir_arg: PathBuf,
     /// The serial log as QEMU names it.
     pub serial_arg: PathBuf,
     /// The kernel as QEMU names it.
@@ -44,8 +41,6 @@ pub struct Paths {
 pub fn paths(config: &VmConfig, run_dir: &Path, serial: &Path, kvm: bool) -> Paths {
     let Some(Confine { uid, gid }) = config.confine else {
         return Paths {
-            sock_dir: run_dir.to_path_buf(),
-            sock_dir_arg: run_dir.to_path_buf(),
             serial_arg: serial.to_path_buf(),
             kernel_arg: config.kernel.clone(),
             initrd_arg: config.initrd.clone(),
@@ -60,9 +55,7 @@ pub fn paths(config: &VmConfig, run_dir: &Path, serial: &Path, kvm: bool) -> Pat
         writable,
         dir,
     };
-    let sock_dir = run_dir.join(SOCK_DIR);
     let mut binds = vec![
-        bind(&sock_dir, "/vm", true, true),
         bind(serial, "/log/serial.log", true, false),
         bind(&config.kernel, "/boot/kernel", false, false),
     ];
@@ -90,8 +83,6 @@ pub fn paths(config: &VmConfig, run_dir: &Path, serial: &Path, kvm: bool) -> Pat
         devices.push("/dev/kvm".into());
     }
     Paths {
-        sock_dir,
-        sock_dir_arg: "/vm".into(),
         serial_arg: "/log/serial.log".into(),
         kernel_arg: "/boot/kernel".into(),
         initrd_arg: config.initrd.as_ref().map(|_| "/boot/initrd".into()),
@@ -107,20 +98,14 @@ pub fn paths(config: &VmConfig, run_dir: &Path, serial: &Path, kvm: bool) -> Pat
     }
 }
 
-/// Makes what a confined QEMU needs on the host: its sockets' directory (its own, 0700) and
-/// the jail's mount point; gives it the files it writes (serial log, writable drives).
+/// Makes what a confined QEMU needs on the host: the jail's mount point; gives it the files it
+/// writes (serial log, writable drives, a shared memory file). No directory becomes its own.
 /// Blocking file-system calls: small and few, done before the spawn.
 pub fn prepare(config: &VmConfig, p: &Paths, serial: &Path) -> std::io::Result<()> {
     let Some(jail) = &p.jail else {
         return Ok(());
     };
     let own = |path: &Path| std::os::unix::fs::chown(path, Some(jail.uid), Some(jail.gid));
-    std::fs::create_dir_all(&p.sock_dir)?;
-    own(&p.sock_dir)?;
-    std::fs::set_permissions(
-        &p.sock_dir,
-        std::os::unix::fs::PermissionsExt::from_mode(0o700),
-    )?;
     std::fs::create_dir_all(&jail.mount_point)?;
     own(serial)?;
     for d in config.drives.iter().filter(|d| !d.read_only) {
@@ -167,7 +152,6 @@ mod tests {
         let p = paths(&c, Path::new("/s/a"), Path::new("/s/a/serial.log"), false);
         assert_eq!(p.kernel_arg, PathBuf::from("/k/vmlinux"));
         assert_eq!(p.drive_args, [PathBuf::from("/s/a/disk.ext4")]);
-        assert_eq!(p.sock_dir, PathBuf::from("/s/a"));
         assert!(p.jail.is_none());
     }
 
@@ -178,8 +162,6 @@ mod tests {
         assert_eq!(p.kernel_arg, PathBuf::from("/boot/kernel"));
         assert_eq!(p.initrd_arg, Some(PathBuf::from("/boot/initrd")));
         assert_eq!(p.drive_args, [PathBuf::from("/drives/root")]);
-        assert_eq!(p.sock_dir, PathBuf::from("/s/a/vmm"));
-        assert_eq!(p.sock_dir_arg, PathBuf::from("/vm"));
         let j = p.jail.unwrap();
         assert_eq!((j.uid, j.gid), (7, 8));
         assert!(j.devices.contains(&PathBuf::from("/dev/kvm")));
@@ -196,7 +178,11 @@ mod tests {
             .collect();
         assert_eq!(
             writable,
-            ["/vm", "/log/serial.log", "/drives/root"].map(PathBuf::from)
+            ["/log/serial.log", "/drives/root"].map(PathBuf::from)
+        );
+        assert!(
+            j.binds.iter().all(|b| !(b.writable && b.dir)),
+            "no directory it may write (where it could make a socket or a symlink)"
         );
     }
 

@@ -14,10 +14,16 @@
 //! when it finds that port. To the host it looks like Firecracker's vsock: `vsock.sock` for
 //! host→guest streams, `vsock.sock_P` for guest streams to host port P.
 //!
-//! Files in the VM's run directory: `qmp.sock` (control), `vsock.sock` (host side of the
-//! guest channel; guest connections to host port P arrive on `vsock.sock_P`), `mux.sock`
-//! (QEMU's end of the virtio-serial port), `serial.log` and `qemu.log`; a confined QEMU makes
-//! its sockets (`qmp.sock`, `mux.sock`) in `vmm/`, the one directory it may write.
+//! Files in the VM's run directory: `vsock.sock` (host side of the guest channel; guest
+//! connections to host port P arrive on `vsock.sock_P`), `serial.log` and `qemu.log`.
+//!
+//! QEMU makes no socket and the driver connects to none by path: QMP and the guest channel's
+//! virtio-serial port are chardevs on descriptors QEMU inherits, each one end of a socket
+//! pair the driver made ([`argv::Fds`]). A compromised QEMU therefore has no path it could
+//! point at another VM's socket (or at any root-only socket of the host) for the driver, which
+//! runs as root in the shim, to follow: the driver talks only to the sockets it created. The
+//! pairs live as long as their QEMU; a restore is a new QEMU with new pairs, the same command
+//! line and a new [`mux::HostMux`].
 //!
 //! Pause and resume are QMP `stop` and `cont`. Snapshots use QEMU's migration stream: `stop`,
 //! then `migrate` to a descriptor of the snapshot file handed over QMP (`getfd`), and restore
@@ -112,13 +118,15 @@ pub enum Error {
         /// The tail of its log.
         log: String,
     },
-    /// A socket did not appear in time.
-    #[error("{socket} did not appear within {timeout:?}")]
-    SocketTimeout {
-        /// The socket.
-        socket: PathBuf,
+    /// QEMU did not greet on its QMP socket pair in time.
+    #[error("QEMU for VM {id} did not greet on QMP within {timeout:?}; its log: {log}")]
+    QmpTimeout {
+        /// The VM.
+        id: String,
         /// How long we waited.
         timeout: Duration,
+        /// The tail of its log.
+        log: String,
     },
     /// A QMP exchange failed.
     #[error("Controlling VM {id} over QMP")]
@@ -184,7 +192,7 @@ pub struct Launcher {
     pub accel: Accel,
     /// The host's TSC rate for the guest's `tsc_early_khz`.
     pub tsc_khz: u64,
-    /// How long QEMU may take to open its QMP socket.
+    /// How long QEMU may take to greet on QMP after it is spawned.
     pub socket_timeout: Duration,
     /// How long one QMP command may take.
     pub qmp_timeout: Duration,
@@ -264,9 +272,7 @@ pub fn host_tsc_khz() -> u64 {
 
 /// File names in the run directory.
 mod files {
-    pub const QMP: &str = "qmp.sock";
     pub const VSOCK: &str = "vsock.sock";
-    pub const MUX: &str = "mux.sock";
     pub const SERIAL: &str = "serial.log";
     pub const QEMU_LOG: &str = "qemu.log";
 }
@@ -343,9 +349,10 @@ fn tail(path: &Path) -> String {
 }
 
 impl Qemu {
-    /// Starts QEMU for `config`: prepares its run directory, spawns it with the command line
-    /// [`argv::argv`] builds, waits for its QMP socket, starts a restore's incoming migration
-    /// and serves the guest channel. A restore's VM is left paused, loading its snapshot.
+    /// Starts QEMU for `config`: prepares its run directory, makes the socket pairs of QMP and
+    /// the guest channel, spawns it with the command line [`argv::argv`] builds, waits for its
+    /// QMP greeting, starts a restore's incoming migration and serves the guest channel. A
+    /// restore's VM is left paused, loading its snapshot.
     async fn start(
         launcher: &Launcher,
         config: &VmConfig,
@@ -365,16 +372,31 @@ impl Qemu {
             Some(i) => Some(open_stream(i.stream)?),
             None => None,
         };
+        // QMP and the guest channel: socket pairs, QEMU's ends inherited (see `argv`).
+        let qmp_pair = socket_pair(&run_dir, "make the QMP socket pair of")?;
+        let mux_pair = match config.vsock {
+            Some(_) => Some(socket_pair(
+                &run_dir,
+                "make the guest channel's socket pair of",
+            )?),
+            None => None,
+        };
         let argv = argv::argv(
             launcher,
             config,
             &paths,
-            tap.as_ref().map(|t| t.0.as_raw_fd()),
+            &argv::Fds {
+                qmp: qmp_pair.1.as_raw_fd(),
+                mux: mux_pair.as_ref().map(|p| p.1.as_raw_fd()),
+                tap: tap.as_ref().map(|t| t.0.as_raw_fd()),
+            },
             snapshot.is_some(),
         );
         let fds = Inherited {
             snapshot: snapshot.as_ref(),
             tap: tap.as_ref(),
+            qmp: &qmp_pair.1,
+            mux: mux_pair.as_ref().map(|p| &p.1),
         };
         let mut cmd = command(&argv, &run_dir, paths.jail.as_ref(), fds)?;
         let mut child = cmd.spawn().map_err(|source| Error::Spawn {
@@ -384,9 +406,10 @@ impl Qemu {
         drop(tap);
         let snapshot_fd = snapshot.as_ref().map(|fd| fd.as_raw_fd());
         drop(snapshot);
-        let qmp_path = paths.sock_dir.join(files::QMP);
-        let log_path = run_dir.join(files::QEMU_LOG);
-        let mut qmp = wait_for_qmp(launcher, &config.id, &mut child, qmp_path, &log_path).await?;
+        // Only QEMU holds its ends now: when it exits, ours read end of file.
+        let (qmp_ours, _) = qmp_pair;
+        let mux_ours = mux_pair.map(|(ours, _)| ours);
+        let mut qmp = wait_for_qmp(launcher, &config.id, &mut child, qmp_ours, &run_dir).await?;
         if let (Some(i), Some(fd)) = (&incoming, snapshot_fd) {
             start_incoming(&mut qmp, i.ram, fd)
                 .await
@@ -400,7 +423,7 @@ impl Qemu {
         } else {
             VmState::Running
         };
-        let mux = start_mux(config, &paths, &run_dir)?;
+        let mux = start_mux(config, mux_ours, &run_dir)?;
         tracing::info!(vm = %config.id, pid = ?child.id(), accel = ?launcher.accel, "qemu vm started");
         Ok(Qemu {
             id: config.id.clone(),
@@ -555,7 +578,7 @@ impl Qemu {
 /// Makes the run directory ready for a new QEMU and says where QEMU finds its files: creates
 /// it, empties the serial log (a restore appends to the one it has), reserves a shared
 /// memory file, prepares a confined QEMU's files ([`confine::prepare`]) and removes the
-/// sockets of an earlier run. Returns the paths and the serial log's host path.
+/// guest channel's socket of an earlier run. Returns the paths and the serial log's host path.
 fn prepare_run_dir(
     launcher: &Launcher,
     config: &VmConfig,
@@ -573,9 +596,6 @@ fn prepare_run_dir(
     let paths = confine::paths(config, run_dir, &serial, launcher.accel == Accel::Kvm);
     confine::prepare(config, &paths, &serial).map_err(files_err("prepare", run_dir))?;
     let _ = std::fs::remove_file(run_dir.join(files::VSOCK));
-    for f in [files::QMP, files::MUX] {
-        let _ = std::fs::remove_file(paths.sock_dir.join(f));
-    }
     Ok((paths, serial))
 }
 
@@ -607,6 +627,26 @@ fn open_stream(stream: &Path) -> Result<std::os::fd::OwnedFd> {
 struct Inherited<'a> {
     snapshot: Option<&'a std::os::fd::OwnedFd>,
     tap: Option<&'a super::TapFd>,
+    /// QEMU's end of the QMP pair.
+    qmp: &'a std::os::unix::net::UnixStream,
+    /// QEMU's end of the guest channel's pair.
+    mux: Option<&'a std::os::unix::net::UnixStream>,
+}
+
+/// A connected socket pair (ours, QEMU's), `what` saying for what in an error, both ends close-on-exec: QEMU's is
+/// inherited by QEMU alone ([`inherit_fd`]), by number, and nothing else can reach either.
+fn socket_pair(
+    run_dir: &Path,
+    what: &'static str,
+) -> Result<(
+    std::os::unix::net::UnixStream,
+    std::os::unix::net::UnixStream,
+)> {
+    std::os::unix::net::UnixStream::pair().map_err(|source| Error::Files {
+        what,
+        path: run_dir.to_path_buf(),
+        source,
+    })
 }
 
 /// QEMU's process, not yet spawned: `argv` (program first), confined by `jail` if any, with
@@ -648,47 +688,64 @@ fn command(
     if let Some(fd) = fds.tap {
         inherit_fd(&mut cmd, fd.0.as_ref());
     }
+    inherit_fd(&mut cmd, fds.qmp);
+    if let Some(fd) = fds.mux {
+        inherit_fd(&mut cmd, fd);
+    }
     Ok(cmd)
 }
 
-/// Connects to QEMU's QMP socket `qmp_path` once it appears, within the launcher's socket
-/// timeout; fails at once, with the tail of its log `log_path`, if QEMU exits first.
+/// Speaks QMP over `ours`, the driver's end of QEMU's QMP pair, once QEMU greets, within the
+/// launcher's socket timeout; fails at once, with the tail of its log in `run_dir`, if QEMU
+/// exits first (its end closes with it).
 async fn wait_for_qmp(
     launcher: &Launcher,
     id: &str,
     child: &mut Child,
-    qmp_path: PathBuf,
-    log_path: &Path,
+    ours: std::os::unix::net::UnixStream,
+    run_dir: &Path,
 ) -> Result<Qmp> {
-    let deadline = Instant::now() + launcher.socket_timeout;
-    loop {
-        if let Ok(Some(status)) = child.try_wait() {
-            return Err(Error::Exited {
-                what: "QEMU",
-                id: id.to_owned(),
-                status: status.to_string(),
-                log: tail(log_path),
-            });
-        }
-        if qmp_path.exists() {
-            match Qmp::connect(&qmp_path, launcher.qmp_timeout).await {
-                Ok(q) => return Ok(q),
-                Err(source) if Instant::now() >= deadline => {
-                    return Err(Error::Qmp {
-                        id: id.to_owned(),
-                        source,
-                    });
-                }
-                Err(_) => {}
+    let log_path = run_dir.join(files::QEMU_LOG);
+    let label = run_dir.join("qmp (socket pair)");
+    let qmp_err = |source| Error::Qmp {
+        id: id.to_owned(),
+        source,
+    };
+    let stream = ours
+        .set_nonblocking(true)
+        .and_then(|()| UnixStream::from_std(ours))
+        .map_err(|source| {
+            qmp_err(QmpError::Io {
+                socket: label.clone(),
+                what: "registering",
+                source,
+            })
+        })?;
+    let greeted = tokio::time::timeout(
+        launcher.socket_timeout,
+        Qmp::over(stream, &label, launcher.qmp_timeout),
+    )
+    .await;
+    match greeted {
+        Ok(Ok(qmp)) => Ok(qmp),
+        Ok(Err(source)) => {
+            // QMP closes as QEMU exits; give the exit a moment to be reaped.
+            if let Ok(Ok(status)) = tokio::time::timeout(Duration::from_secs(2), child.wait()).await
+            {
+                return Err(Error::Exited {
+                    what: "QEMU",
+                    id: id.to_owned(),
+                    status: status.to_string(),
+                    log: tail(&log_path),
+                });
             }
+            Err(qmp_err(source))
         }
-        if Instant::now() >= deadline {
-            return Err(Error::SocketTimeout {
-                socket: qmp_path,
-                timeout: launcher.socket_timeout,
-            });
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
+        Err(_) => Err(Error::QmpTimeout {
+            id: id.to_owned(),
+            timeout: launcher.socket_timeout,
+            log: tail(&log_path),
+        }),
     }
 }
 
@@ -703,24 +760,21 @@ async fn start_incoming(qmp: &mut Qmp, ram: RamIn, fd: RawFd) -> Result<(), QmpE
         .map(|_| ())
 }
 
-/// Serves the guest channel of a VM with vsock: QEMU's `mux.sock` on the host side
-/// `vsock.sock` ([`mux::HostMux`]).
+/// Serves the guest channel of a VM with vsock: `ours`, the driver's end of the pair whose
+/// other end is QEMU's virtio-serial chardev, on the host side `vsock.sock`
+/// ([`mux::HostMux`]).
 fn start_mux(
     config: &VmConfig,
-    paths: &confine::Paths,
+    ours: Option<std::os::unix::net::UnixStream>,
     run_dir: &Path,
 ) -> Result<Option<mux::HostMux>> {
-    if config.vsock.is_none() {
+    let (Some(_), Some(port)) = (&config.vsock, ours) else {
         return Ok(None);
-    }
+    };
     let vsock = run_dir.join(files::VSOCK);
-    mux::HostMux::spawn(
-        config.id.clone(),
-        paths.sock_dir.join(files::MUX),
-        vsock.clone(),
-    )
-    .map(Some)
-    .map_err(files_err("listen on", &vsock))
+    mux::HostMux::spawn(config.id.clone(), port, vsock.clone())
+        .map(Some)
+        .map_err(files_err("listen on", &vsock))
 }
 
 /// Makes `file` hold a guest of `mib` MiB: created if missing, its blocks reserved

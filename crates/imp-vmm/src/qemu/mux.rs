@@ -1,7 +1,8 @@
 //! The host end of [`imp_proto::mux`]: serves a QEMU guest's channel, carried over one
 //! virtio-serial port, as the same hybrid-vsock Unix sockets Firecracker gives.
 //!
-//! The task connects to QEMU's chardev socket and listens on `vsock.sock`: a host client sends
+//! The task speaks over its end of the socket pair whose other end is QEMU's chardev (QEMU
+//! inherited it: the mux connects to no path) and listens on `vsock.sock`: a host client sends
 //! `CONNECT <port>\n` and gets `OK <id>\n` once the guest accepted the stream (it is closed
 //! instead while nothing listens in the guest, so [`super::super::vsock::connect`] retries),
 //! and a guest stream to host port P is connected to `vsock.sock_P`
@@ -16,9 +17,10 @@
 //! its own, so a stalled stream holds up no other. Anything unparsable resets the channel (every
 //! stream is closed) and the task searches for the guest's next reset.
 //!
-//! Every connection to the chardev starts with a reset, so after a restore (a new QEMU and a
-//! new task) the guest forgets the streams that were open at snapshot time and both sides
-//! start afresh.
+//! The session starts with a reset, so after a restore (a new QEMU, a new pair and a new
+//! task) the guest forgets the streams that were open at snapshot time and both sides start
+//! afresh. The pair lives as long as its QEMU: when QEMU closes its end (it exited), the
+//! session and the task end, and nothing is connected again.
 
 use std::collections::HashMap;
 use std::io;
@@ -51,9 +53,6 @@ const OPEN_TIMEOUT: Duration = Duration::from_secs(30);
 /// How often the host repeats its reset while the guest has not answered.
 const RESET_EVERY: Duration = Duration::from_secs(1);
 
-/// How long to wait before connecting to the chardev again.
-const RECONNECT_DELAY: Duration = Duration::from_millis(100);
-
 /// Longest `CONNECT <port>` line accepted.
 const MAX_CONNECT_LINE: usize = 32;
 
@@ -84,19 +83,26 @@ impl Drop for HostMux {
 }
 
 impl HostMux {
-    /// Listens on `uds` (replacing a stale socket) and serves the guest behind QEMU's chardev
-    /// socket `chardev`, connecting (again) whenever it can.
-    pub fn spawn(vm: String, chardev: PathBuf, uds: PathBuf) -> io::Result<Self> {
-        Self::spawn_with(vm, chardev, uds, OPEN_TIMEOUT)
+    /// Listens on `uds` (replacing a stale socket) and serves the guest behind `port`, the
+    /// host's end of the socket pair whose other end is QEMU's chardev, until QEMU closes it.
+    /// Call from within a tokio runtime.
+    pub fn spawn(
+        vm: String,
+        port: std::os::unix::net::UnixStream,
+        uds: PathBuf,
+    ) -> io::Result<Self> {
+        Self::spawn_with(vm, port, uds, OPEN_TIMEOUT)
     }
 
     /// [`HostMux::spawn`] with another [`OPEN_TIMEOUT`] (tests).
     fn spawn_with(
         vm: String,
-        chardev: PathBuf,
+        port: std::os::unix::net::UnixStream,
         uds: PathBuf,
         open_timeout: Duration,
     ) -> io::Result<Self> {
+        port.set_nonblocking(true)?;
+        let port = UnixStream::from_std(port)?;
         match std::fs::remove_file(&uds) {
             Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(e),
             _ => {}
@@ -105,18 +111,12 @@ impl HostMux {
         let stats = Arc::new(Stats::default());
         let s = Arc::clone(&stats);
         let task = tokio::spawn(async move {
-            loop {
-                let Ok(port) = UnixStream::connect(&chardev).await else {
-                    tokio::time::sleep(RECONNECT_DELAY).await;
-                    continue;
-                };
-                tracing::debug!(vm, chardev = %chardev.display(), "mux connected to the guest port");
-                let why = Session::new(&vm, &uds, Arc::clone(&s), open_timeout)
-                    .run(port, &listener)
-                    .await;
-                tracing::debug!(vm, why, "mux session ended");
-                tokio::time::sleep(RECONNECT_DELAY).await;
-            }
+            let why = Session::new(&vm, &uds, s, open_timeout)
+                .run(port, &listener)
+                .await;
+            // Its QEMU is gone (or closed the channel): there is nothing to connect to again,
+            // and no path is ever tried instead.
+            tracing::debug!(vm, why, "mux session ended; the guest channel is closed");
         });
         Ok(HostMux { task, stats })
     }
@@ -452,7 +452,7 @@ impl<'a> Session<'a> {
         let events = self.events.clone();
         tokio::spawn(async move {
             let result =
-                match tokio::time::timeout(HANDSHAKE_TIMEOUT, UnixStream::connect(&path)).await {
+                match tokio::time::timeout(HANDSHAKE_TIMEOUT, crate::uds::connect(&path)).await {
                     Ok(r) => r,
                     Err(_) => Err(io::ErrorKind::TimedOut.into()),
                 };
@@ -793,12 +793,23 @@ mod tests {
     /// A host mux whose chardev the test serves as a guest that holds `held` from before
     /// (bytes of an earlier host), as the mux connects.
     async fn connected(dir: &Path, held: Vec<u8>) -> (HostMux, Guest, PathBuf) {
-        let chardev = dir.join("mux.sock");
         let uds = dir.join("vsock.sock");
-        let qemu = UnixListener::bind(&chardev).unwrap();
-        let host = HostMux::spawn("test".into(), chardev, uds.clone()).unwrap();
-        let (port, _) = qemu.accept().await.unwrap();
-        (host, Guest { port, buf: held }, uds)
+        let (ours, qemu) = std::os::unix::net::UnixStream::pair().unwrap();
+        let host = HostMux::spawn("test".into(), ours, uds.clone()).unwrap();
+        (
+            host,
+            Guest {
+                port: guest_end(qemu),
+                buf: held,
+            },
+            uds,
+        )
+    }
+
+    /// QEMU's end of the pair, as the fake guest uses it.
+    fn guest_end(qemu: std::os::unix::net::UnixStream) -> UnixStream {
+        qemu.set_nonblocking(true).unwrap();
+        UnixStream::from_std(qemu).unwrap()
     }
 
     /// A host client's stream to guest port 10000, accepted by the fake guest as `id`.
@@ -1027,19 +1038,13 @@ mod tests {
     #[tokio::test]
     async fn an_unanswered_open_expires() {
         let dir = Scratch::new("expire");
-        let chardev = dir.0.join("mux.sock");
         let uds = dir.0.join("vsock.sock");
-        let qemu = UnixListener::bind(&chardev).unwrap();
-        let _host = HostMux::spawn_with(
-            "test".into(),
-            chardev,
-            uds.clone(),
-            Duration::from_millis(200),
-        )
-        .unwrap();
-        let (port, _) = qemu.accept().await.unwrap();
+        let (ours, qemu) = std::os::unix::net::UnixStream::pair().unwrap();
+        let _host =
+            HostMux::spawn_with("test".into(), ours, uds.clone(), Duration::from_millis(200))
+                .unwrap();
         let mut guest = Guest {
-            port,
+            port: guest_end(qemu),
             buf: Vec::new(),
         };
         assert_eq!(guest.recv().await, Frame::Reset { answer: false });

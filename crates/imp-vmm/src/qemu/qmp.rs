@@ -82,15 +82,15 @@ pub struct Qmp {
 }
 
 impl Qmp {
-    /// Connects to `socket`, reads the greeting and enters command mode.
-    pub async fn connect(socket: &Path, timeout: Duration) -> Result<Self, QmpError> {
-        let stream = UnixStream::connect(socket)
-            .await
-            .map_err(|source| QmpError::Io {
-                socket: socket.to_path_buf(),
-                what: "connecting",
-                source,
-            })?;
+    /// Speaks QMP on `stream`, the driver's end of a socket pair whose other end QEMU
+    /// inherited (`-chardev socket,fd=N`): reads the greeting and enters command mode.
+    /// `socket` names the connection in messages. There is no way to connect by path: a
+    /// path in a directory the VMM can write could be pointed at another VM's socket.
+    pub async fn over(
+        stream: UnixStream,
+        socket: &Path,
+        timeout: Duration,
+    ) -> Result<Self, QmpError> {
         let (r, w) = stream.into_split();
         let mut qmp = Qmp {
             socket: socket.to_path_buf(),
