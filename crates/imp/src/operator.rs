@@ -264,6 +264,8 @@ mod tests {
         assert_eq!(c.ops_addr, "0.0.0.0:8080".parse().unwrap());
         let pods = c.settings.reservations.unwrap();
         assert_eq!(pods.image, imp_operator::reservation::DEFAULT_IMAGE);
+        // The test harness admits the operator's reservation Pods of this image only.
+        assert_eq!(pods.image, imp_testenv::rbac::RESERVATION_IMAGE);
         assert_eq!(c.settings.agent_leases, Trust::default());
         assert_eq!(pods.priority_class, None);
         assert_eq!(c.settings.requeue_pending, Duration::from_secs(30));
