@@ -432,7 +432,16 @@ mod tests {
         l.observe(&forged(NS, "n1", "n1", "2026-01-01T00:00:02Z", 600), t0);
         assert_eq!(l.silence("n1", t0, s(10)).unwrap().deadline, s(610));
         let v = l.observe(&forged(NS, "n1", "n1", "2026-01-01T00:00:03Z", 601), t0);
-        assert!(matches!(v, Verdict::Ignored { why: Ignored::Duration, .. }), "{v:?}");
+        assert!(
+            matches!(
+                v,
+                Verdict::Ignored {
+                    why: Ignored::Duration,
+                    ..
+                }
+            ),
+            "{v:?}"
+        );
         let mut slow = leases(900);
         let v = slow.observe(&forged(NS, "n1", "n1", "2026-01-01T00:00:00Z", 900), t0);
         assert_eq!(v, Verdict::Counted);
@@ -451,9 +460,15 @@ mod tests {
         let Verdict::Ignored { detail, .. } = l.observe(&f, t0) else {
             panic!("counted");
         };
-        assert!(detail.contains("\"tenant\"") && detail.contains("\"imp-system\""), "{detail}");
+        assert!(
+            detail.contains("\"tenant\"") && detail.contains("\"imp-system\""),
+            "{detail}"
+        );
         assert!(!first(l.observe(&f, t0)));
-        assert!(first(l.observe(&forged(NS, "n1", "n1", "2026-01-01T00:00:09Z", 0), t0)));
+        assert!(first(l.observe(
+            &forged(NS, "n1", "n1", "2026-01-01T00:00:09Z", 0),
+            t0
+        )));
         l.forget(&f);
         assert!(first(l.observe(&f, t0)));
         // A forged Lease's deletion forgets nothing of the real one.

@@ -264,7 +264,10 @@ pub async fn apply_namespaced_role(
 /// (as the harness does with ClusterRoles) each name suffixed `-<namespace>`, so installs in
 /// several namespaces of one control plane each have their own.
 pub fn agent_policy(namespace: &str) -> Result<Vec<serde_json::Value>, serde_yaml_ng::Error> {
-    policy_documents(&AGENT_POLICY.replace(POLICY_NAMESPACE, namespace), namespace)
+    policy_documents(
+        &AGENT_POLICY.replace(POLICY_NAMESPACE, namespace),
+        namespace,
+    )
 }
 
 /// The documents of [`OPERATOR_POLICY`] for an install in `namespace` whose operator makes

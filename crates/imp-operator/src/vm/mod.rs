@@ -473,12 +473,8 @@ pub async fn run(
     let (stores, streams) = watches::kinds(&client, &wc);
     let reservation_changed = Arc::new(tokio::sync::Notify::new());
     let reservation_pods = watches::reservation_pods(&client, &wc, reservation_changed.clone());
-    let agent_leases = watches::agent_leases(
-        &client,
-        &wc,
-        settings.agent_leases.clone(),
-        metrics.clone(),
-    );
+    let agent_leases =
+        watches::agent_leases(&client, &wc, settings.agent_leases.clone(), metrics.clone());
     // Every trigger handed to the controller marks its VM waiting until its reconcile starts.
     let backlog = Arc::new(Tracker::new(names::VM_CONTROLLER, metrics.clone()));
     let ledger = Arc::new(std::sync::Mutex::new(Ledger::default()));
