@@ -53,6 +53,14 @@ pub const ANNOTATION_RUNTIMES: &str = "imp.dev/runtimes";
 /// namespace): the agent renews it, fences its VMs when it cannot, and the operator moves VMs
 /// off a lost node only once it has been silent past its `leaseDurationSeconds` and a margin.
 pub const LABEL_AGENT_LEASE: &str = "imp.dev/agent-lease";
+/// What the name of a node agent's Lease starts with; the rest is the node's name.
+pub const AGENT_LEASE_PREFIX: &str = "imp-agent-";
+
+/// The name of node `node`'s agent Lease (`imp-agent-<node>`): the agent writes it, and the
+/// operator counts only the Lease of that name whose holder is `node`.
+pub fn agent_lease_name(node: &str) -> String {
+    format!("{AGENT_LEASE_PREFIX}{node}")
+}
 /// Node annotation the agent publishes: the free and total bytes of the filesystem holding its
 /// state directory (VM disks, snapshots, the image cache), as [`DiskReport::render`] writes it
 /// (`free=<bytes>,total=<bytes>`), refreshed while it runs. The scheduler reads it with

@@ -83,6 +83,11 @@ impl Write {
 pub const CONFLICT_RESOURCES: [&str; 2] = ["impvm", "impnetwork"];
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ReasonLabels {
+    reason: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ErrorLabels {
     controller: String,
     reason: String,
@@ -103,6 +108,7 @@ pub struct Metrics {
     is_leader: Gauge,
     ipam_allocations: Family<NetworkLabels, Gauge>,
     ipam_free: Family<NetworkLabels, Gauge>,
+    agent_leases_ignored: Family<ReasonLabels, Counter>,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -134,6 +140,7 @@ impl Metrics {
             is_leader.clone(),
         );
         let (ipam_allocations, ipam_free) = register_ipam(&mut registry);
+        let agent_leases_ignored = register_agent_leases(&mut registry);
         Self {
             registry,
             vms,
@@ -147,7 +154,18 @@ impl Metrics {
             backlog,
             queue_depth,
             is_leader,
+            agent_leases_ignored,
         }
+    }
+
+    /// Counts one sight of a Lease labelled as an agent's that the operator ignored
+    /// (`reason`: an [`crate::fencing::Ignored`] label).
+    pub fn agent_lease_ignored(&self, reason: &str) {
+        self.agent_leases_ignored
+            .get_or_create(&ReasonLabels {
+                reason: reason.to_owned(),
+            })
+            .inc();
     }
 
     /// Counts one write to `resource` (`impvm`, `impnetwork`) refused with 409 Conflict.
@@ -369,6 +387,26 @@ fn register_ipam(
     (ipam_allocations, ipam_free)
 }
 
+/// `imp_operator_agent_leases_ignored_total`, every reason at 0.
+fn register_agent_leases(registry: &mut Registry) -> Family<ReasonLabels, Counter> {
+    let ignored = Family::<ReasonLabels, Counter>::default();
+    for why in crate::fencing::Ignored::ALL {
+        let _ = ignored.get_or_create(&ReasonLabels {
+            reason: why.as_str().to_owned(),
+        });
+    }
+    registry.register(
+        "imp_operator_agent_leases_ignored",
+        "Sights of a Lease labelled imp.dev/agent-lease=true that the operator ignored, by \
+         reason (namespace: not the agents' namespace; holder: its holderIdentity is not the \
+         node its name is for; duration: leaseDurationSeconds missing or out of range). An \
+         ignored Lease renews nothing and moves no VM; a rise means something other than a \
+         node's agent writes agent Leases",
+        ignored.clone(),
+    );
+    ignored
+}
+
 impl imp_ops::Exposition for Metrics {
     fn render(&self) -> Result<String, std::fmt::Error> {
         let mut out = String::new();
@@ -398,6 +436,8 @@ mod tests {
             "# UNIT imp_operator_schedule_latency_seconds seconds",
             "# TYPE imp_operator_queue_depth gauge",
             "# TYPE imp_operator_is_leader gauge",
+            "# TYPE imp_operator_agent_leases_ignored counter",
+            "imp_operator_agent_leases_ignored_total{reason=\"holder\"} 0",
             "# TYPE imp_operator_conflicts counter",
             "# TYPE imp_operator_reconcile_backlog gauge",
         ] {

@@ -4,8 +4,10 @@
 //! and kubeconfigs with those ServiceAccounts' tokens, so the operator and the agents run in the
 //! tests with exactly the permissions they get in a cluster and a missing rule fails a test.
 //! The agent's admission policy (`charts/imp/files/policy/agent.yaml`: its writes only for its
-//! own node) is applied with them, and an agent gets the token of a stand-in Pod bound to its
-//! node ([`agent_kubeconfig_for`]), as the DaemonSet's Pod has in a cluster.
+//! own node) and the operator's (`charts/imp/files/policy/operator.yaml`: its Pods only
+//! reservation Pods of [`RESERVATION_IMAGE`]) are applied with them, and an agent gets the
+//! token of a stand-in Pod bound to its node ([`agent_kubeconfig_for`]), as the DaemonSet's
+//! Pod has in a cluster.
 
 use std::path::PathBuf;
 
@@ -32,6 +34,18 @@ pub const AGENT_POLICY: &str = include_str!("../../../charts/imp/files/policy/ag
 
 /// What [`AGENT_POLICY`] holds in place of the install namespace (the chart replaces it too).
 pub const POLICY_NAMESPACE: &str = "${RELEASE_NAMESPACE}";
+
+/// The operator's ValidatingAdmissionPolicy (its Pods only reservation Pods) and its binding,
+/// as the chart ships them (with [`POLICY_NAMESPACE`] and [`POLICY_RESERVATION_IMAGE`]).
+pub const OPERATOR_POLICY: &str = include_str!("../../../charts/imp/files/policy/operator.yaml");
+
+/// What [`OPERATOR_POLICY`] holds in place of the reservation image (the chart puts
+/// `operator.reservations.image` there).
+pub const POLICY_RESERVATION_IMAGE: &str = "${RESERVATION_IMAGE}";
+
+/// The reservation image the harness admits for the operator: `imp operator`'s default
+/// (`imp_operator::reservation::DEFAULT_IMAGE`), which the tests run it with.
+pub const RESERVATION_IMAGE: &str = "registry.k8s.io/pause:3.10";
 
 /// The agent's ServiceAccount, in the install namespace.
 pub const AGENT_SA: &str = "imp-agent";
@@ -189,6 +203,7 @@ pub async fn install_roles(
         out.push(cp.service_account_kubeconfig(namespace, sa).await?);
     }
     apply_agent_policy(&client, namespace).await?;
+    apply_operator_policy(&client, namespace, RESERVATION_IMAGE).await?;
     crate::aggregation::bind_auth_reader(&client, namespace, "imp-operator").await?;
     let agent = out.pop().unwrap_or_default();
     let operator = out.pop().unwrap_or_default();
@@ -249,9 +264,31 @@ pub async fn apply_namespaced_role(
 /// (as the harness does with ClusterRoles) each name suffixed `-<namespace>`, so installs in
 /// several namespaces of one control plane each have their own.
 pub fn agent_policy(namespace: &str) -> Result<Vec<serde_json::Value>, serde_yaml_ng::Error> {
-    let text = AGENT_POLICY.replace(POLICY_NAMESPACE, namespace);
+    policy_documents(
+        &AGENT_POLICY.replace(POLICY_NAMESPACE, namespace),
+        namespace,
+    )
+}
+
+/// The documents of [`OPERATOR_POLICY`] for an install in `namespace` whose operator makes
+/// reservation Pods of `image`, named as [`agent_policy`]'s are.
+pub fn operator_policy(
+    namespace: &str,
+    image: &str,
+) -> Result<Vec<serde_json::Value>, serde_yaml_ng::Error> {
+    let text = OPERATOR_POLICY
+        .replace(POLICY_NAMESPACE, namespace)
+        .replace(POLICY_RESERVATION_IMAGE, image);
+    policy_documents(&text, namespace)
+}
+
+/// The policy and binding documents of `text`, each name suffixed `-<namespace>`.
+fn policy_documents(
+    text: &str,
+    namespace: &str,
+) -> Result<Vec<serde_json::Value>, serde_yaml_ng::Error> {
     let mut out = Vec::new();
-    for doc in serde_yaml_ng::Deserializer::from_str(&text) {
+    for doc in serde_yaml_ng::Deserializer::from_str(text) {
         let mut value = serde_json::Value::deserialize(doc)?;
         if value.is_null() {
             continue;
@@ -282,6 +319,26 @@ pub async fn apply_agent_policy(client: &kube::Client, namespace: &str) -> Resul
         path: PathBuf::from("charts/imp/files/policy/agent.yaml"),
         source: std::io::Error::other(e),
     })?;
+    apply_policy(client, docs).await
+}
+
+/// Applies [`operator_policy`] for `namespace` and `image` (server-side apply), enforced a
+/// moment later as [`apply_agent_policy`]'s.
+pub async fn apply_operator_policy(
+    client: &kube::Client,
+    namespace: &str,
+    image: &str,
+) -> Result<(), Error> {
+    let docs = operator_policy(namespace, image).map_err(|e| Error::Io {
+        op: "parsing the policy of",
+        path: PathBuf::from("charts/imp/files/policy/operator.yaml"),
+        source: std::io::Error::other(e),
+    })?;
+    apply_policy(client, docs).await
+}
+
+/// Applies policy and binding documents (server-side apply).
+async fn apply_policy(client: &kube::Client, docs: Vec<serde_json::Value>) -> Result<(), Error> {
     for doc in docs {
         let kind = doc["kind"].as_str().unwrap_or_default().to_owned();
         let name = doc["metadata"]["name"]
@@ -500,6 +557,26 @@ mod tests {
         let spec = pod.spec.unwrap();
         assert_eq!(spec.node_name.as_deref(), Some("n1"));
         assert_eq!(spec.service_account_name.as_deref(), Some(AGENT_SA));
+    }
+
+    #[test]
+    fn the_operator_policy_is_bound_to_the_install_namespace_and_the_reservation_image() {
+        assert!(OPERATOR_POLICY.contains(POLICY_NAMESPACE));
+        assert!(OPERATOR_POLICY.contains(POLICY_RESERVATION_IMAGE));
+        let docs = operator_policy("ns1", "example.test/pause:1").unwrap();
+        assert_eq!(docs.len(), 2);
+        assert_eq!(
+            docs[0]["metadata"]["name"],
+            "imp-operator-reservation-pods-ns1"
+        );
+        assert_eq!(
+            docs[1]["spec"]["policyName"],
+            "imp-operator-reservation-pods-ns1"
+        );
+        let text = serde_json::to_string(&docs).unwrap();
+        assert!(!text.contains("${"), "{text}");
+        assert!(text.contains("system:serviceaccount:ns1:imp-operator"));
+        assert!(text.contains("'example.test/pause:1'"));
     }
 
     #[test]

@@ -419,6 +419,9 @@ fn check_operator(objs: &[Value]) {
         "--namespace=$(POD_NAMESPACE)",
         "--reservation-image=registry.k8s.io/pause:3.10",
         "--reservation-priority-class=imp-vm-reservation",
+        // Only the agents' own Leases, with their deadline (docs/node-loss.md).
+        "--agent-namespace=$(POD_NAMESPACE)",
+        "--agent-fence-after=30s",
     ] {
         assert!(a.contains(&flag), "operator args {a:?} lack {flag}");
     }
@@ -716,10 +719,11 @@ fn check_rbac(objs: &[Value]) {
     }
 }
 
-/// The agent's admission policy: `files/policy/agent.yaml` rendered as written, with the
-/// release namespace in place of `${RELEASE_NAMESPACE}` (matching the release's own
-/// ServiceAccount), and bound with `Deny`.
-fn check_agent_policy(objs: &[Value]) {
+/// The admission policies: `files/policy/agent.yaml` and `files/policy/operator.yaml`
+/// rendered as written, with the release namespace in place of `${RELEASE_NAMESPACE}`
+/// (matching the release's own ServiceAccounts) and the reservation image in place of
+/// `${RESERVATION_IMAGE}`, and bound with `Deny`.
+fn check_policies(objs: &[Value]) {
     let path = Path::new(CHART).join("files/policy/agent.yaml");
     let text = std::fs::read_to_string(&path).unwrap();
     assert!(text.contains("${RELEASE_NAMESPACE}"), "{}", path.display());
@@ -741,9 +745,37 @@ fn check_agent_policy(objs: &[Value]) {
     );
     assert_eq!(binding["spec"]["policyName"], "imp-agent-own-node");
     assert_eq!(binding["spec"]["validationActions"], json!(["Deny"]));
+    // The operator's: its Pods only reservation Pods of the chart's image.
+    let path = Path::new(CHART).join("files/policy/operator.yaml");
+    let text = std::fs::read_to_string(&path).unwrap();
+    let file = objects(
+        &text
+            .replace("${RELEASE_NAMESPACE}", NS)
+            .replace("${RESERVATION_IMAGE}", "registry.k8s.io/pause:3.10"),
+    );
+    let policy = find(
+        objs,
+        "ValidatingAdmissionPolicy",
+        "imp-operator-reservation-pods",
+    );
+    assert_eq!(policy["spec"], file[0]["spec"]);
+    assert_eq!(
+        policy["spec"]["matchConditions"][0]["expression"],
+        format!("request.userInfo.username == 'system:serviceaccount:{NS}:imp-operator'")
+    );
+    assert_eq!(
+        policy["metadata"]["labels"]["app.kubernetes.io/component"],
+        "operator"
+    );
+    let binding = find(
+        objs,
+        "ValidatingAdmissionPolicyBinding",
+        "imp-operator-reservation-pods",
+    );
+    assert_eq!(binding["spec"]["validationActions"], json!(["Deny"]));
     let rendered = serde_json::to_string(objs).unwrap();
     assert!(
-        !rendered.contains("RELEASE_NAMESPACE"),
+        !rendered.contains("RELEASE_NAMESPACE") && !rendered.contains("RESERVATION_IMAGE"),
         "a placeholder is left"
     );
 }
@@ -884,7 +916,7 @@ const TOGGLES: &[Toggle] = &[
             check_gateway(objs);
             check_crds(objs);
             check_rbac(objs);
-            check_agent_policy(objs);
+            check_policies(objs);
             for c in all_containers(objs) {
                 assert_ne!(
                     c["securityContext"]["privileged"], true,
@@ -1221,6 +1253,11 @@ fn values_the_chart_cannot_honour_are_refused_by_name() {
         ("agent.runtime=kvmtool", "/agent/runtime"),
         ("operator.replicas=two", "/operator/replicas"),
         ("agent.stateDir=var/lib/imp", "/agent/stateDir"),
+        // Put into the operator's admission policy's CEL: image-reference characters only.
+        (
+            "operator.reservations.image=pause' || true || '",
+            "/operator/reservations/image",
+        ),
         // Below the Pod's /tmp emptyDir: unmounted under running VMs when the Pod goes.
         (
             "agent.stateDir=/tmp/imp",
@@ -1695,6 +1732,8 @@ async fn the_installed_service_accounts_hold_their_roles_and_no_more() {
         (&operator, "get", "impvmclasses.imp.dev", &[]),
         (&operator, "create", "events.events.k8s.io", &all),
         (&operator, "create", "leases.coordination.k8s.io", &here),
+        // The agents' Leases, in the release namespace only (docs/node-loss.md).
+        (&operator, "watch", "leases.coordination.k8s.io", &here),
         (
             &operator,
             "update",
@@ -1758,6 +1797,8 @@ async fn the_installed_service_accounts_hold_their_roles_and_no_more() {
             "leases.coordination.k8s.io/someone-else",
             &here,
         ),
+        (&operator, "list", "leases.coordination.k8s.io", &elsewhere),
+        (&operator, "watch", "leases.coordination.k8s.io", &all),
         (&agent, "delete", "impvms.imp.dev", &all),
         (&agent, "create", "impvms.imp.dev", &all),
         (&agent, "update", "impvms.imp.dev", &all),

@@ -11,6 +11,7 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use anyhow::Context;
+use imp_operator::fencing::Trust;
 use imp_operator::leader::LeaseConfig;
 use imp_operator::process::{self, Config};
 use imp_operator::reservation::PodSettings;
@@ -71,6 +72,15 @@ pub struct Args {
     /// before the VMs of its lost node are moved or failed.
     #[arg(long, default_value_t = 10.0)]
     fence_margin: f64,
+    /// The node agents' namespace: only their Leases there (`imp-agent-<node>`, held by
+    /// `<node>`) count as their renewals; a Lease anywhere else is ignored.
+    #[arg(long, env = "POD_NAMESPACE", default_value = "imp-system")]
+    agent_namespace: String,
+    /// The agents' `--fence-after`, as they run with it: the operator never waits less than
+    /// this (plus --fence-margin) for a lost node's agent, whatever its Lease says, and
+    /// ignores a Lease whose leaseDurationSeconds is 0 or above 10 minutes and this.
+    #[arg(long, default_value = "30s", value_parser = crate::args::parse_duration)]
+    agent_fence_after: Duration,
     /// Keep suspended VMs' memory reserved instead of the Go project's overcommit.
     #[arg(long)]
     no_suspended_overcommit: bool,
@@ -144,6 +154,10 @@ fn config(args: &Args) -> anyhow::Result<Config> {
         node_loss_grace: secs("node-loss-grace", args.node_loss_grace)?,
         start_timeout: secs("start-timeout", args.start_timeout)?,
         fence_margin: secs("fence-margin", args.fence_margin)?,
+        agent_leases: Trust {
+            namespace: args.agent_namespace.clone(),
+            fence_after: args.agent_fence_after,
+        },
         overcommit_suspended: !args.no_suspended_overcommit,
         concurrency: args.concurrency,
         instance: Some(identity.clone()),
@@ -206,8 +220,19 @@ mod tests {
             "127.0.0.1:9443",
             "--webhook-secret",
             "imp-webhook-tls",
+            "--agent-namespace",
+            "imp",
+            "--agent-fence-after",
+            "45s",
         ])
         .unwrap();
+        assert_eq!(
+            c.settings.agent_leases,
+            Trust {
+                namespace: "imp".into(),
+                fence_after: Duration::from_secs(45),
+            }
+        );
         assert_eq!(c.ops_addr, "127.0.0.1:9090".parse().unwrap());
         let lease = c.lease.unwrap();
         assert_eq!(
@@ -239,6 +264,9 @@ mod tests {
         assert_eq!(c.ops_addr, "0.0.0.0:8080".parse().unwrap());
         let pods = c.settings.reservations.unwrap();
         assert_eq!(pods.image, imp_operator::reservation::DEFAULT_IMAGE);
+        // The test harness admits the operator's reservation Pods of this image only.
+        assert_eq!(pods.image, imp_testenv::rbac::RESERVATION_IMAGE);
+        assert_eq!(c.settings.agent_leases, Trust::default());
         assert_eq!(pods.priority_class, None);
         assert_eq!(c.settings.requeue_pending, Duration::from_secs(30));
         assert!(c.settings.overcommit_suspended);

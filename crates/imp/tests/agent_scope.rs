@@ -2,21 +2,28 @@
 //! the chart's RBAC and its ValidatingAdmissionPolicy (`charts/imp/files/policy/agent.yaml`),
 //! the agent of node-a (a token bound to its stand-in Pod on node-a, as the DaemonSet's Pod has)
 //! may patch node-a's annotations, the status of a VM placed on node-a, profile node-a, Lease
-//! `imp-agent-node-a`, and claim an unclaimed snapshot execution for node-a; the same writes
-//! for node-b are refused with 403 and a message naming the write and the node, and a token of
-//! the same ServiceAccount bound to no Pod may write nothing.
+//! `imp-agent-node-a` (held by node-a, never naming another holder), and claim an unclaimed
+//! snapshot execution for node-a; the same writes for node-b are refused with 403 and a
+//! message naming the write and the node, and a token of the same ServiceAccount bound to no
+//! Pod may write nothing.
 //!
-//! Objects only, on a real control plane: no agent process, no guest.
+//! The operator's token, likewise held by its policy (`charts/imp/files/policy/operator.yaml`),
+//! creates only reservation Pods (the operator's own builder's Pod is admitted; one without the
+//! label, of another image, with a hostPath, in the host's network, privileged, with a token or
+//! unbound is refused naming why) and deletes only labelled ones.
+//!
+//! Objects only, on one real control plane: no agent or operator process, no guest.
 #![allow(clippy::unwrap_used, clippy::expect_used)] // Test code: a failed unwrap is a failed test.
 
 mod common;
 
 use std::time::{Duration, Instant};
 
+use imp_operator::reservation::{PodSettings, Reservation};
 use k8s_openapi::api::coordination::v1::Lease;
-use k8s_openapi::api::core::v1::Node;
+use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::api::{
-    Api, ApiResource, DynamicObject, GroupVersionKind, Patch, PatchParams, PostParams,
+    Api, ApiResource, DeleteParams, DynamicObject, GroupVersionKind, Patch, PatchParams, PostParams,
 };
 use serde_json::{Value, json};
 
@@ -236,6 +243,18 @@ async fn an_agents_node_bound_token_writes_only_what_belongs_to_its_own_node() {
             .await,
         "renewing Lease imp-agent-node-a",
     );
+    // ... but held by node-a only: the operator takes a Lease's node from its holder.
+    refused(
+        leases(&a)
+            .patch(
+                &format!("imp-agent-{A}"),
+                &p,
+                &merge(json!({"spec": {"holderIdentity": B}})),
+            )
+            .await,
+        "naming node-b the holder of Lease imp-agent-node-a",
+        "holderIdentity node-b",
+    );
     admitted(
         snapshots(&a).patch("snap-node-a", &p, &claim).await,
         "claiming node-a's unclaimed snapshot",
@@ -347,4 +366,123 @@ async fn an_agents_node_bound_token_writes_only_what_belongs_to_its_own_node() {
             .await,
         "releasing node-a's VM",
     );
+
+    operator_makes_only_reservation_pods(&kube, &admin).await;
+}
+
+/// A reservation Pod of vm-node-a as the operator builds it, named `name`.
+fn reservation(admin_vm: &DynamicObject, name: &str) -> Pod {
+    let uid = admin_vm.metadata.uid.clone().unwrap();
+    let r = Reservation::of(NS, "vm-node-a", &uid, A, (1, 256), false, true).unwrap();
+    let mut pod = imp_operator::reservation::pod(&r, &PodSettings::default());
+    pod.metadata.name = Some(name.to_owned());
+    pod
+}
+
+/// Asserts that `res` is the operator policy's refusal of `what`, saying `why`.
+fn refused_to_operator<T: std::fmt::Debug>(res: kube::Result<T>, what: &str, why: &str) {
+    match res {
+        Err(kube::Error::Api(s)) => {
+            assert_eq!(s.code, 403, "{what}: {s:?}");
+            assert!(
+                s.message.contains("imp-operator may not") && s.message.contains(why),
+                "{what}: the refusal does not say '{why}': {}",
+                s.message
+            );
+            eprintln!("refused, {what}: {}", s.message);
+        }
+        other => panic!("{what} was admitted for the operator: {other:?}"),
+    }
+}
+
+/// The operator's token creates and deletes only reservation Pods.
+async fn operator_makes_only_reservation_pods(kube: &common::Cluster, admin: &kube::Client) {
+    let op = kube
+        .cp
+        .client_from(kube.operator_kubeconfig())
+        .await
+        .unwrap();
+    let pods: Api<Pod> = Api::namespaced(op, NS);
+    let as_admin: Api<Pod> = Api::namespaced(admin.clone(), NS);
+    let vm = vms(admin).get("vm-node-a").await.unwrap();
+    let pp = PostParams::default();
+    // Until the API server enforces the policy, an unlabelled Pod passes RBAC alone.
+    let t0 = Instant::now();
+    loop {
+        let mut bare = reservation(&vm, "unlabelled");
+        bare.metadata.labels = None;
+        match pods.create(&pp, &bare).await {
+            Err(kube::Error::Api(s)) if s.code == 403 && s.message.contains("imp-operator") => {
+                assert!(s.message.contains("imp.dev/reservation=true"), "{s:?}");
+                break;
+            }
+            Ok(_) => {
+                as_admin
+                    .delete("unlabelled", &DeleteParams::default().grace_period(0))
+                    .await
+                    .unwrap();
+            }
+            Err(e) => panic!("an unlabelled Pod: {e}"),
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "the operator's policy is not enforced after 30 s"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    type Change = fn(&mut Pod);
+    let cases: [(&str, &str, Change); 6] = [
+        ("another image", "image registry.k8s.io/pause:3.10", |p| {
+            p.spec.as_mut().unwrap().containers[0].image = Some("busybox".into());
+        }),
+        ("a hostPath volume", "mounts no volume", |p| {
+            p.spec.as_mut().unwrap().volumes = Some(vec![
+                serde_json::from_value(json!({"name": "root", "hostPath": {"path": "/"}})).unwrap(),
+            ]);
+        }),
+        ("the host's network", "no host namespace", |p| {
+            p.spec.as_mut().unwrap().host_network = Some(true);
+        }),
+        ("a privileged container", "not privileged", |p| {
+            let sc = p.spec.as_mut().unwrap().containers[0]
+                .security_context
+                .as_mut()
+                .unwrap();
+            sc.privileged = Some(true);
+            sc.allow_privilege_escalation = None;
+        }),
+        (
+            "a ServiceAccount token",
+            "automountServiceAccountToken: false",
+            |p| {
+                p.spec.as_mut().unwrap().automount_service_account_token = Some(true);
+            },
+        ),
+        ("no node", "bound to its node", |p| {
+            p.spec.as_mut().unwrap().node_name = None;
+        }),
+    ];
+    for (i, (what, why, change)) in cases.into_iter().enumerate() {
+        let mut pod = reservation(&vm, &format!("bad-{i}"));
+        change(&mut pod);
+        refused_to_operator(pods.create(&pp, &pod).await, what, why);
+    }
+    // The Pod the operator's own builder makes is admitted, and deleted.
+    let good = reservation(&vm, "imp-vm-vm-node-a");
+    admitted(pods.create(&pp, &good).await, "a reservation Pod");
+    // Someone else's Pod cannot be deleted with the operator's token.
+    let mut theirs = reservation(&vm, "someone-elses");
+    theirs.metadata.labels = None;
+    as_admin.create(&pp, &theirs).await.unwrap();
+    refused_to_operator(
+        pods.delete("someone-elses", &DeleteParams::default()).await,
+        "deleting an unlabelled Pod",
+        "imp.dev/reservation=true",
+    );
+    admitted(
+        pods.delete("imp-vm-vm-node-a", &DeleteParams::default().grace_period(0))
+            .await,
+        "deleting the reservation Pod",
+    );
+    assert!(as_admin.get_opt("someone-elses").await.unwrap().is_some());
 }

@@ -143,6 +143,8 @@ async fn a_cut_off_node_fences_its_vm_before_it_runs_elsewhere_and_never_runs_it
             "2",
             "--fence-margin",
             &MARGIN.to_string(),
+            "--agent-fence-after",
+            &format!("{FENCE_AFTER}s"),
         ],
     );
 

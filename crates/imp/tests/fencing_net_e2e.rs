@@ -297,6 +297,8 @@ async fn a_node_cut_from_the_api_server_fences_its_vm_so_a_client_never_sees_two
             "2",
             "--fence-margin",
             &MARGIN.to_string(),
+            "--agent-fence-after",
+            &format!("{FENCE_AFTER}s"),
         ],
     );
     let fence = format!("{FENCE_AFTER}s");

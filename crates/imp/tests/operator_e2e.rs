@@ -1478,10 +1478,21 @@ async fn conflicting_writers_are_counted_and_the_backlog_drains() {
 }
 
 /// Plays node `node`'s agent renewing its Lease (deadline `secs`), every 300 ms until dropped.
-fn renew_agent_lease(c: &Client, node: &str, secs: i32) -> tokio::task::JoinHandle<()> {
-    use k8s_openapi::api::coordination::v1::Lease;
-    let api: Api<Lease> = Api::namespaced(c.clone(), "imp-system");
-    let name = format!("imp-agent-{node}");
+fn renew_agent_lease(c: &Client, node: &str, secs: i64) -> tokio::task::JoinHandle<()> {
+    renew_lease(c, "imp-system", &format!("imp-agent-{node}"), node, secs)
+}
+
+/// Renews Lease `ns/name`, labelled as an agent's, held by `node` with a deadline of `secs`,
+/// every 300 ms until dropped (an agent, or someone playing one).
+fn renew_lease(
+    c: &Client,
+    ns: &str,
+    name: &str,
+    node: &str,
+    secs: i64,
+) -> tokio::task::JoinHandle<()> {
+    let api: Api<Lease> = Api::namespaced(c.clone(), ns);
+    let name = name.to_owned();
     let node = node.to_owned();
     tokio::spawn(async move {
         loop {
@@ -1514,7 +1525,12 @@ async fn a_lost_nodes_vm_moves_only_once_its_agent_has_surely_fenced_it() {
     node(c, "a", "8", "16Gi", true, true).await;
     class(c, "small", 1, 256).await;
     // Node-loss grace 3 s (Operator::start), agent deadline 3 s, margin 1 s.
-    let _op = Operator::start(&e, "solo", &["--fence-margin", "1"]).await;
+    let op = Operator::start(
+        &e,
+        "solo",
+        &["--fence-margin", "1", "--agent-fence-after", "3s"],
+    )
+    .await;
     let renewing = renew_agent_lease(c, "a", 3);
     vm(
         c,
@@ -1553,6 +1569,43 @@ async fn a_lost_nodes_vm_moves_only_once_its_agent_has_surely_fenced_it() {
     renewing.abort();
     let _ = renewing.await;
     let cut = Instant::now();
+    // ... whatever Leases others write meanwhile claiming to be node a's agent: a tenant's in
+    // its own namespace and one of another name in the agents' namespace, both renewed with a
+    // deadline of 10^6 s (the VM would never move), and the agent's own rewritten with a
+    // deadline of 1 s (it would move at once, while a's copy may still run; the API server
+    // itself refuses 0), then of 10^6 s.
+    let forgers = [
+        renew_lease(c, NS, "imp-agent-a", "a", 1_000_000),
+        renew_lease(c, "imp-system", "imp-agent-forged", "a", 1_000_000),
+    ];
+    let own = Api::<Lease>::namespaced(c.clone(), "imp-system");
+    for secs in [1, 1_000_000] {
+        own.patch(
+            "imp-agent-a",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"leaseDurationSeconds": secs}})),
+        )
+        .await
+        .unwrap();
+    }
+    // The operator saw those of the agents' namespace (it watches no other), in order, and
+    // ignored them.
+    let ignored = |t: &str, why: &str| {
+        sample(
+            t,
+            &format!("imp_operator_agent_leases_ignored_total{{reason=\"{why}\"}}"),
+        )
+        .unwrap_or(0.0)
+    };
+    common::wait_for(
+        "the forged Leases counted as ignored",
+        Duration::from_secs(WAIT_SECS),
+        || async {
+            let t = op.scrape().await?;
+            (ignored(&t, "holder") >= 1.0 && ignored(&t, "duration") >= 1.0).then_some(())
+        },
+    )
+    .await;
     // The placement writes spec.nodeName, then the status that says Scheduled: wait for both.
     let moved = common::wait_vm(&vms(c), "mover", "mover on node b", WAIT_SECS, |v| {
         v.spec.node_name.as_deref() == Some("b") && phase(v) == Some(VmPhase::Scheduled)
@@ -1568,6 +1621,10 @@ async fn a_lost_nodes_vm_moves_only_once_its_agent_has_surely_fenced_it() {
         "moved after {after:?}"
     );
     assert_eq!(moved.status.unwrap().node_name.as_deref(), Some("b"));
+    for f in forgers {
+        assert!(!f.is_finished(), "a forger stopped early");
+        f.abort();
+    }
 }
 
 /// With no admission webhook (these tests register none), what the webhook would refuse is

@@ -34,7 +34,7 @@ use crate::runtime::state::StateDir;
 
 /// The name of node `node`'s agent Lease.
 pub fn lease_name(node: &str) -> String {
-    format!("imp-agent-{node}")
+    imp_api::shared::agent_lease_name(node)
 }
 
 /// How the agent renews and fences.

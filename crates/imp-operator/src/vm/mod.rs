@@ -145,6 +145,9 @@ pub struct Settings {
     /// Added to an agent's fence deadline (its Lease's `leaseDurationSeconds`) before the VMs
     /// of its lost node are moved: covers the agent's once-a-second check and the kill.
     pub fence_margin: Duration,
+    /// Which agent Leases count: the agents' namespace and the deadline they are expected to
+    /// fence by ([`crate::fencing`]).
+    pub agent_leases: crate::fencing::Trust,
     /// Count suspended VMs' memory as free (the Go overcommit rule).
     pub overcommit_suspended: bool,
     /// Reconciles running at once.
@@ -168,6 +171,7 @@ impl Default for Settings {
             node_loss_grace: Duration::from_secs(40),
             start_timeout: Duration::from_secs(300),
             fence_margin: Duration::from_secs(10),
+            agent_leases: crate::fencing::Trust::default(),
             overcommit_suspended: true,
             concurrency: 8,
             instance: None,
@@ -469,7 +473,8 @@ pub async fn run(
     let (stores, streams) = watches::kinds(&client, &wc);
     let reservation_changed = Arc::new(tokio::sync::Notify::new());
     let reservation_pods = watches::reservation_pods(&client, &wc, reservation_changed.clone());
-    let agent_leases = watches::agent_leases(&client, &wc);
+    let agent_leases =
+        watches::agent_leases(&client, &wc, settings.agent_leases.clone(), metrics.clone());
     // Every trigger handed to the controller marks its VM waiting until its reconcile starts.
     let backlog = Arc::new(Tracker::new(names::VM_CONTROLLER, metrics.clone()));
     let ledger = Arc::new(std::sync::Mutex::new(Ledger::default()));

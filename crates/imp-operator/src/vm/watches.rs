@@ -28,7 +28,7 @@ use tokio::sync::Notify;
 use super::world::{observe, resized};
 use super::{key, phase_counts};
 use crate::backlog::Tracker;
-use crate::fencing::AgentLeases;
+use crate::fencing::{AgentLeases, Trust, Verdict};
 use crate::ledger::Ledger;
 use crate::metrics::Metrics;
 
@@ -284,17 +284,22 @@ pub(super) fn reservation_pods(
 }
 
 /// When each node's agent was last seen renewing its Lease, kept by a watch on a task of its
-/// own.
+/// own. Only the agents' namespace is watched ([`Trust::namespace`]); a Lease the bookkeeping
+/// ignores anyway (a holder that does not match its name, a duration out of range) is logged
+/// once and counted in `imp_operator_agent_leases_ignored_total`.
 pub(super) fn agent_leases(
     client: &kube::Client,
     wc: &watcher::Config,
+    trust: Trust,
+    metrics: Option<Arc<Metrics>>,
 ) -> Arc<std::sync::Mutex<AgentLeases>> {
-    let leases = Arc::new(std::sync::Mutex::new(AgentLeases::default()));
+    let namespace = trust.namespace.clone();
+    let leases = Arc::new(std::sync::Mutex::new(AgentLeases::new(trust)));
     let kept = leases.clone();
     let cfg = wc
         .clone()
         .labels(&format!("{}=true", imp_api::shared::LABEL_AGENT_LEASE));
-    let watch = watcher(Api::<Lease>::all(client.clone()), cfg)
+    let watch = watcher(Api::<Lease>::namespaced(client.clone(), &namespace), cfg)
         .default_backoff()
         .for_each(move |event| {
             let mut l = kept
@@ -303,11 +308,23 @@ pub(super) fn agent_leases(
             let now = std::time::Instant::now();
             match event {
                 Ok(watcher::Event::Apply(lease) | watcher::Event::InitApply(lease)) => {
-                    l.observe(&lease, now);
+                    if let Verdict::Ignored { why, detail, first } = l.observe(&lease, now) {
+                        if let Some(m) = &metrics {
+                            m.agent_lease_ignored(why.as_str());
+                        }
+                        if first {
+                            tracing::warn!(
+                                lease = %format!("{}/{}", lease.namespace().unwrap_or_default(), lease.name_any()),
+                                reason = why.as_str(),
+                                %detail,
+                                "an agent Lease is ignored: it renews nothing and moves no VM"
+                            );
+                        }
+                    }
                 }
                 Ok(watcher::Event::Delete(lease)) => l.forget(&lease),
                 Ok(_) => {}
-                Err(e) => tracing::warn!(error = %imp_api::chain::DisplayChain(&e), "watching the agents' Leases"),
+                Err(e) => tracing::warn!(error = %imp_api::chain::DisplayChain(&e), namespace = %namespace, "watching the agents' Leases"),
             }
             futures::future::ready(())
         });
