@@ -5,7 +5,8 @@
 //! (QEMU enters it through its PVH note, skipping decompression), and the ratio is printed.
 //!
 //! `cargo bench -p imp-agent --bench boot`; `IMP_BOOT_BENCH_RUNS` sets the boots per kernel (5).
-//! Needs what `tests/qemu_driver.rs` needs; prints what is missing and exits 0 otherwise.
+//! Needs what `tests/qemu_driver.rs` needs; what is missing skips the bench on a developer machine
+//! and fails it under `CI=true` (`imp_testenv::guard`).
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a benchmark panics on failure
 
@@ -58,17 +59,19 @@ async fn main() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
     let kdir = root.join("target/guest-kernel");
     let guest = root.join("target/imp-guest/imp-guest");
+    // Skips on a developer machine, fails under CI=true, like every test that needs the machine.
     let launcher = match Launcher::detect() {
         Ok(l) => l,
-        other => {
-            println!("boot bench skipped: qemu missing ({other:?})");
+        Err(e) => {
+            imp_testenv::guard::require(false, &format!("boot bench: qemu ({e})"));
             return;
         }
     };
-    if !kdir.join("vmlinuz").is_file() || !guest.is_file() || !Path::new("/bin/busybox").is_file() {
-        println!(
-            "boot bench skipped: run scripts/fetch-guest-kernel.sh and scripts/build-guest.sh, install busybox-static"
-        );
+    if !imp_testenv::guard::require(
+        kdir.join("vmlinuz").is_file() && guest.is_file() && Path::new("/bin/busybox").is_file(),
+        "boot bench: target/guest-kernel/vmlinuz (scripts/fetch-guest-kernel.sh), \
+         target/imp-guest/imp-guest (scripts/build-guest.sh) and /bin/busybox (busybox-static)",
+    ) {
         return;
     }
     let runs: usize = std::env::var("IMP_BOOT_BENCH_RUNS")

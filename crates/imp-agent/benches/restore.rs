@@ -11,8 +11,8 @@
 //! runs a single instruction).
 //!
 //! `cargo bench -p imp-agent --bench restore` (256 MiB, 1 GiB, 2 GiB; `IMP_BENCH_MEMORY=256,1024`
-//! chooses); under `cargo test` 256 MiB only. Needs what `tests/qemu_driver.rs` needs; prints
-//! what is missing and exits 0 otherwise.
+//! chooses); under `cargo test` 256 MiB only. Needs what `tests/qemu_driver.rs` needs; what is missing
+//! skips the bench on a developer machine and fails it under `CI=true` (`imp_testenv::guard`).
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a benchmark panics on failure
 
@@ -154,14 +154,19 @@ async fn main() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
     let kdir = root.join("target/guest-kernel");
     let guest = root.join("target/imp-guest/imp-guest");
-    let Ok(launcher) = Launcher::detect() else {
-        println!("restore bench skipped: qemu missing");
-        return;
+    // Skips on a developer machine, fails under CI=true, like every test that needs the machine.
+    let launcher = match Launcher::detect() {
+        Ok(l) => l,
+        Err(e) => {
+            imp_testenv::guard::require(false, &format!("restore bench: qemu ({e})"));
+            return;
+        }
     };
-    if !kdir.join("vmlinux").is_file() || !guest.is_file() || !Path::new("/bin/busybox").is_file() {
-        println!(
-            "restore bench skipped: run scripts/fetch-guest-kernel.sh and scripts/build-guest.sh, install busybox-static"
-        );
+    if !imp_testenv::guard::require(
+        kdir.join("vmlinux").is_file() && guest.is_file() && Path::new("/bin/busybox").is_file(),
+        "restore bench: target/guest-kernel/vmlinux (scripts/fetch-guest-kernel.sh), \
+         target/imp-guest/imp-guest (scripts/build-guest.sh) and /bin/busybox (busybox-static)",
+    ) {
         return;
     }
     let benching = std::env::args().any(|a| a == "--bench");

@@ -560,7 +560,8 @@ fn node() {
 static ONE_GUEST_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 /// Runs test `name` again in a network namespace of its own (where `MARK` is set), or, there,
-/// `body` on a runtime; `ready` says whether its inputs are here (else it skips).
+/// `body` on a runtime; `ready` says whether its inputs are here (else it skips). The child must
+/// report exactly one test passed ([`imp_testenv::rerun::one_test`]).
 fn in_own_namespace<F: std::future::Future<Output = ()>>(name: &str, ready: bool, body: F) {
     if std::env::var_os(MARK).is_none() {
         if !ready {
@@ -569,14 +570,15 @@ fn in_own_namespace<F: std::future::Future<Output = ()>>(name: &str, ready: bool
         let _one = ONE_GUEST_AT_A_TIME
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        let status = Command::new("unshare")
+        let mut child = Command::new("unshare");
+        child
             .arg("--net")
             .arg(std::env::current_exe().unwrap())
             .args([name, "--exact", "--nocapture", "--test-threads=1"])
-            .env(MARK, "1")
-            .status()
-            .unwrap();
-        assert!(status.success(), "{name} failed in its network namespace");
+            .env(MARK, "1");
+        // Fails unless the child ran exactly this one test and it passed: a renamed test would
+        // otherwise match nothing there and exit 0.
+        imp_testenv::rerun::one_test(child, name);
         return;
     }
     tokio::runtime::Builder::new_multi_thread()

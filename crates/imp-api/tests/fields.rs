@@ -1,6 +1,8 @@
 //! `docs/fields.md` against the CRDs: every `spec` field of every kind has a row saying what
-//! really happens to it, every test a row names exists, and every refusal a row quotes is one
-//! the webhook makes (`src/unsupported.rs`). Issue 26, "nothing silent".
+//! really happens to it, every test a row names exists and mentions the field in its body (the
+//! field's JSON or Rust name: a test that never says the field cannot be what shows it; issue
+//! 45), and every refusal a row quotes is one the webhook makes (`src/unsupported.rs`). Issue 26,
+//! "nothing silent".
 //!
 //! Depth rule (stated in the page too): the schema is walked to its leaves (`[]` marks a list's
 //! items, a map's values are a leaf); a row covers its own path and everything under it.
@@ -108,9 +110,118 @@ fn tests_named(cell: &str) -> Vec<(String, String)> {
 
 /// Whether `source` defines a function `name`.
 fn defines(source: &str, name: &str) -> bool {
-    [format!("fn {name}("), format!("fn {name}<")]
+    body(source, name).is_some()
+}
+
+/// The text of function `name` in `source`, from its `fn` to its closing brace (braces counted,
+/// which the tests' own code keeps balanced), or `None` when `source` has no such function.
+fn body<'a>(source: &'a str, name: &str) -> Option<&'a str> {
+    let start = [format!("fn {name}("), format!("fn {name}<")]
         .iter()
-        .any(|d| source.contains(d.as_str()))
+        .filter_map(|d| source.find(d.as_str()))
+        .min()?;
+    let text = &source[start..];
+    let open = text.find('{')?;
+    let mut depth = 0usize;
+    for (i, c) in text[open..].char_indices() {
+        match c {
+            '{' => depth += 1,
+            '}' => {
+                depth -= 1;
+                if depth == 0 {
+                    return Some(&text[..open + i + 1]);
+                }
+            }
+            _ => {}
+        }
+    }
+    Some(text)
+}
+
+/// The names a test that exercises the field at `path` says it by: the last segment's JSON
+/// name (`startupProbe`) and its Rust name (`startup_probe`); for a whole kind (`spec`), the kind.
+fn field_names(kind: &str, path: &str) -> Vec<String> {
+    let last = path
+        .rsplit('.')
+        .next()
+        .unwrap_or(path)
+        .trim_end_matches("[]");
+    if last == "spec" {
+        return vec![kind.to_owned()];
+    }
+    let mut snake = String::new();
+    for c in last.chars() {
+        if c.is_ascii_uppercase() {
+            snake.push('_');
+            snake.push(c.to_ascii_lowercase());
+        } else {
+            snake.push(c);
+        }
+    }
+    let mut names = vec![last.to_owned()];
+    if snake != last {
+        names.push(snake);
+    }
+    // `memoryMiB` is `memory_mib` in Rust: the words after the first, lower-cased together.
+    if let Some(i) = last.find(|c: char| c.is_ascii_uppercase()) {
+        let joined = format!("{}_{}", &last[..i], last[i..].to_ascii_lowercase());
+        if !names.contains(&joined) {
+            names.push(joined);
+        }
+    }
+    names
+}
+
+/// Whether test `name` in `source` says one of `names`: in its own body, or in the body of a
+/// function of the same file it calls (one level: a test's builder such as `backoff("10s", …)`
+/// that sets the field).
+fn test_mentions(source: &str, name: &str, names: &[String]) -> bool {
+    let Some(own) = body(source, name) else {
+        return false;
+    };
+    let says = |text: &str| names.iter().any(|n| mentions(text, n));
+    if says(own) {
+        return true;
+    }
+    // A constant of the file it reads (`for k in NO_CONTROLLER_KINDS`): its value.
+    let constant = |c: &str| {
+        let def = format!("const {c}:");
+        let start = source.find(&def)?;
+        let text = &source[start..];
+        let value = &text[text.find('=')?..];
+        Some(&value[..value.find(';').unwrap_or(value.len())])
+    };
+    if own
+        .split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+        .filter(|w| w.len() > 1 && w.chars().all(|c| c.is_ascii_uppercase() || c == '_'))
+        .filter_map(constant)
+        .any(says)
+    {
+        return true;
+    }
+    let mut seen = BTreeSet::new();
+    own.match_indices('(')
+        .filter_map(|(i, _)| {
+            let before = &own[..i];
+            let start = before
+                .rfind(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+                .map_or(0, |j| j + 1);
+            let f = &before[start..];
+            (!f.is_empty() && f != name).then_some(f)
+        })
+        .filter(|f| seen.insert(*f))
+        .filter_map(|f| body(source, f))
+        .any(says)
+}
+
+/// Whether `text` holds `word` as a whole identifier (not inside a longer one: `port` is not in
+/// `report`).
+fn mentions(text: &str, word: &str) -> bool {
+    let ident = |c: char| c.is_ascii_alphanumeric() || c == '_';
+    text.match_indices(word).any(|(i, _)| {
+        !text[..i].chars().next_back().is_some_and(ident)
+            && !text[i + word.len()..].chars().next().is_some_and(ident)
+    })
 }
 
 /// The message a Refused row quotes: the first backticked text after `**Refused**:`.
@@ -118,6 +229,9 @@ fn refusal(effect: &str) -> Option<&str> {
     let (_, after) = effect.split_once("**Refused**: `")?;
     after.split('`').next()
 }
+
+/// How a row's "tested by" cell says plainly that no test exercises its field.
+const UNTESTED: &str = "**untested**";
 
 #[test]
 fn every_spec_field_has_a_row_and_every_row_its_test() {
@@ -147,8 +261,11 @@ fn every_spec_field_has_a_row_and_every_row_its_test() {
                 problems.push(format!("{at}: not a field of the {kind} CRD"));
             }
             let named = tests_named(&r.tested_by);
-            if named.is_empty() {
-                problems.push(format!("{at}: names no test (`file::function`)"));
+            let names = field_names(kind, &r.path);
+            if named.is_empty() && !r.tested_by.starts_with(UNTESTED) {
+                problems.push(format!(
+                    "{at}: names no test (`file::function`) and does not say `{UNTESTED}`"
+                ));
             }
             for (file, func) in named {
                 let src = sources
@@ -156,12 +273,16 @@ fn every_spec_field_has_a_row_and_every_row_its_test() {
                     .or_insert_with(|| std::fs::read_to_string(root().join(&file)).ok());
                 match src {
                     None => problems.push(format!("{at}: {file} does not exist")),
-                    Some(s) if !defines(s, &func) => {
-                        problems.push(format!("{at}: {file} has no fn {func}"))
-                    }
-                    Some(_) => {
-                        tests.insert(format!("{file}::{func}"));
-                    }
+                    Some(s) => match body(s, &func) {
+                        None => problems.push(format!("{at}: {file} has no fn {func}")),
+                        Some(_) if !test_mentions(s, &func, &names) => problems.push(format!(
+                            "{at}: {file}::{func} never mentions the field ({})",
+                            names.join(" or ")
+                        )),
+                        Some(_) => {
+                            tests.insert(format!("{file}::{func}"));
+                        }
+                    },
                 }
             }
             if r.effect.contains("**Refused**") {
@@ -217,6 +338,26 @@ fn the_checks_catch_a_missing_row_a_stale_test_and_a_made_up_refusal() {
         [("a.rs".into(), "f".into()), ("b.rs".into(), "g".into())]
     );
     assert!(defines("async fn f() {}", "f") && !defines("fn ff() {}", "f"));
+    // A named test must say the field: its body, not the rest of the file.
+    let src = "fn f() { let x = json!({\"startupProbe\": {}}); }\nfn g() { report(); }\n\
+               fn h() { vm.spec.startup_probe.take(); }";
+    let names = field_names("ImpVM", "spec.probes.startupProbe");
+    assert_eq!(names, ["startupProbe", "startup_probe"]);
+    assert!(names.iter().any(|n| mentions(body(src, "f").unwrap(), n)));
+    assert!(!names.iter().any(|n| mentions(body(src, "g").unwrap(), n)));
+    assert!(names.iter().any(|n| mentions(body(src, "h").unwrap(), n)));
+    // …or in a builder of the same file that it calls.
+    let src =
+        "fn t() { let b = backoff(\"10s\"); }\nfn backoff(d: &str) -> B { B { initial_delay: d } }";
+    let delay = field_names("ImpVM", "spec.restartPolicy.backoff.initialDelay");
+    assert!(test_mentions(src, "t", &delay));
+    assert!(!test_mentions(src, "backoff_x", &delay));
+    let src = "const KINDS: [&str; 1] = [\"ImpWarmPool\"];\nfn t() { for k in KINDS {} }";
+    assert!(test_mentions(src, "t", &field_names("ImpWarmPool", "spec")));
+    assert!(field_names("ImpVMClass", "spec.memoryMiB").contains(&"memory_mib".to_owned()));
+    assert!(!mentions("report()", "port") && mentions("x.port = 1", "port"));
+    assert_eq!(field_names("ImpWarmPool", "spec"), ["ImpWarmPool"]);
+    assert_eq!(field_names("ImpVM", "spec.env[]"), ["env"]);
 }
 
 /// What the not-supported-yet rules refuse in a manifest: its field paths, or the kind.

@@ -15,6 +15,8 @@
 //! - [`guard`]: whether a test whose environment is missing (root, a tool, a binary) skips or
 //!   fails: it skips on a developer machine and fails when `CI=true`, so a skip can never pass
 //!   as green in CI.
+//! - [`rerun`]: a test that runs itself again in a child (in a namespace of its own) by name,
+//!   failing unless the child ran exactly that one test.
 //!
 //! It is not a fake: nothing here answers Kubernetes requests itself.
 
@@ -31,6 +33,7 @@ pub mod procfs;
 pub mod rbac;
 pub mod registry;
 pub mod report;
+pub mod rerun;
 pub mod scratch;
 
 pub use controlplane::{ControlPlane, Options, Release};

@@ -230,6 +230,34 @@ async fn watch_the_move(
     t
 }
 
+/// Waits until `node`'s agent has renewed its Lease twice from now: it reaches the API server
+/// and its loop runs (what it decided meanwhile is then there to check).
+async fn lease_renewed_twice(c: &kube::Client, node: &str) {
+    use k8s_openapi::api::coordination::v1::Lease;
+    let leases: Api<Lease> = Api::namespaced(c.clone(), "imp-system");
+    let name = format!("imp-agent-{node}");
+    let renewed = || async {
+        leases
+            .get(&name)
+            .await
+            .ok()
+            .and_then(|l| l.spec?.renew_time)
+            .map(|t| t.0)
+    };
+    let mut seen = renewed().await;
+    for n in 1..=2 {
+        let prev = seen;
+        seen = Some(
+            common::wait_for(
+                &format!("{name} renewed ({n} of 2)"),
+                Duration::from_secs(60),
+                || async move { renewed().await.filter(|t| Some(*t) != prev) },
+            )
+            .await,
+        );
+    }
+}
+
 /// Cuts (or restores) node a's link to the API server: TCP to `api` dropped in node a's
 /// namespace, nothing else (the VXLAN underlay stays up).
 fn cut_api(topo: &Topology, api: &str, cut: bool) {
@@ -368,7 +396,24 @@ async fn a_node_cut_from_the_api_server_fences_its_vm_so_a_client_never_sees_two
         },
     )
     .await;
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    // A few answers from it before the cut (not a fixed wait): the client is in its stride.
+    common::wait_for(
+        "three answers from the mover's first boot",
+        Duration::from_secs(60),
+        || {
+            let k = kubeconfig.clone();
+            let first = first_boot.clone();
+            async move {
+                let log = exec(&k, CLIENT, "cat /tmp/answers 2>/dev/null; true").await;
+                let from_first = answers(&log, 0.0)
+                    .iter()
+                    .filter(|a| a.boot.as_deref() == Some(first.as_str()))
+                    .count();
+                (from_first >= 3).then_some(())
+            }
+        },
+    )
+    .await;
 
     // Node a loses the API server (and only it); its kubelet's heartbeats stop too. The
     // client's clock at the cut: the middle of an exec just before it.
@@ -469,7 +514,9 @@ async fn a_node_cut_from_the_api_server_fences_its_vm_so_a_client_never_sees_two
     )
     .await;
     let removed = restored.elapsed();
-    tokio::time::sleep(Duration::from_secs(5)).await;
+    // Agent a is back and its loop goes on (its Lease renewed twice since it removed the
+    // record), and it has not started the moved VM again.
+    lease_renewed_twice(&c, "node-a").await;
     assert_eq!(
         copies_per_node(&topo, &states, &uid),
         [0, 1, 0],

@@ -81,7 +81,58 @@ impl Operator {
             .ok()
             .map(|(_, out)| out)
     }
+
+    /// Waits until this operator has reconciled each of ImpVMs `names` from start to end since
+    /// the call, so that a check that nothing changed runs after the operator looked, not after
+    /// a sleep. Each VM gets a test annotation (a watch event, which marks it in the ImpVM
+    /// controller's reconcile backlog); once the reconciles counter has grown by as many and the
+    /// backlog is empty, every marked VM's reconcile has started. Done twice: the controller
+    /// runs one reconcile of an object at a time, so the second round's start means the first
+    /// round's reconciles, which began after the call, have ended.
+    async fn looked_at(&self, c: &Client, names: &[&str]) {
+        for round in 0..2 {
+            let before = self.reconciles().await;
+            for name in names {
+                vms(c)
+                    .patch(
+                        name,
+                        &PatchParams::default(),
+                        &Patch::Merge(&json!({"metadata": {"annotations": {
+                            "test.imp.dev/looked": format!("{before}-{round}")
+                        }}})),
+                    )
+                    .await
+                    .unwrap_or_else(|e| panic!("annotating {name}: {e}"));
+            }
+            let want = before + names.len() as f64;
+            common::wait_for(
+                &format!("the operator to reconcile {names:?} (round {round})"),
+                Duration::from_secs(WAIT_SECS),
+                || async move {
+                    let t = self.scrape().await?;
+                    let n = sample(&t, RECONCILES)?;
+                    let backlog = sample(&t, BACKLOG)?;
+                    (n >= want && backlog == 0.0).then_some(())
+                },
+            )
+            .await;
+        }
+    }
+
+    /// The ImpVM controller's reconciles so far.
+    async fn reconciles(&self) -> f64 {
+        common::wait_for(
+            "the operator's metrics",
+            Duration::from_secs(WAIT_SECS),
+            || async { sample(&self.scrape().await?, RECONCILES) },
+        )
+        .await
+    }
 }
+
+/// The ImpVM controller's reconcile counter and backlog gauge.
+const RECONCILES: &str = "imp_operator_reconciles_total{controller=\"impvm\"}";
+const BACKLOG: &str = "imp_operator_reconcile_backlog{controller=\"impvm\"}";
 
 fn sample(text: &str, key: &str) -> Option<f64> {
     text.lines()
@@ -322,8 +373,10 @@ async fn concurrent_creation_never_overbooks_and_metrics_count_phases() {
     assert!(msg.starts_with("5 nodes: "), "{msg}");
     assert!(msg.contains("1 lacks label imp/enabled=true"), "{msg}");
     assert!(msg.contains("4 have 0.7 vCPU free of 1 needed"), "{msg}");
-    // No more placements happen later either.
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    // No more placements happen later either: not once the operator looked at every VM again.
+    let names: Vec<String> = list.iter().map(|v| v.name_any()).collect();
+    let names: Vec<&str> = names.iter().map(String::as_str).collect();
+    op.looked_at(c, &names).await;
     assert_eq!(placements(c).await.values().sum::<usize>(), 8);
 
     let text = common::wait_for("phase gauges", Duration::from_secs(10), || async {
@@ -402,7 +455,7 @@ async fn lifecycle_terminal_restart_reset_node_loss_and_deletion() {
     let c = &e.client;
     node(c, "a", "8", "16Gi", true, true).await;
     class(c, "small", 1, 256).await;
-    let _op = Operator::start(
+    let op = Operator::start(
         &e,
         "solo",
         &["--termination-timeout", "30", "--start-timeout", "1"],
@@ -434,8 +487,8 @@ async fn lifecycle_terminal_restart_reset_node_loss_and_deletion() {
         ready.message
     );
     common::events_with(c, NS, "stuck", &["AgentTimeout"]).await;
-    // Failed ephemeral VMs are terminal too.
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    // Failed ephemeral VMs are terminal too: still Failed once the operator looked again.
+    op.looked_at(c, &["stuck"]).await;
     assert_eq!(
         phase(&vms(c).get("stuck").await.unwrap()),
         Some(VmPhase::Failed)
@@ -460,7 +513,7 @@ async fn lifecycle_terminal_restart_reset_node_loss_and_deletion() {
     assert_eq!(cond(&run, "NodeHealthy").unwrap().status, "True");
     agent_status(c, "job", json!({"phase": "Succeeded", "exitCode": 0})).await;
     agent_clear_node(c, "job").await;
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    op.looked_at(c, &["job"]).await;
     let job = vms(c).get("job").await.unwrap();
     assert_eq!(phase(&job), Some(VmPhase::Succeeded));
     assert_eq!(
@@ -602,7 +655,7 @@ async fn lifecycle_terminal_restart_reset_node_loss_and_deletion() {
         phase(v) == Some(VmPhase::Terminating)
     })
     .await;
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    op.looked_at(c, &["mover"]).await;
     assert!(
         vms(c).get_opt("mover").await.unwrap().is_some(),
         "finalizer removed before cleanup"
@@ -759,7 +812,7 @@ async fn a_deleted_class_still_counts_against_its_node() {
     // 3 vCPU × 0.9 = 2.7 → room for two 1-vCPU VMs.
     node(c, "only", "3", "16Gi", true, true).await;
     class(c, "old", 1, 256).await;
-    let _op = Operator::start(&e, "solo", &[]).await;
+    let op = Operator::start(&e, "solo", &[]).await;
     vm(
         c,
         "first",
@@ -777,7 +830,7 @@ async fn a_deleted_class_still_counts_against_its_node() {
         .unwrap();
     class(c, "new", 1, 256).await;
     second_and_third_one_placed(c, "new").await;
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    op.looked_at(c, &["second", "third"]).await;
     assert_eq!(placements(c).await.get("only"), Some(&2), "node overbooked");
 }
 
@@ -816,7 +869,7 @@ async fn a_deleted_class_still_counts_after_an_operator_restart() {
         )
         .await;
     }
-    let _op = Operator::start(&e, "second", &[]).await;
+    let op = Operator::start(&e, "second", &[]).await;
     common::wait_for(
         "second and third each placed or refused",
         Duration::from_secs(20),
@@ -833,7 +886,7 @@ async fn a_deleted_class_still_counts_after_an_operator_restart() {
         },
     )
     .await;
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    op.looked_at(c, &["second", "third"]).await;
     assert_eq!(
         placements(c).await.get("only"),
         Some(&2),
@@ -994,7 +1047,7 @@ async fn expire_after_deletes_running_and_ended_vms() {
     let c = &e.client;
     node(c, "a", "8", "16Gi", true, true).await;
     class(c, "small", 1, 256).await;
-    let _op = Operator::start(&e, "solo", &[]).await;
+    let op = Operator::start(&e, "solo", &[]).await;
     vm(
         c,
         "short",
@@ -1031,8 +1084,8 @@ async fn expire_after_deletes_running_and_ended_vms() {
         "the operator's status write names the generation it acted on"
     );
 
-    // Not deleted before its time.
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // Not deleted before its time: not once the operator looked at it again.
+    op.looked_at(c, &["short"]).await;
     let early = vms(c).get("short").await.unwrap();
     assert!(
         Timestamp::now() < expires_at,
@@ -1172,7 +1225,7 @@ async fn cool_down_after_exhausted_retries_runs_the_vm_again() {
     let c = &e.client;
     node(c, "a", "8", "16Gi", true, true).await;
     class(c, "small", 1, 256).await;
-    let _op = Operator::start(&e, "solo", &[]).await;
+    let op = Operator::start(&e, "solo", &[]).await;
     // coolDownPeriod has no minimum; 3 s leaves room to see the VM wait.
     vm(
         c,
@@ -1202,7 +1255,8 @@ async fn cool_down_after_exhausted_retries_runs_the_vm_again() {
     assert_eq!(phase(&ex), Some(VmPhase::Failed));
     let exhausted_at = ex.status.as_ref().unwrap().exhausted_at.as_ref().unwrap().0;
     let cool_end = exhausted_at + SignedDuration::from_secs(3);
-    tokio::time::sleep(Duration::from_secs(1)).await;
+    // Still cooling down once the operator looked at it again.
+    op.looked_at(c, &["flaky"]).await;
     let cooling = vms(c).get("flaky").await.unwrap();
     assert!(
         Timestamp::now() < cool_end,
@@ -1294,7 +1348,7 @@ async fn a_placed_vm_keeps_its_booking_when_its_class_changes_and_users_cannot_e
     // 4 vCPU × 0.9 = 3.6.
     node(c, "only", "4", "16Gi", true, true).await;
     class(c, "grow", 1, 256).await;
-    let _op = Operator::start(&e, "solo", &[]).await;
+    let op = Operator::start(&e, "solo", &[]).await;
     vm(
         c,
         "first",
@@ -1331,7 +1385,7 @@ async fn a_placed_vm_keeps_its_booking_when_its_class_changes_and_users_cannot_e
         .delete("grow", &DeleteParams::default())
         .await
         .unwrap();
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    op.looked_at(c, &["first", "second", "third"]).await;
     let first = vms(c).get("first").await.unwrap();
     assert!(
         cond(&first, "Ready").is_none_or(|c| c.reason != "InvalidSpec"),
@@ -1557,14 +1611,20 @@ async fn a_lost_nodes_vm_moves_only_once_its_agent_has_surely_fenced_it() {
     assert_eq!(held.spec.node_name.as_deref(), Some("a"));
     let msg = &cond(&held, "NodeHealthy").unwrap().message;
     assert!(msg.contains("silent 4s"), "{msg}");
-    // Still there after the agent's whole deadline: it keeps renewing.
-    tokio::time::sleep(Duration::from_secs(4)).await;
-    let still = vms(c).get("mover").await.unwrap();
-    assert_eq!(
-        still.spec.node_name.as_deref(),
-        Some("a"),
-        "moved under a live agent"
-    );
+    // Still there after the agent's whole deadline (3 s + 1 s margin) while it keeps renewing:
+    // every time the operator looked at the VM over those 4 s, it left it on node a.
+    let whole_deadline = Instant::now() + Duration::from_secs(4);
+    let mut looks = 0;
+    while looks == 0 || Instant::now() < whole_deadline {
+        op.looked_at(c, &["mover"]).await;
+        looks += 1;
+        let still = vms(c).get("mover").await.unwrap();
+        assert_eq!(
+            still.spec.node_name.as_deref(),
+            Some("a"),
+            "moved under a live agent (look {looks})"
+        );
+    }
     // The agent falls silent (cut off): the VM moves once 3 s + 1 s have surely passed.
     renewing.abort();
     let _ = renewing.await;

@@ -69,6 +69,20 @@ fn connect_script(to_ip: &str, msg: &str, neighbour: Option<&str>) -> String {
     )
 }
 
+/// How many SYNs `client` has retransmitted so far (`TCPSynRetrans`).
+async fn syn_retrans(kubeconfig: &Path, client: &str) -> u64 {
+    let out = common::output_within(
+        exec(kubeconfig, client, SYN_RETRANS),
+        EXEC_LIMIT,
+        &format!("{client}'s TCPSynRetrans"),
+    )
+    .await;
+    let got = String::from_utf8_lossy(&out.stdout);
+    got.trim()
+        .parse()
+        .unwrap_or_else(|e| panic!("{client}'s TCPSynRetrans {got:?}: {e}"))
+}
+
 /// Runs the client script and returns its output, with how long the connection took.
 async fn wake_from(kubeconfig: &Path, client: &str, to_ip: &str, msg: &str) -> (String, Duration) {
     let t = Instant::now();
@@ -286,6 +300,7 @@ async fn an_idle_vm_sleeps_and_its_first_syn_wakes_it_from_anywhere_without_a_re
     wait_idle_suspend(&vms, &a, &uid).await;
     a.kill_container().await;
     let mac = imp_api::network::vm_mac(NS, SLEEPER);
+    let retrans_before = syn_retrans(&kubeconfig, "c2").await;
     let pending = exec(
         &kubeconfig,
         "c2",
@@ -295,7 +310,17 @@ async fn an_idle_vm_sleeps_and_its_first_syn_wakes_it_from_anywhere_without_a_re
     .stderr(Stdio::piped())
     .spawn()
     .unwrap();
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    // Not a fixed wait: the client's SYN went out and went unanswered (c2 retransmitted it),
+    // and the VM is still Suspended with its agent down.
+    common::wait_for(
+        "c2 to retransmit its SYN to the sleeper",
+        Duration::from_secs(20),
+        || {
+            let k = kubeconfig.clone();
+            async move { (syn_retrans(&k, "c2").await > retrans_before).then_some(()) }
+        },
+    )
+    .await;
     assert_eq!(
         phase(&vms.get(SLEEPER).await.unwrap()),
         Some(VmPhase::Suspended)
