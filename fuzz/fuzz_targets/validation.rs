@@ -45,7 +45,7 @@ fuzz_target!(|data: &[u8]| {
         2 => check::<imp_api::ImpVMClassSpec>(json, validation::class),
         3 => check::<imp_api::ImpVMTemplateSpec>(json, validation::template),
         4 => check::<imp_api::ImpNetworkSpec>(json, validation::network),
-        5 => check::<imp_api::ImpVMSnapshotSpec>(json, validation::snapshot),
+        5 => check::<imp_api::ImpVMSnapshotSpec>(json, |s| validation::snapshot(s, "ns")),
         6 => check::<imp_api::ImpWarmPoolSpec>(json, validation::warm_pool),
         7 => check::<imp_api::ImpVMRunnerPoolSpec>(json, validation::runner_pool),
         8 => check::<imp_api::ClusterImpConfig>(json, validation::cluster_config),
@@ -53,6 +53,7 @@ fuzz_target!(|data: &[u8]| {
             if let Ok(s) = std::str::from_utf8(json) {
                 let _ = validation::cron(s);
                 let _ = validation::parse_cidr(s);
+                let _ = validation::interface_name(s);
             }
             check::<imp_api::ClusterImpNodeProfileSpec>(json, validation::node_profile);
         }

@@ -35,7 +35,7 @@ pub struct ImpVMSnapshotSpec {
     /// VM to snapshot.
     #[serde(rename = "sourceVMName")]
     pub source_vm_name: String,
-    /// Namespace of that VM.
+    /// Namespace of that VM: empty or the snapshot's own (imp refuses any other).
     #[serde(rename = "sourceVMNamespace")]
     pub source_vm_namespace: String,
     /// Cron schedule; absent means one execution.
@@ -45,7 +45,7 @@ pub struct ImpVMSnapshotSpec {
     #[serde(default = "default_retention")]
     #[schemars(range(min = 1, max = 10))]
     pub retention: i32,
-    /// Where snapshot files go.
+    /// Where snapshot files go; fixed at creation.
     pub storage: SnapshotStorage,
     /// Execution elected as base for warm pools.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -61,7 +61,13 @@ fn default_retention() -> i32 {
 /// Snapshot storage.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, kube::KubeSchema)]
 #[serde(rename_all = "camelCase")]
-#[x_kube(validation = kube::core::Rule::new("self.type != 'oci-registry' || has(self.ociRegistry)").message("storage.ociRegistry is required when storage.type is oci-registry"))]
+#[x_kube(
+    validation = kube::core::Rule::new("self.type != 'oci-registry' || has(self.ociRegistry)").message("storage.ociRegistry is required when storage.type is oci-registry"),
+    validation = kube::core::Rule::new("self == oldSelf").message("spec.storage cannot change after creation; create a new ImpVMSnapshot for another storage"),
+)]
+// The second rule is a transition rule (checked on updates only): the node agent removes the
+// files where it wrote them, so the place may not move under it (the webhook's
+// `validation::snapshot_update` says the same).
 pub struct SnapshotStorage {
     /// Storage kind.
     #[serde(rename = "type")]
@@ -185,7 +191,7 @@ pub struct ImpVMMigrationSpec {
     /// VM to move.
     #[serde(rename = "sourceVMName")]
     pub source_vm_name: String,
-    /// Namespace of that VM.
+    /// Namespace of that VM: empty or the migration's own (imp refuses any other).
     #[serde(rename = "sourceVMNamespace")]
     pub source_vm_namespace: String,
     /// Node to move to; absent means any CPU-compatible node.

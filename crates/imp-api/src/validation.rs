@@ -18,7 +18,7 @@ use crate::pools::{
     ImpVMRunnerPoolSpec, ImpWarmPoolSpec, PlatformType, RunnerScaling, ScalingMode,
 };
 use crate::shared::{Probe, ProbeSpec, RestartPolicy};
-use crate::snapshot::{ImpVMSnapshotSpec, StorageType};
+use crate::snapshot::{ImpVMMigrationSpec, ImpVMSnapshotSpec, StorageType};
 use crate::{
     ClusterImpConfig, ClusterImpNodeProfileSpec, ImpVMClassSpec, ImpVMSpec, ImpVMTemplateSpec,
 };
@@ -312,16 +312,45 @@ pub fn network(spec: &ImpNetworkSpec) -> Result<(), ValidationErrors> {
     }
     if let Some(n) = &spec.nat
         && let Some(i) = &n.egress_interface
-        && (i.is_empty() || i.len() > 15 || i.contains('/') || i.contains(char::is_whitespace))
+        && let Err(m) = interface_name(i)
     {
-        e.push(
-            "spec.nat.egressInterface",
-            format!(
-                "must be a Linux interface name (1-15 characters, no '/' or spaces), got {i:?}"
-            ),
-        );
+        e.push("spec.nat.egressInterface", m);
     }
     e.into_result()
+}
+
+/// The longest Linux interface name in bytes (`IFNAMSIZ` less its NUL).
+pub const MAX_INTERFACE_NAME: usize = 15;
+
+/// Checks that `name` is a Linux network interface name by the kernel's rules
+/// (`dev_valid_name`: 1-15 bytes, not `.` or `..`, no `/`, `:` or whitespace) and, stricter than
+/// the kernel, made only of ASCII letters, digits and `.` `_` `-`: such a name is also safe to
+/// write into an nft script, a command line or a file name (a tenant's `"` or `;` would be
+/// nftables syntax, `*` a wildcard over every interface, `\` an escape). The node checks the
+/// same rule again before writing a name into its rules (`imp_net::names::check_interface`). The error says what is wrong and what is allowed; the caller adds the
+/// field's path.
+pub fn interface_name(name: &str) -> Result<(), String> {
+    const ALLOWED: &str = "1-15 ASCII letters, digits and '.', '_', '-', not '.' or '..'";
+    let why = if name.is_empty() {
+        "is empty".to_owned()
+    } else if name.len() > MAX_INTERFACE_NAME {
+        format!(
+            "is {} bytes long, more than the kernel's {MAX_INTERFACE_NAME}",
+            name.len()
+        )
+    } else if name == "." || name == ".." {
+        "is a directory name the kernel refuses".to_owned()
+    } else if let Some(c) = name
+        .chars()
+        .find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-')))
+    {
+        format!("holds {c:?}, which an interface name may not")
+    } else {
+        return Ok(());
+    };
+    Err(format!(
+        "must be a Linux interface name ({ALLOWED}); {name:?} {why}"
+    ))
 }
 
 /// `spec.gateway`, when given: an IPv4 address inside the subnet, neither its network nor
@@ -411,11 +440,36 @@ pub fn group_block(expected: i32) -> u64 {
     want.next_power_of_two().max(4)
 }
 
-/// Validates an ImpVMSnapshot spec.
-pub fn snapshot(spec: &ImpVMSnapshotSpec) -> Result<(), ValidationErrors> {
+/// The namespace of the VM that a snapshot or migration in namespace `namespace` acts on,
+/// given its `spec.sourceVMNamespace` (`value`): always `namespace`. An empty value means the
+/// object's own namespace; any other value is refused, naming the field, so that no one who
+/// may create an ImpVMSnapshot or ImpVMMigration in one namespace can reach a VM of another
+/// (its memory, disk and Secrets). `what` names the object in the message ("snapshot",
+/// "migration"). The Go CRD accepts any string here; imp keeps the field (so Go manifests,
+/// which repeat their own namespace, apply unchanged) and refuses the rest.
+pub fn source_vm_namespace<'a>(
+    what: &str,
+    value: &str,
+    namespace: &'a str,
+) -> Result<&'a str, FieldError> {
+    if value.is_empty() || value == namespace {
+        return Ok(namespace);
+    }
+    Err(FieldError {
+        path: "spec.sourceVMNamespace".to_owned(),
+        message: format!(
+            "must be the {what}'s own namespace {namespace:?} (or empty), got {value:?}"
+        ),
+    })
+}
+
+/// Validates an ImpVMSnapshot spec of an object in `namespace`.
+pub fn snapshot(spec: &ImpVMSnapshotSpec, namespace: &str) -> Result<(), ValidationErrors> {
     let mut e = ValidationErrors::default();
     dns_subdomain(&mut e, "spec.sourceVMName", &spec.source_vm_name);
-    dns_label(&mut e, "spec.sourceVMNamespace", &spec.source_vm_namespace);
+    if let Err(f) = source_vm_namespace("snapshot", &spec.source_vm_namespace, namespace) {
+        e.0.push(f);
+    }
     if !(1..=10).contains(&spec.retention) {
         e.push(
             "spec.retention",
@@ -445,6 +499,39 @@ pub fn snapshot(spec: &ImpVMSnapshotSpec) -> Result<(), ValidationErrors> {
                 );
             }
         }
+    }
+    e.into_result()
+}
+
+/// What a snapshot's `spec.storage` cannot do once created: change (the node agent removes
+/// the files where it wrote them, and a new place would leave them behind or point a removal
+/// elsewhere). The CRD holds the same rule in CEL, for an API server without the webhook.
+pub const STORAGE_IMMUTABLE: &str =
+    "cannot change after creation; create a new ImpVMSnapshot for another storage";
+
+/// Validates an update of an ImpVMSnapshot in `namespace`: the rules of [`snapshot`] plus a
+/// `spec.storage` that stays as created.
+pub fn snapshot_update(
+    old: &ImpVMSnapshotSpec,
+    new: &ImpVMSnapshotSpec,
+    namespace: &str,
+) -> Result<(), ValidationErrors> {
+    let mut e = snapshot(new, namespace).err().unwrap_or_default();
+    if old.storage != new.storage {
+        e.push("spec.storage", STORAGE_IMMUTABLE);
+    }
+    e.into_result()
+}
+
+/// Validates an ImpVMMigration spec of an object in `namespace`.
+pub fn migration(spec: &ImpVMMigrationSpec, namespace: &str) -> Result<(), ValidationErrors> {
+    let mut e = ValidationErrors::default();
+    dns_subdomain(&mut e, "spec.sourceVMName", &spec.source_vm_name);
+    if let Err(f) = source_vm_namespace("migration", &spec.source_vm_namespace, namespace) {
+        e.0.push(f);
+    }
+    if let Some(n) = &spec.target_node {
+        dns_subdomain(&mut e, "spec.targetNode", n);
     }
     e.into_result()
 }
@@ -1350,6 +1437,116 @@ mod tests {
             "{m}"
         );
         assert_eq!(net.egress_allow().len(), 1);
+    }
+
+    fn snap(source_ns: &str) -> ImpVMSnapshotSpec {
+        serde_json::from_value(serde_json::json!({
+            "sourceVMName": "db", "sourceVMNamespace": source_ns,
+            "storage": {"type": "node-local"}
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn a_snapshot_or_migration_names_only_a_vm_of_its_own_namespace() {
+        assert_eq!(snapshot(&snap("a"), "a"), Ok(()));
+        assert_eq!(snapshot(&snap(""), "a"), Ok(()), "empty means its own");
+        assert_eq!(
+            msg(snapshot(&snap("b"), "a")),
+            "spec.sourceVMNamespace: must be the snapshot's own namespace \"a\" (or empty), got \"b\""
+        );
+        assert_eq!(source_vm_namespace("snapshot", "", "a"), Ok("a"));
+        assert_eq!(source_vm_namespace("snapshot", "a", "a"), Ok("a"));
+        assert!(source_vm_namespace("snapshot", "b", "a").is_err());
+        let mig = |ns: &str| ImpVMMigrationSpec {
+            source_vm_name: "db".into(),
+            source_vm_namespace: ns.into(),
+            target_node: Some("node-b".into()),
+        };
+        assert_eq!(migration(&mig("a"), "a"), Ok(()));
+        assert_eq!(
+            msg(migration(&mig("victim"), "evil")),
+            "spec.sourceVMNamespace: must be the migration's own namespace \"evil\" (or empty), got \"victim\""
+        );
+    }
+
+    #[test]
+    fn a_snapshots_storage_stays_as_created() {
+        let old = snap("a");
+        let mut later = old.clone();
+        later.retention = 5;
+        assert_eq!(snapshot_update(&old, &later, "a"), Ok(()));
+        let mut moved = old.clone();
+        moved.storage.node_local = Some(crate::snapshot::NodeLocalStorage {
+            path: "/etc".into(),
+        });
+        assert_eq!(
+            msg(snapshot_update(&old, &moved, "a")),
+            format!("spec.storage: {STORAGE_IMMUTABLE}")
+        );
+        let both = msg(snapshot_update(
+            &old,
+            &ImpVMSnapshotSpec {
+                source_vm_namespace: "b".into(),
+                ..moved
+            },
+            "a",
+        ));
+        assert!(
+            both.contains("spec.sourceVMNamespace") && both.contains("spec.storage"),
+            "{both}"
+        );
+    }
+
+    #[test]
+    fn interface_names_follow_the_kernel_and_carry_no_script_syntax() {
+        for ok in [
+            "eth0",
+            "enp0s31f6",
+            "br-lan",
+            "eth0.100",
+            "veth_1",
+            "x",
+            "abcdefghijklmno",
+        ] {
+            assert_eq!(interface_name(ok), Ok(()), "{ok}");
+        }
+        for (bad, why) in [
+            ("", "is empty"),
+            ("abcdefghijklmnop", "16 bytes long"),
+            (".", "directory name"),
+            ("..", "directory name"),
+            ("a/b", "'/'"),
+            ("a:b", "':'"),
+            ("a b", "' '"),
+            ("a\tb", "'\\t'"),
+            ("x\";accept;#", "'\"'"),
+            ("eth*", "'*'"),
+            ("a\\b", "'\\\\'"),
+            ("veth@x", "'@'"),
+            ("a+b", "'+'"),
+            ("é", "'é'"),
+        ] {
+            let m = interface_name(bad).unwrap_err();
+            assert!(
+                m.starts_with("must be a Linux interface name (") && m.contains(why),
+                "{bad:?}: {m}"
+            );
+        }
+        let net = ImpNetworkSpec {
+            subnet: "10.0.0.0/24".into(),
+            nat: Some(crate::network::NatSpec {
+                enabled: true,
+                egress_interface: Some("x\";accept;#".into()),
+            }),
+            ..Default::default()
+        };
+        let m = msg(network(&net));
+        assert!(
+            m.starts_with("spec.nat.egressInterface: must be a Linux interface name")
+                && m.contains("holds '\"'"),
+            "{m}"
+        );
     }
 
     #[test]

@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 
 use imp_api::validation::{self, ValidationErrors};
 use imp_api::*;
+use kube::ResourceExt;
 use serde_json::Value;
 
 fn fixtures(dir: &str) -> Vec<PathBuf> {
@@ -59,8 +60,12 @@ fn check(doc: &Value) -> Result<Result<Value, ValidationErrors>, String> {
         "ImpVMClass" => typed(doc, |o: &ImpVMClass| validation::class(&o.spec)),
         "ImpVMTemplate" => typed(doc, |o: &ImpVMTemplate| validation::template(&o.spec)),
         "ImpNetwork" => typed(doc, |o: &ImpNetwork| validation::network(&o.spec)),
-        "ImpVMSnapshot" => typed(doc, |o: &ImpVMSnapshot| validation::snapshot(&o.spec)),
-        "ImpVMMigration" => typed(doc, |_: &ImpVMMigration| Ok(())),
+        "ImpVMSnapshot" => typed(doc, |o: &ImpVMSnapshot| {
+            validation::snapshot(&o.spec, &o.namespace().unwrap_or_default())
+        }),
+        "ImpVMMigration" => typed(doc, |o: &ImpVMMigration| {
+            validation::migration(&o.spec, &o.namespace().unwrap_or_default())
+        }),
         "ImpWarmPool" => typed(doc, |o: &ImpWarmPool| validation::warm_pool(&o.spec)),
         "ImpVMRunnerPool" => typed(doc, |o: &ImpVMRunnerPool| validation::runner_pool(&o.spec)),
         "ClusterImpConfig" => typed(doc, validation::cluster_config),

@@ -153,7 +153,12 @@ fn admitted(stored: &Value) -> Result<(), String> {
         "ImpVMClass" => run(stored, |o: &ImpVMClass| v::class(&o.spec)),
         "ImpVMTemplate" => run(stored, |o: &ImpVMTemplate| v::template(&o.spec)),
         "ImpNetwork" => run(stored, |o: &ImpNetwork| v::network(&o.spec)),
-        "ImpVMSnapshot" => run(stored, |o: &ImpVMSnapshot| v::snapshot(&o.spec)),
+        "ImpVMSnapshot" => run(stored, |o: &ImpVMSnapshot| {
+            v::snapshot(&o.spec, &o.metadata.namespace.clone().unwrap_or_default())
+        }),
+        "ImpVMMigration" => run(stored, |o: &ImpVMMigration| {
+            v::migration(&o.spec, &o.metadata.namespace.clone().unwrap_or_default())
+        }),
         "ImpWarmPool" => run(stored, |o: &ImpWarmPool| v::warm_pool(&o.spec)),
         "ImpVMRunnerPool" => run(stored, |o: &ImpVMRunnerPool| v::runner_pool(&o.spec)),
         "ClusterImpConfig" => run(stored, v::cluster_config),

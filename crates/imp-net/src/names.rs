@@ -111,6 +111,31 @@ mod tests {
     use super::*;
 
     #[test]
+    fn the_node_and_admission_agree_on_every_interface_name() {
+        let mut names: Vec<String> = (0u8..128).map(|b| format!("a{}", b as char)).collect();
+        names.extend(
+            [
+                "",
+                ".",
+                "..",
+                "eth0",
+                "é",
+                "abcdefghijklmno",
+                "abcdefghijklmnop",
+                "x\";accept;#",
+            ]
+            .map(String::from),
+        );
+        for n in &names {
+            assert_eq!(
+                check_interface(n).is_ok(),
+                imp_api::validation::interface_name(n).is_ok(),
+                "{n:?}"
+            );
+        }
+    }
+
+    #[test]
     fn interface_names_hold_nothing_nft_or_a_path_would_read() {
         for ok in [
             "eth0",

@@ -423,6 +423,80 @@ async fn invalid_objects_are_denied_with_the_field_path() {
     f.shutdown().await;
 }
 
+fn snapshot_in(ns: &str, source_ns: &str, path: &str) -> Value {
+    json!({"apiVersion": "imp.dev/v1alpha1", "kind": "ImpVMSnapshot",
+           "metadata": {"name": "snap", "namespace": ns},
+           "spec": {"sourceVMName": "db", "sourceVMNamespace": source_ns, "retention": 3,
+                    "storage": {"type": "node-local", "nodeLocal": {"path": path}}}})
+}
+
+#[tokio::test]
+async fn a_snapshot_or_migration_reaches_only_its_own_namespace_and_keeps_its_storage() {
+    let (f, _) = fixture!();
+    let denied = |resp: &Value| -> String {
+        assert_eq!(resp["allowed"], false, "{resp}");
+        assert_eq!(resp["status"]["code"], 422, "{resp}");
+        resp["status"]["message"].as_str().unwrap().to_owned()
+    };
+    // Another namespace's VM: refused by name.
+    let theirs = snapshot_in("evil", "victim", "/var/lib/imp/snapshots");
+    let resp = f
+        .review("/validate", request("CREATE", &theirs, None))
+        .await;
+    let msg = denied(&resp);
+    assert!(
+        msg.contains(
+            "spec.sourceVMNamespace: must be the snapshot's own namespace \"evil\" (or empty), got \"victim\""
+        ),
+        "{msg}"
+    );
+    // Its own, or empty: allowed.
+    for own in ["evil", ""] {
+        let ok = snapshot_in("evil", own, "/var/lib/imp/snapshots");
+        let resp = f.review("/validate", request("CREATE", &ok, None)).await;
+        assert_eq!(resp["allowed"], true, "{own:?}: {resp}");
+    }
+    // An update may not move it to another namespace's VM, nor its storage elsewhere.
+    let old = snapshot_in("evil", "evil", "/var/lib/imp/snapshots");
+    let resp = f
+        .review("/validate", request("UPDATE", &theirs, Some(&old)))
+        .await;
+    assert!(denied(&resp).contains("spec.sourceVMNamespace"), "{resp}");
+    let moved = snapshot_in("evil", "evil", "/etc");
+    let resp = f
+        .review("/validate", request("UPDATE", &moved, Some(&old)))
+        .await;
+    let msg = denied(&resp);
+    assert!(
+        msg.contains(&format!(
+            "spec.storage: {}",
+            imp_api::validation::STORAGE_IMMUTABLE
+        )),
+        "{msg}"
+    );
+    let mut kept = old.clone();
+    kept["spec"]["retention"] = json!(5);
+    let resp = f
+        .review("/validate", request("UPDATE", &kept, Some(&old)))
+        .await;
+    assert_eq!(resp["allowed"], true, "{resp}");
+    // A migration names the same field the same way (beside its kind not being supported).
+    let migration = json!({"apiVersion": "imp.dev/v1alpha1", "kind": "ImpVMMigration",
+        "metadata": {"name": "move", "namespace": "evil"},
+        "spec": {"sourceVMName": "db", "sourceVMNamespace": "victim"}});
+    let resp = f
+        .review("/validate", request("CREATE", &migration, None))
+        .await;
+    let msg = denied(&resp);
+    assert!(
+        msg.contains(
+            "spec.sourceVMNamespace: must be the migration's own namespace \"evil\" (or empty), got \"victim\""
+        ),
+        "{msg}"
+    );
+    f.shutdown().await;
+}
+
 #[tokio::test]
 async fn controllers_updates_are_never_blocked_but_moving_a_node_is() {
     let (f, _) = fixture!();

@@ -69,6 +69,9 @@ pub enum Step {
     /// It is being deleted and its files are on this node: remove the directory recorded
     /// when it was taken (`status.snapshotPath`, if any), then the finalizer.
     Remove(Option<String>),
+    /// Never taken: it names a VM of another namespace (the message names the field; the
+    /// operator fails it).
+    Refused(String),
 }
 
 /// Decides what this node does with execution `exec`; `local` finds a VM record of this node
@@ -92,12 +95,17 @@ pub fn decide<'a>(
     if status.terminated_at.is_some() {
         return Step::Nothing;
     }
-    let ns = if exec.spec.source_vm_namespace.is_empty() {
-        exec.namespace().unwrap_or_default()
-    } else {
-        exec.spec.source_vm_namespace.clone()
+    // Only a VM of the execution's own namespace, whatever the admission webhook let in.
+    let own = exec.namespace().unwrap_or_default();
+    let ns = match imp_api::validation::source_vm_namespace(
+        "snapshot",
+        &exec.spec.source_vm_namespace,
+        &own,
+    ) {
+        Ok(ns) => ns,
+        Err(refused) => return Step::Refused(refused.to_string()),
     };
-    match local(&ns, &exec.spec.source_vm_name) {
+    match local(ns, &exec.spec.source_vm_name) {
         Some(r) => Step::Take(r.name.clone()),
         None => Step::NotHere,
     }
@@ -118,6 +126,17 @@ pub fn source_on(exec: &ImpVMSnapshot, node: &str, roots: &Roots) -> Result<Stor
     let status = exec.status.clone().unwrap_or_default();
     if status.phase != Some(SnapshotPhase::Succeeded) {
         return Err("the snapshot has not succeeded".to_owned());
+    }
+    // One taken of another namespace's VM (before imp refused such snapshots) holds that VM's
+    // memory, disk and Secrets: never restored.
+    if let Err(refused) = imp_api::validation::source_vm_namespace(
+        "snapshot",
+        &exec.spec.source_vm_namespace,
+        &exec.namespace().unwrap_or_default(),
+    ) {
+        return Err(format!(
+            "it was not taken of a VM of its own namespace: {refused}"
+        ));
     }
     if exec.spec.storage.type_ == StorageType::OciRegistry {
         let (Some(reference), Some(digest)) = (registry_reference(exec), status.digest) else {
@@ -369,6 +388,10 @@ async fn reconcile(exec: Arc<ImpVMSnapshot>, ctx: Arc<Context>) -> Result<Action
     match decide(&exec, &ctx.node, local) {
         Step::Nothing => Ok(Action::await_change()),
         Step::NotHere => Ok(Action::requeue(NOT_HERE_RECHECK)),
+        Step::Refused(why) => {
+            tracing::warn!(snapshot = %exec.name_any(), namespace = ?exec.namespace(), node = %ctx.node, why, "not taking an execution that names a VM of another namespace");
+            Ok(Action::await_change())
+        }
         Step::Remove(dir) => remove(&exec, &ctx, dir).await,
         Step::Take(id) => {
             let record = records.iter().find(|r| r.name == id).cloned();
@@ -777,6 +800,39 @@ mod tests {
             ..Default::default()
         });
         assert_eq!(decide(&done, "n1", find), Step::Nothing, "terminated");
+    }
+
+    #[test]
+    fn an_execution_naming_another_namespaces_vm_is_never_taken_nor_restored() {
+        let r = record();
+        // A VM `victim/vm` runs here; the execution lives in `ns`.
+        let find = |ns: &str, n: &str| (ns == "victim" && n == "vm").then_some(&r);
+        let mut e = exec(true);
+        e.spec.source_vm_namespace = "victim".into();
+        let Step::Refused(why) = decide(&e, "n1", find) else {
+            panic!("taken: {:?}", decide(&e, "n1", find));
+        };
+        assert_eq!(
+            why,
+            "spec.sourceVMNamespace: must be the snapshot's own namespace \"ns\" (or empty), got \"victim\""
+        );
+        // Empty means its own namespace's VM.
+        e.spec.source_vm_namespace = String::new();
+        let own = |ns: &str, n: &str| (ns == "ns" && n == "vm").then_some(&r);
+        assert_eq!(decide(&e, "n1", own), Step::Take("uid-1".into()));
+        // A snapshot of another namespace's VM taken before the check: never booted from.
+        let mut done = exec(true);
+        done.spec.source_vm_namespace = "victim".into();
+        done.metadata.annotations = Some([(NODE_ANNOTATION.to_owned(), "n1".to_owned())].into());
+        done.status = Some(ImpVMSnapshotStatus {
+            phase: Some(SnapshotPhase::Succeeded),
+            snapshot_path: Some("/var/lib/imp/snapshots/ns/s/x".into()),
+            ..Default::default()
+        });
+        let why = source_on(&done, "n1").unwrap_err();
+        assert!(why.contains("spec.sourceVMNamespace"), "{why}");
+        done.spec.source_vm_namespace = "ns".into();
+        assert!(source_on(&done, "n1").is_ok());
     }
 
     #[test]

@@ -258,6 +258,38 @@ mod tests {
     }
 
     #[test]
+    fn an_egress_interface_holding_nftables_syntax_is_not_ready_naming_the_field() {
+        let mut n = net("evil", "n", "10.0.0.0/24", 1);
+        n.spec.nat = Some(imp_api::network::NatSpec {
+            enabled: true,
+            egress_interface: Some("x\";accept;#".into()),
+        });
+        let r = readiness(&n, &[]);
+        assert!(!r.ok);
+        assert_eq!(r.reason, ConditionReason::InvalidSpec);
+        assert!(
+            r.message
+                .starts_with("spec.nat.egressInterface: must be a Linux interface name"),
+            "{}",
+            r.message
+        );
+        // Its status says so, and the allocator reads that as "no address here".
+        let status = desired(&n, &r, Vec::new(), Timestamp::UNIX_EPOCH);
+        n.status = Some(status);
+        n.metadata.generation = Some(1);
+        let why = crate::ipam::not_ready(&n).unwrap_or_default();
+        assert!(
+            why.starts_with("InvalidSpec: spec.nat.egressInterface"),
+            "{why}"
+        );
+        // A real interface name is fine.
+        if let Some(nat) = n.spec.nat.as_mut() {
+            nat.egress_interface = Some("eth0.100".into());
+        }
+        assert!(readiness(&n, &[]).ok);
+    }
+
+    #[test]
     fn vtep_entries_follow_placement_and_prefer_the_annotation() {
         let mut n1 = Node::default();
         n1.metadata.name = Some("n1".into());

@@ -8,6 +8,7 @@ use std::collections::BTreeMap;
 use imp_api::conditions::{self, ConditionReason, ConditionStatus, ConditionType};
 use imp_api::shared::{CoreLocalObjectRef, LABEL_SNAPSHOT_PARENT};
 use imp_api::snapshot::{ImpVMSnapshot, ImpVMSnapshotStatus, SnapshotPhase};
+use imp_api::validation;
 use imp_api::vm::{ImpVM, VmPhase};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
 use k8s_openapi::jiff::Timestamp;
@@ -40,6 +41,9 @@ pub mod reason {
     pub const INVALID_NAME: &str = "InvalidName";
     /// `spec.baseSnapshot`'s execution succeeded and became `status.baseSnapshot`.
     pub const BASE_ELECTED: &str = "BaseElected";
+    /// The spec names what a snapshot may not act on (`spec.sourceVMNamespace` of another
+    /// namespace): nothing is taken.
+    pub const INVALID_SPEC: &str = "InvalidSpec";
 }
 
 /// An Event to publish about the parent.
@@ -142,29 +146,44 @@ pub fn is_execution_of(child: &ImpVMSnapshot, parent: &ImpVMSnapshot) -> bool {
     }
 }
 
-/// Marks an execution's status Failed at `now` for `why` (the Ready condition says so).
-pub fn fail_execution(status: &mut ImpVMSnapshotStatus, why: &str, now: Timestamp) {
+/// Marks an execution's status Failed at `now` for `why` (the Ready condition says so, with
+/// `reason`: `SnapshotFailed`, or `InvalidSpec` for a spec that may never be taken).
+pub fn fail_execution(
+    status: &mut ImpVMSnapshotStatus,
+    reason: ConditionReason,
+    why: &str,
+    now: Timestamp,
+) {
     status.phase = Some(SnapshotPhase::Failed);
     status.terminated_at = Some(Time(now));
     conditions::set(
         &mut status.conditions,
         ConditionType::Ready,
         ConditionStatus::False,
-        ConditionReason::SnapshotFailed,
+        reason,
         why,
         None,
         Time(now),
     );
 }
 
-/// Why execution `exec` can never be taken, judged by the operator from its source VM
-/// (`None` when the VM runs, or may still come to run: the node agent takes it then).
+/// Why snapshot `s` (a parent or an execution) may never act: its `spec.sourceVMNamespace`
+/// names another namespace than its own ([`validation::source_vm_namespace`]; the message
+/// names the field). Judged before anything reads or takes the VM, so with the admission
+/// webhook off no VM of another namespace is ever read, snapshotted or reported on.
+pub fn foreign_source(s: &ImpVMSnapshot) -> Option<String> {
+    let own = s.namespace().unwrap_or_default();
+    validation::source_vm_namespace("snapshot", &s.spec.source_vm_namespace, &own)
+        .err()
+        .map(|f| f.to_string())
+}
+
+/// Why execution `exec` can never be taken, judged by the operator from its source VM, which
+/// is `exec`'s own namespace's (`None` when the VM runs, or may still come to run: the node
+/// agent takes it then). A `spec.sourceVMNamespace` of another namespace is
+/// [`foreign_source`]'s, judged first.
 pub fn source_problem(exec: &ImpVMSnapshot, vm: Option<&ImpVM>) -> Option<String> {
-    let ns = if exec.spec.source_vm_namespace.is_empty() {
-        exec.namespace().unwrap_or_default()
-    } else {
-        exec.spec.source_vm_namespace.clone()
-    };
+    let ns = exec.namespace().unwrap_or_default();
     let name = &exec.spec.source_vm_name;
     let Some(vm) = vm else {
         return Some(format!(
@@ -387,6 +406,18 @@ pub fn plan(parent: &ImpVMSnapshot, children: &[ImpVMSnapshot], now: Timestamp) 
         None => execs.newest_kept(&prune),
     };
     show_newest(&mut status, newest, parent.meta().generation, now);
+    if let Some(why) = foreign_source(parent) {
+        // Whatever its executions did, the parent as it stands takes nothing.
+        conditions::set(
+            &mut status.conditions,
+            ConditionType::Ready,
+            ConditionStatus::False,
+            ConditionReason::InvalidSpec,
+            why,
+            parent.meta().generation,
+            Time(now),
+        );
+    }
 
     Plan {
         prune,
@@ -520,17 +551,21 @@ fn verdict(
     now: Timestamp,
 ) -> Verdict {
     let name = parent.name_any();
+    let invalid = |why: String| Verdict {
+        health: Err(why),
+        start: None,
+        next: None,
+        requeue_at: None,
+    };
     if name_too_long(&name) {
-        return Verdict {
-            health: Err(format!(
-                "the name is {} characters long: its executions carry it in label \
-                 {LABEL_SNAPSHOT_PARENT}, which holds at most {MAX_LABEL_VALUE}; use a shorter name",
-                name.len()
-            )),
-            start: None,
-            next: None,
-            requeue_at: None,
-        };
+        return invalid(format!(
+            "the name is {} characters long: its executions carry it in label \
+             {LABEL_SNAPSHOT_PARENT}, which holds at most {MAX_LABEL_VALUE}; use a shorter name",
+            name.len()
+        ));
+    }
+    if let Some(why) = foreign_source(parent) {
+        return invalid(why);
     }
     let never_ran = execs.all.is_empty() && old.last_execution_ref.is_none();
     let anchor = execs.anchor(parent, now);
@@ -573,9 +608,12 @@ fn set_scheduled(
         generation,
         Time(now),
     );
-    let reason = match name_too_long(&parent.name_any()) {
-        true => reason::INVALID_NAME,
-        false => reason::INVALID_SCHEDULE,
+    let reason = if name_too_long(&parent.name_any()) {
+        reason::INVALID_NAME
+    } else if foreign_source(parent).is_some() {
+        reason::INVALID_SPEC
+    } else {
+        reason::INVALID_SCHEDULE
     };
     changed.then(|| Note::warning(reason, message))
 }
@@ -1104,6 +1142,7 @@ mod tests {
     fn an_execution_whose_vm_is_gone_or_ended_cannot_be_taken() {
         let p = parent("s", None, 3);
         let mut e = child(&p, "2026-12-04T10:00:00Z", None);
+        e.metadata.namespace = Some("ns".into());
         e.spec.source_vm_name = "vm".into();
         e.spec.source_vm_namespace = "ns".into();
         let why = source_problem(&e, None).unwrap_or_default();
@@ -1122,9 +1161,66 @@ mod tests {
         });
         assert_eq!(source_problem(&e, Some(&vm)), None);
         let mut st = ImpVMSnapshotStatus::default();
-        fail_execution(&mut st, &why, t("2026-12-04T10:00:00Z"));
+        fail_execution(
+            &mut st,
+            ConditionReason::SnapshotFailed,
+            &why,
+            t("2026-12-04T10:00:00Z"),
+        );
         assert_eq!(st.phase, Some(SnapshotPhase::Failed));
         assert!(st.terminated_at.is_some());
         assert_eq!(st.conditions[0].reason, "SnapshotFailed");
+    }
+
+    const FOREIGN: &str = "spec.sourceVMNamespace: must be the snapshot's own namespace \"default\" (or empty), got \"victim\"";
+
+    #[test]
+    fn a_parent_naming_another_namespaces_vm_makes_no_execution_and_says_why() {
+        for schedule in [None, Some("* * * * *")] {
+            let mut p = parent("s", schedule, 3);
+            p.spec.source_vm_namespace = "victim".into();
+            let plan = plan(&p, &[], t("2025-03-04T10:05:00Z"));
+            assert!(plan.create.is_none(), "{schedule:?}");
+            assert_eq!(plan.requeue_at, None);
+            let s = cond(&plan.status, "Scheduled");
+            assert_eq!(
+                (s.status.as_str(), s.reason.as_str(), s.message.as_str()),
+                ("False", "InvalidSpec", FOREIGN)
+            );
+            let r = cond(&plan.status, "Ready");
+            assert_eq!(
+                (r.status.as_str(), r.reason.as_str(), r.message.as_str()),
+                ("False", "InvalidSpec", FOREIGN)
+            );
+            assert_eq!(
+                plan.notes,
+                [Note::warning(reason::INVALID_SPEC, FOREIGN.to_owned())]
+            );
+            // Told once: the same condition again makes no second Event.
+            let mut again = p.clone();
+            again.status = Some(plan.status.clone());
+            let plan = super::plan(&again, &[], t("2025-03-04T10:06:00Z"));
+            assert!(plan.notes.is_empty() && plan.create.is_none());
+        }
+        // Its own namespace, or none: executions as usual.
+        for own in ["default", ""] {
+            let mut p = parent("s", None, 3);
+            p.spec.source_vm_namespace = own.into();
+            assert!(plan(&p, &[], t("2025-03-04T10:05:00Z")).create.is_some());
+        }
+    }
+
+    #[test]
+    fn an_execution_naming_another_namespace_is_foreign_whoever_made_it() {
+        let p = parent("s", None, 3);
+        let mut e = child(&p, "2026-12-04T10:00:00Z", None);
+        assert_eq!(foreign_source(&e), None);
+        e.spec.source_vm_namespace = String::new();
+        assert_eq!(foreign_source(&e), None);
+        e.spec.source_vm_namespace = "victim".into();
+        assert_eq!(foreign_source(&e).as_deref(), Some(FOREIGN));
+        // The VM looked up is always the execution's own namespace's.
+        let why = source_problem(&e, None).unwrap_or_default();
+        assert!(why.contains("default/vm not found"), "{why}");
     }
 }

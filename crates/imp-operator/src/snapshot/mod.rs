@@ -16,6 +16,12 @@
 //! `InvalidSchedule`, `BaseElected`). It requeues at the schedule's next tick ([`cron`], UTC);
 //! an execution's status changes trigger its parent through a watch of executions.
 //!
+//! A snapshot acts only on a VM of its own namespace, with or without the admission webhook: a
+//! parent whose `spec.sourceVMNamespace` names another makes no execution (`Scheduled` and
+//! `Ready` False with reason `InvalidSpec` naming the field, and a Warning Event
+//! `InvalidSpec`), and an unfinished execution that names one is failed the same way before
+//! any VM is read (the node agent refuses it too).
+//!
 //! Differences from the Go project: the schedule really fires (Go created an execution only when
 //! the next tick was under 5 s away, which its requeue after the tick never saw); it is UTC, not
 //! the operator's local time; a one-shot parent makes one execution ever (Go made a new one when
@@ -30,9 +36,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::StreamExt;
+use imp_api::conditions::ConditionReason;
 use imp_api::refusal;
 use imp_api::shared::LABEL_SNAPSHOT_PARENT;
-use imp_api::snapshot::ImpVMSnapshot;
+use imp_api::snapshot::{ImpVMSnapshot, ImpVMSnapshotStatus};
 use imp_api::vm::ImpVM;
 use k8s_openapi::api::core::v1::ObjectReference;
 use k8s_openapi::jiff::Timestamp;
@@ -152,18 +159,24 @@ impl Ctx {
     }
 
     /// Fails execution `exec`, not yet taken by a node agent, whose source VM is gone or can
-    /// no longer be snapshotted (no agent would ever take it, and it would hold back the next).
+    /// no longer be snapshotted (no agent would ever take it, and it would hold back the next),
+    /// and any unfinished execution that names a VM of another namespace (`InvalidSpec`; the
+    /// node annotation does not spare it, since whoever may create an execution may write it).
     async fn fail_if_untakeable(&self, exec: &ImpVMSnapshot) -> Result<(), Error> {
         let status = exec.status.clone().unwrap_or_default();
-        let taken = exec.annotations().contains_key(SNAPSHOT_NODE);
-        if status.terminated_at.is_some() || taken {
+        if status.terminated_at.is_some() {
             return Ok(());
         }
-        let ns = if exec.spec.source_vm_namespace.is_empty() {
-            exec.namespace().unwrap_or_default()
-        } else {
-            exec.spec.source_vm_namespace.clone()
-        };
+        if let Some(why) = decide::foreign_source(exec) {
+            return self
+                .fail(exec, status, ConditionReason::InvalidSpec, why)
+                .await;
+        }
+        if exec.annotations().contains_key(SNAPSHOT_NODE) {
+            return Ok(());
+        }
+        // Its own namespace's VM: foreign_source refused any other.
+        let ns = exec.namespace().unwrap_or_default();
         let vms: Api<ImpVM> = Api::namespaced(self.client.clone(), &ns);
         let vm = vms
             .get_opt(&exec.spec.source_vm_name)
@@ -172,11 +185,23 @@ impl Ctx {
         let Some(why) = decide::source_problem(exec, vm.as_ref()) else {
             return Ok(());
         };
-        let mut st = status;
-        decide::fail_execution(&mut st, &why, Timestamp::now());
+        self.fail(exec, status, ConditionReason::SnapshotFailed, why)
+            .await
+    }
+
+    /// Writes execution `exec`'s end as Failed for `why` (Ready=False with `reason`, which also
+    /// names the Warning Event).
+    async fn fail(
+        &self,
+        exec: &ImpVMSnapshot,
+        mut status: ImpVMSnapshotStatus,
+        reason: ConditionReason,
+        why: String,
+    ) -> Result<(), Error> {
+        decide::fail_execution(&mut status, reason, &why, Timestamp::now());
         let body = json!({
             "metadata": {"resourceVersion": exec.resource_version()},
-            "status": st,
+            "status": status,
         });
         let api: Api<ImpVMSnapshot> =
             Api::namespaced(self.client.clone(), &exec.namespace().unwrap_or_default());
@@ -188,10 +213,14 @@ impl Ctx {
             Err(kube::Error::Api(s)) if s.code == 409 || s.code == 404 => return Ok(()),
             Err(e) => return Err(kube_err("failing", key(exec))(e)),
         }
-        tracing::warn!(snapshot = %key(exec), why, "execution cannot be taken");
+        tracing::warn!(snapshot = %key(exec), reason = reason.as_str(), why, "execution cannot be taken");
+        let reason = match reason {
+            ConditionReason::InvalidSpec => decide::reason::INVALID_SPEC,
+            _ => "SnapshotFailed",
+        };
         let ev = Event {
             type_: EventType::Warning,
-            reason: "SnapshotFailed".to_owned(),
+            reason: reason.to_owned(),
             note: Some(why),
             action: "Snapshot".to_owned(),
             secondary: None,

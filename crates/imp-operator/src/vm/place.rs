@@ -95,6 +95,13 @@ pub(super) fn snapshot_binding(
              name one of its executions (label {LABEL_SNAPSHOT_PARENT}={name})"
         ));
     }
+    // Taken of another namespace's VM (before imp refused such snapshots): that VM's memory,
+    // disk and Secrets are never restored here.
+    if let Some(why) = crate::snapshot::decide::foreign_source(exec) {
+        return invalid(format!(
+            "spec.snapshotRef: ImpVMSnapshot {name} was not taken of a VM of its own namespace: {why}"
+        ));
+    }
     let status = exec.status.clone().unwrap_or_default();
     match status.phase {
         Some(SnapshotPhase::Succeeded) => {}
@@ -325,6 +332,15 @@ mod tests {
         parent.metadata.labels = None;
         let why = snapshot_binding("s", Some(&parent)).unwrap_err().1;
         assert!(why.contains("parent"), "{why}");
+        let mut foreign = ok.clone();
+        foreign.metadata.namespace = Some("evil".into());
+        foreign.spec.source_vm_namespace = "victim".into();
+        let (reason, why) = snapshot_binding("s-1", Some(&foreign)).unwrap_err();
+        assert_eq!(reason, ConditionReason::InvalidSpec);
+        assert!(
+            why.starts_with("spec.snapshotRef: ImpVMSnapshot s-1 was not taken of a VM of its own namespace: spec.sourceVMNamespace:"),
+            "{why}"
+        );
         let mut oci = ok;
         oci.spec.storage.type_ = StorageType::OciRegistry;
         assert_eq!(snapshot_binding("s-1", Some(&oci)).unwrap(), None);

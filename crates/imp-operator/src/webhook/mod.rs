@@ -498,6 +498,13 @@ fn validate(req: &AdmissionRequest<DynamicObject>) -> AdmissionResponse {
     }
     let kind = req.kind.kind.as_str();
     let name = obj.metadata.name.as_deref().unwrap_or(req.name.as_str());
+    // The object's own namespace, which a reference to a VM may not leave.
+    let namespace = obj
+        .metadata
+        .namespace
+        .as_deref()
+        .or(req.namespace.as_deref())
+        .unwrap_or_default();
     let outcome = match kind {
         "ImpVM" => return validate_vm(resp, obj, old, name),
         "ImpVMClass" => {
@@ -508,9 +515,9 @@ fn validate(req: &AdmissionRequest<DynamicObject>) -> AdmissionResponse {
         }
         "ImpNetwork" => typed::<imp_api::ImpNetwork>(obj, kind, "object")
             .map(|o| both(validation::network(&o.spec), unsupported::network(&o.spec))),
-        "ImpVMSnapshot" => typed::<imp_api::ImpVMSnapshot>(obj, kind, "object")
-            .map(|o| validation::snapshot(&o.spec)),
-        "ImpVMMigration" => typed::<imp_api::ImpVMMigration>(obj, kind, "object").map(|_| Ok(())),
+        "ImpVMSnapshot" => return validate_snapshot(resp, obj, old, name, namespace),
+        "ImpVMMigration" => typed::<imp_api::ImpVMMigration>(obj, kind, "object")
+            .map(|o| validation::migration(&o.spec, namespace)),
         "ImpWarmPool" => typed::<imp_api::ImpWarmPool>(obj, kind, "object")
             .map(|o| validation::warm_pool(&o.spec)),
         "ImpVMRunnerPool" => typed::<imp_api::ImpVMRunnerPool>(obj, kind, "object")
@@ -622,6 +629,31 @@ fn validate_vm(
     match result {
         Ok(()) => resp,
         Err(errs) => deny_invalid(resp, "ImpVM", name, &errs),
+    }
+}
+
+/// An ImpVMSnapshot in `namespace`: its VM in that namespace only, and on UPDATE a
+/// `spec.storage` that stays as created.
+fn validate_snapshot(
+    resp: AdmissionResponse,
+    obj: &DynamicObject,
+    old: Option<&DynamicObject>,
+    name: &str,
+    namespace: &str,
+) -> AdmissionResponse {
+    let new = match typed::<imp_api::ImpVMSnapshot>(obj, "ImpVMSnapshot", "object") {
+        Ok(s) => s,
+        Err(msg) => return resp.deny(msg),
+    };
+    let result =
+        match old.map(|o| typed::<imp_api::ImpVMSnapshot>(o, "ImpVMSnapshot", "old object")) {
+            None => validation::snapshot(&new.spec, namespace),
+            Some(Ok(old)) => validation::snapshot_update(&old.spec, &new.spec, namespace),
+            Some(Err(msg)) => return resp.deny(msg),
+        };
+    match result {
+        Ok(()) => resp,
+        Err(errs) => deny_invalid(resp, "ImpVMSnapshot", name, &errs),
     }
 }
 
