@@ -826,13 +826,13 @@ mod tests {
         done.metadata.annotations = Some([(NODE_ANNOTATION.to_owned(), "n1".to_owned())].into());
         done.status = Some(ImpVMSnapshotStatus {
             phase: Some(SnapshotPhase::Succeeded),
-            snapshot_path: Some("/var/lib/imp/snapshots/ns/s/x".into()),
+            snapshot_path: Some("/var/lib/imp/snapshots/ns/s/s-20261204-000000".into()),
             ..Default::default()
         });
-        let why = source_on(&done, "n1").unwrap_err();
+        let why = source_on(&done, "n1", &roots()).unwrap_err();
         assert!(why.contains("spec.sourceVMNamespace"), "{why}");
         done.spec.source_vm_namespace = "ns".into();
-        assert!(source_on(&done, "n1").is_ok());
+        assert!(source_on(&done, "n1", &roots()).is_ok());
     }
 
     #[test]
