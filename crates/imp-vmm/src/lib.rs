@@ -16,6 +16,8 @@ pub mod firecracker;
 pub mod jail;
 pub mod kvm;
 pub mod qemu;
+#[cfg(test)]
+mod scratch;
 pub mod uds;
 pub mod version;
 pub mod vsock;

@@ -134,22 +134,7 @@ mod tests {
     use super::*;
     use std::os::unix::fs::PermissionsExt as _;
 
-    struct Scratch(PathBuf);
-
-    impl Scratch {
-        fn new(tag: &str) -> Self {
-            let dir = std::env::temp_dir().join(format!("imp-uds-{tag}-{}", std::process::id()));
-            let _ = std::fs::remove_dir_all(&dir);
-            std::fs::create_dir_all(&dir).unwrap();
-            Scratch(dir)
-        }
-    }
-
-    impl Drop for Scratch {
-        fn drop(&mut self) {
-            let _ = std::fs::remove_dir_all(&self.0);
-        }
-    }
+    use crate::scratch::Scratch;
 
     #[test]
     fn only_a_socket_of_the_directorys_owner_passes() {
@@ -174,7 +159,7 @@ mod tests {
     /// reached through the descriptor that was checked.
     #[tokio::test]
     async fn a_symlink_in_place_of_the_socket_reaches_nothing() {
-        let dir = Scratch::new("symlink");
+        let dir = Scratch::new("uds", "symlink");
         let victim_dir = dir.0.join("victim");
         std::fs::create_dir(&victim_dir).unwrap();
         let victim = victim_dir.join("qmp.sock");
@@ -212,7 +197,7 @@ mod tests {
             eprintln!("skipped: needs root");
             return;
         }
-        let dir = Scratch::new("owner");
+        let dir = Scratch::new("uds", "owner");
         let vmm_dir = dir.0.join("jail");
         std::fs::create_dir(&vmm_dir).unwrap();
         std::os::unix::fs::chown(&vmm_dir, Some(4242), Some(4242)).unwrap();

@@ -310,27 +310,11 @@ mod tests {
         }
     }
 
-    /// A fresh socket path in a directory of its own; the directory goes with the guard.
-    struct Scratch(PathBuf);
-
-    impl Scratch {
-        fn new(tag: &str) -> Self {
-            let dir = std::env::temp_dir().join(format!("imp-vsock-{tag}-{}", std::process::id()));
-            let _ = std::fs::remove_dir_all(&dir);
-            std::fs::create_dir_all(&dir).unwrap();
-            Scratch(dir)
-        }
-    }
-
-    impl Drop for Scratch {
-        fn drop(&mut self) {
-            let _ = std::fs::remove_dir_all(&self.0);
-        }
-    }
+    use crate::scratch::Scratch;
 
     #[tokio::test]
     async fn retries_until_ok_then_streams() {
-        let dir = Scratch::new("ok");
+        let dir = Scratch::new("vsock", "ok");
         let uds = dir.0.join("v.sock");
         let listener = UnixListener::bind(&uds).unwrap();
         // "OK 1073741824\nhello" arrives in one write: the tail must stay in the stream.
@@ -347,7 +331,7 @@ mod tests {
     /// abandoned stream is closed after it.
     #[tokio::test]
     async fn a_late_answer_finds_the_abandoned_attempt_open() {
-        let dir = Scratch::new("late");
+        let dir = Scratch::new("vsock", "late");
         let uds = dir.0.join("v.sock");
         let listener = UnixListener::bind(&uds).unwrap();
         let server = tokio::spawn(async move {
@@ -393,7 +377,7 @@ mod tests {
 
     #[tokio::test]
     async fn rejects_garbage_reply() {
-        let dir = Scratch::new("bad");
+        let dir = Scratch::new("vsock", "bad");
         let uds = dir.0.join("v.sock");
         let listener = UnixListener::bind(&uds).unwrap();
         let server = tokio::spawn(fake_vmm(listener, 0, "NOPE\n"));
@@ -410,7 +394,7 @@ mod tests {
     /// by name, not retried until its deadline.
     #[tokio::test]
     async fn a_symlink_in_place_of_the_vmms_socket_is_refused_at_once() {
-        let dir = Scratch::new("symlink");
+        let dir = Scratch::new("vsock", "symlink");
         let other = dir.0.join("other-vm.sock");
         let listener = UnixListener::bind(&other).unwrap();
         let uds = dir.0.join("v.sock");

@@ -722,22 +722,7 @@ mod tests {
     use crate::vsock;
     use std::time::Instant;
 
-    struct Scratch(PathBuf);
-
-    impl Scratch {
-        fn new(tag: &str) -> Self {
-            let dir = std::env::temp_dir().join(format!("imp-mux-{tag}-{}", std::process::id()));
-            let _ = std::fs::remove_dir_all(&dir);
-            std::fs::create_dir_all(&dir).unwrap();
-            Scratch(dir)
-        }
-    }
-
-    impl Drop for Scratch {
-        fn drop(&mut self) {
-            let _ = std::fs::remove_dir_all(&self.0);
-        }
-    }
+    use crate::scratch::Scratch;
 
     /// A fake guest on the chardev: reads and writes raw frames.
     struct Guest {
@@ -832,7 +817,7 @@ mod tests {
     /// the rest of its payload (the host would hunt, and refuse every client, for minutes).
     #[tokio::test]
     async fn a_guest_restored_mid_frame_finds_the_new_hosts_reset() {
-        let dir = Scratch::new("midframe");
+        let dir = Scratch::new("mux", "midframe");
         let mut held = mux::encoded(&Frame::Data {
             id: 2,
             data: vec![b'x'; mux::MAX_PAYLOAD],
@@ -861,7 +846,7 @@ mod tests {
 
     #[tokio::test]
     async fn host_and_guest_streams_carry_bytes_both_ways() {
-        let dir = Scratch::new("both");
+        let dir = Scratch::new("mux", "both");
         let (_host, mut guest, uds) = setup(&dir.0).await;
         let (mut client, id) = open(&mut guest, &uds).await;
         client.write_all(b"ping").await.unwrap();
@@ -927,7 +912,7 @@ mod tests {
     /// another stream keeps flowing.
     #[tokio::test]
     async fn a_hostile_guest_neither_grows_the_host_nor_blocks_other_streams() {
-        let dir = Scratch::new("hostile");
+        let dir = Scratch::new("mux", "hostile");
         let (host, mut guest, uds) = setup(&dir.0).await;
         // Unknown stream ids are ignored.
         for id in [1000, 1001, u32::MAX] {
@@ -1037,7 +1022,7 @@ mod tests {
     /// and tells the guest to forget the stream.
     #[tokio::test]
     async fn an_unanswered_open_expires() {
-        let dir = Scratch::new("expire");
+        let dir = Scratch::new("mux", "expire");
         let uds = dir.0.join("vsock.sock");
         let (ours, qemu) = std::os::unix::net::UnixStream::pair().unwrap();
         let _host =
