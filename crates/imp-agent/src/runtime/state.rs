@@ -324,14 +324,23 @@ impl StateDir {
         if let Ok(text) = std::fs::read_to_string(&mine)
             && let Ok(uid) = text.trim().parse::<u32>()
         {
-            return match self.claim_uid(&claims, uid, id)? {
-                true => Ok(uid),
-                false => Err(StateError::UidTaken {
-                    uid,
-                    id: id.to_owned(),
-                    owner: read_claim(&claims.join(uid.to_string())),
-                }),
-            };
+            if self.claim_uid(&claims, uid, id)? {
+                return Ok(uid);
+            }
+            let claim = claims.join(uid.to_string());
+            let owner = read_claim(&claim);
+            // The VM's VMM ran as this uid before (it resumes with its disk and sockets its
+            // own): a claim naming a VM of a state directory that is gone (a removed one,
+            // whose claims nobody takes back) holds no VMM, and is taken over.
+            if state_root_gone(&owner) {
+                std::fs::write(&claim, self.claim_owner(id)).map_err(io("writing", &claim))?;
+                return Ok(uid);
+            }
+            return Err(StateError::UidTaken {
+                uid,
+                id: id.to_owned(),
+                owner,
+            });
         }
         for uid in VMM_UID_BASE..VMM_UID_BASE + VMM_UIDS {
             if self.legacy_claimed(uid, &claims, id) || !self.claim_uid(&claims, uid, id)? {
@@ -473,6 +482,20 @@ fn private_dir_builder(recursive: bool) -> std::fs::DirBuilder {
 /// are left as they are. For what holds a VM's Secrets: its directory, its snapshots.
 pub fn create_private_dir_all(path: &Path) -> std::io::Result<()> {
     private_dir_builder(true).create(path)
+}
+
+/// Whether claim `owner` names a VM directory (`ROOT/vms/ID`) whose state directory `ROOT` no
+/// longer exists as this process sees it: nobody is left to take the claim back.
+fn state_root_gone(owner: &str) -> bool {
+    let path = Path::new(owner);
+    match (path.parent(), path.parent().and_then(Path::parent)) {
+        (Some(vms), Some(root))
+            if path.is_absolute() && vms.file_name() == Some("vms".as_ref()) =>
+        {
+            !root.exists()
+        }
+        _ => false,
+    }
 }
 
 /// The owner a claim file names (empty when missing or unreadable).
@@ -926,6 +949,36 @@ mod tests {
         // Released by the removal, for anyone.
         local.remove("a").unwrap();
         assert_eq!(agent.vmm_uid("old").unwrap(), ul);
+        let _ = std::fs::remove_dir_all(&base);
+    }
+
+    /// A VM that resumes with the uid it kept takes over a claim left by a VM of a state
+    /// directory that is gone (removed without releasing its claims), but not one of a state
+    /// directory that still exists.
+    #[test]
+    fn a_kept_uid_is_taken_over_only_from_a_state_directory_that_is_gone() {
+        let base = std::env::temp_dir().join(format!("imp-uid-gone-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&base);
+        let host = base.join("vmm-uids");
+        let gone = StateDir::new(base.join("gone")).with_vmm_uid_dir(&host);
+        let agent = StateDir::new(base.join("agent")).with_vmm_uid_dir(&host);
+        gone.create_vm_dir("x").unwrap();
+        let taken = gone.vmm_uid("x").unwrap();
+        agent.create_vm_dir("kept").unwrap();
+        std::fs::write(agent.vm_dir("kept").join(VMM_UID_FILE), taken.to_string()).unwrap();
+        assert!(matches!(
+            agent.vmm_uid("kept").unwrap_err(),
+            StateError::UidTaken { .. }
+        ));
+        std::fs::remove_dir_all(base.join("gone")).unwrap();
+        assert_eq!(agent.vmm_uid("kept").unwrap(), taken);
+        assert_eq!(
+            read_claim(&host.join(taken.to_string())),
+            agent.vm_dir("kept").display().to_string()
+        );
+        assert!(!state_root_gone(""));
+        assert!(!state_root_gone("relative/vms/x"));
+        assert!(!state_root_gone("/nonexistent/not-vms/x"));
         let _ = std::fs::remove_dir_all(&base);
     }
 

@@ -99,7 +99,7 @@ pub fn paths(config: &VmConfig, run_dir: &Path, serial: &Path, kvm: bool) -> Pat
 }
 
 /// Makes what a confined QEMU needs on the host: the jail's mount point; gives it the files it
-/// writes (serial log, writable drives, a shared memory file). No directory becomes its own.
+/// writes (serial log, writable drives, a shared memory file) and its owner-only initramfs. No directory becomes its own.
 /// Blocking file-system calls: small and few, done before the spawn.
 pub fn prepare(config: &VmConfig, p: &Paths, serial: &Path) -> std::io::Result<()> {
     let Some(jail) = &p.jail else {
@@ -108,6 +108,11 @@ pub fn prepare(config: &VmConfig, p: &Paths, serial: &Path) -> std::io::Result<(
     let own = |path: &Path| std::os::unix::fs::chown(path, Some(jail.uid), Some(jail.gid));
     std::fs::create_dir_all(&jail.mount_point)?;
     own(serial)?;
+    // The initramfs holds the VM's environment, so it is owner-only (0600): the VMM reads it
+    // as its own uid.
+    if let Some(initrd) = &config.initrd {
+        own(initrd)?;
+    }
     for d in config.drives.iter().filter(|d| !d.read_only) {
         own(&d.path)?;
     }
