@@ -153,18 +153,11 @@ impl MissingRef {
 /// The checks the admission webhook makes of a new ImpVM's own spec, for a controller that
 /// must hold them without the webhook: [`MissingRef::Refused`] naming every field refused.
 pub fn admissible(spec: &ImpVMSpec) -> Result<(), MissingRef> {
-    let errors: Vec<String> = [crate::validation::vm(spec), crate::unsupported::vm(spec)]
-        .into_iter()
-        .filter_map(Result::err)
-        .map(|e| e.to_string())
-        .collect();
-    if errors.is_empty() {
-        Ok(())
-    } else {
-        Err(MissingRef::Refused {
-            message: errors.join("; "),
-        })
-    }
+    crate::validation::both(crate::validation::vm(spec), crate::unsupported::vm(spec)).map_err(
+        |e| MissingRef::Refused {
+            message: e.to_string(),
+        },
+    )
 }
 
 fn fill<T: Clone>(target: &mut Option<T>, source: &Option<T>) {

@@ -42,6 +42,16 @@ impl fmt::Display for FieldError {
 #[derive(Clone, Debug, Default, PartialEq, Eq, thiserror::Error)]
 pub struct ValidationErrors(pub Vec<FieldError>);
 
+/// Two checks of one object as one result: every field either refused, the first's first.
+pub fn both(
+    first: Result<(), ValidationErrors>,
+    second: Result<(), ValidationErrors>,
+) -> Result<(), ValidationErrors> {
+    let mut all = first.err().unwrap_or_default();
+    all.0.extend(second.err().unwrap_or_default().0);
+    if all.0.is_empty() { Ok(()) } else { Err(all) }
+}
+
 impl fmt::Display for ValidationErrors {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let parts: Vec<String> = self.0.iter().map(ToString::to_string).collect();

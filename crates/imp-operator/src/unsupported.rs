@@ -132,12 +132,7 @@ async fn refuse(
         }
     }
     tracing::info!(kind, namespace = %ns, name = %name, "refused: no controller acts on this kind");
-    let note = body["status"]["conditions"]
-        .as_array()
-        .and_then(|c| c.last())
-        .and_then(|c| c["message"].as_str())
-        .unwrap_or_default()
-        .to_owned();
+    let note = imp_api::unsupported::kind(kind).unwrap_or_default();
     let event = Event {
         type_: EventType::Warning,
         reason: REASON.to_owned(),

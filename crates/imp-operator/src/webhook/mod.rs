@@ -514,7 +514,7 @@ fn validate(req: &AdmissionRequest<DynamicObject>) -> AdmissionResponse {
             typed::<ImpVMTemplate>(obj, kind, "object").map(|o| validation::template(&o.spec))
         }
         "ImpNetwork" => typed::<imp_api::ImpNetwork>(obj, kind, "object")
-            .map(|o| both(validation::network(&o.spec), unsupported::network(&o.spec))),
+            .map(|o| validation::both(validation::network(&o.spec), unsupported::network(&o.spec))),
         "ImpVMSnapshot" => return validate_snapshot(resp, obj, old, name, namespace),
         "ImpVMMigration" => typed::<imp_api::ImpVMMigration>(obj, kind, "object")
             .map(|o| validation::migration(&o.spec, namespace)),
@@ -523,8 +523,8 @@ fn validate(req: &AdmissionRequest<DynamicObject>) -> AdmissionResponse {
         "ImpVMRunnerPool" => typed::<imp_api::ImpVMRunnerPool>(obj, kind, "object")
             .map(|o| validation::runner_pool(&o.spec)),
         "ClusterImpConfig" => typed::<imp_api::ClusterImpConfig>(obj, kind, "object").map(|o| {
-            let rules = both(validation::cluster_config(&o), tracing_endpoint(&o.spec));
-            both(rules, unsupported::cluster_config(&o.spec))
+            let rules = validation::both(validation::cluster_config(&o), tracing_endpoint(&o.spec));
+            validation::both(rules, unsupported::cluster_config(&o.spec))
         }),
         "ClusterImpNodeProfile" => typed::<imp_api::ClusterImpNodeProfile>(obj, kind, "object")
             .map(|o| validation::node_profile(&o.spec)),
@@ -574,15 +574,6 @@ fn tracing_endpoint(spec: &imp_api::ClusterImpConfigSpec) -> Result<(), Validati
     }
 }
 
-fn both(
-    rules: Result<(), ValidationErrors>,
-    not_yet: Result<(), ValidationErrors>,
-) -> Result<(), ValidationErrors> {
-    let mut all = rules.err().unwrap_or_default();
-    all.0.extend(not_yet.err().unwrap_or_default().0);
-    if all.0.is_empty() { Ok(()) } else { Err(all) }
-}
-
 fn validate_vm(
     resp: AdmissionResponse,
     obj: &DynamicObject,
@@ -599,7 +590,7 @@ fn validate_vm(
         resp.warnings = Some(warnings);
     }
     let result = match old {
-        None => both(validation::vm(&new.spec), unsupported::vm(&new.spec)),
+        None => validation::both(validation::vm(&new.spec), unsupported::vm(&new.spec)),
         Some(old) => match typed::<ImpVM>(old, "ImpVM", "old object") {
             Err(msg) => return resp.deny(msg),
             Ok(old) if only_node_name_changed(&old.spec, &new.spec) => {
@@ -620,7 +611,7 @@ fn validate_vm(
                     }
                 }
             }
-            Ok(old) => both(
+            Ok(old) => validation::both(
                 validation::vm_update(&old.spec, &new.spec),
                 unsupported::vm(&new.spec),
             ),
