@@ -30,6 +30,7 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // test helpers panic on failure
 
+use imp_testenv::command::sh;
 use std::fs;
 use std::io::Read;
 use std::net::{Ipv4Addr, TcpListener, TcpStream};
@@ -136,16 +137,6 @@ fn inputs() -> Option<Inputs> {
         guest,
         busybox,
     })
-}
-
-fn sh(args: &[&str]) -> String {
-    let out = Command::new(args[0]).args(&args[1..]).output().unwrap();
-    assert!(
-        out.status.success(),
-        "{args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
 /// An ext4 root disk with busybox and the applets the test runs.

@@ -12,6 +12,7 @@
 //! developer machine and fails under `CI=true`.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+use imp_testenv::command::sh;
 use std::collections::BTreeMap;
 use std::net::Ipv4Addr;
 use std::process::Command;
@@ -57,16 +58,6 @@ fn inside(test: &str, tag: &str) -> bool {
         std::panic::resume_unwind(e);
     }
     false
-}
-
-fn sh(args: &[&str]) -> String {
-    let out = Command::new(args[0]).args(&args[1..]).output().unwrap();
-    assert!(
-        out.status.success(),
-        "{args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
 fn runtime() -> tokio::runtime::Runtime {

@@ -7,6 +7,7 @@
 //! them it skips on a developer machine and fails under `CI=true`.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+use imp_testenv::command::sh;
 use std::net::Ipv4Addr;
 use std::process::Command;
 
@@ -42,16 +43,6 @@ fn inside(test: &str) -> bool {
     // match nothing there and exit 0).
     imp_testenv::rerun::one_test(child, test);
     false
-}
-
-fn sh(args: &[&str]) -> String {
-    let out = Command::new(args[0]).args(&args[1..]).output().unwrap();
-    assert!(
-        out.status.success(),
-        "{args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
 fn attachment(vm: &str) -> NetAttachment {

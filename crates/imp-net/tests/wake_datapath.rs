@@ -17,6 +17,7 @@
 //! developer machine and fails under `CI=true`.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+use imp_testenv::command::sh;
 use std::fs::File;
 use std::io::Read;
 use std::net::Ipv4Addr;
@@ -98,16 +99,6 @@ fn node_ns(tag: &str) -> String {
 
 fn client_ns(tag: &str) -> String {
     format!("wk{}{tag}c", id())
-}
-
-fn sh(args: &[&str]) -> String {
-    let out = Command::new(args[0]).args(&args[1..]).output().unwrap();
-    assert!(
-        out.status.success(),
-        "{args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
 fn runtime() -> tokio::runtime::Runtime {

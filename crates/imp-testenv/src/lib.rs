@@ -21,6 +21,7 @@
 //! It is not a fake: nothing here answers Kubernetes requests itself.
 
 pub mod aggregation;
+pub mod command;
 pub mod controlplane;
 pub mod egress;
 pub mod guard;
