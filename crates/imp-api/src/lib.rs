@@ -39,6 +39,7 @@ pub mod cluster;
 pub mod conditions;
 pub mod crd;
 pub mod duration;
+pub mod inputs;
 pub mod ipv4;
 // kube::KubeSchema copies a spec's `#[serde(remote = "Self")]` (see spec_may_be_absent) onto its
 // private schema shadow, whose serde code is then never called: rustc reports the shadow's fields

@@ -73,7 +73,8 @@ pub struct Args {
     #[arg(long, default_value_t = 10.0)]
     fence_margin: f64,
     /// The node agents' namespace: only their Leases there (`imp-agent-<node>`, held by
-    /// `<node>`) count as their renewals; a Lease anywhere else is ignored.
+    /// `<node>`) count as their renewals; a Lease anywhere else is ignored. The gateway hands
+    /// VMs' Secrets and ConfigMaps to ServiceAccount `imp-agent` of this namespace only.
     #[arg(long, env = "POD_NAMESPACE", default_value = "imp-system")]
     agent_namespace: String,
     /// The agents' `--fence-after`, as they run with it: the operator never waits less than
@@ -179,7 +180,11 @@ fn config(args: &Args) -> anyhow::Result<Config> {
     };
     Ok(Config {
         ops_addr: args.metrics_addr,
-        webhook: webhook::serving(&args.webhook, !args.no_reservation_pods)?,
+        webhook: webhook::serving(
+            &args.webhook,
+            !args.no_reservation_pods,
+            &args.agent_namespace,
+        )?,
         lease,
         settings,
     })

@@ -14,6 +14,11 @@
 //!   is not Ready and a VM on it gets no address and no node. The CRD's own rule keeps
 //!   `spec.storage` as created.
 //!
+//! - A node reads only its VMs' Secrets (item 7): the agent's token of the VM's node gets, from
+//!   the gateway through the API server, the one Secret the VM names; another node's agent, the
+//!   agents' token bound to no node and the tenant are refused; the agent's token reads no
+//!   Secret directly, the webhook's key included.
+//!
 //! No node agent runs: no VM could be snapshotted here anyway, and the refusal is the operator's
 //! (the agent's own check is a unit test in `imp-agent`). Needs the test control plane
 //! (`scripts/kube/build`): without it, it skips on a developer machine and fails under `CI=true`.
@@ -28,6 +33,7 @@ use imp_api::shared::{ANNOTATION_SNAPSHOT_NODE, LABEL_SNAPSHOT_PARENT};
 use imp_api::snapshot::{ImpVMMigration, ImpVMSnapshot, SnapshotPhase};
 use imp_api::vm::ImpVM;
 use k8s_openapi::api::admissionregistration::v1::ValidatingWebhookConfiguration;
+use k8s_openapi::api::core::v1::Secret;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::{Client, Resource};
 use serde_json::{Value, json};
@@ -335,9 +341,21 @@ async fn a_tenant_reaches_no_other_namespace_and_writes_no_nftables() {
         "impvms",
         json!({"apiVersion": "imp.dev/v1alpha1", "kind": "ImpVM",
                "metadata": {"name": "db", "namespace": VICTIM},
-               "spec": {"image": "example.invalid/db:1", "classRef": {"name": "small"}}}),
+               "spec": {"image": "example.invalid/db:1", "classRef": {"name": "small"},
+                        "env": [{"name": "TOKEN", "valueFrom":
+                                 {"secretKeyRef": {"name": "db-token", "key": "token"}}}]}}),
     )
     .await;
+    let secrets: Api<Secret> = Api::namespaced(admin.clone(), VICTIM);
+    for (name, value) in [("db-token", "s3cret"), ("unrelated", "other")] {
+        let secret: Secret = serde_json::from_value(json!({
+            "metadata": {"name": name}, "stringData": {"token": value}}))
+        .unwrap();
+        secrets
+            .create(&PostParams::default(), &secret)
+            .await
+            .unwrap();
+    }
     let kubeconfig = imp_testenv::rbac::user(&kube.cp, EVIL, "mallory", &["imp-view", "imp-edit"])
         .await
         .unwrap_or_else(|e| panic!("making user mallory: {e}"));
@@ -359,6 +377,85 @@ async fn a_tenant_reaches_no_other_namespace_and_writes_no_nftables() {
     webhook_off(&admin, &mallory).await;
     tokio::join!(
         refused_by_the_operator(&admin, &mallory),
-        network_not_ready(&mallory)
+        network_not_ready(&mallory),
+        a_node_reads_only_its_vms_secrets(&kube, &mallory),
     );
+}
+
+/// GETs `path` through the API server as `client`: the JSON, or the refusal's code and
+/// message.
+async fn get_json(client: &Client, path: &str) -> Result<Value, (u16, String)> {
+    let req = http::Request::get(path).body(Vec::new()).unwrap();
+    match client.request::<Value>(req).await {
+        Ok(v) => Ok(v),
+        Err(kube::Error::Api(s)) => Err((s.code, s.message)),
+        Err(e) => panic!("GET {path}: {e}"),
+    }
+}
+
+/// Issue 38, item 7: the agent's token reads no Secret itself; the gateway hands a VM's
+/// Secrets to the agent of the node it is booked on, only those it names, and to no other
+/// node, no token bound to no node, and no user.
+async fn a_node_reads_only_its_vms_secrets(kube: &common::Cluster, mallory: &Client) {
+    let admin = &kube.client;
+    let vms: Api<ImpVM> = Api::namespaced(admin.clone(), VICTIM);
+    common::wait_vm(&vms, "db", "booked on n1", 60, |v| {
+        let s = v.status.as_ref();
+        s.and_then(|s| s.node_name.as_deref()) == Some("n1")
+            && s.is_some_and(|s| s.booking.is_some())
+    })
+    .await;
+    let n1 = kube
+        .cp
+        .client_from(&kube.agent_kubeconfig_for("n1").await)
+        .await
+        .unwrap();
+    let n2 = kube
+        .cp
+        .client_from(&kube.agent_kubeconfig_for("n2").await)
+        .await
+        .unwrap();
+    let path = imp_api::inputs::vm_path(VICTIM, "db");
+
+    // The agent of its node gets what the VM names, and nothing else.
+    let given = get_json(&n1, &path).await.unwrap();
+    let secrets = given["secrets"].as_object().unwrap();
+    assert_eq!(secrets.keys().collect::<Vec<_>>(), ["db-token"], "{given}");
+    assert_eq!(
+        secrets["db-token"]["token"], "czNjcmV0",
+        "base64 of s3cret: {given}"
+    );
+
+    // Another node's agent: refused by the gateway, naming where the VM is.
+    let (code, message) = get_json(&n2, &path).await.unwrap_err();
+    assert_eq!(code, 403, "{message}");
+    assert!(message.contains("on node n1, not n2"), "{message}");
+    // The agents' ServiceAccount with a token bound to no Pod: no node, nothing.
+    let unbound = kube
+        .cp
+        .client_from(
+            &kube
+                .cp
+                .service_account_kubeconfig("imp-system", "imp-agent")
+                .await
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    let (code, message) = get_json(&unbound, &path).await.unwrap_err();
+    assert_eq!(code, 403, "{message}");
+    assert!(message.contains("bound to no node"), "{message}");
+    // A user: the API server refuses before the gateway (no RBAC for impvms/inputs).
+    let (code, message) = get_json(mallory, &path).await.unwrap_err();
+    assert_eq!(code, 403, "{message}");
+    assert!(message.contains("impvms/inputs"), "{message}");
+
+    // The agent's own token reads no Secret: not the VM's, not the webhook's key.
+    for (ns, name) in [(VICTIM, "db-token"), ("imp-system", "imp-webhook-tls")] {
+        let got = Api::<Secret>::namespaced(n1.clone(), ns).get(name).await;
+        assert!(
+            matches!(&got, Err(kube::Error::Api(s)) if s.code == 403),
+            "the agent read Secret {ns}/{name}: {got:?}"
+        );
+    }
 }

@@ -1,9 +1,9 @@
 //! The workload's environment from an ImpVM's `env` and `envFrom`, as a Pod's is built: every
 //! `envFrom` source in order (each key with its `prefix`), then `env` in order, later entries
 //! winning. Values from Secrets and ConfigMaps are read by the reconciler first
-//! ([`references`] says which), so resolving them here is a pure function.
+//! (the operator's gateway hands them out, `imp_api::inputs::of_vm` says which), so resolving them here is a pure function.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 
 use imp_api::vm::ImpVMSpec;
 use imp_proto::message::EnvVar;
@@ -15,29 +15,6 @@ pub struct Sources {
     pub secrets: BTreeMap<String, BTreeMap<String, String>>,
     /// ConfigMap name → key → value.
     pub config_maps: BTreeMap<String, BTreeMap<String, String>>,
-}
-
-/// Names of the Secrets and ConfigMaps that `env` and `envFrom` read.
-pub fn references(vm: &ImpVMSpec) -> (BTreeSet<String>, BTreeSet<String>) {
-    let (mut secrets, mut config_maps) = (BTreeSet::new(), BTreeSet::new());
-    for f in &vm.env_from {
-        if let Some(s) = &f.secret_ref {
-            secrets.insert(s.name.clone());
-        }
-        if let Some(c) = &f.config_map_ref {
-            config_maps.insert(c.name.clone());
-        }
-    }
-    for e in &vm.env {
-        let Some(from) = &e.value_from else { continue };
-        if let Some(s) = &from.secret_key_ref {
-            secrets.insert(s.name.clone());
-        }
-        if let Some(c) = &from.config_map_key_ref {
-            config_maps.insert(c.name.clone());
-        }
-    }
-    (secrets, config_maps)
 }
 
 /// The workload's environment, or what is missing, naming the field.
@@ -188,9 +165,9 @@ mod tests {
             ],
             ..Default::default()
         };
-        let (secrets, maps) = references(&vm);
-        assert_eq!(secrets.into_iter().collect::<Vec<_>>(), ["db"]);
-        assert_eq!(maps.into_iter().collect::<Vec<_>>(), ["app"]);
+        let refs = imp_api::inputs::of_vm(&vm);
+        assert_eq!(refs.secrets.into_iter().collect::<Vec<_>>(), ["db"]);
+        assert_eq!(refs.config_maps.into_iter().collect::<Vec<_>>(), ["app"]);
         let env = resolve(&vm, &sources()).unwrap();
         let pairs: Vec<(&str, &str)> = env
             .iter()

@@ -4,7 +4,8 @@
 //! this node and applies [`decide`]'s decisions through the VM runtime
 //! ([`crate::runtime`]: one shim per VM, outside the agent's process tree and cgroups);
 //! [`boot`] maps an ImpVM and its class to the runtime's spec, with the workload's environment
-//! from [`env`], its user data from [`userdata`] and its network wired by [`network`];
+//! from [`env`], its user data from [`userdata`] (the Secrets and ConfigMaps both read
+//! handed out by the operator's gateway, [`inputs`]) and its network wired by [`network`];
 //! [`metrics`] serves `/metrics`, `/healthz` and `/readyz`, with the guests' figures
 //! [`guest_metrics`] polls. [`scale`] runs scale-to-zero on the node, and [`vms`] is what the
 //! agent API knows of the node's VMs.
@@ -22,6 +23,7 @@ pub mod disk;
 pub mod env;
 pub mod fence;
 pub mod guest_metrics;
+pub mod inputs;
 pub mod metrics;
 pub mod network;
 pub mod probes;

@@ -36,7 +36,6 @@ use crate::snapshot::oci;
 use crate::snapshot::place::{self, Place, Refusal, Roots, TreeError};
 use imp_api::chain::chain;
 use imp_image::RegistryAuth;
-use k8s_openapi::api::core::v1::Secret;
 
 /// The finalizer that holds an execution until its files are removed.
 pub const FINALIZER: &str = "imp.dev/snapshot-files";
@@ -240,7 +239,8 @@ pub fn registry_reference(exec: &ImpVMSnapshot) -> Option<String> {
     ))
 }
 
-/// The credentials for execution `exec`'s registry, from `storage.ociRegistry.pullSecretRef`.
+/// The credentials for execution `exec`'s registry, from `storage.ociRegistry.pullSecretRef`
+/// (handed out by the operator's gateway to the nodes that take, hold or restore it).
 pub async fn registry_auth(
     client: &kube::Client,
     exec: &ImpVMSnapshot,
@@ -257,15 +257,21 @@ pub async fn registry_auth(
     else {
         return Ok(RegistryAuth::Anonymous);
     };
-    let secrets: Api<Secret> = Api::namespaced(client.clone(), &ns);
-    let secret = secrets
-        .get(&name)
+    let given = crate::node::inputs::of_snapshot(client, exec)
         .await
-        .map_err(|e| format!("reading storage.ociRegistry.pullSecretRef {ns}/{name}: {e}"))?;
-    let json = secret
-        .data
-        .as_ref()
-        .and_then(|d| d.get(".dockerconfigjson"))
+        .map_err(|e| {
+            format!(
+                "storage.ociRegistry.pullSecretRef {ns}/{name}: {}",
+                chain(&e)
+            )
+        })?;
+    let json = given
+        .secrets
+        .get(&name)
+        .ok_or_else(|| {
+            format!("storage.ociRegistry.pullSecretRef {ns}/{name}: Secret does not exist")
+        })?
+        .get(".dockerconfigjson")
         .ok_or_else(|| {
             format!("storage.ociRegistry.pullSecretRef {ns}/{name} has no .dockerconfigjson")
         })?;

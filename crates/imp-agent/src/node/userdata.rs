@@ -15,11 +15,11 @@
 //! [`from_config_map`].
 
 use base64::Engine as _;
+use imp_api::inputs::ConfigMapData;
 use imp_api::vm::ImpVMSpec;
 use imp_proto::config::{
     CloudConfig, ContentEncoding, RunCommand, UserAccount, UserData, WriteFile,
 };
-use k8s_openapi::api::core::v1::ConfigMap;
 use serde_yaml_ng::{Mapping, Value};
 
 /// The ConfigMap key user data is read from (cloud-init NoCloud's name).
@@ -42,17 +42,13 @@ pub fn config_map(vm: &ImpVMSpec) -> Option<&str> {
 
 /// The user data in ConfigMap `name` as read (`None`: it does not exist), or what is wrong,
 /// naming the ConfigMap (and the keys it has when `user-data` is not one of them).
-pub fn from_config_map(name: &str, map: Option<&ConfigMap>) -> Result<UserData, String> {
+pub fn from_config_map(name: &str, map: Option<&ConfigMapData>) -> Result<UserData, String> {
     let field = "spec.userData.configMapRef";
     let Some(map) = map else {
         return Err(format!("{field}: ConfigMap {name} does not exist"));
     };
-    let Some(text) = map.data.as_ref().and_then(|d| d.get(KEY)) else {
-        if map
-            .binary_data
-            .as_ref()
-            .is_some_and(|d| d.contains_key(KEY))
-        {
+    let Some(text) = map.data.get(KEY) else {
+        if map.binary_keys.iter().any(|k| k == KEY) {
             return Err(format!(
                 "{field}: ConfigMap {name} holds {KEY:?} in binaryData; user data is text, \
                  put it in data"
@@ -60,9 +56,8 @@ pub fn from_config_map(name: &str, map: Option<&ConfigMap>) -> Result<UserData, 
         }
         let keys: Vec<&str> = map
             .data
-            .iter()
-            .flat_map(|d| d.keys())
-            .chain(map.binary_data.iter().flat_map(|d| d.keys()))
+            .keys()
+            .chain(&map.binary_keys)
             .map(String::as_str)
             .collect();
         let has = if keys.is_empty() {
@@ -355,14 +350,12 @@ mod tests {
     use super::*;
     use std::collections::BTreeMap;
 
-    fn map(pairs: &[(&str, &str)]) -> ConfigMap {
-        ConfigMap {
-            data: Some(
-                pairs
-                    .iter()
-                    .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
-                    .collect::<BTreeMap<_, _>>(),
-            ),
+    fn map(pairs: &[(&str, &str)]) -> ConfigMapData {
+        ConfigMapData {
+            data: pairs
+                .iter()
+                .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+                .collect::<BTreeMap<_, _>>(),
             ..Default::default()
         }
     }
@@ -587,13 +580,10 @@ runcmd:
             "spec.userData.configMapRef: ConfigMap init has no key \"user-data\" (it has: a, \
              userdata)"
         );
-        let e = from_config_map("init", Some(&ConfigMap::default())).unwrap_err();
+        let e = from_config_map("init", Some(&ConfigMapData::default())).unwrap_err();
         assert!(e.ends_with("(it has no keys)"), "{e}");
-        let binary = ConfigMap {
-            binary_data: Some(BTreeMap::from([(
-                KEY.to_owned(),
-                k8s_openapi::ByteString(b"#!/bin/sh\n".to_vec()),
-            )])),
+        let binary = ConfigMapData {
+            binary_keys: vec![KEY.to_owned()],
             ..Default::default()
         };
         let e = from_config_map("init", Some(&binary)).unwrap_err();

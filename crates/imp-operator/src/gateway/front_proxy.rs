@@ -13,6 +13,7 @@
 //! verifies a presented one against the CA as last read ([`follow`]); [`RequestHeader::user`]
 //! then reads the user of one request.
 
+use std::collections::BTreeMap;
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
@@ -46,6 +47,9 @@ pub struct RequestHeader {
     pub username_headers: Vec<String>,
     /// Headers naming the user's groups (each may repeat).
     pub group_headers: Vec<String>,
+    /// Prefixes of the headers naming the user's extra values (`X-Remote-Extra-` then the
+    /// key, percent-encoded; each may repeat).
+    pub extra_prefixes: Vec<String>,
 }
 
 /// Why the request-header settings cannot be used.
@@ -65,6 +69,9 @@ pub struct RemoteUser {
     pub name: String,
     /// The groups.
     pub groups: Vec<String>,
+    /// The extra values by key (lowercase, as the API server sends them), e.g. the node a
+    /// ServiceAccount token is bound to under `authentication.kubernetes.io/node-name`.
+    pub extra: BTreeMap<String, Vec<String>>,
 }
 
 impl RequestHeader {
@@ -97,6 +104,7 @@ impl RequestHeader {
             allowed_names: list("requestheader-allowed-names")?,
             username_headers,
             group_headers: list("requestheader-group-headers")?,
+            extra_prefixes: list("requestheader-extra-headers-prefix")?,
         })
     }
 
@@ -124,8 +132,51 @@ impl RequestHeader {
         Some(RemoteUser {
             name: name.to_owned(),
             groups,
+            extra: self.extra(headers),
         })
     }
+
+    /// The extra values the headers name: every header starting with one of the prefixes
+    /// (without case), its key the rest of the name, percent-decoded, as the API server's own
+    /// request-header authenticator reads them.
+    fn extra(&self, headers: &HeaderMap) -> BTreeMap<String, Vec<String>> {
+        let mut out: BTreeMap<String, Vec<String>> = BTreeMap::new();
+        for (name, value) in headers {
+            let name = name.as_str();
+            let key = self.extra_prefixes.iter().find_map(|p| {
+                let head = name.get(..p.len())?;
+                head.eq_ignore_ascii_case(p).then(|| &name[p.len()..])
+            });
+            let (Some(key), Ok(value)) = (key, value.to_str()) else {
+                continue;
+            };
+            if let Some(key) = percent_decoded(key).filter(|k| !k.is_empty()) {
+                out.entry(key.to_ascii_lowercase())
+                    .or_default()
+                    .push(value.to_owned());
+            }
+        }
+        out
+    }
+}
+
+/// `text` with its `%XX` escapes decoded; `None` if one is malformed or the result is not
+/// UTF-8.
+fn percent_decoded(text: &str) -> Option<String> {
+    let bytes = text.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'%' {
+            let hex = std::str::from_utf8(bytes.get(i + 1..i + 3)?).ok()?;
+            out.push(u8::from_str_radix(hex, 16).ok()?);
+            i += 3;
+        } else {
+            out.push(bytes[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8(out).ok()
 }
 
 /// The common name of a DER certificate's subject, if it has one.
@@ -322,9 +373,14 @@ mod tests {
             ("requestheader-allowed-names", r#"["front-proxy-client"]"#),
             ("requestheader-username-headers", r#"["X-Remote-User"]"#),
             ("requestheader-group-headers", r#"["X-Remote-Group"]"#),
+            (
+                "requestheader-extra-headers-prefix",
+                r#"["X-Remote-Extra-"]"#,
+            ),
         ]))
         .unwrap();
         assert_eq!(s.allowed_names, ["front-proxy-client"]);
+        assert_eq!(s.extra_prefixes, ["X-Remote-Extra-"]);
         assert!(s.allows(Some("front-proxy-client")));
         assert!(!s.allows(Some("mallory")) && !s.allows(None));
         FrontProxy::new().set(s).unwrap();
@@ -345,6 +401,7 @@ mod tests {
             allowed_names: vec![],
             username_headers: vec!["X-Remote-User".into()],
             group_headers: vec![],
+            extra_prefixes: vec![],
         };
         assert!(
             junk.allows(Some("anyone")),
@@ -360,6 +417,7 @@ mod tests {
             allowed_names: vec![],
             username_headers: vec!["X-Remote-User".into()],
             group_headers: vec!["X-Remote-Group".into()],
+            extra_prefixes: vec!["X-Remote-Extra-".into()],
         };
         let mut h = HeaderMap::new();
         assert_eq!(s.user(&h), None);
@@ -370,11 +428,26 @@ mod tests {
             HeaderValue::from_static("system:authenticated"),
         );
         h.insert("x-other-user", HeaderValue::from_static("mallory"));
+        // As the API server sends a bound token's node: the key percent-encoded.
+        h.insert(
+            "x-remote-extra-authentication.kubernetes.io%2fnode-name",
+            HeaderValue::from_static("node-a"),
+        );
+        h.append("x-remote-extra-scopes", HeaderValue::from_static("a"));
+        h.append("x-remote-extra-scopes", HeaderValue::from_static("b"));
+        h.insert("x-remote-extra-bad%zz", HeaderValue::from_static("dropped"));
         assert_eq!(
             s.user(&h),
             Some(RemoteUser {
                 name: "alice".into(),
                 groups: vec!["dev".into(), "system:authenticated".into()],
+                extra: BTreeMap::from([
+                    (
+                        "authentication.kubernetes.io/node-name".into(),
+                        vec!["node-a".into()]
+                    ),
+                    ("scopes".into(), vec!["a".into(), "b".into()]),
+                ]),
             })
         );
     }

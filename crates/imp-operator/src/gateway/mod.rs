@@ -20,11 +20,15 @@
 //! This is what KubeVirt's virt-api does for `virtctl console`: a compromised node sees no
 //! user's token, and one RBAC rule in the API server decides who may exec where.
 //!
+//! The same API hands each node agent the Secrets and ConfigMaps of the VMs on its node, and
+//! nothing else ([`inputs`]): agents may read none themselves.
+//!
 //! [`route`] parses the paths and answers discovery; [`Gateway::handle`] ties it together.
 
 pub mod forward;
 pub mod front_proxy;
 pub mod identity;
+pub mod inputs;
 pub mod route;
 
 use std::sync::{Arc, RwLock};
@@ -113,6 +117,8 @@ pub const READY_ANNOTATION: &str = "imp.dev/gateway-serving-since";
 pub struct Gateway {
     client: kube::Client,
     namespace: String,
+    /// The user name of the node agents' ServiceAccount, the only caller of the inputs.
+    agents: String,
     api_services: Vec<String>,
     front: Arc<FrontProxy>,
     identity: RwLock<Option<Arc<ClientIdentity>>>,
@@ -131,11 +137,17 @@ impl std::fmt::Debug for Gateway {
 
 impl Gateway {
     /// A gateway whose identity lives in `namespace` (the operator's), registered as the
-    /// APIServices `api_services`.
-    pub fn new(client: kube::Client, namespace: &str, api_services: &[String]) -> Arc<Self> {
+    /// APIServices `api_services`, handing inputs to the agents of ServiceAccount user `agents`.
+    pub fn new(
+        client: kube::Client,
+        namespace: &str,
+        agents: &str,
+        api_services: &[String],
+    ) -> Arc<Self> {
         Arc::new(Self {
             client,
             namespace: namespace.to_owned(),
+            agents: agents.to_owned(),
             api_services: api_services.to_vec(),
             front: FrontProxy::new(),
             identity: RwLock::new(None),
@@ -261,6 +273,15 @@ impl Gateway {
                 "the API server named no user in its request-header headers",
             );
         };
+        match &route {
+            Route::VmInputs { namespace, name } => {
+                return inputs::vm(&self.client, &self.agents, &user, namespace, name).await;
+            }
+            Route::SnapshotInputs { namespace, name } => {
+                return inputs::snapshot(&self.client, &self.agents, &user, namespace, name).await;
+            }
+            _ => {}
+        }
         let Some(identity) = self.identity() else {
             let why = self.not_ready.read().ok().and_then(|w| w.clone());
             let message = match why {
@@ -287,9 +308,11 @@ impl Gateway {
             Route::GuestMetrics { namespace } => {
                 forward::guest_metrics(kube, &caller, &namespace).await
             }
-            Route::Groups | Route::Group | Route::Resources => {
-                status(StatusCode::NOT_FOUND, "not found")
-            }
+            Route::Groups
+            | Route::Group
+            | Route::Resources
+            | Route::VmInputs { .. }
+            | Route::SnapshotInputs { .. } => status(StatusCode::NOT_FOUND, "not found"),
         }
     }
 }

@@ -6,6 +6,8 @@
 //! | `POST …/namespaces/{ns}/impvms/{name}/exec` (upgrade `imp-exec/1`) | `create impvms/exec` |
 //! | `GET …/namespaces/{ns}/impvms/{name}/console[?follow=true]` (upgrade `imp-console/1` when followed) | `get impvms/console` |
 //! | `GET …/namespaces/{ns}/guestmetrics` | `list guestmetrics` |
+//! | `GET …/namespaces/{ns}/impvms/{name}/inputs` (node agents only) | `get impvms/inputs` |
+//! | `GET …/namespaces/{ns}/impvmsnapshots/{name}/inputs` (node agents only) | `get impvmsnapshots/inputs` |
 //!
 //! `…` is `/apis/subresources.imp.dev/v1alpha1`. `GET /apis`, `/apis/subresources.imp.dev` and
 //! `…` answer discovery, as every aggregated API server does.
@@ -49,6 +51,21 @@ pub enum Route {
     GuestMetrics {
         /// The namespace.
         namespace: String,
+    },
+    /// The Secrets and ConfigMaps VM `namespace/name` refers to, for its node's agent.
+    VmInputs {
+        /// The VM's namespace.
+        namespace: String,
+        /// The VM's name.
+        name: String,
+    },
+    /// The pull secret of snapshot execution `namespace/name`, for the agent of a node that
+    /// takes, holds or restores it.
+    SnapshotInputs {
+        /// The execution's namespace.
+        namespace: String,
+        /// The execution's name.
+        name: String,
     },
 }
 
@@ -113,6 +130,20 @@ pub fn parse(method: &Method, path: &str, query: Option<&str>) -> Result<Route, 
                         namespace: namespace_part(ns, path)?,
                         name: name_part(name, path)?,
                         follow: follow(query)?,
+                    },
+                    Method::GET,
+                ),
+                ["namespaces", ns, "impvms", name, "inputs"] => (
+                    Route::VmInputs {
+                        namespace: namespace_part(ns, path)?,
+                        name: name_part(name, path)?,
+                    },
+                    Method::GET,
+                ),
+                ["namespaces", ns, "impvmsnapshots", name, "inputs"] => (
+                    Route::SnapshotInputs {
+                        namespace: namespace_part(ns, path)?,
+                        name: name_part(name, path)?,
                     },
                     Method::GET,
                 ),
@@ -199,6 +230,10 @@ pub fn discovery(route: &Route) -> Option<Value> {
                  "kind": "ImpVMConsole", "verbs": ["get"]},
                 {"name": "guestmetrics", "singularName": "guestmetrics", "namespaced": true,
                  "kind": "GuestReadingList", "verbs": ["list"]},
+                {"name": "impvms/inputs", "singularName": "", "namespaced": true,
+                 "kind": "Inputs", "verbs": ["get"]},
+                {"name": "impvmsnapshots/inputs", "singularName": "", "namespaced": true,
+                 "kind": "Inputs", "verbs": ["get"]},
             ],
         })),
         _ => None,
@@ -256,6 +291,32 @@ mod tests {
                 namespace: "a".into()
             }
         );
+        let get = |p: &str| parse(&Method::GET, &format!("{BASE}/{p}"), None);
+        assert_eq!(
+            get("namespaces/a/impvms/b/inputs").unwrap(),
+            Route::VmInputs {
+                namespace: "a".into(),
+                name: "b".into()
+            }
+        );
+        assert_eq!(
+            get("namespaces/a/impvmsnapshots/b/inputs").unwrap(),
+            Route::SnapshotInputs {
+                namespace: "a".into(),
+                name: "b".into()
+            }
+        );
+        // Read only; a name that is not one is not found.
+        let post = parse(
+            &Method::POST,
+            &format!("{BASE}/namespaces/a/impvms/b/inputs"),
+            None,
+        );
+        assert_eq!(post.unwrap_err().status(), StatusCode::METHOD_NOT_ALLOWED);
+        assert_eq!(
+            get("namespaces/a/impvms/B_/inputs").unwrap_err().status(),
+            StatusCode::NOT_FOUND
+        );
     }
 
     #[test]
@@ -296,7 +357,16 @@ mod tests {
             .iter()
             .map(|r| r["name"].as_str().unwrap())
             .collect();
-        assert_eq!(names, ["impvms/exec", "impvms/console", "guestmetrics"]);
+        assert_eq!(
+            names,
+            [
+                "impvms/exec",
+                "impvms/console",
+                "guestmetrics",
+                "impvms/inputs",
+                "impvmsnapshots/inputs"
+            ]
+        );
         assert!(
             discovery(&Route::GuestMetrics {
                 namespace: "a".into()

@@ -48,6 +48,9 @@ pub struct Serving {
     /// Serve the gateway ([`crate::gateway`]) on the same listener, its client certificate
     /// kept in this namespace; `None`: off.
     pub gateway: Option<String>,
+    /// The user name of the node agents' ServiceAccount, to whom the gateway hands their
+    /// VMs' Secrets and ConfigMaps (`system:serviceaccount:<namespace>:imp-agent`).
+    pub agents: String,
 }
 
 /// Starts the webhook on tasks of its own; a failure to get a certificate or to bind raises
@@ -152,7 +155,7 @@ async fn bound(
         Certificate::Kept(k) => k.api_services.clone(),
         Certificate::Files { .. } => vec![crate::gateway::route::API_SERVICE.to_owned()],
     };
-    let gateway = Gateway::new(client, namespace, &api_services);
+    let gateway = Gateway::new(client, namespace, &serving.agents, &api_services);
     gateway.spawn(raised(stop.subscribe()));
     hook.with_gateway(gateway)
 }

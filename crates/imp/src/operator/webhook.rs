@@ -129,7 +129,13 @@ pub fn parse_validity(s: &str) -> Result<Duration, String> {
 
 /// The webhook the operator serves, if `--webhook-addr` is set; `quota_preview`: refuse at
 /// admission a VM a ResourceQuota would refuse (reservation Pods are made).
-pub fn serving(args: &WebhookArgs, quota_preview: bool) -> anyhow::Result<Option<Serving>> {
+/// `agents`: the node agents' namespace (their ServiceAccount's, to whom the gateway hands
+/// their VMs' Secrets and ConfigMaps).
+pub fn serving(
+    args: &WebhookArgs,
+    quota_preview: bool,
+    agents: &str,
+) -> anyhow::Result<Option<Serving>> {
     let Some(addr) = args.webhook_addr else {
         return Ok(None);
     };
@@ -149,6 +155,7 @@ pub fn serving(args: &WebhookArgs, quota_preview: bool) -> anyhow::Result<Option
         certificate,
         quota_preview,
         gateway: (!args.no_gateway).then(|| args.namespace.clone()),
+        agents: imp_api::inputs::agents_user(agents),
     }))
 }
 

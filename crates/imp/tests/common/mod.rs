@@ -1002,6 +1002,7 @@ pub async fn serve_gateway(
         }),
         quota_preview: false,
         gateway: Some("imp-system".into()),
+        agents: imp_api::inputs::agents_user("imp-system"),
     };
     let (stop, _) = tokio::sync::watch::channel(false);
     spawn(

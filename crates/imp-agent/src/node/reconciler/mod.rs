@@ -27,7 +27,6 @@ use imp_api::conditions::{self, ConditionReason, ConditionStatus, ConditionType}
 use imp_api::refusal;
 use imp_api::shared::{VmDesiredState, VmLifecycle};
 use imp_api::vm::{ImpVM, ImpVMSpec, ImpVMStatus, VmPhase};
-use k8s_openapi::api::core::v1::{ConfigMap, Secret};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, Patch, PatchParams};

@@ -17,83 +17,58 @@ fn booked(vm: &ImpVM) -> Result<(ImpVMSpec, imp_api::class::ImpVMClassSpec), &'s
     Ok((b.spec.clone(), b.class.clone()))
 }
 
-/// The workload's environment, reading the Secrets and ConfigMaps `env` and `envFrom` name.
-async fn environment(
-    ctx: &Context,
-    vm: &ImpVM,
+/// The workload's environment from the Secrets and ConfigMaps `env` and `envFrom` name, as
+/// the gateway handed them (`given`).
+fn environment(
     spec: &ImpVMSpec,
+    given: &imp_api::inputs::Inputs,
 ) -> Result<Vec<imp_proto::message::EnvVar>, String> {
-    let ns = vm.namespace().unwrap_or_default();
-    let (secret_names, map_names) = env::references(spec);
-    let mut sources = env::Sources::default();
-    let secrets: Api<Secret> = Api::namespaced(ctx.client.clone(), &ns);
-    for name in secret_names {
-        match secrets.get_opt(&name).await {
-            Ok(Some(s)) => {
-                let data = s
-                    .data
-                    .unwrap_or_default()
-                    .into_iter()
-                    .map(|(k, v)| (k, String::from_utf8_lossy(&v.0).into_owned()));
-                sources.secrets.insert(name, data.collect());
-            }
-            Ok(None) => {}
-            Err(e) => return Err(format!("reading Secret {ns}/{name}: {e}")),
-        }
-    }
-    let maps: Api<ConfigMap> = Api::namespaced(ctx.client.clone(), &ns);
-    for name in map_names {
-        match maps.get_opt(&name).await {
-            Ok(Some(m)) => {
-                sources.config_maps.insert(name, m.data.unwrap_or_default());
-            }
-            Ok(None) => {}
-            Err(e) => return Err(format!("reading ConfigMap {ns}/{name}: {e}")),
-        }
-    }
+    let secrets = given.secrets.iter().map(|(name, data)| {
+        let text = data
+            .iter()
+            .map(|(k, v)| (k.clone(), String::from_utf8_lossy(&v.0).into_owned()));
+        (name.clone(), text.collect())
+    });
+    let config_maps = given
+        .config_maps
+        .iter()
+        .map(|(name, m)| (name.clone(), m.data.clone()));
+    let sources = env::Sources {
+        secrets: secrets.collect(),
+        config_maps: config_maps.collect(),
+    };
     env::resolve(spec, &sources)
 }
 
-/// The VM's user data, reading the ConfigMap `spec.userData.configMapRef` names (at every
+/// The VM's user data from the ConfigMap `spec.userData.configMapRef` names (read at every
 /// start, so an edit takes effect at the next one); none without user data.
-async fn user_data(
-    ctx: &Context,
-    vm: &ImpVM,
+fn user_data(
     spec: &ImpVMSpec,
+    given: &imp_api::inputs::Inputs,
 ) -> Result<Option<imp_proto::config::UserData>, String> {
     let Some(name) = crate::node::userdata::config_map(spec) else {
         return Ok(None);
     };
-    let ns = vm.namespace().unwrap_or_default();
-    let maps: Api<ConfigMap> = Api::namespaced(ctx.client.clone(), &ns);
-    let map = maps
-        .get_opt(name)
-        .await
-        .map_err(|e| format!("reading spec.userData.configMapRef ConfigMap {ns}/{name}: {e}"))?;
-    crate::node::userdata::from_config_map(name, map.as_ref()).map(Some)
+    crate::node::userdata::from_config_map(name, given.config_maps.get(name)).map(Some)
 }
 
 /// Merges the `.dockerconfigjson` of the VM's pull secrets into one credentials file.
-async fn pull_credentials(
-    ctx: &Context,
-    vm: &ImpVM,
+fn pull_credentials(
+    ns: &str,
     spec: &ImpVMSpec,
+    given: &imp_api::inputs::Inputs,
 ) -> Result<Option<Value>, String> {
     if spec.image_pull_secrets.is_empty() {
         return Ok(None);
     }
-    let ns = vm.namespace().unwrap_or_default();
-    let api: Api<Secret> = Api::namespaced(ctx.client.clone(), &ns);
     let mut auths = serde_json::Map::new();
     for s in &spec.image_pull_secrets {
-        let secret = api
+        let secret = given
+            .secrets
             .get(&s.name)
-            .await
-            .map_err(|e| format!("reading pull secret {ns}/{}: {e}", s.name))?;
+            .ok_or_else(|| format!("pull secret {ns}/{}: Secret does not exist", s.name))?;
         let data = secret
-            .data
-            .as_ref()
-            .and_then(|d| d.get(".dockerconfigjson"))
+            .get(".dockerconfigjson")
             .ok_or_else(|| format!("pull secret {ns}/{} has no .dockerconfigjson", s.name))?;
         let parsed: Value = serde_json::from_slice(&data.0)
             .map_err(|e| format!("pull secret {ns}/{}: .dockerconfigjson: {e}", s.name))?;
@@ -217,15 +192,22 @@ async fn inputs(
     spec: &ImpVMSpec,
 ) -> Result<Inputs, (ConditionReason, String)> {
     let invalid = |why| (ConditionReason::InvalidSpec, why);
+    let refs = imp_api::inputs::of_vm(spec);
+    let given = crate::node::inputs::of_vm(&ctx.client, vm, &refs)
+        .await
+        .map_err(|e| (ConditionReason::Waiting, imp_api::chain::chain(&e)))?;
+    let ns = vm.namespace().unwrap_or_default();
     Ok(Inputs {
-        env: environment(ctx, vm, spec).await.map_err(invalid)?,
-        user_data: user_data(ctx, vm, spec).await.map_err(invalid)?,
+        env: environment(spec, &given).map_err(invalid)?,
+        user_data: user_data(spec, &given).map_err(invalid)?,
         from_snapshot: snapshot_source(ctx, vm, spec).await.map_err(invalid)?,
-        credentials: pull_credentials(ctx, vm, spec)
-            .await
+        credentials: pull_credentials(&ns, spec, &given)
             .map_err(|why| (ConditionReason::ImagePullFailed, why))?,
     })
 }
+
+/// How soon a VM whose Secrets and ConfigMaps the gateway could not hand out asks again.
+const INPUTS_RETRY: Duration = Duration::from_secs(2);
 
 /// Starts the VM's shim and records phase `Starting`.
 pub(super) async fn start(ctx: &Context, vm: &ImpVM, uid: &str) -> Result<Action, Error> {
@@ -249,6 +231,12 @@ pub(super) async fn start(ctx: &Context, vm: &ImpVM, uid: &str) -> Result<Action
     }
     let inputs = match inputs(ctx, vm, &spec).await {
         Ok(i) => i,
+        // The gateway is not reachable (an operator starting, an upgrade): said on the VM,
+        // and asked again soon rather than after a refusal's pause.
+        Err((reason @ ConditionReason::Waiting, why)) => {
+            not_startable(ctx, vm, reason, why).await?;
+            return Ok(Action::requeue(INPUTS_RETRY));
+        }
         Err((reason, why)) => return not_startable(ctx, vm, reason, why).await,
     };
     let network = match wire(ctx, vm, uid, &spec).await {

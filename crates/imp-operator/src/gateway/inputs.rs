@@ -1,0 +1,227 @@
+//! The Secrets and ConfigMaps of a node's VMs, handed to that node's agent only
+//! ([`imp_api::inputs`]): the Node authorizer's rule, for VMs. The caller must be the agents'
+//! ServiceAccount with a token bound to a node (the API server names the node in the user's
+//! extra `authentication.kubernetes.io/node-name`); the VM must be booked on that node, or the
+//! snapshot taken, held or restored there; the answer holds only what the object names, in
+//! its own namespace. The operator reads them with its own right; no node may.
+
+use http::StatusCode;
+use imp_api::inputs::{self, ConfigMapData, Inputs, References};
+use imp_api::snapshot::ImpVMSnapshot;
+use imp_api::vm::ImpVM;
+use k8s_openapi::api::core::v1::{ConfigMap, Secret};
+use kube::Api;
+use kube::api::ListParams;
+
+use super::front_proxy::RemoteUser;
+use super::{Body, json, status};
+
+/// The node the caller's token is bound to, if the caller is an agent (`agents`: the agents'
+/// ServiceAccount's user name); else the refusal.
+pub fn caller_node<'a>(agents: &str, user: &'a RemoteUser) -> Result<&'a str, String> {
+    if user.name != agents {
+        return Err(format!(
+            "inputs are served to the node agents ({agents}) only, not to {}",
+            user.name
+        ));
+    }
+    match user.extra.get(inputs::NODE_EXTRA).map(Vec::as_slice) {
+        Some([node]) if !node.is_empty() => Ok(node),
+        _ => Err(format!(
+            "the caller's token is bound to no node (no single {} in its user's extra): an \
+             agent's token must be bound to its Pod",
+            inputs::NODE_EXTRA
+        )),
+    }
+}
+
+/// Answers `GET …/namespaces/{namespace}/impvms/{name}/inputs`.
+pub async fn vm(
+    kube: &kube::Client,
+    agents: &str,
+    user: &RemoteUser,
+    namespace: &str,
+    name: &str,
+) -> Response {
+    let node = match caller_node(agents, user) {
+        Ok(n) => n,
+        Err(why) => return status(StatusCode::FORBIDDEN, &why),
+    };
+    let found = Api::<ImpVM>::namespaced(kube.clone(), namespace)
+        .get_opt(name)
+        .await;
+    let vm = match found {
+        Ok(Some(vm)) => vm,
+        Ok(None) => {
+            return status(
+                StatusCode::NOT_FOUND,
+                &format!("ImpVM {namespace}/{name} not found"),
+            );
+        }
+        Err(e) => return failed(&format!("reading ImpVM {namespace}/{name}"), &e),
+    };
+    if let Err(why) = inputs::vm_readable_by(&vm, node) {
+        tracing::warn!(vm = %format!("{namespace}/{name}"), node, why, "gateway: inputs refused");
+        return status(
+            StatusCode::FORBIDDEN,
+            &format!("ImpVM {namespace}/{name}: {why}"),
+        );
+    }
+    let refs = inputs::of_vm(inputs::running_spec(&vm));
+    answer(
+        kube,
+        namespace,
+        &refs,
+        &format!("ImpVM {namespace}/{name}"),
+        node,
+    )
+    .await
+}
+
+/// Answers `GET …/namespaces/{namespace}/impvmsnapshots/{name}/inputs`.
+pub async fn snapshot(
+    kube: &kube::Client,
+    agents: &str,
+    user: &RemoteUser,
+    namespace: &str,
+    name: &str,
+) -> Response {
+    let node = match caller_node(agents, user) {
+        Ok(n) => n,
+        Err(why) => return status(StatusCode::FORBIDDEN, &why),
+    };
+    let found = Api::<ImpVMSnapshot>::namespaced(kube.clone(), namespace)
+        .get_opt(name)
+        .await;
+    let exec = match found {
+        Ok(Some(e)) => e,
+        Ok(None) => {
+            return status(
+                StatusCode::NOT_FOUND,
+                &format!("ImpVMSnapshot {namespace}/{name} not found"),
+            );
+        }
+        Err(e) => return failed(&format!("reading ImpVMSnapshot {namespace}/{name}"), &e),
+    };
+    let vms = match Api::<ImpVM>::namespaced(kube.clone(), namespace)
+        .list(&ListParams::default())
+        .await
+    {
+        Ok(list) => list.items,
+        Err(e) => return failed(&format!("listing the ImpVMs of {namespace}"), &e),
+    };
+    if let Err(why) = inputs::snapshot_readable_by(&exec, &vms, node) {
+        tracing::warn!(snapshot = %format!("{namespace}/{name}"), node, why, "gateway: inputs refused");
+        return status(StatusCode::FORBIDDEN, &why);
+    }
+    let refs = inputs::of_snapshot(&exec);
+    let what = format!("ImpVMSnapshot {namespace}/{name}");
+    answer(kube, namespace, &refs, &what, node).await
+}
+
+type Response = http::Response<Body>;
+
+async fn answer(
+    kube: &kube::Client,
+    namespace: &str,
+    refs: &References,
+    what: &str,
+    node: &str,
+) -> Response {
+    match read(kube, namespace, refs).await {
+        Ok(given) => {
+            tracing::info!(
+                object = what,
+                node,
+                secrets = given.secrets.len(),
+                config_maps = given.config_maps.len(),
+                "gateway: inputs handed to the node"
+            );
+            json(StatusCode::OK, &given)
+        }
+        Err((doing, e)) => failed(&doing, &e),
+    }
+}
+
+/// Reads what `refs` names in `namespace`; an object that does not exist is left out.
+async fn read(
+    kube: &kube::Client,
+    namespace: &str,
+    refs: &References,
+) -> Result<Inputs, (String, kube::Error)> {
+    let mut out = Inputs::default();
+    let secrets = Api::<Secret>::namespaced(kube.clone(), namespace);
+    for name in &refs.secrets {
+        let found = secrets
+            .get_opt(name)
+            .await
+            .map_err(|e| (format!("reading Secret {namespace}/{name}"), e))?;
+        if let Some(s) = found {
+            out.secrets.insert(name.clone(), s.data.unwrap_or_default());
+        }
+    }
+    let maps = Api::<ConfigMap>::namespaced(kube.clone(), namespace);
+    for name in &refs.config_maps {
+        let found = maps
+            .get_opt(name)
+            .await
+            .map_err(|e| (format!("reading ConfigMap {namespace}/{name}"), e))?;
+        if let Some(m) = found {
+            let data = ConfigMapData {
+                data: m.data.unwrap_or_default(),
+                binary_keys: m.binary_data.unwrap_or_default().into_keys().collect(),
+            };
+            out.config_maps.insert(name.clone(), data);
+        }
+    }
+    Ok(out)
+}
+
+/// A read the operator could not make: 503, naming what and why (the agent asks again).
+fn failed(doing: &str, e: &kube::Error) -> Response {
+    tracing::warn!(doing, error = %imp_api::chain::DisplayChain(e), "gateway: inputs not read");
+    status(
+        StatusCode::SERVICE_UNAVAILABLE,
+        &format!("{doing}: {}", imp_api::chain::chain(e)),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use std::collections::BTreeMap;
+
+    const AGENTS: &str = "system:serviceaccount:imp-system:imp-agent";
+
+    fn user(name: &str, nodes: &[&str]) -> RemoteUser {
+        let mut extra = BTreeMap::new();
+        if !nodes.is_empty() {
+            extra.insert(
+                inputs::NODE_EXTRA.to_owned(),
+                nodes.iter().map(|n| (*n).to_owned()).collect(),
+            );
+        }
+        RemoteUser {
+            name: name.into(),
+            groups: vec![],
+            extra,
+        }
+    }
+
+    #[test]
+    fn only_an_agent_with_a_token_bound_to_one_node_is_a_caller() {
+        assert_eq!(
+            caller_node(AGENTS, &user(AGENTS, &["node-a"])),
+            Ok("node-a")
+        );
+        let alice = user("system:serviceaccount:team:alice", &["node-a"]);
+        let e = caller_node(AGENTS, &alice).unwrap_err();
+        assert!(e.contains("not to system:serviceaccount:team:alice"), "{e}");
+        for nodes in [&[][..], &[""], &["a", "b"]] {
+            let agent = user(AGENTS, nodes);
+            let e = caller_node(AGENTS, &agent).unwrap_err();
+            assert!(e.contains("bound to no node"), "{nodes:?}: {e}");
+        }
+    }
+}
