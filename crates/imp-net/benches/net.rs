@@ -124,7 +124,7 @@ async fn inside() {
         vxlan_port: 4789,
         nft: "nft".into(),
         egress_deny: Vec::new(),
-        api_server: None,
+        api_servers: Vec::new(),
     })
     .unwrap();
     net.set_networks(BTreeMap::from([(

@@ -119,8 +119,10 @@ pub struct NetSettings {
     /// Ranges no guest may reach unless its network allows them (`--egress-deny`: the
     /// cluster's pod and service ranges).
     pub egress_deny: Vec<imp_api::ipv4::Ipv4Cidr>,
-    /// The API server's address as the agent reaches it, which no guest may reach.
-    pub api_server: Option<Ipv4Addr>,
+    /// The API server's addresses, which no guest may reach: the one the agent reaches it at
+    /// (in a cluster, Service `kubernetes`'s ClusterIP) and the endpoints behind it, as far
+    /// as known at start ([`NodeNet::set_api_servers`] changes them).
+    pub api_servers: Vec<Ipv4Addr>,
 }
 
 /// Why the node's network could not be read or changed.
@@ -184,6 +186,8 @@ impl Drops {
 pub struct NodeNet {
     netlink: Netlink,
     settings: NetSettings,
+    /// The API server's addresses as last told (the settings' at start).
+    api_servers: Mutex<Vec<Ipv4Addr>>,
     attachments: Mutex<BTreeMap<String, NetAttachment>>,
     networks: Mutex<BTreeMap<String, plan::NetworkView>>,
     /// Serialises syncs; holds the last nftables script loaded.
@@ -203,6 +207,7 @@ impl NodeNet {
     pub fn new(settings: NetSettings) -> Result<NodeNet, NetError> {
         Ok(NodeNet {
             netlink: Netlink::connect().map_err(NetError::Socket)?,
+            api_servers: Mutex::new(settings.api_servers.clone()),
             settings,
             attachments: Mutex::new(BTreeMap::new()),
             networks: Mutex::new(BTreeMap::new()),
@@ -210,6 +215,20 @@ impl NodeNet {
             loaded_ports: Mutex::new(None),
             drops: Mutex::new(Drops::default()),
         })
+    }
+
+    /// Replaces the API server's addresses guests may not reach (its Service address and the
+    /// endpoints behind it, which change when control-plane nodes do); whether they changed.
+    /// The next [`NodeNet::sync`] loads them.
+    pub fn set_api_servers(&self, mut addresses: Vec<Ipv4Addr>) -> bool {
+        addresses.sort();
+        addresses.dedup();
+        let mut current = lock(&self.api_servers);
+        if *current == addresses {
+            return false;
+        }
+        *current = addresses;
+        true
     }
 
     /// The netlink connection (the node's network namespace).
@@ -331,7 +350,7 @@ impl NodeNet {
             default_interface: default
                 .and_then(|i| links.values().find(|l| l.index == i))
                 .map(|l| l.name.clone()),
-            api_server: self.settings.api_server,
+            api_servers: lock(&self.api_servers).clone(),
             egress_deny: self.settings.egress_deny.clone(),
         })
     }

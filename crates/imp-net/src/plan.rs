@@ -87,8 +87,9 @@ pub struct NodeView {
     pub addresses: Vec<(String, Ipv4Addr, u8)>,
     /// The interface of the default route, if any.
     pub default_interface: Option<String>,
-    /// The API server's address as the agent reaches it: never reachable from guests.
-    pub api_server: Option<Ipv4Addr>,
+    /// The API server's addresses (its Service's and its endpoints'): never reachable from
+    /// guests.
+    pub api_servers: Vec<Ipv4Addr>,
     /// `--egress-deny`: ranges guests may not reach unless their network allows them (the
     /// cluster's pod and service ranges).
     pub egress_deny: Vec<Ipv4Cidr>,
@@ -99,7 +100,7 @@ pub const LINK_LOCAL: Ipv4Cidr = Ipv4Cidr::LINK_LOCAL;
 
 impl NodeView {
     /// What no guest may ever reach, whatever its network says: link-local, every network the
-    /// node is on (its neighbours: other nodes, the API server) and the API server's address;
+    /// node is on (its neighbours: other nodes, the API server) and the API server's addresses;
     /// nested ranges folded into the wider one (nft refuses overlapping set elements). A range
     /// holding the guest's own network stays: its own subnet is let through before.
     pub fn egress_never(&self) -> Vec<Ipv4Cidr> {
@@ -107,7 +108,10 @@ impl NodeView {
             .addresses
             .iter()
             .filter_map(|(_, a, p)| Ipv4Cidr::containing(*a, *p));
-        let api = self.api_server.and_then(|a| Ipv4Cidr::containing(a, 32));
+        let api = self
+            .api_servers
+            .iter()
+            .filter_map(|a| Ipv4Cidr::containing(*a, 32));
         let all: Vec<Ipv4Cidr> = std::iter::once(LINK_LOCAL).chain(own).chain(api).collect();
         fold_nested(&all)
     }
@@ -461,7 +465,7 @@ mod tests {
             underlay_mtu: 1500,
             addresses: vec![("eth0".into(), ip("192.168.5.1"), 24)],
             default_interface: Some("eth0".into()),
-            api_server: None,
+            api_servers: Vec::new(),
             egress_deny: vec![],
         }
     }
@@ -472,7 +476,9 @@ mod tests {
         let mut n = node();
         n.addresses.push(("eth1".into(), ip("10.7.0.9"), 16));
         n.addresses.push(("eth2".into(), ip("192.168.5.200"), 25));
-        n.api_server = Some(ip("10.96.0.1"));
+        // The Service address, and the endpoints behind it: one on a node network (folded
+        // into it), one beyond NAT (a managed control plane).
+        n.api_servers = vec![ip("10.96.0.1"), ip("10.7.3.4"), ip("203.0.113.30")];
         n.egress_deny = vec![cidr("10.96.0.0/12"), cidr("10.100.0.0/16")];
         // Nested ranges fold into the wider; a range holding a network's own subnet stays.
         assert_eq!(
@@ -481,7 +487,8 @@ mod tests {
                 cidr("10.7.0.0/16"),
                 cidr("10.96.0.1/32"),
                 cidr("169.254.0.0/16"),
-                cidr("192.168.5.0/24")
+                cidr("192.168.5.0/24"),
+                cidr("203.0.113.30/32")
             ]
         );
         let mut a = attach("ns/net", "a", "10.9.0.2");

@@ -74,7 +74,7 @@ fn node(nft: &str) -> NodeNet {
         vxlan_port: 4789,
         nft: nft.to_owned(),
         egress_deny: vec![],
-        api_server: None,
+        api_servers: Vec::new(),
     })
     .unwrap()
 }

@@ -86,7 +86,7 @@ fn a_tap_made_for_another_vm_is_not_taken_over() {
             vxlan_port: 4789,
             nft: "/nonexistent/nft".into(),
             egress_deny: Vec::new(),
-            api_server: None,
+            api_servers: Vec::new(),
         })
         .unwrap();
         let links = net.netlink().links().await.unwrap();

@@ -1785,6 +1785,13 @@ async fn the_installed_service_accounts_hold_their_roles_and_no_more() {
         (&agent, "patch", "impvms.imp.dev", &status),
         (&agent, "get", "impnetworks.imp.dev", &all),
         (&agent, "get", "configmaps/imp-gateway-client", &here),
+        // The API server's endpoints, kept from guests (docs/networking.md).
+        (
+            &agent,
+            "get",
+            "endpointslices.discovery.k8s.io/kubernetes",
+            &["-n", "default"],
+        ),
         // The operator reads them for the agents (never lists or watches them).
         (&operator, "get", "secrets", &elsewhere),
         (&operator, "get", "configmaps", &elsewhere),
@@ -1858,6 +1865,13 @@ async fn the_installed_service_accounts_hold_their_roles_and_no_more() {
             &[],
         ),
         (&agent, "update", "configmaps/imp-gateway-client", &here),
+        (&agent, "list", "endpointslices.discovery.k8s.io", &all),
+        (
+            &agent,
+            "get",
+            "endpointslices.discovery.k8s.io/someone-elses",
+            &elsewhere,
+        ),
         (&operator, "list", "configmaps", &elsewhere),
         (&operator, "update", "configmaps/someone-elses", &here),
         (

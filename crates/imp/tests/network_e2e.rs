@@ -30,6 +30,7 @@ use std::time::Duration;
 
 use imp_api::vm::{ImpVM, VmPhase};
 use imp_testenv::registry::{TestImage, scratch_dir};
+use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::Client;
 use kube::api::{Api, DeleteParams, PostParams};
 use serde_json::json;
@@ -499,13 +500,23 @@ fn node_connects(topo: &Topology, node: &str, to: &str) -> bool {
         .success()
 }
 
+/// The API server's endpoint the test publishes in EndpointSlice `default/kubernetes`: in the
+/// outside world, past NAT.
+const API_ENDPOINT_BEYOND_NAT: &str = "198.51.100.30:80";
+
 /// Guests' egress: with NAT they reach the outside and what their network allows, never the
-/// metadata address, a range the agents deny, another node or the API server; the nodes
+/// metadata address, a range the agents deny, another node, the API server or the endpoints
+/// behind it; the nodes
 /// themselves reach all of it (so each refusal is the rules', not a missing route or server).
 async fn assert_egress_policy(kubeconfig: &Path, topo: &Topology, api: &str) {
     // One server in the outside world, on the metadata address, a denied range and an
     // address net1 allows; node a's default route leads there.
-    for a in ["169.254.169.254/32", "203.0.113.10/32", "203.0.113.20/32"] {
+    for a in [
+        "169.254.169.254/32",
+        "203.0.113.10/32",
+        "203.0.113.20/32",
+        "198.51.100.30/32",
+    ] {
         topo.exec("out", &["ip", "addr", "add", a, "dev", "eth0"]);
     }
     let server = "import socket\ns=socket.socket()\ns.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\ns.bind(('0.0.0.0',80))\ns.listen()\nwhile True:\n c,a=s.accept()\n c.sendall(b'out\\n')\n c.close()\n";
@@ -523,6 +534,8 @@ async fn assert_egress_policy(kubeconfig: &Path, topo: &Topology, api: &str) {
         ("203.0.113.20:80", true),
         ("169.254.169.254:80", false),
         ("203.0.113.10:80", false),
+        // The API server's endpoint behind its Service (EndpointSlice default/kubernetes).
+        (API_ENDPOINT_BEYOND_NAT, false),
     ] {
         assert!(node_connects(topo, "a", to), "node a → {to}");
         assert_eq!(
@@ -601,6 +614,22 @@ async fn vms_talk_within_their_network_across_nodes_and_out_through_nat_and_nowh
     let cache = scratch_dir("imp-net-e2e-cache").unwrap();
 
     let _operator = common::start_operator(&kube);
+    // The API server's endpoints as a managed control plane publishes them: an address beyond
+    // NAT, not on any node network nor in --egress-deny (this control plane runs no endpoint
+    // reconciler, so the slice is the test's). Guests must not reach it any more than the
+    // Service address.
+    let slice: EndpointSlice = serde_json::from_value(json!({
+        "metadata": {"name": "kubernetes", "namespace": "default",
+                     "labels": {"kubernetes.io/service-name": "kubernetes"}},
+        "addressType": "IPv4",
+        "endpoints": [{"addresses": [API_ENDPOINT_BEYOND_NAT.split(':').next().unwrap()]}],
+        "ports": [{"name": "https", "port": 80, "protocol": "TCP"}],
+    }))
+    .unwrap();
+    Api::<EndpointSlice>::namespaced(c.clone(), "default")
+        .create(&PostParams::default(), &slice)
+        .await
+        .unwrap();
     let mut a = Agent::new(&topo, "a", topo.underlay(1));
     let mut b = Agent::new(&topo, "b", topo.underlay(2));
     // The cluster's ranges, as an admin would give them (here: one the outside serves).

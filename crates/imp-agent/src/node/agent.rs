@@ -336,12 +336,15 @@ async fn wire_networks(
     state: &StateDir,
     metrics: &Arc<Metrics>,
 ) -> Result<(Arc<NodeNet>, JoinHandle<()>), AgentError> {
+    let api_servers = network::read_api_addresses(client, api_server)
+        .await
+        .unwrap_or_else(|| network::api_addresses(api_server, None));
     let node_net = Arc::new(NodeNet::new(NetSettings {
         vtep: config.node_ip,
         vxlan_port: net.vxlan_port,
         nft: net.nft.clone(),
         egress_deny: net.egress_deny.clone(),
-        api_server,
+        api_servers,
     })?);
     network::adopt(&node_net, state).await;
     if let Err(e) = node_net.sync().await {
@@ -351,6 +354,7 @@ async fn wire_networks(
         client.clone(),
         node_net.clone(),
         metrics.clone(),
+        api_server,
     ));
     tracing::info!(node = config.node, vtep = ?config.node_ip, vxlan_port = net.vxlan_port, "wiring VM networks on this node");
     Ok((node_net, watch))
