@@ -2,16 +2,18 @@
 //! `/metrics` (the process's registry as OpenMetrics text), `/healthz` and `/readyz` (200
 //! `ok`, or 503 with the one-line reason it is not). Each process keeps its own registry and
 //! says how to render it ([`Exposition`]); liveness and readiness are a [`Health`] both
-//! share.
+//! share. `/metrics` may be guarded ([`Guard`]: the agent's asks the API server whether the
+//! caller's token may `get /metrics`); the health routes never are (the kubelet probes them).
 
 pub mod trace;
 
 use std::future::Future;
 use std::net::SocketAddr;
+use std::pin::Pin;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use axum::Router;
-use axum::extract::State;
+use axum::extract::{ConnectInfo, Request, State};
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
@@ -42,6 +44,28 @@ pub enum OpsError {
         #[source]
         source: std::io::Error,
     },
+}
+
+/// Why a scrape of `/metrics` is refused: its status (401, 403, 503) and a one-line message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Refusal {
+    /// The HTTP status.
+    pub status: StatusCode,
+    /// What to do about it.
+    pub message: String,
+}
+
+/// What a guard's decision is awaited as.
+pub type Admission<'a> = Pin<Box<dyn Future<Output = Result<(), Refusal>> + Send + 'a>>;
+
+/// Decides who may read `/metrics`: the caller's address and the request's headers.
+pub trait Guard: Send + Sync + 'static {
+    /// Admits the scrape or says why not.
+    fn admit<'a>(
+        &'a self,
+        peer: Option<SocketAddr>,
+        headers: &'a axum::http::HeaderMap,
+    ) -> Admission<'a>;
 }
 
 /// A process's metrics registry, rendered for `/metrics`.
@@ -145,18 +169,44 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 struct Ops {
     metrics: Arc<dyn Exposition>,
     health: Arc<Health>,
+    guard: Option<Arc<dyn Guard>>,
 }
 
 /// The ops routes (`/metrics`, `/healthz`, `/readyz`), for embedding in another server.
 pub fn router(metrics: Arc<dyn Exposition>, health: Arc<Health>) -> Router {
+    guarded_router(metrics, health, None)
+}
+
+/// [`router`] with `/metrics` behind `guard` (served with the callers' addresses, see
+/// [`serve_listener_guarded`]).
+pub fn guarded_router(
+    metrics: Arc<dyn Exposition>,
+    health: Arc<Health>,
+    guard: Option<Arc<dyn Guard>>,
+) -> Router {
     Router::new()
         .route("/metrics", get(metrics_handler))
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
-        .with_state(Ops { metrics, health })
+        .with_state(Ops {
+            metrics,
+            health,
+            guard,
+        })
 }
 
-async fn metrics_handler(State(ops): State<Ops>) -> Response {
+async fn metrics_handler(State(ops): State<Ops>, req: Request) -> Response {
+    if let Some(guard) = &ops.guard {
+        let peer = req
+            .extensions()
+            .get::<ConnectInfo<SocketAddr>>()
+            .map(|c| c.0);
+        if let Err(refusal) = guard.admit(peer, req.headers()).await {
+            tracing::info!(peer = ?peer, status = %refusal.status, message = %refusal.message,
+                "a scrape of /metrics was refused");
+            return (refusal.status, format!("{}\n", refusal.message)).into_response();
+        }
+    }
     match ops.metrics.render() {
         Ok(body) => ([(header::CONTENT_TYPE, OPENMETRICS_CONTENT_TYPE)], body).into_response(),
         Err(e) => {
@@ -210,20 +260,111 @@ pub async fn serve_listener(
     health: Arc<Health>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), OpsError> {
+    serve_listener_guarded(listener, metrics, health, None, shutdown).await
+}
+
+/// [`serve_listener`] with `/metrics` behind `guard`.
+pub async fn serve_listener_guarded(
+    listener: TcpListener,
+    metrics: Arc<dyn Exposition>,
+    health: Arc<Health>,
+    guard: Option<Arc<dyn Guard>>,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), OpsError> {
     let addr = listener.local_addr().map_err(|source| OpsError::Bind {
         addr: SocketAddr::from(([0, 0, 0, 0], 0)),
         source,
     })?;
-    tracing::info!(%addr, "serving /metrics, /healthz and /readyz");
-    axum::serve(listener, router(metrics, health))
-        .with_graceful_shutdown(shutdown)
-        .await
-        .map_err(|source| OpsError::Serve { addr, source })
+    tracing::info!(%addr, guarded = guard.is_some(), "serving /metrics, /healthz and /readyz");
+    let app = guarded_router(metrics, health, guard);
+    axum::serve(
+        listener,
+        app.into_make_service_with_connect_info::<SocketAddr>(),
+    )
+    .with_graceful_shutdown(shutdown)
+    .await
+    .map_err(|source| OpsError::Serve { addr, source })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    struct Figures;
+    impl Exposition for Figures {
+        fn render(&self) -> Result<String, std::fmt::Error> {
+            Ok("up 1\n".into())
+        }
+    }
+
+    /// Admits a scrape that carries `Authorization: Bearer ok` from a known address.
+    struct Token;
+    impl Guard for Token {
+        fn admit<'a>(
+            &'a self,
+            peer: Option<SocketAddr>,
+            headers: &'a axum::http::HeaderMap,
+        ) -> Admission<'a> {
+            let bearer = headers
+                .get(header::AUTHORIZATION)
+                .and_then(|v| v.to_str().ok());
+            let verdict = match (peer, bearer) {
+                (None, _) => Err(Refusal {
+                    status: StatusCode::INTERNAL_SERVER_ERROR,
+                    message: "no peer address".into(),
+                }),
+                (Some(_), Some("Bearer ok")) => Ok(()),
+                _ => Err(Refusal {
+                    status: StatusCode::UNAUTHORIZED,
+                    message: "a token please".into(),
+                }),
+            };
+            Box::pin(async move { verdict })
+        }
+    }
+
+    async fn get(port: u16, path: &str, extra: &str) -> String {
+        let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port))
+            .await
+            .unwrap();
+        let req = format!("GET {path} HTTP/1.0\r\n{extra}\r\n");
+        s.write_all(req.as_bytes()).await.unwrap();
+        let mut out = String::new();
+        s.read_to_string(&mut out).await.unwrap();
+        out
+    }
+
+    #[tokio::test]
+    async fn a_guard_holds_metrics_with_the_callers_address_and_never_the_probes() {
+        let listener = bind("127.0.0.1:0".parse().unwrap()).await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let health = Arc::new(Health::new());
+        health.set_ready();
+        let guard: Arc<dyn Guard> = Arc::new(Token);
+        tokio::spawn(serve_listener_guarded(
+            listener,
+            Arc::new(Figures),
+            health,
+            Some(guard),
+            std::future::pending(),
+        ));
+        let refused = get(port, "/metrics", "").await;
+        assert!(refused.starts_with("HTTP/1.0 401"), "{refused}");
+        assert!(
+            refused.ends_with("a token please\n") && !refused.contains("up 1"),
+            "{refused}"
+        );
+        let served = get(port, "/metrics", "Authorization: Bearer ok\r\n").await;
+        assert!(
+            served.starts_with("HTTP/1.0 200") && served.ends_with("up 1\n"),
+            "{served}"
+        );
+        for probe in ["/healthz", "/readyz"] {
+            let answer = get(port, probe, "").await;
+            assert!(answer.starts_with("HTTP/1.0 200"), "{probe}: {answer}");
+        }
+    }
 
     #[test]
     fn a_held_part_keeps_a_ready_process_unready_until_released() {

@@ -314,9 +314,13 @@ fn stand_in_crds() -> Vec<CustomResourceDefinition> {
         json!({"type": "object", "properties": {
             "matchNames": {"type": "array", "items": s()}, "any": {"type": "boolean"}}})
     };
-    let endpoints = || {
-        json!({"type": "array", "items": {"type": "object", "properties": {
-            "port": s(), "path": s(), "interval": s()}}})
+    let endpoints = |token_file: bool| {
+        let mut fields = json!({"port": s(), "path": s(), "interval": s()});
+        // A ServiceMonitor endpoint's bearerTokenFile (a PodMonitor's has none).
+        if token_file {
+            fields["bearerTokenFile"] = s();
+        }
+        json!({"type": "array", "items": {"type": "object", "properties": fields}})
     };
     let crd = |group: &str, kind: &str, plural: &str, spec: Value| {
         serde_json::from_value::<CustomResourceDefinition>(json!({
@@ -362,7 +366,7 @@ fn stand_in_crds() -> Vec<CustomResourceDefinition> {
             "servicemonitors",
             json!({"type": "object", "properties": {
                 "selector": selector(), "namespaceSelector": namespaces(),
-                "endpoints": endpoints()}}),
+                "endpoints": endpoints(true)}}),
         ),
         crd(
             "monitoring.coreos.com",
@@ -370,7 +374,7 @@ fn stand_in_crds() -> Vec<CustomResourceDefinition> {
             "podmonitors",
             json!({"type": "object", "properties": {
                 "selector": selector(), "namespaceSelector": namespaces(),
-                "podMetricsEndpoints": endpoints()}}),
+                "podMetricsEndpoints": endpoints(false)}}),
         ),
         crd(
             "monitoring.coreos.com",
@@ -1011,12 +1015,30 @@ const TOGGLES: &[Toggle] = &[
             "monitoring.prometheusRule.labels.release=kube-prometheus-stack",
             "--set",
             "monitoring.grafanaDashboard.enabled=true",
+            "--set",
+            "monitoring.metricsReaders[0].kind=ServiceAccount",
+            "--set",
+            "monitoring.metricsReaders[0].name=prometheus-k8s",
+            "--set",
+            "monitoring.metricsReaders[0].namespace=monitoring",
             "--api-versions",
             "monitoring.coreos.com/v1",
         ],
         check: |objs| {
             check_prometheus_rule(objs);
             check_grafana_dashboard(objs);
+            // The agent answers only tokens allowed `get /metrics`: Prometheus sends its own,
+            // and its ServiceAccount is bound to the reader role.
+            let agent_monitor = find(objs, "ServiceMonitor", "imp-agent");
+            assert_eq!(
+                agent_monitor["spec"]["endpoints"][0]["bearerTokenFile"],
+                "/var/run/secrets/kubernetes.io/serviceaccount/token"
+            );
+            let readers = find(objs, "ClusterRoleBinding", "imp-metrics-reader");
+            assert_eq!(readers["roleRef"]["name"], "imp-metrics-reader");
+            assert_eq!(readers["subjects"][0]["name"], "prometheus-k8s");
+            let role = find(objs, "ClusterRole", "imp-metrics-reader");
+            assert_eq!(role["rules"][0]["nonResourceURLs"][0], "/metrics");
             for kind in ["ServiceMonitor", "PodMonitor"] {
                 for component in ["operator", "agent"] {
                     let m = find(objs, kind, &format!("imp-{component}"));
@@ -1785,6 +1807,15 @@ async fn the_installed_service_accounts_hold_their_roles_and_no_more() {
         (&agent, "patch", "impvms.imp.dev", &status),
         (&agent, "get", "impnetworks.imp.dev", &all),
         (&agent, "get", "configmaps/imp-gateway-client", &here),
+        // A scraper's token on /metrics (node/metrics_auth.rs); a user's credential of exec
+        // or console never reaches a node (agent_api_e2e).
+        (&agent, "create", "tokenreviews.authentication.k8s.io", &[]),
+        (
+            &agent,
+            "create",
+            "subjectaccessreviews.authorization.k8s.io",
+            &[],
+        ),
         // The API server's endpoints, kept from guests (docs/networking.md).
         (
             &agent,
@@ -1856,14 +1887,6 @@ async fn the_installed_service_accounts_hold_their_roles_and_no_more() {
         (&agent, "patch", "leases.coordination.k8s.io", &elsewhere),
         (&agent, "update", "leases.coordination.k8s.io", &here),
         (&agent, "create", "pods", &here),
-        // User credentials never reach a node: the agent reviews no token.
-        (&agent, "create", "tokenreviews.authentication.k8s.io", &[]),
-        (
-            &agent,
-            "create",
-            "subjectaccessreviews.authorization.k8s.io",
-            &[],
-        ),
         (&agent, "update", "configmaps/imp-gateway-client", &here),
         (&agent, "list", "endpointslices.discovery.k8s.io", &all),
         (

@@ -116,9 +116,15 @@ pub struct Args {
     /// their own (then a restart of the agent's container kills them).
     #[arg(long, default_value = "imp")]
     cgroup_parent: String,
-    /// Address of /metrics, /healthz and /readyz.
+    /// Address of /metrics, /healthz and /readyz. /metrics answers the node itself (loopback)
+    /// and bearer tokens the API server authenticates and allows `get /metrics` (ClusterRole
+    /// imp-metrics-reader); the health routes answer anyone.
     #[arg(long, default_value = "0.0.0.0:9090")]
     metrics_addr: SocketAddr,
+    /// Serve /metrics (VM names, namespaces, guests' figures) to anyone who reaches
+    /// --metrics-addr, without asking the API server.
+    #[arg(long)]
+    metrics_open: bool,
     /// Address of the authenticated exec and console API (HTTPS).
     #[arg(long, default_value = "0.0.0.0:10251")]
     api_addr: SocketAddr,
@@ -306,6 +312,7 @@ fn config(args: Args) -> anyhow::Result<Config> {
         },
         cgroup_parent: Some(args.cgroup_parent).filter(|p| !p.is_empty()),
         metrics_addr: args.metrics_addr,
+        metrics_open: args.metrics_open,
         api_addr: args.api_addr,
         api_advertise: args.api_advertise,
         tls: args.tls_cert.zip(args.tls_key),

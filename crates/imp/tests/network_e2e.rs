@@ -30,6 +30,8 @@ use std::time::Duration;
 
 use imp_api::vm::{ImpVM, VmPhase};
 use imp_testenv::registry::{TestImage, scratch_dir};
+use k8s_openapi::api::authentication::v1::TokenRequest;
+use k8s_openapi::api::core::v1::ServiceAccount;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::Client;
 use kube::api::{Api, DeleteParams, PostParams};
@@ -500,6 +502,71 @@ fn node_connects(topo: &Topology, node: &str, to: &str) -> bool {
         .success()
 }
 
+/// A token of ServiceAccount `default/name` (made if absent), from the TokenRequest API.
+async fn token_of(c: &Client, name: &str) -> String {
+    let sas: Api<ServiceAccount> = Api::namespaced(c.clone(), "default");
+    let sa: ServiceAccount = serde_json::from_value(json!({"metadata": {"name": name}})).unwrap();
+    if let Err(e) = sas.create(&PostParams::default(), &sa).await {
+        assert!(matches!(&e, kube::Error::Api(s) if s.code == 409), "{e}");
+    }
+    sas.create_token_request(name, &PostParams::default(), &TokenRequest::default())
+        .await
+        .unwrap()
+        .status
+        .unwrap()
+        .token
+}
+
+/// What node b gets from node a's agent's /metrics across the underlay, with `token` if any:
+/// the status line and the body.
+fn scrape_from_b(topo: &Topology, token: Option<&str>) -> String {
+    let header = token.map_or(String::new(), |t| {
+        format!("Authorization: Bearer {t}\\r\\n")
+    });
+    let get = format!(
+        "exec 3<>/dev/tcp/{}/9090; printf 'GET /metrics HTTP/1.0\\r\\n{header}\\r\\n' >&3; cat <&3",
+        topo.underlay(1)
+    );
+    text(&topo.exec("b", &["timeout", "5", "bash", "-c", &get]))
+}
+
+/// Issue 38, item 9: an agent's /metrics (VM names, namespaces, guests' figures) answers a
+/// caller on another machine only with a token the API server authenticates and allows
+/// `get /metrics` (ClusterRole imp-metrics-reader, as the chart binds a Prometheus); the node
+/// itself reads it without one (agent_value), and the health routes answer anyone.
+async fn assert_metrics_guarded(kube: &common::Cluster, topo: &Topology) {
+    let c = &kube.client;
+    imp_testenv::rbac::install_user_roles(c).await.unwrap();
+    imp_testenv::rbac::bind(c, "imp-metrics-reader", "default", "prom")
+        .await
+        .unwrap();
+    let (prom, stranger) = (token_of(c, "prom").await, token_of(c, "stranger").await);
+    let anonymous = scrape_from_b(topo, None);
+    assert!(anonymous.starts_with("HTTP/1.0 401"), "{anonymous}");
+    assert!(!anonymous.contains("imp_vm"), "{anonymous}");
+    let refused = scrape_from_b(topo, Some(&stranger));
+    assert!(refused.starts_with("HTTP/1.0 403"), "{refused}");
+    assert!(
+        refused.contains("system:serviceaccount:default:stranger may not get /metrics")
+            && refused.contains("imp-metrics-reader"),
+        "{refused}"
+    );
+    let forged = scrape_from_b(topo, Some("not-a-token"));
+    assert!(forged.starts_with("HTTP/1.0 401"), "{forged}");
+    let served = scrape_from_b(topo, Some(&prom));
+    assert!(served.starts_with("HTTP/1.0 200"), "{served}");
+    assert!(
+        served.contains("imp_node_guest_egress_denied_packets_total"),
+        "{served}"
+    );
+    let probe = format!(
+        "exec 3<>/dev/tcp/{}/9090; printf 'GET /readyz HTTP/1.0\\r\\n\\r\\n' >&3; cat <&3",
+        topo.underlay(1)
+    );
+    let ready = text(&topo.exec("b", &["timeout", "5", "bash", "-c", &probe]));
+    assert!(ready.starts_with("HTTP/1.0 200"), "{ready}");
+}
+
 /// The API server's endpoint the test publishes in EndpointSlice `default/kubernetes`: in the
 /// outside world, past NAT.
 const API_ENDPOINT_BEYOND_NAT: &str = "198.51.100.30:80";
@@ -734,6 +801,7 @@ async fn vms_talk_within_their_network_across_nodes_and_out_through_nat_and_nowh
 
     let api = kube.cp.url().trim_start_matches("https://").to_owned();
     assert_egress_policy(&kubeconfig, &topo, &api).await;
+    assert_metrics_guarded(&kube, &topo).await;
 
     // The guest cannot reach the agent's API on its node through its gateway.
     let gateway = ips["a1"]

@@ -58,6 +58,9 @@ pub struct Config {
     pub cgroup_parent: Option<String>,
     /// Address of /metrics, /healthz and /readyz.
     pub metrics_addr: SocketAddr,
+    /// Serve /metrics to anyone who reaches the address; else only to the node itself and to
+    /// bearer tokens allowed to `get /metrics` ([`crate::node::metrics_auth`]).
+    pub metrics_open: bool,
     /// Address of the exec and console API.
     pub api_addr: SocketAddr,
     /// `host:port` published for the API (default: the node's address and the API's port).
@@ -208,7 +211,13 @@ pub async fn run(
         },
     );
     let tls = identity.server_config()?;
-    let served = imp_ops::serve_listener(ops, metrics.clone(), health, stopped(stop.clone()));
+    let guard = (!config.metrics_open).then(|| {
+        let auth: Arc<dyn imp_ops::Guard> =
+            Arc::new(crate::node::metrics_auth::KubeAuth::new(client.clone()));
+        auth
+    });
+    let served =
+        imp_ops::serve_listener_guarded(ops, metrics.clone(), health, guard, stopped(stop.clone()));
     tasks.push(tokio::spawn(async move {
         if let Err(e) = served.await {
             tracing::error!(error = %imp_api::chain::chain(&e), "serving /metrics, /healthz and /readyz");

@@ -6,7 +6,8 @@
 //! [`boot`] maps an ImpVM and its class to the runtime's spec, with the workload's environment
 //! from [`env`], its user data from [`userdata`] (the Secrets and ConfigMaps both read
 //! handed out by the operator's gateway, [`inputs`]) and its network wired by [`network`];
-//! [`metrics`] serves `/metrics`, `/healthz` and `/readyz`, with the guests' figures
+//! [`metrics`] serves `/metrics` (to the node itself and to tokens [`metrics_auth`] admits),
+//! `/healthz` and `/readyz`, with the guests' figures
 //! [`guest_metrics`] polls. [`scale`] runs scale-to-zero on the node, and [`vms`] is what the
 //! agent API knows of the node's VMs.
 //! [`serial`] relays VMs' serial consoles to the agent's log, escaped and rate-limited.
@@ -25,6 +26,7 @@ pub mod fence;
 pub mod guest_metrics;
 pub mod inputs;
 pub mod metrics;
+pub mod metrics_auth;
 pub mod network;
 pub mod probes;
 pub mod reconciler;

@@ -265,7 +265,9 @@ impl Agent {
             .env("RUST_LOG", super::rust_log())
             .args(["--state-dir", self.state.to_str().unwrap()])
             .args(["--runtime", "qemu", "--cgroup-parent", &self.cgroup_parent])
-            .args(["--metrics-addr", "127.0.0.1:9090"])
+            // On every address of the node: /metrics answers the node itself, and others only
+            // with a token allowed to get /metrics (network_e2e::assert_metrics_guarded).
+            .args(["--metrics-addr", "0.0.0.0:9090"])
             .args(["--api-addr", &format!("0.0.0.0:{AGENT_API_PORT}")])
             .args(["--stop-grace", "2s"])
             .arg("--image-cache")
