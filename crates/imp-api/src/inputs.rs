@@ -179,10 +179,15 @@ pub fn snapshot_readable_by(exec: &ImpVMSnapshot, vms: &[ImpVM], node: &str) -> 
     let name = exec.metadata.name.as_deref().unwrap_or_default();
     let in_namespace = |vm: &&ImpVM| vm.metadata.namespace.as_deref() == Some(namespace);
     let on_node = |vm: &&ImpVM| node_of(vm) == Some(node);
-    let source = vms.iter().filter(in_namespace).filter(on_node).any(|vm| {
-        vm.metadata.name.as_deref() == Some(exec.spec.source_vm_name.as_str())
-            && exec.spec.source_vm_namespace.as_str() == namespace
-    });
+    // Its source is a VM of its own namespace (`sourceVMNamespace` empty or the same).
+    let own =
+        exec.spec.source_vm_namespace.is_empty() || exec.spec.source_vm_namespace == namespace;
+    let source = own
+        && vms
+            .iter()
+            .filter(in_namespace)
+            .filter(on_node)
+            .any(|vm| vm.metadata.name.as_deref() == Some(exec.spec.source_vm_name.as_str()));
     let holder = exec
         .metadata
         .annotations
@@ -306,6 +311,15 @@ mod tests {
             "{refused}"
         );
         assert!(snapshot_readable_by(&e, &vms, "").is_err());
+        // An empty sourceVMNamespace is the execution's own.
+        let mut unnamed = e.clone();
+        unnamed.spec.source_vm_namespace = String::new();
+        assert_eq!(snapshot_readable_by(&unnamed, &vms, "node-s"), Ok(()));
+        // Another namespace's VM of that name is not its source, nor is a VM elsewhere.
+        let mut foreign = e.clone();
+        foreign.spec.source_vm_namespace = "other".into();
+        foreign.metadata.annotations = None;
+        assert!(snapshot_readable_by(&foreign, &vms, "node-s").is_err());
         // A VM of the same name in another namespace is not its source.
         let mut elsewhere = booked("src", "node-x", json!({}));
         elsewhere.metadata.namespace = Some("other".into());
