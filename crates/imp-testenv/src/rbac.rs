@@ -586,7 +586,8 @@ mod tests {
             assert_eq!(r.metadata.name.as_deref(), Some(name));
             assert!(!r.rules.unwrap_or_default().is_empty(), "{name} has rules");
         }
-        // The operator's Secret rules are a Role of the install namespace, not cluster-wide.
+        // The operator's writes of Secrets are a Role of the install namespace; cluster-wide it
+        // may only get them (for the agents of their VMs' nodes: gateway/inputs.rs).
         let operator = roles(OPERATOR_ROLE).unwrap();
         assert_eq!(operator.namespaced.len(), 1);
         let role = &operator.namespaced[0];
@@ -598,9 +599,26 @@ mod tests {
                 .any(|r| r.resources.iter().flatten().any(|x| x == "secrets"))
         };
         assert!(grants_secrets(role.rules.as_deref().unwrap_or_default()));
-        assert!(!grants_secrets(
-            operator.cluster[0].rules.as_deref().unwrap_or_default()
-        ));
+        let cluster = operator.cluster[0].rules.as_deref().unwrap_or_default();
+        assert!(grants_secrets(cluster));
+        for rule in cluster
+            .iter()
+            .filter(|r| r.resources.iter().flatten().any(|x| x == "secrets"))
+        {
+            assert_eq!(
+                rule.verbs,
+                ["get"],
+                "cluster-wide the operator only reads Secrets"
+            );
+        }
+        // The agent reads no Secret at all.
+        let agent = roles(AGENT_ROLE).unwrap();
+        for r in &agent.cluster {
+            assert!(!grants_secrets(r.rules.as_deref().unwrap_or_default()));
+        }
+        for r in &agent.namespaced {
+            assert!(!grants_secrets(r.rules.as_deref().unwrap_or_default()));
+        }
         assert!(roles("kind: Pod\n").is_err());
         let users: Vec<ClusterRole> = serde_yaml_ng::Deserializer::from_str(USER_ROLES)
             .map(|d| serde::Deserialize::deserialize(d).unwrap())
@@ -609,6 +627,15 @@ mod tests {
             .iter()
             .filter_map(|r| r.metadata.name.clone())
             .collect();
-        assert_eq!(names, ["imp-view", "imp-edit", "imp-admin", "imp-cli"]);
+        assert_eq!(
+            names,
+            [
+                "imp-view",
+                "imp-edit",
+                "imp-admin",
+                "imp-cli",
+                "imp-metrics-reader"
+            ]
+        );
     }
 }

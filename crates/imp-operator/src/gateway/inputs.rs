@@ -47,18 +47,9 @@ pub async fn vm(
         Ok(n) => n,
         Err(why) => return status(StatusCode::FORBIDDEN, &why),
     };
-    let found = Api::<ImpVM>::namespaced(kube.clone(), namespace)
-        .get_opt(name)
-        .await;
-    let vm = match found {
-        Ok(Some(vm)) => vm,
-        Ok(None) => {
-            return status(
-                StatusCode::NOT_FOUND,
-                &format!("ImpVM {namespace}/{name} not found"),
-            );
-        }
-        Err(e) => return failed(&format!("reading ImpVM {namespace}/{name}"), &e),
+    let vm = match found::<ImpVM>(kube, namespace, name).await {
+        Ok(vm) => vm,
+        Err(refusal) => return refusal,
     };
     if let Err(why) = inputs::vm_readable_by(&vm, node) {
         tracing::warn!(vm = %format!("{namespace}/{name}"), node, why, "gateway: inputs refused");
@@ -90,18 +81,9 @@ pub async fn snapshot(
         Ok(n) => n,
         Err(why) => return status(StatusCode::FORBIDDEN, &why),
     };
-    let found = Api::<ImpVMSnapshot>::namespaced(kube.clone(), namespace)
-        .get_opt(name)
-        .await;
-    let exec = match found {
-        Ok(Some(e)) => e,
-        Ok(None) => {
-            return status(
-                StatusCode::NOT_FOUND,
-                &format!("ImpVMSnapshot {namespace}/{name} not found"),
-            );
-        }
-        Err(e) => return failed(&format!("reading ImpVMSnapshot {namespace}/{name}"), &e),
+    let exec = match found::<ImpVMSnapshot>(kube, namespace, name).await {
+        Ok(e) => e,
+        Err(refusal) => return refusal,
     };
     let vms = match Api::<ImpVM>::namespaced(kube.clone(), namespace)
         .list(&ListParams::default())
@@ -120,6 +102,29 @@ pub async fn snapshot(
 }
 
 type Response = http::Response<Body>;
+
+/// Object `namespace/name` of kind `K`, or the answer saying it is not found (404) or could not
+/// be read (503).
+async fn found<K>(kube: &kube::Client, namespace: &str, name: &str) -> Result<K, Response>
+where
+    K: kube::Resource<Scope = k8s_openapi::NamespaceResourceScope, DynamicType = ()>
+        + Clone
+        + std::fmt::Debug
+        + serde::de::DeserializeOwned,
+{
+    let kind = K::kind(&());
+    match Api::<K>::namespaced(kube.clone(), namespace)
+        .get_opt(name)
+        .await
+    {
+        Ok(Some(o)) => Ok(o),
+        Ok(None) => Err(status(
+            StatusCode::NOT_FOUND,
+            &format!("{kind} {namespace}/{name} not found"),
+        )),
+        Err(e) => Err(failed(&format!("reading {kind} {namespace}/{name}"), &e)),
+    }
+}
 
 async fn answer(
     kube: &kube::Client,
