@@ -13,6 +13,9 @@
 //! is placed anew with the new size (a new QEMU with the class's memory) and the layer's file
 //! over its image.
 //!
+//! Then a second VM whose startup probe never passes is stopped as failed (`ProbeFailed`),
+//! booted again by its restart policy, and ends `RetryExhausted`.
+//!
 //! Needs what `agent_e2e.rs` needs (`scripts/setup`): without it, it skips on a developer
 //! machine and fails under `CI=true`.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -28,7 +31,7 @@ use imp_api::vm::{ImpVM, VmPhase};
 use imp_testenv::registry::scratch_dir;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use kube::ResourceExt;
-use kube::api::{Api, Patch, PatchParams, PostParams};
+use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use serde_json::json;
 
 const NS: &str = "default";
@@ -314,8 +317,82 @@ async fn probes_gate_readiness_flip_it_and_restart_a_vm_whose_liveness_fails() {
         "the image under the layer is not the rolled one"
     );
     let _ = std::fs::remove_dir_all(&runner);
+
+    vms.delete(VM, &DeleteParams::default()).await.unwrap();
+    common::wait_vm_gone(&vms, VM, 120).await;
+    startup_probe_fails(&c, &agent, &vms, &image2).await;
     let _ = std::fs::remove_dir_all(&layout);
     let _ = std::fs::remove_dir_all(&layout2);
+}
+
+/// Issue 45, item 2: a startup probe that never passes stops the VM as failed (`ProbeFailed`,
+/// an Event naming the probe), and its restart policy applies: booted again once, then
+/// `RetryExhausted` with the same reason.
+async fn startup_probe_fails(
+    c: &kube::Client,
+    agent: &common::agent::HostAgent,
+    vms: &Api<ImpVM>,
+    image: &str,
+) {
+    let name = "never-started";
+    let obj: ImpVM = serde_json::from_value(json!({
+        "apiVersion": "imp.dev/v1alpha1", "kind": "ImpVM",
+        "metadata": {"name": name, "namespace": NS},
+        "spec": {
+            "classRef": {"name": "small"}, "image": image, "lifecycle": "persistent",
+            "env": [{"name": "SCRIPT", "value": "exec sleep 100000"}],
+            "restartPolicy": {"mode": "in-place", "onExhaustion": "manual-reset",
+                              "backoff": {"maxRetries": 1, "initialDelay": "1s", "maxDelay": "1s"}},
+            "probes": {"startupProbe": {"exec": {"command": ["test", "-e", "/tmp/never"]},
+                                        "periodSeconds": 1, "failureThreshold": 3}}
+        }
+    }))
+    .unwrap();
+    let uid = vms
+        .create(&PostParams::default(), &obj)
+        .await
+        .unwrap()
+        .uid()
+        .unwrap();
+    let first = common::wait_vm(vms, name, "Running", 300, |v| {
+        phase(v) == Some(VmPhase::Running)
+    })
+    .await;
+    assert!(
+        !is(&first, "Started", "True", "ProbeSucceeded"),
+        "{:?}",
+        condition(&first, "Started")
+    );
+    let qemu = common::qemu_of(&agent.state, &uid);
+    let again = common::wait_vm(vms, name, "booted again by its restart policy", 300, |v| {
+        v.status.as_ref().and_then(|s| s.restart_count) == Some(1)
+    })
+    .await;
+    assert_eq!(again.status.as_ref().and_then(|s| s.restart_count), Some(1));
+    let exhausted = common::wait_vm(vms, name, "RetryExhausted", 300, |v| {
+        phase(v) == Some(VmPhase::RetryExhausted)
+    })
+    .await;
+    let ready = condition(&exhausted, "Ready").unwrap();
+    assert!(
+        is(&exhausted, "Ready", "False", "ProbeFailed")
+            && ready
+                .message
+                .starts_with("the startup probe failed 3 times in a row (every 1 s)"),
+        "{ready:?}"
+    );
+    let events = common::events_with(c, NS, name, &["ProbeFailed"]).await;
+    assert!(
+        events.iter().filter_map(|e| e.message.as_deref()).any(|m| m
+            .contains("the startup probe failed 3 times in a row (every 1 s)")
+            && m.contains("stopping the VM")),
+        "{events:?}"
+    );
+    assert!(!qemu.is_empty(), "no QEMU ran the first boot");
+    assert!(
+        common::qemu_of(&agent.state, &uid).is_empty(),
+        "a QEMU runs after the retries were exhausted"
+    );
 }
 
 /// The VM's trace reached the collector: the operator's `schedule`, the agent's root

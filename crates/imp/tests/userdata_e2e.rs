@@ -6,7 +6,9 @@
 //! commands (a string under `sh -c` and an argv) that leave a marker, all before the workload
 //! starts (the workload copies the marker it found). Two VMs never boot: one whose ConfigMap
 //! does not exist and one whose cloud-config uses a key imp does not run; each gets
-//! `InvalidSpec` naming what is wrong.
+//! `InvalidSpec` naming what is wrong. Then, one at a time: a `#!` script as user data runs as
+//! root before the workload; a cloud-config whose second step fails ends its (ephemeral) VM
+//! `Failed` naming the step, its exit code and its output, and the workload never starts.
 //!
 //! Needs what `agent_e2e.rs` needs (`scripts/setup`): without it, it skips on a developer
 //! machine and fails under `CI=true`.
@@ -23,7 +25,7 @@ use std::time::Duration;
 use imp_api::vm::{ImpVM, VmPhase};
 use imp_testenv::registry::{TestRegistry, push, scratch_dir};
 use k8s_openapi::api::core::v1::ConfigMap;
-use kube::api::{Api, PostParams};
+use kube::api::{Api, DeleteParams, PostParams};
 use serde_json::json;
 use tokio::process::Command;
 
@@ -47,6 +49,17 @@ users:
 runcmd:
   - [cp, /etc/imp-test/greeting, /tmp/marker]
   - echo "second step ran as $(id -u)" >> /tmp/marker
+"#;
+
+/// User data as a script: run as root before the workload, as cloud-init runs a `#!` part.
+const SCRIPT: &str = "#!/bin/sh\necho \"script ran as $(id -u)\" > /tmp/marker\n";
+
+/// User data whose second step fails: the boot ends there, before the workload.
+const BROKEN: &str = r#"#cloud-config
+runcmd:
+  - echo first > /tmp/marker
+  - [cp, /nope, /x]
+  - echo never >> /tmp/marker
 "#;
 
 /// The workload: keeps what it found of the marker, then runs on.
@@ -121,10 +134,14 @@ async fn config_map(c: &kube::Client, name: &str, user_data: &str) {
 }
 
 async fn vm(vms: &Api<ImpVM>, name: &str, image: &str, config_map: &str) {
+    vm_with(vms, name, image, config_map, "persistent").await;
+}
+
+async fn vm_with(vms: &Api<ImpVM>, name: &str, image: &str, config_map: &str, lifecycle: &str) {
     let obj: ImpVM = serde_json::from_value(json!({
         "apiVersion": "imp.dev/v1alpha1", "kind": "ImpVM",
         "metadata": {"name": name, "namespace": NS},
-        "spec": {"classRef": {"name": "small"}, "image": image, "lifecycle": "persistent",
+        "spec": {"classRef": {"name": "small"}, "image": image, "lifecycle": lifecycle,
                  "userData": {"configMapRef": {"name": config_map}}}
     }))
     .unwrap();
@@ -232,6 +249,8 @@ async fn user_data_runs_before_the_workload_and_what_is_wrong_is_named() {
         "700 1500\n600 1500\nssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIOmD deploy@imp-test\n"
     );
 
+    script_and_failing_step(&c, &alice, &vms, &image).await;
+
     // The two VMs with bad user data never started.
     for name in ["no-config-map", "refused"] {
         let v = vms.get(name).await.unwrap();
@@ -241,4 +260,61 @@ async fn user_data_runs_before_the_workload_and_what_is_wrong_is_named() {
             v.status
         );
     }
+}
+
+/// Ready's message.
+fn ready_message(v: &ImpVM) -> String {
+    ready(v).map(|(_, m)| m).unwrap_or_default()
+}
+
+/// Issue 45, item 2: a `#!` script runs before the workload, and a failing step ends the VM
+/// naming it, each in a real guest (the node fits one VM at a time: each after the last is gone).
+async fn script_and_failing_step(c: &kube::Client, alice: &Path, vms: &Api<ImpVM>, image: &str) {
+    vms.delete("ud", &DeleteParams::default()).await.unwrap();
+    common::wait_vm_gone(vms, "ud", 120).await;
+    config_map(c, "script", SCRIPT).await;
+    vm(vms, "script", image, "script").await;
+    common::wait_vm(vms, "script", "Running", 300, |v| {
+        phase(v) == Some(VmPhase::Running)
+    })
+    .await;
+    common::wait_for(
+        "the workload's copy of the script's marker",
+        Duration::from_secs(60),
+        || async {
+            let out = exec(
+                alice,
+                "script",
+                "[ -e /tmp/workload-saw ] && echo ok || true",
+            )
+            .await;
+            (out.trim() == "ok").then_some(())
+        },
+    )
+    .await;
+    assert_eq!(
+        exec(alice, "script", "cat /tmp/workload-saw").await,
+        "script ran as 0\n",
+        "the script ran as root before the workload"
+    );
+    vms.delete("script", &DeleteParams::default())
+        .await
+        .unwrap();
+    common::wait_vm_gone(vms, "script", 120).await;
+
+    config_map(c, "broken", BROKEN).await;
+    vm_with(vms, "broken", image, "broken", "ephemeral").await;
+    let failed = common::wait_vm(vms, "broken", "Failed", 300, |v| {
+        phase(v) == Some(VmPhase::Failed)
+    })
+    .await;
+    let message = ready_message(&failed);
+    assert!(
+        message.contains("userData failed, the workload was not started: runcmd[1] (cp /nope /x): exited with code 1")
+            && message.contains("can't stat '/nope'"),
+        "{message}"
+    );
+    let status = failed.status.as_ref().unwrap();
+    assert_eq!(status.exit_code, Some(1), "{status:?}");
+    common::events_with(c, NS, "broken", &["Failed"]).await;
 }
