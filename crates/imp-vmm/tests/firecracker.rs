@@ -245,6 +245,27 @@ fn firecracker_env() -> Option<Env> {
 }
 
 /// Root, KVM, `as`, `ld`, the binaries — or skip/fail.
+/// The jailer beside the Firecracker of `env`; `None` (and a failure under `CI=true`) without.
+fn jailer(env: &Env) -> Option<PathBuf> {
+    let found = env.jailer.clone();
+    if found.is_none() {
+        guard::require(
+            false,
+            "jailer binary (IMP_JAILER_BIN or target/firecracker/jailer)",
+        );
+    }
+    found
+}
+
+/// The cgroup version of this host, as the jailer is told it: 2 on a unified hierarchy.
+fn cgroup_version() -> u8 {
+    if Path::new("/sys/fs/cgroup/cgroup.controllers").exists() {
+        2
+    } else {
+        1
+    }
+}
+
 fn vm_env() -> Option<Env> {
     if !guard::require(guard::is_root(), "root (network namespaces, jailer)")
         || !guard::require(kvm_rw(), "/dev/kvm openable read-write")
@@ -474,22 +495,12 @@ async fn boot_pause_snapshot_restore_continues_counter() {
 #[tokio::test]
 async fn jailer_boot_snapshot_restore() {
     let Some(env) = vm_env() else { return };
-    let Some(jailer) = env.jailer.clone() else {
-        guard::require(
-            false,
-            "jailer binary (IMP_JAILER_BIN or target/firecracker/jailer)",
-        );
-        return;
-    };
+    let Some(jailer) = jailer(&env) else { return };
     let dir = TempDir::new("jail");
     let kernel = build_guest(&dir.0);
     let drive = make_drive(&dir.0);
     let netns = Netns::with_tap("imp-tap1");
-    let cgroup_version = if Path::new("/sys/fs/cgroup/cgroup.controllers").exists() {
-        2
-    } else {
-        1
-    };
+    let cgroup_version = cgroup_version();
     let mut launcher = Launcher::new(&env.firecracker);
     launcher.jailer = Some(JailerConfig {
         binary: jailer,
@@ -1027,20 +1038,10 @@ fn request_bodies_follow_the_spec() {
 #[tokio::test]
 async fn a_jailed_firecracker_that_replaces_its_sockets_leads_root_nowhere() {
     let Some(env) = vm_env() else { return };
-    let Some(jailer) = env.jailer.clone() else {
-        guard::require(
-            false,
-            "jailer binary (IMP_JAILER_BIN or target/firecracker/jailer)",
-        );
-        return;
-    };
+    let Some(jailer) = jailer(&env) else { return };
     let dir = TempDir::new("swap");
     let kernel = build_guest(&dir.0);
-    let cgroup_version = if Path::new("/sys/fs/cgroup/cgroup.controllers").exists() {
-        2
-    } else {
-        1
-    };
+    let cgroup_version = cgroup_version();
     let mut launcher = Launcher::new(&env.firecracker);
     launcher.jailer = Some(JailerConfig {
         binary: jailer,

@@ -293,6 +293,18 @@ mod tests {
 
     /// The descriptors the driver would hand `config`'s QEMU (QMP on 20, the guest channel on
     /// 21), with the TAP's `tap`.
+    /// The argv of `config` under TCG, unconfined, with no TAP descriptor; `incoming` for a
+    /// restore.
+    fn tcg_argv(config: &VmConfig, incoming: bool) -> Vec<OsString> {
+        argv(
+            &launcher(Accel::Tcg),
+            config,
+            &paths(config, false),
+            &fds(config, None),
+            incoming,
+        )
+    }
+
     fn fds(config: &VmConfig, tap: Option<RawFd>) -> Fds {
         Fds {
             qmp: 20,
@@ -419,13 +431,7 @@ mod tests {
         c.vsock = None;
         c.drives.truncate(1);
         c.net.as_mut().unwrap().mac = None;
-        let argv = argv(
-            &launcher(Accel::Tcg),
-            &c,
-            &paths(&c, false),
-            &fds(&c, None),
-            false,
-        );
+        let argv = tcg_argv(&c, false);
         let s = strings(&argv);
         assert_eq!(value(&argv, "-accel"), "tcg");
         assert!(!s.contains(&"-cpu"), "no host CPU under TCG");
@@ -451,13 +457,7 @@ mod tests {
     fn a_vm_in_a_network_namespace_runs_qemu_through_ip_netns_exec() {
         let mut c = config();
         c.netns = Some("imp-ns".into());
-        let argv = argv(
-            &launcher(Accel::Tcg),
-            &c,
-            &paths(&c, false),
-            &fds(&c, None),
-            false,
-        );
+        let argv = tcg_argv(&c, false);
         assert_eq!(
             strings(&argv[..5]),
             [
@@ -473,13 +473,7 @@ mod tests {
     #[test]
     fn a_restore_waits_for_its_migration_at_the_end_of_the_line() {
         let c = config();
-        let argv = argv(
-            &launcher(Accel::Tcg),
-            &c,
-            &paths(&c, false),
-            &fds(&c, None),
-            true,
-        );
+        let argv = tcg_argv(&c, true);
         assert_eq!(strings(&argv[argv.len() - 2..]), ["-incoming", "defer"]);
         assert_eq!(argv.iter().filter(|a| *a == "-incoming").count(), 1);
     }
@@ -491,13 +485,7 @@ mod tests {
         c.run_dir = "/run/x,y".into();
         c.memory = GuestMemory::Shared("/run/x,y/memory.ram".into());
         c.drives[0].path = "/run/x,y/disk.ext4".into();
-        let argv = argv(
-            &launcher(Accel::Tcg),
-            &c,
-            &paths(&c, false),
-            &fds(&c, None),
-            false,
-        );
+        let argv = tcg_argv(&c, false);
         assert_eq!(value(&argv, "-name"), "a,,b");
         assert_eq!(
             value(&argv, "-drive"),
@@ -535,13 +523,7 @@ mod tests {
         );
         assert_eq!(kernel_append("", Accel::Kvm, tsc), "tsc_early_khz=2000");
         let c = config();
-        let argv = argv(
-            &launcher(Accel::Tcg),
-            &c,
-            &paths(&c, false),
-            &fds(&c, None),
-            false,
-        );
+        let argv = tcg_argv(&c, false);
         let append = value(&argv, "-append");
         assert_eq!(append.matches("tsc=reliable").count(), 1);
         assert_eq!(append.matches("tsc_early_khz=").count(), 1);
@@ -550,13 +532,7 @@ mod tests {
     #[test]
     fn read_only_drives_say_so_and_writable_ones_do_not() {
         let c = config();
-        let argv = argv(
-            &launcher(Accel::Tcg),
-            &c,
-            &paths(&c, false),
-            &fds(&c, None),
-            false,
-        );
+        let argv = tcg_argv(&c, false);
         let drives: Vec<&str> = argv
             .windows(2)
             .filter(|w| w[0] == "-drive")
@@ -576,13 +552,7 @@ mod tests {
         use std::os::unix::ffi::OsStrExt as _;
         let mut c = config();
         c.kernel = PathBuf::from(std::ffi::OsStr::from_bytes(b"/k/\xffvmlinux"));
-        let argv = argv(
-            &launcher(Accel::Tcg),
-            &c,
-            &paths(&c, false),
-            &fds(&c, None),
-            false,
-        );
+        let argv = tcg_argv(&c, false);
         let i = argv.iter().position(|a| a == "-kernel").unwrap();
         assert_eq!(argv[i + 1].as_bytes(), b"/k/\xffvmlinux");
     }
