@@ -29,8 +29,7 @@ use std::time::{Duration, Instant};
 use imp_api::vm::{ImpVM, VmPhase};
 use imp_testenv::registry::scratch_dir;
 use k8s_openapi::api::core::v1::Node;
-use kube::ResourceExt;
-use kube::api::{Api, Patch, PatchParams, PostParams};
+use kube::api::{Api, Patch, PatchParams};
 use serde_json::json;
 use tokio::net::{TcpListener, TcpStream};
 
@@ -149,21 +148,18 @@ async fn a_cut_off_node_fences_its_vm_before_it_runs_elsewhere_and_never_runs_it
     );
 
     let vms: Api<ImpVM> = Api::namespaced(c.clone(), NS);
-    let obj: ImpVM = serde_json::from_value(json!({
-        "apiVersion": "imp.dev/v1alpha1", "kind": "ImpVM",
-        "metadata": {"name": VM, "namespace": NS},
-        "spec": {"classRef": {"name": "small"}, "image": image, "lifecycle": "persistent",
-                 "rescheduleOnNodeLoss": true,
-                 "tolerations": [{"key": DRAIN, "operator": "Exists", "effect": "NoExecute",
-                                  "tolerationSeconds": TOLERATED}]}
-    }))
-    .unwrap();
-    let uid = vms
-        .create(&PostParams::default(), &obj)
-        .await
-        .unwrap()
-        .uid()
-        .unwrap();
+    let uid = common::create_vm(
+        &vms,
+        json!({
+            "apiVersion": "imp.dev/v1alpha1", "kind": "ImpVM",
+            "metadata": {"name": VM, "namespace": NS},
+            "spec": {"classRef": {"name": "small"}, "image": image, "lifecycle": "persistent",
+                     "rescheduleOnNodeLoss": true,
+                     "tolerations": [{"key": DRAIN, "operator": "Exists", "effect": "NoExecute",
+                                      "tolerationSeconds": TOLERATED}]}
+        }),
+    )
+    .await;
     let on_a = common::wait_vm(&vms, VM, "Running on a", 300, |v| {
         phase(v) == Some(VmPhase::Running)
     })

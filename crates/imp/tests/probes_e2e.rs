@@ -31,7 +31,7 @@ use imp_api::vm::{ImpVM, VmPhase};
 use imp_testenv::registry::scratch_dir;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use kube::ResourceExt;
-use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
+use kube::api::{Api, DeleteParams, Patch, PatchParams};
 use serde_json::json;
 
 const NS: &str = "default";
@@ -92,7 +92,7 @@ async fn probes_gate_readiness_flip_it_and_restart_a_vm_whose_liveness_fails() {
     let mut agent = common::agent::HostAgent::new(NODE, "probes-e2e");
     agent.start(&kube).await;
     let vms: Api<ImpVM> = Api::namespaced(c.clone(), NS);
-    let obj: ImpVM = serde_json::from_value(json!({
+    let uid = common::create_vm(&vms, json!({
         "apiVersion": "imp.dev/v1alpha1", "kind": "ImpVM",
         "metadata": {"name": VM, "namespace": NS},
         "spec": {
@@ -109,14 +109,7 @@ async fn probes_gate_readiness_flip_it_and_restart_a_vm_whose_liveness_fails() {
                                   "periodSeconds": 1, "failureThreshold": 2}
             }
         }
-    }))
-    .unwrap();
-    let uid = vms
-        .create(&PostParams::default(), &obj)
-        .await
-        .unwrap()
-        .uid()
-        .unwrap();
+    })).await;
 
     // Running, but not Ready while the startup probe waits.
     let early = common::wait_vm(&vms, VM, "Running", 300, |v| {
@@ -335,7 +328,7 @@ async fn startup_probe_fails(
     image: &str,
 ) {
     let name = "never-started";
-    let obj: ImpVM = serde_json::from_value(json!({
+    let uid = common::create_vm(vms, json!({
         "apiVersion": "imp.dev/v1alpha1", "kind": "ImpVM",
         "metadata": {"name": name, "namespace": NS},
         "spec": {
@@ -346,14 +339,7 @@ async fn startup_probe_fails(
             "probes": {"startupProbe": {"exec": {"command": ["test", "-e", "/tmp/never"]},
                                         "periodSeconds": 1, "failureThreshold": 3}}
         }
-    }))
-    .unwrap();
-    let uid = vms
-        .create(&PostParams::default(), &obj)
-        .await
-        .unwrap()
-        .uid()
-        .unwrap();
+    })).await;
     let first = common::wait_vm(vms, name, "Running", 300, |v| {
         phase(v) == Some(VmPhase::Running)
     })

@@ -97,18 +97,15 @@ async fn a_running_vm_is_snapshotted_with_its_memory_and_runs_on() {
     }
     agent.start(&kube).await;
     let vms: Api<ImpVM> = Api::namespaced(c.clone(), NS);
-    let obj: ImpVM = serde_json::from_value(json!({
-        "apiVersion": "imp.dev/v1alpha1", "kind": "ImpVM",
-        "metadata": {"name": VM, "namespace": NS},
-        "spec": {"classRef": {"name": "small"}, "image": image, "lifecycle": "persistent"}
-    }))
-    .unwrap();
-    let uid = vms
-        .create(&PostParams::default(), &obj)
-        .await
-        .unwrap()
-        .uid()
-        .unwrap();
+    let uid = common::create_vm(
+        &vms,
+        json!({
+            "apiVersion": "imp.dev/v1alpha1", "kind": "ImpVM",
+            "metadata": {"name": VM, "namespace": NS},
+            "spec": {"classRef": {"name": "small"}, "image": image, "lifecycle": "persistent"}
+        }),
+    )
+    .await;
     common::wait_vm(&vms, VM, "Running", 300, |v| {
         phase(v) == Some(VmPhase::Running)
     })

@@ -811,6 +811,16 @@ pub async fn create_imp(c: &kube::Client, kind: &str, plural: &str, body: serde_
         .expect("creating an imp object");
 }
 
+/// Creates the ImpVM `body` (the whole object as JSON) through `vms`; its uid.
+pub async fn create_vm(vms: &Api<imp_api::vm::ImpVM>, body: serde_json::Value) -> String {
+    let vm: imp_api::vm::ImpVM = serde_json::from_value(body).expect("an ImpVM");
+    let created = vms
+        .create(&PostParams::default(), &vm)
+        .await
+        .expect("creating an ImpVM");
+    kube::ResourceExt::uid(&created).expect("a created ImpVM's uid")
+}
+
 /// A workload for the suspend tests: a tmpfs of its own and a counter in it, one step a second.
 /// Each value is written beside the file and renamed over it, so a reader (even one that runs
 /// the instant a restored guest continues mid-step) never sees an empty file.
