@@ -148,6 +148,24 @@ async fn vm_with(vms: &Api<ImpVM>, name: &str, image: &str, config_map: &str, li
     vms.create(&PostParams::default(), &obj).await.unwrap();
 }
 
+/// Waits until VM `vm` runs and its workload has kept its copy of the marker (so its user
+/// data has run).
+async fn workload_started(alice: &Path, vms: &Api<ImpVM>, vm: &str) {
+    common::wait_vm(vms, vm, "Running", 300, |v| {
+        phase(v) == Some(VmPhase::Running)
+    })
+    .await;
+    common::wait_for(
+        &format!("{vm}'s workload's copy of the marker"),
+        Duration::from_secs(60),
+        || async {
+            let out = exec(alice, vm, "[ -e /tmp/workload-saw ] && echo ok || true").await;
+            (out.trim() == "ok").then_some(())
+        },
+    )
+    .await;
+}
+
 async fn exec(kubeconfig: &Path, vm: &str, script: &str) -> String {
     common::snapshots::exec_in(kubeconfig, NS, vm, script).await
 }
@@ -203,19 +221,7 @@ async fn user_data_runs_before_the_workload_and_what_is_wrong_is_named() {
     common::events_with(&c, NS, "no-config-map", &["InvalidSpec"]).await;
 
     // The ConfigMap's cloud-config ran before the workload, as root.
-    common::wait_vm(&vms, "ud", "Running", 300, |v| {
-        phase(v) == Some(VmPhase::Running)
-    })
-    .await;
-    common::wait_for(
-        "the workload's copy of the marker",
-        Duration::from_secs(60),
-        || async {
-            let out = exec(&alice, "ud", "[ -e /tmp/workload-saw ] && echo ok || true").await;
-            (out.trim() == "ok").then_some(())
-        },
-    )
-    .await;
+    workload_started(&alice, &vms, "ud").await;
     let expected = "hello from userData\nsecond step ran as 0\n";
     assert_eq!(exec(&alice, "ud", "cat /tmp/marker").await, expected);
     assert_eq!(
@@ -274,24 +280,7 @@ async fn script_and_failing_step(c: &kube::Client, alice: &Path, vms: &Api<ImpVM
     common::wait_vm_gone(vms, "ud", 120).await;
     config_map(c, "script", SCRIPT).await;
     vm(vms, "script", image, "script").await;
-    common::wait_vm(vms, "script", "Running", 300, |v| {
-        phase(v) == Some(VmPhase::Running)
-    })
-    .await;
-    common::wait_for(
-        "the workload's copy of the script's marker",
-        Duration::from_secs(60),
-        || async {
-            let out = exec(
-                alice,
-                "script",
-                "[ -e /tmp/workload-saw ] && echo ok || true",
-            )
-            .await;
-            (out.trim() == "ok").then_some(())
-        },
-    )
-    .await;
+    workload_started(alice, vms, "script").await;
     assert_eq!(
         exec(alice, "script", "cat /tmp/workload-saw").await,
         "script ran as 0\n",
