@@ -43,12 +43,8 @@ pub async fn vm(
     namespace: &str,
     name: &str,
 ) -> Response {
-    let node = match caller_node(agents, user) {
-        Ok(n) => n,
-        Err(why) => return status(StatusCode::FORBIDDEN, &why),
-    };
-    let vm = match found::<ImpVM>(kube, namespace, name).await {
-        Ok(vm) => vm,
+    let (node, vm) = match asked::<ImpVM>(kube, agents, user, namespace, name).await {
+        Ok(asked) => asked,
         Err(refusal) => return refusal,
     };
     if let Err(why) = inputs::vm_readable_by(&vm, node) {
@@ -77,12 +73,8 @@ pub async fn snapshot(
     namespace: &str,
     name: &str,
 ) -> Response {
-    let node = match caller_node(agents, user) {
-        Ok(n) => n,
-        Err(why) => return status(StatusCode::FORBIDDEN, &why),
-    };
-    let exec = match found::<ImpVMSnapshot>(kube, namespace, name).await {
-        Ok(e) => e,
+    let (node, exec) = match asked::<ImpVMSnapshot>(kube, agents, user, namespace, name).await {
+        Ok(asked) => asked,
         Err(refusal) => return refusal,
     };
     let vms = match Api::<ImpVM>::namespaced(kube.clone(), namespace)
@@ -103,21 +95,29 @@ pub async fn snapshot(
 
 type Response = http::Response<Body>;
 
-/// Object `namespace/name` of kind `K`, or the answer saying it is not found (404) or could not
-/// be read (503).
-async fn found<K>(kube: &kube::Client, namespace: &str, name: &str) -> Result<K, Response>
+/// The caller's node and the object `namespace/name` of kind `K` it asks about, or the answer:
+/// 403 for a caller that is not an agent bound to a node, 404 for an object that does not
+/// exist, 503 for one that could not be read.
+async fn asked<'u, K>(
+    kube: &kube::Client,
+    agents: &str,
+    user: &'u RemoteUser,
+    namespace: &str,
+    name: &str,
+) -> Result<(&'u str, K), Response>
 where
     K: kube::Resource<Scope = k8s_openapi::NamespaceResourceScope, DynamicType = ()>
         + Clone
         + std::fmt::Debug
         + serde::de::DeserializeOwned,
 {
+    let node = caller_node(agents, user).map_err(|why| status(StatusCode::FORBIDDEN, &why))?;
     let kind = K::kind(&());
     match Api::<K>::namespaced(kube.clone(), namespace)
         .get_opt(name)
         .await
     {
-        Ok(Some(o)) => Ok(o),
+        Ok(Some(o)) => Ok((node, o)),
         Ok(None) => Err(status(
             StatusCode::NOT_FOUND,
             &format!("{kind} {namespace}/{name} not found"),
