@@ -131,6 +131,7 @@ pub fn vm(spec: &ImpVMSpec) -> Result<(), ValidationErrors> {
         }
     }
     env(&mut e, "spec.env", &spec.env);
+    object_names(&mut e, spec);
     inherited(
         &mut e,
         &spec.tolerations,
@@ -497,7 +498,13 @@ pub fn snapshot(spec: &ImpVMSnapshotSpec, namespace: &str) -> Result<(), Validat
                 "spec.storage.ociRegistry",
                 "is required when spec.storage.type is oci-registry",
             ),
-            Some(r) => image_ref(&mut e, "spec.storage.ociRegistry.repository", &r.repository),
+            Some(r) => {
+                image_ref(&mut e, "spec.storage.ociRegistry.repository", &r.repository);
+                if let Some(s) = r.pull_secret_ref.as_ref().filter(|s| !s.name.is_empty()) {
+                    let path = "spec.storage.ociRegistry.pullSecretRef.name";
+                    dns_subdomain(&mut e, path, &s.name);
+                }
+            }
         },
         StorageType::NodeLocal => {
             if let Some(p) = &spec.storage.node_local
@@ -954,6 +961,47 @@ fn env(e: &mut ValidationErrors, path: &str, vars: &[EnvVar]) {
     }
 }
 
+/// The Secrets and ConfigMaps a VM names are Kubernetes names: the operator reads each by
+/// name for the VM's node (`crate::inputs`), and a name such as `../other/secrets/x` must be
+/// refused here as it is there. An empty name stays allowed, as Kubernetes' own
+/// LocalObjectReference allows it (and the Go project's YAML has it): it names nothing.
+fn object_names(e: &mut ValidationErrors, spec: &ImpVMSpec) {
+    let dns_subdomain = |e: &mut ValidationErrors, path: &str, name: &str| {
+        if !name.is_empty() {
+            dns_subdomain(e, path, name);
+        }
+    };
+    for (i, v) in spec.env.iter().enumerate() {
+        let Some(from) = &v.value_from else { continue };
+        if let Some(s) = &from.secret_key_ref {
+            let path = format!("spec.env[{i}].valueFrom.secretKeyRef.name");
+            dns_subdomain(e, &path, &s.name);
+        }
+        if let Some(c) = &from.config_map_key_ref {
+            let path = format!("spec.env[{i}].valueFrom.configMapKeyRef.name");
+            dns_subdomain(e, &path, &c.name);
+        }
+    }
+    for (i, f) in spec.env_from.iter().enumerate() {
+        if let Some(s) = &f.secret_ref {
+            dns_subdomain(e, &format!("spec.envFrom[{i}].secretRef.name"), &s.name);
+        }
+        if let Some(c) = &f.config_map_ref {
+            dns_subdomain(e, &format!("spec.envFrom[{i}].configMapRef.name"), &c.name);
+        }
+    }
+    if let Some(c) = spec
+        .user_data
+        .as_ref()
+        .and_then(|u| u.config_map_ref.as_ref())
+    {
+        dns_subdomain(e, "spec.userData.configMapRef.name", &c.name);
+    }
+    for (i, s) in spec.image_pull_secrets.iter().enumerate() {
+        dns_subdomain(e, &format!("spec.imagePullSecrets[{i}].name"), &s.name);
+    }
+}
+
 fn tolerations(e: &mut ValidationErrors, path: &str, ts: &[Toleration]) {
     for (i, t) in ts.iter().enumerate() {
         let op = t.operator.as_deref().unwrap_or("Equal");
@@ -1325,6 +1373,53 @@ mod tests {
             paths.contains(&"spec.image") && paths.contains(&"spec.idleTimeout"),
             "{paths:?}"
         );
+    }
+
+    #[test]
+    fn the_secrets_and_config_maps_a_vm_names_are_kubernetes_names() {
+        let mut s: ImpVMSpec = serde_json::from_value(serde_json::json!({
+            "image": "example.com/app:1",
+            "classRef": {"name": "small"},
+            "env": [{"name": "A", "valueFrom": {"secretKeyRef": {"name": "db-token", "key": "k"}}},
+                    {"name": "B", "valueFrom": {"configMapKeyRef": {"name": "app.cfg", "key": "k"}}}],
+            "envFrom": [{"secretRef": {"name": "more"}}],
+            "userData": {"configMapRef": {"name": "init"}},
+            "imagePullSecrets": [{"name": "regcred"}]
+        }))
+        .unwrap();
+        assert!(vm(&s).is_ok(), "{}", msg(vm(&s)));
+        let path = "../../imp-system/secrets/imp-webhook-tls";
+        s.env[0]
+            .value_from
+            .as_mut()
+            .unwrap()
+            .secret_key_ref
+            .as_mut()
+            .unwrap()
+            .name = path.into();
+        s.env_from[0].secret_ref.as_mut().unwrap().name = "a;b".into();
+        s.user_data
+            .as_mut()
+            .unwrap()
+            .config_map_ref
+            .as_mut()
+            .unwrap()
+            .name = "x\"y".into();
+        s.image_pull_secrets[0].name = "Reg".into();
+        let m = msg(vm(&s));
+        for field in [
+            "spec.env[0].valueFrom.secretKeyRef.name",
+            "spec.envFrom[0].secretRef.name",
+            "spec.userData.configMapRef.name",
+            "spec.imagePullSecrets[0].name",
+        ] {
+            assert!(
+                m.contains(&format!("{field}: must be a DNS-1123 subdomain")),
+                "{field}: {m}"
+            );
+        }
+        assert!(m.contains(path), "{m}");
+        assert!(!m.contains("spec.env[1]"), "{m}");
     }
 
     #[test]

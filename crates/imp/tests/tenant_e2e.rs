@@ -17,7 +17,8 @@
 //! - A node reads only its VMs' Secrets (item 7): the agent's token of the VM's node gets, from
 //!   the gateway through the API server, the one Secret the VM names; another node's agent, the
 //!   agents' token bound to no node and the tenant are refused; the agent's token reads no
-//!   Secret directly, the webhook's key included.
+//!   Secret directly, the webhook's key included; a Secret name that is a path
+//!   (`../../imp-system/secrets/…`) gets its VM refused naming the field, and reads nothing.
 //!
 //! No node agent runs: no VM could be snapshotted here anyway, and the refusal is the operator's
 //! (the agent's own check is a unit test in `imp-agent`). Needs the test control plane
@@ -449,6 +450,47 @@ async fn a_node_reads_only_its_vms_secrets(kube: &common::Cluster, mallory: &Cli
     let (code, message) = get_json(mallory, &path).await.unwrap_err();
     assert_eq!(code, 403, "{message}");
     assert!(message.contains("impvms/inputs"), "{message}");
+
+    // A name that is a path (the Go schema lets it through) reaches no other namespace: with
+    // the webhook off the operator refuses the VM naming the field and books it nowhere, and
+    // its would-be node gets nothing. (Past a booking, the gateway refuses such a name too:
+    // gateway/inputs.rs's unit test.)
+    common::create_imp(
+        admin,
+        "ImpVM",
+        "impvms",
+        json!({"apiVersion": "imp.dev/v1alpha1", "kind": "ImpVM",
+               "metadata": {"name": "sneaky", "namespace": EVIL},
+               "spec": {"image": "example.invalid/x:1", "classRef": {"name": "small"},
+                        "env": [{"name": "KEY", "valueFrom": {"secretKeyRef":
+                            {"name": "../../imp-system/secrets/imp-webhook-tls", "key": "tls.key"}}}]}}),
+    )
+    .await;
+    let evil_vms: Api<ImpVM> = Api::namespaced(admin.clone(), EVIL);
+    let ready = |v: &ImpVM| {
+        let conditions = v.status.as_ref().map(|s| s.conditions.as_slice());
+        conditions.and_then(|c| c.iter().find(|c| c.type_ == "Ready").cloned())
+    };
+    let refused = common::wait_vm(&evil_vms, "sneaky", "InvalidSpec", 60, |v| {
+        ready(v).is_some_and(|c| c.reason == "InvalidSpec")
+    })
+    .await;
+    let message = ready(&refused).unwrap().message;
+    assert!(
+        message.contains("spec.env[0].valueFrom.secretKeyRef.name: must be a DNS-1123 subdomain"),
+        "{message}"
+    );
+    assert!(
+        refused
+            .status
+            .as_ref()
+            .and_then(|s| s.node_name.as_ref())
+            .is_none()
+    );
+    let (code, message) = get_json(&n1, &imp_api::inputs::vm_path(EVIL, "sneaky"))
+        .await
+        .unwrap_err();
+    assert_eq!(code, 403, "{message}");
 
     // The agent's own token reads no Secret: not the VM's, not the webhook's key.
     for (ns, name) in [(VICTIM, "db-token"), ("imp-system", "imp-webhook-tls")] {

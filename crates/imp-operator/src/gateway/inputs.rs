@@ -133,6 +133,10 @@ async fn answer(
     what: &str,
     node: &str,
 ) -> Response {
+    if let Err(why) = names_are_names(refs) {
+        tracing::warn!(object = what, node, why, "gateway: inputs refused");
+        return status(StatusCode::UNPROCESSABLE_ENTITY, &format!("{what}: {why}"));
+    }
     match read(kube, namespace, refs).await {
         Ok(given) => {
             tracing::info!(
@@ -148,7 +152,28 @@ async fn answer(
     }
 }
 
-/// Reads what `refs` names in `namespace`; an object that does not exist is left out.
+/// Whether every name `refs` holds is a Kubernetes object name (or empty, which names nothing,
+/// as Kubernetes' LocalObjectReference allows): a name goes into the path of a GET the operator
+/// makes with its cluster-wide right, so `../../kube-system/secrets/x` (which the Go project's
+/// schema lets through) must reach nothing; the refusal names it.
+fn names_are_names(refs: &References) -> Result<(), String> {
+    let kinds = [("Secret", &refs.secrets), ("ConfigMap", &refs.config_maps)];
+    for (kind, names) in kinds {
+        if let Some(bad) = names
+            .iter()
+            .find(|n| !n.is_empty() && !imp_agent_client::is_kubernetes_name(n, 253, true))
+        {
+            return Err(format!(
+                "names {kind} {bad:?}, which is not a Kubernetes name (lowercase letters, \
+                 digits, '-' and '.')"
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Reads what `refs` names in `namespace`; an object that does not exist, or an empty name, is
+/// left out.
 async fn read(
     kube: &kube::Client,
     namespace: &str,
@@ -156,7 +181,7 @@ async fn read(
 ) -> Result<Inputs, (String, kube::Error)> {
     let mut out = Inputs::default();
     let secrets = Api::<Secret>::namespaced(kube.clone(), namespace);
-    for name in &refs.secrets {
+    for name in refs.secrets.iter().filter(|n| !n.is_empty()) {
         let found = secrets
             .get_opt(name)
             .await
@@ -166,7 +191,7 @@ async fn read(
         }
     }
     let maps = Api::<ConfigMap>::namespaced(kube.clone(), namespace);
-    for name in &refs.config_maps {
+    for name in refs.config_maps.iter().filter(|n| !n.is_empty()) {
         let found = maps
             .get_opt(name)
             .await
@@ -212,6 +237,31 @@ mod tests {
             groups: vec![],
             extra,
         }
+    }
+
+    #[test]
+    fn a_name_that_is_no_name_reaches_no_read() {
+        let mut refs = References::default();
+        refs.secrets.insert("db-token".into());
+        refs.config_maps.insert("app.settings".into());
+        assert_eq!(names_are_names(&refs), Ok(()));
+        // Empty names nothing (Kubernetes allows it in a LocalObjectReference).
+        let mut empty = refs.clone();
+        empty.secrets.insert(String::new());
+        assert_eq!(names_are_names(&empty), Ok(()));
+        for bad in ["../../kube-system/secrets/x", "a/b", "UPPER", "x;y", "x\"y"] {
+            let mut r = refs.clone();
+            r.secrets.insert(bad.into());
+            let why = names_are_names(&r).unwrap_err();
+            assert!(why.contains(&format!("Secret {bad:?}")), "{why}");
+        }
+        let mut r = refs.clone();
+        r.config_maps.insert("../x".into());
+        assert!(
+            names_are_names(&r)
+                .unwrap_err()
+                .contains("ConfigMap \"../x\"")
+        );
     }
 
     #[test]
