@@ -111,6 +111,10 @@ struct ShimArgs {
     /// VM slept); the VMM of a resume inherits it.
     #[arg(long)]
     tap_fd: Option<i32>,
+    /// The shim API's listening socket, already bound under this descriptor number by the
+    /// starter (without it the shim binds `control.sock` in the VM's directory itself).
+    #[arg(long)]
+    control_fd: Option<i32>,
     /// The VM's id.
     id: String,
 }
@@ -227,7 +231,12 @@ fn shim(args: ShimArgs) -> anyhow::Result<()> {
         .enable_all()
         .build()
         .context("starting the async runtime")?
-        .block_on(imp_agent::runtime::shim::run(state, args.id.clone(), tap))
+        .block_on(imp_agent::runtime::shim::run(
+            state,
+            args.id.clone(),
+            tap,
+            args.control_fd,
+        ))
         .with_context(|| format!("supervising VM {}", args.id))
 }
 

@@ -1,20 +1,23 @@
-//! The contract between a front end (`imp run`, the node agent) and a VM's shim: no socket,
-//! only files in the VM's directory (`vms/<id>/` of the state directory), signals, and one
-//! inherited descriptor. Every name either side uses is here, so neither reads the other's
-//! code to learn it; `control` is the front ends' side, `shim` the shim's.
+//! The contract between a front end (`imp run`, the node agent) and a VM's shim besides its
+//! typed API ([`super::shim_api`], which carries the record's changes and stops): files in the
+//! VM's directory (`vms/<id>/` of the state directory), signals, and inherited descriptors.
+//! A shim of the previous release knows only these, so every shim still honours them. Every
+//! name either side uses is here or there, so neither reads the other's code to learn it;
+//! `control` is the front ends' side, `shim` the shim's.
 //!
 //! | what | who writes | who reads |
 //! |---|---|---|
 //! | [`SPEC_FILE`]: the VM's [`super::spec::VmSpec`] | front end, before the shim starts | shim |
 //! | the record (`record.json`, [`super::state`]) | shim, as it learns; [`initial_record`] by the front end | both |
-//! | [`STOP_GRACE_FILE`], then [`STOP_SIGNAL`] | front end | shim: stop, with that grace |
-//! | [`FAIL_REASON_FILE`], then [`STOP_SIGNAL`] | front end (a failed probe) | shim: the end is a failure |
+//! | [`STOP_GRACE_FILE`], then [`STOP_SIGNAL`] | front end, for a shim without the API; the API's stop writes it too | shim: stop, with that grace |
+//! | [`FAIL_REASON_FILE`], then [`STOP_SIGNAL`] | front end (a failed probe), as above | shim: the end is a failure |
 //! | [`SUSPEND_REQUEST_FILE`] or [`SNAPSHOT_REQUEST_FILE`], then [`REQUEST_SIGNAL`] | front end | shim |
 //! | [`SNAPSHOT_OUTCOME_FILE`] | shim | front end |
 //! | [`shim_log`] | shim's stdout and stderr | people |
 //! | [`DISK_FILE`], [`INITRD_FILE`], [`MEMORY_FILE`] | shim | shim, restores, snapshots |
 //!
-//! A resumed VM's new shim inherits the TAP held while the VM slept as descriptor [`TAP_FD`].
+//! A resumed VM's new shim inherits the TAP held while the VM slept as descriptor [`TAP_FD`];
+//! every shim its API's listening socket as [`super::shim_api::CONTROL_FD`].
 
 use std::path::{Path, PathBuf};
 

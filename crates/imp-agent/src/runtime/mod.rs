@@ -20,6 +20,7 @@ pub mod control;
 pub mod guest_agent;
 pub mod progress;
 pub mod shim;
+pub mod shim_api;
 pub mod shims;
 pub mod spec;
 pub mod state;

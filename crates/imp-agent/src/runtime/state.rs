@@ -110,6 +110,35 @@ pub struct StateDir {
     /// Where VMM uids are claimed (`None`: `vmm-uids/` of the root, for this directory's VMs
     /// alone).
     vmm_uids: Option<PathBuf>,
+    /// Where saves are announced (a shim's watchers, [`RecordFeed`]).
+    feed: Option<RecordFeed>,
+}
+
+/// A shim's record as its typed API's watchers see it: every [`StateDir::save`] through a
+/// directory given the feed ([`StateDir::announcing`]) replaces it and counts one change.
+#[derive(Debug, Clone)]
+pub struct RecordFeed(std::sync::Arc<tokio::sync::watch::Sender<(u64, VmRecord)>>);
+
+impl RecordFeed {
+    /// A feed whose first state is `record`, change 0.
+    pub fn new(record: VmRecord) -> Self {
+        Self(std::sync::Arc::new(tokio::sync::watch::Sender::new((
+            0, record,
+        ))))
+    }
+
+    /// A watcher, seeing the current state first.
+    pub fn subscribe(&self) -> tokio::sync::watch::Receiver<(u64, VmRecord)> {
+        self.0.subscribe()
+    }
+
+    /// Announces `record` as the next change.
+    pub fn announce(&self, record: &VmRecord) {
+        self.0.send_modify(|(seq, r)| {
+            *seq += 1;
+            r.clone_from(record);
+        });
+    }
 }
 
 impl StateDir {
@@ -119,7 +148,14 @@ impl StateDir {
         Self {
             root: root.into(),
             vmm_uids: None,
+            feed: None,
         }
+    }
+
+    /// The same directory, announcing every record it saves on `feed` (a shim's own).
+    pub fn announcing(mut self, feed: RecordFeed) -> Self {
+        self.feed = Some(feed);
+        self
     }
 
     /// The same directory, claiming VMM uids in `dir`, a record shared with every other
@@ -159,7 +195,11 @@ impl StateDir {
                     .is_root()
                     .then(|| HOST_VMM_UID_DIR.into())
             });
-        Ok(Self { root, vmm_uids })
+        Ok(Self {
+            root,
+            vmm_uids,
+            feed: None,
+        })
     }
 
     /// The root directory.
@@ -213,8 +253,13 @@ impl StateDir {
     }
 
     /// Writes `record` atomically (temp file, fsync, rename) so readers never see half of it.
+    /// Announced on its feed, if it has one, once written.
     pub fn save(&self, record: &VmRecord) -> Result<()> {
-        write_json(&self.vm_dir(&record.name).join(RECORD), record)
+        write_json(&self.vm_dir(&record.name).join(RECORD), record)?;
+        if let Some(feed) = &self.feed {
+            feed.announce(record);
+        }
+        Ok(())
     }
 
     /// Writes `record` only if the VM has no record yet (the shim's own first write wins);

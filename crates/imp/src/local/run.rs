@@ -354,6 +354,12 @@ async fn until_running(
     let waited = boot_timeout + Duration::from_secs(600);
     let deadline = Instant::now() + waited;
     let shim_log = imp_agent::runtime::contract::shim_log(&state.vm_dir(name));
+    // The shim's events wake the wait the moment its record changes; the pause between reads
+    // only paces the progress lines (and a shim without the API).
+    let mut watch = control::client::watch(&state.vm_dir(name))
+        .await
+        .ok()
+        .flatten();
     loop {
         progress.poll();
         if let Some(r) = load(state, name).await {
@@ -378,7 +384,14 @@ async fn until_running(
                 shim_log.display()
             );
         }
-        tokio::time::sleep(Duration::from_millis(100)).await;
+        let pause = tokio::time::sleep(Duration::from_millis(100));
+        match &mut watch {
+            Some(w) => tokio::select! {
+                e = w.next() => if !matches!(e, Ok(Some(_))) { watch = None },
+                () = pause => {}
+            },
+            None => pause.await,
+        }
     }
 }
 

@@ -53,6 +53,7 @@ use crate::runtime::state::{Owner, StateDir, VmRecord, VmStatus};
 use crate::runtime::{PrivateFile, Shims, ShimsError};
 use imp_net::NodeNet;
 
+mod follow;
 mod probe;
 mod sleep;
 mod start;
@@ -146,6 +147,8 @@ pub struct Context {
     fence: Option<Arc<super::fence::Fence>>,
     /// The VMs' shims: every start, stop, suspend and resume goes through it.
     shims: Shims,
+    /// The shims whose events are followed ([`follow`]).
+    followed: follow::Followed,
 }
 
 fn key(vm: &ImpVM) -> String {
@@ -182,6 +185,7 @@ impl Context {
             reconcile_tx: std::sync::OnceLock::new(),
             probes: Arc::default(),
             fence: None,
+            followed: Default::default(),
         }
     }
 
@@ -665,6 +669,11 @@ async fn watch_records(ctx: Arc<Context>, store: Store<ImpVM>, tx: mpsc::Sender<
         for (r, alive) in &listed {
             let fp = fingerprint(r, *alive);
             let Some(owner) = &r.owner else { continue };
+            if *alive {
+                // A shim started before this agent (it restarted): followed from now on.
+                let vm = ObjectRef::new(&owner.name).within(&owner.namespace);
+                ctx.follow(&r.name, r.supervisor_pid, vm);
+            }
             if seen.get(&r.name) != Some(&fp) {
                 seen.insert(r.name.clone(), fp);
                 let _ = tx
@@ -673,6 +682,8 @@ async fn watch_records(ctx: Arc<Context>, store: Store<ImpVM>, tx: mpsc::Sender<
             }
         }
         seen.retain(|name, _| records.iter().any(|r| &r.name == name));
+        ctx.followed
+            .retain(&records.iter().map(|r| r.name.as_str()).collect::<Vec<_>>());
         let idle = collecting.as_ref().is_none_or(|t| t.is_finished());
         if ready && idle && ticks.is_multiple_of(40) {
             // Its own task: stopping orphans takes seconds, and status must keep flowing.

@@ -200,7 +200,10 @@ pub(super) async fn resume(
         None => scale::Wake::default(),
     };
     let pid = match ctx.shims.resume(record, woke.tap).await {
-        Ok(pid) => pid,
+        Ok(pid) => {
+            ctx.follow(&uid, pid, kube::runtime::reflector::ObjectRef::from_obj(vm));
+            pid
+        }
         Err(e) => return Err(local_error("resuming", vm, Box::new(e))),
     };
     if let Some(scale) = &ctx.scale {

@@ -2,6 +2,8 @@
 //! network resolved from the API, then its spec written and its shim spawned; or why it
 //! cannot start yet.
 
+use kube::runtime::reflector::ObjectRef;
+
 use super::*;
 
 /// The spec and class a VM boots with: exactly what the operator booked when it placed it
@@ -303,7 +305,10 @@ async fn launch(
             content: creds.to_string().into_bytes(),
         });
     match ctx.shims.start(uid, vm_spec, private).await {
-        Ok(pid) => Ok(Ok(pid)),
+        Ok(pid) => {
+            ctx.follow(uid, pid, ObjectRef::from_obj(vm));
+            Ok(Ok(pid))
+        }
         Err(e) => {
             ctx.unwire(uid).await;
             Err(Error::Local {

@@ -13,6 +13,7 @@ use std::ffi::OsString;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
+pub mod client;
 pub mod snapshot;
 pub mod suspend;
 
@@ -20,6 +21,7 @@ use super::cgroup::VmCgroup;
 use super::contract::{
     FAIL_REASON_FILE, SPEC_FILE, STOP_GRACE_FILE, STOP_SIGNAL, TAP_FD, initial_record, shim_log,
 };
+use super::shim_api::{CONTROL_FD, SOCKET_FILE};
 use super::spec::VmSpec;
 use super::state::{self, StateDir, StateError, VmRecord};
 
@@ -139,9 +141,26 @@ pub fn spawn(
         .arg(state.root())
         .arg("--vmm-uid-dir")
         .arg(state.vmm_uid_dir());
-    if let Some(fd) = tap {
+    // Above the numbers they are given as, so that one dup2 never closes the other's source.
+    let tap = tap.map(above_inherited).transpose().map_err(io_err)?;
+    // Held until the shim has its copy (the spawn), then closed here.
+    let mut listener = None;
+    if let Some(fd) = &tap {
         command.arg("--tap-fd").arg(TAP_FD.to_string());
         inherit_as(&mut command, fd, TAP_FD);
+    }
+    // Bound before the shim runs, so the starter (and anyone after it) can connect at once.
+    // Without it the shim is driven by files and signals, as one of an earlier release is.
+    let socket = dir.join(SOCKET_FILE);
+    match bind_api(&socket).and_then(|l| above_inherited(&l.into())) {
+        Ok(control) => {
+            command.arg("--control-fd").arg(CONTROL_FD.to_string());
+            inherit_as(&mut command, &control, CONTROL_FD);
+            listener = Some(control);
+        }
+        Err(e) => {
+            tracing::warn!(vm = %id, socket = %socket.display(), error = %e, "cannot bind the shim's API socket; the shim will be driven by files and signals")
+        }
     }
     let mut child = command
         .arg(id)
@@ -156,11 +175,32 @@ pub fn spawn(
             source,
         })?;
     let pid = child.id();
+    // The shim holds the listening socket now; this process's copies go.
+    drop((listener, tap));
     std::thread::spawn(move || {
         let _ = child.wait();
     });
     tracing::debug!(vm = %id, pid, "shim started");
     Ok(pid)
+}
+
+/// The shim API's listening socket at `path` (a stale one, of a shim that ended, replaced).
+fn bind_api(path: &std::path::Path) -> std::io::Result<std::os::unix::net::UnixListener> {
+    match std::fs::remove_file(path) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
+        _ => {}
+    }
+    std::os::unix::net::UnixListener::bind(path)
+}
+
+/// A close-on-exec copy of `fd` numbered above every descriptor a shim inherits.
+#[allow(unsafe_code)]
+fn above_inherited(fd: &std::os::fd::OwnedFd) -> std::io::Result<std::os::fd::OwnedFd> {
+    use std::os::fd::{AsFd, FromRawFd};
+    let lowest = TAP_FD.max(CONTROL_FD) + 1;
+    let raw = nix::fcntl::fcntl(fd.as_fd(), nix::fcntl::FcntlArg::F_DUPFD_CLOEXEC(lowest))?;
+    // SAFETY: F_DUPFD_CLOEXEC returned a new descriptor that nothing else owns.
+    Ok(unsafe { std::os::fd::OwnedFd::from_raw_fd(raw) })
 }
 
 /// Makes `fd` the child's descriptor `target`, open across exec (Rust opens everything
@@ -189,32 +229,7 @@ fn inherit_as(command: &mut std::process::Command, fd: &std::os::fd::OwnedFd, ta
 /// Asks the shim of `record` to stop its VM (the workload gets `grace`), and waits until the
 /// shim has written the end and exited. A dead shim is not an error.
 pub async fn stop(state: &StateDir, record: &VmRecord, grace: Duration) -> Result<(), ShimError> {
-    if !record.supervisor_alive() {
-        return Ok(());
-    }
-    let dir = state.vm_dir(&record.name);
-    let grace_file = dir.join(STOP_GRACE_FILE);
-    tokio::fs::write(&grace_file, grace.as_millis().to_string())
-        .await
-        .map_err(|source| StateError::Io {
-            action: "writing",
-            path: grace_file.clone(),
-            source,
-        })?;
-    signal(record, STOP_SIGNAL)?;
-    let waited = grace + imp_vmm::POWER_OFF_MARGIN + Duration::from_secs(10);
-    let deadline = Instant::now() + waited;
-    while record.supervisor_alive() {
-        if Instant::now() > deadline {
-            return Err(ShimError::StopTimeout {
-                id: record.name.clone(),
-                pid: record.supervisor_pid,
-                waited,
-            });
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    Ok(())
+    stop_as(state, record, grace, None).await
 }
 
 /// Stops the VM of `record` as [`stop`] does, its end recorded as a failure for `why` (a
@@ -225,15 +240,72 @@ pub async fn fail(
     grace: Duration,
     why: &str,
 ) -> Result<(), ShimError> {
-    let file = state.vm_dir(&record.name).join(FAIL_REASON_FILE);
-    tokio::fs::write(&file, why)
-        .await
-        .map_err(|source| StateError::Io {
-            action: "writing",
-            path: file.clone(),
-            source,
-        })?;
-    stop(state, record, grace).await
+    stop_as(state, record, grace, Some(why)).await
+}
+
+/// Stops the VM of `record` through its shim's API, or, for a shim without one, by files and
+/// a signal.
+async fn stop_as(
+    state: &StateDir,
+    record: &VmRecord,
+    grace: Duration,
+    why: Option<&str>,
+) -> Result<(), ShimError> {
+    if !record.supervisor_alive() {
+        return Ok(());
+    }
+    let dir = state.vm_dir(&record.name);
+    let waited = grace + imp_vmm::POWER_OFF_MARGIN + Duration::from_secs(10);
+    let timeout = || ShimError::StopTimeout {
+        id: record.name.clone(),
+        pid: record.supervisor_pid,
+        waited,
+    };
+    match client::stop(&dir, grace, why).await {
+        Ok(Some(stopping)) => {
+            return match stopping.ended(waited).await {
+                true => Ok(()),
+                false => Err(timeout()),
+            };
+        }
+        Ok(None) => {}
+        Err(e) => {
+            tracing::warn!(vm = %record.name, error = %imp_api::chain::DisplayChain(&e), "stopping through the shim's API failed; signalling it")
+        }
+    }
+    stop_by_signal(&dir, record, grace, why).await?;
+    let deadline = Instant::now() + waited;
+    while record.supervisor_alive() {
+        if Instant::now() > deadline {
+            return Err(timeout());
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    Ok(())
+}
+
+/// The stop of a shim of a release before its API: the grace (and reason) in files, then
+/// [`STOP_SIGNAL`].
+async fn stop_by_signal(
+    dir: &std::path::Path,
+    record: &VmRecord,
+    grace: Duration,
+    why: Option<&str>,
+) -> Result<(), ShimError> {
+    let write = |file: PathBuf, content: String| async move {
+        tokio::fs::write(&file, content)
+            .await
+            .map_err(|source| StateError::Io {
+                action: "writing",
+                path: file.clone(),
+                source,
+            })
+    };
+    if let Some(why) = why {
+        write(dir.join(FAIL_REASON_FILE), why.to_owned()).await?;
+    }
+    write(dir.join(STOP_GRACE_FILE), grace.as_millis().to_string()).await?;
+    signal(record, STOP_SIGNAL)
 }
 
 /// Sends `sig` to the shim of `record`.

@@ -14,6 +14,7 @@
 //! read the record and never hold the VMM themselves, so they may come and go.
 
 pub mod jailer;
+pub mod serve;
 pub mod snapshot;
 pub mod suspend;
 
@@ -101,11 +102,12 @@ fn at<E: StdError + Send + Sync + 'static>(
 }
 
 /// SIGTERM and SIGINT (stop), and SIGUSR1 (suspend, see [`suspend`]), installed before
-/// anything else so no request is lost.
+/// anything else so no request is lost, and a stop asked on the shim's API ([`serve`]).
 struct StopSignals {
     term: Signal,
     int: Signal,
     usr1: Signal,
+    asked: std::sync::Arc<tokio::sync::Notify>,
 }
 
 impl StopSignals {
@@ -114,19 +116,21 @@ impl StopSignals {
             term: signal(SignalKind::terminate())?,
             int: signal(SignalKind::interrupt())?,
             usr1: signal(SignalKind::user_defined1())?,
+            asked: Default::default(),
         })
     }
 
     async fn requested(&mut self) {
-        either(&mut self.term, &mut self.int).await;
+        either(&mut self.term, &mut self.int, &self.asked).await;
     }
 }
 
-/// Waits for SIGTERM or SIGINT.
-async fn either(term: &mut Signal, int: &mut Signal) {
+/// Waits for SIGTERM, SIGINT or a stop asked on the API.
+async fn either(term: &mut Signal, int: &mut Signal, asked: &tokio::sync::Notify) {
     tokio::select! {
         _ = term.recv() => {}
         _ = int.recv() => {}
+        () = asked.notified() => {}
     }
 }
 
@@ -171,10 +175,13 @@ enum Launch<'a> {
 /// The shim's main: supervises VM `id` of `state` from its `spec.json` until it ends.
 /// Returns once the record holds the end; the shim process then exits 0. `tap` is the VM's
 /// TAP, already open, when the agent held it while the VM slept (a resume hands it to QEMU).
+/// `control_fd` is the listening socket of the shim's API its starter bound
+/// ([`super::shim_api::CONTROL_FD`]); without one the shim binds it itself.
 pub async fn run(
     state: StateDir,
     id: String,
     tap: Option<std::os::fd::OwnedFd>,
+    control_fd: Option<i32>,
 ) -> Result<(), state::StateError> {
     let dir = state.vm_dir(&id);
     // Signals first: a Ctrl-C during the image pull or the boot must not leave a VMM behind.
@@ -198,6 +205,9 @@ pub async fn run(
         }
         None => contract::initial_record(&id, &dir, &spec, std::process::id()),
     };
+    let feed = state::RecordFeed::new(record.clone());
+    let state = state.announcing(feed.clone());
+    serve_api(&dir, control_fd, feed, &stop);
     state.save(&record)?;
     tracing::info!(vm = %id, image = %spec.image, resuming, "shim started");
     let ended = match refuse_unjailed(&spec, &id).and_then(|()| join_cgroup(&spec)) {
@@ -215,6 +225,24 @@ pub async fn run(
         state.remove(&id)
     } else {
         state.save(&record)
+    }
+}
+
+/// Answers the shim's API ([`serve`]) from now until the shim ends. Without its socket the
+/// VM runs on, driven by files and signals as a shim of an earlier release is.
+fn serve_api(dir: &Path, control_fd: Option<i32>, feed: state::RecordFeed, stop: &StopSignals) {
+    match serve::listener(dir, control_fd) {
+        Ok(listener) => {
+            let served = serve::Served {
+                dir: dir.to_path_buf(),
+                feed,
+                stop: stop.asked.clone(),
+            };
+            tokio::spawn(serve::serve(listener, served));
+        }
+        Err(e) => {
+            tracing::warn!(dir = %dir.display(), error = %e, "the shim's API socket is unavailable; only files and signals reach this shim")
+        }
     }
 }
 
@@ -1383,7 +1411,7 @@ async fn supervise_loop<V: Vmm>(
     loop {
         tokio::select! {
             _ = tick.tick() => {}
-            () = either(&mut stop.term, &mut stop.int) => break LoopEnd::StopRequested,
+            () = either(&mut stop.term, &mut stop.int, &stop.asked) => break LoopEnd::StopRequested,
             _ = stop.usr1.recv() => {
                 handle_snapshot(vm, run, record).await;
                 if let Some(s) = handle_suspend(vm, run, record).await {

@@ -1,0 +1,118 @@
+//! The front ends' side of the shim's typed API ([`crate::runtime::shim_api`]): watch a VM's
+//! record as its shim changes it, and ask a stop that answers when the shim has ended. A VM
+//! whose directory has no socket (its shim is of a release before the API, or has ended) gives
+//! `None`, and the caller drives it by files and signals instead.
+
+use std::path::Path;
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, BufReader};
+use tokio::net::UnixStream;
+use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
+
+use crate::runtime::shim_api::{
+    self, Envelope, Event, Reply, Request, SOCKET_FILE, VERSION, WireError,
+};
+
+/// Connects to the shim of the VM in `dir`; `None` when nothing listens there.
+async fn connect(dir: &Path) -> Result<Option<UnixStream>, WireError> {
+    match UnixStream::connect(dir.join(SOCKET_FILE)).await {
+        Ok(s) => Ok(Some(s)),
+        Err(e)
+            if matches!(
+                e.kind(),
+                std::io::ErrorKind::NotFound | std::io::ErrorKind::ConnectionRefused
+            ) =>
+        {
+            Ok(None)
+        }
+        Err(source) => Err(WireError::Io {
+            doing: "connecting to",
+            source,
+        }),
+    }
+}
+
+/// Sends `request` on a new connection; `None` when nothing listens.
+async fn ask(
+    dir: &Path,
+    request: Request,
+) -> Result<Option<(BufReader<OwnedReadHalf>, OwnedWriteHalf)>, WireError> {
+    let Some(stream) = connect(dir).await? else {
+        return Ok(None);
+    };
+    let (r, mut w) = stream.into_split();
+    shim_api::write(
+        &mut w,
+        &Envelope {
+            v: VERSION,
+            request,
+        },
+    )
+    .await?;
+    Ok(Some((BufReader::new(r), w)))
+}
+
+/// The record of one VM, as its shim changes it.
+pub struct Watch {
+    r: BufReader<OwnedReadHalf>,
+    _w: OwnedWriteHalf,
+}
+
+impl Watch {
+    /// The next change; `None` once the shim has ended.
+    pub async fn next(&mut self) -> Result<Option<Event>, WireError> {
+        match shim_api::read::<_, Reply>(&mut self.r).await? {
+            None => Ok(None),
+            Some(Reply::Event(e)) => Ok(Some(*e)),
+            Some(Reply::Refused { error }) => Err(WireError::Refused(error)),
+            Some(other) => Err(WireError::Unexpected(format!("{other:?}"), "a watch")),
+        }
+    }
+}
+
+/// Watches the VM in `dir`: its record now, then at every change.
+pub async fn watch(dir: &Path) -> Result<Option<Watch>, WireError> {
+    Ok(ask(dir, Request::Watch)
+        .await?
+        .map(|(r, w)| Watch { r, _w: w }))
+}
+
+/// A stop the shim took: [`Self::ended`] returns once the shim has exited.
+pub struct Stopping {
+    r: BufReader<OwnedReadHalf>,
+    _w: OwnedWriteHalf,
+}
+
+impl Stopping {
+    /// Waits until the shim has written the VM's end and exited, up to `limit`; whether it did.
+    pub async fn ended(mut self, limit: Duration) -> bool {
+        let mut byte = [0u8; 1];
+        tokio::time::timeout(limit, self.r.read(&mut byte))
+            .await
+            .is_ok()
+    }
+}
+
+/// Asks the shim of the VM in `dir` to stop it (the workload gets `grace`; with `fail_reason`
+/// its end is that failure); `None` when nothing listens.
+pub async fn stop(
+    dir: &Path,
+    grace: Duration,
+    fail_reason: Option<&str>,
+) -> Result<Option<Stopping>, WireError> {
+    let request = Request::Stop {
+        grace_ms: u64::try_from(grace.as_millis()).unwrap_or(u64::MAX),
+        fail_reason: fail_reason.map(str::to_owned),
+    };
+    let Some((mut r, w)) = ask(dir, request).await? else {
+        return Ok(None);
+    };
+    match shim_api::read::<_, Reply>(&mut r).await? {
+        Some(Reply::Accepted) => Ok(Some(Stopping { r, _w: w })),
+        // The shim ended between the connect and the request: it is stopped.
+        None => Ok(Some(Stopping { r, _w: w })),
+        Some(Reply::Refused { error }) => Err(WireError::Refused(error)),
+        Some(other) => Err(WireError::Unexpected(format!("{other:?}"), "a stop")),
+    }
+}

@@ -1,0 +1,231 @@
+//! The shim's typed API: requests, replies and the event stream on the socket a shim serves in
+//! its VM's directory ([`SOCKET_FILE`]), as containerd's shims answer over ttrpc. Both sides
+//! use these types and nothing else of each other; `shim::serve` answers, `control::client`
+//! asks.
+//!
+//! One request per connection, one JSON object per line, each carrying the protocol's
+//! [`VERSION`]; a shim refuses a version it does not speak, by name, and a caller that finds
+//! no socket is talking to a shim of a release before this API (it speaks the files and
+//! signals of [`super::contract`], which every shim still honours).
+//!
+//! | request | replies |
+//! |---|---|
+//! | [`Request::Watch`] | [`Reply::Event`] with the record as it is, then one per change, until the shim ends (the connection closes) |
+//! | [`Request::Stop`] | [`Reply::Accepted`]; the connection stays open until the shim has written the end and exited |
+//!
+//! The socket is in the VM's directory, which only its owner (root, for the node agent) may
+//! enter, and the shim answers only callers of its own uid or root (`SO_PEERCRED`).
+
+use serde::{Deserialize, Serialize};
+use tokio::io::{AsyncBufRead, AsyncBufReadExt, AsyncWrite, AsyncWriteExt};
+
+use super::state::VmRecord;
+
+/// The protocol version this build speaks.
+pub const VERSION: u32 = 1;
+/// The socket's name in the VM's directory.
+pub const SOCKET_FILE: &str = "control.sock";
+/// The descriptor under which a shim inherits its listening socket (`--control-fd`), bound by
+/// its starter before the shim runs, so a caller can connect from the moment of the spawn.
+pub const CONTROL_FD: i32 = 4;
+/// The longest line either side reads; a longer one is refused.
+pub const MAX_LINE: usize = 1 << 20;
+
+/// What a caller asks.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "kebab-case")]
+pub enum Request {
+    /// The VM's record now and at every change.
+    Watch,
+    /// Stop the VM: the workload gets `grace_ms`; with `fail_reason`, the end is a failure
+    /// for that reason (a probe failed) rather than the workload's exit.
+    Stop {
+        /// The grace period, in milliseconds.
+        grace_ms: u64,
+        /// Why the VM is stopped as failed, if it is.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        fail_reason: Option<String>,
+    },
+}
+
+/// A request with the version its caller speaks.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Envelope {
+    /// The caller's [`VERSION`].
+    pub v: u32,
+    /// The request.
+    #[serde(flatten)]
+    pub request: Request,
+}
+
+/// What the shim answers.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "reply", rename_all = "kebab-case")]
+pub enum Reply {
+    /// The request was taken.
+    Accepted,
+    /// The VM's record changed (or, first, is as it is).
+    Event(Box<Event>),
+    /// The request was refused, and why.
+    Refused {
+        /// Why, in words.
+        error: String,
+    },
+}
+
+/// One change of the VM as its shim knows it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Event {
+    /// Counts the changes this shim has made, from 1; a gap means a watcher missed an
+    /// intermediate state (it always gets the latest).
+    pub seq: u64,
+    /// The record after the change.
+    pub record: VmRecord,
+}
+
+/// Failures of reading or writing a message.
+#[derive(Debug, thiserror::Error)]
+pub enum WireError {
+    /// The connection failed.
+    #[error("{doing} the shim's socket")]
+    Io {
+        /// What was being done.
+        doing: &'static str,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A line was not a message of this protocol.
+    #[error("a message on the shim's socket is not valid: {0}")]
+    Malformed(String),
+    /// The shim refused the request.
+    #[error("the shim refused the request: {0}")]
+    Refused(String),
+    /// The shim answered something this request does not expect.
+    #[error("the shim answered {0} to {1}")]
+    Unexpected(String, &'static str),
+    /// A line was longer than [`MAX_LINE`].
+    #[error("a message on the shim's socket is longer than {MAX_LINE} bytes")]
+    TooLong,
+}
+
+/// Writes `msg` as one line.
+pub async fn write<W: AsyncWrite + Unpin, T: Serialize>(
+    w: &mut W,
+    msg: &T,
+) -> Result<(), WireError> {
+    let mut line = serde_json::to_vec(msg).map_err(|e| WireError::Malformed(e.to_string()))?;
+    line.push(b'\n');
+    w.write_all(&line).await.map_err(|source| WireError::Io {
+        doing: "writing to",
+        source,
+    })?;
+    w.flush().await.map_err(|source| WireError::Io {
+        doing: "writing to",
+        source,
+    })
+}
+
+/// Reads one line as a `T`; `None` when the other side closed before one began.
+pub async fn read<R: AsyncBufRead + Unpin, T: serde::de::DeserializeOwned>(
+    r: &mut R,
+) -> Result<Option<T>, WireError> {
+    let mut line = Vec::new();
+    loop {
+        let buf = r.fill_buf().await.map_err(|source| WireError::Io {
+            doing: "reading from",
+            source,
+        })?;
+        if buf.is_empty() {
+            return match line.is_empty() {
+                true => Ok(None),
+                false => Err(WireError::Malformed(
+                    "the line ends without a newline".into(),
+                )),
+            };
+        }
+        let (taken, done) = match buf.iter().position(|&b| b == b'\n') {
+            Some(i) => (i + 1, true),
+            None => (buf.len(), false),
+        };
+        line.extend_from_slice(&buf[..taken]);
+        r.consume(taken);
+        if line.len() > MAX_LINE + 1 {
+            return Err(WireError::TooLong);
+        }
+        if done {
+            return serde_json::from_slice(&line)
+                .map(Some)
+                .map_err(|e| WireError::Malformed(e.to_string()));
+        }
+    }
+}
+
+/// Whether a request of version `v` is one this shim answers, and if not, what it says.
+pub fn refuse_version(v: u32) -> Option<String> {
+    (v != VERSION).then(|| {
+        format!("this shim speaks version {VERSION} of its API; the request is version {v}")
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[test]
+    fn requests_have_a_stable_wire_form() {
+        let stop = Envelope {
+            v: VERSION,
+            request: Request::Stop {
+                grace_ms: 1500,
+                fail_reason: None,
+            },
+        };
+        assert_eq!(
+            serde_json::to_string(&stop).unwrap(),
+            r#"{"v":1,"op":"stop","grace_ms":1500}"#
+        );
+        let watch: Envelope = serde_json::from_str(r#"{"v":1,"op":"watch"}"#).unwrap();
+        assert_eq!(watch.request, Request::Watch);
+        assert!(serde_json::from_str::<Envelope>(r#"{"v":1,"op":"reboot"}"#).is_err());
+    }
+
+    #[test]
+    fn another_version_is_refused_by_name() {
+        assert_eq!(refuse_version(VERSION), None);
+        let said = refuse_version(2).unwrap();
+        assert!(
+            said.contains("version 1") && said.contains("version 2"),
+            "{said}"
+        );
+    }
+
+    #[tokio::test]
+    async fn lines_are_read_whole_and_a_long_one_is_refused() {
+        let mut two: &[u8] =
+            b"{\"reply\":\"accepted\"}\n{\"reply\":\"refused\",\"error\":\"no\"}\n";
+        let mut r = tokio::io::BufReader::with_capacity(4, &mut two);
+        assert_eq!(
+            read::<_, Reply>(&mut r).await.unwrap(),
+            Some(Reply::Accepted)
+        );
+        assert_eq!(
+            read::<_, Reply>(&mut r).await.unwrap(),
+            Some(Reply::Refused { error: "no".into() })
+        );
+        assert_eq!(read::<_, Reply>(&mut r).await.unwrap(), None);
+        let long = vec![b'x'; MAX_LINE + 10];
+        let mut r = tokio::io::BufReader::new(&long[..]);
+        assert!(matches!(
+            read::<_, Reply>(&mut r).await,
+            Err(WireError::TooLong)
+        ));
+        let mut cut: &[u8] = b"{\"reply\":";
+        let mut r = tokio::io::BufReader::new(&mut cut);
+        assert!(matches!(
+            read::<_, Reply>(&mut r).await,
+            Err(WireError::Malformed(_))
+        ));
+    }
+}
