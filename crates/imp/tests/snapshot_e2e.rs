@@ -8,7 +8,10 @@
 //! QEMU, and deleting the execution removes its files (finalizer). A snapshot that cannot be
 //! stored fails with a condition naming the cause, and the VM still runs. A path that is not
 //! one of the agent's snapshot roots, or a root with a link planted in it, fails the snapshot
-//! naming the cause, with nothing made outside the roots.
+//! naming the cause, with nothing made outside the roots. A `* * * * *` schedule with
+//! retention 1 snapshots the running guest each minute through its agent, prunes the older
+//! execution (object and files) once a newer one succeeded, and a VM restored from the newest
+//! holds what the guest wrote into its memory between the two.
 //!
 //! Needs what `agent_e2e.rs` needs (`scripts/setup`): without it, it skips on a developer
 //! machine and fails under `CI=true`.
@@ -25,7 +28,7 @@ use std::time::Duration;
 use imp_api::snapshot::{ImpVMSnapshot, SnapshotPhase};
 use imp_api::vm::{ImpVM, VmPhase};
 use imp_testenv::registry::{TestRegistry, push, scratch_dir};
-use kube::api::{Api, DeleteParams, PostParams};
+use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
 use serde_json::json;
 
@@ -69,9 +72,153 @@ fn file_contains(file: &Path, needle: &[u8]) -> bool {
     }
 }
 
+/// The running VM, snapshotted on a schedule into node-local storage.
+struct Scheduled<'a> {
+    c: &'a Client,
+    alice: &'a Path,
+    image: &'a str,
+    store: &'a Path,
+}
+
+impl Scheduled<'_> {
+    /// A `* * * * *` schedule with retention 1 snapshots the running guest through its agent
+    /// each minute: an execution taken before a mark is written into the guest's memory is
+    /// pruned (object, files, Event) once a later one has succeeded, and a new VM restored from
+    /// the newest execution holds the mark and the secret.
+    async fn snapshots_prune_and_restore_the_newest(&self, secret: &str) {
+        let snaps: Api<ImpVMSnapshot> = Api::namespaced(self.c.clone(), NS);
+        let parent: ImpVMSnapshot = serde_json::from_value(json!({
+            "apiVersion": "imp.dev/v1alpha1", "kind": "ImpVMSnapshot",
+            "metadata": {"name": "every-minute", "namespace": NS},
+            "spec": {"sourceVMName": VM, "sourceVMNamespace": NS, "schedule": "* * * * *",
+                     "retention": 1,
+                     "storage": {"type": "node-local",
+                                 "nodeLocal": {"path": self.store.to_str().unwrap()}}}
+        }))
+        .unwrap();
+        snaps.create(&PostParams::default(), &parent).await.unwrap();
+        // The first tick is at most a minute away; the rest is for a loaded machine.
+        let first = self.succeeded_after(None, 150).await;
+        let first_dir = PathBuf::from(first.status.clone().unwrap().snapshot_path.unwrap());
+        assert!(
+            first_dir.join("memory").is_file(),
+            "{}",
+            first_dir.display()
+        );
+        // A mark only the memory of executions decided after this moment holds.
+        let mark = format!("after-{}", first.name_any());
+        let marked_at = k8s_openapi::jiff::Timestamp::now();
+        exec(self.alice, &format!("echo {mark} > /mnt/t/mark")).await;
+        let newer = self.succeeded_after(Some(marked_at), 150).await;
+        common::wait_for(
+            "retention 1 to prune the execution before the mark",
+            Duration::from_secs(60),
+            || async {
+                let gone = snaps.get_opt(&first.name_any()).await.unwrap().is_none();
+                (gone && !first_dir.exists()).then_some(())
+            },
+        )
+        .await;
+        let evs = common::events_with(self.c, NS, "every-minute", &["Pruned"]).await;
+        assert!(
+            evs.iter().any(|e| e.reason.as_deref() == Some("Pruned")
+                && e.message
+                    .as_deref()
+                    .is_some_and(|m| m.contains(&first.name_any()))),
+            "no Pruned Event names {}",
+            first.name_any()
+        );
+        // No more pruning while a VM is restored from the newest (a later tick may have
+        // succeeded meanwhile: it holds the mark too).
+        snaps
+            .patch(
+                "every-minute",
+                &PatchParams::default(),
+                &Patch::Merge(json!({"spec": {"retention": 10}})),
+            )
+            .await
+            .unwrap();
+        let newest = self.succeeded_after(Some(marked_at), 10).await;
+        assert!(
+            newest.name_any() >= newer.name_any(),
+            "{} < {}",
+            newest.name_any(),
+            newer.name_any()
+        );
+        self.restored_holds(&newest.name_any(), &mark, secret).await;
+        snaps
+            .delete("every-minute", &DeleteParams::default())
+            .await
+            .unwrap();
+    }
+
+    /// The newest Succeeded execution of `every-minute` decided after `after` (any, without),
+    /// waited for up to `secs`.
+    async fn succeeded_after(
+        &self,
+        after: Option<k8s_openapi::jiff::Timestamp>,
+        secs: u64,
+    ) -> ImpVMSnapshot {
+        let snaps: Api<ImpVMSnapshot> = Api::namespaced(self.c.clone(), NS);
+        let selector = format!("{}=every-minute", imp_api::shared::LABEL_SNAPSHOT_PARENT);
+        common::wait_for(
+            "a scheduled execution succeeded",
+            Duration::from_secs(secs),
+            || async {
+                let list = snaps
+                    .list(&kube::api::ListParams::default().labels(&selector))
+                    .await
+                    .unwrap();
+                list.items
+                    .into_iter()
+                    .filter(|e| phase_of(e) == Some(SnapshotPhase::Succeeded))
+                    .filter(|e| {
+                        let at = imp_operator::snapshot::decide::scheduled_at(e);
+                        after.is_none_or(|t| at.is_some_and(|at| at > t))
+                    })
+                    .max_by_key(imp_operator::snapshot::decide::scheduled_at)
+            },
+        )
+        .await
+    }
+
+    /// A new VM from execution `from` holds `mark` and `secret` in its memory.
+    async fn restored_holds(&self, from: &str, mark: &str, secret: &str) {
+        let vms: Api<ImpVM> = Api::namespaced(self.c.clone(), NS);
+        let name = "snap-scheduled";
+        common::create_vm(
+            &vms,
+            json!({
+                "apiVersion": "imp.dev/v1alpha1", "kind": "ImpVM",
+                "metadata": {"name": name, "namespace": NS},
+                "spec": {"classRef": {"name": "small"}, "image": self.image,
+                         "lifecycle": "persistent", "snapshotRef": from}
+            }),
+        )
+        .await;
+        common::wait_vm(&vms, name, "Running", 300, |v| {
+            phase(v) == Some(VmPhase::Running)
+        })
+        .await;
+        assert_eq!(
+            exec_in(self.alice, name, "cat /mnt/t/mark").await.trim(),
+            mark
+        );
+        assert_eq!(
+            exec_in(self.alice, name, "cat /mnt/t/secret").await.trim(),
+            secret
+        );
+        vms.delete(name, &DeleteParams::default()).await.unwrap();
+    }
+}
+
+fn phase_of(s: &ImpVMSnapshot) -> Option<SnapshotPhase> {
+    s.status.as_ref().and_then(|s| s.phase)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_running_vm_is_snapshotted_with_its_memory_and_runs_on() {
-    let _run = common::test_run("snapshot_e2e", Duration::from_secs(600));
+    let _run = common::test_run("snapshot_e2e", Duration::from_secs(900));
     let Some(env) = common::agent::single_node(NS, NODE, 256).await else {
         return;
     };
@@ -514,6 +661,17 @@ async fn a_running_vm_is_snapshotted_with_its_memory_and_runs_on() {
         ready.message
     );
     assert_eq!(phase(&vms.get(VM).await.unwrap()), Some(VmPhase::Running));
+    assert_eq!(common::qemu_of(&agent.state, &uid), qemu);
+
+    let scheduled = Scheduled {
+        c: &c,
+        alice: &alice,
+        image: &image,
+        store: &store,
+    };
+    scheduled
+        .snapshots_prune_and_restore_the_newest(&secret)
+        .await;
     assert_eq!(common::qemu_of(&agent.state, &uid), qemu);
 
     vms.delete(VM, &DeleteParams::default()).await.unwrap();
