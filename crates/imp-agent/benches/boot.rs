@@ -10,6 +10,7 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a benchmark panics on failure
 
+use imp_testenv::figures::figure;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -45,6 +46,7 @@ fn ms(d: Duration) -> f64 {
 
 fn summary(name: &str, mut v: Vec<Duration>) {
     v.sort();
+    figure(&format!("{name}, p50"), ms(v[v.len() / 2]), "ms", "");
     println!(
         "{name}: n={} p50={:.1} ms min={:.1} ms max={:.1} ms",
         v.len(),

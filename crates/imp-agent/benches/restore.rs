@@ -16,6 +16,7 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a benchmark panics on failure
 
+use imp_testenv::figures::figure;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -253,6 +254,16 @@ async fn main() {
                 ms(f.snapshot),
                 f.written >> 20,
                 ms(f.answered),
+            );
+            let against = f
+                .floor
+                .map(|d| format!("floor: device state loaded {:.0} ms", ms(d)))
+                .unwrap_or_default();
+            figure(
+                &format!("QEMU restore -> answering, {mib} MiB, {memory}"),
+                ms(f.answered),
+                "ms",
+                &against,
             );
             if j == 0 {
                 mapped_ms.push((mib, ms(f.answered)));

@@ -5,6 +5,7 @@
 //! for a debug build). Prints figures; asserts nothing about time.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+use imp_testenv::figures::figure;
 use std::time::{Duration, Instant};
 
 use imp_image::{ImageSource, ImageStore, Limits, RegistryAuth, clone_disk};
@@ -116,5 +117,18 @@ async fn main() {
         c.as_secs_f64() / h.as_secs_f64().max(1e-9)
     );
     println!("  clone_disk to 1 GiB ({method:?}):      {:9.2} ms", ms(k));
+    figure(
+        "rootfs: cold (import + unpack + mkfs.ext4)",
+        ms(c),
+        "ms",
+        "",
+    );
+    figure("rootfs: cached (same digest)", ms(h), "ms", "");
+    figure(
+        &format!("rootfs: clone_disk to 1 GiB ({method:?})"),
+        ms(k),
+        "ms",
+        "",
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -151,6 +151,8 @@ async fn inside() {
     }
     let first = wire[0];
     let rest: Duration = wire[1..].iter().sum::<Duration>() / (vms - 1);
+    imp_testenv::figures::figure("net: wiring the first VM", ms(first), "ms", "");
+    imp_testenv::figures::figure("net: wiring each further VM", ms(rest), "ms", "mean");
     println!(
         "net: wiring the first VM (bridge, VXLAN, TAP, entries, rules): {:.1} ms; each further VM: {:.1} ms (mean of {})",
         ms(first),

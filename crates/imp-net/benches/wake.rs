@@ -167,9 +167,11 @@ fn client_datagram() -> std::thread::JoinHandle<Instant> {
     })
 }
 
-fn stats(mut v: Vec<Duration>) -> String {
+/// `v`'s median, p90 and max, said; the median is also a figure named `what`.
+fn stats(what: &str, mut v: Vec<Duration>) -> String {
     v.sort();
     let ms = |d: Duration| d.as_secs_f64() * 1000.0;
+    imp_testenv::figures::figure(what, ms(v[v.len() / 2]), "ms", "median");
     format!(
         "median {:.3} ms, p90 {:.3} ms, max {:.3} ms (n={})",
         ms(v[v.len() / 2]),
@@ -230,7 +232,7 @@ async fn inside() {
     sh(&["ip", "-n", &c, "neigh", "flush", "all"]);
     println!(
         "wake: VMM closes the TAP, sleeper attaches by name: first frame through after {}",
-        stats(gap)
+        stats("wake: TAP handover, first frame through", gap)
     );
 
     let mut fd = Sleeper::hold(TAP, VM, HoldBounds::default())
@@ -266,7 +268,10 @@ async fn inside() {
         };
         println!(
             "wake: client's first frame to the wake, {what}: {}",
-            stats(v)
+            stats(
+                &format!("wake: client's first frame to the wake, {what}"),
+                v
+            )
         );
     }
 
@@ -304,7 +309,7 @@ async fn inside() {
         .unwrap();
     println!(
         "wake: ARP reply for a sleeping VM, request sent to reply read by the client: {}",
-        stats(arp)
+        stats("wake: ARP reply for a sleeping VM", arp)
     );
     let fd = s.hand_over(Release::KeepOpen).await.unwrap().tap.unwrap();
 
@@ -331,7 +336,7 @@ async fn inside() {
         println!(
             "wake: inject 64 held frames of {} bytes: {}",
             held[0].len(),
-            stats(v)
+            stats("wake: inject 64 held frames", v)
         );
     }
 }

@@ -19,7 +19,9 @@ use kube::api::{Api, Patch, PatchParams, PostParams};
 
 const VMS: usize = 1000;
 
-fn rate(n: usize, d: Duration) -> String {
+/// `n` decisions in `d`, said.
+fn rate(what: &str, n: usize, d: Duration) -> String {
+    imp_testenv::figures::figure(what, d.as_secs_f64() * 1e6 / n as f64, "us per VM", "");
     format!(
         "{n} in {:.1} ms = {:.0}/s",
         d.as_secs_f64() * 1e3,
@@ -62,7 +64,11 @@ fn pure_batch() {
     assert_eq!(d.added.len(), VMS);
     println!(
         "ipam batch decision ({VMS} VMs in one batch on a /20): {}",
-        rate(VMS, took)
+        rate(
+            &format!("ipam batch decision ({VMS} VMs in one batch on a /20)"),
+            VMS,
+            took
+        )
     );
 }
 
@@ -80,7 +86,11 @@ fn pure() {
     }
     println!(
         "ipam decision (first free of a /20, table growing to {VMS}): {}",
-        rate(VMS, t.elapsed())
+        rate(
+            &format!("ipam decision (first free of a /20, table growing to {VMS})"),
+            VMS,
+            t.elapsed()
+        )
     );
 }
 
@@ -152,7 +162,11 @@ fn main() {
         let d = concurrent(ipam.clone(), &["one"]).await;
         println!(
             "ipam over the API, {VMS} concurrent VMs on one network: {}",
-            rate(VMS, d)
+            rate(
+                &format!("ipam over the API, {VMS} concurrent VMs on one network"),
+                VMS,
+                d
+            )
         );
         let names: Vec<String> = (0..10).map(|i| format!("net{i}")).collect();
         for (i, n) in names.iter().enumerate() {
@@ -162,7 +176,11 @@ fn main() {
         let d = concurrent(ipam.clone(), &refs).await;
         println!(
             "ipam over the API, {VMS} concurrent VMs on ten networks: {}",
-            rate(VMS, d)
+            rate(
+                &format!("ipam over the API, {VMS} concurrent VMs on ten networks"),
+                VMS,
+                d
+            )
         );
         let t = Instant::now();
         for i in 0..100 {
@@ -172,7 +190,11 @@ fn main() {
         }
         println!(
             "ipam over the API, an existing address found again: {}",
-            rate(100, t.elapsed())
+            rate(
+                &format!("ipam over the API, an existing address found again"),
+                100,
+                t.elapsed()
+            )
         );
     });
 }

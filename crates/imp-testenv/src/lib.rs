@@ -24,6 +24,7 @@ pub mod aggregation;
 pub mod command;
 pub mod controlplane;
 pub mod egress;
+pub mod figures;
 pub mod guard;
 pub mod kubeconfig;
 pub mod nodes;

@@ -4,7 +4,9 @@
 //! interleaved, and the ratio of the two; the agent's RSS with no VM and with three running.
 //!
 //! `cargo bench -p imp --bench agent`, or `cargo test -p imp --bench agent` for a debug build.
-//! `IMP_BENCH_ROUNDS` changes the number of interleaved rounds (default 3). Needs what the
+//! `IMP_BENCH_ROUNDS` changes the number of interleaved rounds (default 3);
+//! `IMP_BENCH_AGENT_BIN` runs another `imp` binary as the agent (the images' static release
+//! build, say), so its RSS is measured. Needs what the
 //! agent's end-to-end test needs (root, QEMU, docker-registry, skopeo, the
 //! guest kernel and init); without it, it skips on a developer machine and fails under CI=true.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -18,6 +20,7 @@ use std::time::{Duration, Instant};
 
 use imp_agent::runtime::state::{StateDir, VmRecord};
 use imp_api::vm::{ImpVM, VmPhase};
+use imp_testenv::figures::figure;
 use imp_testenv::registry::{TestImage, TestLayer, TestRegistry, push, scratch_dir};
 use k8s_openapi::api::core::v1::Node;
 use kube::api::{Api, DeleteParams, PostParams};
@@ -191,7 +194,13 @@ async fn main() {
         .kill_on_drop(true)
         .spawn()
         .unwrap();
-    let agent = tokio::process::Command::new(env!("CARGO_BIN_EXE_imp"))
+    // IMP_BENCH_AGENT_BIN runs another build as the agent (the release binary the images ship,
+    // whose RSS is the one that counts), its shims included.
+    let agent_bin = std::env::var_os("IMP_BENCH_AGENT_BIN").map_or_else(
+        || env!("CARGO_BIN_EXE_imp").into(),
+        std::path::PathBuf::from,
+    );
+    let agent = tokio::process::Command::new(&agent_bin)
         .arg("agent")
         .env("NODE_NAME", "bench-node")
         .env("KUBECONFIG", kube.agent_kubeconfig_for("bench-node").await)
@@ -238,13 +247,13 @@ async fn main() {
         sched.push(scheduling);
         local.push(local_round(&image_ref, &local_state, &name));
     }
-    let (cm, lm) = (median(cluster), median(local));
+    let (cm, lm, placed) = (median(cluster), median(local), median(sched));
     let [image_s, disk_s, boot_s, ready_s] = steps.map(median);
     println!("agent bench ({rounds} interleaved rounds, medians, cached image, QEMU/TCG here):");
     println!(
         "  ImpVM create -> Running: {} ms = scheduling {} ms + image {} ms + disk {} ms + boot {} ms + guest ready {} ms (+ agent and API overhead)",
         ms(cm),
-        ms(median(sched)),
+        ms(placed),
         ms(image_s),
         ms(disk_s),
         ms(boot_s),
@@ -253,14 +262,39 @@ async fn main() {
     println!("  imp run -d -> running:   {} ms", ms(lm));
     // What the cluster path adds to the same VM besides placing it: the agent's watch, its
     // start, the shim's events and the status write, against imp run's own wait.
-    let placed = median(sched);
-    println!(
-        "  agent's own part:        {} ms (create -> Running minus scheduling minus imp run -d; aim <= 30 ms)",
-        cm.as_millis() as i128 - placed.as_millis() as i128 - lm.as_millis() as i128
+    let own = cm.as_secs_f64() * 1e3 - placed.as_secs_f64() * 1e3 - lm.as_secs_f64() * 1e3;
+    let secs = |d: Duration| d.as_secs_f64() * 1e3;
+    figure(
+        "agent: ImpVM create -> Running",
+        secs(cm),
+        "ms",
+        "imp run -d of the same VM",
     );
-    println!(
-        "  ratio cluster / local:   {:.2}",
-        cm.as_secs_f64() / lm.as_secs_f64().max(1e-9)
+    figure("agent: imp run -d -> running", secs(lm), "ms", "");
+    figure(
+        "agent: scheduling (create -> not Pending)",
+        secs(placed),
+        "ms",
+        "",
+    );
+    figure(
+        "agent: its own part (create -> Running - scheduling - imp run -d)",
+        own,
+        "ms",
+        "aim <= 30",
+    );
+    let steps_ms = secs(image_s) + secs(disk_s) + secs(boot_s) + secs(ready_s);
+    figure(
+        "agent: outside the shim's steps (create -> Running - scheduling - image, disk, boot, ready)",
+        secs(cm) - secs(placed) - steps_ms,
+        "ms",
+        "the agent's watch, start, events and status write, and the API server",
+    );
+    figure(
+        "agent: ratio cluster / local",
+        cm.as_secs_f64() / lm.as_secs_f64().max(1e-9),
+        "x",
+        "",
     );
 
     for i in 0..3 {
@@ -289,10 +323,22 @@ async fn main() {
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     let rss_busy = rss_kib(agent_pid);
-    println!(
-        "  agent RSS: {:.1} MiB with 0 VMs, {:.1} MiB with 3 running VMs",
+    let build = match std::env::var_os("IMP_BENCH_AGENT_BIN") {
+        Some(bin) => std::path::Path::new(&bin).display().to_string(),
+        None if cfg!(debug_assertions) => "debug".into(),
+        None => "release".into(),
+    };
+    figure(
+        &format!("agent RSS, no VM ({build})"),
         rss_idle as f64 / 1024.0,
-        rss_busy as f64 / 1024.0
+        "MiB",
+        "",
+    );
+    figure(
+        &format!("agent RSS, 3 running VMs ({build})"),
+        rss_busy as f64 / 1024.0,
+        "MiB",
+        "aim <= 30 in release",
     );
     for i in 0..3 {
         delete_and_wait(&vms, &format!("rss-{i}")).await;

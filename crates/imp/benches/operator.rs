@@ -7,6 +7,7 @@
 //! for a debug-build run. `IMP_BENCH_VMS` / `IMP_BENCH_NODES` change the sizes.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+use imp_testenv::figures::figure;
 use std::collections::HashMap;
 use std::process::Stdio;
 use std::sync::{Arc, Mutex};
@@ -224,6 +225,31 @@ async fn main() {
         hwm as f64 / 1024.0
     );
     println!("  most VMs on one node      {max_per_node:>10}");
+    let label = format!("operator, {n_vms} VMs at once on {n_nodes} nodes");
+    figure(
+        &format!("{label}: all Scheduled after"),
+        all_in.as_secs_f64(),
+        "s",
+        "aim <= 3 for 1,000",
+    );
+    figure(
+        &format!("{label}: create -> Scheduled p50"),
+        pct(&lat, 0.50).as_secs_f64() * 1e3,
+        "ms",
+        "",
+    );
+    figure(
+        &format!("{label}: API requests per VM"),
+        requests as f64 / n_vms as f64,
+        "requests",
+        "",
+    );
+    figure(
+        &format!("{label}: peak RSS"),
+        hwm as f64 / 1024.0,
+        "MiB",
+        "aim <= 100 at 1,000",
+    );
     let _ = op.start_kill();
     let _ = op.wait().await;
 }

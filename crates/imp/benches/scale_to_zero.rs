@@ -20,6 +20,7 @@
 #[path = "../tests/common/mod.rs"]
 mod common;
 
+use imp_testenv::figures::figure;
 use std::net::{SocketAddr, TcpStream};
 use std::os::fd::AsRawFd;
 use std::time::{Duration, Instant};
@@ -222,11 +223,22 @@ async fn main() {
                 r.resume_ms,
             );
         }
-        println!(
-            "  median wake / cold boot: {:.3} (aim: at most 0.1)",
-            median(&mut ratios)
+        let ratio = median(&mut ratios);
+        println!("  median wake / cold boot: {ratio:.3} (aim: at most 0.1)");
+        let wake = median(&mut wake_ms);
+        figure(
+            &format!("scale-to-zero, {mib} MiB: first SYN -> SYN-ACK of a sleeping VM"),
+            wake,
+            "ms",
+            "",
         );
-        wakes.push((mib, median(&mut wake_ms)));
+        figure(
+            &format!("scale-to-zero, {mib} MiB: wake / cold boot"),
+            ratio,
+            "x",
+            "aim <= 0.1",
+        );
+        wakes.push((mib, wake));
     }
     if let Some(&(base, first)) = wakes.first() {
         for &(mib, ms) in &wakes[1..] {

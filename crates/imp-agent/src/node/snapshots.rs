@@ -571,12 +571,9 @@ async fn take_one(exec: &ImpVMSnapshot, ctx: &Context, record: &VmRecord) -> Res
         name: exec.spec.source_vm_name.clone(),
         image: String::new(),
     };
-    let taken = match take::request(&ctx.state, record, &dest, source) {
-        Ok(token) => take::wait(&ctx.state, &record.name, &token, TAKE_TIMEOUT)
-            .await
-            .map_err(|e| e.to_string()),
-        Err(e) => Err(e.to_string()),
-    };
+    let taken = take::take(&ctx.state, record, &dest, source, TAKE_TIMEOUT)
+        .await
+        .map_err(|e| imp_api::chain::chain(&e));
     let Some(reference) = registry_reference(exec) else {
         return finish(&marked, ctx, status, taken.map(|t| (t, None)), &dest).await;
     };

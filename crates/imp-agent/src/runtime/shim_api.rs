@@ -12,6 +12,7 @@
 //! |---|---|
 //! | [`Request::Watch`] | [`Reply::Event`] with the record as it is, then one per change, until the shim ends (the connection closes) |
 //! | [`Request::Stop`] | [`Reply::Accepted`]; the connection stays open until the shim has written the end and exited |
+//! | [`Request::Snapshot`] | [`Reply::Snapshot`] once the running VM is snapshotted into the request's destination (or failed to be); the VM runs on |
 //!
 //! The socket is in the VM's directory, which only its owner (root, for the node agent) may
 //! enter, and the shim answers only callers of its own uid or root (`SO_PEERCRED`).
@@ -19,6 +20,7 @@
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncBufRead, AsyncBufReadExt, AsyncWrite, AsyncWriteExt};
 
+use super::contract::{SnapshotOutcome, SnapshotRequest};
 use super::state::VmRecord;
 
 /// The protocol version this build speaks.
@@ -46,6 +48,8 @@ pub enum Request {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         fail_reason: Option<String>,
     },
+    /// Snapshot the running VM into a new directory; it runs on.
+    Snapshot(SnapshotRequest),
 }
 
 /// A request with the version its caller speaks.
@@ -59,13 +63,15 @@ pub struct Envelope {
 }
 
 /// What the shim answers.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "reply", rename_all = "kebab-case")]
 pub enum Reply {
     /// The request was taken.
     Accepted,
     /// The VM's record changed (or, first, is as it is).
     Event(Box<Event>),
+    /// A snapshot's outcome.
+    Snapshot(Box<SnapshotOutcome>),
     /// The request was refused, and why.
     Refused {
         /// Why, in words.
@@ -74,7 +80,7 @@ pub enum Reply {
 }
 
 /// One change of the VM as its shim knows it.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Event {
     /// Counts the changes this shim has made, from 1; a gap means a watcher missed an
     /// intermediate state (it always gets the latest).

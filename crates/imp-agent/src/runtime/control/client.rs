@@ -1,5 +1,6 @@
 //! The front ends' side of the shim's typed API ([`crate::runtime::shim_api`]): watch a VM's
-//! record as its shim changes it, and ask a stop that answers when the shim has ended. A VM
+//! record as its shim changes it, ask a stop that answers when the shim has ended, and ask a
+//! snapshot that answers with its outcome. A VM
 //! whose directory has no socket (its shim is of a release before the API, or has ended) gives
 //! `None`, and the caller drives it by files and signals instead.
 
@@ -10,6 +11,7 @@ use tokio::io::{AsyncReadExt, BufReader};
 use tokio::net::UnixStream;
 use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
 
+use crate::runtime::contract::{SnapshotOutcome, SnapshotRequest};
 use crate::runtime::shim_api::{
     self, Envelope, Event, Reply, Request, SOCKET_FILE, VERSION, WireError,
 };
@@ -114,5 +116,32 @@ pub async fn stop(
         None => Ok(Some(Stopping { r, _w: w })),
         Some(Reply::Refused { error }) => Err(WireError::Refused(error)),
         Some(other) => Err(WireError::Unexpected(format!("{other:?}"), "a stop")),
+    }
+}
+
+/// Asks the shim of the VM in `dir` to snapshot it as `req` says and waits up to `limit` for
+/// the outcome; `None` when nothing listens.
+pub async fn snapshot(
+    dir: &Path,
+    req: SnapshotRequest,
+    limit: Duration,
+) -> Result<Option<SnapshotOutcome>, WireError> {
+    let Some((mut r, _w)) = ask(dir, Request::Snapshot(req)).await? else {
+        return Ok(None);
+    };
+    let reply = tokio::time::timeout(limit, shim_api::read::<_, Reply>(&mut r))
+        .await
+        .map_err(|_| WireError::Io {
+            doing: "waiting for a snapshot's outcome on",
+            source: std::io::ErrorKind::TimedOut.into(),
+        })??;
+    match reply {
+        Some(Reply::Snapshot(o)) => Ok(Some(*o)),
+        None => Err(WireError::Io {
+            doing: "waiting for a snapshot's outcome on",
+            source: std::io::ErrorKind::UnexpectedEof.into(),
+        }),
+        Some(Reply::Refused { error }) => Err(WireError::Refused(error)),
+        Some(other) => Err(WireError::Unexpected(format!("{other:?}"), "a snapshot")),
     }
 }

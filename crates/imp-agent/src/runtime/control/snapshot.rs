@@ -1,8 +1,9 @@
 //! The front ends' side of a snapshot of a running VM that runs on (an ImpVMSnapshot
-//! execution): like a suspend, a request is a file in the VM's directory
+//! execution, [`take`]): asked on the shim's API, which answers with the outcome; a shim of the
+//! previous release, without the API, gets a file in the VM's directory
 //! ([`contract::SNAPSHOT_REQUEST_FILE`], naming the destination and a token) plus the request
-//! signal to the VM's shim ([`request`]); the shim answers in
-//! [`contract::SNAPSHOT_OUTCOME_FILE`] ([`wait`]). The shim's side is `runtime::shim::snapshot`.
+//! signal ([`request`]) and answers in [`contract::SNAPSHOT_OUTCOME_FILE`] ([`wait`]). The
+//! shim's side is `runtime::shim::snapshot`.
 
 use std::path::Path;
 use std::time::Duration;
@@ -11,7 +12,7 @@ use super::super::contract::{
     self, SNAPSHOT_OUTCOME_FILE, SNAPSHOT_REQUEST_FILE, SnapshotOutcome, SnapshotRequest,
 };
 use super::super::state::{self, StateDir, StateError, VmRecord, VmStatus};
-use super::{ShimError, signal};
+use super::{ShimError, client, signal};
 use crate::snapshot::{self as format, Manifest};
 
 /// Failures of a snapshot request, seen from the front end.
@@ -39,6 +40,15 @@ pub enum TakeError {
         /// Why.
         error: String,
     },
+    /// The shim's API failed (or gave no answer in time).
+    #[error("snapshot of VM {id} through its shim's API")]
+    Api {
+        /// The VM.
+        id: String,
+        /// The cause.
+        #[source]
+        source: crate::runtime::shim_api::WireError,
+    },
     /// No answer in time, or the shim died.
     #[error("snapshot of VM {id} got no answer within {waited:?}{died}")]
     NoAnswer {
@@ -51,39 +61,72 @@ pub enum TakeError {
     },
 }
 
-/// Asks VM `record`'s shim to snapshot it into `dest`; returns the token to wait for.
-pub fn request(
+/// Snapshots VM `record` into `dest` and waits up to `timeout` for the outcome: through its
+/// shim's API, or for a shim without one (of the previous release), by request file and signal.
+/// Returns the manifest and the bytes written.
+pub async fn take(
     state: &StateDir,
     record: &VmRecord,
     dest: &Path,
     source: format::Source,
-) -> Result<String, TakeError> {
-    if record.status != VmStatus::Running || !record.supervisor_alive() {
-        return Err(TakeError::NotRunning {
-            id: record.name.clone(),
-            status: if record.status == VmStatus::Running {
-                "lost (its supervisor died)"
-            } else {
-                record.status.as_str()
-            },
-        });
-    }
-    let token = format!("{}-{}", std::process::id(), state::now_unix_nanos());
-    let dir = state.vm_dir(&record.name);
-    let _ = std::fs::remove_file(dir.join(SNAPSHOT_OUTCOME_FILE));
+    timeout: Duration,
+) -> Result<(Manifest, u64), TakeError> {
+    running(record)?;
     let req = SnapshotRequest {
-        token: token.clone(),
+        token: format!("{}-{}", std::process::id(), state::now_unix_nanos()),
         dest: dest.to_path_buf(),
         source,
     };
-    state::write_json(&dir.join(SNAPSHOT_REQUEST_FILE), &req)?;
-    signal(record, contract::REQUEST_SIGNAL)?;
     tracing::info!(vm = %record.name, dest = %dest.display(), "snapshot requested");
-    Ok(token)
+    let dir = state.vm_dir(&record.name);
+    let outcome = match client::snapshot(&dir, req.clone(), timeout).await {
+        Ok(Some(o)) => o,
+        Ok(None) => {
+            let token = request(state, record, req)?;
+            return wait(state, &record.name, &token, timeout).await;
+        }
+        Err(e) => {
+            return Err(TakeError::Api {
+                id: record.name.clone(),
+                source: e,
+            });
+        }
+    };
+    outcome
+        .result
+        .map(|m| (m, outcome.bytes))
+        .map_err(|error| TakeError::Failed {
+            id: record.name.clone(),
+            error,
+        })
 }
 
-/// Waits for the shim's answer to the request `token` of VM `id`.
-pub async fn wait(
+/// Refuses a VM that does not run, or whose shim died.
+fn running(record: &VmRecord) -> Result<(), TakeError> {
+    if record.status == VmStatus::Running && record.supervisor_alive() {
+        return Ok(());
+    }
+    Err(TakeError::NotRunning {
+        id: record.name.clone(),
+        status: if record.status == VmStatus::Running {
+            "lost (its supervisor died)"
+        } else {
+            record.status.as_str()
+        },
+    })
+}
+
+/// Asks VM `record`'s shim for `req` by file and signal; returns the token to wait for.
+fn request(state: &StateDir, record: &VmRecord, req: SnapshotRequest) -> Result<String, TakeError> {
+    let dir = state.vm_dir(&record.name);
+    let _ = std::fs::remove_file(dir.join(SNAPSHOT_OUTCOME_FILE));
+    state::write_json(&dir.join(SNAPSHOT_REQUEST_FILE), &req)?;
+    signal(record, contract::REQUEST_SIGNAL)?;
+    Ok(req.token)
+}
+
+/// Waits for the shim's answer (the outcome file) to the request `token` of VM `id`.
+async fn wait(
     state: &StateDir,
     id: &str,
     token: &str,

@@ -108,15 +108,21 @@ struct StopSignals {
     int: Signal,
     usr1: Signal,
     asked: std::sync::Arc<tokio::sync::Notify>,
+    /// Snapshots asked on the API, answered by the supervision loop.
+    snapshots: tokio::sync::mpsc::Receiver<serve::SnapshotAsked>,
+    snapshots_tx: tokio::sync::mpsc::Sender<serve::SnapshotAsked>,
 }
 
 impl StopSignals {
     fn install() -> std::io::Result<Self> {
+        let (snapshots_tx, snapshots) = tokio::sync::mpsc::channel(4);
         Ok(Self {
             term: signal(SignalKind::terminate())?,
             int: signal(SignalKind::interrupt())?,
             usr1: signal(SignalKind::user_defined1())?,
             asked: Default::default(),
+            snapshots,
+            snapshots_tx,
         })
     }
 
@@ -237,6 +243,7 @@ fn serve_api(dir: &Path, control_fd: Option<i32>, feed: state::RecordFeed, stop:
                 dir: dir.to_path_buf(),
                 feed,
                 stop: stop.asked.clone(),
+                snapshots: stop.snapshots_tx.clone(),
             };
             tokio::spawn(serve::serve(listener, served));
         }
@@ -1418,6 +1425,9 @@ async fn supervise_loop<V: Vmm>(
                     break LoopEnd::Suspended(s);
                 }
             }
+            Some((req, answer)) = stop.snapshots.recv() => {
+                let _ = answer.send(take_snapshot(vm, run, record, &req).await);
+            }
             Some(status) = reports.recv() => *reported = Some(status),
             r = &mut health, if !healthy => {
                 healthy = true;
@@ -1508,12 +1518,26 @@ async fn became_ready(
     }
 }
 
-/// A snapshot request arrived: snapshot the running VM into its destination and answer; the
-/// VM runs on.
+/// A snapshot request file arrived (a front end without the API): snapshot the running VM
+/// into its destination and answer in the outcome file; the VM runs on.
 async fn handle_snapshot<V: Vmm>(vm: &mut V, run: &Run<'_>, record: &VmRecord) {
     let Some(req) = snapshot::take_request(run.dir) else {
         return;
     };
+    let outcome = take_snapshot(vm, run, record, &req).await;
+    let path = run.dir.join(contract::SNAPSHOT_OUTCOME_FILE);
+    if let Err(e) = state::write_json(&path, &outcome) {
+        tracing::warn!(vm = %record.name, error = %imp_api::chain::DisplayChain(&e), "writing the snapshot outcome");
+    }
+}
+
+/// Snapshots the running VM as `req` asks and says how it went; the VM runs on.
+async fn take_snapshot<V: Vmm>(
+    vm: &mut V,
+    run: &Run<'_>,
+    record: &VmRecord,
+    req: &contract::SnapshotRequest,
+) -> contract::SnapshotOutcome {
     let outcome = if record.status == VmStatus::Running {
         let config = vm_files(run.spec, run.dir);
         let machine = match run.spec.runtime {
@@ -1529,7 +1553,7 @@ async fn handle_snapshot<V: Vmm>(vm: &mut V, run: &Run<'_>, record: &VmRecord) {
             disk: &config.disk,
             initrd: &config.initrd,
         };
-        snapshot::take(vm, &src, &req).await
+        snapshot::take(vm, &src, req).await
     } else {
         contract::SnapshotOutcome {
             token: req.token.clone(),
@@ -1545,10 +1569,7 @@ async fn handle_snapshot<V: Vmm>(vm: &mut V, run: &Run<'_>, record: &VmRecord) {
             tracing::warn!(vm = %record.name, dest = %req.dest.display(), error = %e, "snapshot failed; the VM runs on")
         }
     }
-    let path = run.dir.join(contract::SNAPSHOT_OUTCOME_FILE);
-    if let Err(e) = state::write_json(&path, &outcome) {
-        tracing::warn!(vm = %record.name, error = %imp_api::chain::DisplayChain(&e), "writing the snapshot outcome");
-    }
+    outcome
 }
 
 /// The files of VM `spec` in `dir` that a snapshot copies.

@@ -1,7 +1,8 @@
 //! The shim's side of its typed API ([`crate::runtime::shim_api`]): it accepts on the socket
 //! its starter bound ([`crate::runtime::shim_api::CONTROL_FD`]) or, started by hand, binds it itself; answers only its
-//! own uid or root; streams the record ([`RecordFeed`]) to watchers and turns a stop request
-//! into the same stop a signal asks for.
+//! own uid or root; streams the record ([`RecordFeed`]) to watchers, turns a stop request
+//! into the same stop a signal asks for, and hands snapshot requests to the supervision loop,
+//! answering with their outcome.
 
 use std::os::fd::{FromRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
@@ -9,9 +10,11 @@ use std::sync::Arc;
 
 use tokio::io::{AsyncReadExt, BufReader};
 use tokio::net::{UnixListener, UnixStream};
-use tokio::sync::Notify;
+use tokio::sync::{Notify, mpsc, oneshot};
 
-use crate::runtime::contract::{FAIL_REASON_FILE, STOP_GRACE_FILE};
+use crate::runtime::contract::{
+    FAIL_REASON_FILE, STOP_GRACE_FILE, SnapshotOutcome, SnapshotRequest,
+};
 use crate::runtime::shim_api::{self, Envelope, Event, Reply, Request, SOCKET_FILE, WireError};
 use crate::runtime::state::RecordFeed;
 
@@ -51,6 +54,9 @@ fn take_fd(fd: i32) -> std::io::Result<OwnedFd> {
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
 
+/// A snapshot asked on the API, and where its outcome goes.
+pub type SnapshotAsked = (SnapshotRequest, oneshot::Sender<SnapshotOutcome>);
+
 /// What the API's handlers reach in the shim.
 #[derive(Clone)]
 pub struct Served {
@@ -60,6 +66,8 @@ pub struct Served {
     pub feed: RecordFeed,
     /// Woken by a stop request, as a SIGTERM would.
     pub stop: Arc<Notify>,
+    /// Where snapshot requests go (the supervision loop takes them while the VM runs).
+    pub snapshots: mpsc::Sender<SnapshotAsked>,
 }
 
 /// Accepts and answers callers until the shim ends.
@@ -118,6 +126,22 @@ async fn answer(stream: UnixStream, served: &Served, me: u32) -> Result<(), Wire
             let mut byte = [0u8; 1];
             let _ = r.read(&mut byte).await;
             Ok(())
+        }
+        Request::Snapshot(req) => {
+            let token = req.token.clone();
+            let (tx, rx) = oneshot::channel();
+            // The shim ends before the VM is snapshotted: no answer, the caller reads the
+            // connection's end.
+            if served.snapshots.send((req, tx)).await.is_err() {
+                return Ok(());
+            }
+            let reply = match rx.await {
+                Ok(outcome) => Reply::Snapshot(Box::new(outcome)),
+                Err(_) => Reply::Refused {
+                    error: format!("the VM ended before snapshot {token} was taken"),
+                },
+            };
+            shim_api::write(&mut w, &reply).await
         }
     }
 }
@@ -183,17 +207,30 @@ mod tests {
 
     /// A shim's API served from a fresh directory (bound by the shim itself, no inherited fd).
     fn served(name: &str) -> (PathBuf, Served) {
+        let (dir, served, _) = served_and_snapshots(name);
+        (dir, served)
+    }
+
+    /// As [`served`], with the receiving end of its snapshot requests (the supervision loop's).
+    fn served_with_loop(name: &str) -> (PathBuf, mpsc::Receiver<SnapshotAsked>) {
+        let (dir, _, rx) = served_and_snapshots(name);
+        (dir, rx)
+    }
+
+    fn served_and_snapshots(name: &str) -> (PathBuf, Served, mpsc::Receiver<SnapshotAsked>) {
         let dir = std::env::temp_dir().join(format!("imp-serve-{name}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
+        let (snapshots, rx) = mpsc::channel(1);
         let served = Served {
             dir: dir.clone(),
             feed: RecordFeed::new(record(VmStatus::Starting)),
             stop: Arc::default(),
+            snapshots,
         };
         let l = listener(&dir, None).unwrap();
         tokio::spawn(serve(l, served.clone()));
-        (dir, served)
+        (dir, served, rx)
     }
 
     #[tokio::test]
@@ -229,6 +266,40 @@ mod tests {
         assert!(
             !stopping.ended(Duration::from_millis(100)).await,
             "the stop answered as ended while the shim still runs"
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_snapshot_request_reaches_the_supervision_loop_and_its_outcome_the_caller() {
+        let (dir, mut rx) = served_with_loop("snapshot");
+        // The supervision loop, played: it answers the request it was handed.
+        tokio::spawn(async move {
+            let (req, answer) = rx.recv().await.unwrap();
+            let _ = answer.send(SnapshotOutcome {
+                token: req.token.clone(),
+                result: Err(format!("no VM to snapshot into {}", req.dest.display())),
+                bytes: 7,
+            });
+        });
+        let req = SnapshotRequest {
+            token: "t1".into(),
+            dest: "/snapshots/x".into(),
+            source: crate::snapshot::Source {
+                namespace: "ns".into(),
+                name: "vm".into(),
+                image: String::new(),
+            },
+        };
+        let outcome = client::snapshot(&dir, req, Duration::from_secs(10))
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(outcome.token, "t1");
+        assert_eq!(outcome.bytes, 7);
+        assert_eq!(
+            outcome.result,
+            Err("no VM to snapshot into /snapshots/x".to_owned())
         );
         std::fs::remove_dir_all(&dir).unwrap();
     }
