@@ -191,7 +191,7 @@ fn main() {
         println!(
             "ipam over the API, an existing address found again: {}",
             rate(
-                &format!("ipam over the API, an existing address found again"),
+                "ipam over the API, an existing address found again",
                 100,
                 t.elapsed()
             )

@@ -929,6 +929,18 @@ pub(crate) fn yes() -> bool {
     true
 }
 
+/// A record of the fewest fields, in `status`, for tests of the code that reads records.
+#[cfg(test)]
+pub(crate) fn sample_record(status: VmStatus) -> VmRecord {
+    let json = serde_json::json!({
+        "name": "v", "image": "i", "digest": null, "runtime": "qemu",
+        "supervisor_pid": 1, "vmm_pid": null, "vsock": "/v", "agent_port": 1,
+        "serial_log": "/s", "created_unix": 0, "status": status, "exit_code": null,
+        "error": null, "remove_on_exit": false,
+    });
+    serde_json::from_value(json).unwrap_or_else(|e| panic!("the sample record: {e}"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -298,13 +298,7 @@ mod tests {
     }
 
     fn record(status: VmStatus) -> VmRecord {
-        serde_json::from_value(serde_json::json!({
-            "name": "v", "image": "i", "digest": null, "runtime": "qemu",
-            "supervisor_pid": 1, "vmm_pid": null, "vsock": "/v", "agent_port": 1,
-            "serial_log": "/s", "created_unix": 0, "status": status, "exit_code": null,
-            "error": null, "remove_on_exit": false,
-        }))
-        .unwrap()
+        crate::runtime::state::sample_record(status)
     }
 
     #[test]
