@@ -11,8 +11,8 @@
 //! | the record (`record.json`, [`super::state`]) | shim, as it learns; [`initial_record`] by the front end | both |
 //! | [`STOP_GRACE_FILE`], then [`STOP_SIGNAL`] | front end, for a shim without the API; the API's stop writes it too | shim: stop, with that grace |
 //! | [`FAIL_REASON_FILE`], then [`STOP_SIGNAL`] | front end (a failed probe), as above | shim: the end is a failure |
-//! | [`SUSPEND_REQUEST_FILE`] or [`SNAPSHOT_REQUEST_FILE`], then [`REQUEST_SIGNAL`] | front end | shim |
-//! | [`SNAPSHOT_OUTCOME_FILE`] | shim | front end |
+//! | [`SUSPEND_REQUEST_FILE`] or [`SNAPSHOT_REQUEST_FILE`], then [`REQUEST_SIGNAL`] | front end, for a shim without the API | shim |
+//! | [`SNAPSHOT_OUTCOME_FILE`] | shim, answering a request file | front end |
 //! | [`shim_log`] | shim's stdout and stderr | people |
 //! | [`DISK_FILE`], [`INITRD_FILE`], [`MEMORY_FILE`] | shim | shim, restores, snapshots |
 //!

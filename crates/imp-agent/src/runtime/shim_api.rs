@@ -12,6 +12,7 @@
 //! |---|---|
 //! | [`Request::Watch`] | [`Reply::Event`] with the record as it is, then one per change, until the shim ends (the connection closes) |
 //! | [`Request::Stop`] | [`Reply::Accepted`]; the connection stays open until the shim has written the end and exited |
+//! | [`Request::Suspend`] | [`Reply::Accepted`] once the supervision loop has the request; the outcome is the record's (`suspending`, then `suspended`, or a `suspend_failure` naming the token), seen by a watch |
 //! | [`Request::Snapshot`] | [`Reply::Snapshot`] once the running VM is snapshotted into the request's destination (or failed to be); the VM runs on |
 //!
 //! The socket is in the VM's directory, which only its owner (root, for the node agent) may
@@ -47,6 +48,12 @@ pub enum Request {
         /// Why the VM is stopped as failed, if it is.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         fail_reason: Option<String>,
+    },
+    /// Suspend the running VM (its snapshot under the state directory, then its VMM and shim
+    /// end); `token` names the request in a failure the record keeps.
+    Suspend {
+        /// Names the request.
+        token: String,
     },
     /// Snapshot the running VM into a new directory; it runs on.
     Snapshot(SnapshotRequest),

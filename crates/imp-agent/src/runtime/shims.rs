@@ -200,13 +200,9 @@ impl Shims {
 
     /// Asks the shim of `record` to suspend its VM; the request's token.
     pub async fn suspend(&self, record: VmRecord) -> Result<String, ShimsError> {
-        let state = self.state.clone();
-        let id = record.name.clone();
-        blocking("asking for the suspend", &id, move || {
-            suspend::request_suspend(&state, &record)
-        })
-        .await?
-        .map_err(ShimsError::Suspend)
+        suspend::request_suspend(&self.state, &record)
+            .await
+            .map_err(ShimsError::Suspend)
     }
 
     /// Starts a shim that restores the suspended VM of `record`, handing it `tap` (held while

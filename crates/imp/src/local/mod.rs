@@ -214,13 +214,10 @@ pub fn suspend(args: SuspendArgs) -> anyhow::Result<()> {
     let state = StateDir::resolve(args.common.state_dir)?;
     let record = state.load(&args.vm)?;
     let started = std::time::Instant::now();
-    let token = suspend::request_suspend(&state, &record)?;
-    let done = block_on(suspend::wait_suspended(
-        &state,
-        &args.vm,
-        &token,
-        args.timeout,
-    ))??;
+    let done = block_on(async {
+        let token = suspend::request_suspend(&state, &record).await?;
+        suspend::wait_suspended(&state, &args.vm, &token, args.timeout).await
+    })??;
     let bytes = done.suspend.as_ref().map_or(0, |s| s.bytes);
     eprintln!(
         "imp: {} suspended in {:.2}s (snapshot {:.0} MiB)",

@@ -1,6 +1,6 @@
 //! The front ends' side of the shim's typed API ([`crate::runtime::shim_api`]): watch a VM's
-//! record as its shim changes it, ask a stop that answers when the shim has ended, and ask a
-//! snapshot that answers with its outcome. A VM
+//! record as its shim changes it, ask a stop that answers when the shim has ended, a suspend
+//! (its outcome is the record's), and a snapshot that answers with its outcome. A VM
 //! whose directory has no socket (its shim is of a release before the API, or has ended) gives
 //! `None`, and the caller drives it by files and signals instead.
 
@@ -143,5 +143,25 @@ pub async fn snapshot(
         }),
         Some(Reply::Refused { error }) => Err(WireError::Refused(error)),
         Some(other) => Err(WireError::Unexpected(format!("{other:?}"), "a snapshot")),
+    }
+}
+
+/// Asks the shim of the VM in `dir` to suspend it, the request named `token`; whether a shim
+/// took it (`false`: nothing listens). The outcome is the record's.
+pub async fn suspend(dir: &Path, token: &str) -> Result<bool, WireError> {
+    let request = Request::Suspend {
+        token: token.to_owned(),
+    };
+    let Some((mut r, _w)) = ask(dir, request).await? else {
+        return Ok(false);
+    };
+    match shim_api::read::<_, Reply>(&mut r).await? {
+        Some(Reply::Accepted) => Ok(true),
+        None => Err(WireError::Io {
+            doing: "waiting for a suspend's answer on",
+            source: std::io::ErrorKind::UnexpectedEof.into(),
+        }),
+        Some(Reply::Refused { error }) => Err(WireError::Refused(error)),
+        Some(other) => Err(WireError::Unexpected(format!("{other:?}"), "a suspend")),
     }
 }

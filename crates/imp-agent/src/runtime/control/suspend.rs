@@ -5,8 +5,8 @@
 //! here unwires the network), so the restored guest finds its devices where it left them.
 //!
 //! Both front ends (`imp suspend|resume`, the node agent) use the request side here: a
-//! suspend is a request file in the VM's directory plus SIGUSR1 to its shim, which owns the
-//! VMM and does the work (`runtime::shim::suspend` inside the shim); a resume starts a new shim for the
+//! suspend is asked on the shim's API (or, of a shim without one, is a request file in the
+//! VM's directory plus SIGUSR1), and the shim, which owns the VMM, does the work (`runtime::shim::suspend` inside the shim); a resume starts a new shim for the
 //! suspended VM ([`start_resume`]), which sees the record's `resuming` status and restores.
 //! The decisions (is there room for the snapshot, may this VM be suspended or resumed now) are
 //! pure functions with unit tests.
@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use super::super::contract::{REQUEST_SIGNAL, SUSPEND_REQUEST_FILE};
 use super::super::state::{self, StateDir, StateError, VmRecord, VmStatus};
-use super::{ShimCommand, ShimError};
+use super::{ShimCommand, ShimError, client};
 
 /// Failures of a suspend or resume request.
 #[derive(Debug, thiserror::Error)]
@@ -38,6 +38,15 @@ pub enum SuspendError {
     /// The shim could not be signalled or started.
     #[error(transparent)]
     Shim(#[from] ShimError),
+    /// The shim's API failed.
+    #[error("asking the shim of VM {id} to suspend it")]
+    Api {
+        /// The VM.
+        id: String,
+        /// The cause.
+        #[source]
+        source: crate::runtime::shim_api::WireError,
+    },
     /// The shim tried and failed; for a suspend the VM runs on.
     #[error("{op} VM {id} failed: {error}")]
     Failed {
@@ -98,9 +107,10 @@ pub fn refuse_resume(status: VmStatus, shim_alive: bool) -> Option<(&'static str
     }
 }
 
-/// Asks the shim of `record` to suspend its VM; returns the request's token, which the
-/// shim's outcome names ([`wait_suspended`]).
-pub fn request_suspend(state: &StateDir, record: &VmRecord) -> Result<String> {
+/// Asks the shim of `record` to suspend its VM, on its API or, for a shim without one, by
+/// request file and signal; returns the request's token, which a failure recorded by the shim
+/// names ([`wait_suspended`]).
+pub async fn request_suspend(state: &StateDir, record: &VmRecord) -> Result<String> {
     let alive = record.supervisor_alive();
     if let Some((status, hint)) = refuse_suspend(record.status, alive) {
         return Err(SuspendError::WrongStatus {
@@ -111,9 +121,24 @@ pub fn request_suspend(state: &StateDir, record: &VmRecord) -> Result<String> {
         });
     }
     let token = format!("{}-{}", std::process::id(), state::now_unix_nanos());
-    let path = state.vm_dir(&record.name).join(SUSPEND_REQUEST_FILE);
-    state::write_json(&path, &token)?;
-    super::signal(record, REQUEST_SIGNAL)?;
+    let dir = state.vm_dir(&record.name);
+    let asked = client::suspend(&dir, &token)
+        .await
+        .map_err(|source| SuspendError::Api {
+            id: record.name.clone(),
+            source,
+        })?;
+    if !asked {
+        let (path, t) = (dir.join(SUSPEND_REQUEST_FILE), token.clone());
+        tokio::task::spawn_blocking(move || state::write_json(&path, &t))
+            .await
+            .map_err(|e| StateError::Io {
+                action: "waiting for the write of",
+                path: dir.join(SUSPEND_REQUEST_FILE),
+                source: std::io::Error::other(e),
+            })??;
+        super::signal(record, REQUEST_SIGNAL)?;
+    }
     tracing::info!(vm = %record.name, token, "suspend requested");
     Ok(token)
 }

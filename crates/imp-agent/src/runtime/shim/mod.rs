@@ -111,11 +111,15 @@ struct StopSignals {
     /// Snapshots asked on the API, answered by the supervision loop.
     snapshots: tokio::sync::mpsc::Receiver<serve::SnapshotAsked>,
     snapshots_tx: tokio::sync::mpsc::Sender<serve::SnapshotAsked>,
+    /// Suspends asked on the API (their tokens), taken by the supervision loop.
+    suspends: tokio::sync::mpsc::Receiver<String>,
+    suspends_tx: tokio::sync::mpsc::Sender<String>,
 }
 
 impl StopSignals {
     fn install() -> std::io::Result<Self> {
         let (snapshots_tx, snapshots) = tokio::sync::mpsc::channel(4);
+        let (suspends_tx, suspends) = tokio::sync::mpsc::channel(4);
         Ok(Self {
             term: signal(SignalKind::terminate())?,
             int: signal(SignalKind::interrupt())?,
@@ -123,6 +127,8 @@ impl StopSignals {
             asked: Default::default(),
             snapshots,
             snapshots_tx,
+            suspends,
+            suspends_tx,
         })
     }
 
@@ -244,6 +250,7 @@ fn serve_api(dir: &Path, control_fd: Option<i32>, feed: state::RecordFeed, stop:
                 feed,
                 stop: stop.asked.clone(),
                 snapshots: stop.snapshots_tx.clone(),
+                suspends: stop.suspends_tx.clone(),
             };
             tokio::spawn(serve::serve(listener, served));
         }
@@ -1428,6 +1435,11 @@ async fn supervise_loop<V: Vmm>(
             Some((req, answer)) = stop.snapshots.recv() => {
                 let _ = answer.send(take_snapshot(vm, run, record, &req).await);
             }
+            Some(token) = stop.suspends.recv() => {
+                if let Some(s) = suspend_now(vm, run, record, token).await {
+                    break LoopEnd::Suspended(s);
+                }
+            }
             Some(status) = reports.recv() => *reported = Some(status),
             r = &mut health, if !healthy => {
                 healthy = true;
@@ -1598,6 +1610,17 @@ async fn handle_suspend<V: Vmm>(
     record: &mut VmRecord,
 ) -> Option<SuspendRecord> {
     let token = suspend::take_request(run.dir)?;
+    suspend_now(vm, run, record, token).await
+}
+
+/// Suspends the running VM for the request `token`: its snapshot written, the VM paused for
+/// its VMM to end; or, when that fails, the failure in the record and the VM running on.
+async fn suspend_now<V: Vmm>(
+    vm: &mut V,
+    run: &Run<'_>,
+    record: &mut VmRecord,
+    token: String,
+) -> Option<SuspendRecord> {
     let fail = |record: &mut VmRecord, error: String| {
         tracing::warn!(vm = %record.name, error, "suspend failed; the VM keeps running");
         record.suspend_failure = Some(SuspendFailure {
@@ -1635,13 +1658,7 @@ async fn handle_suspend<V: Vmm>(
         }
         Err(e) => {
             record.status = VmStatus::Running;
-            let mut error = e.to_string();
-            let mut cause = std::error::Error::source(&e);
-            while let Some(c) = cause {
-                error.push_str(": ");
-                error.push_str(&c.to_string());
-                cause = c.source();
-            }
+            let error = imp_api::chain::chain(&e);
             fail(record, imp_image::layers::escape_controls(&error));
             None
         }

@@ -1,8 +1,8 @@
 //! The shim's side of its typed API ([`crate::runtime::shim_api`]): it accepts on the socket
 //! its starter bound ([`crate::runtime::shim_api::CONTROL_FD`]) or, started by hand, binds it itself; answers only its
 //! own uid or root; streams the record ([`RecordFeed`]) to watchers, turns a stop request
-//! into the same stop a signal asks for, and hands snapshot requests to the supervision loop,
-//! answering with their outcome.
+//! into the same stop a signal asks for, and hands suspend and snapshot requests to the
+//! supervision loop (a snapshot's outcome is the answer; a suspend's is the record's).
 
 use std::os::fd::{FromRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
@@ -68,6 +68,8 @@ pub struct Served {
     pub stop: Arc<Notify>,
     /// Where snapshot requests go (the supervision loop takes them while the VM runs).
     pub snapshots: mpsc::Sender<SnapshotAsked>,
+    /// Where suspend requests (their tokens) go, as for snapshots.
+    pub suspends: mpsc::Sender<String>,
 }
 
 /// Accepts and answers callers until the shim ends.
@@ -126,6 +128,15 @@ async fn answer(stream: UnixStream, served: &Served, me: u32) -> Result<(), Wire
             let mut byte = [0u8; 1];
             let _ = r.read(&mut byte).await;
             Ok(())
+        }
+        Request::Suspend { token } => {
+            let reply = match served.suspends.send(token).await {
+                Ok(()) => Reply::Accepted,
+                Err(_) => Reply::Refused {
+                    error: "the VM has ended; there is nothing to suspend".into(),
+                },
+            };
+            shim_api::write(&mut w, &reply).await
         }
         Request::Snapshot(req) => {
             let token = req.token.clone();
@@ -221,6 +232,7 @@ mod tests {
             feed: RecordFeed::new(record(VmStatus::Starting)),
             stop: Arc::default(),
             snapshots,
+            suspends: mpsc::channel(1).0,
         };
         let l = listener(&dir, None).unwrap();
         tokio::spawn(serve(l, served.clone()));
@@ -295,6 +307,22 @@ mod tests {
             outcome.result,
             Err("no VM to snapshot into /snapshots/x".to_owned())
         );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_suspend_request_hands_its_token_to_the_supervision_loop() {
+        let (dir, mut served) = served("suspend");
+        let (tx, mut rx) = mpsc::channel(1);
+        served.suspends = tx;
+        std::fs::remove_file(dir.join(SOCKET_FILE)).unwrap();
+        tokio::spawn(serve(listener(&dir, None).unwrap(), served));
+        assert!(client::suspend(&dir, "tok-1").await.unwrap());
+        assert_eq!(rx.recv().await.as_deref(), Some("tok-1"));
+        // The loop is gone (the VM ended): the request is refused, saying so.
+        drop(rx);
+        let refused = client::suspend(&dir, "tok-2").await.unwrap_err();
+        assert!(refused.to_string().contains("ended"), "{refused}");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
