@@ -336,7 +336,10 @@ async fn inside() {
         println!(
             "wake: inject 64 held frames of {} bytes: {}",
             held[0].len(),
-            stats("wake: inject 64 held frames", v)
+            stats(
+                &format!("wake: inject 64 held frames of {} bytes", held[0].len()),
+                v
+            )
         );
     }
 }
