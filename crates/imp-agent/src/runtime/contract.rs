@@ -59,6 +59,29 @@ pub const STOPPED_EXIT_CODE: i32 = 143;
 /// The descriptor number under which a shim inherits the VM's TAP (`--tap-fd`).
 pub const TAP_FD: i32 = 3;
 
+/// Writes a stop's grace period (milliseconds) and, when the end is a failure, its reason into
+/// the VM directory `dir`, where the shim's stop reads them; both the API's stop (in the shim)
+/// and the signal path of a shim without the API (in the front end) write them here.
+pub async fn write_stop(
+    dir: &Path,
+    grace_ms: u64,
+    fail_reason: Option<&str>,
+) -> Result<(), state::StateError> {
+    let write = |file: PathBuf, content: String| async move {
+        tokio::fs::write(&file, content)
+            .await
+            .map_err(|source| state::StateError::Io {
+                action: "writing",
+                path: file,
+                source,
+            })
+    };
+    if let Some(why) = fail_reason {
+        write(dir.join(FAIL_REASON_FILE), why.to_owned()).await?;
+    }
+    write(dir.join(STOP_GRACE_FILE), grace_ms.to_string()).await
+}
+
 /// Where the shim's own log goes inside the VM directory.
 pub fn shim_log(dir: &Path) -> PathBuf {
     dir.join("shim.log")

@@ -28,7 +28,12 @@ impl Followed {
             .0
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        map.insert(id.to_owned(), pid) != Some(pid)
+        // Asked at every poll for every live shim: no allocation when nothing changes.
+        if map.get(id) == Some(&pid) {
+            return false;
+        }
+        map.insert(id.to_owned(), pid);
+        true
     }
 
     /// Forgets the VMs not in `ids`.

@@ -55,6 +55,22 @@ async fn ask(
     Ok(Some((BufReader::new(r), w)))
 }
 
+/// A reply `request` does not expect: the shim's refusal, or an answer to something else.
+fn not_expected(reply: Reply, request: &'static str) -> WireError {
+    match reply {
+        Reply::Refused { error } => WireError::Refused(error),
+        other => WireError::Unexpected(format!("{other:?}"), request),
+    }
+}
+
+/// The shim closed the connection before answering, while the caller was `doing` that.
+fn ended_before(doing: &'static str) -> WireError {
+    WireError::Io {
+        doing,
+        source: std::io::ErrorKind::UnexpectedEof.into(),
+    }
+}
+
 /// The record of one VM, as its shim changes it.
 pub struct Watch {
     r: BufReader<OwnedReadHalf>,
@@ -67,8 +83,7 @@ impl Watch {
         match shim_api::read::<_, Reply>(&mut self.r).await? {
             None => Ok(None),
             Some(Reply::Event(e)) => Ok(Some(*e)),
-            Some(Reply::Refused { error }) => Err(WireError::Refused(error)),
-            Some(other) => Err(WireError::Unexpected(format!("{other:?}"), "a watch")),
+            Some(other) => Err(not_expected(other, "a watch")),
         }
     }
 }
@@ -104,7 +119,7 @@ pub async fn stop(
     fail_reason: Option<&str>,
 ) -> Result<Option<Stopping>, WireError> {
     let request = Request::Stop {
-        grace_ms: u64::try_from(grace.as_millis()).unwrap_or(u64::MAX),
+        grace_ms: super::grace_ms(grace),
         fail_reason: fail_reason.map(str::to_owned),
     };
     let Some((mut r, w)) = ask(dir, request).await? else {
@@ -114,8 +129,7 @@ pub async fn stop(
         Some(Reply::Accepted) => Ok(Some(Stopping { r, _w: w })),
         // The shim ended between the connect and the request: it is stopped.
         None => Ok(Some(Stopping { r, _w: w })),
-        Some(Reply::Refused { error }) => Err(WireError::Refused(error)),
-        Some(other) => Err(WireError::Unexpected(format!("{other:?}"), "a stop")),
+        Some(other) => Err(not_expected(other, "a stop")),
     }
 }
 
@@ -137,12 +151,8 @@ pub async fn snapshot(
         })??;
     match reply {
         Some(Reply::Snapshot(o)) => Ok(Some(*o)),
-        None => Err(WireError::Io {
-            doing: "waiting for a snapshot's outcome on",
-            source: std::io::ErrorKind::UnexpectedEof.into(),
-        }),
-        Some(Reply::Refused { error }) => Err(WireError::Refused(error)),
-        Some(other) => Err(WireError::Unexpected(format!("{other:?}"), "a snapshot")),
+        None => Err(ended_before("waiting for a snapshot's outcome on")),
+        Some(other) => Err(not_expected(other, "a snapshot")),
     }
 }
 
@@ -157,11 +167,7 @@ pub async fn suspend(dir: &Path, token: &str) -> Result<bool, WireError> {
     };
     match shim_api::read::<_, Reply>(&mut r).await? {
         Some(Reply::Accepted) => Ok(true),
-        None => Err(WireError::Io {
-            doing: "waiting for a suspend's answer on",
-            source: std::io::ErrorKind::UnexpectedEof.into(),
-        }),
-        Some(Reply::Refused { error }) => Err(WireError::Refused(error)),
-        Some(other) => Err(WireError::Unexpected(format!("{other:?}"), "a suspend")),
+        None => Err(ended_before("waiting for a suspend's answer on")),
+        Some(other) => Err(not_expected(other, "a suspend")),
     }
 }

@@ -18,9 +18,7 @@ pub mod snapshot;
 pub mod suspend;
 
 use super::cgroup::VmCgroup;
-use super::contract::{
-    FAIL_REASON_FILE, SPEC_FILE, STOP_GRACE_FILE, STOP_SIGNAL, TAP_FD, initial_record, shim_log,
-};
+use super::contract::{SPEC_FILE, STOP_SIGNAL, TAP_FD, initial_record, shim_log, write_stop};
 use super::shim_api::{CONTROL_FD, SOCKET_FILE};
 use super::spec::VmSpec;
 use super::state::{self, StateDir, StateError, VmRecord};
@@ -273,7 +271,9 @@ async fn stop_as(
             tracing::warn!(vm = %record.name, error = %imp_api::chain::DisplayChain(&e), "stopping through the shim's API failed; signalling it")
         }
     }
-    stop_by_signal(&dir, record, grace, why).await?;
+    // A shim of a release before its API: the grace (and reason) in files, then the signal.
+    write_stop(&dir, grace_ms(grace), why).await?;
+    signal(record, STOP_SIGNAL)?;
     let deadline = Instant::now() + waited;
     while record.supervisor_alive() {
         if Instant::now() > deadline {
@@ -284,28 +284,9 @@ async fn stop_as(
     Ok(())
 }
 
-/// The stop of a shim of a release before its API: the grace (and reason) in files, then
-/// [`STOP_SIGNAL`].
-async fn stop_by_signal(
-    dir: &std::path::Path,
-    record: &VmRecord,
-    grace: Duration,
-    why: Option<&str>,
-) -> Result<(), ShimError> {
-    let write = |file: PathBuf, content: String| async move {
-        tokio::fs::write(&file, content)
-            .await
-            .map_err(|source| StateError::Io {
-                action: "writing",
-                path: file.clone(),
-                source,
-            })
-    };
-    if let Some(why) = why {
-        write(dir.join(FAIL_REASON_FILE), why.to_owned()).await?;
-    }
-    write(dir.join(STOP_GRACE_FILE), grace.as_millis().to_string()).await?;
-    signal(record, STOP_SIGNAL)
+/// `grace` in whole milliseconds, as the stop's request and file carry it.
+pub fn grace_ms(grace: Duration) -> u64 {
+    u64::try_from(grace.as_millis()).unwrap_or(u64::MAX)
 }
 
 /// Sends `sig` to the shim of `record`.
@@ -365,17 +346,25 @@ pub async fn remove(state: &StateDir, id: &str, cgroup: Option<&str>) -> Result<
                 source,
             })?;
     }
-    let (state, id) = (state.clone(), id.to_owned());
-    tokio::task::spawn_blocking(move || state.remove(&id))
-        .await
-        .map_err(|e| {
-            ShimError::State(StateError::Io {
-                action: "waiting for the removal of",
-                path: PathBuf::new(),
-                source: std::io::Error::other(e),
-            })
-        })??;
+    let (dir, state, id) = (state.vm_dir(id), state.clone(), id.to_owned());
+    off_runtime("waiting for the removal of", dir, move || state.remove(&id)).await?;
     Ok(())
+}
+
+/// Runs the file work `f` on the blocking pool; a task that did not finish is an I/O error of
+/// `action` on `path`.
+async fn off_runtime<T: Send + 'static>(
+    action: &'static str,
+    path: PathBuf,
+    f: impl FnOnce() -> Result<T, StateError> + Send + 'static,
+) -> Result<T, StateError> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| StateError::Io {
+            action,
+            path,
+            source: std::io::Error::other(e),
+        })?
 }
 
 /// The spec of VM `id`, if it has one.

@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use super::super::contract::{REQUEST_SIGNAL, SUSPEND_REQUEST_FILE};
 use super::super::state::{self, StateDir, StateError, VmRecord, VmStatus};
-use super::{ShimCommand, ShimError, client};
+use super::{ShimCommand, ShimError, client, off_runtime};
 
 /// Failures of a suspend or resume request.
 #[derive(Debug, thiserror::Error)]
@@ -130,13 +130,13 @@ pub async fn request_suspend(state: &StateDir, record: &VmRecord) -> Result<Stri
         })?;
     if !asked {
         let (path, t) = (dir.join(SUSPEND_REQUEST_FILE), token.clone());
-        tokio::task::spawn_blocking(move || state::write_json(&path, &t))
-            .await
-            .map_err(|e| StateError::Io {
-                action: "waiting for the write of",
-                path: dir.join(SUSPEND_REQUEST_FILE),
-                source: std::io::Error::other(e),
-            })??;
+        let write = move || state::write_json(&path, &t);
+        off_runtime(
+            "waiting for the write of",
+            dir.join(SUSPEND_REQUEST_FILE),
+            write,
+        )
+        .await?;
         super::signal(record, REQUEST_SIGNAL)?;
     }
     tracing::info!(vm = %record.name, token, "suspend requested");
@@ -200,19 +200,14 @@ async fn wait_for(
     let mut died_once = false;
     loop {
         let (st, name) = (state.clone(), id.to_owned());
-        let read = tokio::task::spawn_blocking(move || {
+        let read = move || {
             st.load(&name).map(|r| {
                 let alive = r.supervisor_alive();
                 (r, alive)
             })
-        })
-        .await
-        .map_err(|e| StateError::Io {
-            action: "waiting for the record of",
-            path: state.vm_dir(id),
-            source: std::io::Error::other(e),
-        })??;
-        let (record, alive) = read;
+        };
+        let (record, alive) =
+            off_runtime("waiting for the record of", state.vm_dir(id), read).await?;
         match progress(&record, alive) {
             Progress::Done => return Ok(record),
             Progress::Failed(error) => {

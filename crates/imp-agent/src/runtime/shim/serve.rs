@@ -12,9 +12,7 @@ use tokio::io::{AsyncReadExt, BufReader};
 use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::{Notify, mpsc, oneshot};
 
-use crate::runtime::contract::{
-    FAIL_REASON_FILE, STOP_GRACE_FILE, SnapshotOutcome, SnapshotRequest,
-};
+use crate::runtime::contract::{SnapshotOutcome, SnapshotRequest, write_stop};
 use crate::runtime::shim_api::{self, Envelope, Event, Reply, Request, SOCKET_FILE, WireError};
 use crate::runtime::state::RecordFeed;
 
@@ -121,7 +119,12 @@ async fn answer(stream: UnixStream, served: &Served, me: u32) -> Result<(), Wire
             grace_ms,
             fail_reason,
         } => {
-            write_stop(&served.dir, grace_ms, fail_reason.as_deref()).await?;
+            // Unwritten, the stop is refused: a caller must not read the end of the connection
+            // as the shim's end.
+            if let Err(e) = write_stop(&served.dir, grace_ms, fail_reason.as_deref()).await {
+                let error = imp_api::chain::chain(&e);
+                return shim_api::write(&mut w, &Reply::Refused { error }).await;
+            }
             served.stop.notify_one();
             shim_api::write(&mut w, &Reply::Accepted).await?;
             // Held open until the shim exits: the caller's read ends then.
@@ -172,27 +175,11 @@ async fn watch<W: tokio::io::AsyncWrite + Unpin>(
     }
 }
 
-/// Writes a stop request's grace and reason where the shim's stop reads them (the files the
-/// signal path uses), so both paths end the VM the same way.
-async fn write_stop(dir: &Path, grace_ms: u64, fail_reason: Option<&str>) -> Result<(), WireError> {
-    let io = |source| WireError::Io {
-        doing: "writing a stop request from",
-        source,
-    };
-    if let Some(why) = fail_reason {
-        tokio::fs::write(dir.join(FAIL_REASON_FILE), why)
-            .await
-            .map_err(io)?;
-    }
-    tokio::fs::write(dir.join(STOP_GRACE_FILE), grace_ms.to_string())
-        .await
-        .map_err(io)
-}
-
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
+    use crate::runtime::contract::{FAIL_REASON_FILE, STOP_GRACE_FILE};
     use crate::runtime::control::client;
     use crate::runtime::state::{VmRecord, VmStatus};
     use std::time::Duration;
