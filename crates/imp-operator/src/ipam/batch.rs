@@ -79,10 +79,7 @@ fn gate(net: &ImpNetwork, network: &str) -> Option<Error> {
             network: network.to_owned(),
         });
     }
-    not_ready(net).map(|why| Error::NotReady {
-        network: network.to_owned(),
-        why,
-    })
+    not_ready(net, network)
 }
 
 fn pool_of(net: &ImpNetwork, network: &str, group: Option<&str>) -> Result<pool::Pool, Error> {
@@ -167,10 +164,17 @@ mod tests {
         net.status.as_mut().unwrap().set_allocations(table);
         net.metadata.generation = Some(2);
         let d = decide(&net, "ns/net", &[want("ns/a"), want("ns/old")]);
-        assert!(addrs(&d)[0].contains("not Ready"), "{:?}", addrs(&d));
+        let waits = d.results[0].as_ref().unwrap_err();
+        assert!(waits.is_wait() && !waits.is_setup_failure(), "{waits}");
+        assert!(addrs(&d)[0].contains("new spec is not reconciled yet"));
         assert_eq!(addrs(&d)[1], "10.0.0.9", "a holder keeps its address");
         assert!(d.added.is_empty());
         net.status = None;
-        assert!(addrs(&decide(&net, "ns/net", &[want("ns/a")]))[0].contains("not reconciled yet"));
+        let d = decide(&net, "ns/net", &[want("ns/a")]);
+        assert!(d.results[0].as_ref().is_err_and(Error::is_wait));
+        assert_eq!(
+            addrs(&d)[0],
+            "network ns/net is not Ready yet: not reconciled yet"
+        );
     }
 }

@@ -57,7 +57,16 @@ pub enum Error {
         /// namespace/name.
         network: String,
     },
-    /// The network's Ready condition is not True (yet).
+    /// The network has not been reconciled yet (just created, or its spec just changed): the
+    /// VM waits for it without a failure being reported.
+    #[error("network {network} is not Ready yet: {why}")]
+    Unreconciled {
+        /// namespace/name.
+        network: String,
+        /// What is not reconciled yet.
+        why: String,
+    },
+    /// The network's Ready condition is not True.
     #[error("network {network} is not Ready: {why}")]
     NotReady {
         /// namespace/name.
@@ -104,7 +113,15 @@ impl Error {
     /// Whether this is about the network (reported on the VM as `NetworkSetupFailed`), rather
     /// than a failed request that is retried.
     pub fn is_setup_failure(&self) -> bool {
-        !matches!(self, Self::Kube { .. } | Self::Conflicts(_))
+        !matches!(
+            self,
+            Self::Kube { .. } | Self::Conflicts(_) | Self::Unreconciled { .. }
+        )
+    }
+
+    /// Whether the network only has to catch up (reported on the VM as `Waiting`, no warning).
+    pub fn is_wait(&self) -> bool {
+        matches!(self, Self::Unreconciled { .. })
     }
 }
 
@@ -113,20 +130,29 @@ pub fn network_key(net: &ImpNetwork) -> String {
     format!("{}/{}", net.namespace().unwrap_or_default(), net.name_any())
 }
 
-/// Why a network hands out no addresses, from its Ready condition; `None` when it is Ready
-/// for its current generation.
-pub fn not_ready(net: &ImpNetwork) -> Option<String> {
+/// Why a network hands out no addresses, from its Ready condition: `Unreconciled` while the
+/// operator has not looked at its current spec, `NotReady` when it found it wanting; `None`
+/// when it is Ready for its current generation.
+/// `network` is how the errors name it (namespace/name, and group if any).
+pub fn not_ready(net: &ImpNetwork, network: &str) -> Option<Error> {
+    let unreconciled = |why: &str| {
+        Some(Error::Unreconciled {
+            network: network.to_owned(),
+            why: why.to_owned(),
+        })
+    };
     let status = net.status.clone().unwrap_or_default();
     let Some(c) = conditions::find(&status.conditions, ConditionType::Ready) else {
-        return Some("not reconciled yet".to_owned());
+        return unreconciled("not reconciled yet");
     };
-    if c.status != "True" {
-        return Some(format!("{}: {}", c.reason, c.message));
-    }
     match (c.observed_generation, net.metadata.generation) {
         (Some(seen), Some(current)) if seen < current => {
-            Some("its new spec is not reconciled yet".into())
+            unreconciled("its new spec is not reconciled yet")
         }
+        _ if c.status != "True" => Some(Error::NotReady {
+            network: network.to_owned(),
+            why: format!("{}: {}", c.reason, c.message),
+        }),
         _ => None,
     }
 }

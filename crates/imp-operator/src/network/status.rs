@@ -277,9 +277,10 @@ mod tests {
         let status = desired(&n, &r, Vec::new(), Timestamp::UNIX_EPOCH);
         n.status = Some(status);
         n.metadata.generation = Some(1);
-        let why = crate::ipam::not_ready(&n).unwrap_or_default();
+        let why = crate::ipam::not_ready(&n, "ns/n").map(|e| e.to_string());
+        let why = why.unwrap_or_default();
         assert!(
-            why.starts_with("InvalidSpec: spec.nat.egressInterface"),
+            why.starts_with("network ns/n is not Ready: InvalidSpec: spec.nat.egressInterface"),
             "{why}"
         );
         // A real interface name is fine.

@@ -49,27 +49,25 @@ impl Context {
                 tracing::info!(vm = %owner, namespace = %ns, network = %net.name, ip = %ip, "address recorded");
                 Ok(Ok(vm))
             }
-            Err(e) if e.is_setup_failure() => Ok(Err(self.no_address(vm, e.to_string()).await?)),
+            Err(e) if e.is_setup_failure() || e.is_wait() => {
+                Ok(Err(self.no_address(vm, &e).await?))
+            }
             Err(e) => Err(e.into()),
         }
     }
 
     /// Reports that the network gives the VM no address: an unplaced VM stays Pending with
-    /// Scheduled=False, a placed one gets Ready=False; both with reason `NetworkSetupFailed`.
-    async fn no_address(&self, vm: ImpVM, message: String) -> Result<Action, Error> {
+    /// Scheduled=False, a placed one gets Ready=False; both with reason `NetworkSetupFailed`
+    /// and a warning, or `Waiting` and no event while the network is only catching up (created
+    /// together with the VM). A change of the network wakes the VM again.
+    async fn no_address(&self, vm: ImpVM, why: &crate::ipam::Error) -> Result<Action, Error> {
         let generation = vm.metadata.generation;
         let now = Timestamp::now();
+        let message = why.to_string();
         let status = vm.status.clone().unwrap_or_default();
-        let reason = ConditionReason::NetworkSetupFailed;
+        let (reason, event) = reported_as(why);
         let (status, note) = if vm.spec.node_name.is_none() {
-            unplaced_status(
-                status,
-                reason,
-                &message,
-                "NetworkSetupFailed",
-                generation,
-                now,
-            )
+            unplaced_status(status, reason, &message, event, generation, now)
         } else {
             let was = has_cond(&status, ConditionType::Ready, reason, &message);
             let mut status = status;
@@ -82,10 +80,10 @@ impl Context {
                 generation,
                 now,
             );
-            (
-                status,
-                (!was).then(|| Note::warning("NetworkSetupFailed", message.clone())),
-            )
+            let note = event
+                .filter(|_| !was)
+                .map(|e| Note::warning(e, message.clone()));
+            (status, note)
         };
         let vm = self
             .patch_status(&vm, &status, "reporting no address for")
@@ -118,5 +116,44 @@ impl Context {
             self.ipam.release(&ns, &name, &owner).await?;
         }
         Ok(())
+    }
+}
+
+/// The condition reason and the warning (if any) a VM gets for the network's refusal.
+fn reported_as(why: &crate::ipam::Error) -> (ConditionReason, Option<&'static str>) {
+    match why.is_wait() {
+        true => (ConditionReason::Waiting, None),
+        false => (
+            ConditionReason::NetworkSetupFailed,
+            Some("NetworkSetupFailed"),
+        ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ipam::Error as Ipam;
+
+    #[test]
+    fn a_network_catching_up_is_waited_for_and_a_refusal_is_a_warning() {
+        let network = "ns/net".to_owned();
+        let catching_up = Ipam::Unreconciled {
+            network: network.clone(),
+            why: "not reconciled yet".into(),
+        };
+        assert_eq!(reported_as(&catching_up), (ConditionReason::Waiting, None));
+        let full = Ipam::Full {
+            network,
+            range: "10.0.0.0/30".into(),
+            usable: 1,
+        };
+        assert_eq!(
+            reported_as(&full),
+            (
+                ConditionReason::NetworkSetupFailed,
+                Some("NetworkSetupFailed")
+            )
+        );
     }
 }

@@ -65,7 +65,7 @@ pub(super) fn unplaced_status(
     mut status: ImpVMStatus,
     reason: ConditionReason,
     message: &str,
-    event_reason: &'static str,
+    event_reason: Option<&'static str>,
     generation: Option<i64>,
     now: Timestamp,
 ) -> (ImpVMStatus, Option<Note>) {
@@ -74,7 +74,9 @@ pub(super) fn unplaced_status(
     for type_ in [ConditionType::Scheduled, ConditionType::Ready] {
         set_cond(&mut status, type_, false, reason, message, generation, now);
     }
-    let note = (!was).then(|| Note::warning(event_reason, message));
+    let note = event_reason
+        .filter(|_| !was)
+        .map(|e| Note::warning(e, message));
     (status, note)
 }
 
@@ -276,8 +278,14 @@ impl Context {
             ConditionReason::InvalidSpec => "InvalidSpec",
             _ => "Unschedulable",
         };
-        let (status, note) =
-            unplaced_status(status, reason, why, event, generation, Timestamp::now());
+        let (status, note) = unplaced_status(
+            status,
+            reason,
+            why,
+            Some(event),
+            generation,
+            Timestamp::now(),
+        );
         let vm = self
             .patch_status(&vm, &status, "reporting no node for")
             .await?;
