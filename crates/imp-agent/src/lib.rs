@@ -6,7 +6,8 @@
 //! [`runtime`], one VM's life from image to exit under its own supervisor process (the shim),
 //! shared by `imp run` and `imp agent`, and [`api`], the authenticated HTTPS API through which
 //! people exec in a VM and read its console; then [`snapshot`], a VM's snapshots on the node
-//! and in registries, and [`guest`], the guest initramfs and kernel modules. Below them are
+//! and in registries, and [`guest`], the guest initramfs and kernel modules; at the bottom
+//! [`host_fs`], owner-only directories and a filesystem's free space. Below them are
 //! crates of their own: `imp-net` (the node's bridges, TAPs, VXLAN overlay and nftables rules,
 //! and the sleeping VM's TAP), `imp-vmm` (the `Vmm` trait with its QEMU and Firecracker drivers
 //! and the guest channel they share) and `imp-image` (OCI images into a verified blob cache,
@@ -18,6 +19,7 @@
 
 pub mod api;
 pub mod guest;
+pub mod host_fs;
 pub mod node;
 pub mod runtime;
 pub mod snapshot;

@@ -908,7 +908,7 @@ async fn a_disk_on_a_full_filesystem_fails_as_such_and_leaves_no_partial_file() 
     // 4 MiB of data (no holes): a copy needs 4 MiB, the filesystem has 1.
     std::fs::write(&base, vec![0x5a_u8; 4 << 20]).unwrap();
     let tiny = TinyFs::mount(f.dir.join("full"));
-    let report = imp_agent::node::disk::read(&tiny.0).unwrap();
+    let report = imp_agent::host_fs::usage(&tiny.0).unwrap();
     assert_eq!(report.total, 1 << 20, "{report:?}");
     let dest = tiny.0.join("disk.ext4");
     let err = clone_disk(&base, &dest, 4 << 20).await.unwrap_err();
@@ -920,6 +920,6 @@ async fn a_disk_on_a_full_filesystem_fails_as_such_and_leaves_no_partial_file() 
     let left: Vec<_> = std::fs::read_dir(&tiny.0).unwrap().collect();
     assert!(left.is_empty(), "no partial disk left: {left:?}");
     assert!(!dest.exists());
-    let after = imp_agent::node::disk::read(&tiny.0).unwrap();
+    let after = imp_agent::host_fs::usage(&tiny.0).unwrap();
     assert_eq!(after.free, after.total, "the space is given back");
 }

@@ -18,6 +18,10 @@
 //! in the `imp` crate turns its flags into a [`process::Config`] and calls [`process::run`]), nor what takes a snapshot (the node agent executes them), and the
 //! migration and pool kinds have no controller yet ([`unsupported`] says so on each).
 
+/// The field manager of the controllers' writes (VMs, networks, snapshots); the webhook's
+/// certificates, the leader Lease and the unsupported kinds' notes write under their own.
+pub const FIELD_MANAGER: &str = "imp-operator";
+
 pub mod backlog;
 mod chain;
 pub mod fencing;

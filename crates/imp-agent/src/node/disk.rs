@@ -8,7 +8,7 @@
 //! (every reading). [`keep_image_cache`] keeps the image cache within its byte budget, and
 //! [`keep_serial_logs`] caps each VM's serial log.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -25,17 +25,6 @@ pub const REFRESH: Duration = Duration::from_secs(30);
 pub const PATCH_BYTES: u64 = 256 << 20;
 /// A change of free bytes above this share of the total (percent) is published too.
 pub const PATCH_PERCENT: u64 = 1;
-
-/// Reads the free (for unprivileged writers) and total bytes of the filesystem holding `path`.
-/// Blocking: call it through `spawn_blocking`.
-pub fn read(path: &Path) -> std::io::Result<DiskReport> {
-    let st = nix::sys::statvfs::statvfs(path).map_err(std::io::Error::from)?;
-    let frsize = st.fragment_size();
-    Ok(DiskReport {
-        free: st.blocks_available().saturating_mul(frsize),
-        total: st.blocks().saturating_mul(frsize),
-    })
-}
 
 /// Whether `now` differs enough from what was last published (`None`: nothing yet) to patch
 /// the Node: always the first time or when the total changed, else when free moved by more
@@ -74,7 +63,7 @@ pub async fn keep_disk_report(
     loop {
         tick.tick().await;
         let dir = state_dir.clone();
-        let report = match tokio::task::spawn_blocking(move || read(&dir)).await {
+        let report = match tokio::task::spawn_blocking(move || crate::host_fs::usage(&dir)).await {
             Ok(Ok(r)) => r,
             Ok(Err(e)) => {
                 tracing::warn!(state = %state_dir.display(), error = %imp_api::chain::DisplayChain(&e), "reading the state directory's free space");
@@ -272,12 +261,13 @@ mod tests {
     #[test]
     fn a_real_directory_reads_as_a_plausible_filesystem() {
         let dir = std::env::temp_dir();
-        let report = read(&dir).unwrap();
+        let report = crate::host_fs::usage(&dir).unwrap();
         assert!(report.total > 0, "{report:?}");
         assert!(report.free <= report.total, "{report:?}");
         assert_eq!(DiskReport::parse(&report.render()).unwrap(), report);
         let missing =
-            read(&dir.join(format!("imp-disk-missing-{}", std::process::id()))).unwrap_err();
+            crate::host_fs::usage(&dir.join(format!("imp-disk-missing-{}", std::process::id())))
+                .unwrap_err();
         assert_eq!(missing.kind(), std::io::ErrorKind::NotFound);
     }
 }

@@ -229,8 +229,8 @@ impl StateDir {
         validate_name(id)?;
         let dir = self.vm_dir(id);
         let vms = self.root.join("vms");
-        create_private_dir_all(&vms).map_err(io("creating", &vms))?;
-        match private_dir_builder(false).create(&dir) {
+        crate::host_fs::create_private_dir_all(&vms).map_err(io("creating", &vms))?;
+        match crate::host_fs::private_dir_builder(false).create(&dir) {
             Ok(()) => Ok(dir),
             Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Err(StateError::NameTaken {
                 name: id.to_owned(),
@@ -512,21 +512,6 @@ impl StateDir {
             }
         }
     }
-}
-
-/// A directory builder that makes owner-only (0700) directories, created so rather than
-/// changed after (no moment in which another user may open them).
-fn private_dir_builder(recursive: bool) -> std::fs::DirBuilder {
-    use std::os::unix::fs::DirBuilderExt as _;
-    let mut b = std::fs::DirBuilder::new();
-    b.recursive(recursive).mode(0o700);
-    b
-}
-
-/// Creates `path` and any missing parent as owner-only (0700) directories; those that exist
-/// are left as they are. For what holds a VM's Secrets: its directory, its snapshots.
-pub fn create_private_dir_all(path: &Path) -> std::io::Result<()> {
-    private_dir_builder(true).create(path)
 }
 
 /// Whether claim `owner` names a VM directory (`ROOT/vms/ID`) whose state directory `ROOT` no
@@ -1074,7 +1059,7 @@ mod tests {
         write_json(&dir.join(super::super::spec::SPEC_FILE), &spec).unwrap();
         state.save(&state_record("vm1")).unwrap();
         let snap = state.snapshot_dir("vm1");
-        create_private_dir_all(&snap).unwrap();
+        crate::host_fs::create_private_dir_all(&snap).unwrap();
         nix::sys::stat::umask(old);
         let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
         assert_eq!(mode(&dir), 0o700, "the VM's directory");

@@ -1636,7 +1636,7 @@ pub async fn pull(reference: &str, dest: &Path, auth: &RegistryAuth) -> Result<P
 
     // Owner-only: the snapshot holds its source VM's memory and environment (Secrets).
     let d = dest.to_path_buf();
-    tokio::task::spawn_blocking(move || crate::runtime::state::create_private_dir_all(&d))
+    tokio::task::spawn_blocking(move || crate::host_fs::create_private_dir_all(&d))
         .await
         .map_err(io::Error::other)
         .and_then(|r| r)

@@ -36,9 +36,6 @@ use serde_json::{Value, json};
 
 use crate::metrics::Metrics;
 
-/// Field manager of the operator's ImpNetwork writes.
-pub const FIELD_MANAGER: &str = "imp-operator";
-
 /// Attempts of one allocation or release against 409 conflicts.
 pub const CONFLICT_ATTEMPTS: u32 = 8;
 
@@ -177,7 +174,7 @@ pub async fn write_status(
         "status": diff,
     });
     let params = PatchParams {
-        field_manager: Some(FIELD_MANAGER.to_owned()),
+        field_manager: Some(crate::FIELD_MANAGER.to_owned()),
         ..Default::default()
     };
     Api::<ImpNetwork>::namespaced(client.clone(), &net.namespace().unwrap_or_default())

@@ -155,7 +155,7 @@ impl Ctx {
         let body =
             json!({"metadata": {"finalizers": fins, "resourceVersion": net.resource_version()}});
         let params = PatchParams {
-            field_manager: Some(ipam::FIELD_MANAGER.to_owned()),
+            field_manager: Some(crate::FIELD_MANAGER.to_owned()),
             ..Default::default()
         };
         match Api::<ImpNetwork>::namespaced(
@@ -327,7 +327,7 @@ pub async fn run(
         recorder: Recorder::new(
             client.clone(),
             Reporter {
-                controller: ipam::FIELD_MANAGER.to_owned(),
+                controller: crate::FIELD_MANAGER.to_owned(),
                 instance,
             },
         ),

@@ -52,9 +52,9 @@ use kube::{Resource, ResourceExt};
 use serde_json::json;
 
 use self::decide::{Note, Plan};
+use crate::FIELD_MANAGER;
 use crate::metrics::{Metrics, Write};
 use crate::names;
-use crate::vm::FIELD_MANAGER;
 use imp_api::shared::ANNOTATION_SNAPSHOT_NODE as SNAPSHOT_NODE;
 
 /// The resource label of this controller's writes in `imp_operator_conflicts_total`.

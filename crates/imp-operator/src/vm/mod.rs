@@ -116,9 +116,7 @@ const MAX_ROUNDS: usize = 6;
 /// Finalizer the operator holds on every placed ImpVM until the agent has cleaned up.
 pub const FINALIZER: &str = "imp.dev/vm-cleanup";
 
-/// Field manager of every operator write.
-pub const FIELD_MANAGER: &str = "imp-operator";
-
+use crate::FIELD_MANAGER;
 /// Attempts of one reconcile against 409 conflicts before it is requeued.
 pub const CONFLICT_ATTEMPTS: u32 = 5;
 

@@ -753,7 +753,7 @@ async fn disk_failure_what(what: String, dir: &Path, e: &imp_image::ImageError) 
         return what;
     }
     let d = dir.to_path_buf();
-    let report = tokio::task::spawn_blocking(move || crate::node::disk::read(&d))
+    let report = tokio::task::spawn_blocking(move || crate::host_fs::usage(&d))
         .await
         .ok()
         .and_then(Result::ok);

@@ -83,7 +83,7 @@ async fn take_inner<V: Vmm>(
 ) -> Result<(Manifest, u64), String> {
     let dest = req.dest.clone();
     // Owner-only: memory, disk and initramfs hold the VM's Secrets.
-    blocking(move || state::create_private_dir_all(&dest))
+    blocking(move || crate::host_fs::create_private_dir_all(&dest))
         .await
         .map_err(|e| format!("creating {}: {e}", req.dest.display()))?;
     let t = Instant::now();

@@ -124,7 +124,7 @@ pub async fn suspend_vm<V: Vmm>(
     let prepared = tokio::task::spawn_blocking(move || -> std::io::Result<u64> {
         let _ = std::fs::remove_dir_all(&d);
         // Owner-only: the VM's memory holds its Secrets.
-        state::create_private_dir_all(&d)?;
+        crate::host_fs::create_private_dir_all(&d)?;
         free_bytes(&d)
     })
     .await
