@@ -159,7 +159,7 @@ impl Metrics {
     }
 
     /// Counts one sight of a Lease labelled as an agent's that the operator ignored
-    /// (`reason`: an [`crate::fencing::Ignored`] label).
+    /// (`reason`: an [`crate::placement::fencing::Ignored`] label).
     pub fn agent_lease_ignored(&self, reason: &str) {
         self.agent_leases_ignored
             .get_or_create(&ReasonLabels {
@@ -390,7 +390,7 @@ fn register_ipam(
 /// `imp_operator_agent_leases_ignored_total`, every reason at 0.
 fn register_agent_leases(registry: &mut Registry) -> Family<ReasonLabels, Counter> {
     let ignored = Family::<ReasonLabels, Counter>::default();
-    for why in crate::fencing::Ignored::ALL {
+    for why in crate::placement::fencing::Ignored::ALL {
         let _ = ignored.get_or_create(&ReasonLabels {
             reason: why.as_str().to_owned(),
         });

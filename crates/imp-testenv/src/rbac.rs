@@ -44,7 +44,7 @@ pub const OPERATOR_POLICY: &str = include_str!("../../../charts/imp/files/policy
 pub const POLICY_RESERVATION_IMAGE: &str = "${RESERVATION_IMAGE}";
 
 /// The reservation image the harness admits for the operator: `imp operator`'s default
-/// (`imp_operator::reservation::DEFAULT_IMAGE`), which the tests run it with.
+/// (`imp_operator::placement::reservation::DEFAULT_IMAGE`), which the tests run it with.
 pub const RESERVATION_IMAGE: &str = "registry.k8s.io/pause:3.10";
 
 /// The agent's ServiceAccount, in the install namespace.

@@ -11,10 +11,10 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use anyhow::Context;
-use imp_operator::fencing::Trust;
 use imp_operator::leader::LeaseConfig;
+use imp_operator::placement::fencing::Trust;
+use imp_operator::placement::reservation::PodSettings;
 use imp_operator::process::{self, Config};
-use imp_operator::reservation::PodSettings;
 use imp_operator::vm::Settings;
 
 use crate::shutdown;
@@ -94,7 +94,7 @@ pub struct Args {
     #[arg(long)]
     no_reservation_pods: bool,
     /// The image of reservation Pods (a pause image the nodes can pull).
-    #[arg(long, default_value = imp_operator::reservation::DEFAULT_IMAGE)]
+    #[arg(long, default_value = imp_operator::placement::reservation::DEFAULT_IMAGE)]
     reservation_image: String,
     /// The PriorityClass of reservation Pods (one high enough that no Pod preempts them; the
     /// chart ships `imp-vm-reservation`). Empty: none.
@@ -268,7 +268,10 @@ mod tests {
         assert!(c.webhook.is_none());
         assert_eq!(c.ops_addr, "0.0.0.0:8080".parse().unwrap());
         let pods = c.settings.reservations.unwrap();
-        assert_eq!(pods.image, imp_operator::reservation::DEFAULT_IMAGE);
+        assert_eq!(
+            pods.image,
+            imp_operator::placement::reservation::DEFAULT_IMAGE
+        );
         // The test harness admits the operator's reservation Pods of this image only.
         assert_eq!(pods.image, imp_testenv::rbac::RESERVATION_IMAGE);
         assert_eq!(c.settings.agent_leases, Trust::default());

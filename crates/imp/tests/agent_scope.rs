@@ -19,7 +19,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use imp_operator::reservation::{PodSettings, Reservation};
+use imp_operator::placement::reservation::{PodSettings, Reservation};
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::api::{
@@ -374,7 +374,7 @@ async fn an_agents_node_bound_token_writes_only_what_belongs_to_its_own_node() {
 fn reservation(admin_vm: &DynamicObject, name: &str) -> Pod {
     let uid = admin_vm.metadata.uid.clone().unwrap();
     let r = Reservation::of(NS, "vm-node-a", &uid, A, (1, 256), false, true).unwrap();
-    let mut pod = imp_operator::reservation::pod(&r, &PodSettings::default());
+    let mut pod = imp_operator::placement::reservation::pod(&r, &PodSettings::default());
     pod.metadata.name = Some(name.to_owned());
     pod
 }

@@ -21,9 +21,9 @@ use serde_json::{Value, json};
 use super::address::needs_address;
 use super::conditions::{Note, has_cond, set_cond};
 use super::evict;
+use super::lifecycle::{self, RestartDecision, RestartState};
 use super::world::Resolved;
 use super::{FINALIZER, Settings};
-use crate::lifecycle::{self, RestartDecision, RestartState};
 use crate::resolve::MissingRef;
 
 /// Everything a decision reads besides the VM, read once per reconcile.
@@ -40,8 +40,8 @@ pub(super) struct World<'a> {
     /// needs it: placed, and deleting or in a non-terminal phase).
     pub node: Option<&'a Node>,
     /// How long the agent of the VM's node has been silent, when it keeps a Lease (it fences
-    /// its VMs once silent past the deadline; see [`crate::fencing`]).
-    pub agent: Option<crate::fencing::Silence>,
+    /// its VMs once silent past the deadline; see [`crate::placement::fencing`]).
+    pub agent: Option<crate::placement::fencing::Silence>,
 }
 
 /// After a plan is written: decide again on the written VM, or end the reconcile.
@@ -1294,7 +1294,7 @@ mod tests {
                     settings: &settings,
                     resolved: &r,
                     node: Some(&lost),
-                    agent: Some(crate::fencing::Silence {
+                    agent: Some(crate::placement::fencing::Silence {
                         silent: Duration::from_secs(silent),
                         deadline: Duration::from_secs(40),
                     }),
@@ -1488,7 +1488,7 @@ mod tests {
             settings: &settings,
             resolved: &r,
             node: None,
-            agent: Some(crate::fencing::Silence {
+            agent: Some(crate::placement::fencing::Silence {
                 silent: Duration::from_secs(silent),
                 deadline: Duration::from_secs(40),
             }),

@@ -88,7 +88,7 @@ fn applies(taint: &Taint) -> bool {
 fn limit(taint: &Taint, tolerations: &[Toleration]) -> Option<Option<i64>> {
     let matching: Vec<&Toleration> = tolerations
         .iter()
-        .filter(|t| crate::schedule::tolerated(taint, std::slice::from_ref(*t)))
+        .filter(|t| crate::placement::schedule::tolerated(taint, std::slice::from_ref(*t)))
         .collect();
     if matching.is_empty() {
         return None;

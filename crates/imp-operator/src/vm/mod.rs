@@ -3,7 +3,7 @@
 //! It watches ImpVMs and maps changes of Nodes, ImpVMClasses, ImpVMTemplates, ImpNetworks,
 //! ClusterImpConfig and ClusterImpNodeProfiles to the VMs they affect. One reconcile reads the
 //! world once ([`world`]: resolution through [`crate::resolve`], the VM's node), asks the pure
-//! [`decide`] (on top of [`crate::schedule`] and [`crate::lifecycle`]) what the VM needs, and
+//! [`decide`] (on top of [`crate::placement::schedule`] and [`lifecycle`]) what the VM needs, and
 //! writes the resulting plan in one place ([`apply`]); placement ([`place`]) and deletion
 //! ([`finalize`]) have their own rooms, [`conditions`] the status conditions and Events they all
 //! write, and [`write`] holds the preconditioned patches.
@@ -12,9 +12,9 @@
 //! Every write is a JSON merge patch that carries the `metadata.resourceVersion` it was computed
 //! from, so a write based on a stale read fails with 409 instead of clobbering someone else's.
 //! On 409 the reconcile re-reads the VM from the API server and decides again, at most
-//! [`CONFLICT_ATTEMPTS`] times with jittered backoff ([`crate::lifecycle::conflict_backoff`]).
+//! [`CONFLICT_ATTEMPTS`] times with jittered backoff ([`lifecycle::conflict_backoff`]).
 //! Each 409 is counted in `imp_operator_conflicts_total`, and the VMs whose watch triggers wait
-//! for a reconcile to start in `imp_operator_reconcile_backlog` ([`crate::backlog`]).
+//! for a reconcile to start in `imp_operator_reconcile_backlog` ([`backlog`]).
 //! Status is written to the status subresource only, with `status.observedGeneration` set to
 //! the `metadata.generation` of the VM the write was decided on. Reconciles are idempotent: each
 //! step checks whether its effect is already there.
@@ -58,7 +58,7 @@
 //! - Restart in place: the operator moves a Failed VM back to `Scheduled` on the same node; the
 //!   agent starts it again. Reschedule: the operator clears `spec.nodeName` and the VM is placed
 //!   anew. A persistent VM without a restart policy follows
-//!   [`crate::lifecycle::default_restart_policy`].
+//!   [`lifecycle::default_restart_policy`].
 //! - Expiry: a VM with `expireAfter` is deleted at `status.expiresAt` (from `runningAt`, else
 //!   from `finishedAt`), running or ended; its deletion then goes as any other.
 //! - Conditions: the operator owns `Scheduled` and `NodeHealthy`, and writes `Ready` only to say
@@ -68,10 +68,12 @@
 
 mod address;
 mod apply;
+pub mod backlog;
 mod conditions;
 mod decide;
 mod evict;
 mod finalize;
+pub mod lifecycle;
 mod place;
 mod reserve;
 mod rollout;
@@ -101,12 +103,11 @@ use kube::runtime::watcher;
 
 use self::apply::Outcome;
 use self::decide::{Decision, World};
-use crate::backlog::Tracker;
 use crate::ipam::{self, Ipam};
-use crate::ledger::Ledger;
-use crate::lifecycle;
 use crate::metrics::Metrics;
 use crate::names;
+use crate::placement::ledger::Ledger;
+use backlog::Tracker;
 use imp_ops::Health;
 
 /// Decide-and-write rounds of one reconcile before it requeues (each round that continues
@@ -144,17 +145,17 @@ pub struct Settings {
     /// of its lost node are moved: covers the agent's once-a-second check and the kill.
     pub fence_margin: Duration,
     /// Which agent Leases count: the agents' namespace and the deadline they are expected to
-    /// fence by ([`crate::fencing`]).
-    pub agent_leases: crate::fencing::Trust,
+    /// fence by ([`crate::placement::fencing`]).
+    pub agent_leases: crate::placement::fencing::Trust,
     /// Count suspended VMs' memory as free (the Go overcommit rule).
     pub overcommit_suspended: bool,
     /// Reconciles running at once.
     pub concurrency: u16,
     /// Reporter instance in Events (the replica identity).
     pub instance: Option<String>,
-    /// How reservation Pods are made ([`crate::reservation`]); `None`: none are made, and
+    /// How reservation Pods are made ([`crate::placement::reservation`]); `None`: none are made, and
     /// Kubernetes does not see what VMs hold.
-    pub reservations: Option<crate::reservation::PodSettings>,
+    pub reservations: Option<crate::placement::reservation::PodSettings>,
 }
 
 impl Default for Settings {
@@ -169,11 +170,11 @@ impl Default for Settings {
             node_loss_grace: Duration::from_secs(40),
             start_timeout: Duration::from_secs(300),
             fence_margin: Duration::from_secs(10),
-            agent_leases: crate::fencing::Trust::default(),
+            agent_leases: crate::placement::fencing::Trust::default(),
             overcommit_suspended: true,
             concurrency: 8,
             instance: None,
-            reservations: Some(crate::reservation::PodSettings::default()),
+            reservations: Some(crate::placement::reservation::PodSettings::default()),
         }
     }
 }
@@ -250,7 +251,7 @@ pub struct Context {
     /// Pods that are not finished, for what they request of their nodes.
     pods: Store<Pod>,
     /// When each node's agent was last seen renewing its Lease.
-    agent_leases: Arc<std::sync::Mutex<crate::fencing::AgentLeases>>,
+    agent_leases: Arc<std::sync::Mutex<crate::placement::fencing::AgentLeases>>,
     recorder: Recorder,
     /// Per-node usage and this process's own writes; its lock is the scheduling lock.
     ledger: Arc<std::sync::Mutex<Ledger>>,

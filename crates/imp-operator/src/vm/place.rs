@@ -17,8 +17,8 @@ use kube::runtime::controller::Action;
 use super::conditions::{Note, has_cond, set_cond};
 use super::world::{Resolved, live_size};
 use super::{Context, Error, key};
-use crate::ledger;
-use crate::schedule::{self, Request};
+use crate::placement::ledger;
+use crate::placement::schedule::{self, Request};
 
 /// The status of a VM just placed on `node` (whose node was Ready in the cache it was picked
 /// from: say so now, as the next reconcile would, so that one has nothing to write).

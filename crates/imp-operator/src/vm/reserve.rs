@@ -1,4 +1,4 @@
-//! Reservation Pods kept in step with what every VM holds ([`crate::reservation`] decides).
+//! Reservation Pods kept in step with what every VM holds ([`crate::placement::reservation`] decides).
 //!
 //! Two paths write them:
 //! - placement creates the reservation of the node it booked **before** `spec.nodeName` is
@@ -23,7 +23,7 @@ use kube::runtime::reflector::Store;
 use tokio::sync::Notify;
 
 use super::{Context, key};
-use crate::reservation::{self, Existing, Op, PodSettings, Reservation};
+use crate::placement::reservation::{self, Existing, Op, PodSettings, Reservation};
 
 /// The longest a change goes unnoticed if a watch event was missed.
 pub const SYNC_EVERY: Duration = Duration::from_secs(30);

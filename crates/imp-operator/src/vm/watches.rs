@@ -25,12 +25,12 @@ use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 use tokio::sync::Notify;
 
+use super::backlog::Tracker;
 use super::world::{observe, resized};
 use super::{key, phase_counts};
-use crate::backlog::Tracker;
-use crate::fencing::{AgentLeases, Trust, Verdict};
-use crate::ledger::Ledger;
 use crate::metrics::Metrics;
+use crate::placement::fencing::{AgentLeases, Trust, Verdict};
+use crate::placement::ledger::Ledger;
 
 /// The objects of one kind a watch sees change.
 pub(super) type Changes<K> = BoxStream<'static, Result<K, watcher::Error>>;
@@ -269,9 +269,10 @@ pub(super) fn reservation_pods(
     changed: Arc<Notify>,
 ) -> Store<Pod> {
     let (reader, writer) = reflector::store::<Pod>();
-    let cfg = wc
-        .clone()
-        .labels(&format!("{}=true", crate::reservation::LABEL_RESERVATION));
+    let cfg = wc.clone().labels(&format!(
+        "{}=true",
+        crate::placement::reservation::LABEL_RESERVATION
+    ));
     let stream = reflector::reflector(writer, watcher(Api::<Pod>::all(client.clone()), cfg))
         .default_backoff()
         .touched_objects()

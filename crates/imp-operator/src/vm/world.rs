@@ -15,9 +15,9 @@ use kube::runtime::watcher;
 
 use super::write::kube_err;
 use super::{Context, Error, key};
-use crate::ledger::{Ledger, SizeRef};
+use crate::placement::ledger::{Ledger, SizeRef};
+use crate::placement::schedule::{self, NodeView, Policy};
 use crate::resolve::{self, MissingRef};
-use crate::schedule::{self, NodeView, Policy};
 
 /// A VM's resolved spec and class size.
 #[derive(Clone, Debug, PartialEq)]
@@ -201,7 +201,7 @@ impl Context {
     }
 
     /// How silent the agent of `vm`'s node is, if it keeps a Lease.
-    pub(super) fn agent_silence(&self, vm: &ImpVM) -> Option<crate::fencing::Silence> {
+    pub(super) fn agent_silence(&self, vm: &ImpVM) -> Option<crate::placement::fencing::Silence> {
         let node = vm.spec.node_name.as_deref()?;
         let leases = self
             .agent_leases
@@ -212,7 +212,7 @@ impl Context {
 
     pub(super) fn node_views(&self) -> Vec<NodeView> {
         let pods = self.pods.state();
-        let loads = crate::reservation::node_loads(pods.iter().map(AsRef::as_ref));
+        let loads = crate::placement::reservation::node_loads(pods.iter().map(AsRef::as_ref));
         let mut nodes: Vec<NodeView> = self
             .nodes
             .state()

@@ -9,8 +9,8 @@ use kube::{Resource, ResourceExt};
 use serde_json::{Value, json};
 
 use super::{Context, Error, FIELD_MANAGER, FINALIZER, key};
-use crate::ledger::Booking;
 use crate::metrics::Write;
+use crate::placement::ledger::Booking;
 
 /// The resource label of the controller's writes in `imp_operator_conflicts_total`.
 const CONFLICT_RESOURCE: &str = "impvm";

@@ -217,7 +217,7 @@ pub async fn bind_live(
 
 impl Webhook {
     /// Whether an ImpVM CREATE that a namespace's ResourceQuota would refuse (through the VM's
-    /// reservation Pod, [`crate::reservation`]) is refused at admission; on by default, off
+    /// reservation Pod, [`crate::placement::reservation`]) is refused at admission; on by default, off
     /// when the operator makes no reservation Pods (quotas then do not count VMs' size).
     #[must_use]
     pub fn with_quota_preview(self, on: bool) -> Self {
@@ -712,7 +712,7 @@ async fn quota_preview(
     vm: &ImpVM,
     size: (i64, i64),
 ) -> Option<String> {
-    use crate::reservation::{self, PodSettings, Reservation};
+    use crate::placement::reservation::{self, PodSettings, Reservation};
     use k8s_openapi::api::core::v1::Pod;
     let name = vm
         .metadata

@@ -1,7 +1,7 @@
 //! Node choice for one ImpVM: eligibility, taints and tolerations, capacity, tie-break.
 //!
 //! Pure logic: the controller builds a [`NodeView`] per Node, takes the [`NodeUsage`] per node
-//! that [`crate::ledger`] keeps from every VM it knows of (its cache plus the placements it made
+//! that [`crate::placement::ledger`] keeps from every VM it knows of (its cache plus the placements it made
 //! that the cache may not show yet), then calls [`pick`].
 //!
 //! # Eligibility, in the order reasons are reported
@@ -26,10 +26,10 @@
 //! fits VMs by memory). Otherwise capacity is `status.allocatable × fraction`, where the fraction
 //! is the profile's `capacityFraction`, else ClusterImpConfig `cluster`'s `defaultFraction`, else
 //! 0.9. Usage is the sum of each VM's **own** size (not the size of the VM being placed): the
-//! size it was booked with when placed, else its live class (see [`crate::ledger`]).
+//! size it was booked with when placed, else its live class (see [`crate::placement::ledger`]).
 //!
 //! Pods share the node: what the Pods bound to it request ([`NodeView::pods`], see
-//! [`crate::reservation`]) is taken from the node's total before VMs are fitted, the total being
+//! [`crate::placement::reservation`]) is taken from the node's total before VMs are fitted, the total being
 //! its allocatable (or the profile's explicit capacity where that is larger: an admin who
 //! declares more than allocatable overcommits on purpose). A VM fits when it fits both imp's
 //! share and what the Pods left: `free = min(capacity − VMs, total − Pods − VMs)`.
@@ -54,8 +54,8 @@ use imp_api::shared::{
 };
 use k8s_openapi::api::core::v1::{Node, Taint, Toleration};
 
-use crate::quantity::{parse_bytes, parse_cpu_milli};
-use crate::reservation::Load;
+use crate::placement::quantity::{parse_bytes, parse_cpu_milli};
+use crate::placement::reservation::Load;
 
 /// The capacity fraction used when neither the profile nor the cluster config sets one.
 pub const DEFAULT_FRACTION: f64 = 0.9;

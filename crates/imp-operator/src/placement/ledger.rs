@@ -10,7 +10,7 @@
 //! A VM counts on the node this process last wrote to its `spec.nodeName` until the watch shows
 //! that node (the watch lags its own writes by a few milliseconds), else on the node the watch
 //! shows. A write that failed takes its booking back. Terminal phases hold nothing; a suspended
-//! VM holds memory only (see [`crate::schedule`]).
+//! VM holds memory only (see [`crate::placement::schedule`]).
 //!
 //! Its size, in this order:
 //! 1. its booking (`status.booking`, [`imp_api::vm::Booking`]): the size it was placed with and
@@ -35,7 +35,7 @@ use imp_api::shared::{ANNOTATION_PLACED_RESOURCES, PlacedSize};
 use imp_api::vm::{ImpVM, VmPhase};
 use kube::ResourceExt;
 
-use crate::schedule::NodeUsage;
+use crate::placement::schedule::NodeUsage;
 
 /// Known-stale resourceVersions kept per VM; older ones are forgotten first.
 const STALE_VERSIONS: usize = 8;
@@ -331,7 +331,7 @@ impl Ledger {
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
-    use crate::schedule::{self, NodeView, Policy, Request};
+    use crate::placement::schedule::{self, NodeView, Policy, Request};
     use imp_api::shared::LABEL_NODE_ENABLED;
     use imp_api::vm::ImpVMStatus;
 

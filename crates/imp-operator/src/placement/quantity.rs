@@ -1,6 +1,6 @@
 //! Kubernetes resource quantities ("4", "3500m", "8Gi", "1G") as numbers: CPU in millicores,
-//! memory in bytes. The scheduler reads node capacity with them ([`crate::schedule`]) and the
-//! reservation Pods' requests ([`crate::reservation`]); neither owns them.
+//! memory in bytes. The scheduler reads node capacity with them ([`crate::placement::schedule`]) and the
+//! reservation Pods' requests ([`crate::placement::reservation`]); neither owns them.
 
 /// Parses a Kubernetes CPU quantity ("4", "3500m", "0.5") into millicores.
 pub fn parse_cpu_milli(q: &str) -> Option<i64> {

@@ -5,14 +5,14 @@
 //! fix that, both pure here (the controller's `reserve` room applies them):
 //! - **Pods count against VMs**: the scheduler subtracts the requests of the Pods bound to a
 //!   node ([`node_loads`], with Kubernetes' own rule for init and sidecar containers and Pod
-//!   overhead) before it places a VM there (see [`crate::schedule`]).
+//!   overhead) before it places a VM there (see [`crate::placement::schedule`]).
 //! - **VMs count against Pods**: every VM that holds cpu or memory on a node has one
 //!   *reservation Pod* in its namespace ([`pod`]), bound to the node with `spec.nodeName` (no
 //!   scheduler involved), requesting (and limited to) exactly the vCPU and memory the VM holds
 //!   there, running only a pause container. kube-scheduler then places no Pod onto the VM's
 //!   share, the kubelet admits none onto it, and a namespace's ResourceQuota (`requests.cpu`,
 //!   `requests.memory`, `limits.*`, `pods`) counts its VMs as it counts its Pods. A suspended VM
-//!   whose memory is overcommitted ([`crate::schedule::Policy::overcommit_suspended`]) holds
+//!   whose memory is overcommitted ([`crate::placement::schedule::Policy::overcommit_suspended`]) holds
 //!   nothing and has no reservation; one whose memory stays reserved keeps a memory-only one.
 //!
 //! A reservation Pod carries label [`LABEL_RESERVATION`] and is controlled by its ImpVM (owner
@@ -29,7 +29,7 @@ use k8s_openapi::api::core::v1::{
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
 
-use crate::quantity::{parse_bytes, parse_cpu_milli};
+use crate::placement::quantity::{parse_bytes, parse_cpu_milli};
 
 /// Label on every reservation Pod (value `"true"`).
 pub const LABEL_RESERVATION: &str = "imp.dev/reservation";
