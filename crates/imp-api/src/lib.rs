@@ -41,15 +41,7 @@ pub mod crd;
 pub mod duration;
 pub mod inputs;
 pub mod ipv4;
-// kube::KubeSchema copies a spec's `#[serde(remote = "Self")]` (see spec_may_be_absent) onto its
-// private schema shadow, whose serde code is then never called: rustc reports the shadow's fields
-// as never read. The public types themselves are not dead.
-#[allow(dead_code)]
 pub mod network;
-// kube::KubeSchema copies a spec's `#[serde(remote = "Self")]` (see spec_may_be_absent) onto its
-// private schema shadow, whose serde code is then never called: rustc reports the shadow's fields
-// as never read. The public types themselves are not dead.
-#[allow(dead_code)]
 pub mod pools;
 pub mod refusal;
 pub mod resolve;
@@ -57,17 +49,9 @@ pub mod schema;
 pub mod shared;
 pub mod snapshot;
 pub mod status_patch;
-// kube::KubeSchema copies a spec's `#[serde(remote = "Self")]` (see spec_may_be_absent) onto its
-// private schema shadow, whose serde code is then never called: rustc reports the shadow's fields
-// as never read. The public types themselves are not dead.
-#[allow(dead_code)]
 pub mod template;
 pub mod unsupported;
 pub mod validation;
-// kube::KubeSchema copies a spec's `#[serde(remote = "Self")]` (see spec_may_be_absent) onto its
-// private schema shadow, whose serde code is then never called: rustc reports the shadow's fields
-// as never read. The public types themselves are not dead.
-#[allow(dead_code)]
 pub mod vm;
 
 pub use class::{ImpVMClass, ImpVMClassSpec};

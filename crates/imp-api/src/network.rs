@@ -15,9 +15,7 @@ use crate::ipv4::{CidrError, Ipv4Cidr};
 pub const GO_CIDR_PATTERN: &str = r"^([0-9]{1,3}\.){3}[0-9]{1,3}/[0-9]{1,2}$";
 
 /// The network a VM attaches to.
-#[derive(
-    CustomResource, Clone, Debug, Default, PartialEq, Serialize, Deserialize, kube::KubeSchema,
-)]
+#[derive(CustomResource, Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[kube(
     group = "imp.dev",
     version = "v1alpha1",
@@ -38,7 +36,7 @@ pub const GO_CIDR_PATTERN: &str = r"^([0-9]{1,3}\.){3}[0-9]{1,3}/[0-9]{1,2}$";
     derive = "Default",
     derive = "PartialEq"
 )]
-#[x_kube(validation = kube::core::Rule::new("!has(self.ipam) || self.ipam.provider != 'cilium' || (has(self.ipam.cilium) && has(self.ipam.cilium.poolRef) && self.ipam.cilium.poolRef != '')").message("spec.ipam.cilium.poolRef is required when spec.ipam.provider is cilium"))]
+#[schemars(transform = crate::schema::network_spec)]
 #[serde(rename_all = "camelCase", remote = "Self")]
 pub struct ImpNetworkSpec {
     /// IPv4 subnet of the network, e.g. 10.44.0.0/24.

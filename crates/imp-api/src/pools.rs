@@ -8,9 +8,7 @@ use serde::{Deserialize, Serialize};
 use crate::duration::GoDuration;
 
 /// A pool of VMs restored from an elected snapshot, kept at `size`.
-#[derive(
-    CustomResource, Clone, Debug, Default, PartialEq, Serialize, Deserialize, kube::KubeSchema,
-)]
+#[derive(CustomResource, Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[kube(
     group = "imp.dev",
     version = "v1alpha1",
@@ -43,8 +41,7 @@ pub struct ImpWarmPoolSpec {
     pub template_name: String,
     /// Expiry of members; 0 or at least 60s.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[x_kube(validation = crate::shared::expire_after_rule())]
-    #[schemars(transform = crate::schema::no_pattern)]
+    #[schemars(transform = crate::schema::expire_after)]
     pub expire_after: Option<GoDuration>,
 }
 
@@ -69,9 +66,7 @@ pub struct ImpWarmPoolStatus {
 }
 
 /// CI runner VMs created on demand from a template.
-#[derive(
-    CustomResource, Clone, Debug, Default, PartialEq, Serialize, Deserialize, kube::KubeSchema,
-)]
+#[derive(CustomResource, Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[kube(
     group = "imp.dev",
     version = "v1alpha1",
@@ -94,14 +89,7 @@ pub struct ImpWarmPoolStatus {
     derive = "Default",
     derive = "PartialEq"
 )]
-#[x_kube(
-    validation = kube::core::Rule::new("self.platform.type != 'github-actions' || has(self.scaling)").message("spec.scaling is required for github-actions"),
-    validation = kube::core::Rule::new("self.platform.type != 'github-actions' || !has(self.scaling) || has(self.scaling.mode)").message("spec.scaling.mode is required for github-actions"),
-    validation = kube::core::Rule::new("self.platform.type != 'github-actions' || !has(self.scaling) || (has(self.scaling.minIdle) && has(self.scaling.maxConcurrent) && has(self.scaling.scaleUpStep) && has(self.scaling.cooldownSeconds))").message("spec.scaling.minIdle, maxConcurrent, scaleUpStep and cooldownSeconds must all be set for github-actions"),
-    validation = kube::core::Rule::new("self.platform.type != 'github-actions' || !has(self.scaling) || !has(self.scaling.minIdle) || !has(self.scaling.maxConcurrent) || self.scaling.minIdle <= self.scaling.maxConcurrent").message("spec.scaling.minIdle must not exceed spec.scaling.maxConcurrent"),
-    validation = kube::core::Rule::new("self.platform.type != 'github-actions' || !has(self.scaling) || !has(self.scaling.mode) || self.scaling.mode == 'webhook' || has(self.scaling.polling)").message("spec.scaling.polling is required for polling and hybrid modes"),
-    validation = kube::core::Rule::new("self.platform.type != 'github-actions' || !has(self.scaling) || !has(self.scaling.mode) || self.scaling.mode == 'polling' || (has(self.scaling.webhook) && has(self.scaling.webhook.secretRef) && size(self.scaling.webhook.secretRef) > 0)").message("spec.scaling.webhook.secretRef is required for webhook and hybrid modes"),
-)]
+#[schemars(transform = crate::schema::runner_pool_spec)]
 // The scaling rules apply to github-actions pools only, as in the Go project's CRD.
 #[serde(rename_all = "camelCase", remote = "Self")]
 pub struct ImpVMRunnerPoolSpec {
@@ -123,8 +111,7 @@ pub struct ImpVMRunnerPoolSpec {
     pub job_detection: Option<JobDetection>,
     /// Expiry of runner VMs; 0 or at least 60s.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[x_kube(validation = crate::shared::expire_after_rule())]
-    #[schemars(transform = crate::schema::no_pattern)]
+    #[schemars(transform = crate::schema::expire_after)]
     pub expire_after: Option<GoDuration>,
 }
 

@@ -1,6 +1,11 @@
 //! Schema adjustments where what schemars derives differs from the Go project's CRDs, applied
 //! with `#[schemars(transform = ...)]` on the fields concerned (tests/go_compat.rs measures the
-//! result against the Go CRDs themselves).
+//! result against the Go CRDs themselves), and the CEL rules of the specs that may be absent.
+//!
+//! Those specs (`spec_may_be_absent!`) carry `#[serde(remote = "Self")]`; kube's `KubeSchema`
+//! derive would copy that onto a private twin of the struct whose serde code nobody calls, so
+//! their rules are added here, exactly as `#[x_kube(validation)]` adds them
+//! (`kube::core::validate`), and they derive plain `JsonSchema`.
 
 use schemars::Schema;
 use serde_json::{Value, json};
@@ -23,6 +28,94 @@ pub fn go_duration_pattern(schema: &mut Schema) {
 /// refuses what Go's time.ParseDuration cannot read) is the check, as in the Go project.
 pub fn no_pattern(schema: &mut Schema) {
     schema.remove("pattern");
+}
+
+/// Appends CEL rule `rule`, with `message`, to `schema`'s `x-kubernetes-validations`.
+fn add_rule(schema: &mut Schema, rule: kube::core::Rule) {
+    // Serialising a Rule (strings and an optional enum) cannot fail.
+    let _ = kube::core::validate(schema, rule);
+}
+
+fn rule(cel: &str, message: &str) -> kube::core::Rule {
+    kube::core::Rule::new(cel).message(message)
+}
+
+/// `expireAfter`: a free string (its CEL rule is the check) of 0 or at least 60s.
+pub fn expire_after(schema: &mut Schema) {
+    no_pattern(schema);
+    add_rule(schema, crate::shared::expire_after_rule());
+}
+
+/// `ImpVM.spec.idleTimeout`: a free string of at least 10s.
+pub fn idle_timeout(schema: &mut Schema) {
+    no_pattern(schema);
+    add_rule(
+        schema,
+        rule("duration(self) >= duration('10s')", "must be at least 10s"),
+    );
+}
+
+/// `ImpVM.spec`: a class or a template, and an image unless a template gives one.
+pub fn vm_spec(schema: &mut Schema) {
+    add_rule(
+        schema,
+        rule(
+            "has(self.classRef) != has(self.templateRef)",
+            "exactly one of spec.classRef or spec.templateRef must be set",
+        ),
+    );
+    add_rule(
+        schema,
+        rule(
+            "has(self.templateRef) || (has(self.image) && self.image != '')",
+            "spec.image is required when spec.classRef is used without a template",
+        ),
+    );
+}
+
+/// `ImpNetwork.spec`: a cilium pool names its pool.
+pub fn network_spec(schema: &mut Schema) {
+    add_rule(
+        schema,
+        rule(
+            "!has(self.ipam) || self.ipam.provider != 'cilium' || (has(self.ipam.cilium) && has(self.ipam.cilium.poolRef) && self.ipam.cilium.poolRef != '')",
+            "spec.ipam.cilium.poolRef is required when spec.ipam.provider is cilium",
+        ),
+    );
+}
+
+/// `ImpVMRunnerPool.spec`: the scaling rules of github-actions pools, as in the Go project's CRD.
+pub fn runner_pool_spec(schema: &mut Schema) {
+    const GITHUB: &str = "self.platform.type != 'github-actions' || ";
+    let rules = [
+        (
+            "has(self.scaling)",
+            "spec.scaling is required for github-actions",
+        ),
+        (
+            "!has(self.scaling) || has(self.scaling.mode)",
+            "spec.scaling.mode is required for github-actions",
+        ),
+        (
+            "!has(self.scaling) || (has(self.scaling.minIdle) && has(self.scaling.maxConcurrent) && has(self.scaling.scaleUpStep) && has(self.scaling.cooldownSeconds))",
+            "spec.scaling.minIdle, maxConcurrent, scaleUpStep and cooldownSeconds must all be set for github-actions",
+        ),
+        (
+            "!has(self.scaling) || !has(self.scaling.minIdle) || !has(self.scaling.maxConcurrent) || self.scaling.minIdle <= self.scaling.maxConcurrent",
+            "spec.scaling.minIdle must not exceed spec.scaling.maxConcurrent",
+        ),
+        (
+            "!has(self.scaling) || !has(self.scaling.mode) || self.scaling.mode == 'webhook' || has(self.scaling.polling)",
+            "spec.scaling.polling is required for polling and hybrid modes",
+        ),
+        (
+            "!has(self.scaling) || !has(self.scaling.mode) || self.scaling.mode == 'polling' || (has(self.scaling.webhook) && has(self.scaling.webhook.secretRef) && size(self.scaling.webhook.secretRef) > 0)",
+            "spec.scaling.webhook.secretRef is required for webhook and hybrid modes",
+        ),
+    ];
+    for (cel, message) in rules {
+        add_rule(schema, rule(&format!("{GITHUB}{cel}"), message));
+    }
 }
 
 /// An object the API server stores as written, without a schema of its own: a copy of a type

@@ -484,7 +484,9 @@ pub enum Arch {
 /// whose agent lists it in the Node annotation imp.dev/runtimes (the runtimes its probe found
 /// able to run VMs there); absent means the agent's default runtime (Firecracker where KVM
 /// boots Linux, else QEMU), on any node but one whose agent found none.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[derive(
+    Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema, strum::VariantArray,
+)]
 #[serde(rename_all = "lowercase")]
 pub enum VmRuntime {
     /// Firecracker (production default, needs a working KVM).
@@ -495,7 +497,7 @@ pub enum VmRuntime {
 
 impl VmRuntime {
     /// Every runtime, in the order [`ANNOTATION_RUNTIMES`] lists them.
-    pub const ALL: [Self; 2] = [Self::Firecracker, Self::Qemu];
+    pub const ALL: &'static [Self] = <Self as strum::VariantArray>::VARIANTS;
 
     /// The name the CRD and [`ANNOTATION_RUNTIMES`] use.
     pub fn as_str(self) -> &'static str {
@@ -520,7 +522,8 @@ impl VmRuntime {
     pub fn parse_list(value: &str) -> Vec<Self> {
         let named: Vec<&str> = value.split(',').map(str::trim).collect();
         Self::ALL
-            .into_iter()
+            .iter()
+            .copied()
             .filter(|r| named.contains(&r.as_str()))
             .collect()
     }
@@ -552,7 +555,7 @@ mod tests {
             vec![VmRuntime::Qemu]
         );
         assert_eq!(VmRuntime::parse_list(""), vec![]);
-        for r in VmRuntime::ALL {
+        for &r in VmRuntime::ALL {
             let json = serde_json::to_value(r).unwrap_or_default();
             assert_eq!(json.as_str(), Some(r.as_str()), "{r:?}");
             assert_eq!(

@@ -4,15 +4,14 @@ use std::collections::BTreeMap;
 
 use k8s_openapi::api::core::v1::Toleration;
 use kube::CustomResource;
+use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 use crate::duration::GoDuration;
 use crate::shared::{ClusterObjectRef, GuestAgentConfig, LocalObjectRef, ProbeSpec, RestartPolicy};
 
 /// A template: class, image, network and policies a VM inherits unless it sets its own.
-#[derive(
-    CustomResource, Clone, Debug, Default, PartialEq, Serialize, Deserialize, kube::KubeSchema,
-)]
+#[derive(CustomResource, Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[kube(
     group = "imp.dev",
     version = "v1alpha1",
@@ -68,8 +67,7 @@ pub struct ImpVMTemplateSpec {
     pub cilium_layer: Option<String>,
     /// Expiry of VMs made from it; 0 or at least 60s.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[x_kube(validation = crate::shared::expire_after_rule())]
-    #[schemars(transform = crate::schema::no_pattern)]
+    #[schemars(transform = crate::schema::expire_after)]
     pub expire_after: Option<GoDuration>,
     /// Node labels VMs from this template require (imp extension).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]

@@ -15,9 +15,7 @@ use crate::shared::{
 };
 
 /// What the user asks for: an image in a class of machine on a network.
-#[derive(
-    CustomResource, Clone, Debug, Default, PartialEq, Serialize, Deserialize, kube::KubeSchema,
-)]
+#[derive(CustomResource, Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[kube(
     group = "imp.dev",
     version = "v1alpha1",
@@ -40,10 +38,7 @@ use crate::shared::{
     derive = "Default",
     derive = "PartialEq"
 )]
-#[x_kube(
-    validation = kube::core::Rule::new("has(self.classRef) != has(self.templateRef)").message("exactly one of spec.classRef or spec.templateRef must be set"),
-    validation = kube::core::Rule::new("has(self.templateRef) || (has(self.image) && self.image != '')").message("spec.image is required when spec.classRef is used without a template"),
-)]
+#[schemars(transform = crate::schema::vm_spec)]
 #[serde(rename_all = "camelCase", remote = "Self")]
 pub struct ImpVMSpec {
     /// Template to inherit image, class, network and policies from.
@@ -120,8 +115,7 @@ pub struct ImpVMSpec {
     /// Delete the VM this long after it first ran (or after it ended, if it never ran), running
     /// or finished (Succeeded, Failed); 0 means never, else at least 60s.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[x_kube(validation = crate::shared::expire_after_rule())]
-    #[schemars(transform = crate::schema::no_pattern)]
+    #[schemars(transform = crate::schema::expire_after)]
     pub expire_after: Option<GoDuration>,
     /// For persistent VMs: move to another node when the node is lost.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
@@ -131,8 +125,7 @@ pub struct ImpVMSpec {
     pub desired_state: VmDesiredState,
     /// Idle time before a ScaleToZero VM suspends; at least 10s, default 5m.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[x_kube(validation = kube::core::Rule::new("duration(self) >= duration('10s')").message("must be at least 10s"))]
-    #[schemars(transform = crate::schema::no_pattern)]
+    #[schemars(transform = crate::schema::idle_timeout)]
     pub idle_timeout: Option<GoDuration>,
 }
 
@@ -148,7 +141,19 @@ pub struct UserDataSource {
 }
 
 /// Where a VM is in its life.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
+#[derive(
+    Clone,
+    Copy,
+    Debug,
+    Default,
+    PartialEq,
+    Eq,
+    Hash,
+    Serialize,
+    Deserialize,
+    JsonSchema,
+    strum::VariantArray,
+)]
 pub enum VmPhase {
     /// Waiting for a node (or for a referenced object).
     #[default]
@@ -176,6 +181,10 @@ pub enum VmPhase {
 }
 
 impl VmPhase {
+    /// Every phase, in declaration order (derived: a new phase is in it without anyone having
+    /// to remember it).
+    pub const ALL: &'static [VmPhase] = <Self as strum::VariantArray>::VARIANTS;
+
     /// Phases from which the operator never schedules the VM again on its own.
     pub fn is_terminal(self) -> bool {
         matches!(self, Self::Succeeded | Self::Failed | Self::RetryExhausted)

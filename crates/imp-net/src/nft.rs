@@ -48,7 +48,7 @@ pub const VXLAN_FOREIGN: &str = "vxlan-foreign";
 pub const EGRESS_DENIED: &str = "egress-denied";
 
 /// Why a VM's port dropped a frame.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, strum::VariantArray)]
 pub enum PortDrop {
     /// Its source MAC is not the VM's.
     Mac,
@@ -64,13 +64,7 @@ pub enum PortDrop {
 
 impl PortDrop {
     /// Every reason.
-    pub const ALL: [PortDrop; 5] = [
-        PortDrop::Mac,
-        PortDrop::Arp,
-        PortDrop::Ip,
-        PortDrop::DhcpServer,
-        PortDrop::NotIpv4,
-    ];
+    pub const ALL: &'static [Self] = <Self as strum::VariantArray>::VARIANTS;
 
     /// The metric label.
     pub fn label(self) -> &'static str {
@@ -97,7 +91,7 @@ impl PortDrop {
 
     /// The TAP and reason a counter's name stands for.
     pub fn parse_counter(name: &str) -> Option<(&str, PortDrop)> {
-        PortDrop::ALL.into_iter().find_map(|d| {
+        PortDrop::ALL.iter().copied().find_map(|d| {
             let tap = name.strip_suffix(d.counter("").as_str())?;
             super::names::is_imp(tap).then_some((tap, d))
         })
@@ -353,7 +347,7 @@ fn bridge_table(networks: &[NetPlan]) -> String {
 /// The counters and the chain that hold VM port `tap` to its VM's MAC and address.
 fn port_chain(tap: &str, port: &Port) -> String {
     let mut s = String::new();
-    for d in PortDrop::ALL {
+    for &d in PortDrop::ALL {
         let _ = writeln!(s, "  counter {} {{}}", d.counter(tap));
     }
     let _ = writeln!(s, "  chain port-{tap} {{");
@@ -583,7 +577,7 @@ mod tests {
         }
         // The MAC is checked before anything else, so a forged frame is never learned.
         assert!(chain.find("ether saddr").unwrap() < chain.find("arp saddr").unwrap());
-        for d in PortDrop::ALL {
+        for &d in PortDrop::ALL {
             assert!(s.contains(&format!(
                 "  counter {} {{}}\n",
                 d.counter("imptap-00000006")

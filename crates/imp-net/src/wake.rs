@@ -67,7 +67,7 @@ pub struct Wake {
 }
 
 /// Why a frame was dropped; each reason has its own counter.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, strum::VariantArray)]
 pub enum DropReason {
     /// Shorter than an Ethernet header.
     Short,
@@ -90,16 +90,7 @@ pub enum DropReason {
 
 impl DropReason {
     /// Every reason, in counter order.
-    pub const ALL: [DropReason; 8] = [
-        DropReason::Short,
-        DropReason::Vlan,
-        DropReason::OtherEtherType,
-        DropReason::ArpMalformed,
-        DropReason::ArpNotRequest,
-        DropReason::ArpNotForVm,
-        DropReason::Ipv4Malformed,
-        DropReason::Ipv4NotForVm,
-    ];
+    pub const ALL: &'static [Self] = <Self as strum::VariantArray>::VARIANTS;
 
     /// A short stable name, for logs and metric labels.
     pub fn label(self) -> &'static str {

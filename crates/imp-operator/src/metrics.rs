@@ -16,21 +16,6 @@ use prometheus_client::registry::{Registry, Unit};
 
 use crate::names;
 
-/// Every phase, so `imp_operator_vms` shows zeros instead of missing series.
-const PHASES: [VmPhase; 11] = [
-    VmPhase::Pending,
-    VmPhase::Scheduled,
-    VmPhase::Starting,
-    VmPhase::Running,
-    VmPhase::Terminating,
-    VmPhase::Succeeded,
-    VmPhase::Failed,
-    VmPhase::RetryExhausted,
-    VmPhase::Suspending,
-    VmPhase::Suspended,
-    VmPhase::Resuming,
-];
-
 /// Errors of the ops server.
 #[derive(Debug, thiserror::Error)]
 pub enum MetricsError {
@@ -214,7 +199,7 @@ impl Metrics {
                     .set(0);
             }
         }
-        for phase in PHASES {
+        for &phase in VmPhase::ALL {
             if !counts.contains_key(phase.as_str()) {
                 self.vms
                     .get_or_create(&PhaseLabels {
@@ -280,7 +265,7 @@ impl Metrics {
 /// `imp_operator_vms` (every phase at 0) and `imp_operator_schedule_latency_seconds`.
 fn register_vms(registry: &mut Registry) -> (Family<PhaseLabels, Gauge>, Histogram) {
     let vms = Family::<PhaseLabels, Gauge>::default();
-    for phase in PHASES {
+    for &phase in VmPhase::ALL {
         let _ = vms.get_or_create(&PhaseLabels {
             phase: phase.as_str().to_string(),
         });
@@ -390,7 +375,7 @@ fn register_ipam(
 /// `imp_operator_agent_leases_ignored_total`, every reason at 0.
 fn register_agent_leases(registry: &mut Registry) -> Family<ReasonLabels, Counter> {
     let ignored = Family::<ReasonLabels, Counter>::default();
-    for why in crate::placement::fencing::Ignored::ALL {
+    for &why in crate::placement::fencing::Ignored::ALL {
         let _ = ignored.get_or_create(&ReasonLabels {
             reason: why.as_str().to_owned(),
         });
@@ -447,7 +432,7 @@ mod tests {
         // Labelled counters appear with their first sample (prometheus-client omits empty
         // families).
         assert!(!text.contains("imp_operator_reconciles"), "{text}");
-        for phase in PHASES {
+        for &phase in VmPhase::ALL {
             let key = format!("imp_operator_vms{{phase=\"{}\"}}", phase.as_str());
             assert_eq!(sample(&text, &key), Some(0.0), "{key}");
         }

@@ -20,7 +20,8 @@ use super::capabilities::Capabilities;
 /// The runtimes that can run VMs on this node: those the probe found no problem with.
 pub fn runtimes(caps: &Capabilities) -> Vec<VmRuntime> {
     VmRuntime::ALL
-        .into_iter()
+        .iter()
+        .copied()
         .filter(|r| caps.problem(*r).is_none())
         .collect()
 }

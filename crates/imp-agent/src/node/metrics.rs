@@ -516,7 +516,7 @@ impl Metrics {
 
     /// Removes the drop counts of a VM that left the node.
     fn forget_port_drops(&self, vm: &GuestLabels) {
-        for why in imp_net::nft::PortDrop::ALL {
+        for &why in imp_net::nft::PortDrop::ALL {
             self.network.port_drops.remove(&PortDropLabels {
                 namespace: vm.namespace.clone(),
                 impvm: vm.impvm.clone(),

@@ -53,7 +53,7 @@ impl Default for Trust {
 }
 
 /// Why a Lease labelled as an agent's was ignored.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, strum::VariantArray)]
 pub enum Ignored {
     /// It is not in the agents' namespace.
     Namespace,
@@ -65,7 +65,7 @@ pub enum Ignored {
 
 impl Ignored {
     /// Every reason, for the metric's zero series.
-    pub const ALL: [Self; 3] = [Self::Namespace, Self::Holder, Self::Duration];
+    pub const ALL: &'static [Self] = <Self as strum::VariantArray>::VARIANTS;
 
     /// The metric label.
     pub fn as_str(self) -> &'static str {

@@ -30,7 +30,7 @@ use k8s_openapi::jiff::{Timestamp, civil};
 const HORIZON_YEARS: i16 = 9;
 
 /// One of the five fields.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, strum::VariantArray)]
 pub enum Field {
     /// 0-59.
     Minute,
@@ -45,13 +45,7 @@ pub enum Field {
 }
 
 impl Field {
-    const ALL: [Field; 5] = [
-        Field::Minute,
-        Field::Hour,
-        Field::DayOfMonth,
-        Field::Month,
-        Field::DayOfWeek,
-    ];
+    const ALL: &'static [Self] = <Self as strum::VariantArray>::VARIANTS;
 
     fn bounds(self) -> (u8, u8) {
         match self {
