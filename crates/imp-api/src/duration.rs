@@ -38,11 +38,6 @@ impl GoDuration {
         Self(s.to_owned())
     }
 
-    /// Builds the canonical Go spelling of `d` (as `time.Duration.String()` would print it).
-    pub fn from_duration(d: Duration) -> Self {
-        Self(format_go(d))
-    }
-
     /// Parses the string into a [`Duration`].
     pub fn parse(&self) -> Result<Duration, DurationError> {
         parse_go(&self.0)
@@ -145,39 +140,6 @@ pub fn parse_go(s: &str) -> Result<Duration, DurationError> {
     Ok(Duration::new(secs, nanos))
 }
 
-/// Formats like Go's `time.Duration.String()` for whole seconds and above (`1h0m0s`, `90s` → `1m30s`).
-fn format_go(d: Duration) -> String {
-    if d.is_zero() {
-        return "0s".to_owned();
-    }
-    if d < Duration::from_secs(1) {
-        let n = d.as_nanos();
-        return if n.is_multiple_of(1_000_000) {
-            format!("{}ms", n / 1_000_000)
-        } else if n.is_multiple_of(1_000) {
-            format!("{}µs", n / 1_000)
-        } else {
-            format!("{n}ns")
-        };
-    }
-    let total = d.as_secs();
-    let (h, m, s) = (total / 3600, (total / 60) % 60, total % 60);
-    let frac = d.subsec_nanos();
-    let secs = if frac == 0 {
-        format!("{s}")
-    } else {
-        let f = format!("{frac:09}");
-        format!("{s}.{}", f.trim_end_matches('0'))
-    };
-    if h > 0 {
-        format!("{h}h{m}m{secs}s")
-    } else if m > 0 {
-        format!("{m}m{secs}s")
-    } else {
-        format!("{secs}s")
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -212,20 +174,6 @@ mod tests {
         let good = ["0", "0s", "60s", "1h0m0s", "1.5h", "500ms"];
         for g in good {
             assert!(parse_go(g).is_ok(), "{g}");
-        }
-    }
-
-    #[test]
-    fn formats_like_go() {
-        assert_eq!(format_go(Duration::from_secs(3600)), "1h0m0s");
-        assert_eq!(format_go(Duration::from_secs(90)), "1m30s");
-        assert_eq!(format_go(Duration::from_secs(5)), "5s");
-        assert_eq!(format_go(Duration::from_millis(1500)), "1.5s");
-        assert_eq!(format_go(Duration::from_millis(20)), "20ms");
-        assert_eq!(format_go(Duration::ZERO), "0s");
-        for s in [1u64, 59, 61, 3599, 3601, 86_400] {
-            let d = Duration::from_secs(s);
-            assert_eq!(parse_go(&format_go(d)).unwrap(), d);
         }
     }
 }

@@ -459,11 +459,6 @@ impl Applier {
         self.bytes
     }
 
-    /// Entries applied so far, over all layers.
-    pub fn entries_applied(&self) -> u64 {
-        self.entries
-    }
-
     /// Device nodes and setuid/setgid files staged in a harmless form, by path relative to
     /// the root: the ext4 image gets them real ([`super::ext4::apply_specials`]).
     pub fn specials(&self) -> &BTreeMap<PathBuf, Special> {
