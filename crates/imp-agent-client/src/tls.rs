@@ -189,6 +189,37 @@ impl Signatures {
     }
 }
 
+/// The three handshake-signature methods every rustls verifier of imp has, delegated to its
+/// [`Signatures`] field `$field` (a verifier decides which certificate it trusts; how a
+/// handshake's signature is checked is the same for all of them). Expands inside an
+/// `impl ServerCertVerifier` or `impl ClientCertVerifier` block.
+#[macro_export]
+macro_rules! delegate_signatures {
+    ($field:ident) => {
+        fn verify_tls12_signature(
+            &self,
+            message: &[u8],
+            cert: &rustls::pki_types::CertificateDer<'_>,
+            dss: &rustls::DigitallySignedStruct,
+        ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+            self.$field.tls12(message, cert, dss)
+        }
+
+        fn verify_tls13_signature(
+            &self,
+            message: &[u8],
+            cert: &rustls::pki_types::CertificateDer<'_>,
+            dss: &rustls::DigitallySignedStruct,
+        ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+            self.$field.tls13(message, cert, dss)
+        }
+
+        fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
+            self.$field.schemes()
+        }
+    };
+}
+
 /// Accepts the one certificate whose SHA-256 is `want` (the name is not checked: the pin is
 /// stronger), and verifies handshake signatures with it as usual.
 #[derive(Debug)]
@@ -219,27 +250,7 @@ impl ServerCertVerifier for PinnedCert {
         }
     }
 
-    fn verify_tls12_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        self.signatures.tls12(message, cert, dss)
-    }
-
-    fn verify_tls13_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        self.signatures.tls13(message, cert, dss)
-    }
-
-    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
-        self.signatures.schemes()
-    }
+    crate::delegate_signatures!(signatures);
 }
 
 /// The server's certificate is not the pinned one.

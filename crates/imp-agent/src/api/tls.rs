@@ -17,11 +17,10 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use imp_agent_client::tls::{Signatures, fingerprint, provider};
-use rustls::client::danger::HandshakeSignatureValid;
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, UnixTime};
 use rustls::server::danger::{ClientCertVerified, ClientCertVerifier};
-use rustls::{DigitallySignedStruct, DistinguishedName, ServerConfig, SignatureScheme};
+use rustls::{DistinguishedName, ServerConfig};
 
 /// Why a certificate could not be made, read or used.
 #[derive(Debug, thiserror::Error)]
@@ -256,27 +255,7 @@ impl ClientCertVerifier for AnyClientCert {
         Ok(ClientCertVerified::assertion())
     }
 
-    fn verify_tls12_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        self.signatures.tls12(message, cert, dss)
-    }
-
-    fn verify_tls13_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        self.signatures.tls13(message, cert, dss)
-    }
-
-    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
-        self.signatures.schemes()
-    }
+    imp_agent_client::delegate_signatures!(signatures);
 }
 
 #[cfg(test)]

@@ -20,12 +20,11 @@ use std::time::Duration;
 use http::HeaderMap;
 use imp_agent_client::tls::Signatures;
 use k8s_openapi::api::core::v1::ConfigMap;
-use rustls::client::danger::HandshakeSignatureValid;
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, UnixTime};
 use rustls::server::WebPkiClientVerifier;
 use rustls::server::danger::{ClientCertVerified, ClientCertVerifier};
-use rustls::{DigitallySignedStruct, DistinguishedName, RootCertStore, SignatureScheme};
+use rustls::{DistinguishedName, RootCertStore};
 use x509_parser::prelude::FromDer;
 
 /// Namespace of the ConfigMap the API server publishes its request-header settings in.
@@ -281,27 +280,7 @@ impl ClientCertVerifier for FrontProxy {
         }
     }
 
-    fn verify_tls12_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        self.signatures.tls12(message, cert, dss)
-    }
-
-    fn verify_tls13_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        self.signatures.tls13(message, cert, dss)
-    }
-
-    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
-        self.signatures.schemes()
-    }
+    imp_agent_client::delegate_signatures!(signatures);
 }
 
 /// Reads the API server's request-header settings every [`REFRESH`] until `stop`, into

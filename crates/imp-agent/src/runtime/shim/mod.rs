@@ -77,14 +77,7 @@ impl Failure {
     /// control characters (from names in an image) are shown escaped, so printing it cannot
     /// drive the reader's terminal.
     pub fn chain(&self) -> String {
-        let mut out = self.what.clone();
-        let mut cur: Option<&(dyn StdError + 'static)> = self.source.as_deref().map(|e| e as _);
-        while let Some(e) = cur {
-            out.push_str(": ");
-            out.push_str(&e.to_string());
-            cur = e.source();
-        }
-        imp_image::layers::escape_controls(&out)
+        imp_image::layers::escape_controls(&imp_api::chain::chain(self))
     }
 }
 
