@@ -64,17 +64,10 @@ pub enum ImageError {
         /// What is wrong.
         reason: String,
     },
-    /// A request to the registry failed (including authentication).
-    #[error("Registry {registry}: {what}")]
-    Registry {
-        /// The registry host.
-        registry: String,
-        /// What was being fetched.
-        what: String,
-        /// Why it failed.
-        #[source]
-        source: oci_client::errors::OciDistributionError,
-    },
+    /// A request to the registry failed (including authentication); the error names the
+    /// registry and what was being fetched.
+    #[error(transparent)]
+    Registry(#[from] registry::Error),
     /// A digest is not of the form `sha256:<64 lowercase hex>`.
     #[error("Invalid digest {digest:?} in {what}")]
     InvalidDigest {

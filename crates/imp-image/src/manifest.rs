@@ -28,19 +28,21 @@ pub struct Digest(String);
 impl Digest {
     /// Checks `s`; `what` names where it was found, for the error.
     pub fn parse(s: &str, what: &str) -> Result<Self, ImageError> {
+        Self::checked(s).ok_or_else(|| ImageError::InvalidDigest {
+            digest: s.to_owned(),
+            what: what.to_owned(),
+        })
+    }
+
+    /// `s` as a digest when it is one (`sha256:<64 lowercase hex>`), for callers with errors
+    /// of their own.
+    pub fn checked(s: &str) -> Option<Self> {
         let ok = s.strip_prefix("sha256:").is_some_and(|h| {
             h.len() == 64
                 && h.bytes()
                     .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
         });
-        if ok {
-            Ok(Self(s.to_owned()))
-        } else {
-            Err(ImageError::InvalidDigest {
-                digest: s.to_owned(),
-                what: what.to_owned(),
-            })
-        }
+        ok.then(|| Self(s.to_owned()))
     }
 
     /// The digest of `bytes`.
