@@ -15,6 +15,8 @@ use axum::http::{HeaderValue, Request, Response, StatusCode};
 use imp_agent::snapshot::oci::{self, Deleted, Error, PushOptions};
 use imp_agent::snapshot::{DISK, INITRD, MANIFEST, MEMORY, Manifest, Source, VMM_NOTE, VMSTATE};
 use imp_image::RegistryAuth;
+use imp_image::manifest::{Digest, OCI_MANIFEST};
+use imp_image::registry::{self, Session};
 use imp_testenv::registry::{TestRegistry, scratch_dir};
 use imp_testenv::report::chain;
 
@@ -388,7 +390,10 @@ async fn basic_auth_wrong_password_names_registry_and_401() {
     for auth in [&wrong, &RegistryAuth::Anonymous] {
         let e = oci::push(&src, &reference, auth).await.unwrap_err();
         let msg = chain(&e);
-        assert!(matches!(e, Error::Unauthorized { .. }), "{msg}");
+        assert!(
+            matches!(e, Error::Registry(registry::Error::Unauthorized { .. })),
+            "{msg}"
+        );
         assert!(msg.contains(&format!("Registry {}", reg.host())), "{msg}");
         assert!(msg.contains("401"), "{msg}");
         println!("refused: {msg}");
@@ -479,7 +484,13 @@ async fn delete_then_pull_is_not_found_and_a_refusing_registry_says_so() {
         .await
         .unwrap_err();
     let msg = chain(&e);
-    assert!(matches!(e, Error::DeleteUnsupported { .. }), "{msg}");
+    assert!(
+        matches!(
+            e,
+            Error::Registry(registry::Error::DeleteUnsupported { .. })
+        ),
+        "{msg}"
+    );
     assert!(
         msg.contains(&strict.host())
             && msg.contains("does not allow deleting")
@@ -493,55 +504,28 @@ async fn delete_then_pull_is_not_found_and_a_refusing_registry_says_so() {
         .unwrap();
 }
 
-/// Pushes manifest `doc` (JSON) as `tag` of `repo` with oci-client, bypassing our checks.
+/// A session with `repository:tag` of the test registry, without credentials.
+fn session(reg: &TestRegistry, repo: &str, tag: &str) -> Session {
+    let r = format!("{}/{repo}:{tag}", reg.host()).parse().unwrap();
+    Session::new(r, &RegistryAuth::Anonymous)
+}
+
+/// Pushes manifest `doc` (JSON) as `tag` of `repo` with the plain registry client, bypassing
+/// the snapshot checks.
 async fn push_raw_manifest(reg: &TestRegistry, repo: &str, tag: &str, doc: &serde_json::Value) {
-    let client = oci_client::Client::new(oci_client::client::ClientConfig {
-        protocol: oci_client::client::ClientProtocol::Http,
-        ..Default::default()
-    });
-    let r: oci_client::Reference = format!("{}/{repo}:{tag}", reg.host()).parse().unwrap();
-    client
-        .auth(
-            &r,
-            &oci_client::secrets::RegistryAuth::Anonymous,
-            oci_client::RegistryOperation::Push,
-        )
-        .await
-        .unwrap();
-    client
-        .push_manifest_raw(
-            &r,
-            serde_json::to_vec(doc).unwrap(),
-            HeaderValue::from_static("application/vnd.oci.image.manifest.v1+json"),
-        )
+    session(reg, repo, tag)
+        .push_manifest(serde_json::to_vec(doc).unwrap(), OCI_MANIFEST)
         .await
         .unwrap();
 }
 
 async fn push_raw_blob(reg: &TestRegistry, repo: &str, data: &[u8]) -> String {
-    use sha2::Digest as _;
-    let digest = format!(
-        "sha256:{}",
-        sha2::Sha256::digest(data)
-            .iter()
-            .map(|b| format!("{b:02x}"))
-            .collect::<String>()
-    );
-    let client = oci_client::Client::new(oci_client::client::ClientConfig {
-        protocol: oci_client::client::ClientProtocol::Http,
-        ..Default::default()
-    });
-    let r: oci_client::Reference = format!("{}/{repo}:x", reg.host()).parse().unwrap();
-    client
-        .auth(
-            &r,
-            &oci_client::secrets::RegistryAuth::Anonymous,
-            oci_client::RegistryOperation::Push,
-        )
+    let digest = Digest::of(data);
+    session(reg, repo, "x")
+        .push_blob(data.to_vec().into(), &digest, "a raw blob")
         .await
         .unwrap();
-    client.push_blob(&r, data.to_vec(), &digest).await.unwrap();
-    digest
+    digest.to_string()
 }
 
 #[tokio::test]
@@ -560,18 +544,7 @@ async fn foreign_newer_and_tampered_artifacts_are_refused() {
     oci::push(&src, &good, &RegistryAuth::Anonymous)
         .await
         .unwrap();
-    let client = oci_client::Client::new(oci_client::client::ClientConfig {
-        protocol: oci_client::client::ClientProtocol::Http,
-        ..Default::default()
-    });
-    let (raw, _) = client
-        .pull_manifest_raw(
-            &good.parse().unwrap(),
-            &oci_client::secrets::RegistryAuth::Anonymous,
-            &["application/vnd.oci.image.manifest.v1+json"],
-        )
-        .await
-        .unwrap();
+    let (raw, _) = session(&reg, "snaps/vm", "good").manifest().await.unwrap();
     let doc: serde_json::Value = serde_json::from_slice(&raw).unwrap();
 
     // Another tool's artifact: refused by pull and by delete, naming what was found.
