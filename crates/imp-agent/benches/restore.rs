@@ -20,8 +20,8 @@ use imp_testenv::figures::figure;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use imp_agent::guest::initramfs::{BaseInitramfs, build_for_vm};
-use imp_agent::guest::kernel::VM_MODULES;
+use imp_agent::initramfs::archive::{BaseInitramfs, build_for_vm};
+use imp_agent::initramfs::modules::VM_MODULES;
 use imp_proto::config::{GuestConfig, ImageConfig, RootDisk};
 use imp_proto::{Client, Hello};
 use imp_vmm::qemu::{Launcher, Qemu};

@@ -6,7 +6,8 @@
 //! [`runtime`], one VM's life from image to exit under its own supervisor process (the shim),
 //! shared by `imp run` and `imp agent`, and [`api`], the authenticated HTTPS API through which
 //! people exec in a VM and read its console; then [`snapshot`], a VM's snapshots on the node
-//! and in registries, and [`guest`], the guest initramfs and kernel modules; at the bottom
+//! and in registries, and [`initramfs`], what a guest boots with: the initramfs carrying
+//! imp-guest and the kernel modules it loads; at the bottom
 //! [`host_fs`], owner-only directories and a filesystem's free space. Below them are
 //! crates of their own: `imp-net` (the node's bridges, TAPs, VXLAN overlay and nftables rules,
 //! and the sleeping VM's TAP), `imp-vmm` (the `Vmm` trait with its QEMU and Firecracker drivers
@@ -18,8 +19,8 @@
 //! beyond those of `imp-api`.
 
 pub mod api;
-pub mod guest;
 pub mod host_fs;
+pub mod initramfs;
 pub mod node;
 pub mod runtime;
 pub mod snapshot;

@@ -39,8 +39,8 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use imp_agent::guest::initramfs::{BaseInitramfs, build_for_vm};
-use imp_agent::guest::kernel::VM_MODULES;
+use imp_agent::initramfs::archive::{BaseInitramfs, build_for_vm};
+use imp_agent::initramfs::modules::VM_MODULES;
 use imp_agent::runtime::guest_agent;
 use imp_proto::config::{GuestConfig, ImageConfig, NetworkConfig, RootDisk};
 use imp_proto::message::steps;

@@ -17,8 +17,8 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use imp_agent::guest::initramfs::{BaseInitramfs, build_for_vm};
-use imp_agent::guest::kernel::VM_MODULES;
+use imp_agent::initramfs::archive::{BaseInitramfs, build_for_vm};
+use imp_agent::initramfs::modules::VM_MODULES;
 use imp_proto::config::{GuestConfig, ImageConfig, RootDisk};
 use imp_proto::{Client, EnvVar, ExecEvent, ExecRequest, ExitStatus, Hello};
 use imp_testenv::scratch::scratch_dir;

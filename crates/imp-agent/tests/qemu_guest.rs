@@ -17,7 +17,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use imp_agent::guest::initramfs::Cpio;
+use imp_agent::initramfs::archive::Cpio;
 use imp_proto::config::{AgentConfig, GuestConfig, PowerAction};
 use imp_proto::marker::{EXIT_PREFIX, SUCCESS_LINE, find_exit_code};
 use imp_testenv::scratch::scratch_dir;

@@ -40,10 +40,16 @@ fn rule(cel: &str, message: &str) -> kube::core::Rule {
     kube::core::Rule::new(cel).message(message)
 }
 
-/// `expireAfter`: a free string (its CEL rule is the check) of 0 or at least 60s.
+/// `expireAfter`: a free string (its CEL rule is the check) of 0 (never) or at least 60s.
 pub fn expire_after(schema: &mut Schema) {
     no_pattern(schema);
-    add_rule(schema, crate::shared::expire_after_rule());
+    add_rule(
+        schema,
+        rule(
+            "duration(self) == duration('0s') || duration(self) >= duration('60s')",
+            "must be 0 or at least 60s",
+        ),
+    );
 }
 
 /// `ImpVM.spec.idleTimeout`: a free string of at least 10s.

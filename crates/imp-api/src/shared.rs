@@ -74,12 +74,6 @@ pub const FINALIZER_VM: &str = "imp/finalizer";
 /// Finalizer the operator holds on every ImpNetwork until its node state is torn down.
 pub const FINALIZER_NETWORK: &str = "imp/network-finalizer";
 
-/// The CEL rule on every expireAfter field: 0 (never) or at least 60s.
-pub fn expire_after_rule() -> kube::core::Rule {
-    kube::core::Rule::new("duration(self) == duration('0s') || duration(self) >= duration('60s')")
-        .message("must be 0 or at least 60s")
-}
-
 /// vCPU and memory a VM was placed with: the JSON value of [`ANNOTATION_PLACED_RESOURCES`],
 /// e.g. `{"vcpu":2,"memoryMiB":1024}`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]

@@ -275,7 +275,7 @@ mod tests {
                 format!("spec.observability.tracing.endpoint: {TRACING}"),
             ]
         );
-        // OTLP over HTTP is exported (imp_ops::trace).
+        // OTLP over HTTP is exported (imp_telemetry::trace).
         let http = ClusterImpConfigSpec {
             observability: Some(ObservabilityConfig {
                 metrics: None,

@@ -1,6 +1,6 @@
 //! Prometheus metrics of the operator: [`Metrics`] owns a prometheus-client registry with the
 //! operator's metrics and plain methods the controllers call. The ops server that renders it
-//! on `/metrics`, beside `/healthz` and `/readyz`, is imp-ops, shared with the node agent.
+//! on `/metrics`, beside `/healthz` and `/readyz`, is imp-telemetry, shared with the node agent.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Mutex;
@@ -392,7 +392,7 @@ fn register_agent_leases(registry: &mut Registry) -> Family<ReasonLabels, Counte
     ignored
 }
 
-impl imp_ops::Exposition for Metrics {
+impl imp_telemetry::Exposition for Metrics {
     fn render(&self) -> Result<String, std::fmt::Error> {
         let mut out = String::new();
         prometheus_client::encoding::text::encode(&mut out, &self.registry)?;

@@ -19,7 +19,7 @@ use crate::metrics::Metrics;
 use crate::shutdown::raised;
 use crate::webhook::serving::{self, Serving};
 use crate::{network, snapshot, vm};
-use imp_ops::Health;
+use imp_telemetry::Health;
 
 /// Everything the operator process is started with.
 #[derive(Clone, Debug)]
@@ -61,7 +61,7 @@ pub async fn run(config: Config, stop: watch::Sender<bool>) -> Result<(), Error>
     let metrics = Arc::new(Metrics::new());
     let health = Arc::new(Health::new());
     health.set_live();
-    let ops = tokio::spawn(imp_ops::serve(
+    let ops = tokio::spawn(imp_telemetry::serve(
         config.ops_addr,
         metrics.clone(),
         health.clone(),

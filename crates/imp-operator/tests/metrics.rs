@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 use imp_operator::metrics::Metrics;
-use imp_ops::{self as ops, Health, OPENMETRICS_CONTENT_TYPE};
+use imp_telemetry::{self as ops, Health, OPENMETRICS_CONTENT_TYPE};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 

@@ -23,7 +23,7 @@ use std::time::Duration;
 
 use imp_agent::api::auth::{Gateway, follow_pins};
 use imp_agent::api::{AgentApi, ApiConfig, GuestEndpoint, Identity, VmLookup};
-use imp_agent_client::tls::ClientIdentity;
+use imp_agent_api::tls::ClientIdentity;
 use imp_api::shared::{ANNOTATION_AGENT_CERT_SHA256, ANNOTATION_AGENT_ENDPOINT};
 use imp_api::vm::ImpVM;
 use imp_proto::config::{GuestConfig, ImageConfig};
@@ -420,7 +420,7 @@ async fn published_identity(env: &Env) -> ClientIdentity {
     identity::publish(&env.client, "imp-system", &key, &cert)
         .await
         .unwrap();
-    let digest = imp_agent_client::tls::parse_fingerprint(&id.fingerprint()).unwrap();
+    let digest = imp_agent_api::tls::parse_fingerprint(&id.fingerprint()).unwrap();
     let pins = env.pins.clone();
     common::wait_for(
         "the agent to pin the published certificate",
@@ -545,7 +545,7 @@ impl rustls::client::danger::ServerCertVerifier for Server {
         _: rustls::pki_types::UnixTime,
     ) -> Result<rustls::client::danger::ServerCertVerified, rustls::Error> {
         if let Some(pin) = &self.0 {
-            assert_eq!(&imp_agent_client::tls::fingerprint(end_entity), pin);
+            assert_eq!(&imp_agent_api::tls::fingerprint(end_entity), pin);
         }
         Ok(rustls::client::danger::ServerCertVerified::assertion())
     }
@@ -566,7 +566,7 @@ impl rustls::client::danger::ServerCertVerifier for Server {
         Ok(rustls::client::danger::HandshakeSignatureValid::assertion())
     }
     fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
-        imp_agent_client::tls::Signatures::default().schemes()
+        imp_agent_api::tls::Signatures::default().schemes()
     }
 }
 

@@ -279,9 +279,9 @@ fn agent_image_runs_imp_qemu_and_the_host_tools_from_its_root() {
     assert_static(&root.join("usr/local/bin/imp"));
 
     // The modules beside the kernel give every module a VM loads, as the agent reads them.
-    let modules = imp_agent::guest::kernel::load_order(
+    let modules = imp_agent::initramfs::modules::load_order(
         &root.join("opt/imp/guest/modules"),
-        imp_agent::guest::kernel::VM_MODULES,
+        imp_agent::initramfs::modules::VM_MODULES,
     )
     .unwrap();
     assert!(!modules.is_empty());

@@ -4,7 +4,7 @@
 //! `create impvms/exec`, `get impvms/console` or `list guestmetrics` of `subresources.imp.dev`,
 //! then proxies the request to the operator's gateway, which calls this agent over mutual TLS
 //! with its client certificate and names the user in headers
-//! ([`imp_agent_client::USER_HEADER`], [`imp_agent_client::GROUP_HEADER`]). The gateway's
+//! ([`imp_agent_api::USER_HEADER`], [`imp_agent_api::GROUP_HEADER`]). The gateway's
 //! certificates are pinned by SHA-256: the operator publishes them in a ConfigMap of its
 //! namespace, the agent reads it ([`follow_pins`]) and refuses every other caller
 //! ([`decide`]), a bearer token included, with 401 and a message saying where to go instead.
@@ -15,8 +15,8 @@ use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use http::{HeaderMap, StatusCode};
-use imp_agent_client::tls::{certificates_from_pem, digest, hex};
-use imp_agent_client::{GROUP_HEADER, USER_HEADER};
+use imp_agent_api::tls::{certificates_from_pem, digest, hex};
+use imp_agent_api::{GROUP_HEADER, USER_HEADER};
 use k8s_openapi::api::core::v1::ConfigMap;
 
 /// How often the ConfigMap of the gateway's certificates is read again.

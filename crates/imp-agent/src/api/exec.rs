@@ -26,7 +26,7 @@ use imp_proto::message::{ErrorKind, Message};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 use super::EXEC_UPGRADE;
-use imp_agent_client::lists_token;
+use imp_agent_api::lists_token;
 
 /// Why an exec request cannot be upgraded.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

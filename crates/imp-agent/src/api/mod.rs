@@ -14,7 +14,7 @@
 //! agent, [`console`] streams the serial log, [`sessions`] bounds how many of both are open per
 //! VM and per user, [`server`] accepts connections and ties them together, and answers
 //! `imp top` with the guests' latest figures. The caller's side (paths, headers, pins, the
-//! figures' JSON) is the crate `imp-agent-client`. How VMs are found is not this module's
+//! figures' JSON) is the crate `imp-agent-api`. How VMs are found is not this module's
 //! business: the agent's runtime implements [`VmLookup`].
 
 pub mod auth;
@@ -26,8 +26,8 @@ pub mod sessions;
 pub mod tls;
 
 pub use auth::Gateway;
-pub use imp_agent_client::top;
-pub use imp_agent_client::{EXEC_UPGRADE, top::GuestReading};
+pub use imp_agent_api::top;
+pub use imp_agent_api::{EXEC_UPGRADE, top::GuestReading};
 pub use server::{AgentApi, ApiConfig};
 pub use tls::Identity;
 

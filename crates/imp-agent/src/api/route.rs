@@ -169,7 +169,7 @@ fn follow(query: Option<&str>) -> Result<bool, RouteError> {
 /// A lowercase RFC 1123 name: alphanumerics, '-' (and '.' where `dots`: a subdomain rather
 /// than a label), starting and ending alphanumeric.
 fn check_name(what: &'static str, value: &str, max: usize, dots: bool) -> Result<(), RouteError> {
-    if imp_agent_client::is_kubernetes_name(value, max, dots) {
+    if imp_agent_api::is_kubernetes_name(value, max, dots) {
         Ok(())
     } else {
         Err(RouteError::InvalidName {

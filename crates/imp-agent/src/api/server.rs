@@ -139,7 +139,7 @@ impl AgentApi {
                     .1
                     .peer_certificates()
                     .and_then(|c| c.first())
-                    .map(|c| imp_agent_client::tls::digest(c.as_ref()));
+                    .map(|c| imp_agent_api::tls::digest(c.as_ref()));
                 let service = hyper::service::service_fn(move |req| {
                     let api = api.clone();
                     async move { Ok::<_, Infallible>(api.handle(req, client_cert.as_ref()).await) }
@@ -451,7 +451,7 @@ fn not_on_this_node(route: &Route) -> Response<Body> {
 
 /// A Kubernetes `Status` answering a failed request.
 fn status(code: StatusCode, message: &str) -> Response<Body> {
-    let body = imp_agent_client::status_body(code, message);
+    let body = imp_agent_api::status_body(code, message);
     let mut resp = Response::new(
         Full::new(Bytes::from(body.to_string()))
             .map_err(|never| match never {})

@@ -6,7 +6,7 @@
 //! gateway pins stays), or read from PEM files ([`Identity::from_pem_files`]). Trust does not
 //! come from a CA: the agent writes the certificate's SHA-256 into its Node's annotations, the
 //! API server vouches for that, and the gateway refuses any other certificate
-//! ([`imp_agent_client::tls`]). The other way round, the server asks each caller for a
+//! ([`imp_agent_api::tls`]). The other way round, the server asks each caller for a
 //! certificate and accepts any whose handshake signature holds ([`AnyClientCert`]): whether it
 //! is the gateway's is decided per request against the published fingerprints
 //! ([`super::auth`]), so a caller without it gets an HTTP answer saying why rather than a
@@ -16,7 +16,7 @@ use std::os::unix::fs::DirBuilderExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use imp_agent_client::tls::{Signatures, fingerprint, provider};
+use imp_agent_api::tls::{Signatures, fingerprint, provider};
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, UnixTime};
 use rustls::server::danger::{ClientCertVerified, ClientCertVerifier};
@@ -255,7 +255,7 @@ impl ClientCertVerifier for AnyClientCert {
         Ok(ClientCertVerified::assertion())
     }
 
-    imp_agent_client::delegate_signatures!(signatures);
+    imp_agent_api::delegate_signatures!(signatures);
 }
 
 #[cfg(test)]

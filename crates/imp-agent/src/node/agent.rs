@@ -26,7 +26,7 @@ use crate::api::sessions::SessionLimits;
 use crate::api::tls::{Identity, Kept, TlsError};
 use crate::runtime::control::ShimCommand;
 use crate::runtime::state::StateDir;
-use imp_ops::Health;
+use imp_telemetry::Health;
 
 /// Everything the agent is told at start.
 #[derive(Debug, Clone)]
@@ -123,7 +123,7 @@ pub enum AgentError {
     },
     /// The ops server could not start.
     #[error(transparent)]
-    Ops(#[from] imp_ops::OpsError),
+    Ops(#[from] imp_telemetry::OpsError),
     /// The API's certificate could not be loaded or made.
     #[error("the agent API's certificate")]
     Tls(#[from] TlsError),
@@ -163,7 +163,7 @@ pub async fn run(
     let caps = probe(&config, &cache_dir).await;
     let health = Arc::new(Health::new());
     let metrics = Arc::new(Metrics::new());
-    let ops = imp_ops::bind(config.metrics_addr).await?;
+    let ops = imp_telemetry::bind(config.metrics_addr).await?;
     let api_server = client_config
         .cluster_url
         .host()
@@ -212,12 +212,17 @@ pub async fn run(
     );
     let tls = identity.server_config()?;
     let guard = (!config.metrics_open).then(|| {
-        let auth: Arc<dyn imp_ops::Guard> =
+        let auth: Arc<dyn imp_telemetry::Guard> =
             Arc::new(crate::node::metrics_auth::KubeAuth::new(client.clone()));
         auth
     });
-    let served =
-        imp_ops::serve_listener_guarded(ops, metrics.clone(), health, guard, stopped(stop.clone()));
+    let served = imp_telemetry::serve_listener_guarded(
+        ops,
+        metrics.clone(),
+        health,
+        guard,
+        stopped(stop.clone()),
+    );
     tasks.push(tokio::spawn(async move {
         if let Err(e) = served.await {
             tracing::error!(error = %imp_api::chain::chain(&e), "serving /metrics, /healthz and /readyz");

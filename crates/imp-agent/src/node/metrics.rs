@@ -1,5 +1,5 @@
 //! The agent's Prometheus metrics. The ops server that renders them on `/metrics`, beside
-//! `/healthz` and `/readyz`, is imp-ops, shared with the operator.
+//! `/healthz` and `/readyz`, is imp-telemetry, shared with the operator.
 
 use std::collections::BTreeMap;
 
@@ -15,7 +15,7 @@ use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::{Registry, Unit};
 
 use crate::runtime::state::Timings;
-use imp_ops::registered;
+use imp_telemetry::registered;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct PhaseLabels {
@@ -658,7 +658,7 @@ impl Metrics {
     }
 }
 
-impl imp_ops::Exposition for Metrics {
+impl imp_telemetry::Exposition for Metrics {
     fn render(&self) -> Result<String, std::fmt::Error> {
         Ok(self.encode())
     }

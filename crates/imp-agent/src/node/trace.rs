@@ -1,4 +1,4 @@
-//! The agent's spans of a VM's trace ([`imp_ops::trace`]): the VM's root span when it first
+//! The agent's spans of a VM's trace ([`imp_telemetry::trace`]): the VM's root span when it first
 //! runs (`reconciler::status`), and `start`, one boot of one attempt until the guest agent
 //! answered, under the root, with the boot's steps under it (`image`, `disk`, `boot`, `guest ready`, from the record's
 //! timings). Exported when ClusterImpConfig `observability.tracing` is enabled with an
@@ -7,7 +7,7 @@
 use std::time::{Duration, SystemTime};
 
 use imp_api::cluster::{CLUSTER_CONFIG_NAME, ClusterImpConfig};
-use imp_ops::trace::{Endpoint, Span, span_id, spawn_export, trace_id};
+use imp_telemetry::trace::{Endpoint, Span, span_id, spawn_export, trace_id};
 use kube::Api;
 
 use crate::runtime::state::{Owner, Timings};

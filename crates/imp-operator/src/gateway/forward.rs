@@ -1,6 +1,6 @@
 //! Carrying a user's request to the node agent of their VM and its answer back: the VM's node
 //! found ([`target_of`]), the agent called over mutual TLS as the gateway, naming the user
-//! ([`imp_agent_client::client`]), and the exec's upgraded connection spliced, the console
+//! ([`imp_agent_api::client`]), and the exec's upgraded connection spliced, the console
 //! streamed, or the guests' figures of every node merged.
 
 use std::collections::BTreeSet;
@@ -11,9 +11,9 @@ use http::{HeaderValue, Response, StatusCode};
 use http_body_util::{BodyExt, StreamBody};
 use hyper::body::Frame;
 use hyper_util::rt::TokioIo;
-use imp_agent_client::client::{self, Caller, ClientError, Target};
-use imp_agent_client::top::{GuestReadingList, NodeFailure};
-use imp_agent_client::{CONSOLE_UPGRADE, EXEC_UPGRADE, asks_upgrade};
+use imp_agent_api::client::{self, Caller, ClientError, Target};
+use imp_agent_api::top::{GuestReadingList, NodeFailure};
+use imp_agent_api::{CONSOLE_UPGRADE, EXEC_UPGRADE, asks_upgrade};
 use imp_api::shared::{ANNOTATION_AGENT_CERT_SHA256, ANNOTATION_AGENT_ENDPOINT};
 use imp_api::vm::{ImpVM, VmPhase};
 use k8s_openapi::api::core::v1::Node;

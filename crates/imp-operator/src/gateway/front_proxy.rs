@@ -18,7 +18,7 @@ use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use http::HeaderMap;
-use imp_agent_client::tls::Signatures;
+use imp_agent_api::tls::Signatures;
 use k8s_openapi::api::core::v1::ConfigMap;
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, UnixTime};
@@ -211,7 +211,7 @@ impl FrontProxy {
     pub fn new() -> Arc<Self> {
         Arc::new(Self {
             known: RwLock::new(None),
-            provider: imp_agent_client::tls::provider(),
+            provider: imp_agent_api::tls::provider(),
             signatures: Signatures::default(),
         })
     }
@@ -280,7 +280,7 @@ impl ClientCertVerifier for FrontProxy {
         }
     }
 
-    imp_agent_client::delegate_signatures!(signatures);
+    imp_agent_api::delegate_signatures!(signatures);
 }
 
 /// Reads the API server's request-header settings every [`REFRESH`] until `stop`, into

@@ -13,7 +13,7 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use imp_agent_client::tls::ClientIdentity;
+use imp_agent_api::tls::ClientIdentity;
 use k8s_openapi::api::core::v1::ConfigMap;
 use kube::Api;
 use kube::api::{ObjectMeta, PostParams};
@@ -52,7 +52,7 @@ pub enum IdentityError {
     Generate(#[source] rcgen::Error),
     /// The certificate made could not be used (never expected).
     #[error("Using the gateway's client certificate failed")]
-    Unusable(#[source] imp_agent_client::tls::TlsError),
+    Unusable(#[source] imp_agent_api::tls::TlsError),
 }
 
 /// A fresh self-signed client certificate: the identity (key in memory) and its PEM.

@@ -161,7 +161,7 @@ fn names_are_names(refs: &References) -> Result<(), String> {
     for (kind, names) in kinds {
         if let Some(bad) = names
             .iter()
-            .find(|n| !n.is_empty() && !imp_agent_client::is_kubernetes_name(n, 253, true))
+            .find(|n| !n.is_empty() && !imp_agent_api::is_kubernetes_name(n, 253, true))
         {
             return Err(format!(
                 "names {kind} {bad:?}, which is not a Kubernetes name (lowercase letters, \

@@ -39,8 +39,8 @@ use http::header::CONTENT_TYPE;
 use http::{HeaderValue, Request, Response, StatusCode};
 use http_body_util::combinators::UnsyncBoxBody;
 use http_body_util::{BodyExt, Full};
-use imp_agent_client::client::Caller;
-use imp_agent_client::tls::ClientIdentity;
+use imp_agent_api::client::Caller;
+use imp_agent_api::tls::ClientIdentity;
 use k8s_openapi::kube_aggregator::pkg::apis::apiregistration::v1::APIService;
 
 use self::front_proxy::FrontProxy;
@@ -70,7 +70,7 @@ pub fn json<T: serde::Serialize>(code: StatusCode, value: &T) -> Response<Body> 
 
 /// A refusal as a Kubernetes `Status`, which kubectl and the CLI print the message of.
 pub fn status(code: StatusCode, message: &str) -> Response<Body> {
-    json(code, &imp_agent_client::status_body(code, message))
+    json(code, &imp_agent_api::status_body(code, message))
 }
 
 /// What a connection's TLS handshake established about its client.

@@ -169,14 +169,14 @@ pub fn parse(method: &Method, path: &str, query: Option<&str>) -> Result<Route, 
 
 /// A VM's name: a Kubernetes name (a DNS subdomain).
 fn name_part(part: &str, path: &str) -> Result<String, RouteError> {
-    imp_agent_client::is_kubernetes_name(part, 253, true)
+    imp_agent_api::is_kubernetes_name(part, 253, true)
         .then(|| part.to_owned())
         .ok_or_else(|| RouteError::NotFound(path.to_owned()))
 }
 
 /// A namespace: a DNS label.
 fn namespace_part(part: &str, path: &str) -> Result<String, RouteError> {
-    imp_agent_client::is_kubernetes_name(part, 63, false)
+    imp_agent_api::is_kubernetes_name(part, 63, false)
         .then(|| part.to_owned())
         .ok_or_else(|| RouteError::NotFound(path.to_owned()))
 }

@@ -108,7 +108,7 @@ use crate::metrics::Metrics;
 use crate::names;
 use crate::placement::ledger::Ledger;
 use backlog::Tracker;
-use imp_ops::Health;
+use imp_telemetry::Health;
 
 /// Decide-and-write rounds of one reconcile before it requeues (each round that continues
 /// removes its own cause, so real VMs need at most three).

@@ -1,4 +1,4 @@
-//! The operator's span of a VM's trace ([`imp_ops::trace`]): `schedule` (created → placed,
+//! The operator's span of a VM's trace ([`imp_telemetry::trace`]): `schedule` (created → placed,
 //! under the VM's root span, which the agent that reports it Running exports), exported when
 //! ClusterImpConfig `observability.tracing` is enabled with an endpoint.
 
@@ -6,7 +6,7 @@ use std::time::SystemTime;
 
 use imp_api::cluster::CLUSTER_CONFIG_NAME;
 use imp_api::vm::ImpVM;
-use imp_ops::trace::{Endpoint, Span, span_id, spawn_export, trace_id};
+use imp_telemetry::trace::{Endpoint, Span, span_id, spawn_export, trace_id};
 use k8s_openapi::jiff::Timestamp;
 use kube::ResourceExt;
 use kube::runtime::reflector::ObjectRef;

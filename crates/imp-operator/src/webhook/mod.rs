@@ -556,7 +556,7 @@ fn deny_unsupported(resp: AdmissionResponse, msg: &str) -> AdmissionResponse {
 }
 
 /// The errors of the field rules followed by those of the not-supported-yet rules.
-/// A `http://` tracing endpoint that the exporter cannot use ([`imp_ops::trace::Endpoint`]);
+/// A `http://` tracing endpoint that the exporter cannot use ([`imp_telemetry::trace::Endpoint`]);
 /// other schemes are refused as not supported yet.
 fn tracing_endpoint(spec: &imp_api::ClusterImpConfigSpec) -> Result<(), ValidationErrors> {
     let endpoint = spec
@@ -565,7 +565,7 @@ fn tracing_endpoint(spec: &imp_api::ClusterImpConfigSpec) -> Result<(), Validati
         .and_then(|o| o.tracing.as_ref())
         .map(|t| t.endpoint.as_str())
         .filter(|e| e.starts_with("http://"));
-    match endpoint.map(imp_ops::trace::Endpoint::parse) {
+    match endpoint.map(imp_telemetry::trace::Endpoint::parse) {
         Some(Err(e)) => Err(ValidationErrors(vec![imp_api::validation::FieldError {
             path: "spec.observability.tracing.endpoint".to_owned(),
             message: e.0,

@@ -14,7 +14,7 @@ use super::tls::{self, LiveCert};
 use crate::chain::DisplayChain;
 use crate::gateway::Gateway;
 use crate::shutdown::raised;
-use imp_ops::Health;
+use imp_telemetry::Health;
 
 /// The part of readiness the self-managed webhook holds back until it serves.
 const HEALTH_PART: &str = "webhook";

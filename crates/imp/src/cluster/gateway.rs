@@ -9,8 +9,8 @@ use http::header::{CONNECTION, UPGRADE};
 use http::{Method, Request, Response, StatusCode};
 use http_body_util::BodyExt;
 use hyper_util::rt::TokioIo;
-use imp_agent_client::top::GuestReadingList;
-use imp_agent_client::{CONSOLE_UPGRADE, EXEC_UPGRADE};
+use imp_agent_api::top::GuestReadingList;
+use imp_agent_api::{CONSOLE_UPGRADE, EXEC_UPGRADE};
 use kube::client::Body;
 
 /// The aggregated API's base path.

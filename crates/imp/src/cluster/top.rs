@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::Args;
-use imp_agent_client::top::{GuestReading, GuestReadingList};
+use imp_agent_api::top::{GuestReading, GuestReadingList};
 use imp_api::vm::ImpVM;
 use kube::api::{Api, ListParams};
 
@@ -187,7 +187,7 @@ fn table(rows: &[Row]) -> String {
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
-    use imp_agent_client::top::NetworkBytes;
+    use imp_agent_api::top::NetworkBytes;
     use imp_proto::MetricsReport;
 
     fn vm(name: &str, uid: &str, phase: &str, node: Option<&str>) -> ImpVM {

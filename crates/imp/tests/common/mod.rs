@@ -1018,7 +1018,7 @@ pub async fn serve_gateway(
     spawn(
         serving,
         client,
-        std::sync::Arc::new(imp_ops::Health::new()),
+        std::sync::Arc::new(imp_telemetry::Health::new()),
         stop.clone(),
     );
     stop

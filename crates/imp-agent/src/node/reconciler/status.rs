@@ -66,7 +66,7 @@ pub(super) async fn write_report_with(
 /// Exports, in one request, the spans the write of `status` over `old` ends: a boot's
 /// ([`crate::node::trace::start_spans`], ended now, as the guest agent has just answered; a
 /// resume is no boot) and, when the VM first ran, its trace's root
-/// ([`imp_ops::trace::vm_root`]), which only this report knows the end of.
+/// ([`imp_telemetry::trace::vm_root`]), which only this report knows the end of.
 fn trace(
     ctx: &Context,
     vm: &ImpVM,
@@ -89,7 +89,7 @@ fn trace(
         vm.uid(),
         vm.metadata.creation_timestamp.as_ref(),
     ) {
-        spans.push(imp_ops::trace::vm_root(
+        spans.push(imp_telemetry::trace::vm_root(
             &uid,
             &vm.namespace().unwrap_or_default(),
             &vm.name_any(),

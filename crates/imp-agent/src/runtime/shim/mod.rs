@@ -35,7 +35,7 @@ use super::guest_agent;
 use super::progress;
 use super::spec::{SPEC_FILE, VmSpec};
 use super::state::{self, Stage, StateDir, SuspendFailure, SuspendRecord, VmRecord, VmStatus};
-use crate::guest;
+use crate::initramfs::{archive, modules};
 use imp_api::shared::VmRuntime;
 use imp_image::{ImageSource, ImageStore, ProgressEvent, PulledImage, RegistryAuth};
 use imp_vmm::{
@@ -974,17 +974,17 @@ async fn vm_initramfs(
     spec: &VmSpec,
     config: &mut GuestConfig,
 ) -> Result<PathBuf, Failure> {
-    let base_initrd = guest::initramfs::BaseInitramfs::cached(
+    let base_initrd = archive::BaseInitramfs::cached(
         &spec.cache(state).join("initramfs"),
         &spec.boot.guest,
         &spec.boot.modules,
-        guest::kernel::VM_MODULES,
+        modules::VM_MODULES,
     )
     .await
     .map_err(at(Stage::Initramfs, "building the guest initramfs"))?;
     config.modules = base_initrd.module_paths().to_vec();
     let initrd = dir.join(INITRD_FILE);
-    guest::initramfs::build_for_vm(&base_initrd, config, &initrd)
+    archive::build_for_vm(&base_initrd, config, &initrd)
         .await
         .map_err(at(Stage::Initramfs, "writing the VM's initramfs"))?;
     Ok(initrd)

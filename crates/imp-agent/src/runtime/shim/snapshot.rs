@@ -192,7 +192,7 @@ mod tests {
         std::fs::write(&ram, b"guest memory: PASSWORD=hunter2").unwrap();
         std::fs::write(&disk, b"ext4").unwrap();
         let config = br#"{"env":[{"name":"PASSWORD","value":"hunter2"}]}"#;
-        let archive = crate::guest::initramfs::config_archive(config).unwrap();
+        let archive = crate::initramfs::archive::config_archive(config).unwrap();
         std::fs::write(&initrd, &archive).unwrap();
         let memory = GuestMemory::Shared(ram);
         let src = Sources {

@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use imp_proto::config::{CONFIG_PATH, GuestConfig};
 use sha2::{Digest, Sha256};
 
-use super::kernel::{self, KernelError, Module};
+use super::modules::{self, KernelError, Module};
 
 /// Bumped whenever the base archive's layout changes, so old cache entries are not reused.
 const FORMAT: &str = "imp-initramfs-v1";
@@ -217,7 +217,7 @@ fn build_base(
     modules_dir: &Path,
     wanted: &[&str],
 ) -> Result<BaseInitramfs, InitramfsError> {
-    let modules: Vec<Module> = kernel::load_order(modules_dir, wanted)?;
+    let modules: Vec<Module> = modules::load_order(modules_dir, wanted)?;
     // The key covers each input's path, size, mtime and inode: a rebuilt guest or kernel gets
     // a new base, and a lookup reads no file contents (imp run pays it on every start).
     let mut hash = Sha256::new();
