@@ -12,12 +12,13 @@ fn repo() -> PathBuf {
 }
 
 /// Backticked words that name a file (by its extension) or a folder (ending in `/`), leaving
-/// out paths on a node, whose placeholders are in capitals (`snapshots/UID/`).
+/// out paths with a placeholder: in capitals on a node (`snapshots/UID/`), or `<kind>`.
 fn named_paths(text: &str) -> Vec<String> {
     const FILES: [&str; 6] = [".rs", ".md", ".yaml", ".toml", ".sh", ".py"];
     let placeholder = |w: &str| {
-        w.split('/')
-            .any(|s| s.len() > 1 && s.chars().all(|c| c.is_ascii_uppercase()))
+        w.split('/').any(|s| {
+            (s.len() > 1 && s.chars().all(|c| c.is_ascii_uppercase())) || s.starts_with('<')
+        })
     };
     text.split('`')
         .skip(1)
@@ -28,7 +29,8 @@ fn named_paths(text: &str) -> Vec<String> {
         .collect()
 }
 
-/// Every folder a short path may start from: the root, `crates/`, `docs/`, each crate, and
+/// Every folder a short path may start from: the root, `crates/`, `docs/`, each crate and its
+/// `tests/`, and
 /// every folder of a crate's `src/` (a file named after its folder's mention: `forward.rs` in
 /// "the gateway (`gateway/`) … `forward.rs`").
 fn bases(root: &Path) -> Vec<PathBuf> {
@@ -36,6 +38,7 @@ fn bases(root: &Path) -> Vec<PathBuf> {
     let crates = std::fs::read_dir(root.join("crates")).expect("reading crates/");
     for c in crates.flatten() {
         out.push(c.path());
+        out.push(c.path().join("tests"));
         let mut dirs = vec![c.path().join("src")];
         while let Some(d) = dirs.pop() {
             for e in std::fs::read_dir(&d).into_iter().flatten().flatten() {
