@@ -127,7 +127,7 @@ pub async fn run(
         Ok(()) if spec.from_snapshot.is_some() => {
             restore_new(&state, &dir, &spec, &mut record, &mut stop).await
         }
-        Ok(()) => supervise(&state, &dir, &spec, &mut record, &mut stop).await,
+        Ok(()) => boot_fresh(&state, &dir, &spec, &mut record, &mut stop).await,
         Err(f) => Ended::Failed(f),
     };
     let ended = failed_on_request(&dir, ended).await;
@@ -221,7 +221,8 @@ async fn leave_cgroup(spec: &VmSpec) {
     }
 }
 
-async fn supervise(
+/// A VM from its image: prepares its disk and initramfs, boots it and supervises it to its end.
+async fn boot_fresh(
     state: &StateDir,
     dir: &Path,
     spec: &VmSpec,

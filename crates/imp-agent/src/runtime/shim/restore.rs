@@ -1,13 +1,12 @@
 //! A VM whose VMM starts from a snapshot instead of a boot: a suspended VM resumed from its
 //! own ([`resume`]), or a new VM restored from an ImpVMSnapshot's files ([`restore_new`]),
-//! which takes its own identity once its guest answers ([`take_identity`]). Either is then
+//! which takes its own identity once its guest answers ([`take_identity`](super::supervise::take_identity)). Either is then
 //! supervised as after a boot.
 
 use std::path::Path;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use super::super::contract::{self, DISK_FILE, INITRD_FILE, MEMORY_FILE, STOPPED_EXIT_CODE};
-use super::super::guest_agent;
 use super::super::spec::VmSpec;
 use super::super::state::{Stage, StateDir, VmRecord};
 use super::failure::{Failure, at};
@@ -18,7 +17,7 @@ use super::signals::StopSignals;
 use super::supervise::{Run, drive, identify};
 use super::{Ended, Launch, ms, snapshot, suspend};
 use imp_api::shared::VmRuntime;
-use imp_vmm::{GuestMemory, Vmm};
+use imp_vmm::GuestMemory;
 
 /// Restores a suspended VM from its snapshot in a new VMM and supervises it as after a boot.
 /// A missing or unusable snapshot fails the VM with [`Stage::Resume`] and the reason.
@@ -104,7 +103,7 @@ pub(super) async fn resume(
 /// copied into the VM's directory (sparse), its memory image mapped private where the VMM can
 /// ([`CloneVmm::maps_image`]: every clone of the snapshot then shares the pages none has
 /// written) or else copied too, its device state restored by a new VMM; once the guest
-/// answers it takes this VM's identity ([`take_identity`]).
+/// answers it takes this VM's identity ([`take_identity`](super::supervise::take_identity)).
 pub(super) async fn restore_new(
     state: &StateDir,
     dir: &Path,
@@ -251,46 +250,4 @@ async fn seed(
     })
     .await
     .unwrap_or_else(|e| Err(e.to_string()))
-}
-
-/// A VM restored from another's snapshot still has that VM's clock, hostname, entropy,
-/// MAC, address and TCP connections: it takes its own (the guest reseeds its generator, sets
-/// its clock and names, readdresses its interface and drops the source's connections). A
-/// clone that cannot is failed: it would run as a second copy of its source. Its network
-/// link, down since the restore, comes up only then.
-pub(super) async fn take_identity<V: Vmm>(
-    vm: &mut V,
-    run: &Run<'_>,
-    record: &VmRecord,
-) -> Result<(), Failure> {
-    let identity = imp_proto::message::Identity {
-        hostname: Some(run.spec.hostname.clone()),
-        mac: run.spec.network.as_ref().map(|n| n.mac.clone()),
-        network: run.spec.network.as_ref().map(|n| n.config.clone()),
-    };
-    let report = guest_agent::reidentify(
-        &record.vsock,
-        record.agent_port,
-        &identity,
-        Duration::from_secs(30),
-    )
-    .await
-    .map_err(at(
-        Stage::GuestReady,
-        "giving the restored guest its own identity",
-    ))?;
-    if !report.is_complete() {
-        return Err(Failure::new(
-            Stage::GuestReady,
-            format!("the restored guest could not take its own identity: {report}"),
-        ));
-    }
-    if run.spec.network.is_some() {
-        vm.set_link(true).await.map_err(at(
-            Stage::GuestReady,
-            "connecting the restored guest's network",
-        ))?;
-    }
-    tracing::info!(vm = %record.name, hostname = %run.spec.hostname, report = %report.to_string().replace('\n', "; "), "restored guest took its identity");
-    Ok(())
 }

@@ -16,7 +16,7 @@ use crate::runtime::contract::{SnapshotOutcome, SnapshotRequest, write_stop};
 use crate::runtime::shim_api::{self, Envelope, Event, Reply, Request, SOCKET_FILE, WireError};
 use crate::runtime::state::RecordFeed;
 
-/// The shim's listening socket: the inherited one (`fd`, normally [`CONTROL_FD`]), else one
+/// The shim's listening socket: the inherited one (`fd`, normally [`CONTROL_FD`](crate::runtime::shim_api::CONTROL_FD)), else one
 /// bound at the VM directory's [`SOCKET_FILE`]. Must run inside the async runtime.
 pub fn listener(dir: &Path, fd: Option<i32>) -> std::io::Result<UnixListener> {
     let std_listener = match fd {

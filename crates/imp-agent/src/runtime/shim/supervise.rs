@@ -16,7 +16,6 @@ use super::super::state::{
 };
 use super::failure::{Failure, at, launch_failure_what};
 use super::prepare::vm_files;
-use super::restore::take_identity;
 use super::signals::{StopSignals, either, stop_grace};
 use super::{EXIT_REPORT_PORT, Ended, Launch, ms, read_console_tail, snapshot, suspend};
 use imp_api::shared::VmRuntime;
@@ -545,6 +544,48 @@ async fn put_to_sleep<V: Vmm>(
     }
     record.timings.suspend_ms += ms(t.elapsed());
     tracing::info!(vm = %record.name, phase = "Suspended", suspend_ms = record.timings.suspend_ms, bytes = s.bytes, "VM suspended");
+}
+
+/// A VM restored from another's snapshot still has that VM's clock, hostname, entropy,
+/// MAC, address and TCP connections: it takes its own (the guest reseeds its generator, sets
+/// its clock and names, readdresses its interface and drops the source's connections). A
+/// clone that cannot is failed: it would run as a second copy of its source. Its network
+/// link, down since the restore, comes up only then.
+pub(super) async fn take_identity<V: Vmm>(
+    vm: &mut V,
+    run: &Run<'_>,
+    record: &VmRecord,
+) -> Result<(), Failure> {
+    let identity = imp_proto::message::Identity {
+        hostname: Some(run.spec.hostname.clone()),
+        mac: run.spec.network.as_ref().map(|n| n.mac.clone()),
+        network: run.spec.network.as_ref().map(|n| n.config.clone()),
+    };
+    let report = guest_agent::reidentify(
+        &record.vsock,
+        record.agent_port,
+        &identity,
+        Duration::from_secs(30),
+    )
+    .await
+    .map_err(at(
+        Stage::GuestReady,
+        "giving the restored guest its own identity",
+    ))?;
+    if !report.is_complete() {
+        return Err(Failure::new(
+            Stage::GuestReady,
+            format!("the restored guest could not take its own identity: {report}"),
+        ));
+    }
+    if run.spec.network.is_some() {
+        vm.set_link(true).await.map_err(at(
+            Stage::GuestReady,
+            "connecting the restored guest's network",
+        ))?;
+    }
+    tracing::info!(vm = %record.name, hostname = %run.spec.hostname, report = %report.to_string().replace('\n', "; "), "restored guest took its identity");
+    Ok(())
 }
 
 #[cfg(test)]
