@@ -39,6 +39,7 @@ pub mod cluster;
 pub mod conditions;
 pub mod crd;
 pub mod duration;
+pub mod inherited;
 pub mod inputs;
 pub mod ipv4;
 pub mod network;

@@ -3,7 +3,8 @@
 //! Every inherited field (image, classRef, networkRef, probes, guestAgent, restartPolicy,
 //! networkGroup, runner/cilium layers, expireAfter, nodeSelector) is taken from the VM when the VM
 //! sets it, else from its template, else from its class (for the fields a class carries).
-//! Tolerations are the union of all three.
+//! Tolerations are the union of all three. The fields the VM and the template declare alike are
+//! one struct, [`Inherited`](crate::inherited::Inherited), filled in one call.
 //!
 //! # Missing references: `Pending`, not `Failed`
 //!
@@ -17,6 +18,7 @@
 use std::collections::BTreeMap;
 
 use crate::class::ImpVMClassSpec;
+use crate::inherited::fill;
 use crate::template::ImpVMTemplateSpec;
 use crate::vm::ImpVMSpec;
 use k8s_openapi::api::core::v1::Toleration;
@@ -31,16 +33,7 @@ pub fn apply_template(vm: &ImpVMSpec, template: &ImpVMTemplateSpec) -> ImpVMSpec
         out.class_ref = Some(template.class_ref.clone());
     }
     fill(&mut out.network_ref, &template.network_ref);
-    if out.image.as_deref().is_none_or(str::is_empty) && template.image.is_some() {
-        out.image = template.image.clone();
-    }
-    fill(&mut out.probes, &template.probes);
-    fill(&mut out.guest_agent, &template.guest_agent);
-    fill(&mut out.restart_policy, &template.restart_policy);
-    fill(&mut out.network_group, &template.network_group);
-    fill(&mut out.runner_layer, &template.runner_layer);
-    fill(&mut out.cilium_layer, &template.cilium_layer);
-    fill(&mut out.expire_after, &template.expire_after);
+    out.inherited.fill_from(&template.inherited);
     merge_selector(&mut out.node_selector, &template.node_selector);
     union_tolerations(&mut out.tolerations, &template.tolerations);
     out
@@ -51,9 +44,10 @@ pub fn apply_template(vm: &ImpVMSpec, template: &ImpVMTemplateSpec) -> ImpVMSpec
 /// A class carries probes, the guest-agent switch, the restart policy and tolerations.
 pub fn apply_class(vm: &ImpVMSpec, class: &ImpVMClassSpec) -> ImpVMSpec {
     let mut out = vm.clone();
-    fill(&mut out.probes, &class.probes);
-    fill(&mut out.guest_agent, &class.guest_agent);
-    fill(&mut out.restart_policy, &class.restart_policy);
+    let inherited = &mut out.inherited;
+    fill(&mut inherited.probes, &class.probes);
+    fill(&mut inherited.guest_agent, &class.guest_agent);
+    fill(&mut inherited.restart_policy, &class.restart_policy);
     union_tolerations(&mut out.tolerations, &class.tolerations);
     out
 }
@@ -84,7 +78,7 @@ pub fn with_default_http_check(
     if spec.network_ref.is_none() {
         return spec;
     }
-    let probes = spec.probes.get_or_insert_with(Default::default);
+    let probes = spec.inherited.probes.get_or_insert_with(Default::default);
     if probes.http_check.is_none() {
         probes.http_check = Some(default.clone());
     }
@@ -160,12 +154,6 @@ pub fn admissible(spec: &ImpVMSpec) -> Result<(), MissingRef> {
     )
 }
 
-fn fill<T: Clone>(target: &mut Option<T>, source: &Option<T>) {
-    if target.is_none() {
-        target.clone_from(source);
-    }
-}
-
 fn merge_selector(target: &mut BTreeMap<String, String>, source: &BTreeMap<String, String>) {
     for (k, v) in source {
         target.entry(k.clone()).or_insert_with(|| v.clone());
@@ -184,6 +172,7 @@ fn union_tolerations(target: &mut Vec<Toleration>, source: &[Toleration]) {
 mod tests {
     use super::*;
     use crate::duration::GoDuration;
+    use crate::inherited::Inherited;
     use crate::shared::{
         ClusterObjectRef, GuestAgentConfig, LocalObjectRef, RestartMode, RestartPolicy,
     };
@@ -207,7 +196,7 @@ mod tests {
             "{msg}"
         );
         let mut bad = ok.clone();
-        bad.image = Some("Not An Image".into());
+        bad.inherited.image = Some("Not An Image".into());
         assert!(
             admissible(&bad)
                 .unwrap_err()
@@ -230,24 +219,26 @@ mod tests {
                 name: "small".into(),
             },
             network_ref: Some(LocalObjectRef { name: "net".into() }),
-            image: Some("tmpl:1".into()),
-            guest_agent: Some(GuestAgentConfig {
-                enabled: Some(false),
-            }),
-            restart_policy: Some(RestartPolicy {
-                mode: RestartMode::Reschedule,
+            inherited: Inherited {
+                image: Some("tmpl:1".into()),
+                guest_agent: Some(GuestAgentConfig {
+                    enabled: Some(false),
+                }),
+                restart_policy: Some(RestartPolicy {
+                    mode: RestartMode::Reschedule,
+                    ..Default::default()
+                }),
+                network_group: Some("g1".into()),
+                runner_layer: Some("runner:1".into()),
+                cilium_layer: Some("cilium:1".into()),
+                expire_after: Some(GoDuration::from_static("10m")),
                 ..Default::default()
-            }),
-            network_group: Some("g1".into()),
-            runner_layer: Some("runner:1".into()),
-            cilium_layer: Some("cilium:1".into()),
-            expire_after: Some(GoDuration::from_static("10m")),
+            },
             node_selector: BTreeMap::from([
                 ("zone".to_owned(), "a".to_owned()),
                 ("disk".to_owned(), "ssd".to_owned()),
             ]),
             tolerations: vec![tol("t1"), tol("shared")],
-            ..Default::default()
         }
     }
 
@@ -260,13 +251,16 @@ mod tests {
         let out = apply_template(&vm, &template());
         assert_eq!(out.class_ref.unwrap().name, "small");
         assert_eq!(out.network_ref.unwrap().name, "net");
-        assert_eq!(out.image.as_deref(), Some("tmpl:1"));
-        assert_eq!(out.guest_agent.unwrap().enabled, Some(false));
-        assert_eq!(out.restart_policy.unwrap().mode, RestartMode::Reschedule);
-        assert_eq!(out.network_group.as_deref(), Some("g1"));
-        assert_eq!(out.runner_layer.as_deref(), Some("runner:1"));
-        assert_eq!(out.cilium_layer.as_deref(), Some("cilium:1"));
-        assert_eq!(out.expire_after.unwrap().as_str(), "10m");
+        assert_eq!(out.inherited.image.as_deref(), Some("tmpl:1"));
+        assert_eq!(out.inherited.guest_agent.unwrap().enabled, Some(false));
+        assert_eq!(
+            out.inherited.restart_policy.unwrap().mode,
+            RestartMode::Reschedule
+        );
+        assert_eq!(out.inherited.network_group.as_deref(), Some("g1"));
+        assert_eq!(out.inherited.runner_layer.as_deref(), Some("runner:1"));
+        assert_eq!(out.inherited.cilium_layer.as_deref(), Some("cilium:1"));
+        assert_eq!(out.inherited.expire_after.unwrap().as_str(), "10m");
         assert_eq!(out.node_selector.len(), 2);
         assert_eq!(out.tolerations, vec![tol("t1"), tol("shared")]);
     }
@@ -275,19 +269,22 @@ mod tests {
     fn vm_values_win_and_tolerations_union() {
         let vm = ImpVMSpec {
             template_ref: Some(LocalObjectRef { name: "t".into() }),
-            image: Some("mine:2".into()),
+            inherited: Inherited {
+                image: Some("mine:2".into()),
+                expire_after: Some(GoDuration::from_static("0s")),
+                ..Default::default()
+            },
             network_ref: Some(LocalObjectRef {
                 name: "other".into(),
             }),
-            expire_after: Some(GoDuration::from_static("0s")),
             node_selector: BTreeMap::from([("zone".to_owned(), "b".to_owned())]),
             tolerations: vec![tol("shared"), tol("v1")],
             ..Default::default()
         };
         let out = apply_template(&vm, &template());
-        assert_eq!(out.image.as_deref(), Some("mine:2"));
+        assert_eq!(out.inherited.image.as_deref(), Some("mine:2"));
         assert_eq!(out.network_ref.unwrap().name, "other");
-        assert_eq!(out.expire_after.unwrap().as_str(), "0s");
+        assert_eq!(out.inherited.expire_after.unwrap().as_str(), "0s");
         assert_eq!(out.node_selector.get("zone").map(String::as_str), Some("b"));
         assert_eq!(
             out.node_selector.get("disk").map(String::as_str),
@@ -299,11 +296,14 @@ mod tests {
     #[test]
     fn empty_image_string_counts_as_unset() {
         let vm = ImpVMSpec {
-            image: Some(String::new()),
+            inherited: Inherited {
+                image: Some(String::new()),
+                ..Default::default()
+            },
             ..Default::default()
         };
         assert_eq!(
-            apply_template(&vm, &template()).image.as_deref(),
+            apply_template(&vm, &template()).inherited.image.as_deref(),
             Some("tmpl:1")
         );
     }
@@ -327,20 +327,29 @@ mod tests {
         };
         let out = resolve(&vm, Some(&template()), &class);
         // template beats class
-        assert_eq!(out.guest_agent.unwrap().enabled, Some(false));
-        assert_eq!(out.restart_policy.unwrap().mode, RestartMode::Reschedule);
+        assert_eq!(out.inherited.guest_agent.unwrap().enabled, Some(false));
+        assert_eq!(
+            out.inherited.restart_policy.unwrap().mode,
+            RestartMode::Reschedule
+        );
         assert_eq!(out.tolerations, vec![tol("t1"), tol("shared"), tol("c1")]);
         // class fills when neither sets it
         let bare = ImpVMSpec {
             class_ref: Some(ClusterObjectRef {
                 name: "small".into(),
             }),
-            image: Some("x".into()),
+            inherited: Inherited {
+                image: Some("x".into()),
+                ..Default::default()
+            },
             ..Default::default()
         };
         let out = resolve(&bare, None, &class);
-        assert_eq!(out.guest_agent.unwrap().enabled, Some(true));
-        assert_eq!(out.restart_policy.unwrap().mode, RestartMode::InPlace);
+        assert_eq!(out.inherited.guest_agent.unwrap().enabled, Some(true));
+        assert_eq!(
+            out.inherited.restart_policy.unwrap().mode,
+            RestartMode::InPlace
+        );
     }
 
     #[test]
@@ -376,10 +385,13 @@ mod tests {
         let on_net: ImpVMSpec =
             serde_json::from_value(serde_json::json!({"networkRef": {"name": "n"}})).unwrap();
         let got = with_default_http_check(on_net.clone(), Some(&default));
-        assert_eq!(got.probes.unwrap().http_check, Some(default.clone()));
+        assert_eq!(
+            got.inherited.probes.unwrap().http_check,
+            Some(default.clone())
+        );
         // A VM's own check wins, even disabled (that is how a VM opts out).
         let mut own = on_net.clone();
-        own.probes =
+        own.inherited.probes =
             serde_json::from_value(serde_json::json!({"httpCheck": {"enabled": false}})).unwrap();
         let got = with_default_http_check(own.clone(), Some(&default));
         assert_eq!(got, own);

@@ -133,6 +133,7 @@ mod tests {
     use crate::cluster::{
         CniConfig, MetricsConfig, NatBackend, NetworkingConfig, ObservabilityConfig, TracingConfig,
     };
+    use crate::inherited::Inherited;
     use crate::network::CiliumNetworkSpec;
     use crate::shared::GuestAgentConfig;
     use k8s_openapi::api::core::v1::{EnvVarSource, ObjectFieldSelector, SecretKeySelector};
@@ -148,15 +149,21 @@ mod tests {
         });
         assert_eq!(vm(&ImpVMSpec::default()), Ok(()));
         let s = ImpVMSpec {
-            guest_agent: on.clone(),
-            runner_layer: Some(String::new()),
+            inherited: Inherited {
+                guest_agent: on.clone(),
+                runner_layer: Some(String::new()),
+                ..Default::default()
+            },
             ..Default::default()
         };
         assert_eq!(vm(&s), Ok(()));
         let off = ImpVMSpec {
-            guest_agent: Some(GuestAgentConfig {
-                enabled: Some(false),
-            }),
+            inherited: Inherited {
+                guest_agent: Some(GuestAgentConfig {
+                    enabled: Some(false),
+                }),
+                ..Default::default()
+            },
             ..Default::default()
         };
         assert_eq!(

@@ -97,7 +97,7 @@ pub fn vm(spec: &ImpVMSpec) -> Result<(), ValidationErrors> {
         (None, None) => e.push("spec", "one of classRef or templateRef is required"),
         (Some(c), None) => {
             non_empty(&mut e, "spec.classRef.name", &c.name);
-            if spec.image.as_deref().is_none_or(str::is_empty) {
+            if spec.inherited.image.as_deref().is_none_or(str::is_empty) {
                 e.push(
                     "spec.image",
                     "is required when spec.classRef is used without a template",
@@ -106,12 +106,12 @@ pub fn vm(spec: &ImpVMSpec) -> Result<(), ValidationErrors> {
         }
         (None, Some(t)) => non_empty(&mut e, "spec.templateRef.name", &t.name),
     }
-    if let Some(image) = &spec.image {
+    if let Some(image) = &spec.inherited.image {
         image_ref(&mut e, "spec.image", image);
     }
     for (field, layer) in [
-        ("spec.runnerLayer", &spec.runner_layer),
-        ("spec.ciliumLayer", &spec.cilium_layer),
+        ("spec.runnerLayer", &spec.inherited.runner_layer),
+        ("spec.ciliumLayer", &spec.inherited.cilium_layer),
     ] {
         if let Some(l) = layer {
             image_ref(&mut e, field, l);
@@ -120,7 +120,7 @@ pub fn vm(spec: &ImpVMSpec) -> Result<(), ValidationErrors> {
     if let Some(n) = &spec.network_ref {
         non_empty(&mut e, "spec.networkRef.name", &n.name);
     }
-    if let Some(d) = &spec.expire_after {
+    if let Some(d) = &spec.inherited.expire_after {
         expire_after(&mut e, "spec.expireAfter", d);
     }
     if let Some(d) = &spec.idle_timeout {
@@ -135,13 +135,19 @@ pub fn vm(spec: &ImpVMSpec) -> Result<(), ValidationErrors> {
     inherited(
         &mut e,
         &spec.tolerations,
-        spec.probes.as_ref(),
-        spec.restart_policy.as_ref(),
+        spec.inherited.probes.as_ref(),
+        spec.inherited.restart_policy.as_ref(),
     );
     if let Some(n) = &spec.node_name {
         dns_subdomain(&mut e, "spec.nodeName", n);
     }
-    if spec.snapshot_ref.is_some() && spec.guest_agent.as_ref().is_some_and(|a| !a.is_enabled()) {
+    if spec.snapshot_ref.is_some()
+        && spec
+            .inherited
+            .guest_agent
+            .as_ref()
+            .is_some_and(|a| !a.is_enabled())
+    {
         e.push("spec.snapshotRef", CLONE_NEEDS_AGENT);
     }
     e.into_result()
@@ -225,7 +231,10 @@ fn fixed_once_placed(old: &ImpVMSpec, new: &ImpVMSpec) -> Vec<&'static str> {
         !persistent && old.template_ref != new.template_ref,
     );
     check("spec.networkRef", old.network_ref != new.network_ref);
-    check("spec.networkGroup", old.network_group != new.network_group);
+    check(
+        "spec.networkGroup",
+        old.inherited.network_group != new.inherited.network_group,
+    );
     check("spec.lifecycle", old.lifecycle != new.lifecycle);
     check("spec.snapshotRef", old.snapshot_ref != new.snapshot_ref);
     changed
@@ -269,17 +278,17 @@ pub fn class(spec: &ImpVMClassSpec) -> Result<(), ValidationErrors> {
 pub fn template(spec: &ImpVMTemplateSpec) -> Result<(), ValidationErrors> {
     let mut e = ValidationErrors::default();
     non_empty(&mut e, "spec.classRef.name", &spec.class_ref.name);
-    if let Some(image) = &spec.image {
+    if let Some(image) = &spec.inherited.image {
         image_ref(&mut e, "spec.image", image);
     }
-    if let Some(d) = &spec.expire_after {
+    if let Some(d) = &spec.inherited.expire_after {
         expire_after(&mut e, "spec.expireAfter", d);
     }
     inherited(
         &mut e,
         &spec.tolerations,
-        spec.probes.as_ref(),
-        spec.restart_policy.as_ref(),
+        spec.inherited.probes.as_ref(),
+        spec.inherited.restart_policy.as_ref(),
     );
     e.into_result()
 }
@@ -1178,6 +1187,7 @@ fn cron_field(f: &str, lo: u32, hi: u32, names: &[&str]) -> Result<(), String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::inherited::Inherited;
     use crate::shared::{ClusterObjectRef, GuestAgentConfig, LocalObjectRef, VmDesiredState};
 
     fn vm_spec() -> ImpVMSpec {
@@ -1185,7 +1195,10 @@ mod tests {
             class_ref: Some(ClusterObjectRef {
                 name: "small".into(),
             }),
-            image: Some("docker.io/library/busybox:1.36".into()),
+            inherited: Inherited {
+                image: Some("docker.io/library/busybox:1.36".into()),
+                ..Default::default()
+            },
             ..Default::default()
         }
     }
@@ -1204,8 +1217,11 @@ mod tests {
             enabled: Some(false),
         });
         let agentless_with_probes = ImpVMSpec {
-            probes: Some(probe),
-            guest_agent: off,
+            inherited: Inherited {
+                probes: Some(probe),
+                guest_agent: off,
+                ..vm_spec().inherited
+            },
             ..vm_spec()
         };
         assert_eq!(
@@ -1215,9 +1231,12 @@ mod tests {
         );
         let clone = ImpVMSpec {
             snapshot_ref: Some("snap".into()),
-            guest_agent: Some(GuestAgentConfig {
-                enabled: Some(false),
-            }),
+            inherited: Inherited {
+                guest_agent: Some(GuestAgentConfig {
+                    enabled: Some(false),
+                }),
+                ..vm_spec().inherited
+            },
             ..vm_spec()
         };
         assert_eq!(
@@ -1283,13 +1302,19 @@ mod tests {
     fn expire_after_zero_and_sixty_are_fine() {
         for ok in ["0", "0s", "60s", "1m", "2h"] {
             let s = ImpVMSpec {
-                expire_after: Some(GoDuration(ok.into())),
+                inherited: Inherited {
+                    expire_after: Some(GoDuration(ok.into())),
+                    ..vm_spec().inherited
+                },
                 ..vm_spec()
             };
             assert_eq!(vm(&s), Ok(()), "{ok}");
         }
         let s = ImpVMSpec {
-            expire_after: Some(GoDuration("59s".into())),
+            inherited: Inherited {
+                expire_after: Some(GoDuration("59s".into())),
+                ..vm_spec().inherited
+            },
             ..vm_spec()
         };
         assert_eq!(
@@ -1356,14 +1381,17 @@ mod tests {
         assert_eq!(vm_update(&unplaced, &changed), Ok(()));
         // The image rolls (the operator restarts the VM with it).
         let mut new_image = placed.clone();
-        new_image.image = Some("registry.example/app:2".into());
+        new_image.inherited.image = Some("registry.example/app:2".into());
         assert_eq!(vm_update(&placed, &new_image), Ok(()));
     }
 
     #[test]
     fn every_error_is_reported_not_just_the_first() {
         let s = ImpVMSpec {
-            image: Some(String::new()),
+            inherited: Inherited {
+                image: Some(String::new()),
+                ..vm_spec().inherited
+            },
             idle_timeout: Some(GoDuration("1s".into())),
             ..vm_spec()
         };
@@ -1463,7 +1491,10 @@ mod tests {
             "ghcr.io/a/b",
         ] {
             let s = ImpVMSpec {
-                image: Some(ok.into()),
+                inherited: Inherited {
+                    image: Some(ok.into()),
+                    ..vm_spec().inherited
+                },
                 ..vm_spec()
             };
             assert_eq!(vm(&s), Ok(()), "{ok}");
@@ -1476,7 +1507,10 @@ mod tests {
             "trailing:",
         ] {
             let s = ImpVMSpec {
-                image: Some(bad.into()),
+                inherited: Inherited {
+                    image: Some(bad.into()),
+                    ..vm_spec().inherited
+                },
                 ..vm_spec()
             };
             assert!(msg(vm(&s)).starts_with("spec.image:"), "{bad}");

@@ -9,10 +9,8 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 use crate::duration::GoDuration;
-use crate::shared::{
-    ClusterObjectRef, GuestAgentConfig, LocalObjectRef, ProbeSpec, RestartPolicy, VmDesiredState,
-    VmLifecycle,
-};
+use crate::inherited::Inherited;
+use crate::shared::{ClusterObjectRef, LocalObjectRef, VmDesiredState, VmLifecycle};
 
 /// What the user asks for: an image in a class of machine on a network.
 #[derive(CustomResource, Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
@@ -50,9 +48,10 @@ pub struct ImpVMSpec {
     /// Network to attach to.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub network_ref: Option<LocalObjectRef>,
-    /// OCI image reference; its ENTRYPOINT/CMD is the workload.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub image: Option<String>,
+    /// Image, probes, guest agent, restart policy, network group, layers and expiry; each taken
+    /// from the template when unset here.
+    #[serde(flatten)]
+    pub inherited: Inherited,
     /// Secrets (kubernetes.io/dockerconfigjson) used to pull the image (imp extension).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub image_pull_secrets: Vec<LocalObjectRef>,
@@ -88,35 +87,6 @@ pub struct ImpVMSpec {
     /// the workload starts; a failure fails the VM naming the step.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub user_data: Option<UserDataSource>,
-    /// Guest probes and the operator's HTTP check; VM over template over class.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub probes: Option<ProbeSpec>,
-    /// The in-guest agent switch; VM over template over class. `enabled: false`: the guest runs
-    /// its workload without it (no exec, in-guest probes or guest figures; Running once the VMM
-    /// runs).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub guest_agent: Option<GuestAgentConfig>,
-    /// What happens when a persistent workload fails; VM over template over class. When none of
-    /// them sets one, a persistent VM restarts in place after 10s, with the delay doubling up to
-    /// 5m, at most 5 attempts, then stays Failed. Ephemeral VMs never restart.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub restart_policy: Option<RestartPolicy>,
-    /// Group of the network to draw the IP from.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub network_group: Option<String>,
-    /// OCI image to layer on top of the base image (CI runner tooling): its layers are applied
-    /// over the image's, pulled and checked as the image's own (with its imagePullSecrets).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub runner_layer: Option<String>,
-    /// OCI image to layer on top of the runner layer (Cilium agent), applied as runnerLayer is.
-    /// imp itself does not enrol the VM with Cilium: what the layer runs is its own.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub cilium_layer: Option<String>,
-    /// Delete the VM this long after it first ran (or after it ended, if it never ran), running
-    /// or finished (Succeeded, Failed); 0 means never, else at least 60s.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(transform = crate::schema::expire_after)]
-    pub expire_after: Option<GoDuration>,
     /// For persistent VMs: move to another node when the node is lost.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub reschedule_on_node_loss: bool,

@@ -236,7 +236,13 @@ mod server {
         let vm: Api<ImpVM> = Api::namespaced(c.clone(), "default");
         let nginx = vm.get("nginx").await.unwrap();
         assert_eq!(nginx.spec.desired_state, shared::VmDesiredState::Running);
-        let probe = nginx.spec.probes.unwrap().readiness_probe.unwrap();
+        let probe = nginx
+            .spec
+            .inherited
+            .probes
+            .unwrap()
+            .readiness_probe
+            .unwrap();
         assert_eq!((probe.period_seconds, probe.failure_threshold), (5, 3));
         let edge: Api<ImpNetwork> = Api::namespaced(c.clone(), "edge");
         let net = edge.get("edge-net").await.unwrap();

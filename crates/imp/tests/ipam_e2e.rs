@@ -389,7 +389,11 @@ async fn the_clusters_default_http_check_is_booked_into_networked_vms_without_on
     let check_of = |name: &str| {
         let v = vms.iter().find(|v| v.name_any() == name).unwrap();
         let booked = &v.status.as_ref().unwrap().booking.as_ref().unwrap().spec;
-        booked.probes.as_ref().and_then(|p| p.http_check.clone())
+        booked
+            .inherited
+            .probes
+            .as_ref()
+            .and_then(|p| p.http_check.clone())
     };
     let default = check_of("checked").expect("the default is booked");
     assert!(default.enabled);

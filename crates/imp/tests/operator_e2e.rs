@@ -1368,7 +1368,7 @@ async fn a_placed_vm_keeps_its_booking_when_its_class_changes_and_users_cannot_e
     .await;
     let booked = first.status.unwrap().booking.unwrap();
     assert_eq!((booked.class.vcpu, booked.class.memory_mib), (1, 256));
-    assert_eq!(booked.spec.image.as_deref(), Some("busybox"));
+    assert_eq!(booked.spec.inherited.image.as_deref(), Some("busybox"));
     // The class grows to 2 vCPU: the placed VM keeps 1 booked, so two more 2-vCPU VMs find
     // 2.6 vCPU free (room for one). Counting the live class would leave 1.6 (room for none).
     Api::<ImpVMClass>::all(c.clone())

@@ -205,7 +205,8 @@ async fn probes_gate_readiness_flip_it_and_restart_a_vm_whose_liveness_fails() {
         .unwrap();
     let rolled = common::wait_vm(&vms, VM, "Running again with the new image", 300, |v| {
         let booking = v.status.as_ref().and_then(|s| s.booking.as_ref());
-        booking.is_some_and(|b| b.revision == 1 && b.spec.image.as_deref() == Some(&image2))
+        booking
+            .is_some_and(|b| b.revision == 1 && b.spec.inherited.image.as_deref() == Some(&image2))
             && phase(v) == Some(VmPhase::Running)
             && is(v, "Started", "True", "ProbeSucceeded")
     })

@@ -108,6 +108,7 @@ pub fn vm_spec(
         auth_file,
     } = choices;
     let image = vm
+        .inherited
         .image
         .clone()
         .filter(|i| !i.is_empty())
@@ -131,6 +132,7 @@ pub fn vm_spec(
         .filter(|&d| d >= 1)
         .ok_or_else(|| SpecError(format!("class diskGiB {} is below 1", class.disk_gib)))?;
     let guest_agent = vm
+        .inherited
         .guest_agent
         .as_ref()
         .or(class.guest_agent.as_ref())
@@ -183,7 +185,7 @@ pub fn vm_spec(
 /// The images whose layers go over the VM's image, lowest first: its runner layer, then its
 /// Cilium layer.
 fn layers(vm: &ImpVMSpec) -> Vec<String> {
-    [&vm.runner_layer, &vm.cilium_layer]
+    [&vm.inherited.runner_layer, &vm.inherited.cilium_layer]
         .into_iter()
         .flatten()
         .filter(|l| !l.is_empty())
@@ -194,7 +196,7 @@ fn layers(vm: &ImpVMSpec) -> Vec<String> {
 /// What a VM without its guest agent cannot have, wherever it was inherited from: in-guest
 /// probes, and a snapshot to clone (a clone takes its own identity through the agent).
 fn agentless(vm: &ImpVMSpec, class: &ImpVMClassSpec) -> Result<(), SpecError> {
-    let probes = vm.probes.as_ref().or(class.probes.as_ref());
+    let probes = vm.inherited.probes.as_ref().or(class.probes.as_ref());
     if probes.is_some_and(imp_api::shared::ProbeSpec::in_guest) {
         return Err(SpecError(format!(
             "spec.probes: {}",
@@ -214,6 +216,7 @@ fn agentless(vm: &ImpVMSpec, class: &ImpVMClassSpec) -> Result<(), SpecError> {
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
+    use imp_api::inherited::Inherited;
 
     fn settings() -> BootSettings {
         BootSettings {
@@ -263,7 +266,10 @@ mod tests {
     #[test]
     fn the_class_sizes_the_vm_and_its_cgroup() {
         let vm = ImpVMSpec {
-            image: Some("127.0.0.1:5000/app:1".into()),
+            inherited: Inherited {
+                image: Some("127.0.0.1:5000/app:1".into()),
+                ..Default::default()
+            },
             ..Default::default()
         };
         let s = vm_spec(
@@ -304,9 +310,12 @@ mod tests {
     #[test]
     fn the_runner_and_cilium_layers_go_over_the_image_in_that_order() {
         let vm = ImpVMSpec {
-            image: Some("app:1".into()),
-            runner_layer: Some("runner:1".into()),
-            cilium_layer: Some("cilium:1".into()),
+            inherited: Inherited {
+                image: Some("app:1".into()),
+                runner_layer: Some("runner:1".into()),
+                cilium_layer: Some("cilium:1".into()),
+                ..Default::default()
+            },
             ..Default::default()
         };
         let s = vm_spec(
@@ -319,7 +328,10 @@ mod tests {
         .unwrap();
         assert_eq!(s.layers, ["runner:1", "cilium:1"]);
         let only_cilium = ImpVMSpec {
-            runner_layer: Some(String::new()),
+            inherited: Inherited {
+                runner_layer: Some(String::new()),
+                ..vm.inherited
+            },
             ..vm
         };
         let s = vm_spec(
@@ -364,7 +376,10 @@ mod tests {
             ..class()
         };
         let vm = ImpVMSpec {
-            image: Some("x".into()),
+            inherited: Inherited {
+                image: Some("x".into()),
+                ..Default::default()
+            },
             ..Default::default()
         };
         let e = vm_spec(owner(), &vm, &tiny, choices(VmRuntime::Qemu), &settings()).unwrap_err();

@@ -33,7 +33,12 @@ impl Context {
         let owner = key(&vm);
         match self
             .ipam
-            .ensure(&ns, &net.name, &owner, r.spec.network_group.as_deref())
+            .ensure(
+                &ns,
+                &net.name,
+                &owner,
+                r.spec.inherited.network_group.as_deref(),
+            )
             .await
         {
             Ok(ip) => {

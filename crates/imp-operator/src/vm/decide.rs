@@ -672,7 +672,7 @@ fn expire_after(vm: &ImpVM, status: &ImpVMStatus, w: &World) -> Option<Duration>
         (Err(_), Some(b)) => &b.spec,
         (Err(_), None) => &vm.spec,
     };
-    spec.expire_after.as_ref()?.parse().ok()
+    spec.inherited.expire_after.as_ref()?.parse().ok()
 }
 
 /// When `vm` expires, also written to `status.expiresAt`. An ended VM that never ran and has no
@@ -923,7 +923,7 @@ fn restart(vm: &ImpVM, mut status: ImpVMStatus, r: &Resolved, w: &World) -> Plan
     let Some(policy) = lifecycle::restart_policy(&r.spec) else {
         return Plan::stop(Next::AwaitChange);
     };
-    let default = match r.spec.restart_policy {
+    let default = match r.spec.inherited.restart_policy {
         Some(_) => "",
         None => "; the default restart policy (none set on the VM, its template or class)",
     };
@@ -1038,6 +1038,7 @@ mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
     use imp_api::duration::GoDuration;
+    use imp_api::inherited::Inherited;
     use imp_api::shared::{BackoffPolicy, RestartPolicy};
     use imp_api::vm::ImpVMSpec;
     use k8s_openapi::api::core::v1::{NodeCondition, NodeStatus};
@@ -1532,12 +1533,12 @@ mod tests {
         let mut r = vm(Some("n1"), Some(VmPhase::Running));
         r.status.as_mut().unwrap().running_at = Some(Time(now - Duration::from_secs(120)));
         let mut spec = r.spec.clone();
-        spec.expire_after = Some(GoDuration::from_static("1m"));
+        spec.inherited.expire_after = Some(GoDuration::from_static("1m"));
         let p = plan(decide_with(&r, &resolved(spec.clone()), Some(&ready), now));
         assert!(p.delete);
         assert_eq!(p.event.unwrap().reason, "Expired");
 
-        spec.expire_after = Some(GoDuration::from_static("1h"));
+        spec.inherited.expire_after = Some(GoDuration::from_static("1h"));
         let p = plan(decide_with(&r, &resolved(spec), Some(&ready), now));
         assert!(!p.delete);
         assert!(matches!(p.next, Next::Requeue(d) if d <= Settings::default().requeue_running));
@@ -1550,7 +1551,7 @@ mod tests {
         let mut v = vm(Some("n1"), Some(VmPhase::Failed));
         let mut spec = v.spec.clone();
         spec.lifecycle = VmLifecycle::Persistent;
-        spec.restart_policy = Some(RestartPolicy {
+        spec.inherited.restart_policy = Some(RestartPolicy {
             mode: RestartMode::InPlace,
             backoff: Some(BackoffPolicy {
                 max_retries: 3,
@@ -1584,7 +1585,10 @@ mod tests {
     fn expiring(lifecycle: VmLifecycle, after: &'static str) -> Result<Resolved, MissingRef> {
         resolved(ImpVMSpec {
             lifecycle,
-            expire_after: Some(GoDuration::from_static(after)),
+            inherited: Inherited {
+                expire_after: Some(GoDuration::from_static(after)),
+                ..Default::default()
+            },
             ..ImpVMSpec::default()
         })
     }
@@ -1734,10 +1738,10 @@ mod tests {
         st.running_at = Some(Time(now));
         let booking = st.booking.as_mut().unwrap();
         booking.spec.lifecycle = VmLifecycle::Persistent;
-        booking.spec.image = Some("app:1".into());
+        booking.spec.inherited.image = Some("app:1".into());
         let booked = booking.spec.clone();
         v.spec.lifecycle = VmLifecycle::Persistent;
-        v.spec.image = Some("app:2".into());
+        v.spec.inherited.image = Some("app:2".into());
         let p = plan(decide_with(
             &v,
             &resolved(booked.clone()),
@@ -1752,7 +1756,10 @@ mod tests {
             "expiry still counts from the first run"
         );
         let b = st.booking.unwrap();
-        assert_eq!((b.spec.image.as_deref(), b.revision), (Some("app:2"), 1));
+        assert_eq!(
+            (b.spec.inherited.image.as_deref(), b.revision),
+            (Some("app:2"), 1)
+        );
         let note = p.event.unwrap();
         assert_eq!(note.reason, "SpecChanged");
         assert!(
@@ -1763,8 +1770,8 @@ mod tests {
 
         // A probe edit is booked without a restart.
         let mut v2 = v.clone();
-        v2.spec.image = Some("app:1".into());
-        v2.spec.probes = Some(imp_api::shared::ProbeSpec::default());
+        v2.spec.inherited.image = Some("app:1".into());
+        v2.spec.inherited.probes = Some(imp_api::shared::ProbeSpec::default());
         let p = plan(decide_with(
             &v2,
             &resolved(booked.clone()),

@@ -49,7 +49,8 @@ pub fn restart_policy(spec: &ImpVMSpec) -> Option<RestartPolicy> {
         return None;
     }
     Some(
-        spec.restart_policy
+        spec.inherited
+            .restart_policy
             .clone()
             .unwrap_or_else(default_restart_policy),
     )
@@ -403,12 +404,12 @@ mod tests {
         );
         // A policy of its own wins.
         let own = policy(OnExhaustion::ManualReset, RestartMode::Reschedule);
-        spec.restart_policy = Some(own.clone());
+        spec.inherited.restart_policy = Some(own.clone());
         assert_eq!(restart_policy(&spec), Some(own));
         // Ephemeral VMs end, with or without a policy.
         spec.lifecycle = VmLifecycle::Ephemeral;
         assert_eq!(restart_policy(&spec), None);
-        spec.restart_policy = None;
+        spec.inherited.restart_policy = None;
         assert_eq!(restart_policy(&spec), None);
     }
 

@@ -47,14 +47,16 @@ pub(super) fn rollout(own: &ImpVMSpec, booked: &ImpVMSpec) -> Option<Rollout> {
         }
         differs
     };
+    // The fields a template may give too, as the VM sets them (`mine`) and as booked (`was`).
+    let (mine, was) = (&own.inherited, &booked.inherited);
     // An empty image counts as unset, as in resolution.
-    let image = own.image.as_deref().filter(|i| !i.is_empty());
+    let image = mine.image.as_deref().filter(|i| !i.is_empty());
     if take(
         "image",
         true,
-        image.is_some() && image != booked.image.as_deref(),
+        image.is_some() && image != was.image.as_deref(),
     ) {
-        spec.image = image.map(str::to_owned);
+        spec.inherited.image = image.map(str::to_owned);
     }
     if take("env", true, !own.env.is_empty() && own.env != booked.env) {
         spec.env.clone_from(&own.env);
@@ -63,32 +65,31 @@ pub(super) fn rollout(own: &ImpVMSpec, booked: &ImpVMSpec) -> Option<Rollout> {
     if take("envFrom", true, env_from) {
         spec.env_from.clone_from(&own.env_from);
     }
-    let runner = own.runner_layer.is_some() && own.runner_layer != booked.runner_layer;
+    let runner = mine.runner_layer.is_some() && mine.runner_layer != was.runner_layer;
     if take("runnerLayer", true, runner) {
-        spec.runner_layer.clone_from(&own.runner_layer);
+        spec.inherited.runner_layer.clone_from(&mine.runner_layer);
     }
-    let cilium = own.cilium_layer.is_some() && own.cilium_layer != booked.cilium_layer;
+    let cilium = mine.cilium_layer.is_some() && mine.cilium_layer != was.cilium_layer;
     if take("ciliumLayer", true, cilium) {
-        spec.cilium_layer.clone_from(&own.cilium_layer);
+        spec.inherited.cilium_layer.clone_from(&mine.cilium_layer);
     }
     let user_data = own.user_data.is_some() && own.user_data != booked.user_data;
     if take("userData", true, user_data) {
         spec.user_data.clone_from(&own.user_data);
     }
-    if take(
-        "probes",
-        false,
-        own.probes.is_some() && own.probes != booked.probes,
-    ) {
-        spec.probes.clone_from(&own.probes);
+    let probes = mine.probes.is_some() && mine.probes != was.probes;
+    if take("probes", false, probes) {
+        spec.inherited.probes.clone_from(&mine.probes);
     }
-    let policy = own.restart_policy.is_some() && own.restart_policy != booked.restart_policy;
+    let policy = mine.restart_policy.is_some() && mine.restart_policy != was.restart_policy;
     if take("restartPolicy", false, policy) {
-        spec.restart_policy.clone_from(&own.restart_policy);
+        spec.inherited
+            .restart_policy
+            .clone_from(&mine.restart_policy);
     }
-    let expiry = own.expire_after.is_some() && own.expire_after != booked.expire_after;
+    let expiry = mine.expire_after.is_some() && mine.expire_after != was.expire_after;
     if take("expireAfter", false, expiry) {
-        spec.expire_after.clone_from(&own.expire_after);
+        spec.inherited.expire_after.clone_from(&mine.expire_after);
     }
     let secrets =
         !own.image_pull_secrets.is_empty() && own.image_pull_secrets != booked.image_pull_secrets;
@@ -135,9 +136,9 @@ mod tests {
         let own = spec(json!({"image": "app:2", "env": [{"name": "A", "value": "1"}]}));
         let r = rollout(&own, &booked).unwrap();
         assert_eq!((r.changed.as_slice(), r.restart), (&["image"][..], true));
-        assert_eq!(r.spec.image.as_deref(), Some("app:2"));
+        assert_eq!(r.spec.inherited.image.as_deref(), Some("app:2"));
         assert!(
-            r.spec.probes.is_some(),
+            r.spec.inherited.probes.is_some(),
             "a field the VM does not set keeps its booked value"
         );
 
@@ -152,7 +153,7 @@ mod tests {
         let r = rollout(&own, &booked).unwrap();
         assert_eq!(r.changed, ["probes", "expireAfter"]);
         assert!(!r.restart, "probes and expiry need no new boot");
-        assert_eq!(r.spec.image.as_deref(), Some("app:1"));
+        assert_eq!(r.spec.inherited.image.as_deref(), Some("app:1"));
     }
 
     #[test]
@@ -164,8 +165,8 @@ mod tests {
             (r.changed.as_slice(), r.restart),
             (&["runnerLayer", "ciliumLayer"][..], true)
         );
-        assert_eq!(r.spec.runner_layer.as_deref(), Some("runner:2"));
-        assert_eq!(r.spec.cilium_layer.as_deref(), Some("cilium:1"));
+        assert_eq!(r.spec.inherited.runner_layer.as_deref(), Some("runner:2"));
+        assert_eq!(r.spec.inherited.cilium_layer.as_deref(), Some("cilium:1"));
     }
 
     #[test]

@@ -877,7 +877,7 @@ mod tests {
     fn patch_adds_only_fields_that_differ() {
         let raw = serde_json::json!({"templateRef": {"name": "t"}, "lifecycle": "ephemeral"});
         let mut spec: ImpVMSpec = serde_json::from_value(raw.clone()).unwrap();
-        spec.expire_after = Some(imp_api::duration::GoDuration("10m".into()));
+        spec.inherited.expire_after = Some(imp_api::duration::GoDuration("10m".into()));
         let p = default_patch(Some(&raw), &spec);
         assert_eq!(p.0.len(), 1, "{p:?}");
         let PatchOperation::Add(op) = &p.0[0] else {
@@ -896,7 +896,7 @@ mod tests {
         let mut b = a.clone();
         b.node_name = None;
         assert!(only_node_name_changed(&a, &b));
-        b.image = Some("y".into());
+        b.inherited.image = Some("y".into());
         assert!(!only_node_name_changed(&a, &b));
     }
 }

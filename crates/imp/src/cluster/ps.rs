@@ -76,7 +76,7 @@ fn table(vms: &[ImpVM], all_namespaces: bool, now: Timestamp) -> String {
             dash(status.and_then(|s| s.node_name.as_deref())),
             dash(status.and_then(|s| s.ip.as_deref())),
             age,
-            dash(vm.spec.image.as_deref()),
+            dash(vm.spec.inherited.image.as_deref()),
         ]);
     }
     let skip = usize::from(!all_namespaces);

@@ -14,8 +14,13 @@ use crate::node::probes::{Target, Verdicts};
 pub(super) fn spec_of(vm: &ImpVM) -> Option<imp_api::shared::ProbeSpec> {
     let booked = vm.status.as_ref()?.booking.as_ref()?;
     let spec = &booked.spec;
-    let mut probes = spec.probes.clone()?;
-    if spec.guest_agent.as_ref().is_some_and(|g| !g.is_enabled()) {
+    let mut probes = spec.inherited.probes.clone()?;
+    if spec
+        .inherited
+        .guest_agent
+        .as_ref()
+        .is_some_and(|g| !g.is_enabled())
+    {
         probes.startup_probe = None;
         probes.readiness_probe = None;
         probes.liveness_probe = None;
@@ -315,6 +320,7 @@ mod tests {
         let booking = vm.status.as_mut().unwrap().booking.as_mut().unwrap();
         booking
             .spec
+            .inherited
             .probes
             .as_mut()
             .unwrap()

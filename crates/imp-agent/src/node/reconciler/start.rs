@@ -256,7 +256,7 @@ pub(super) async fn start(ctx: &Context, vm: &ImpVM, uid: &str) -> Result<Action
         Ok(pid) => pid,
         Err(invalid) => return end_invalid(ctx, vm, invalid).await,
     };
-    tracing::info!(vm = %key(vm), node = %ctx.settings.node, shim = pid, runtime = runtime.as_str(), image = spec.image.as_deref().unwrap_or(""), "starting");
+    tracing::info!(vm = %key(vm), node = %ctx.settings.node, shim = pid, runtime = runtime.as_str(), image = spec.inherited.image.as_deref().unwrap_or(""), "starting");
     report_starting(ctx, vm, &spec, runtime, from_snapshot.as_deref()).await
 }
 
@@ -346,7 +346,7 @@ async fn report_starting(
         ),
         None => format!(
             "pulling {} and booting under {}",
-            spec.image.as_deref().unwrap_or(""),
+            spec.inherited.image.as_deref().unwrap_or(""),
             runtime.as_str()
         ),
     };
@@ -403,6 +403,7 @@ async fn end_invalid(ctx: &Context, vm: &ImpVM, message: String) -> Result<Actio
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
+    use imp_api::inherited::Inherited;
 
     #[test]
     fn a_vm_boots_from_its_booking_and_waits_without_one() {
@@ -421,7 +422,10 @@ mod tests {
             ..Default::default()
         };
         let spec = ImpVMSpec {
-            image: Some("booked:1".into()),
+            inherited: Inherited {
+                image: Some("booked:1".into()),
+                ..Default::default()
+            },
             ..Default::default()
         };
         vm.status = Some(imp_api::vm::ImpVMStatus {
