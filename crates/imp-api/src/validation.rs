@@ -153,6 +153,60 @@ pub fn vm(spec: &ImpVMSpec) -> Result<(), ValidationErrors> {
     e.into_result()
 }
 
+/// The rules of a claimant (`spec.warmPoolRef`) in namespace `namespace`: the pool of its own
+/// namespace, beside a template and no class, and none of the fields a running member has
+/// already booted with (its image and layers, its network, its environment and user data, a
+/// snapshot, a node). Which template the pool names is checked against the pool itself.
+pub fn warm_claim(namespace: &str, spec: &ImpVMSpec) -> Result<(), ValidationErrors> {
+    let mut e = ValidationErrors::default();
+    let Some(pool) = &spec.warm_pool_ref else {
+        return Ok(());
+    };
+    dns_subdomain(&mut e, "spec.warmPoolRef.name", &pool.name);
+    if let Some(other) = pool.namespace.as_deref().filter(|n| *n != namespace) {
+        e.push(
+            "spec.warmPoolRef.namespace",
+            format!(
+                "a VM claims only from a pool of its own namespace {namespace:?}, got {other:?}"
+            ),
+        );
+    }
+    if spec.class_ref.is_some() {
+        e.push("spec.classRef", CLAIM_CLASS);
+    }
+    if spec.template_ref.is_none() {
+        e.push("spec.templateRef", "is required beside spec.warmPoolRef: the pool's template, which its members booted from");
+    }
+    let booted = [
+        ("spec.image", spec.inherited.image.is_some()),
+        ("spec.runnerLayer", spec.inherited.runner_layer.is_some()),
+        ("spec.ciliumLayer", spec.inherited.cilium_layer.is_some()),
+        ("spec.networkRef", spec.network_ref.is_some()),
+        ("spec.networkGroup", spec.inherited.network_group.is_some()),
+        ("spec.snapshotRef", spec.snapshot_ref.is_some()),
+        ("spec.nodeName", spec.node_name.is_some()),
+        ("spec.env", !spec.env.is_empty()),
+        ("spec.envFrom", !spec.env_from.is_empty()),
+        ("spec.userData", spec.user_data.is_some()),
+        (
+            "spec.guestAgent.enabled",
+            spec.inherited
+                .guest_agent
+                .as_ref()
+                .is_some_and(|a| !a.is_enabled()),
+        ),
+    ];
+    for (field, _) in booted.iter().filter(|(_, set)| *set) {
+        e.push(*field, CLAIM_BOOTED);
+    }
+    e.into_result()
+}
+
+/// A claimant naming a class.
+pub const CLAIM_CLASS: &str = "may not be set beside spec.warmPoolRef: a claimed member runs with its pool's template's class";
+/// A claimant setting what its member has already booted with.
+pub const CLAIM_BOOTED: &str = "may not be set beside spec.warmPoolRef: the member a claim takes has already booted with its pool's template (its image, network, environment and user data) and takes only the claimant's name; create the VM without spec.warmPoolRef to boot with it";
+
 /// Admission warnings for an ImpVM that is valid but may not do what the user expects.
 pub fn vm_warnings(spec: &ImpVMSpec) -> Vec<String> {
     let mut w = Vec::new();
@@ -1205,6 +1259,71 @@ mod tests {
 
     fn msg(r: Result<(), ValidationErrors>) -> String {
         r.err().map(|e| e.to_string()).unwrap_or_default()
+    }
+
+    #[test]
+    fn a_warm_pool_claimant_names_its_own_namespaces_pool_and_nothing_its_member_booted_with() {
+        use crate::vm::WarmPoolRef;
+        let claimant = ImpVMSpec {
+            template_ref: Some(LocalObjectRef { name: "py".into() }),
+            warm_pool_ref: Some(WarmPoolRef {
+                name: "py".into(),
+                namespace: Some("ci".into()),
+            }),
+            ..Default::default()
+        };
+        assert_eq!(warm_claim("ci", &claimant), Ok(()));
+        assert_eq!(
+            warm_claim("ci", &ImpVMSpec::default()),
+            Ok(()),
+            "no claim, no rule"
+        );
+        // Another namespace's pool, a name that is a path, a class instead of the template.
+        let hostile = ImpVMSpec {
+            class_ref: Some(ClusterObjectRef { name: "big".into() }),
+            template_ref: None,
+            warm_pool_ref: Some(WarmPoolRef {
+                name: "../prod/py".into(),
+                namespace: Some("prod".into()),
+            }),
+            ..claimant.clone()
+        };
+        let m = msg(warm_claim("ci", &hostile));
+        for want in [
+            "spec.warmPoolRef.name: must be a DNS-1123 subdomain",
+            r#"spec.warmPoolRef.namespace: a VM claims only from a pool of its own namespace "ci", got "prod""#,
+            "spec.classRef: may not be set beside spec.warmPoolRef",
+            "spec.templateRef: is required beside spec.warmPoolRef",
+        ] {
+            assert!(m.contains(want), "{want} in {m}");
+        }
+        // What the member has already booted with, each refused by name.
+        let booted: ImpVMSpec = serde_json::from_value(serde_json::json!({
+            "templateRef": {"name": "py"}, "warmPoolRef": {"name": "py"},
+            "image": "busybox", "runnerLayer": "runner:1", "ciliumLayer": "cilium:1",
+            "networkRef": {"name": "net"}, "networkGroup": "g", "snapshotRef": "s-1",
+            "nodeName": "n1", "env": [{"name": "A", "value": "1"}],
+            "envFrom": [{"secretRef": {"name": "s"}}],
+            "userData": {"configMapRef": {"name": "u"}}, "guestAgent": {"enabled": false}
+        }))
+        .unwrap();
+        let m = msg(warm_claim("ci", &booted));
+        for field in [
+            "spec.image",
+            "spec.runnerLayer",
+            "spec.ciliumLayer",
+            "spec.networkRef",
+            "spec.networkGroup",
+            "spec.snapshotRef",
+            "spec.nodeName",
+            "spec.env:",
+            "spec.envFrom",
+            "spec.userData",
+            "spec.guestAgent.enabled",
+        ] {
+            assert!(m.contains(field), "{field} in {m}");
+        }
+        assert_eq!(m.matches(CLAIM_BOOTED).count(), 11, "{m}");
     }
 
     #[test]

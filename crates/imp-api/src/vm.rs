@@ -97,6 +97,22 @@ pub struct ImpVMSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(transform = crate::schema::idle_timeout)]
     pub idle_timeout: Option<GoDuration>,
+    /// Take a running member of this ImpWarmPool instead of booting (imp's extension to the Go
+    /// API): beside the pool's template (`templateRef`), in the pool's namespace. Not supported
+    /// yet: refused by the admission webhook (docs/warm-pools.md).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub warm_pool_ref: Option<WarmPoolRef>,
+}
+
+/// The ImpWarmPool a VM claims a member of.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct WarmPoolRef {
+    /// The pool's name.
+    pub name: String,
+    /// The pool's namespace: only the VM's own (a claim never crosses namespaces); written out
+    /// so that naming another is refused rather than quietly dropped by the schema.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub namespace: Option<String>,
 }
 
 spec_may_be_absent!(ImpVMSpec);

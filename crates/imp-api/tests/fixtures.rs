@@ -56,7 +56,10 @@ fn check(doc: &Value) -> Result<Result<Value, ValidationErrors>, String> {
         Ok(validate(&obj).map(|()| serde_json::to_value(&obj).unwrap()))
     }
     match doc["kind"].as_str().unwrap() {
-        "ImpVM" => typed(doc, |o: &ImpVM| validation::vm(&o.spec)),
+        "ImpVM" => typed(doc, |o: &ImpVM| {
+            let ns = o.metadata.namespace.as_deref().unwrap_or_default();
+            validation::both(validation::vm(&o.spec), validation::warm_claim(ns, &o.spec))
+        }),
         "ImpVMClass" => typed(doc, |o: &ImpVMClass| validation::class(&o.spec)),
         "ImpVMTemplate" => typed(doc, |o: &ImpVMTemplate| validation::template(&o.spec)),
         "ImpNetwork" => typed(doc, |o: &ImpNetwork| validation::network(&o.spec)),

@@ -83,6 +83,8 @@ const ADDED: &[(&str, &str)] = &[
     ("ImpVM", ".status.runtime"),
     // What the operator booked at placement (class and resolved spec); the agent boots it.
     ("ImpVM", ".status.booking"),
+    // Take a running member of a warm pool (docs/warm-pools.md; refused until claims work).
+    ("ImpVM", ".spec.warmPoolRef"),
     // firecracker or qemu per class.
     ("ImpVMClass", ".spec.runtime"),
     // Placement inherited from a template, unioned with class and VM.

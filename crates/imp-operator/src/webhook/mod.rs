@@ -506,7 +506,7 @@ fn validate(req: &AdmissionRequest<DynamicObject>) -> AdmissionResponse {
         .or(req.namespace.as_deref())
         .unwrap_or_default();
     let outcome = match kind {
-        "ImpVM" => return validate_vm(resp, obj, old, name),
+        "ImpVM" => return validate_vm(resp, obj, old, (namespace, name)),
         "ImpVMClass" => {
             typed::<ImpVMClass>(obj, kind, "object").map(|o| validation::class(&o.spec))
         }
@@ -578,7 +578,7 @@ fn validate_vm(
     resp: AdmissionResponse,
     obj: &DynamicObject,
     old: Option<&DynamicObject>,
-    name: &str,
+    (namespace, name): (&str, &str),
 ) -> AdmissionResponse {
     let new = match typed::<ImpVM>(obj, "ImpVM", "object") {
         Ok(v) => v,
@@ -590,7 +590,13 @@ fn validate_vm(
         resp.warnings = Some(warnings);
     }
     let result = match old {
-        None => validation::both(validation::vm(&new.spec), unsupported::vm(&new.spec)),
+        None => validation::both(
+            validation::both(
+                validation::vm(&new.spec),
+                validation::warm_claim(namespace, &new.spec),
+            ),
+            unsupported::vm(&new.spec),
+        ),
         Some(old) => match typed::<ImpVM>(old, "ImpVM", "old object") {
             Err(msg) => return resp.deny(msg),
             Ok(old) if only_node_name_changed(&old.spec, &new.spec) => {
@@ -612,7 +618,10 @@ fn validate_vm(
                 }
             }
             Ok(old) => validation::both(
-                validation::vm_update(&old.spec, &new.spec),
+                validation::both(
+                    validation::vm_update(&old.spec, &new.spec),
+                    validation::warm_claim(namespace, &new.spec),
+                ),
                 unsupported::vm(&new.spec),
             ),
         },
