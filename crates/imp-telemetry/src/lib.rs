@@ -7,23 +7,6 @@
 
 pub mod trace;
 
-/// Registers `metric` in `registry` as `name`, with `help` and `unit` (if any), and hands it
-/// back: each of a process's metrics is made and registered in one expression.
-pub fn registered<M>(
-    registry: &mut prometheus_client::registry::Registry,
-    (name, help, unit): (&str, &str, Option<prometheus_client::registry::Unit>),
-    metric: M,
-) -> M
-where
-    M: prometheus_client::registry::Metric + Clone,
-{
-    match unit {
-        Some(unit) => registry.register_with_unit(name, help, unit, metric.clone()),
-        None => registry.register(name, help, metric.clone()),
-    }
-    metric
-}
-
 use std::future::Future;
 use std::net::SocketAddr;
 use std::pin::Pin;

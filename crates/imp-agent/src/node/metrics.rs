@@ -15,7 +15,6 @@ use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::{Registry, Unit};
 
 use crate::runtime::state::Timings;
-use imp_telemetry::registered;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct PhaseLabels {
@@ -101,55 +100,61 @@ struct GuestFamilies {
 
 impl GuestFamilies {
     fn register(registry: &mut Registry) -> Self {
-        let mut bytes =
-            |name, help| registered(registry, (name, help, Some(Unit::Bytes)), Family::default());
-        let memory_used = bytes(
-            "imp_vm_guest_memory_used",
-            "The guest's memory in use (MemTotal - MemAvailable)",
+        let families = Self {
+            cpu_usage: Family::default(),
+            cpu_iowait: Family::default(),
+            memory_used: Family::default(),
+            memory_total: Family::default(),
+            disk_used: Family::default(),
+            disk_total: Family::default(),
+            network_receive: Family::default(),
+            network_transmit: Family::default(),
+        };
+        registry.register(
+            "imp_vm_guest_cpu_usage_ratio",
+            "Share of the guest's CPU time busy (not idle, not waiting for I/O), as its agent last reported",
+            families.cpu_usage.clone(),
         );
-        let memory_total = bytes("imp_vm_guest_memory_total", "The guest's memory (MemTotal)");
-        let disk_used = bytes(
-            "imp_vm_guest_disk_used",
-            "Bytes in use on the guest's root filesystem",
+        registry.register(
+            "imp_vm_guest_cpu_iowait_ratio",
+            "Share of the guest's CPU time waiting for I/O, as its agent last reported",
+            families.cpu_iowait.clone(),
         );
-        let disk_total = bytes(
-            "imp_vm_guest_disk_total",
-            "Size of the guest's root filesystem",
-        );
-        let network_receive = bytes(
-            "imp_vm_guest_network_receive",
-            "Bytes the guest's network interface received since its TAP was made (the node's TAP counters; VMs on an ImpNetwork only)",
-        );
-        let network_transmit = bytes(
-            "imp_vm_guest_network_transmit",
-            "Bytes the guest's network interface sent since its TAP was made (the node's TAP counters; VMs on an ImpNetwork only)",
-        );
-        Self {
-            cpu_usage: registered(
-                registry,
-                (
-                    "imp_vm_guest_cpu_usage_ratio",
-                    "Share of the guest's CPU time busy (not idle, not waiting for I/O), as its agent last reported",
-                    None,
-                ),
-                Family::default(),
+        for (name, help, family) in [
+            (
+                "imp_vm_guest_memory_used",
+                "The guest's memory in use (MemTotal - MemAvailable)",
+                &families.memory_used,
             ),
-            cpu_iowait: registered(
-                registry,
-                (
-                    "imp_vm_guest_cpu_iowait_ratio",
-                    "Share of the guest's CPU time waiting for I/O, as its agent last reported",
-                    None,
-                ),
-                Family::default(),
+            (
+                "imp_vm_guest_memory_total",
+                "The guest's memory (MemTotal)",
+                &families.memory_total,
             ),
-            memory_used,
-            memory_total,
-            disk_used,
-            disk_total,
-            network_receive,
-            network_transmit,
+            (
+                "imp_vm_guest_disk_used",
+                "Bytes in use on the guest's root filesystem",
+                &families.disk_used,
+            ),
+            (
+                "imp_vm_guest_disk_total",
+                "Size of the guest's root filesystem",
+                &families.disk_total,
+            ),
+            (
+                "imp_vm_guest_network_receive",
+                "Bytes the guest's network interface received since its TAP was made (the node's TAP counters; VMs on an ImpNetwork only)",
+                &families.network_receive,
+            ),
+            (
+                "imp_vm_guest_network_transmit",
+                "Bytes the guest's network interface sent since its TAP was made (the node's TAP counters; VMs on an ImpNetwork only)",
+                &families.network_transmit,
+            ),
+        ] {
+            registry.register_with_unit(name, help, Unit::Bytes, family.clone());
         }
+        families
     }
 }
 
@@ -187,31 +192,30 @@ struct VmFamilies {
 
 impl VmFamilies {
     fn register(registry: &mut Registry) -> Self {
-        Self {
-            by_phase: registered(
-                registry,
-                ("imp_agent_vms", "ImpVMs on this node by phase", None),
-                Family::default(),
-            ),
-            states: registered(
-                registry,
-                (
-                    "imp_vm_state",
-                    "1 for each ImpVM on this node, labelled with its phase (the Go agent's name)",
-                    None,
-                ),
-                Family::default(),
-            ),
-            start_steps: registered(
-                registry,
-                (
-                    "imp_agent_start_duration",
-                    "Time of each step of a VM's start (image, disk, boot, guest_ready) and in all",
-                    Some(Unit::Seconds),
-                ),
-                Family::new_with_constructor(|| Histogram::new(exponential_buckets(0.05, 2.0, 14))),
-            ),
-        }
+        let families = Self {
+            by_phase: Family::default(),
+            states: Family::default(),
+            start_steps: Family::new_with_constructor(|| {
+                Histogram::new(exponential_buckets(0.05, 2.0, 14))
+            }),
+        };
+        registry.register(
+            "imp_agent_vms",
+            "ImpVMs on this node by phase",
+            families.by_phase.clone(),
+        );
+        registry.register(
+            "imp_vm_state",
+            "1 for each ImpVM on this node, labelled with its phase (the Go agent's name)",
+            families.states.clone(),
+        );
+        registry.register_with_unit(
+            "imp_agent_start_duration",
+            "Time of each step of a VM's start (image, disk, boot, guest_ready) and in all",
+            Unit::Seconds,
+            families.start_steps.clone(),
+        );
+        families
     }
 }
 
@@ -223,17 +227,21 @@ struct ApiGauges {
 
 impl ApiGauges {
     fn register(registry: &mut Registry) -> Self {
-        let mut gauge = |name, help| registered(registry, (name, help, None), Gauge::default());
-        Self {
-            exec_sessions: gauge(
-                "imp_agent_exec_sessions",
-                "Exec sessions the agent API relays now",
-            ),
-            console_streams: gauge(
-                "imp_agent_console_streams",
-                "Console streams the agent API serves now",
-            ),
-        }
+        let gauges = Self {
+            exec_sessions: Gauge::default(),
+            console_streams: Gauge::default(),
+        };
+        registry.register(
+            "imp_agent_exec_sessions",
+            "Exec sessions the agent API relays now",
+            gauges.exec_sessions.clone(),
+        );
+        registry.register(
+            "imp_agent_console_streams",
+            "Console streams the agent API serves now",
+            gauges.console_streams.clone(),
+        );
+        gauges
     }
 }
 
@@ -250,61 +258,47 @@ struct EventFamilies {
 
 impl EventFamilies {
     fn register(registry: &mut Registry) -> Self {
-        let mut seconds = |name, help| {
-            registered(
-                registry,
-                (name, help, Some(Unit::Seconds)),
-                Histogram::new(exponential_buckets(0.05, 2.0, 10)),
-            )
+        let families = Self {
+            failures: Family::default(),
+            suspends: Family::default(),
+            resumes: Family::default(),
+            sleeper_holds: Family::default(),
+            suspend_time: Histogram::new(exponential_buckets(0.05, 2.0, 10)),
+            resume_time: Histogram::new(exponential_buckets(0.05, 2.0, 10)),
         };
-        let suspend_time = seconds(
+        registry.register(
+            "imp_agent_vm_failures",
+            "VMs that failed on this node, by reason",
+            families.failures.clone(),
+        );
+        registry.register(
+            "imp_agent_suspends",
+            "Suspends the agent asked for: requested (desiredState) or scale_to_zero (idle)",
+            families.suspends.clone(),
+        );
+        registry.register(
+            "imp_agent_resumes",
+            "Resumes the agent started: requested (desiredState), scale_to_zero (woken by traffic) or exec (woken by an exec)",
+            families.resumes.clone(),
+        );
+        registry.register(
+            "imp_agent_sleeper_holds",
+            "Sleeping VMs' TAPs held: on the descriptor kept from the suspending VMM (kept: no frame lost) or attached by name (by_name: after an agent restart, or when keeping failed)",
+            families.sleeper_holds.clone(),
+        );
+        registry.register_with_unit(
             "imp_agent_suspend_duration",
             "Pause, snapshot and VMM stop of a suspend, on the node",
+            Unit::Seconds,
+            families.suspend_time.clone(),
         );
-        let resume_time = seconds(
+        registry.register_with_unit(
             "imp_agent_resume_duration",
             "Restore of a snapshot until the guest agent answers, on the node",
+            Unit::Seconds,
+            families.resume_time.clone(),
         );
-        Self {
-            failures: registered(
-                registry,
-                (
-                    "imp_agent_vm_failures",
-                    "VMs that failed on this node, by reason",
-                    None,
-                ),
-                Family::default(),
-            ),
-            suspends: registered(
-                registry,
-                (
-                    "imp_agent_suspends",
-                    "Suspends the agent asked for: requested (desiredState) or scale_to_zero (idle)",
-                    None,
-                ),
-                Family::default(),
-            ),
-            resumes: registered(
-                registry,
-                (
-                    "imp_agent_resumes",
-                    "Resumes the agent started: requested (desiredState), scale_to_zero (woken by traffic) or exec (woken by an exec)",
-                    None,
-                ),
-                Family::default(),
-            ),
-            sleeper_holds: registered(
-                registry,
-                (
-                    "imp_agent_sleeper_holds",
-                    "Sleeping VMs' TAPs held: on the descriptor kept from the suspending VMM (kept: no frame lost) or attached by name (by_name: after an agent restart, or when keeping failed)",
-                    None,
-                ),
-                Family::default(),
-            ),
-            suspend_time,
-            resume_time,
-        }
+        families
     }
 }
 
@@ -318,38 +312,36 @@ struct NodeGauges {
 
 impl NodeGauges {
     fn register(registry: &mut Registry) -> Self {
-        let mut bytes =
-            |name, help| registered(registry, (name, help, Some(Unit::Bytes)), Gauge::default());
-        let state_dir_free = bytes(
+        let gauges = Self {
+            state_dir_free: Gauge::default(),
+            state_dir_total: Gauge::default(),
+            lease_silence: Gauge::default(),
+            fenced: Gauge::default(),
+        };
+        registry.register_with_unit(
             "imp_node_state_dir_free",
             "Bytes free for the agent on the filesystem of its state directory (VM disks, snapshots, image cache)",
+            Unit::Bytes,
+            gauges.state_dir_free.clone(),
         );
-        let state_dir_total = bytes(
+        registry.register_with_unit(
             "imp_node_state_dir_total",
             "Size of the filesystem of the agent's state directory",
+            Unit::Bytes,
+            gauges.state_dir_total.clone(),
         );
-        Self {
-            state_dir_free,
-            state_dir_total,
-            lease_silence: registered(
-                registry,
-                (
-                    "imp_agent_lease_silence",
-                    "Time since the agent's Lease was last renewed (its VMs are fenced past --fence-after)",
-                    Some(Unit::Seconds),
-                ),
-                Gauge::default(),
-            ),
-            fenced: registered(
-                registry,
-                (
-                    "imp_agent_fenced",
-                    "1 while the agent has fenced its node's VMs (it could not renew its Lease), else 0",
-                    None,
-                ),
-                Gauge::default(),
-            ),
-        }
+        registry.register_with_unit(
+            "imp_agent_lease_silence",
+            "Time since the agent's Lease was last renewed (its VMs are fenced past --fence-after)",
+            Unit::Seconds,
+            gauges.lease_silence.clone(),
+        );
+        registry.register(
+            "imp_agent_fenced",
+            "1 while the agent has fenced its node's VMs (it could not renew its Lease), else 0",
+            gauges.fenced.clone(),
+        );
+        gauges
     }
 }
 
@@ -362,35 +354,27 @@ struct NetworkCounters {
 
 impl NetworkCounters {
     fn register(registry: &mut Registry) -> Self {
-        Self {
-            port_drops: registered(
-                registry,
-                (
-                    "imp_vm_port_dropped_packets",
-                    "Frames a VM's port dropped: not its MAC or address (mac, arp, ip), a DHCP server's answer (dhcp_server), neither IPv4 nor ARP (not_ipv4)",
-                    None,
-                ),
-                Family::default(),
-            ),
-            vxlan_foreign: registered(
-                registry,
-                (
-                    "imp_node_vxlan_foreign_dropped_packets",
-                    "VXLAN packets for a network on this node dropped because their sender holds none of its VMs",
-                    None,
-                ),
-                Counter::default(),
-            ),
-            egress_denied: registered(
-                registry,
-                (
-                    "imp_node_guest_egress_denied_packets",
-                    "Guests' packets dropped on this node because their destination is denied (link-local, the node's networks, --egress-deny) and their network does not allow it",
-                    None,
-                ),
-                Counter::default(),
-            ),
-        }
+        let counters = Self {
+            port_drops: Family::default(),
+            vxlan_foreign: Counter::default(),
+            egress_denied: Counter::default(),
+        };
+        registry.register(
+            "imp_vm_port_dropped_packets",
+            "Frames a VM's port dropped: not its MAC or address (mac, arp, ip), a DHCP server's answer (dhcp_server), neither IPv4 nor ARP (not_ipv4)",
+            counters.port_drops.clone(),
+        );
+        registry.register(
+            "imp_node_vxlan_foreign_dropped_packets",
+            "VXLAN packets for a network on this node dropped because their sender holds none of its VMs",
+            counters.vxlan_foreign.clone(),
+        );
+        registry.register(
+            "imp_node_guest_egress_denied_packets",
+            "Guests' packets dropped on this node because their destination is denied (link-local, the node's networks, --egress-deny) and their network does not allow it",
+            counters.egress_denied.clone(),
+        );
+        counters
     }
 }
 
