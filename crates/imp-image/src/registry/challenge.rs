@@ -127,7 +127,7 @@ pub(super) async fn fetch_token(
         source,
     })?;
     let status = resp.status();
-    let body = resp.text().await.unwrap_or_default();
+    let body = capped_text(resp, MAX_ANSWER_BYTES).await;
     if !status.is_success() {
         return Err(refused(format!(
             "token endpoint {realm} answered {status}: {}",
@@ -147,10 +147,52 @@ pub(super) async fn fetch_token(
         .ok_or_else(|| refused(format!("token endpoint {realm} sent an empty token")))
 }
 
+/// The most of a token endpoint's or a DELETE's answer that is read: a token is a few KiB, and
+/// what a registry sends is untrusted.
+pub(super) const MAX_ANSWER_BYTES: usize = 64 * 1024;
+
+/// The body of `resp` as text, at most `limit` bytes of it (the rest is never read); a body
+/// that breaks off reads as what arrived.
+pub(super) async fn capped_text(mut resp: reqwest::Response, limit: usize) -> String {
+    let mut out = Vec::new();
+    while out.len() < limit {
+        match resp.chunk().await {
+            Ok(Some(chunk)) => {
+                let room = limit - out.len();
+                out.extend_from_slice(&chunk[..chunk.len().min(room)]);
+            }
+            Ok(None) | Err(_) => break,
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
+
+    #[tokio::test]
+    async fn an_answer_is_read_only_up_to_its_cap() {
+        use std::io::{Read as _, Write as _};
+        // A server on loopback that answers with far more than the cap, and more still.
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let server = std::thread::spawn(move || {
+            let (mut conn, _) = listener.accept().unwrap();
+            let mut request = [0u8; 1024];
+            let _ = conn.read(&mut request).unwrap();
+            let body = vec![b'x'; 1 << 20];
+            let head = format!("HTTP/1.1 200 OK\r\ncontent-length: {}\r\n\r\n", body.len());
+            let _ = conn.write_all(head.as_bytes());
+            let _ = conn.write_all(&body);
+        });
+        super::super::install_crypto_provider();
+        let resp = reqwest::get(format!("http://{addr}/token")).await.unwrap();
+        let text = capped_text(resp, MAX_ANSWER_BYTES).await;
+        assert_eq!(text.len(), MAX_ANSWER_BYTES);
+        server.join().unwrap();
+    }
 
     #[test]
     fn challenges_parse() {

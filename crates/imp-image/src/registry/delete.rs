@@ -48,7 +48,8 @@ impl Session {
         };
         let repository = self.reference.repository();
         let url = format!("{scheme}://{registry}/v2/{repository}/manifests/{digest}");
-        let name = format!("{}/{repository}@{digest}", self.registry());
+        // The reference the caller gave (its tag names the snapshot execution), and the digest.
+        let name = format!("{} (manifest {digest})", self.reference);
         let what = format!("deleting {name}");
         let http = reqwest::Client::builder()
             .connect_timeout(Duration::from_secs(30))
@@ -61,7 +62,7 @@ impl Session {
             })?;
         let resp = self.send_delete(&http, &url, &what).await?;
         let status = resp.status().as_u16();
-        let body = resp.text().await.unwrap_or_default();
+        let body = super::challenge::capped_text(resp, super::challenge::MAX_ANSWER_BYTES).await;
         let registry = self.registry().to_owned();
         let detail = shorten(&body);
         match delete_verdict(status, &body) {

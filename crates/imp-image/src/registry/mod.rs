@@ -6,8 +6,10 @@
 //! cannot send is sent here, answering the challenge itself ([`challenge`]).
 //!
 //! Plain HTTP is used only for loopback registries (127.0.0.1, ::1, localhost); every other
-//! registry is spoken to over HTTPS with rustls (ring provider), and credentials go to a token
-//! realm only over HTTPS or on loopback.
+//! registry is spoken to over HTTPS with rustls (ring provider). For the DELETE imp sends
+//! itself, credentials go to a token realm only over HTTPS or on loopback; for pulls and pushes
+//! `oci-client` answers the challenge and sends them to the realm the registry names, whatever
+//! its scheme (a registry that names a plain-HTTP realm on another host exposes them).
 //!
 //! Whatever a registry sends is untrusted: a manifest over [`MAX_DOCUMENT_BYTES`] is refused, a
 //! manifest must hash to the digest it was asked for (or, by tag, to the one the registry
