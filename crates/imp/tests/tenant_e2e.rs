@@ -102,28 +102,38 @@ async fn register(admin: &Client, port: u16) {
         .unwrap();
 }
 
-/// Creates `obj` as the tenant until the API server answers with the webhook's refusal (it
-/// cannot call the webhook until the operator has published its CA); returns the message.
+/// Creates `obj` as the tenant, refused by the webhook; returns the refusal's message.
+///
+/// The API server calls a webhook only once its informer has seen the configuration and the
+/// operator has published the CA, so dry-run creates (which run admission and store nothing)
+/// probe until the refusal comes; then a real create must be refused the same way.
 async fn refused_by_webhook<K>(api: &Api<K>, obj: &K, needle: &str) -> String
 where
     K: Resource + Clone + serde::Serialize + serde::de::DeserializeOwned + std::fmt::Debug,
 {
+    let dry = PostParams {
+        dry_run: true,
+        ..PostParams::default()
+    };
     common::wait_for(
         &format!("the webhook's refusal {needle:?}"),
         Duration::from_secs(60),
         || async {
-            match api.create(&PostParams::default(), obj).await {
-                Ok(stored) => panic!("stored with the webhook on: {stored:?}"),
-                Err(kube::Error::Api(s)) if s.message.contains(needle) => {
-                    assert_eq!(s.code, 422, "{s:?}");
-                    Some(s.message)
-                }
-                // Not called yet (no caBundle): failurePolicy Fail refuses otherwise.
-                Err(_) => None,
+            match api.create(&dry, obj).await {
+                Err(kube::Error::Api(s)) if s.message.contains(needle) => Some(()),
+                // Not seen or not callable yet: admitted unjudged, or refused by failurePolicy.
+                _ => None,
             }
         },
     )
-    .await
+    .await;
+    match api.create(&PostParams::default(), obj).await {
+        Err(kube::Error::Api(s)) if s.message.contains(needle) => {
+            assert_eq!(s.code, 422, "{s:?}");
+            s.message
+        }
+        other => panic!("the webhook refused a dry run but not the create: {other:?}"),
+    }
 }
 
 /// Webhook on: each create is refused naming the field.
