@@ -155,6 +155,12 @@ string_enum! {
         /// (ImpVMSnapshot execution) could not be taken or stored; the message says why (the
         /// source VM runs on).
         SnapshotFailed,
+        /// (ImpWarmPool) the parent snapshot has no `status.baseSnapshot` for members to
+        /// restore from; the message says to set its `spec.baseSnapshot`.
+        NoBase,
+        /// (ImpWarmPool) members fail at restore or soon after, three or more in a row; new
+        /// ones are made after a back-off, and the message quotes the last one's reason.
+        MembersFailing,
     }
 }
 

@@ -1,6 +1,6 @@
 //! ImpWarmPool (pre-restored VMs ready to hand out) and ImpVMRunnerPool (CI runners on demand).
 
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use kube::CustomResource;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
@@ -51,6 +51,10 @@ fn default_pool_size() -> i32 {
     2
 }
 
+fn is_zero(n: &i32) -> bool {
+    *n == 0
+}
+
 /// Warm-pool status.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
@@ -59,6 +63,20 @@ pub struct ImpWarmPoolStatus {
     #[serde(default)]
     #[schemars(transform = crate::schema::no_default)]
     pub ready_count: i32,
+    /// The snapshot execution new members restore from: the parent's `status.baseSnapshot`
+    /// when the pool was last reconciled.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub base_snapshot: Option<String>,
+    /// The generation of the spec this status describes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+    /// Members that failed or ended since one last became ready; from the third, new members
+    /// are made only after a back-off (10s doubling to 5m) from `lastFailureAt`.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub failed_in_a_row: i32,
+    /// When the pool last found a member failed or ended.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_failure_at: Option<Time>,
     /// Conditions.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]), transform = crate::schema::conditions)]

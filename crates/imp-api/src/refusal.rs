@@ -16,6 +16,13 @@ pub fn forbidden(s: &Status) -> Option<&str> {
     (s.code == 403).then_some(s.message.as_str())
 }
 
+/// The server's message when `s` is a ResourceQuota's refusal (a 403 whose message says
+/// "exceeded quota: <name>, requested: …", from the quota admission or from the webhook's
+/// preview of a VM's reservation, which quotes it).
+pub fn quota(s: &Status) -> Option<&str> {
+    (s.code == 403 && s.message.contains("exceeded quota")).then_some(s.message.as_str())
+}
+
 /// Whether `s` is a 409: the object changed since the version the write was based on.
 pub fn conflict(s: &Status) -> bool {
     s.code == 409
@@ -37,6 +44,11 @@ mod tests {
         assert_eq!(forbidden(&api(409, "conflict")), None);
         assert_eq!(forbidden(&api(404, "not found")), None);
         assert!(conflict(&api(409, "conflict")));
+        let quota_msg =
+            r#"pods "imp-vm-a" is forbidden: exceeded quota: q, requested: memory=256Mi"#;
+        assert_eq!(quota(&api(403, quota_msg)), Some(quota_msg));
+        assert_eq!(quota(&api(403, msg)), None);
+        assert_eq!(quota(&api(422, quota_msg)), None);
         assert!(!conflict(&api(403, msg)));
     }
 }

@@ -33,10 +33,10 @@ pub const NO_CONTROLLER: &str =
     "is not supported yet by this imp: no controller acts on it (see docs/fields.md)";
 
 /// `ImpVM.spec.warmPoolRef`, until claims are built.
-pub const WARM_CLAIM: &str = "is not supported yet: ImpWarmPool has no controller, so no member can be claimed (docs/warm-pools.md); create the VM without it to boot from its template";
+pub const WARM_CLAIM: &str = "is not supported yet: an ImpWarmPool keeps its members running but none can be claimed yet (docs/warm-pools.md); create the VM without it to boot from its template";
 
 /// Kinds no controller acts on: the webhook refuses creating or changing them.
-pub const NO_CONTROLLER_KINDS: [&str; 3] = ["ImpWarmPool", "ImpVMMigration", "ImpVMRunnerPool"];
+pub const NO_CONTROLLER_KINDS: [&str; 2] = ["ImpVMMigration", "ImpVMRunnerPool"];
 
 /// The refusal of kind `kind` when no controller acts on it, e.g. `ImpWarmPool is not
 /// supported yet by this imp: …`.
@@ -149,7 +149,7 @@ mod tests {
     }
 
     #[test]
-    fn a_warm_pool_claim_is_refused_until_pools_are_built() {
+    fn a_warm_pool_claim_is_refused_until_claims_are_built() {
         let claimant: ImpVMSpec = serde_json::from_value(serde_json::json!({
             "templateRef": {"name": "py"}, "warmPoolRef": {"name": "py"}
         }))
@@ -323,11 +323,13 @@ mod tests {
     #[test]
     fn kinds_without_a_controller_are_refused_by_name() {
         assert_eq!(
-            kind("ImpWarmPool").as_deref(),
+            kind("ImpVMMigration").as_deref(),
             Some(
-                "ImpWarmPool is not supported yet by this imp: no controller acts on it (see docs/fields.md)"
+                "ImpVMMigration is not supported yet by this imp: no controller acts on it (see docs/fields.md)"
             )
         );
+        // Warm pools have their controller (only claims are refused, on the claimant).
+        assert_eq!(kind("ImpWarmPool"), None);
         for k in NO_CONTROLLER_KINDS {
             assert!(
                 kind(k).is_some_and(|m| m.contains(NOT_SUPPORTED_YET)),

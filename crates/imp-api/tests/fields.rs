@@ -393,7 +393,6 @@ fn not_yet(doc: &Value) -> Vec<String> {
 const REFUSED_FIXTURES: &[&str] = &[
     "go/cluster-and-snapshots.yaml ClusterImpConfig cluster: spec.networking.cni.autoDetect, spec.networking.cni.provider, spec.networking.cni.natBackend, spec.observability.metrics.port, spec.observability.tracing.endpoint",
     "go/cluster-and-snapshots.yaml ImpVMMigration move-legacy: kind",
-    "go/cluster-and-snapshots.yaml ImpWarmPool fast-pool: kind",
     "go/runner-pools.yaml ImpVMRunnerPool github-webhook: kind",
     "go/runner-pools.yaml ImpVMRunnerPool github-unscoped: kind",
     "go/runner-pools.yaml ImpVMRunnerPool github-hybrid: kind",
@@ -404,7 +403,6 @@ const REFUSED_FIXTURES: &[&str] = &[
     "go/vms-and-networks.yaml ImpNetwork cilium-net: spec.cilium.excludeFromIPAM, spec.cilium.masqueradeViaCilium",
     "go/vms-and-networks.yaml ImpVM legacy-service-vm: spec.env[4].valueFrom.fieldRef",
     "valid/cluster.yaml ClusterImpConfig cluster: spec.networking.cni.provider",
-    "valid/pools.yaml ImpWarmPool fast-start: kind",
     "valid/pools.yaml ImpVMRunnerPool secure-runners: kind",
     "valid/pools.yaml ImpVMRunnerPool gitlab-builds: kind",
     "valid/snapshot-and-migration.yaml ImpVMMigration move-nginx: kind",

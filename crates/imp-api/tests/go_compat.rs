@@ -85,6 +85,11 @@ const ADDED: &[(&str, &str)] = &[
     ("ImpVM", ".status.booking"),
     // Take a running member of a warm pool (docs/warm-pools.md; refused until claims work).
     ("ImpVM", ".spec.warmPoolRef"),
+    // A warm pool's base, the generation its status describes, and its fill back-off.
+    ("ImpWarmPool", ".status.baseSnapshot"),
+    ("ImpWarmPool", ".status.observedGeneration"),
+    ("ImpWarmPool", ".status.failedInARow"),
+    ("ImpWarmPool", ".status.lastFailureAt"),
     // firecracker or qemu per class.
     ("ImpVMClass", ".spec.runtime"),
     // Placement inherited from a template, unioned with class and VM.

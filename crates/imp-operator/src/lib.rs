@@ -4,7 +4,8 @@
 //! ([`resolve`]), decides restarts, backoff and expiry (`vm::lifecycle`), places and books each
 //! VM (`status.booking`: the class and resolved spec its node agent boots) and runs it against
 //! the API server; [`network`] keeps ImpNetwork status (group CIDRs, VTEP table, Ready);
-//! [`snapshot`] runs ImpVMSnapshot schedules (executions on a cron, retention, base election).
+//! [`snapshot`] runs ImpVMSnapshot schedules (executions on a cron, retention, base election);
+//! [`warmpool`] keeps each ImpWarmPool's members, VMs restored from its snapshot's base, running.
 //! What every controller that places a VM shares (the VM controller today; pools and migration
 //! next) sits in [`placement`]: the scheduler's pick, the per-node ledger, reservation Pods
 //! and node fencing; [`ipam`] gives every VM on an ImpNetwork its address. [`gateway`] is imp's
@@ -18,13 +19,14 @@
 //! state; everything it decides is written to the API, and what it keeps in memory (caches, the
 //! ledger) is rebuilt from the API after a restart. It is not the binary either (`imp operator`
 //! in the `imp` crate turns its flags into a [`process::Config`] and calls [`process::run`]), nor
-//! what takes a snapshot (the node agent executes them), and the migration and pool kinds have
-//! no controller yet ([`unsupported`] says so on each).
+//! what takes a snapshot (the node agent executes them), and the migration and runner pool kinds
+//! have no controller yet ([`unsupported`] says so on each).
 
 /// The field manager of the controllers' writes (VMs, networks, snapshots); the webhook's
 /// certificates, the leader Lease and the unsupported kinds' notes write under their own.
 pub const FIELD_MANAGER: &str = "imp-operator";
 
+pub mod api_call;
 mod chain;
 pub mod gateway;
 pub mod ipam;
@@ -41,4 +43,5 @@ pub mod shutdown;
 pub mod snapshot;
 pub mod unsupported;
 pub mod vm;
+pub mod warmpool;
 pub mod webhook;

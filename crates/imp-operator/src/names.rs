@@ -12,3 +12,6 @@ pub const NETWORK_CONTROLLER: &str = "impnetwork";
 
 /// The ImpVMSnapshot controller ([`crate::snapshot`]).
 pub const SNAPSHOT_CONTROLLER: &str = "impvmsnapshot";
+
+/// The ImpWarmPool controller ([`crate::warmpool`]).
+pub const WARMPOOL_CONTROLLER: &str = "impwarmpool";

@@ -18,7 +18,7 @@ use crate::leader::{LeaderElector, LeaseConfig};
 use crate::metrics::Metrics;
 use crate::shutdown::raised;
 use crate::webhook::serving::{self, Serving};
-use crate::{network, snapshot, vm};
+use crate::{network, snapshot, vm, warmpool};
 use imp_telemetry::Health;
 
 /// Everything the operator process is started with.
@@ -181,7 +181,7 @@ async fn lead(parts: Parts, lease: LeaseConfig) -> Result<Led, Error> {
     Ok(Led::Once)
 }
 
-/// Runs every controller (ImpVM, ImpNetwork, ImpVMSnapshot) until `shutdown` completes.
+/// Runs every controller (ImpVM, ImpNetwork, ImpVMSnapshot, ImpWarmPool) until `shutdown` completes.
 /// `health` is made ready once the ImpVM controller's caches have filled (`None` under
 /// election: a standby is ready already).
 pub async fn controllers(
@@ -208,6 +208,12 @@ pub async fn controllers(
         settings.instance.clone(),
         shutdown.clone(),
     ));
+    let pools = tokio::spawn(warmpool::run(
+        client.clone(),
+        metrics.clone(),
+        settings.instance.clone(),
+        shutdown.clone(),
+    ));
     let unsupported = tokio::spawn(crate::unsupported::run(
         client.clone(),
         settings.instance.clone(),
@@ -222,6 +228,9 @@ pub async fn controllers(
     }
     if let Err(e) = snapshots.await {
         tracing::warn!(error = %imp_api::chain::DisplayChain(&e), "snapshot controller task failed");
+    }
+    if let Err(e) = pools.await {
+        tracing::warn!(error = %imp_api::chain::DisplayChain(&e), "warm pool controller task failed");
     }
     vms
 }

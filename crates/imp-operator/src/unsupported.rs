@@ -153,7 +153,7 @@ mod tests {
     fn obj(generation: i64, status: Value) -> DynamicObject {
         serde_json::from_value(json!({
             "apiVersion": "imp.dev/v1alpha1",
-            "kind": "ImpWarmPool",
+            "kind": "ImpVMRunnerPool",
             "metadata": {"name": "p", "namespace": "ns", "generation": generation},
             "spec": {},
             "status": status
@@ -210,7 +210,7 @@ mod tests {
         assert_eq!(conds.len(), 2);
         assert_eq!(conds[0], other);
         assert!(
-            refusal("ImpWarmPool", &obj(1, json!({})), now).unwrap()["status"]
+            refusal("ImpVMRunnerPool", &obj(1, json!({})), now).unwrap()["status"]
                 .get("phase")
                 .is_none()
         );
@@ -218,9 +218,12 @@ mod tests {
 
     #[test]
     fn a_kind_with_a_controller_is_left_alone() {
-        assert_eq!(
-            refusal("ImpVM", &obj(1, json!({})), Timestamp::UNIX_EPOCH),
-            None
-        );
+        for kind in ["ImpVM", "ImpWarmPool"] {
+            assert_eq!(
+                refusal(kind, &obj(1, json!({})), Timestamp::UNIX_EPOCH),
+                None,
+                "{kind}"
+            );
+        }
     }
 }

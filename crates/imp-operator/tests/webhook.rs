@@ -1424,28 +1424,28 @@ async fn the_api_server_refuses_what_imp_does_not_support_yet_with_a_field_named
     assert!(api.get_opt("agentless").await.unwrap().is_none());
 
     // A kind no controller acts on is refused whole, by name.
-    let pools: Api<DynamicObject> = Api::namespaced_with(
+    let migrations: Api<DynamicObject> = Api::namespaced_with(
         f.admin.clone(),
         &ns,
-        &ApiResource::erase::<imp_api::ImpWarmPool>(&()),
+        &ApiResource::erase::<imp_api::ImpVMMigration>(&()),
     );
-    let pool: DynamicObject = serde_json::from_value(json!({
-        "apiVersion": "imp.dev/v1alpha1", "kind": "ImpWarmPool",
-        "metadata": {"name": "fast", "namespace": ns},
-        "spec": {"snapshotRef": "snap", "templateName": "web", "size": 2}}))
+    let migration: DynamicObject = serde_json::from_value(json!({
+        "apiVersion": "imp.dev/v1alpha1", "kind": "ImpVMMigration",
+        "metadata": {"name": "move", "namespace": ns},
+        "spec": {"sourceVMName": "web", "sourceVMNamespace": ns}}))
     .unwrap();
-    match pools.create(&PostParams::default(), &pool).await {
+    match migrations.create(&PostParams::default(), &migration).await {
         Err(kube::Error::Api(s)) => {
             println!("refused by the server: {}", s.message);
             assert_eq!(s.code, 422, "{s:?}");
             assert!(
                 s.message
-                    .contains("ImpWarmPool is not supported yet by this imp"),
+                    .contains("ImpVMMigration is not supported yet by this imp"),
                 "{}",
                 s.message
             );
         }
-        other => panic!("an ImpWarmPool was admitted: {other:?}"),
+        other => panic!("an ImpVMMigration was admitted: {other:?}"),
     }
 
     // The same VM with the default (agent on) goes through.

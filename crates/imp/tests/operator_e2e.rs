@@ -1739,10 +1739,6 @@ async fn what_the_webhook_refuses_the_controllers_refuse_too() {
 
     for (kind, spec) in [
         (
-            "ImpWarmPool",
-            json!({"snapshotRef": "base", "templateName": "t", "size": 2}),
-        ),
-        (
             "ImpVMMigration",
             json!({"sourceVMName": "fine", "sourceVMNamespace": NS}),
         ),
@@ -1793,4 +1789,257 @@ async fn what_the_webhook_refuses_the_controllers_refuse_too() {
             assert_eq!(got.data["status"]["phase"], "Failed");
         }
     }
+}
+
+fn pools(c: &Client) -> Api<imp_api::ImpWarmPool> {
+    Api::namespaced(c.clone(), NS)
+}
+
+/// Waits until pool `py`'s Ready condition has `reason` and `pred` holds of the pool.
+async fn wait_pool(
+    c: &Client,
+    reason: &str,
+    pred: impl Fn(&imp_api::ImpWarmPool) -> bool,
+) -> imp_api::ImpWarmPool {
+    common::wait_for(
+        &format!("pool py with Ready reason {reason}"),
+        Duration::from_secs(WAIT_SECS),
+        || async {
+            let p = pools(c).get("py").await.ok()?;
+            let status = p.status.as_ref()?;
+            let ready = status.conditions.iter().find(|c| c.type_ == "Ready")?;
+            (ready.reason == reason && pred(&p)).then_some(p)
+        },
+    )
+    .await
+}
+
+/// The pool's members not being deleted (a deleted one waits for its node's agent to let
+/// go of it, which no agent here does), oldest first.
+async fn members(c: &Client) -> Vec<ImpVM> {
+    let mut m: Vec<ImpVM> = vms(c)
+        .list(&ListParams::default().labels("imp.dev/warm-pool=py"))
+        .await
+        .unwrap()
+        .items
+        .into_iter()
+        .filter(|v| v.metadata.deletion_timestamp.is_none())
+        .collect();
+    m.sort_by_key(|v| (v.creation_timestamp(), v.name_any()));
+    m
+}
+
+/// Plays the agent: member `name` runs and is Ready.
+async fn member_runs(c: &Client, name: &str) {
+    let now = k8s_openapi::jiff::Timestamp::now().to_string();
+    agent_status(
+        c,
+        name,
+        json!({"phase": "Running", "runningAt": now,
+               "conditions": [{"type": "Ready", "status": "True", "reason": "Running",
+                               "message": "", "lastTransitionTime": now}]}),
+    )
+    .await;
+}
+
+/// Issue 39, layer 3: a pool names what it lacks (its parent, a base), fills from the elected
+/// base with members the VM controller places like any restore, counts them ready, scales
+/// down, and replaces a member that fails. The test plays the node agent (members' phases,
+/// the execution's end), as the rest of this file does; `snapshot_clones_e2e.rs` fills a
+/// pool with real guests.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_warm_pool_fills_scales_and_says_what_it_lacks() {
+    let Some(e) = env().await else {
+        return;
+    };
+    let c = &e.client;
+    node(c, "a", "8", "16Gi", true, true).await;
+    class(c, "small", 1, 256).await;
+    let _op = Operator::start(&e, "solo", &[]).await;
+    common::create_imp(
+        c,
+        "ImpVMTemplate",
+        "impvmtemplates",
+        json!({"apiVersion": "imp.dev/v1alpha1", "kind": "ImpVMTemplate",
+               "metadata": {"name": "python", "namespace": NS},
+               "spec": {"classRef": {"name": "small"}, "image": "busybox"}}),
+    )
+    .await;
+    common::create_imp(
+        c,
+        "ImpWarmPool",
+        "impwarmpools",
+        json!({"apiVersion": "imp.dev/v1alpha1", "kind": "ImpWarmPool",
+               "metadata": {"name": "py", "namespace": NS},
+               "spec": {"snapshotRef": "py-warm", "templateName": "python", "size": 2}}),
+    )
+    .await;
+    let p = wait_pool(c, "InvalidSpec", |_| true).await;
+    let msg = &p.status.as_ref().unwrap().conditions[0].message;
+    assert!(
+        msg.starts_with("spec.snapshotRef: ImpVMSnapshot default/py-warm does not exist"),
+        "{msg}"
+    );
+
+    // The parent exists; its one execution waits for the source's node: no base yet.
+    vm(
+        c,
+        "src",
+        json!({"classRef": {"name": "small"}, "image": "busybox"}),
+    )
+    .await;
+    common::create_imp(
+        c,
+        "ImpVMSnapshot",
+        "impvmsnapshots",
+        json!({"apiVersion": "imp.dev/v1alpha1", "kind": "ImpVMSnapshot",
+               "metadata": {"name": "py-warm", "namespace": NS},
+               "spec": {"sourceVMName": "src", "sourceVMNamespace": NS,
+                        "storage": {"type": "node-local"}}}),
+    )
+    .await;
+    let p = wait_pool(c, "NoBase", |_| true).await;
+    assert!(
+        p.status.as_ref().unwrap().conditions[0]
+            .message
+            .contains("set its spec.baseSnapshot")
+    );
+    assert!(members(c).await.is_empty());
+
+    // The node takes the execution (played here); the user elects it.
+    let snaps: Api<imp_api::snapshot::ImpVMSnapshot> = Api::namespaced(c.clone(), NS);
+    let exec = common::wait_for(
+        "the parent's execution",
+        Duration::from_secs(WAIT_SECS),
+        || async {
+            snaps
+                .list(&ListParams::default().labels("imp.dev/snapshot-parent=py-warm"))
+                .await
+                .ok()?
+                .items
+                .into_iter()
+                .next()
+        },
+    )
+    .await
+    .name_any();
+    snaps
+        .patch(
+            &exec,
+            &PatchParams::default(),
+            &Patch::Merge(&json!({"metadata": {"annotations": {"imp.dev/snapshot-node": "a"}}})),
+        )
+        .await
+        .unwrap();
+    let now = k8s_openapi::jiff::Timestamp::now().to_string();
+    snaps
+        .patch_status(
+            &exec,
+            &PatchParams::default(),
+            &Patch::Merge(
+                &json!({"status": {"phase": "Succeeded", "terminatedAt": now,
+                                             "completedAt": now,
+                                             "snapshotPath": "/var/lib/imp/snapshots/x"}}),
+            ),
+        )
+        .await
+        .unwrap();
+    snaps
+        .patch(
+            "py-warm",
+            &PatchParams::default(),
+            &Patch::Merge(&json!({"spec": {"baseSnapshot": exec}})),
+        )
+        .await
+        .unwrap();
+
+    // Two members, made from the template, restoring from the base, placed on its node.
+    let p = wait_pool(c, "Waiting", |p| {
+        p.status.as_ref().unwrap().base_snapshot.as_deref() == Some(exec.as_str())
+    })
+    .await;
+    assert_eq!(p.status.as_ref().unwrap().ready_count, 0);
+    let placed = common::wait_for(
+        "two members placed",
+        Duration::from_secs(WAIT_SECS),
+        || async {
+            let m = members(c).await;
+            (m.len() == 2 && m.iter().all(|v| phase(v) == Some(VmPhase::Scheduled))).then_some(m)
+        },
+    )
+    .await;
+    for m in &placed {
+        assert!(m.name_any().starts_with("py-"), "{}", m.name_any());
+        assert_eq!(m.spec.snapshot_ref.as_deref(), Some(exec.as_str()));
+        assert_eq!(m.spec.template_ref.as_ref().unwrap().name, "python");
+        assert_eq!(m.spec.node_name.as_deref(), Some("a"));
+        assert_eq!(m.owner_references()[0].name, "py");
+        assert_eq!(m.owner_references()[0].controller, Some(true));
+    }
+
+    // Ready once both run.
+    for m in &placed {
+        member_runs(c, &m.name_any()).await;
+    }
+    let p = wait_pool(c, "Reconciled", |p| {
+        p.status.as_ref().unwrap().ready_count == 2
+    })
+    .await;
+    assert_eq!(
+        p.status.as_ref().unwrap().observed_generation,
+        p.metadata.generation
+    );
+
+    // size 2 → 1: the oldest ready member goes.
+    pools(c)
+        .patch(
+            "py",
+            &PatchParams::default(),
+            &Patch::Merge(&json!({"spec": {"size": 1}})),
+        )
+        .await
+        .unwrap();
+    wait_pool(c, "Reconciled", |p| {
+        p.status.as_ref().unwrap().ready_count == 1
+    })
+    .await;
+    let left = common::wait_for(
+        "one member left",
+        Duration::from_secs(WAIT_SECS),
+        || async {
+            let m = members(c).await;
+            (m.len() == 1).then_some(m)
+        },
+    )
+    .await;
+    assert_eq!(left[0].name_any(), placed[1].name_any());
+
+    // The member fails: deleted, counted and replaced.
+    agent_status(
+        c,
+        &left[0].name_any(),
+        json!({"phase": "Failed",
+               "conditions": [{"type": "Ready", "status": "False", "reason": "VmmExited",
+                               "message": "the VMM exited", "lastTransitionTime": now}]}),
+    )
+    .await;
+    let p = wait_pool(c, "Waiting", |p| {
+        p.status.as_ref().unwrap().failed_in_a_row == 1
+    })
+    .await;
+    assert_eq!(p.status.as_ref().unwrap().ready_count, 0);
+    let replaced = common::wait_for("a replacement", Duration::from_secs(WAIT_SECS), || async {
+        let m = members(c).await;
+        (m.len() == 1 && m[0].name_any() != left[0].name_any()).then_some(m)
+    })
+    .await;
+    let events = common::events_of(c, NS, "py").await;
+    let said = |reason: &str, needle: &str| {
+        events.iter().any(|ev| {
+            ev.reason.as_deref() == Some(reason)
+                && ev.message.as_deref().is_some_and(|m| m.contains(needle))
+        })
+    };
+    assert!(said("MemberDeleted", "the VMM exited"), "{events:?}");
+    assert!(said("MemberCreated", &replaced[0].name_any()), "{events:?}");
 }

@@ -25,11 +25,12 @@ use common::{phase, wait_vm};
 
 use std::time::Duration;
 
+use imp_api::ImpWarmPool;
 use imp_api::snapshot::SnapshotPhase;
 use imp_api::vm::{ImpVM, VmPhase};
 use imp_testenv::registry::{TestImage, scratch_dir};
 use kube::ResourceExt;
-use kube::api::{Api, PostParams};
+use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
 use serde_json::json;
 
 const NS: &str = "default";
@@ -70,6 +71,45 @@ fn vm(name: &str, image: &str, from: Option<&str>) -> ImpVM {
         "metadata": {"name": name, "namespace": NS}, "spec": spec
     }))
     .unwrap()
+}
+
+/// Waits up to `secs` until warm pool `py`'s Ready condition has `reason` and `pred` holds.
+async fn wait_pool(
+    pools: &Api<ImpWarmPool>,
+    reason: &str,
+    secs: u64,
+    pred: impl Fn(&ImpWarmPool) -> bool,
+) -> ImpWarmPool {
+    common::wait_for(
+        &format!("pool py with Ready reason {reason}"),
+        Duration::from_secs(secs),
+        || async {
+            let p = pools.get("py").await.ok()?;
+            let ready = p
+                .status
+                .as_ref()?
+                .conditions
+                .iter()
+                .find(|c| c.type_ == "Ready")?;
+            (ready.reason == reason && pred(&p)).then_some(p)
+        },
+    )
+    .await
+}
+
+/// The pool's members not being deleted.
+async fn members(vms: &Api<ImpVM>) -> Vec<ImpVM> {
+    vms.list(&ListParams::default().labels("imp.dev/warm-pool=py"))
+        .await
+        .unwrap()
+        .items
+        .into_iter()
+        .filter(|v| v.metadata.deletion_timestamp.is_none())
+        .collect()
+}
+
+fn ready_count(p: &ImpWarmPool) -> i32 {
+    p.status.as_ref().map_or(0, |s| s.ready_count)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -222,6 +262,69 @@ async fn two_clones_at_once_share_a_network_and_a_qemu_that_cannot_load_the_snap
         "the clones read the same random bytes"
     );
 
+    // A warm pool of one (issue 39, layer 3): no member until the execution is elected its
+    // base; then a member restored from it runs under its own name, holding the source's
+    // data, and a member deleted is replaced.
+    common::create_imp(
+        &c,
+        "ImpVMTemplate",
+        "impvmtemplates",
+        json!({"apiVersion": "imp.dev/v1alpha1", "kind": "ImpVMTemplate",
+               "metadata": {"name": "warm", "namespace": NS},
+               "spec": {"classRef": {"name": "small"}, "networkRef": {"name": "net1"},
+                        "image": image}}),
+    )
+    .await;
+    common::create_imp(
+        &c,
+        "ImpWarmPool",
+        "impwarmpools",
+        json!({"apiVersion": "imp.dev/v1alpha1", "kind": "ImpWarmPool",
+               "metadata": {"name": "py", "namespace": NS},
+               "spec": {"snapshotRef": "base", "templateName": "warm", "size": 1}}),
+    )
+    .await;
+    let pools: Api<ImpWarmPool> = Api::namespaced(c.clone(), NS);
+    wait_pool(&pools, "NoBase", 30, |_| true).await;
+    assert!(members(&vms).await.is_empty());
+    let snaps: Api<imp_api::snapshot::ImpVMSnapshot> = Api::namespaced(c.clone(), NS);
+    snaps
+        .patch(
+            "base",
+            &PatchParams::default(),
+            &Patch::Merge(&json!({"spec": {"baseSnapshot": from}})),
+        )
+        .await
+        .unwrap();
+    let full = wait_pool(&pools, "Reconciled", 300, |p| ready_count(p) == 1).await;
+    assert_eq!(
+        full.status.as_ref().unwrap().base_snapshot.as_deref(),
+        Some(from.as_str())
+    );
+    let first = members(&vms).await;
+    assert_eq!(first.len(), 1, "{first:?}");
+    let member = first[0].name_any();
+    assert_eq!(first[0].spec.snapshot_ref.as_deref(), Some(from.as_str()));
+    assert_eq!(
+        exec_in(&alice, NS, &member, "hostname").await.trim(),
+        member
+    );
+    assert_eq!(
+        exec_in(&alice, NS, &member, "md5sum /mnt/t/blob").await,
+        data,
+        "the member lacks the source's data"
+    );
+    vms.delete(&member, &Default::default()).await.unwrap();
+    // The replacement runs; then (the pool having said Waiting when it made it) the pool is
+    // whole again.
+    let second = common::wait_for("a replacement member", Duration::from_secs(300), || async {
+        let m = members(&vms).await;
+        (m.len() == 1 && m[0].name_any() != member && phase(&m[0]) == Some(VmPhase::Running))
+            .then_some(m)
+    })
+    .await;
+    wait_pool(&pools, "Reconciled", 60, |p| ready_count(p) == 1).await;
+
     // The node's QEMU becomes Debian's 7.2 (the agent restarts with it; the VMs running keep
     // their QEMU 10): a new VM from the snapshot written by 10 fails, naming both.
     a.kill().await;
@@ -250,6 +353,25 @@ async fn two_clones_at_once_share_a_network_and_a_qemu_that_cannot_load_the_snap
         "{}",
         ready.message
     );
+    // The pool's running member keeps its QEMU 10; deleted, its replacements fail under 7.2
+    // one after the other, and from the third the pool backs off, quoting why.
+    vms.delete(&second[0].name_any(), &Default::default())
+        .await
+        .unwrap();
+    let failing = wait_pool(&pools, "MembersFailing", 300, |_| true).await;
+    let status = failing.status.clone().unwrap();
+    let msg = &status
+        .conditions
+        .iter()
+        .find(|c| c.type_ == "Ready")
+        .unwrap()
+        .message;
+    eprintln!("pool py: {msg}");
+    assert!(
+        status.failed_in_a_row >= 3 && msg.contains("runs qemu 7."),
+        "{status:?}"
+    );
+    assert_eq!(status.ready_count, 0);
     for name in ["src", "c1", "c2"] {
         assert_eq!(
             phase(&vms.get(name).await.unwrap()),

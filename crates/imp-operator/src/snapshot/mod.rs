@@ -37,13 +37,12 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use imp_api::conditions::ConditionReason;
-use imp_api::refusal;
 use imp_api::shared::LABEL_SNAPSHOT_PARENT;
 use imp_api::snapshot::{ImpVMSnapshot, ImpVMSnapshotStatus};
 use imp_api::vm::ImpVM;
 use k8s_openapi::api::core::v1::ObjectReference;
 use k8s_openapi::jiff::Timestamp;
-use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
+use kube::api::{Api, DeleteParams, ListParams, Patch, PostParams};
 use kube::runtime::controller::{Action, Controller};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::runtime::reflector::ObjectRef;
@@ -53,6 +52,7 @@ use serde_json::json;
 
 use self::decide::{Note, Plan};
 use crate::FIELD_MANAGER;
+use crate::api_call::params;
 use crate::metrics::{Metrics, Write};
 use crate::names;
 use imp_api::shared::ANNOTATION_SNAPSHOT_NODE as SNAPSHOT_NODE;
@@ -74,41 +74,11 @@ const CONFLICT_RETRY: Duration = Duration::from_millis(200);
 /// How late after a tick the requeue lands, so that the clock has surely passed it.
 const TICK_MARGIN: Duration = Duration::from_millis(20);
 
-/// What can go wrong in one reconcile.
-#[derive(Debug, thiserror::Error)]
-pub enum Error {
-    /// An API call failed.
-    #[error("Kubernetes API call failed while {doing} ImpVMSnapshot {what}")]
-    Kube {
-        /// What was being done.
-        doing: &'static str,
-        /// namespace/name of the parent or execution.
-        what: String,
-        /// The API error.
-        #[source]
-        source: kube::Error,
-    },
-}
-
-impl Error {
-    /// Short label for the reconcile-error metric.
-    pub fn metric_label(&self) -> &'static str {
-        match self {
-            Self::Kube {
-                source: kube::Error::Api(s),
-                ..
-            } if refusal::forbidden(s).is_some() => "forbidden",
-            Self::Kube { .. } => "api",
-        }
-    }
-}
+/// What can go wrong in one reconcile: an API call.
+pub type Error = crate::api_call::Error;
 
 fn kube_err(doing: &'static str, what: String) -> impl FnOnce(kube::Error) -> Error {
-    move |source| Error::Kube {
-        doing,
-        what,
-        source,
-    }
+    crate::api_call::failed(doing, "ImpVMSnapshot", what)
 }
 
 fn key(s: &ImpVMSnapshot) -> String {
@@ -119,13 +89,6 @@ struct Ctx {
     client: kube::Client,
     recorder: Recorder,
     metrics: Option<Arc<Metrics>>,
-}
-
-fn params() -> PatchParams {
-    PatchParams {
-        field_manager: Some(FIELD_MANAGER.to_owned()),
-        ..Default::default()
-    }
 }
 
 impl Ctx {

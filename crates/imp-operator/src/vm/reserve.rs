@@ -42,12 +42,6 @@ enum Refusal {
     Other(kube::Error),
 }
 
-/// Whether the API server refused a Pod for a ResourceQuota (its quota admission says
-/// "exceeded quota: <name>, requested: …").
-fn quota_refusal(s: &kube::core::Status) -> bool {
-    s.code == 403 && s.message.contains("exceeded quota")
-}
-
 impl Context {
     fn reservation_settings(&self) -> Option<&PodSettings> {
         self.settings.reservations.as_ref()
@@ -105,7 +99,9 @@ async fn create(
             Ok(())
         }
         Err(kube::Error::Api(s)) if s.code == 409 => Ok(()),
-        Err(kube::Error::Api(s)) if quota_refusal(&s) => Err(Refusal::Quota(s.message)),
+        Err(kube::Error::Api(s)) if imp_api::refusal::quota(&s).is_some() => {
+            Err(Refusal::Quota(s.message))
+        }
         Err(e) => Err(Refusal::Other(e)),
     }
 }

@@ -745,13 +745,11 @@ async fn quota_preview(
     };
     let answer = tokio::time::timeout(PREVIEW_TIMEOUT, api.create(&params, &pod)).await;
     match answer {
-        Ok(Err(kube::Error::Api(s))) if s.code == 403 && s.message.contains("exceeded quota") => {
-            Some(format!(
-                "spec.classRef: the VM's {} vCPU and {}MiB would exceed a ResourceQuota of \
+        Ok(Err(kube::Error::Api(s))) if imp_api::refusal::quota(&s).is_some() => Some(format!(
+            "spec.classRef: the VM's {} vCPU and {}MiB would exceed a ResourceQuota of \
                  namespace {namespace} (VMs count through their reservation Pods): {}",
-                size.0, size.1, s.message
-            ))
-        }
+            size.0, size.1, s.message
+        )),
         Ok(Err(e)) => {
             tracing::debug!(namespace, vm = %name, error = %imp_api::chain::DisplayChain(&e), "quota preview not conclusive");
             None
