@@ -22,6 +22,7 @@ use crate::duration::GoDuration;
     printcolumn(name = "Snapshot", type_ = "string", json_path = ".spec.snapshotRef"),
     printcolumn(name = "Size", type_ = "integer", json_path = ".spec.size"),
     printcolumn(name = "Ready", type_ = "integer", json_path = ".status.readyCount"),
+    printcolumn(name = "Base", type_ = "string", json_path = ".status.baseSnapshot"),
     printcolumn(
         name = "Age",
         type_ = "date",

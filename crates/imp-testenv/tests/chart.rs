@@ -1783,6 +1783,10 @@ async fn the_installed_service_accounts_hold_their_roles_and_no_more() {
         (&operator, "delete", "impvms.imp.dev", &all),
         (&operator, "patch", "impvms.imp.dev", &status),
         (&operator, "patch", "impnetworks.imp.dev", &status),
+        // Warm pools' members (warmpool/mod.rs): made and deleted, never updated.
+        (&operator, "create", "impvms.imp.dev", &all),
+        (&operator, "watch", "impwarmpools.imp.dev", &all),
+        (&operator, "patch", "impwarmpools.imp.dev", &status),
         (&operator, "get", "impvmclasses.imp.dev", &[]),
         (&operator, "create", "events.events.k8s.io", &all),
         (&operator, "create", "leases.coordination.k8s.io", &here),
@@ -1843,8 +1847,9 @@ async fn the_installed_service_accounts_hold_their_roles_and_no_more() {
         ),
     ];
     let no: &[(&Path, &str, &str, &[&str])] = &[
-        (&operator, "create", "impvms.imp.dev", &all),
         (&operator, "update", "impvms.imp.dev", &all),
+        (&operator, "patch", "impwarmpools.imp.dev", &all),
+        (&operator, "patch", "impvmrunnerpools.imp.dev", &all),
         (&operator, "delete", "nodes", &[]),
         (&operator, "list", "secrets", &elsewhere),
         (&operator, "watch", "secrets", &all),
