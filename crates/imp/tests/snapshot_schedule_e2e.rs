@@ -276,7 +276,8 @@ async fn missed_ticks_collapse(c: &Client) {
     );
 }
 
-/// Retention 2 with an elected base: the oldest finished executions go, the base stays.
+/// Retention 2 with an elected base: the oldest finished executions go, the base stays, and
+/// so does one a VM restores from until that VM is deleted.
 async fn retention_keeps_the_newest_and_the_base(c: &Client) {
     let parent = create(c, "kept", spec(None, 2, Some("kept-old-0")), json!({})).await;
     let p = wait_parent(c, "kept", "its execution", 30, |s| last(s).is_some()).await;
@@ -286,13 +287,41 @@ async fn retention_keeps_the_newest_and_the_base(c: &Client) {
         let at = t0 + SignedDuration::from_mins(i);
         execution(c, "kept", &format!("kept-old-{i}"), at, Some(&parent)).await;
     }
+    // A VM restores from kept-old-1 (it waits for a node here): retention spares it.
+    common::create_imp(
+        c,
+        "ImpVM",
+        "impvms",
+        json!({"apiVersion": "imp.dev/v1alpha1", "kind": "ImpVM",
+               "metadata": {"name": "from-old-1", "namespace": NS},
+               "spec": {"classRef": {"name": "small"}, "image": "example.invalid/none:1",
+                        "snapshotRef": "kept-old-1"}}),
+    )
+    .await;
     for i in 0..4 {
         finish(c, &format!("kept-old-{i}")).await;
     }
     finish(c, &own).await;
+    let want = BTreeSet::from([
+        own.clone(),
+        "kept-old-3".into(),
+        "kept-old-1".into(),
+        "kept-old-0".into(),
+    ]);
+    common::wait_for(
+        "retention to delete kept-old-2 and spare kept-old-1",
+        Duration::from_secs(30),
+        || async { (names(&executions(c, "kept").await) == want).then_some(()) },
+    )
+    .await;
+    // Once that VM is gone, so is the execution it held.
+    Api::<imp_api::vm::ImpVM>::namespaced(c.clone(), NS)
+        .delete("from-old-1", &Default::default())
+        .await
+        .unwrap();
     let want = BTreeSet::from([own.clone(), "kept-old-3".into(), "kept-old-0".into()]);
     common::wait_for(
-        "retention to delete kept-old-1 and kept-old-2",
+        "retention to delete kept-old-1 once its VM is gone",
         Duration::from_secs(30),
         || async { (names(&executions(c, "kept").await) == want).then_some(()) },
     )

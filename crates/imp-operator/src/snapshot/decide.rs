@@ -3,7 +3,7 @@
 //! [`plan`] never calls the API: the controller ([`super`]) lists the executions, asks for a
 //! [`Plan`], and applies it (deletions, the new execution, the status, then the Events).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use imp_api::conditions::{self, ConditionReason, ConditionStatus, ConditionType};
 use imp_api::shared::{CoreLocalObjectRef, LABEL_SNAPSHOT_PARENT};
@@ -538,6 +538,34 @@ fn prune(parent: &ImpVMSnapshot, old: &ImpVMSnapshotStatus, execs: &Executions) 
         .collect()
 }
 
+/// The executions VM `vm` names: its `spec.snapshotRef` and its booking's.
+pub fn snapshots_of(vm: &ImpVM) -> Vec<String> {
+    let booked = vm
+        .status
+        .as_ref()
+        .and_then(|s| s.booking.as_ref())
+        .and_then(|b| b.spec.snapshot_ref.clone());
+    [vm.spec.snapshot_ref.clone(), booked]
+        .into_iter()
+        .flatten()
+        .collect()
+}
+
+/// The executions the VMs `vms` not being deleted restore from ([`snapshots_of`]): a VM
+/// restarted, rescheduled or booted again restores from it.
+pub fn restored_from(vms: &[ImpVM]) -> BTreeSet<String> {
+    vms.iter()
+        .filter(|v| v.meta().deletion_timestamp.is_none())
+        .flat_map(snapshots_of)
+        .collect()
+}
+
+/// Takes out of `plan`'s prunes the executions in `in_use` ([`restored_from`]): retention
+/// never deletes what a live VM would restore from; they go once no VM names them.
+pub fn spare(plan: &mut Plan, in_use: &BTreeSet<String>) {
+    plan.prune.retain(|p| !in_use.contains(&p.name));
+}
+
 /// Whether `name` is too long to label the parent's executions with.
 fn name_too_long(name: &str) -> bool {
     name.len() > MAX_LABEL_VALUE
@@ -953,6 +981,64 @@ mod tests {
                 .create
                 .is_some()
         );
+    }
+
+    #[test]
+    fn retention_spares_what_a_live_vm_restores_from() {
+        let p = parent("s", None, 1);
+        let ok = Some(SnapshotPhase::Succeeded);
+        let kids = vec![
+            child(&p, "2025-03-01T00:00:00Z", ok),
+            child(&p, "2025-03-02T00:00:00Z", ok),
+            child(&p, "2025-03-03T00:00:00Z", ok),
+            child(&p, "2025-03-04T00:00:00Z", ok),
+        ];
+        let vm = |name: &str, spec: serde_json::Value, status: serde_json::Value| -> ImpVM {
+            serde_json::from_value(serde_json::json!({
+                "apiVersion": "imp.dev/v1alpha1", "kind": "ImpVM",
+                "metadata": {"name": name, "namespace": "ns"},
+                "spec": spec, "status": status}))
+            .unwrap()
+        };
+        let mut gone = vm(
+            "gone",
+            serde_json::json!({"snapshotRef": "s-20250303-000000"}),
+            serde_json::json!({}),
+        );
+        gone.metadata.deletion_timestamp = Some(Time(t("2025-03-05T00:00:00Z")));
+        let vms = [
+            // Restores from its spec's execution.
+            vm(
+                "clone",
+                serde_json::json!({"snapshotRef": "s-20250301-000000"}),
+                serde_json::json!({}),
+            ),
+            // Booked with one (a warm pool member, or a spec changed since).
+            vm(
+                "booked",
+                serde_json::json!({}),
+                serde_json::json!({"booking": {"class": {"vcpu": 1, "memoryMiB": 128, "diskGiB": 1},
+                                               "spec": {"snapshotRef": "s-20250302-000000"}}}),
+            ),
+            // Being deleted: needs nothing.
+            gone,
+        ];
+        let in_use = restored_from(&vms);
+        assert_eq!(
+            in_use.iter().map(String::as_str).collect::<Vec<_>>(),
+            ["s-20250301-000000", "s-20250302-000000"]
+        );
+        let mut plan = plan(&p, &kids, t("2025-03-05T00:00:10Z"));
+        assert_eq!(
+            names(&plan),
+            [
+                "s-20250301-000000",
+                "s-20250302-000000",
+                "s-20250303-000000"
+            ]
+        );
+        spare(&mut plan, &in_use);
+        assert_eq!(names(&plan), ["s-20250303-000000"]);
     }
 
     #[test]

@@ -10,11 +10,13 @@
 //!
 //! One reconcile of a parent lists its executions from the API (a consistent read, not a cache,
 //! so an execution created a moment ago is never missed and never made twice), asks the pure
-//! [`decide::plan`] what to do, and does it: delete the executions beyond retention, create the
+//! [`decide::plan`] what to do (sparing, when it would prune, the executions a VM of the namespace
+//! restores from: [`decide::spare`]), and does it: delete the executions beyond retention, create the
 //! due execution, write the parent's status (a merge patch of what changed, preconditioned on
 //! the resourceVersion it was decided on), then publish Events (`ExecutionCreated`, `Pruned`,
 //! `InvalidSchedule`, `BaseElected`). It requeues at the schedule's next tick ([`cron`], UTC);
-//! an execution's status changes trigger its parent through a watch of executions.
+//! an execution's status changes trigger its parent through a watch of executions, and a VM being
+//! deleted that names an execution triggers its namespace's parents.
 //!
 //! A snapshot acts only on a VM of its own namespace, with or without the admission webhook: a
 //! parent whose `spec.sourceVMNamespace` names another makes no execution (`Scheduled` and
@@ -298,7 +300,15 @@ async fn reconcile(cached: Arc<ImpVMSnapshot>, ctx: Arc<Ctx>) -> Result<Action, 
             ctx.fail_if_untakeable(child).await?;
         }
         let now = Timestamp::now();
-        let plan = decide::plan(&parent, &children, now);
+        let mut plan = decide::plan(&parent, &children, now);
+        if !plan.prune.is_empty() {
+            let vms: Api<ImpVM> = Api::namespaced(ctx.client.clone(), &ns);
+            let live = vms.list(&ListParams::default()).await.map_err(kube_err(
+                "listing the VMs that may restore from",
+                key(&parent),
+            ))?;
+            decide::spare(&mut plan, &decide::restored_from(&live.items));
+        }
         if ctx.apply(&parent, &plan).await? {
             return Ok(requeue(&plan, now));
         }
@@ -334,6 +344,7 @@ pub async fn run(
     let api = Api::<ImpVMSnapshot>::all(client.clone());
     let parents = watcher::Config::default().labels(&format!("!{LABEL_SNAPSHOT_PARENT}"));
     let executions = watcher::Config::default().labels(LABEL_SNAPSHOT_PARENT);
+    let vm_client = client.clone();
     let ctx = Arc::new(Ctx {
         client: client.clone(),
         recorder: Recorder::new(
@@ -353,8 +364,24 @@ pub async fn run(
             .get(LABEL_SNAPSHOT_PARENT)
             .map(|p| ObjectRef::new(p).within(&ns))
     };
-    Controller::new(api.clone(), parents)
+    let controller = Controller::new(api.clone(), parents);
+    let store = controller.store();
+    // A VM going away may free an execution retention kept for it: its namespace's parents
+    // look again.
+    let freed = move |vm: ImpVM| {
+        if vm.meta().deletion_timestamp.is_none() || decide::snapshots_of(&vm).is_empty() {
+            return Vec::new();
+        }
+        store
+            .state()
+            .iter()
+            .filter(|p| p.namespace() == vm.namespace())
+            .map(|p| ObjectRef::from_obj(p.as_ref()))
+            .collect()
+    };
+    controller
         .watches(api, executions, to_parent)
+        .watches(Api::<ImpVM>::all(vm_client), watcher::Config::default(), freed)
         .graceful_shutdown_on(shutdown)
         .run(reconcile, error_policy, ctx)
         .for_each(|r| async move {
