@@ -169,8 +169,21 @@ pub fn vm_warnings(spec: &ImpVMSpec) -> Vec<String> {
     if spec.reschedule_on_node_loss && spec.lifecycle == crate::shared::VmLifecycle::Ephemeral {
         w.push("spec.rescheduleOnNodeLoss only affects persistent VMs; ephemeral VMs are always rescheduled".to_owned());
     }
+    if spec.snapshot_ref.is_some() {
+        let set = [
+            ("spec.env", !spec.env.is_empty()),
+            ("spec.envFrom", !spec.env_from.is_empty()),
+            ("spec.userData", spec.user_data.is_some()),
+        ];
+        for (field, _) in set.into_iter().filter(|(_, on)| *on) {
+            w.push(format!("{field} {RESTORE_KEEPS_ITS_OWN}"));
+        }
+    }
     w
 }
+
+/// The warning on a VM restored from a snapshot that sets what only a boot applies.
+pub const RESTORE_KEEPS_ITS_OWN: &str = "is not applied to a VM restored from a snapshot (spec.snapshotRef): its workload runs on from the snapshot's memory, with the environment and user data of the VM the snapshot was taken of; create the VM without spec.snapshotRef to boot with them";
 
 /// Validates an update of an ImpVM: the rules of [`vm`] plus what may not change.
 ///
@@ -1435,6 +1448,36 @@ mod tests {
         s.network_ref = Some(LocalObjectRef { name: "net".into() });
         assert!(vm_warnings(&s).is_empty());
         assert!(vm_warnings(&vm_spec()).is_empty());
+    }
+
+    #[test]
+    fn a_restore_warns_of_the_env_and_user_data_it_does_not_apply() {
+        let mut s = ImpVMSpec {
+            snapshot_ref: Some("snap-1".into()),
+            ..vm_spec()
+        };
+        assert!(vm_warnings(&s).is_empty());
+        s.env = vec![EnvVar {
+            name: "A".into(),
+            value: Some("1".into()),
+            ..EnvVar::default()
+        }];
+        s.env_from = vec![Default::default()];
+        s.user_data = Some(
+            serde_json::from_value(serde_json::json!({"configMapRef": {"name": "u"}})).unwrap(),
+        );
+        let w = vm_warnings(&s);
+        assert_eq!(
+            w,
+            [
+                format!("spec.env {RESTORE_KEEPS_ITS_OWN}"),
+                format!("spec.envFrom {RESTORE_KEEPS_ITS_OWN}"),
+                format!("spec.userData {RESTORE_KEEPS_ITS_OWN}"),
+            ]
+        );
+        // Booted, they are applied: no warning.
+        s.snapshot_ref = None;
+        assert!(vm_warnings(&s).is_empty());
     }
 
     #[test]

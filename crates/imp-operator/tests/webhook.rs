@@ -664,6 +664,29 @@ async fn warnings_come_from_the_validation_module() {
             "{unset}: {resp}"
         );
     }
+    // A restore keeps its snapshot's environment: the env it sets is said to be ignored.
+    let resp = f
+        .review(
+            "/validate",
+            request(
+                "CREATE",
+                &vm(
+                    json!({"templateRef": {"name": "web"}, "snapshotRef": "web-20260101-000000",
+                           "env": [{"name": "A", "value": "1"}]}),
+                ),
+                None,
+            ),
+        )
+        .await;
+    assert_eq!(resp["allowed"], true, "{resp}");
+    assert_eq!(
+        resp["warnings"],
+        json!([format!(
+            "spec.env {}",
+            imp_api::validation::RESTORE_KEEPS_ITS_OWN
+        )]),
+        "{resp}"
+    );
     f.shutdown().await;
 }
 
