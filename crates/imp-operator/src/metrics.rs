@@ -68,6 +68,11 @@ impl Write {
 pub const CONFLICT_RESOURCES: [&str; 2] = ["impvm", "impnetwork"];
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct PoolLabels {
+    pool: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ReasonLabels {
     reason: String,
 }
@@ -94,6 +99,10 @@ pub struct Metrics {
     ipam_allocations: Family<NetworkLabels, Gauge>,
     ipam_free: Family<NetworkLabels, Gauge>,
     agent_leases_ignored: Family<ReasonLabels, Counter>,
+    pool_ready: Family<PoolLabels, Gauge>,
+    pool_size: Family<PoolLabels, Gauge>,
+    /// The pools `set_pool` gave series, so `keep_pools` can drop the deleted ones'.
+    pools_shown: Mutex<BTreeSet<String>>,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -126,7 +135,11 @@ impl Metrics {
         );
         let (ipam_allocations, ipam_free) = register_ipam(&mut registry);
         let agent_leases_ignored = register_agent_leases(&mut registry);
+        let (pool_ready, pool_size) = register_pools(&mut registry);
         Self {
+            pool_ready,
+            pool_size,
+            pools_shown: Mutex::new(BTreeSet::new()),
             registry,
             vms,
             ipam_allocations,
@@ -182,6 +195,34 @@ impl Metrics {
             .get_or_create(&labels)
             .set(clamp(allocated));
         self.ipam_free.get_or_create(&labels).set(clamp(free));
+    }
+
+    /// Sets `imp_operator_warmpool_ready{pool}` and `imp_operator_warmpool_size{pool}` of
+    /// pool `pool` (namespace/name).
+    pub fn set_pool(&self, pool: &str, ready: i32, size: i32) {
+        let labels = PoolLabels {
+            pool: pool.to_owned(),
+        };
+        self.pool_ready.get_or_create(&labels).set(ready.into());
+        self.pool_size.get_or_create(&labels).set(size.into());
+        self.pools_shown
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .insert(pool.to_owned());
+    }
+
+    /// Drops the series of every pool not in `pools` (namespace/name): pools deleted since.
+    pub fn keep_pools(&self, pools: &BTreeSet<String>) {
+        let mut shown = self
+            .pools_shown
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        for pool in shown.iter().filter(|p| !pools.contains(*p)) {
+            let labels = PoolLabels { pool: pool.clone() };
+            self.pool_ready.remove(&labels);
+            self.pool_size.remove(&labels);
+        }
+        shown.retain(|p| pools.contains(p));
     }
 
     /// Sets `imp_operator_vms{phase}` from a full count; phases absent from `counts` become 0.
@@ -372,6 +413,25 @@ fn register_ipam(
     (ipam_allocations, ipam_free)
 }
 
+/// `imp_operator_warmpool_ready` and `imp_operator_warmpool_size`, by pool.
+fn register_pools(
+    registry: &mut Registry,
+) -> (Family<PoolLabels, Gauge>, Family<PoolLabels, Gauge>) {
+    let ready = Family::<PoolLabels, Gauge>::default();
+    registry.register(
+        "imp_operator_warmpool_ready",
+        "Members of an ImpWarmPool (namespace/name) running and Ready: its status.readyCount",
+        ready.clone(),
+    );
+    let size = Family::<PoolLabels, Gauge>::default();
+    registry.register(
+        "imp_operator_warmpool_size",
+        "Members an ImpWarmPool (namespace/name) keeps: its spec.size",
+        size.clone(),
+    );
+    (ready, size)
+}
+
 /// `imp_operator_agent_leases_ignored_total`, every reason at 0.
 fn register_agent_leases(registry: &mut Registry) -> Family<ReasonLabels, Counter> {
     let ignored = Family::<ReasonLabels, Counter>::default();
@@ -478,6 +538,27 @@ mod tests {
         assert_eq!(
             at("imp_operator_reconcile_backlog{controller=\"impvm\"}"),
             Some(5.0)
+        );
+    }
+
+    #[test]
+    fn a_pools_series_follow_it_and_go_with_it() {
+        let m = Metrics::new();
+        m.set_pool("ci/py", 1, 2);
+        m.set_pool("ci/go", 2, 2);
+        m.set_pool("ci/py", 2, 2);
+        let text = m.encode().unwrap();
+        let at = |k: &str| sample(&text, k);
+        assert_eq!(at("imp_operator_warmpool_ready{pool=\"ci/py\"}"), Some(2.0));
+        assert_eq!(at("imp_operator_warmpool_size{pool=\"ci/py\"}"), Some(2.0));
+        assert_eq!(at("imp_operator_warmpool_ready{pool=\"ci/go\"}"), Some(2.0));
+        // ci/py deleted: its series go, ci/go's stay.
+        m.keep_pools(&BTreeSet::from(["ci/go".to_owned()]));
+        let text = m.encode().unwrap();
+        assert!(!text.contains("pool=\"ci/py\""), "{text}");
+        assert_eq!(
+            sample(&text, "imp_operator_warmpool_size{pool=\"ci/go\"}"),
+            Some(2.0)
         );
     }
 

@@ -1855,7 +1855,7 @@ async fn a_warm_pool_fills_scales_and_says_what_it_lacks() {
     let c = &e.client;
     node(c, "a", "8", "16Gi", true, true).await;
     class(c, "small", 1, 256).await;
-    let _op = Operator::start(&e, "solo", &[]).await;
+    let op = Operator::start(&e, "solo", &[]).await;
     common::create_imp(
         c,
         "ImpVMTemplate",
@@ -1988,6 +1988,16 @@ async fn a_warm_pool_fills_scales_and_says_what_it_lacks() {
     assert_eq!(
         p.status.as_ref().unwrap().observed_generation,
         p.metadata.generation
+    );
+    let text = op.scrape().await.unwrap();
+    assert_eq!(
+        sample(&text, "imp_operator_warmpool_ready{pool=\"default/py\"}"),
+        Some(2.0),
+        "{text}"
+    );
+    assert_eq!(
+        sample(&text, "imp_operator_warmpool_size{pool=\"default/py\"}"),
+        Some(2.0)
     );
 
     // size 2 → 1: the oldest ready member goes.

@@ -301,6 +301,9 @@ async fn reconcile(cached: Arc<ImpWarmPool>, ctx: Arc<Ctx>) -> Result<Action, Er
             now,
         };
         let plan = decide::plan(&pool, &world);
+        if let Some(m) = &ctx.metrics {
+            m.set_pool(&key(&pool), plan.status.ready_count, pool.spec.size);
+        }
         let action = requeue(&plan, now);
         if ctx.apply(&pool, plan).await? {
             return Ok(action);
@@ -341,6 +344,17 @@ fn pools_where(
         .collect()
 }
 
+/// Every half minute, drops the metrics of pools no longer in `store` (deleted ones are not
+/// reconciled again), until the controller ends.
+async fn forget_deleted_pools(metrics: Arc<Metrics>, store: Store<ImpWarmPool>) {
+    let mut tick = tokio::time::interval(Duration::from_secs(30));
+    loop {
+        tick.tick().await;
+        let pools = store.state().iter().map(|p| key(p)).collect();
+        metrics.keep_pools(&pools);
+    }
+}
+
 /// Runs the ImpWarmPool controller until `shutdown` completes: a pool is reconciled when it,
 /// one of its members, its parent snapshot, its template or a Node changes.
 pub async fn run(
@@ -365,7 +379,11 @@ pub async fn run(
         watcher::Config::default(),
     );
     let store = controller.store();
-    let (by_snapshot, by_template, any) = (store.clone(), store.clone(), store);
+    let (by_snapshot, by_template, any) = (store.clone(), store.clone(), store.clone());
+    let forgetting = ctx
+        .metrics
+        .clone()
+        .map(|m| tokio::spawn(forget_deleted_pools(m, store)));
     controller
         .owns(
             Api::<ImpVM>::all(client.clone()),
@@ -402,4 +420,7 @@ pub async fn run(
             }
         })
         .await;
+    if let Some(f) = forgetting {
+        f.abort();
+    }
 }
