@@ -161,6 +161,8 @@ string_enum! {
         /// (ImpWarmPool) members fail at restore or soon after, three or more in a row; new
         /// ones are made after a back-off, and the message quotes the last one's reason.
         MembersFailing,
+        /// (Operator) a VM with `spec.warmPoolRef` took over a running member of its pool.
+        Claimed,
     }
 }
 

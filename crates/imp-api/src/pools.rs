@@ -22,6 +22,11 @@ use crate::duration::GoDuration;
     printcolumn(name = "Snapshot", type_ = "string", json_path = ".spec.snapshotRef"),
     printcolumn(name = "Size", type_ = "integer", json_path = ".spec.size"),
     printcolumn(name = "Ready", type_ = "integer", json_path = ".status.readyCount"),
+    printcolumn(
+        name = "Claimed",
+        type_ = "integer",
+        json_path = ".status.claimedCount"
+    ),
     printcolumn(name = "Base", type_ = "string", json_path = ".status.baseSnapshot"),
     printcolumn(
         name = "Age",
@@ -64,6 +69,9 @@ pub struct ImpWarmPoolStatus {
     #[serde(default)]
     #[schemars(transform = crate::schema::no_default)]
     pub ready_count: i32,
+    /// VMs of the namespace that took over one of its members and still exist.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub claimed_count: i32,
     /// The snapshot execution new members restore from: the parent's `status.baseSnapshot`
     /// when the pool was last reconciled.
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -13,6 +13,12 @@ pub const LABEL_SNAPSHOT_PARENT: &str = "imp.dev/snapshot-parent";
 pub const ANNOTATION_SNAPSHOT_NODE: &str = "imp.dev/snapshot-node";
 /// Label on a warm-pool member naming its ImpWarmPool.
 pub const LABEL_WARM_POOL: &str = "imp.dev/warm-pool";
+/// Annotation on a warm-pool member taken by a claim: the claimant's name (its uid is the
+/// member's owner reference). The pool no longer counts it and deletes it once the claimant
+/// runs, or when the claim is given up.
+pub const ANNOTATION_CLAIMED_BY: &str = "imp.dev/claimed-by";
+/// Label on a VM that took over a warm pool's member, naming the pool (its `claimedCount`).
+pub const LABEL_CLAIMED_FROM: &str = "imp.dev/claimed-from";
 /// Label on a runner VM naming its ImpVMRunnerPool.
 pub const LABEL_RUNNER_POOL: &str = "imp.dev/runner-pool";
 /// Node label that makes a node eligible for ImpVMs.

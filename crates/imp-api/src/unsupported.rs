@@ -32,9 +32,6 @@ pub const TRACING: &str = "is not supported yet unless it is http://host[:port][
 pub const NO_CONTROLLER: &str =
     "is not supported yet by this imp: no controller acts on it (see docs/fields.md)";
 
-/// `ImpVM.spec.warmPoolRef`, until claims are built.
-pub const WARM_CLAIM: &str = "is not supported yet: an ImpWarmPool keeps its members running but none can be claimed yet (docs/warm-pools.md); create the VM without it to boot from its template";
-
 /// Kinds no controller acts on: the webhook refuses creating or changing them.
 pub const NO_CONTROLLER_KINDS: [&str; 2] = ["ImpVMMigration", "ImpVMRunnerPool"];
 
@@ -50,9 +47,6 @@ pub fn kind(kind: &str) -> Option<String> {
 pub fn vm(spec: &ImpVMSpec) -> Result<(), ValidationErrors> {
     let mut e = Vec::new();
     env(&mut e, &spec.env);
-    if spec.warm_pool_ref.is_some() {
-        push(&mut e, "spec.warmPoolRef", WARM_CLAIM);
-    }
     result(e)
 }
 
@@ -146,24 +140,6 @@ mod tests {
 
     fn msg(r: Result<(), ValidationErrors>) -> String {
         r.err().map(|e| e.to_string()).unwrap_or_default()
-    }
-
-    #[test]
-    fn a_warm_pool_claim_is_refused_until_claims_are_built() {
-        let claimant: ImpVMSpec = serde_json::from_value(serde_json::json!({
-            "templateRef": {"name": "py"}, "warmPoolRef": {"name": "py"}
-        }))
-        .unwrap();
-        assert_eq!(
-            msg(vm(&claimant)),
-            format!("spec.warmPoolRef: {WARM_CLAIM}")
-        );
-        // With the webhook off the operator refuses it too (resolve::admissible).
-        let refused = crate::resolve::admissible(&claimant).unwrap_err().message();
-        assert!(
-            refused.contains("spec.warmPoolRef: is not supported yet"),
-            "{refused}"
-        );
     }
 
     #[test]

@@ -98,8 +98,8 @@ pub struct ImpVMSpec {
     #[schemars(transform = crate::schema::idle_timeout)]
     pub idle_timeout: Option<GoDuration>,
     /// Take a running member of this ImpWarmPool instead of booting (imp's extension to the Go
-    /// API): beside the pool's template (`templateRef`), in the pool's namespace. Not supported
-    /// yet: refused by the admission webhook (docs/warm-pools.md).
+    /// API): beside the pool's template (`templateRef`), in the pool's namespace; with no ready
+    /// member, the VM restores from the pool's base instead (docs/warm-pools.md).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub warm_pool_ref: Option<WarmPoolRef>,
 }
@@ -271,6 +271,33 @@ pub struct ImpVMStatus {
     /// (imp extension).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub booking: Option<Booking>,
+    /// How a VM with `spec.warmPoolRef` got going: the member it took over, or why it started
+    /// cold (imp extension; written by the operator).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub warm_claim: Option<WarmClaim>,
+}
+
+/// A claim of a warm pool's member: which member became this VM, or why none did.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct WarmClaim {
+    /// The pool.
+    pub pool: String,
+    /// The member taken over (its name), unless the VM started cold.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub member: Option<String>,
+    /// The member's uid: the node agent finds the running VM by it.
+    #[serde(default, skip_serializing_if = "Option::is_none", rename = "memberUID")]
+    pub member_uid: Option<String>,
+    /// The snapshot execution the member (or the cold start) restored from, if the pool had one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub base_snapshot: Option<String>,
+    /// Why the VM started cold (no ready member, no base), if it did.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cold: Option<String>,
+    /// When the claim was decided.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub at: Option<Time>,
 }
 
 /// What the operator placed a VM with and booked on its node: its ImpVMClass and its spec with

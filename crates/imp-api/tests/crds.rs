@@ -109,9 +109,9 @@ fn crd_names_scope_and_columns_match_the_go_project() {
             "impwp",
             true,
             true,
-            // Go's four, and the base members restore from (issue 39: `kubectl get impwp`
-            // shows it).
-            &["Snapshot", "Size", "Ready", "Base", "Age"],
+            // Go's four, the claims served and the base members restore from (issue 39:
+            // `kubectl get impwp` shows them).
+            &["Snapshot", "Size", "Ready", "Claimed", "Base", "Age"],
         ),
         (
             "ImpVMRunnerPool",

@@ -83,10 +83,12 @@ const ADDED: &[(&str, &str)] = &[
     ("ImpVM", ".status.runtime"),
     // What the operator booked at placement (class and resolved spec); the agent boots it.
     ("ImpVM", ".status.booking"),
-    // Take a running member of a warm pool (docs/warm-pools.md; refused until claims work).
+    // Take a running member of a warm pool (docs/warm-pools.md), and how it went.
     ("ImpVM", ".spec.warmPoolRef"),
+    ("ImpVM", ".status.warmClaim"),
     // A warm pool's base, the generation its status describes, and its fill back-off.
     ("ImpWarmPool", ".status.baseSnapshot"),
+    ("ImpWarmPool", ".status.claimedCount"),
     ("ImpWarmPool", ".status.observedGeneration"),
     ("ImpWarmPool", ".status.failedInARow"),
     ("ImpWarmPool", ".status.lastFailureAt"),

@@ -305,6 +305,61 @@ impl NodeNet {
         }
     }
 
+    /// Rebinds VM `uid`'s running attachment to `a` (a warm pool's claim: the claimant's TAP
+    /// name, MAC and VM, the same network and address): the TAP its VMM holds is renamed (down,
+    /// renamed, then wired: alias, bridge and up) and the port's rules are loaded for the new
+    /// name and MAC. Done again after it succeeded, nothing changes. The reason, as for
+    /// [`Self::attach`], when it cannot be.
+    pub async fn rebind(&self, uid: &str, a: NetAttachment) -> Result<(), String> {
+        a.check().map_err(|e| chain(&e))?;
+        let old = lock(&self.attachments).get(uid).cloned();
+        {
+            let _one = self.applied.lock().await;
+            let links = self
+                .netlink
+                .links()
+                .await
+                .map_err(|e| format!("reading the node's interfaces: {}", chain(&e)))?;
+            let from = old.as_ref().map(|o| o.tap.as_str()).filter(|t| *t != a.tap);
+            match (from.and_then(|t| links.get(t)), links.get(&a.tap)) {
+                (Some(l), None) => {
+                    let from = from.unwrap_or_default();
+                    self.netlink
+                        .rename(l.index, from, &a.tap)
+                        .await
+                        .map_err(|e| format!("renaming TAP {from} to {}: {}", a.tap, chain(&e)))?;
+                    tracing::info!(from, to = %a.tap, vm = %a.vm, "TAP renamed for its new owner");
+                }
+                (None, Some(_)) => {}
+                (Some(_), Some(_)) => {
+                    return Err(format!(
+                        "TAP {} exists already beside {}: VM {} cannot take it over",
+                        a.tap,
+                        from.unwrap_or_default(),
+                        a.vm
+                    ));
+                }
+                (None, None) => {
+                    return Err(format!(
+                        "VM {uid} has no TAP on this node to hand to {}",
+                        a.vm
+                    ));
+                }
+            }
+        }
+        let (network, tap, vm) = (a.network.clone(), a.tap.clone(), a.vm.clone());
+        lock(&self.attachments).insert(uid.to_owned(), a);
+        match self.sync().await {
+            Ok(plan) => match plan.refused.get(&network).or(plan.closed.get(&network)) {
+                Some(why) => Err(why.clone()),
+                None => self
+                    .guarded(&tap, &vm)
+                    .map_err(|e| format!("wiring ImpNetwork {network}: {}", chain(&e))),
+            },
+            Err(e) => Err(format!("wiring ImpNetwork {network}: {}", chain(&e))),
+        }
+    }
+
     /// Whether the rules loaded hold `tap`'s port for `vm`.
     fn guarded(&self, tap: &str, vm: &str) -> Result<(), NetError> {
         let loaded = lock(&self.loaded_ports);

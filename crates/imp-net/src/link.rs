@@ -391,6 +391,18 @@ impl Netlink {
             .map_err(err("setting the link state of", name))
     }
 
+    /// Renames interface `index` from `from` to `to`: taken down first (the kernel renames no
+    /// interface that is up); whoever wires it brings it up again.
+    pub async fn rename(&self, index: u32, from: &str, to: &str) -> Result<()> {
+        self.set_up(index, from, false).await?;
+        self.handle
+            .link()
+            .set(LinkUnspec::new_with_index(index).name(to).build())
+            .execute()
+            .await
+            .map_err(err("renaming interface", from))
+    }
+
     /// Interface `name`'s packet counters and operational state; `None` when it does not
     /// exist. Read over netlink, so it is right in any network namespace (sysfs shows the one
     /// it was mounted in).

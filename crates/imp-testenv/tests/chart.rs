@@ -1798,8 +1798,10 @@ async fn the_installed_service_accounts_hold_their_roles_and_no_more() {
             "leases.coordination.k8s.io/imp-operator",
             &here,
         ),
-        // Reservation Pods (docs/capacity.md): made and removed, never changed.
+        // Reservation Pods (docs/capacity.md): made, removed, and handed to a warm pool's
+        // claimant (the policy admits no other change).
         (&operator, "watch", "pods", &all),
+        (&operator, "patch", "pods", &all),
         (&operator, "create", "pods", &elsewhere),
         (&operator, "delete", "pods", &elsewhere),
         (&agent, "patch", "nodes", &[]),
@@ -1863,8 +1865,6 @@ async fn the_installed_service_accounts_hold_their_roles_and_no_more() {
         ),
         (&operator, "list", "validatingwebhookconfigurations", &[]),
         (&operator, "update", "pods", &all),
-        (&operator, "patch", "pods", &all),
-        (&operator, "get", "pods", &all),
         (&operator, "create", "pods", &exec),
         (
             &operator,

@@ -325,6 +325,141 @@ async fn two_clones_at_once_share_a_network_and_a_qemu_that_cannot_load_the_snap
     .await;
     wait_pool(&pools, "Reconciled", 60, |p| ready_count(p) == 1).await;
 
+    // A claim: VM "job" takes over the running member, the same QEMU process holding the
+    // source's data, under its own name and hostname, on the member's address; the member
+    // object goes and the pool refills.
+    let taken = vms.get(&second[0].name_any()).await.unwrap();
+    let (taken_name, taken_uid) = (taken.name_any(), taken.uid().unwrap());
+    let taken_ip = ip_of(&taken);
+    let qemu = common::qemu_of(&a.state, &taken_uid);
+    assert_eq!(qemu.len(), 1, "{qemu:?}");
+    let claimant = |name: &str| -> ImpVM {
+        serde_json::from_value(json!({
+            "apiVersion": "imp.dev/v1alpha1", "kind": "ImpVM",
+            "metadata": {"name": name, "namespace": NS},
+            "spec": {"templateRef": {"name": "warm"}, "warmPoolRef": {"name": "py"}}
+        }))
+        .unwrap()
+    };
+    vms.create(&PostParams::default(), &claimant("job"))
+        .await
+        .unwrap();
+    let job = wait_vm(&vms, "job", "job Running", 120, |v| {
+        phase(v) == Some(VmPhase::Running)
+    })
+    .await;
+    let claim = job.status.as_ref().unwrap().warm_claim.clone().unwrap();
+    assert_eq!(
+        (
+            claim.member.as_deref(),
+            claim.member_uid.as_deref(),
+            claim.cold
+        ),
+        (Some(taken_name.as_str()), Some(taken_uid.as_str()), None)
+    );
+    assert_eq!(
+        ip_of(&job),
+        taken_ip,
+        "the claimant left its member's address"
+    );
+    assert_eq!(exec_in(&alice, NS, "job", "hostname").await.trim(), "job");
+    assert_eq!(
+        exec_in(&alice, NS, "job", "md5sum /mnt/t/blob").await,
+        data,
+        "the claimed VM lacks the source's data"
+    );
+    assert_eq!(
+        common::qemu_of(&a.state, &taken_uid),
+        qemu,
+        "the claim did not keep the member's running QEMU"
+    );
+    let from_node = topo.exec("a", &["busybox", "ping", "-c", "1", "-W", "10", &taken_ip]);
+    assert!(
+        from_node.status.success(),
+        "node → job: {}",
+        text(&from_node)
+    );
+    common::wait_for(
+        "the claimed member object gone",
+        Duration::from_secs(60),
+        || async {
+            vms.get_opt(&taken_name)
+                .await
+                .unwrap()
+                .is_none()
+                .then_some(())
+        },
+    )
+    .await;
+    wait_pool(&pools, "Reconciled", 300, |p| {
+        ready_count(p) == 1 && p.status.as_ref().is_some_and(|s| s.claimed_count == 1)
+    })
+    .await;
+    let events = common::events_of(&c, NS, "job").await;
+    assert!(
+        events.iter().any(|e| e.reason.as_deref() == Some("Claimed")
+            && e.message
+                .as_deref()
+                .is_some_and(|m| m.contains(&taken_name))),
+        "{events:?}"
+    );
+
+    // An empty pool: the claim starts cold, restoring from the base, and says so.
+    pools
+        .patch(
+            "py",
+            &PatchParams::default(),
+            &Patch::Merge(&json!({"spec": {"size": 0}})),
+        )
+        .await
+        .unwrap();
+    common::wait_for("the pool emptied", Duration::from_secs(60), || async {
+        members(&vms).await.is_empty().then_some(())
+    })
+    .await;
+    vms.create(&PostParams::default(), &claimant("cold"))
+        .await
+        .unwrap();
+    let cold = wait_vm(&vms, "cold", "cold Running", 300, |v| {
+        phase(v) == Some(VmPhase::Running)
+    })
+    .await;
+    let claim = cold.status.as_ref().unwrap().warm_claim.clone().unwrap();
+    assert!(
+        claim.member.is_none()
+            && claim.base_snapshot.as_deref() == Some(from.as_str())
+            && claim
+                .cold
+                .as_deref()
+                .is_some_and(|c| c.contains("no ready member")),
+        "{claim:?}"
+    );
+    assert_eq!(exec_in(&alice, NS, "cold", "hostname").await.trim(), "cold");
+    assert_eq!(
+        exec_in(&alice, NS, "cold", "md5sum /mnt/t/blob").await,
+        data
+    );
+    let events = common::events_of(&c, NS, "cold").await;
+    assert!(
+        events
+            .iter()
+            .any(|e| e.reason.as_deref() == Some("ColdStart")),
+        "{events:?}"
+    );
+    pools
+        .patch(
+            "py",
+            &PatchParams::default(),
+            &Patch::Merge(&json!({"spec": {"size": 1}})),
+        )
+        .await
+        .unwrap();
+    let third = common::wait_for("a member again", Duration::from_secs(300), || async {
+        let m = members(&vms).await;
+        (m.len() == 1 && phase(&m[0]) == Some(VmPhase::Running)).then_some(m)
+    })
+    .await;
+
     // The node's QEMU becomes Debian's 7.2 (the agent restarts with it; the VMs running keep
     // their QEMU 10): a new VM from the snapshot written by 10 fails, naming both.
     a.kill().await;
@@ -355,7 +490,7 @@ async fn two_clones_at_once_share_a_network_and_a_qemu_that_cannot_load_the_snap
     );
     // The pool's running member keeps its QEMU 10; deleted, its replacements fail under 7.2
     // one after the other, and from the third the pool backs off, quoting why.
-    vms.delete(&second[0].name_any(), &Default::default())
+    vms.delete(&third[0].name_any(), &Default::default())
         .await
         .unwrap();
     let failing = wait_pool(&pools, "MembersFailing", 300, |_| true).await;
@@ -372,7 +507,7 @@ async fn two_clones_at_once_share_a_network_and_a_qemu_that_cannot_load_the_snap
         "{status:?}"
     );
     assert_eq!(status.ready_count, 0);
-    for name in ["src", "c1", "c2"] {
+    for name in ["src", "c1", "c2", "job", "cold"] {
         assert_eq!(
             phase(&vms.get(name).await.unwrap()),
             Some(VmPhase::Running),

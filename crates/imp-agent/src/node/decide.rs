@@ -46,6 +46,12 @@ pub struct Observed {
     /// The user opted in to a cold boot when the snapshot cannot be restored
     /// (`imp.dev/resume-fallback: cold-boot`).
     pub cold_boot_fallback: bool,
+    /// A warm pool's claimant booked onto this node: the uid of the member whose running VM
+    /// it takes over (`status.warmClaim.memberUID`).
+    pub claim: Option<String>,
+    /// A warm pool's member taken by a claim (`imp.dev/claimed-by`): its VM is, or is becoming,
+    /// its claimant's, so having no record of its own is no loss.
+    pub claimed: bool,
 }
 
 /// The VM's local state: its record and whether its shim still runs.
@@ -104,6 +110,12 @@ pub enum Decision {
     ColdBoot {
         /// Why the restore failed.
         why: String,
+    },
+    /// A warm pool's claimant with no record yet: take over the running VM of member
+    /// `member` (its uid), or, if it no longer runs, start from the booking.
+    Claim {
+        /// The member's uid.
+        member: String,
     },
 }
 
@@ -173,6 +185,19 @@ pub fn decide(vm: &Observed, local: Option<Local<'_>>) -> Decision {
     // Only once the operator has finished placing it (Scheduled): acting on the placement's
     // first write would race the operator's own status write.
     let fresh_request = vm.phase == VmPhase::Scheduled && !vm.started;
+    if local.is_none() {
+        if vm.claimed {
+            // Its VM went to its claimant: the pool deletes it (released then).
+            return Decision::Wait;
+        }
+        if let Some(member) = &vm.claim
+            && fresh_request
+        {
+            return Decision::Claim {
+                member: member.clone(),
+            };
+        }
+    }
     if let Some(l) = local
         && let Some(d) = suspend_or_resume(vm, l)
     {
@@ -432,7 +457,56 @@ pub(crate) mod tests {
             suspend_wanted: false,
             scale_to_zero: false,
             cold_boot_fallback: false,
+            claim: None,
+            claimed: false,
         }
+    }
+
+    #[test]
+    fn a_claimant_takes_over_its_member_and_a_taken_member_is_not_lost() {
+        let claimant = Observed {
+            claim: Some("member-uid".into()),
+            ..vm(VmPhase::Scheduled, false)
+        };
+        assert_eq!(
+            decide(&claimant, None),
+            Decision::Claim {
+                member: "member-uid".into()
+            }
+        );
+        // Once the shim committed, its record is the claimant's: reported as any start.
+        let r = record(VmStatus::Running, 0);
+        assert_eq!(
+            decide(&claimant, local(&r, true)),
+            Decision::Report(Report::Running)
+        );
+        // Its own start written already (Starting): no second take-over.
+        let started = Observed {
+            started: true,
+            ..claimant.clone()
+        };
+        assert_ne!(
+            decide(&started, None),
+            Decision::Claim {
+                member: "member-uid".into()
+            }
+        );
+        // The member, its VM handed over: no record of its own, and not lost for it.
+        let member = Observed {
+            claimed: true,
+            ..vm(VmPhase::Running, true)
+        };
+        assert_eq!(decide(&member, None), Decision::Wait);
+        let deleted = Observed {
+            deleting: true,
+            ..member
+        };
+        assert_eq!(decide(&deleted, None), Decision::Release);
+        // Without the mark, a Running VM with no record is lost.
+        assert!(matches!(
+            decide(&vm(VmPhase::Running, true), None),
+            Decision::Report(Report::Ended { .. })
+        ));
     }
 
     pub(crate) fn record(status: VmStatus, attempt: i32) -> VmRecord {

@@ -14,6 +14,7 @@
 //! | [`Request::Stop`] | [`Reply::Accepted`]; the connection stays open until the shim has written the end and exited |
 //! | [`Request::Suspend`] | [`Reply::Accepted`] once the supervision loop has the request; the outcome is the record's (`suspending`, then `suspended`, or a `suspend_failure` naming the token), seen by a watch |
 //! | [`Request::Snapshot`] | [`Reply::Snapshot`] once the running VM is snapshotted into the request's destination (or failed to be); the VM runs on |
+//! | [`Request::Claim`] (version 2) | [`Reply::Claimed`] once the running guest took the new owner's identity and the record names the new owner (the node's commit of a warm pool's claim), or [`Reply::Refused`] with the VM running on as it was |
 //!
 //! The socket is in the VM's directory, which only its owner (root, for the node agent) may
 //! enter, and the shim answers only callers of its own uid or root (`SO_PEERCRED`).
@@ -22,10 +23,14 @@ use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncBufRead, AsyncBufReadExt, AsyncWrite, AsyncWriteExt};
 
 use super::contract::{SnapshotOutcome, SnapshotRequest};
-use super::state::VmRecord;
+use super::state::{Owner, VmRecord};
 
-/// The protocol version this build speaks.
-pub const VERSION: u32 = 1;
+/// The protocol version this build speaks: 2 added [`Request::Claim`]; version 1's requests
+/// are answered as before.
+pub const VERSION: u32 = 2;
+
+/// The oldest version this build still answers.
+pub const OLDEST: u32 = 1;
 /// The socket's name in the VM's directory.
 pub const SOCKET_FILE: &str = "control.sock";
 /// The descriptor under which a shim inherits its listening socket (`--control-fd`), bound by
@@ -57,6 +62,27 @@ pub enum Request {
     },
     /// Snapshot the running VM into a new directory; it runs on.
     Snapshot(SnapshotRequest),
+    /// Hand the running VM to another owner (a warm pool's claim): the guest takes `identity`
+    /// (its link down meanwhile), then the record names `owner`.
+    Claim(Box<ClaimRequest>),
+}
+
+/// A claim of the running VM by another ImpVM.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ClaimRequest {
+    /// Who the VM belongs to from now on.
+    pub owner: Owner,
+    /// What the guest becomes: the new owner's hostname and MAC (its address stays).
+    pub identity: imp_proto::message::Identity,
+}
+
+/// What a claim did.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ClaimOutcome {
+    /// The record as saved with its new owner.
+    pub record: VmRecord,
+    /// The guest's identity step, in milliseconds (link down to link up).
+    pub guest_ms: u64,
 }
 
 /// A request with the version its caller speaks.
@@ -79,6 +105,8 @@ pub enum Reply {
     Event(Box<Event>),
     /// A snapshot's outcome.
     Snapshot(Box<SnapshotOutcome>),
+    /// A claim's outcome: the VM is the new owner's.
+    Claimed(Box<ClaimOutcome>),
     /// The request was refused, and why.
     Refused {
         /// Why, in words.
@@ -176,9 +204,20 @@ pub async fn read<R: AsyncBufRead + Unpin, T: serde::de::DeserializeOwned>(
 
 /// Whether a request of version `v` is one this shim answers, and if not, what it says.
 pub fn refuse_version(v: u32) -> Option<String> {
-    (v != VERSION).then(|| {
-        format!("this shim speaks version {VERSION} of its API; the request is version {v}")
+    (!(OLDEST..=VERSION).contains(&v)).then(|| {
+        format!(
+            "this shim speaks versions {OLDEST} to {VERSION} of its API; the request is version {v}"
+        )
     })
+}
+
+/// The version a caller sends `request` with: the oldest that has it, so that a shim of an
+/// earlier release still answers what it knows, and refuses by version what it does not.
+pub fn version_of(request: &Request) -> u32 {
+    match request {
+        Request::Claim(_) => 2,
+        _ => OLDEST,
+    }
 }
 
 #[cfg(test)]
@@ -196,7 +235,11 @@ mod tests {
             },
         };
         assert_eq!(
-            serde_json::to_string(&stop).unwrap(),
+            serde_json::to_string(&Envelope {
+                v: version_of(&stop.request),
+                ..stop
+            })
+            .unwrap(),
             r#"{"v":1,"op":"stop","grace_ms":1500}"#
         );
         let watch: Envelope = serde_json::from_str(r#"{"v":1,"op":"watch"}"#).unwrap();
@@ -207,11 +250,29 @@ mod tests {
     #[test]
     fn another_version_is_refused_by_name() {
         assert_eq!(refuse_version(VERSION), None);
-        let said = refuse_version(2).unwrap();
+        assert_eq!(refuse_version(OLDEST), None);
+        let said = refuse_version(3).unwrap();
         assert!(
-            said.contains("version 1") && said.contains("version 2"),
+            said.contains("versions 1 to 2") && said.contains("version 3"),
             "{said}"
         );
+        // A claim goes out as version 2: a shim of version 1 refuses it by version.
+        let claim = Request::Claim(Box::new(ClaimRequest {
+            owner: Owner {
+                namespace: "ci".into(),
+                name: "job".into(),
+                uid: "u".into(),
+                attempt: 0,
+                revision: 0,
+            },
+            identity: imp_proto::message::Identity {
+                hostname: Some("job".into()),
+                mac: None,
+                network: None,
+            },
+        }));
+        assert_eq!(version_of(&claim), 2);
+        assert_eq!(version_of(&Request::Watch), 1);
     }
 
     #[tokio::test]

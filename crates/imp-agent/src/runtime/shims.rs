@@ -1,5 +1,5 @@
 //! The node agent's async handle on this machine's shims: every call the reconciler makes on a
-//! VM's shim (list, observe, start, stop, fail, remove, suspend, resume) as an `async fn` that
+//! VM's shim (list, observe, start, stop, fail, remove, suspend, resume, claim) as an `async fn` that
 //! runs the blocking file and process work of [`super::control`] on tokio's blocking pool, so
 //! no caller wraps `spawn_blocking` itself, and that keeps the VMM-specific choices (which
 //! VMM reopens its TAP by name on a restore) behind [`super::spec::reopens_tap_by_name`].
@@ -115,6 +115,52 @@ impl Shims {
         })
         .await?;
         read.map_err(ShimsError::State)
+    }
+
+    /// The record of the ImpVM of uid `uid` and whether its shim lives: `vms/<uid>` when that
+    /// VM owns it; with `search` (a warm pool's claimant), else the one record a claim handed
+    /// to it. A record in `vms/<uid>` that a claim handed to another VM is not this VM's.
+    pub async fn observe_owned(
+        &self,
+        uid: &str,
+        search: bool,
+    ) -> Result<Option<(VmRecord, bool)>, ShimsError> {
+        let owned_by = |r: &VmRecord| r.owner.as_ref().is_none_or(|o| o.uid == uid);
+        if let Some((r, alive)) = self.observe(uid).await?
+            && owned_by(&r)
+        {
+            return Ok(Some((r, alive)));
+        }
+        if !search {
+            return Ok(None);
+        }
+        let found = self
+            .list()
+            .await?
+            .into_iter()
+            .find(|(r, _)| r.name != uid && r.owner.as_ref().is_some_and(|o| o.uid == uid));
+        Ok(found)
+    }
+
+    /// Writes VM `id`'s spec (a claim's: its new owner, hostname and network), atomically.
+    pub async fn write_spec(&self, id: &str, spec: VmSpec) -> Result<(), ShimsError> {
+        let path = self.state.vm_dir(id).join(super::spec::SPEC_FILE);
+        blocking("writing the spec", id, move || {
+            super::state::write_json(&path, &spec)
+        })
+        .await?
+        .map_err(ShimsError::State)
+    }
+
+    /// Asks the shim of VM `id` to hand the running VM over as `req` says (a warm pool's
+    /// claim), waiting up to `limit`; `Ok(None)` when its shim has no API to ask.
+    pub async fn claim(
+        &self,
+        id: &str,
+        req: super::shim_api::ClaimRequest,
+        limit: Duration,
+    ) -> Result<Option<super::shim_api::ClaimOutcome>, super::shim_api::WireError> {
+        control::client::claim(&self.state.vm_dir(id), req, limit).await
     }
 
     /// VM `id`'s spec, if it has a readable one.
@@ -287,6 +333,58 @@ mod tests {
             "a failed start left its directory (and the credentials in it)"
         );
         assert!(shims.list().await.unwrap().is_empty());
+        let _ = std::fs::remove_dir_all(root);
+    }
+
+    #[tokio::test]
+    async fn a_claimed_record_is_its_new_owners_and_no_longer_its_directorys() {
+        let (root, shims) = scratch("owned");
+        let owner = |name: &str, uid: &str| crate::runtime::state::Owner {
+            namespace: "ci".into(),
+            name: name.into(),
+            uid: uid.into(),
+            attempt: 0,
+            revision: 0,
+        };
+        let mut record =
+            crate::runtime::state::sample_record(super::super::state::VmStatus::Running);
+        record.name = "member-uid".into();
+        record.owner = Some(owner("py-x7k2p", "member-uid"));
+        shims.state().create_vm_dir("member-uid").unwrap();
+        shims.state().save(&record).unwrap();
+        let mine = |r: Option<(VmRecord, bool)>| r.map(|(r, _)| r.name);
+        assert_eq!(
+            mine(shims.observe_owned("member-uid", false).await.unwrap()).as_deref(),
+            Some("member-uid")
+        );
+        assert!(
+            shims
+                .observe_owned("job-uid", true)
+                .await
+                .unwrap()
+                .is_none()
+        );
+        // Handed over: the claimant finds it (when it searches), the member no longer does.
+        record.owner = Some(owner("job", "job-uid"));
+        shims.state().save(&record).unwrap();
+        assert!(
+            shims
+                .observe_owned("member-uid", false)
+                .await
+                .unwrap()
+                .is_none()
+        );
+        assert!(
+            shims
+                .observe_owned("job-uid", false)
+                .await
+                .unwrap()
+                .is_none()
+        );
+        assert_eq!(
+            mine(shims.observe_owned("job-uid", true).await.unwrap()).as_deref(),
+            Some("member-uid")
+        );
         let _ = std::fs::remove_dir_all(root);
     }
 }

@@ -214,6 +214,28 @@ type Queued = (
     tokio::sync::oneshot::Sender<Result<Ipv4Addr, Error>>,
 );
 
+/// `table` (address → owner) with `from`'s addresses given to `to`, and whether anything
+/// changed. `to` keeps what it already holds.
+pub fn handed_over(
+    table: &BTreeMap<String, String>,
+    from: &str,
+    to: &str,
+) -> (BTreeMap<String, String>, bool) {
+    let mut changed = false;
+    let out = table
+        .iter()
+        .map(|(a, o)| {
+            if o == from {
+                changed = true;
+                (a.clone(), to.to_owned())
+            } else {
+                (a.clone(), o.clone())
+            }
+        })
+        .collect();
+    (out, changed)
+}
+
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
@@ -424,6 +446,49 @@ impl Ipam {
         Err(Error::Conflicts(network))
     }
 
+    /// Hands the addresses VM `from` holds on network `namespace/name` to VM `to` (both
+    /// namespace/name), in one status write under the network's lock: a warm pool's claim,
+    /// whose claimant keeps its member's address. The address `to` then holds, if any (already
+    /// moved: the same, with no write).
+    pub async fn transfer(
+        &self,
+        namespace: &str,
+        name: &str,
+        from: &str,
+        to: &str,
+    ) -> Result<Option<Ipv4Addr>, Error> {
+        let network = format!("{namespace}/{name}");
+        let _guard = self.lock(&network).await;
+        for _ in 0..CONFLICT_ATTEMPTS {
+            let net = self.read(namespace, name).await?;
+            let mut status = net.status.clone().unwrap_or_default();
+            let (table, changed) = handed_over(&status.allocations, from, to);
+            let held = table
+                .iter()
+                .find(|(_, o)| o.as_str() == to)
+                .and_then(|(a, _)| a.parse().ok());
+            if !changed {
+                return Ok(held);
+            }
+            status.set_allocations(table);
+            match write_status(&self.client, &net, &status, "moving an address on").await {
+                Ok(_) => {
+                    tracing::info!(network = %network, from, to, ip = ?held, "address handed over");
+                    return Ok(held);
+                }
+                Err(e) if is_conflict(&e) => self.conflict(),
+                Err(source) => {
+                    return Err(Error::Kube {
+                        doing: "moving an address on",
+                        network,
+                        source: Arc::new(source),
+                    });
+                }
+            }
+        }
+        Err(Error::Conflicts(network))
+    }
+
     /// Counts a write of an ImpNetwork's status refused with 409.
     fn conflict(&self) {
         if let Some(m) = &self.metrics {
@@ -467,6 +532,22 @@ mod tests {
         );
         net.status = Some(status);
         net
+    }
+
+    #[test]
+    fn an_address_is_handed_from_a_member_to_its_claimant_once() {
+        let table = BTreeMap::from([
+            ("10.0.0.2".to_owned(), "ci/py-x7k2p".to_owned()),
+            ("10.0.0.3".to_owned(), "ci/other".to_owned()),
+        ]);
+        let (moved, changed) = handed_over(&table, "ci/py-x7k2p", "ci/job");
+        assert!(changed);
+        assert_eq!(moved["10.0.0.2"], "ci/job");
+        assert_eq!(moved["10.0.0.3"], "ci/other");
+        // Again: nothing to move.
+        let (again, changed) = handed_over(&moved, "ci/py-x7k2p", "ci/job");
+        assert!(!changed);
+        assert_eq!(again, moved);
     }
 
     #[test]

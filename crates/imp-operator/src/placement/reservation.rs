@@ -20,7 +20,7 @@
 //! says what to create and delete. Reservation Pods are left out of the Pod load, since the
 //! VM is already counted by the ledger.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use k8s_openapi::api::core::v1::{
     Capabilities, Container, Pod, PodSecurityContext, PodSpec, ResourceRequirements,
@@ -377,6 +377,22 @@ impl Existing {
     }
 }
 
+/// The merge patch that hands reservation Pod `pod` to VM `to` (a warm pool's claimant taking
+/// its member's reservation): its one controlling owner and `imp.dev/reservation-for`, under
+/// the Pod's resourceVersion. Nothing else of the Pod changes (the operator's admission policy
+/// admits no other Pod update).
+pub fn handed_to(pod: &Pod, to: &imp_api::vm::ImpVM) -> serde_json::Value {
+    use kube::Resource as _;
+    let owner = to.controller_owner_ref(&());
+    serde_json::json!({
+        "metadata": {
+            "resourceVersion": pod.metadata.resource_version,
+            "ownerReferences": owner.into_iter().collect::<Vec<_>>(),
+            "annotations": {ANNOTATION_RESERVATION_FOR: to.metadata.name},
+        }
+    })
+}
+
 /// One change [`plan`] asks for.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Op {
@@ -386,30 +402,32 @@ pub enum Op {
     Delete(String, String),
 }
 
-/// What to change so that exactly the `wanted` reservations exist. A Pod that differs from its
-/// share (another node, another size, refused by its kubelet) is deleted first; its
-/// replacement is created once it is gone (Pod specs cannot change in place).
-pub fn plan(wanted: &[Reservation], existing: &[Existing]) -> Vec<Op> {
+/// What to change so that exactly the `wanted` reservations exist, a Pod matched to its VM by
+/// its owner's uid (not its name: a warm pool's claim hands its member's Pod to the claimant,
+/// name and all). A Pod that differs from its share (another node, another size, refused by
+/// its kubelet) is deleted first; its replacement is created once it is gone (Pod specs cannot
+/// change in place). The Pods of the VMs in `spared` (members taken by a claim whose Pod the
+/// claim moves to its claimant) are neither deleted nor made.
+pub fn plan(wanted: &[Reservation], existing: &[Existing], spared: &BTreeSet<String>) -> Vec<Op> {
     let mut ops = Vec::new();
-    let by_name: BTreeMap<(&str, String), &Reservation> = wanted
-        .iter()
-        .map(|r| ((r.namespace.as_str(), pod_name(&r.vm)), r))
-        .collect();
-    let mut present: BTreeMap<(&str, &str), ()> = BTreeMap::new();
+    let by_uid: BTreeMap<&str, &Reservation> =
+        wanted.iter().map(|r| (r.vm_uid.as_str(), r)).collect();
+    let mut present: BTreeSet<&str> = BTreeSet::new();
+    let mut kept: BTreeSet<&str> = BTreeSet::new();
     for e in existing {
-        present.insert((e.namespace.as_str(), e.name.as_str()), ());
-        if e.deleting {
+        present.insert(e.vm_uid.as_str());
+        if e.deleting || spared.contains(&e.vm_uid) {
             continue;
         }
-        let keep = by_name
-            .get(&(e.namespace.as_str(), e.name.clone()))
-            .is_some_and(|r| e.matches(r));
-        if !keep {
-            ops.push(Op::Delete(e.namespace.clone(), e.name.clone()));
+        let fits = by_uid.get(e.vm_uid.as_str()).is_some_and(|r| e.matches(r));
+        // One Pod per VM: a second that fits too is deleted.
+        if fits && kept.insert(e.vm_uid.as_str()) {
+            continue;
         }
+        ops.push(Op::Delete(e.namespace.clone(), e.name.clone()));
     }
-    for ((ns, name), r) in &by_name {
-        if !present.contains_key(&(*ns, name.as_str())) {
+    for (uid, r) in &by_uid {
+        if !present.contains(uid) && !spared.contains(*uid) {
             ops.push(Op::Create((*r).clone()));
         }
     }
@@ -550,7 +568,7 @@ mod tests {
         let e = Existing::of(&p).unwrap();
         assert_eq!(e.vm_uid, "uid-web");
         assert!(e.matches(&r));
-        assert!(plan(&[r], &[e]).is_empty());
+        assert!(plan(&[r], &[e], &BTreeSet::new()).is_empty());
     }
 
     #[test]
@@ -599,7 +617,7 @@ mod tests {
             share("refused", "n1", 1, 256),
             share("leaving", "n2", 1, 256),
         ];
-        let ops = plan(&wanted, &existing);
+        let ops = plan(&wanted, &existing, &BTreeSet::new());
         let del = |n: &str| Op::Delete("ns".into(), format!("imp-vm-{n}"));
         assert_eq!(
             ops,
@@ -611,6 +629,61 @@ mod tests {
                 Op::Create(new)
             ],
             "a changed Pod is deleted now and created again once it is gone"
+        );
+    }
+
+    #[test]
+    fn a_claim_moves_the_members_pod_to_its_claimant_and_nothing_is_made_twice() {
+        let settings = PodSettings::default();
+        let member = share("py-x7k2p", "n1", 1, 256);
+        let claimant = Reservation {
+            vm: "job".into(),
+            vm_uid: "uid-job".into(),
+            ..member.clone()
+        };
+        let members_pod = Existing::of(&pod(&member, &settings)).unwrap();
+        // Claimed, before its Pod moved: the member's Pod is neither deleted nor made again,
+        // and the claimant (not placed yet) wants none.
+        let spared = BTreeSet::from(["uid-py-x7k2p".to_owned()]);
+        assert_eq!(
+            plan(
+                std::slice::from_ref(&member),
+                std::slice::from_ref(&members_pod),
+                &spared
+            ),
+            []
+        );
+        // Moved: the Pod named after the member is the claimant's; the member (still placed
+        // until it is deleted) gets no second one.
+        let moved = Existing {
+            vm_uid: "uid-job".into(),
+            ..members_pod.clone()
+        };
+        assert_eq!(
+            plan(
+                &[member, claimant.clone()],
+                std::slice::from_ref(&moved),
+                &spared
+            ),
+            []
+        );
+        // The member gone: still the one Pod.
+        assert_eq!(
+            plan(
+                std::slice::from_ref(&claimant),
+                std::slice::from_ref(&moved),
+                &BTreeSet::new()
+            ),
+            []
+        );
+        // Two Pods for one VM: the second goes.
+        let stray = Existing {
+            name: "imp-vm-job".into(),
+            ..moved.clone()
+        };
+        assert_eq!(
+            plan(&[claimant], &[moved, stray], &BTreeSet::new()),
+            [Op::Delete("ns".into(), "imp-vm-job".into())]
         );
     }
 

@@ -97,6 +97,8 @@ pub(super) enum Decision {
     Address,
     /// Write this (possibly nothing).
     Write(Box<Plan>),
+    /// A claimant's claim of a warm pool's member goes on: see [`super::claim`].
+    Claim,
 }
 
 fn left(until: Timestamp, now: Timestamp) -> Duration {
@@ -114,6 +116,12 @@ pub(super) fn decide(vm: &ImpVM, w: &World) -> Decision {
     // until the node's agent has stopped it.
     if let Some(plan) = leaving(vm, &status, w) {
         return Decision::Write(Box::new(plan));
+    }
+    // Before the booking: a claimant bound to its member's node is booked by its claim.
+    if w.resolved.is_ok()
+        && crate::warmpool::claim::step(vm) != crate::warmpool::claim::Step::NotClaiming
+    {
+        return Decision::Claim;
     }
     if vm
         .annotations()

@@ -69,6 +69,7 @@
 mod address;
 mod apply;
 pub mod backlog;
+mod claim;
 mod conditions;
 mod decide;
 mod evict;
@@ -332,7 +333,7 @@ fn error_policy(vm: Arc<ImpVM>, err: &Error, ctx: Arc<Context>) -> Action {
 /// One read of the VM: the world is read once, then decisions are written until one ends the
 /// reconcile. Every write carries the resourceVersion of the VM it was decided on.
 async fn step(vm: ImpVM, ctx: &Context) -> Result<Action, Error> {
-    let resolved = ctx.resolve(&vm);
+    let mut resolved = ctx.resolve(&vm);
     let node = ctx.node_of(&vm).await?;
     let mut vm = vm;
     // Each plan that continues makes its own condition false, so this ends in a few rounds.
@@ -364,6 +365,19 @@ async fn step(vm: ImpVM, ctx: &Context) -> Result<Action, Error> {
                 match ctx.address(vm, r).await? {
                     Ok(written) => vm = written,
                     Err(action) => return Ok(action),
+                }
+            }
+            Decision::Claim => {
+                let Ok(r) = &resolved else {
+                    return Ok(Action::requeue(ctx.settings.requeue_pending));
+                };
+                match ctx.claim(vm, r).await? {
+                    // A claim written may change what the VM restores from (a cold start).
+                    claim::Claimed::Continue(written) => {
+                        resolved = ctx.resolve(&written);
+                        vm = *written;
+                    }
+                    claim::Claimed::Done(action) => return Ok(action),
                 }
             }
             Decision::Write(plan) => match ctx.apply(vm, *plan).await? {

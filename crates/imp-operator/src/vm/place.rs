@@ -266,7 +266,7 @@ impl Context {
     }
 
     /// Reports that `vm` stays unplaced for `reason`, and looks again later.
-    async fn unplaceable(
+    pub(super) async fn unplaceable(
         &self,
         vm: ImpVM,
         reason: ConditionReason,

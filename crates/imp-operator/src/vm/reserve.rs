@@ -9,7 +9,7 @@
 //!   reservation Pods that exist, and creates and deletes Pods until they agree (a VM that
 //!   moved, resized, suspended or ended; a Pod deleted by hand or refused by its kubelet).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -106,6 +106,18 @@ async fn create(
     }
 }
 
+/// The uids of warm pools' members taken by a claim: their Pod is the claim's to move.
+fn claimed_members(vms: &Store<ImpVM>) -> BTreeSet<String> {
+    vms.state()
+        .iter()
+        .filter(|vm| {
+            vm.annotations()
+                .contains_key(imp_api::shared::ANNOTATION_CLAIMED_BY)
+        })
+        .filter_map(|vm| vm.uid())
+        .collect()
+}
+
 /// The reservations the ledger's shares call for, one per VM that holds something.
 fn wanted(ctx: &Context, vms: &Store<ImpVM>) -> Vec<Reservation> {
     let ledger = ctx.ledger();
@@ -154,7 +166,7 @@ pub(super) async fn sync(
             .map(|r| format!("{}/{}", r.namespace, r.vm))
             .collect();
         refused.retain(|k, _| vms_wanted.contains(k));
-        let ops = reservation::plan(&wanted, &existing);
+        let ops = reservation::plan(&wanted, &existing, &claimed_members(&vms));
         for op in ops {
             apply(&ctx, &vms, &settings, op, &mut refused).await;
         }

@@ -138,7 +138,14 @@ impl Context {
                 name: n.name.clone(),
             });
         }
-        let spec = resolve::resolve(&vm.spec, template.as_ref().map(|t| &t.spec), &class.spec);
+        let mut spec = resolve::resolve(&vm.spec, template.as_ref().map(|t| &t.spec), &class.spec);
+        // A claimant that starts cold restores from its pool's base, when there is one.
+        if let Some(claim) = vm.status.as_ref().and_then(|s| s.warm_claim.as_ref())
+            && claim.member.is_none()
+            && spec.snapshot_ref.is_none()
+        {
+            spec.snapshot_ref = claim.base_snapshot.clone();
+        }
         Ok(Resolved {
             spec: resolve::with_default_http_check(spec, self.default_http_check().as_ref()),
             vcpu: i64::from(class.spec.vcpu),

@@ -10,7 +10,9 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use imp_api::conditions::{self, ConditionReason, ConditionStatus, ConditionType};
-use imp_api::shared::{LABEL_SNAPSHOT_PARENT, LABEL_WARM_POOL, LocalObjectRef, VmLifecycle};
+use imp_api::shared::{
+    ANNOTATION_CLAIMED_BY, LABEL_SNAPSHOT_PARENT, LABEL_WARM_POOL, LocalObjectRef, VmLifecycle,
+};
 use imp_api::snapshot::{ImpVMSnapshot, SnapshotPhase};
 use imp_api::template::ImpVMTemplate;
 use imp_api::validation;
@@ -49,6 +51,8 @@ pub mod reason {
     pub const QUOTA_EXCEEDED: &str = "QuotaExceeded";
     /// Members fail in a row: new ones wait.
     pub const MEMBERS_FAILING: &str = "MembersFailing";
+    /// A member became a claimant's VM: the member object is deleted.
+    pub const CLAIMED: &str = "Claimed";
 }
 
 /// An Event to publish about the pool.
@@ -99,6 +103,8 @@ pub struct World<'a> {
     pub template: Option<&'a ImpVMTemplate>,
     /// The VMs labelled with the pool's name (those it does not control are ignored).
     pub members: &'a [ImpVM],
+    /// The VMs labelled as claiming from the pool (`imp.dev/claimed-from`).
+    pub claimants: &'a [ImpVM],
     /// Nodes no member should stay on, with why (NotReady, cordoned).
     pub unusable_nodes: &'a BTreeMap<String, String>,
     /// The decision's time.
@@ -118,6 +124,9 @@ enum State {
     Lost(String),
     /// Being deleted or stopped: neither counted nor touched.
     Gone,
+    /// Taken by a claim (`imp.dev/claimed-by`): not a member any more; deleted once its
+    /// claimant runs, or when the claim is given up.
+    Claimed(String),
 }
 
 /// Whether `vm` is a member of `pool`: labelled with its name and controlled by it.
@@ -130,6 +139,14 @@ pub fn is_member_of(vm: &ImpVM, pool: &ImpWarmPool) -> bool {
             .any(|o| o.controller == Some(true) && Some(&o.uid) == pool.meta().uid.as_ref())
 }
 
+/// Whether `vm` is a member of `pool` taken by a claim: labelled with the pool, marked
+/// `imp.dev/claimed-by` (a claim makes the claimant its owner in place of the pool).
+fn taken_from(vm: &ImpVM, pool: &ImpWarmPool) -> bool {
+    vm.labels().get(LABEL_WARM_POOL) == Some(&pool.name_any())
+        && vm.namespace() == pool.namespace()
+        && vm.annotations().contains_key(ANNOTATION_CLAIMED_BY)
+}
+
 /// The reason and message of condition `type_` of `vm`, if it has one.
 fn condition(vm: &ImpVM, type_: ConditionType) -> Option<(String, String, bool)> {
     let c = conditions::find(&vm.status.as_ref()?.conditions, type_)?;
@@ -139,6 +156,9 @@ fn condition(vm: &ImpVM, type_: ConditionType) -> Option<(String, String, bool)>
 fn state(vm: &ImpVM, world: &World<'_>) -> State {
     if vm.meta().deletion_timestamp.is_some() {
         return State::Gone;
+    }
+    if let Some(by) = vm.annotations().get(ANNOTATION_CLAIMED_BY) {
+        return State::Claimed(by.clone());
     }
     let status = vm.status.clone().unwrap_or_default();
     let phase = status.phase.unwrap_or(VmPhase::Pending);
@@ -315,7 +335,7 @@ pub fn plan(pool: &ImpWarmPool, world: &World<'_>) -> Plan {
     let mut members: Vec<Sorted<'_>> = world
         .members
         .iter()
-        .filter(|vm| is_member_of(vm, pool))
+        .filter(|vm| is_member_of(vm, pool) || taken_from(vm, pool))
         .map(|vm| Sorted {
             vm,
             state: state(vm, world),
@@ -362,9 +382,16 @@ pub fn plan(pool: &ImpWarmPool, world: &World<'_>) -> Plan {
             ));
             false
         }
+        State::Claimed(by) => {
+            if let Some(r) = handed_over(m.vm, by, world.claimants) {
+                p.delete.push(r);
+            }
+            false
+        }
         State::Gone => false,
         State::Ready | State::Filling => true,
     });
+    p.status.claimed_count = count_claimed(world.claimants);
     if last_failure.is_none() && members.iter().any(|m| became_ready_since(m, &old)) {
         p.status.failed_in_a_row = 0;
     }
@@ -396,6 +423,55 @@ pub fn plan(pool: &ImpWarmPool, world: &World<'_>) -> Plan {
     let ready = ready_condition(pool, &members, blocked, waiting, last_failure, &old);
     set_ready(&mut p, pool, ready, world.now);
     p
+}
+
+/// The deletion of member `vm`, claimed by VM `by`, once its claim is over: the claimant runs
+/// (the member is its VM now), went another way, or is gone. `None` while the claim is in
+/// flight.
+fn handed_over(vm: &ImpVM, by: &str, claimants: &[ImpVM]) -> Option<Removal> {
+    let member = vm.name_any();
+    let claimant = claimants
+        .iter()
+        .find(|c| c.name_any() == by && c.meta().deletion_timestamp.is_none());
+    let Some(c) = claimant else {
+        return Some(removal(vm, false, format!("its claimant {by} is gone")));
+    };
+    let status = c.status.clone().unwrap_or_default();
+    let claim = status.warm_claim.as_ref();
+    if claim.is_some_and(|w| w.member.as_deref() != Some(member.as_str())) {
+        return Some(removal(
+            vm,
+            false,
+            format!("its claimant {by} started without it"),
+        ));
+    }
+    let took = claim.is_some()
+        && matches!(
+            status.phase,
+            Some(VmPhase::Running | VmPhase::Succeeded | VmPhase::Failed | VmPhase::RetryExhausted)
+        );
+    took.then(|| Removal {
+        resource_version: vm.resource_version(),
+        note: Note {
+            warning: false,
+            reason: reason::CLAIMED,
+            message: format!("member {member} became ImpVM {by}; the member object is deleted"),
+            member: Some(member.clone()),
+        },
+        name: member,
+    })
+}
+
+/// The claimants that took over a member and still exist.
+fn count_claimed(claimants: &[ImpVM]) -> i32 {
+    let took = claimants.iter().filter(|c| {
+        c.meta().deletion_timestamp.is_none()
+            && c.status
+                .as_ref()
+                .and_then(|s| s.warm_claim.as_ref())
+                .is_some_and(|w| w.member.is_some())
+    });
+    i32::try_from(took.count()).unwrap_or(i32::MAX)
 }
 
 /// Whether member `m` is ready and became so after the pool's last failure.

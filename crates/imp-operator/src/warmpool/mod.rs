@@ -14,6 +14,7 @@
 //! quoting the API server. Claims (`ImpVM.spec.warmPoolRef`) are not built yet: the webhook and
 //! the VM controller refuse them (`imp_api::unsupported::WARM_CLAIM`).
 
+pub mod claim;
 pub mod decide;
 
 use std::collections::BTreeMap;
@@ -23,7 +24,7 @@ use std::time::Duration;
 use futures::StreamExt;
 use imp_api::conditions::{self, ConditionReason, ConditionStatus, ConditionType};
 use imp_api::refusal;
-use imp_api::shared::{LABEL_SNAPSHOT_PARENT, LABEL_WARM_POOL};
+use imp_api::shared::{LABEL_CLAIMED_FROM, LABEL_SNAPSHOT_PARENT, LABEL_WARM_POOL};
 use imp_api::snapshot::ImpVMSnapshot;
 use imp_api::template::ImpVMTemplate;
 use imp_api::vm::ImpVM;
@@ -138,15 +139,24 @@ impl Ctx {
             .await
             .map_err(kube_err("reading the template of", pool))?;
         // A name too long to be a label value labels no member (the plan says so).
-        let members = if pool.name_any().len() <= 63 {
+        let (members, claimants) = if pool.name_any().len() <= 63 {
             let vms: Api<ImpVM> = Api::namespaced(self.client.clone(), &ns);
-            let by_label = format!("{LABEL_WARM_POOL}={}", pool.name_any());
-            vms.list(&ListParams::default().labels(&by_label))
+            let list = |label: &str| {
+                let selector = format!("{label}={}", pool.name_any());
+                let vms = vms.clone();
+                async move { vms.list(&ListParams::default().labels(&selector)).await }
+            };
+            let members = list(LABEL_WARM_POOL)
                 .await
                 .map_err(kube_err("listing the members of", pool))?
-                .items
+                .items;
+            let claimants = list(LABEL_CLAIMED_FROM)
+                .await
+                .map_err(kube_err("listing the claimants of", pool))?
+                .items;
+            (members, claimants)
         } else {
-            Vec::new()
+            (Vec::new(), Vec::new())
         };
         let mut unusable_nodes = BTreeMap::new();
         let nodes: Api<Node> = Api::all(self.client.clone());
@@ -171,6 +181,7 @@ impl Ctx {
             parent,
             template,
             members,
+            claimants,
             unusable_nodes,
         })
     }
@@ -254,6 +265,7 @@ struct Read {
     parent: Option<ImpVMSnapshot>,
     template: Option<ImpVMTemplate>,
     members: Vec<ImpVM>,
+    claimants: Vec<ImpVM>,
     unusable_nodes: BTreeMap<String, String>,
 }
 
@@ -297,6 +309,7 @@ async fn reconcile(cached: Arc<ImpWarmPool>, ctx: Arc<Ctx>) -> Result<Action, Er
             parent: read.parent.as_ref(),
             template: read.template.as_ref(),
             members: &read.members,
+            claimants: &read.claimants,
             unusable_nodes: &read.unusable_nodes,
             now,
         };
@@ -388,6 +401,16 @@ pub async fn run(
         .owns(
             Api::<ImpVM>::all(client.clone()),
             watcher::Config::default().labels(LABEL_WARM_POOL),
+        )
+        .watches(
+            Api::<ImpVM>::all(client.clone()),
+            watcher::Config::default().labels(LABEL_CLAIMED_FROM),
+            |vm: ImpVM| {
+                let ns = vm.namespace().unwrap_or_default();
+                vm.labels()
+                    .get(LABEL_CLAIMED_FROM)
+                    .map(|p| ObjectRef::new(p).within(&ns))
+            },
         )
         .watches(
             Api::<ImpVMSnapshot>::all(client.clone()),

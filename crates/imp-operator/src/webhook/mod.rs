@@ -688,7 +688,10 @@ async fn mutate(state: &State, req: &AdmissionRequest<DynamicObject>) -> Admissi
         .unwrap_or_else(|| "default".to_owned());
     let mut warnings = Vec::new();
     let (resolved, size) = inherit(&state.client, &namespace, &vm.spec, &mut warnings).await;
+    // A claimant's share is its member's, whose reservation Pod it takes over: previewing a
+    // second one would refuse a claim at the quota's edge for counting it twice.
     if state.quota_preview
+        && vm.spec.warm_pool_ref.is_none()
         && let Some(size) = size
         && let Some(why) = quota_preview(&state.client, &namespace, &vm, size).await
     {

@@ -65,8 +65,8 @@ impl Context {
     }
 }
 
-/// Asks for `vm`'s reconcile at every change its shim announces, and once more when the shim
-/// ends. A VM without the API's socket returns at once.
+/// Asks for the reconcile of the record's owner (first `vm`) at every change its shim
+/// announces, and once more when the shim ends. A VM without the API's socket returns at once.
 async fn relay(
     dir: &Path,
     tx: &mpsc::Sender<ObjectRef<ImpVM>>,
@@ -75,9 +75,14 @@ async fn relay(
     let Some(mut watch) = client::watch(dir).await? else {
         return Ok(());
     };
+    let mut vm = vm.clone();
     loop {
         let event = watch.next().await;
         if let Ok(Some(e)) = &event {
+            // The record's owner: a warm pool's claim hands the VM to another ImpVM.
+            if let Some(o) = &e.record.owner {
+                vm = ObjectRef::new(&o.name).within(&o.namespace);
+            }
             tracing::debug!(vm = %vm, seq = e.seq, status = ?e.record.status, "shim event");
         }
         if tx.send(vm.clone()).await.is_err() {

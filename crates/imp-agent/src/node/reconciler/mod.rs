@@ -53,6 +53,7 @@ use crate::runtime::state::{Owner, StateDir, VmRecord, VmStatus};
 use crate::runtime::{PrivateFile, Shims, ShimsError};
 use imp_net::NodeNet;
 
+mod claim;
 mod follow;
 mod probe;
 mod sleep;
@@ -310,14 +311,22 @@ impl Context {
     }
 }
 
-/// The VM's local record and whether its shim lives ([`Shims::observe`]). No record is
-/// `None`; a record that cannot be read is an error (retried), never taken for a lost VM.
-async fn local_state(ctx: &Context, uid: &str) -> Result<Option<(VmRecord, bool)>, Error> {
-    ctx.shims.observe(uid).await.map_err(|e| Error::Local {
-        doing: "reading the record of",
-        vm: uid.to_owned(),
-        source: Box::new(e),
-    })
+/// The VM's local record and whether its shim lives ([`Shims::observe_owned`]: a warm pool's
+/// claimant's is the one a claim handed it). No record is `None`; a record that cannot be read
+/// is an error (retried), never taken for a lost VM.
+async fn local_state(
+    ctx: &Context,
+    uid: &str,
+    claimant: bool,
+) -> Result<Option<(VmRecord, bool)>, Error> {
+    ctx.shims
+        .observe_owned(uid, claimant)
+        .await
+        .map_err(|e| Error::Local {
+            doing: "reading the record of",
+            vm: uid.to_owned(),
+            source: Box::new(e),
+        })
 }
 
 fn observed(vm: &ImpVM) -> Observed {
@@ -336,13 +345,33 @@ fn observed(vm: &ImpVM) -> Observed {
             .annotations()
             .get(imp_api::shared::ANNOTATION_RESUME_FALLBACK)
             .is_some_and(|v| v == imp_api::shared::RESUME_FALLBACK_COLD_BOOT),
+        claim: claimed_member(vm),
+        claimed: vm
+            .annotations()
+            .contains_key(imp_api::shared::ANNOTATION_CLAIMED_BY),
     }
+}
+
+/// The uid of the member claimant `vm` takes over, once the operator has booked it onto this
+/// node with its claim (`status.warmClaim`, not a cold start).
+fn claimed_member(vm: &ImpVM) -> Option<String> {
+    vm.spec.warm_pool_ref.as_ref()?;
+    let status = vm.status.as_ref()?;
+    status.booking.as_ref()?;
+    let claim = status.warm_claim.as_ref()?;
+    claim.member.as_ref()?;
+    claim.member_uid.clone()
 }
 
 /// Reconciles one VM.
 pub async fn reconcile(vm: Arc<ImpVM>, ctx: Arc<Context>) -> Result<Action, Error> {
-    let uid = vm.uid().ok_or_else(|| Error::NoUid(key(&vm)))?;
-    let local = local_state(&ctx, &uid).await?;
+    let owner_uid = vm.uid().ok_or_else(|| Error::NoUid(key(&vm)))?;
+    let claimant = vm.spec.warm_pool_ref.is_some();
+    let local = local_state(&ctx, &owner_uid, claimant).await?;
+    // The VM's id on this node: its uid, unless a claim handed it another VM's.
+    let uid = local
+        .as_ref()
+        .map_or_else(|| owner_uid.clone(), |(r, _)| r.name.clone());
     if let Some((record, alive)) = &local {
         ctx.vms.observe(record, *alive);
     }
@@ -372,7 +401,8 @@ pub async fn reconcile(vm: Arc<ImpVM>, ctx: Arc<Context>) -> Result<Action, Erro
         namespace: vm.namespace().unwrap_or_default(),
         node: ctx.settings.node.clone(),
     };
-    ctx.metrics.set_phase(&uid, Some((&labels, obs.phase)));
+    ctx.metrics
+        .set_phase(&owner_uid, Some((&labels, obs.phase)));
     let sleeper = decide::wants_sleeper(&obs, here) && decision != Decision::Resume;
     let unheld = !sync_sleeper(&ctx, &vm, &uid, sleeper, facts.tap.as_ref(), &decision).await;
     // Probes run while the VM runs: never while it starts, sleeps, ends or goes.
@@ -434,18 +464,19 @@ async fn act(
             resume(ctx, vm, record, facts.spec.as_ref()).await
         }
         Decision::ColdBoot { why } => cold_boot(ctx, vm, uid, local.as_ref(), why).await,
+        Decision::Claim { member } => claim::take_over(ctx, vm, uid, &member).await,
         Decision::Teardown { release } => {
             teardown(ctx, vm, uid, local.as_ref()).await?;
             if release {
                 ctx.release(vm).await?;
-                ctx.metrics.set_phase(uid, None);
+                ctx.metrics.set_phase(&vm.uid().unwrap_or_default(), None);
                 tracing::info!(vm = %key(vm), node = %ctx.settings.node, "VM removed from the node; released");
             }
             Ok(Action::await_change())
         }
         Decision::Release => {
             ctx.release(vm).await?;
-            ctx.metrics.set_phase(uid, None);
+            ctx.metrics.set_phase(&vm.uid().unwrap_or_default(), None);
             Ok(Action::await_change())
         }
     }
@@ -636,12 +667,14 @@ pub fn error_policy(vm: Arc<ImpVM>, error: &Error, ctx: Arc<Context>) -> Action 
     Action::requeue(Duration::from_secs(2))
 }
 
-/// A record's fingerprint: a change of any part asks for a reconcile.
-type Fingerprint = (VmStatus, bool, Option<u32>, Option<String>);
+/// A record's fingerprint: a change of any part asks for a reconcile (of its owner: a claim
+/// that hands the VM over asks for the new owner's).
+type Fingerprint = (VmStatus, bool, Option<u32>, Option<String>, Option<String>);
 
 fn fingerprint(r: &VmRecord, alive: bool) -> Fingerprint {
     let failure = r.suspend_failure.as_ref().map(|f| f.request.clone());
-    (r.status, alive, r.vmm_pid, failure)
+    let owner = r.owner.as_ref().map(|o| o.uid.clone());
+    (r.status, alive, r.vmm_pid, failure, owner)
 }
 
 /// Reads every record each `poll` and sends the VMs whose record changed; once the store has

@@ -1,6 +1,7 @@
 //! The front ends' side of the shim's typed API ([`crate::runtime::shim_api`]): watch a VM's
 //! record as its shim changes it, ask a stop that answers when the shim has ended, a suspend
-//! (its outcome is the record's), and a snapshot that answers with its outcome. A VM
+//! (its outcome is the record's), a snapshot that answers with its outcome, and a warm pool's
+//! claim that answers once the VM is its new owner's. A VM
 //! whose directory has no socket (its shim is of a release before the API, or has ended) gives
 //! `None`, and the caller drives it by files and signals instead.
 
@@ -13,7 +14,7 @@ use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
 
 use crate::runtime::contract::{SnapshotOutcome, SnapshotRequest};
 use crate::runtime::shim_api::{
-    self, Envelope, Event, Reply, Request, SOCKET_FILE, VERSION, WireError,
+    self, ClaimOutcome, ClaimRequest, Envelope, Event, Reply, Request, SOCKET_FILE, WireError,
 };
 
 /// Connects to the shim of the VM in `dir`; `None` when nothing listens there.
@@ -47,7 +48,7 @@ async fn ask(
     shim_api::write(
         &mut w,
         &Envelope {
-            v: VERSION,
+            v: shim_api::version_of(&request),
             request,
         },
     )
@@ -169,5 +170,28 @@ pub async fn suspend(dir: &Path, token: &str) -> Result<bool, WireError> {
         Some(Reply::Accepted) => Ok(true),
         None => Err(ended_before("waiting for a suspend's answer on")),
         Some(other) => Err(not_expected(other, "a suspend")),
+    }
+}
+
+/// Asks the shim of the VM in `dir` to hand the running VM to another owner as `req` says, and
+/// waits up to `limit` for the outcome; `None` when nothing listens.
+pub async fn claim(
+    dir: &Path,
+    req: ClaimRequest,
+    limit: Duration,
+) -> Result<Option<ClaimOutcome>, WireError> {
+    let Some((mut r, _w)) = ask(dir, Request::Claim(Box::new(req))).await? else {
+        return Ok(None);
+    };
+    let reply = tokio::time::timeout(limit, shim_api::read::<_, Reply>(&mut r))
+        .await
+        .map_err(|_| WireError::Io {
+            doing: "waiting for a claim's outcome on",
+            source: std::io::ErrorKind::TimedOut.into(),
+        })??;
+    match reply {
+        Some(Reply::Claimed(o)) => Ok(Some(*o)),
+        None => Err(ended_before("waiting for a claim's outcome on")),
+        Some(other) => Err(not_expected(other, "a claim")),
     }
 }

@@ -23,6 +23,7 @@
 //! and of a suspend ([`suspend`]), and Firecracker's jailer ([`jailer`]). This file runs the
 //! steps in order and writes how the VM ended into its record.
 
+mod claim;
 mod failure;
 pub mod jailer;
 mod prepare;
@@ -151,6 +152,7 @@ fn serve_api(dir: &Path, control_fd: Option<i32>, feed: state::RecordFeed, stop:
                 stop: stop.asked.clone(),
                 snapshots: stop.snapshots_tx.clone(),
                 suspends: stop.suspends_tx.clone(),
+                claims: stop.claims_tx.clone(),
             };
             tokio::spawn(serve::serve(listener, served));
         }

@@ -13,7 +13,9 @@ use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::{Notify, mpsc, oneshot};
 
 use crate::runtime::contract::{SnapshotOutcome, SnapshotRequest, write_stop};
-use crate::runtime::shim_api::{self, Envelope, Event, Reply, Request, SOCKET_FILE, WireError};
+use crate::runtime::shim_api::{
+    self, ClaimOutcome, ClaimRequest, Envelope, Event, Reply, Request, SOCKET_FILE, WireError,
+};
 use crate::runtime::state::RecordFeed;
 
 /// The shim's listening socket: the inherited one (`fd`, normally [`CONTROL_FD`](crate::runtime::shim_api::CONTROL_FD)), else one
@@ -55,6 +57,9 @@ fn take_fd(fd: i32) -> std::io::Result<OwnedFd> {
 /// A snapshot asked on the API, and where its outcome goes.
 pub type SnapshotAsked = (SnapshotRequest, oneshot::Sender<SnapshotOutcome>);
 
+/// A claim asked on the API, and where its outcome (or why it was refused) goes.
+pub type ClaimAsked = (ClaimRequest, oneshot::Sender<Result<ClaimOutcome, String>>);
+
 /// What the API's handlers reach in the shim.
 #[derive(Clone)]
 pub struct Served {
@@ -68,6 +73,8 @@ pub struct Served {
     pub snapshots: mpsc::Sender<SnapshotAsked>,
     /// Where suspend requests (their tokens) go, as for snapshots.
     pub suspends: mpsc::Sender<String>,
+    /// Where claims go, as for snapshots.
+    pub claims: mpsc::Sender<ClaimAsked>,
 }
 
 /// Accepts and answers callers until the shim ends.
@@ -157,6 +164,20 @@ async fn answer(stream: UnixStream, served: &Served, me: u32) -> Result<(), Wire
             };
             shim_api::write(&mut w, &reply).await
         }
+        Request::Claim(req) => {
+            let (tx, rx) = oneshot::channel();
+            if served.claims.send((*req, tx)).await.is_err() {
+                return Ok(());
+            }
+            let reply = match rx.await {
+                Ok(Ok(outcome)) => Reply::Claimed(Box::new(outcome)),
+                Ok(Err(error)) => Reply::Refused { error },
+                Err(_) => Reply::Refused {
+                    error: "the VM ended before it was handed over".into(),
+                },
+            };
+            shim_api::write(&mut w, &reply).await
+        }
     }
 }
 
@@ -220,6 +241,7 @@ mod tests {
             stop: Arc::default(),
             snapshots,
             suspends: mpsc::channel(1).0,
+            claims: mpsc::channel(1).0,
         };
         let l = listener(&dir, None).unwrap();
         tokio::spawn(serve(l, served.clone()));

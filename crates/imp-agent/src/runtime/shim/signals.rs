@@ -1,5 +1,6 @@
 //! The requests that reach the shim while it works: a stop (SIGTERM, SIGINT or the API), a
-//! suspend (SIGUSR1 or the API) and a snapshot (the API), and the grace a stop gives the guest.
+//! suspend (SIGUSR1 or the API), a snapshot and a claim (the API), and the grace a stop gives
+//! the guest.
 
 use std::path::Path;
 use std::time::Duration;
@@ -23,12 +24,16 @@ pub(super) struct StopSignals {
     /// Suspends asked on the API (their tokens), taken by the supervision loop.
     pub(super) suspends: tokio::sync::mpsc::Receiver<String>,
     pub(super) suspends_tx: tokio::sync::mpsc::Sender<String>,
+    /// Claims asked on the API, answered by the supervision loop.
+    pub(super) claims: tokio::sync::mpsc::Receiver<serve::ClaimAsked>,
+    pub(super) claims_tx: tokio::sync::mpsc::Sender<serve::ClaimAsked>,
 }
 
 impl StopSignals {
     pub(super) fn install() -> std::io::Result<Self> {
         let (snapshots_tx, snapshots) = tokio::sync::mpsc::channel(4);
         let (suspends_tx, suspends) = tokio::sync::mpsc::channel(4);
+        let (claims_tx, claims) = tokio::sync::mpsc::channel(1);
         Ok(Self {
             term: signal(SignalKind::terminate())?,
             int: signal(SignalKind::interrupt())?,
@@ -38,6 +43,8 @@ impl StopSignals {
             snapshots_tx,
             suspends,
             suspends_tx,
+            claims,
+            claims_tx,
         })
     }
 

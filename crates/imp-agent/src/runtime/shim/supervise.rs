@@ -1,6 +1,6 @@
 //! The VMM from its launch to its end: [`drive`] launches it, takes it into the record and
-//! watches it ([`supervise_loop`]: the guest agent's first answer, exit reports, stop, snapshot
-//! and suspend requests, the VMM's own exit), then says how the VM ended; [`boot`] does that
+//! watches it ([`supervise_loop`]: the guest agent's first answer, exit reports, stop, snapshot,
+//! suspend and claim requests, the VMM's own exit), then says how the VM ended; [`boot`] does that
 //! again for a guest that asks for another boot.
 
 use std::path::Path;
@@ -255,6 +255,9 @@ async fn supervise_loop<V: Vmm>(
             }
             Some((req, answer)) = stop.snapshots.recv() => {
                 let _ = answer.send(take_snapshot(vm, run, record, &req).await);
+            }
+            Some((req, answer)) = stop.claims.recv() => {
+                let _ = answer.send(super::claim::hand_over(vm, run, record, req).await);
             }
             Some(token) = stop.suspends.recv() => {
                 if let Some(s) = suspend_now(vm, run, record, token).await {

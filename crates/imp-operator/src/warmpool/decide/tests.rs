@@ -77,6 +77,7 @@ struct Case {
     parent: Option<ImpVMSnapshot>,
     template: Option<ImpVMTemplate>,
     members: Vec<ImpVM>,
+    claimants: Vec<ImpVM>,
     unusable: BTreeMap<String, String>,
     now: Timestamp,
 }
@@ -88,6 +89,7 @@ impl Case {
             parent: Some(parent(Some("e1"), Some("Succeeded"))),
             template: Some(template(true)),
             members,
+            claimants: Vec::new(),
             unusable: BTreeMap::new(),
             now: t(100),
         }
@@ -100,6 +102,7 @@ impl Case {
                 parent: self.parent.as_ref(),
                 template: self.template.as_ref(),
                 members: &self.members,
+                claimants: &self.claimants,
                 unusable_nodes: &self.unusable,
                 now: self.now,
             },
