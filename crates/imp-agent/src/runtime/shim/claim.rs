@@ -9,18 +9,18 @@ use imp_vmm::Vmm;
 
 use super::super::guest_agent;
 use super::super::shim_api::{ClaimOutcome, ClaimRequest};
-use super::super::state::{VmRecord, VmStatus};
+use super::super::state::{StateDir, VmRecord, VmStatus};
 use super::ms;
-use super::supervise::Run;
 
 /// How long the guest has to take its new identity.
 const IDENTITY_TIMEOUT: Duration = Duration::from_secs(30);
 
-/// Hands the running VM to `req.owner`; the outcome, or why it was refused (the VM then runs
-/// on as it was).
+/// Hands the running VM (`networked`: it has a network interface) to `req.owner`, its record
+/// saved under `state`; the outcome, or why it was refused (the VM then runs on as it was).
 pub(super) async fn hand_over<V: Vmm>(
     vm: &mut V,
-    run: &Run<'_>,
+    state: &StateDir,
+    networked: bool,
     record: &mut VmRecord,
     req: ClaimRequest,
 ) -> Result<ClaimOutcome, String> {
@@ -41,7 +41,6 @@ pub(super) async fn hand_over<V: Vmm>(
         .validate()
         .map_err(|e| format!("the new identity is not valid: {e}"))?;
     let t = Instant::now();
-    let networked = run.spec.network.is_some();
     if networked {
         vm.set_link(false).await.map_err(|e| {
             format!(
@@ -76,7 +75,7 @@ pub(super) async fn hand_over<V: Vmm>(
         return Err(why);
     }
     let before = record.owner.replace(req.owner.clone());
-    if let Err(e) = run.state.save(record) {
+    if let Err(e) = state.save(record) {
         record.owner = before;
         if networked {
             let _ = vm.set_link(true).await;

@@ -257,7 +257,10 @@ async fn supervise_loop<V: Vmm>(
                 let _ = answer.send(take_snapshot(vm, run, record, &req).await);
             }
             Some((req, answer)) = stop.claims.recv() => {
-                let _ = answer.send(super::claim::hand_over(vm, run, record, req).await);
+                let networked = run.spec.network.is_some();
+                let _ = answer.send(
+                    super::claim::hand_over(vm, run.state, networked, record, req).await,
+                );
             }
             Some(token) = stop.suspends.recv() => {
                 if let Some(s) = suspend_now(vm, run, record, token).await {
