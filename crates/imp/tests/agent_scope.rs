@@ -479,6 +479,58 @@ async fn operator_makes_only_reservation_pods(kube: &common::Cluster, admin: &ku
         "deleting an unlabelled Pod",
         "imp.dev/reservation=true",
     );
+    // A warm pool's claim hands a reservation Pod to another VM (its owner and
+    // imp.dev/reservation-for): admitted; any other change of a Pod is not.
+    let other: imp_api::vm::ImpVM = serde_json::from_value(
+        serde_json::to_value(vms(admin).get("vm-node-b").await.unwrap()).unwrap(),
+    )
+    .unwrap();
+    let pod = pods.get("imp-vm-vm-node-a").await.unwrap();
+    let handed = imp_operator::placement::reservation::handed_to(&pod, &other);
+    let moved = pods
+        .patch(
+            "imp-vm-vm-node-a",
+            &PatchParams::default(),
+            &Patch::Merge(&handed),
+        )
+        .await;
+    admitted(moved, "handing the reservation Pod to another VM");
+    let pod = pods.get("imp-vm-vm-node-a").await.unwrap();
+    assert_eq!(
+        pod.metadata.owner_references.as_ref().unwrap()[0].uid,
+        other.metadata.uid.clone().unwrap()
+    );
+    for (what, change) in [
+        (
+            "a relabelled Pod",
+            json!({"metadata": {"labels": {"extra": "x"}}}),
+        ),
+        (
+            "another annotation",
+            json!({"metadata": {"annotations": {"extra": "x"}}}),
+        ),
+        (
+            "an owner that is no ImpVM",
+            json!({"metadata": {"ownerReferences": [{"apiVersion": "v1", "kind": "ConfigMap",
+                                                     "name": "x", "uid": "u", "controller": true}]}}),
+        ),
+        ("a new image", {
+            let mut containers = pod.spec.clone().unwrap().containers;
+            containers[0].image = Some("busybox".into());
+            json!({"spec": {"containers": containers}})
+        }),
+    ] {
+        refused_to_operator(
+            pods.patch(
+                "imp-vm-vm-node-a",
+                &PatchParams::default(),
+                &Patch::Merge(&change),
+            )
+            .await,
+            what,
+            "only hands a reservation Pod to another ImpVM",
+        );
+    }
     admitted(
         pods.delete("imp-vm-vm-node-a", &DeleteParams::default().grace_period(0))
             .await,

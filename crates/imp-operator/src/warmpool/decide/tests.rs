@@ -482,3 +482,85 @@ fn a_member_held_back_names_why() {
         )
     );
 }
+
+/// Member `name` taken by claimant `by` (the claim makes the claimant its owner).
+fn taken(name: &str, by: &str) -> ImpVM {
+    let mut m = running(name, 1, "e1");
+    m.metadata
+        .annotations
+        .get_or_insert_default()
+        .insert(ANNOTATION_CLAIMED_BY.into(), by.into());
+    m.metadata.owner_references = None;
+    m
+}
+
+fn claimant(name: &str, phase: &str, member: Option<&str>) -> ImpVM {
+    serde_json::from_value(json!({
+        "apiVersion": "imp.dev/v1alpha1", "kind": "ImpVM",
+        "metadata": {"name": name, "namespace": NS, "labels": {"imp.dev/claimed-from": "py"}},
+        "spec": {"templateRef": {"name": "python"}, "warmPoolRef": {"name": "py"}},
+        "status": {"phase": phase,
+                   "warmClaim": {"pool": "py", "member": member,
+                                 "cold": if member.is_none() { Some("none ready") } else { None }}}
+    }))
+    .unwrap()
+}
+
+#[test]
+fn a_taken_member_is_not_counted_and_goes_once_its_claimant_runs() {
+    // In flight: not a member any more (the pool refills), not deleted.
+    let mut c = Case::new(1, vec![taken("py-a", "job")]);
+    c.claimants = vec![claimant("job", "Scheduled", Some("py-a"))];
+    let p = c.plan();
+    assert!(p.delete.is_empty(), "{:?}", p.delete);
+    assert_eq!(p.create.len(), 1);
+    assert_eq!(p.status.ready_count, 0);
+    assert_eq!(p.status.claimed_count, 1);
+    // The claimant runs: the member object goes, said as a claim.
+    c.claimants = vec![claimant("job", "Running", Some("py-a"))];
+    let p = c.plan();
+    assert_eq!(deleted(&p), ["py-a"]);
+    assert_eq!(p.delete[0].note.reason, reason::CLAIMED);
+    assert_eq!(
+        p.delete[0].note.message,
+        "member py-a became ImpVM job; the member object is deleted"
+    );
+    // The claimant went cold, or is gone: the member goes too.
+    c.claimants = vec![claimant("job", "Scheduled", None)];
+    assert!(
+        c.plan().delete[0]
+            .note
+            .message
+            .contains("started without it")
+    );
+    c.claimants = Vec::new();
+    assert!(
+        c.plan().delete[0]
+            .note
+            .message
+            .contains("claimant job is gone")
+    );
+    // Marked before the claim was written: in flight.
+    c.claimants = vec![
+        serde_json::from_value(json!({
+            "apiVersion": "imp.dev/v1alpha1", "kind": "ImpVM",
+            "metadata": {"name": "job", "namespace": NS},
+            "spec": {"templateRef": {"name": "python"}, "warmPoolRef": {"name": "py"}}
+        }))
+        .unwrap(),
+    ];
+    assert!(c.plan().delete.is_empty());
+}
+
+#[test]
+fn claimed_counts_the_claimants_that_took_a_member() {
+    let mut c = Case::new(1, vec![running("a", 1, "e1")]);
+    let mut gone = claimant("old", "Running", Some("py-z"));
+    gone.metadata.deletion_timestamp = Some(Time(t(1)));
+    c.claimants = vec![
+        claimant("job", "Running", Some("py-a")),
+        claimant("cold", "Running", None),
+        gone,
+    ];
+    assert_eq!(c.plan().status.claimed_count, 1);
+}
