@@ -369,11 +369,9 @@ impl Existing {
         })
     }
 
-    fn matches(&self, r: &Reservation) -> bool {
-        self.vm_uid == r.vm_uid
-            && self.node.as_deref() == Some(r.node.as_str())
-            && self.load == r.load
-            && !self.failed
+    /// Whether this Pod states share `r` (its node and size; whose it is, the caller knows).
+    fn fits(&self, r: &Reservation) -> bool {
+        self.node.as_deref() == Some(r.node.as_str()) && self.load == r.load && !self.failed
     }
 }
 
@@ -406,28 +404,42 @@ pub enum Op {
 /// its owner's uid (not its name: a warm pool's claim hands its member's Pod to the claimant,
 /// name and all). A Pod that differs from its share (another node, another size, refused by
 /// its kubelet) is deleted first; its replacement is created once it is gone (Pod specs cannot
-/// change in place). The Pods of the VMs in `spared` (members taken by a claim whose Pod the
-/// claim moves to its claimant) are neither deleted nor made.
-pub fn plan(wanted: &[Reservation], existing: &[Existing], spared: &BTreeSet<String>) -> Vec<Op> {
+/// change in place).
+///
+/// `claimed` maps each warm pool member taken by a claim to its claimant (uids): the member's
+/// Pod is the claimant's, whether or not the hand-over has reached the Pod yet (or this
+/// process's cache of it), so neither gets a second one; and while the claimant holds no share
+/// yet, the Pod is left alone.
+pub fn plan(
+    wanted: &[Reservation],
+    existing: &[Existing],
+    claimed: &BTreeMap<String, String>,
+) -> Vec<Op> {
     let mut ops = Vec::new();
     let by_uid: BTreeMap<&str, &Reservation> =
         wanted.iter().map(|r| (r.vm_uid.as_str(), r)).collect();
     let mut present: BTreeSet<&str> = BTreeSet::new();
     let mut kept: BTreeSet<&str> = BTreeSet::new();
     for e in existing {
-        present.insert(e.vm_uid.as_str());
-        if e.deleting || spared.contains(&e.vm_uid) {
+        let holder = claimed.get(&e.vm_uid).unwrap_or(&e.vm_uid).as_str();
+        present.insert(holder);
+        if e.deleting {
             continue;
         }
-        let fits = by_uid.get(e.vm_uid.as_str()).is_some_and(|r| e.matches(r));
+        let share = by_uid.get(holder);
+        let in_claim = claimed.contains_key(&e.vm_uid) || claimed.values().any(|c| c == holder);
+        if in_claim && share.is_none() {
+            continue;
+        }
+        let fits = share.is_some_and(|r| e.fits(r));
         // One Pod per VM: a second that fits too is deleted.
-        if fits && kept.insert(e.vm_uid.as_str()) {
+        if fits && kept.insert(holder) {
             continue;
         }
         ops.push(Op::Delete(e.namespace.clone(), e.name.clone()));
     }
     for (uid, r) in &by_uid {
-        if !present.contains(uid) && !spared.contains(*uid) {
+        if !present.contains(uid) && !claimed.contains_key(*uid) {
             ops.push(Op::Create((*r).clone()));
         }
     }
@@ -567,8 +579,8 @@ mod tests {
         assert_eq!(res.limits, res.requests);
         let e = Existing::of(&p).unwrap();
         assert_eq!(e.vm_uid, "uid-web");
-        assert!(e.matches(&r));
-        assert!(plan(&[r], &[e], &BTreeSet::new()).is_empty());
+        assert!(e.fits(&r));
+        assert!(plan(&[r], &[e], &BTreeMap::new()).is_empty());
     }
 
     #[test]
@@ -617,7 +629,7 @@ mod tests {
             share("refused", "n1", 1, 256),
             share("leaving", "n2", 1, 256),
         ];
-        let ops = plan(&wanted, &existing, &BTreeSet::new());
+        let ops = plan(&wanted, &existing, &BTreeMap::new());
         let del = |n: &str| Op::Delete("ns".into(), format!("imp-vm-{n}"));
         assert_eq!(
             ops,
@@ -642,37 +654,45 @@ mod tests {
             ..member.clone()
         };
         let members_pod = Existing::of(&pod(&member, &settings)).unwrap();
-        // Claimed, before its Pod moved: the member's Pod is neither deleted nor made again,
-        // and the claimant (not placed yet) wants none.
-        let spared = BTreeSet::from(["uid-py-x7k2p".to_owned()]);
+        let claimed = BTreeMap::from([("uid-py-x7k2p".to_owned(), "uid-job".to_owned())]);
+        // Claimed, the claimant not booked yet: the member's Pod is neither deleted nor made
+        // again.
         assert_eq!(
             plan(
                 std::slice::from_ref(&member),
                 std::slice::from_ref(&members_pod),
-                &spared
+                &claimed
             ),
             []
         );
-        // Moved: the Pod named after the member is the claimant's; the member (still placed
-        // until it is deleted) gets no second one.
+        // The claimant booked, its Pod not handed over yet (or not seen so by the cache): it
+        // is the claimant's already, and nobody gets a second.
+        let both = [member.clone(), claimant.clone()];
+        assert_eq!(
+            plan(&both, std::slice::from_ref(&members_pod), &claimed),
+            []
+        );
+        // Handed over: the Pod named after the member is the claimant's; left alone before
+        // the claimant is bound to the node too.
         let moved = Existing {
             vm_uid: "uid-job".into(),
             ..members_pod.clone()
         };
         assert_eq!(
             plan(
-                &[member, claimant.clone()],
+                std::slice::from_ref(&member),
                 std::slice::from_ref(&moved),
-                &spared
+                &claimed
             ),
             []
         );
+        assert_eq!(plan(&both, std::slice::from_ref(&moved), &claimed), []);
         // The member gone: still the one Pod.
         assert_eq!(
             plan(
                 std::slice::from_ref(&claimant),
                 std::slice::from_ref(&moved),
-                &BTreeSet::new()
+                &BTreeMap::new()
             ),
             []
         );
@@ -682,7 +702,7 @@ mod tests {
             ..moved.clone()
         };
         assert_eq!(
-            plan(&[claimant], &[moved, stray], &BTreeSet::new()),
+            plan(&[claimant], &[moved, stray], &BTreeMap::new()),
             [Op::Delete("ns".into(), "imp-vm-job".into())]
         );
     }

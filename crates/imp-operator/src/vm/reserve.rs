@@ -9,7 +9,7 @@
 //!   reservation Pods that exist, and creates and deletes Pods until they agree (a VM that
 //!   moved, resized, suspended or ended; a Pod deleted by hand or refused by its kubelet).
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -106,15 +106,22 @@ async fn create(
     }
 }
 
-/// The uids of warm pools' members taken by a claim: their Pod is the claim's to move.
-fn claimed_members(vms: &Store<ImpVM>) -> BTreeSet<String> {
+/// Warm pools' members taken by a claim, each to its claimant (uids): the member's Pod is the
+/// claimant's ([`reservation::plan`]).
+fn claimed_members(vms: &Store<ImpVM>) -> BTreeMap<String, String> {
     vms.state()
         .iter()
         .filter(|vm| {
             vm.annotations()
                 .contains_key(imp_api::shared::ANNOTATION_CLAIMED_BY)
         })
-        .filter_map(|vm| vm.uid())
+        .filter_map(|vm| {
+            let claimant = vm
+                .owner_references()
+                .iter()
+                .find(|o| o.kind == "ImpVM" && o.controller == Some(true))?;
+            Some((vm.uid()?, claimant.uid.clone()))
+        })
         .collect()
 }
 

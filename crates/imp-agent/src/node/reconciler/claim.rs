@@ -16,7 +16,8 @@ use kube::ResourceExt;
 use kube::runtime::controller::Action;
 use kube::runtime::events::EventType;
 
-use super::{Context, Error, key, remove_vm, start};
+use super::decide::Report;
+use super::{Context, Error, key, remove_vm, start, write_report};
 use crate::runtime::shim_api::ClaimRequest;
 use crate::runtime::state::{Owner, VmRecord, VmStatus};
 
@@ -48,7 +49,9 @@ pub(super) async fn take_over(
         return fall_back(ctx, vm, uid, found.map(|(r, _)| r), &why).await;
     };
     match hand_over(ctx, vm, uid, record).await {
-        Ok(guest_ms) => {
+        Ok((guest_ms, taken)) => {
+            // Reported at once, as the claimant's next reconcile would: a claim is waited on.
+            write_report(ctx, vm, Report::Running, Some(&taken)).await?;
             let total = t.elapsed().as_millis();
             tracing::info!(vm = %key(vm), node = %ctx.settings.node, member, guest_ms, total_ms = total, "took over a warm pool's running member");
             let note = format!(
@@ -62,15 +65,21 @@ pub(super) async fn take_over(
                 ctx.settings.node
             );
             ctx.event(vm, EventType::Normal, "Claimed", note).await;
-            Ok(Action::requeue(Duration::from_millis(200)))
+            Ok(Action::requeue(Duration::from_secs(1)))
         }
         Err(why) => fall_back(ctx, vm, uid, Some(record.clone()), &why).await,
     }
 }
 
 /// The node's steps of a claim of `record` (the member's running VM) by `vm`: the guest's
-/// identity step's milliseconds, or why it could not be handed over.
-async fn hand_over(ctx: &Context, vm: &ImpVM, uid: &str, record: &VmRecord) -> Result<u64, String> {
+/// identity step's milliseconds and the record as committed, or why it could not be handed
+/// over.
+async fn hand_over(
+    ctx: &Context,
+    vm: &ImpVM,
+    uid: &str,
+    record: &VmRecord,
+) -> Result<(u64, VmRecord), String> {
     let id = record.name.clone();
     let Some(mut spec) = ctx.shims.spec(&id).await else {
         return Err(format!("member VM {id} has no readable spec"));
@@ -112,7 +121,7 @@ async fn hand_over(ctx: &Context, vm: &ImpVM, uid: &str, record: &VmRecord) -> R
     match ctx.shims.claim(&id, req, CLAIM_TIMEOUT).await {
         Ok(Some(outcome)) => {
             ctx.vms.observe(&outcome.record, true);
-            Ok(outcome.guest_ms)
+            Ok((outcome.guest_ms, outcome.record))
         }
         Ok(None) => Err(format!(
             "the shim of member VM {id} has no API to hand its VM over with"
