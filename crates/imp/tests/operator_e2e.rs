@@ -2052,4 +2052,43 @@ async fn a_warm_pool_fills_scales_and_says_what_it_lacks() {
     };
     assert!(said("MemberDeleted", "the VMM exited"), "{events:?}");
     assert!(said("MemberCreated", &replaced[0].name_any()), "{events:?}");
+
+    // Claims the webhook would refuse (it is off here) are refused by the operator too,
+    // naming the field, and take no member: another namespace's pool, a pool that does not
+    // exist, a class of its own.
+    for (name, spec, field) in [
+        (
+            "across",
+            json!({"templateRef": {"name": "python"},
+                   "warmPoolRef": {"name": "py", "namespace": "other"}}),
+            "spec.warmPoolRef.namespace",
+        ),
+        (
+            "nopool",
+            json!({"templateRef": {"name": "python"}, "warmPoolRef": {"name": "nope"}}),
+            "spec.warmPoolRef: ImpWarmPool default/nope does not exist",
+        ),
+        (
+            "othertemplate",
+            json!({"classRef": {"name": "small"}, "image": "busybox",
+                   "warmPoolRef": {"name": "py"}}),
+            "spec.classRef: may not be set beside spec.warmPoolRef",
+        ),
+    ] {
+        vm(c, name, spec).await;
+        let v = common::wait_vm(&vms(c), name, "InvalidSpec", WAIT_SECS, |v| {
+            cond(v, "Ready").is_some_and(|c| c.reason == "InvalidSpec")
+        })
+        .await;
+        let msg = &cond(&v, "Ready").unwrap().message;
+        assert!(msg.contains(field), "{name}: {msg}");
+        assert!(v.spec.node_name.is_none(), "{name} was placed");
+    }
+    let untouched = members(c).await;
+    assert!(
+        untouched
+            .iter()
+            .all(|m| !m.annotations().contains_key("imp.dev/claimed-by")),
+        "a refused claim took a member"
+    );
 }
