@@ -33,6 +33,17 @@ pub fn figure(name: &str, value: f64, unit: &str, against: &str) {
     }
 }
 
+/// The median of `v` (sorted in place; the mean of the two middle values for an even count);
+/// NaN for none.
+pub fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    match v.len() {
+        0 => f64::NAN,
+        n if n % 2 == 1 => v[n / 2],
+        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
+    }
+}
+
 /// `s` on one line without tabs, so a row stays a row.
 fn clean(s: &str) -> String {
     s.replace(['\t', '\n'], " ")
@@ -45,5 +56,12 @@ mod tests {
     #[test]
     fn a_row_keeps_its_columns() {
         assert_eq!(clean("a\tb\nc"), "a b c");
+    }
+
+    #[test]
+    fn the_median_is_the_middle_or_the_mean_of_the_two() {
+        assert_eq!(median(&mut [3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(median(&mut [4.0, 1.0, 3.0, 2.0]), 2.5);
+        assert!(median(&mut []).is_nan());
     }
 }

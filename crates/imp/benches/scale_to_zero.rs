@@ -20,7 +20,7 @@
 #[path = "../tests/common/mod.rs"]
 mod common;
 
-use imp_testenv::figures::figure;
+use imp_testenv::figures::{figure, median};
 use std::net::{SocketAddr, TcpStream};
 use std::os::fd::AsRawFd;
 use std::time::{Duration, Instant};
@@ -124,16 +124,6 @@ async fn round(
         snapshot_bytes: asleep.suspend.map_or(0, |s| s.bytes),
         wake,
         resume_ms: awake.timings.resume_ms,
-    }
-}
-
-fn median(v: &mut [f64]) -> f64 {
-    v.sort_by(f64::total_cmp);
-    let n = v.len();
-    if n % 2 == 1 {
-        v[n / 2]
-    } else {
-        (v[n / 2 - 1] + v[n / 2]) / 2.0
     }
 }
 

@@ -26,7 +26,7 @@ use common::snapshots::{parent, snapshot_root, terminated_execution};
 use futures::TryStreamExt;
 use imp_api::ImpWarmPool;
 use imp_api::vm::{ImpVM, VmPhase};
-use imp_testenv::figures::figure;
+use imp_testenv::figures::{figure, median};
 use imp_testenv::registry::scratch_dir;
 use kube::ResourceExt;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
@@ -120,16 +120,6 @@ async fn guest_ms(c: &kube::Client, name: &str) -> f64 {
         },
     )
     .await
-}
-
-fn median(v: &mut [f64]) -> f64 {
-    v.sort_by(f64::total_cmp);
-    let n = v.len();
-    if n % 2 == 1 {
-        v[n / 2]
-    } else {
-        (v[n / 2 - 1] + v[n / 2]) / 2.0
-    }
 }
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
