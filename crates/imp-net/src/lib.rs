@@ -360,6 +360,36 @@ impl NodeNet {
         }
     }
 
+    /// Puts back the TAP of a VM found on disk whose spec names TAP `a.tap` while the node still
+    /// has the one it was made with for VM `former` (its alias): a warm pool's claim rewrites
+    /// the spec before it renames the TAP, and an agent stopped between the two would otherwise
+    /// make an empty TAP of the new name and remove the one the VMM holds at its first sync.
+    /// Whether it renamed one.
+    pub async fn repair_tap(&self, a: &NetAttachment, former: &str) -> Result<bool, String> {
+        a.check().map_err(|e| chain(&e))?;
+        let _one = self.applied.lock().await;
+        let links = self
+            .netlink
+            .links()
+            .await
+            .map_err(|e| format!("reading the node's interfaces: {}", chain(&e)))?;
+        if links.contains_key(&a.tap) {
+            return Ok(false);
+        }
+        let held = links.iter().find(|(name, l)| {
+            names::is_imp(name) && *name != &a.tap && l.alias.as_deref() == Some(former)
+        });
+        let Some((from, l)) = held else {
+            return Ok(false);
+        };
+        self.netlink
+            .rename(l.index, from, &a.tap)
+            .await
+            .map_err(|e| format!("renaming TAP {from} to {}: {}", a.tap, chain(&e)))?;
+        tracing::info!(from = %from, to = %a.tap, vm = %a.vm, former, "TAP of an unfinished claim renamed for its spec");
+        Ok(true)
+    }
+
     /// Whether the rules loaded hold `tap`'s port for `vm`.
     fn guarded(&self, tap: &str, vm: &str) -> Result<(), NetError> {
         let loaded = lock(&self.loaded_ports);

@@ -205,3 +205,86 @@ fn an_egress_interface_holding_nft_syntax_is_refused_and_loads_nothing() {
         }
     });
 }
+
+/// VM `ns/job`'s attachment in place of [`vm`]'s: a warm pool's claimant taking its member's
+/// running VM keeps the address and takes its own TAP name and MAC.
+fn claimant() -> NetAttachment {
+    NetAttachment {
+        tap: names::tap("ns", "job"),
+        mac: imp_api::network::vm_mac("ns", "job"),
+        vm: "ns/job".into(),
+        ..vm()
+    }
+}
+
+#[test]
+fn a_running_vms_port_is_handed_to_its_claimant() {
+    if !inside("a_running_vms_port_is_handed_to_its_claimant", "rebind") {
+        return;
+    }
+    runtime().block_on(async {
+        let net = node("nft");
+        net.set_networks(BTreeMap::from([("ns/net".into(), network(None))]));
+        net.attach("uid-m", vm()).await.unwrap();
+        let (old, new) = (names::tap("ns", "vm"), names::tap("ns", "job"));
+        let index = net.netlink().links().await.unwrap()[&old].index;
+
+        // The TAP the VMM holds is renamed (the same interface), its alias, bridge and state
+        // rewired, and its port's chain loaded for the new name and MAC only.
+        net.rebind("uid-m", claimant()).await.unwrap();
+        let links = net.netlink().links().await.unwrap();
+        let tap = &links[&new];
+        assert_eq!(tap.index, index, "not the same interface");
+        assert!(!links.contains_key(&old));
+        assert_eq!(tap.alias.as_deref(), Some("ns/job"));
+        assert!(tap.up);
+        assert_eq!(
+            tap.controller,
+            links.get(&names::bridge("ns", "net")).map(|b| b.index)
+        );
+        let table = sh(&["nft", "list", "table", "bridge", "imp"]);
+        let mac = imp_api::network::vm_mac("ns", "job");
+        assert!(
+            table.contains(&format!("chain port-{new}")) && table.contains(&mac),
+            "{table}"
+        );
+        assert!(!table.contains(&format!("port-{old}")), "{table}");
+        assert!(
+            !table.contains(&imp_api::network::vm_mac("ns", "vm")),
+            "{table}"
+        );
+        // Asked again (an agent that restarted mid-claim): nothing changes.
+        net.rebind("uid-m", claimant()).await.unwrap();
+        assert_eq!(net.netlink().links().await.unwrap()[&new].index, index);
+        net.detach("uid-m").await;
+        assert_eq!(imp_links(), Vec::<String>::new());
+
+        // An agent stopped after the claim rewrote the spec but before it renamed the TAP:
+        // at its start the TAP is put back under the spec's name, nothing else touched.
+        let net = node("nft");
+        net.set_networks(BTreeMap::from([("ns/net".into(), network(None))]));
+        net.attach("uid-m", vm()).await.unwrap();
+        let index = net.netlink().links().await.unwrap()[&old].index;
+        let fresh = node("nft");
+        assert!(fresh.repair_tap(&claimant(), "ns/vm").await.unwrap());
+        let links = fresh.netlink().links().await.unwrap();
+        assert_eq!(links[&new].index, index);
+        assert!(!links.contains_key(&old));
+        assert!(!fresh.repair_tap(&claimant(), "ns/vm").await.unwrap());
+        // No TAP of another VM is taken for it.
+        let other = NetAttachment {
+            tap: names::tap("ns", "other"),
+            vm: "ns/other".into(),
+            ..vm()
+        };
+        assert!(!fresh.repair_tap(&other, "ns/nobody").await.unwrap());
+        assert!(
+            !fresh
+                .netlink()
+                .links()
+                .await
+                .unwrap()
+                .contains_key(&other.tap)
+        );
+    });
+}

@@ -102,13 +102,20 @@ pub async fn adopt(net: &NodeNet, state: &StateDir) {
             .into_iter()
             .filter_map(|r| {
                 let spec = control::read_spec(&st, &r.name).ok()?;
-                Some((r.name, spec.network?))
+                let owner = r.owner.map(|o| format!("{}/{}", o.namespace, o.name));
+                Some((r.name, spec.network?, owner))
             })
             .collect::<Vec<_>>()
     })
     .await
     .unwrap_or_default();
-    for (uid, a) in found {
+    for (uid, a, owner) in found {
+        // A claim stopped between its spec and its TAP: the TAP is still the record owner's.
+        if let Some(former) = owner.filter(|o| *o != a.vm)
+            && let Err(why) = net.repair_tap(&a, &former).await
+        {
+            tracing::error!(uid, tap = %a.tap, former, why, "putting back a VM's TAP");
+        }
         let (network, tap) = (a.network.clone(), a.tap.clone());
         match net.adopt(&uid, a) {
             Ok(()) => {

@@ -1,9 +1,9 @@
 //! A warm pool's claim on the node: a claimant the operator booked onto this node with the
-//! member it took takes over that member's running VM. In order: the TAP is renamed for the
-//! claimant and its port's rules loaded for its MAC ([`imp_net::NodeNet::rebind`]), the VM's
-//! spec names its new owner, hostname and attachment, then its shim gives the guest the
-//! claimant's identity and saves the record with the claimant as its owner (the commit). The
-//! claimant's next reconcile finds that record and reports it `Running`.
+//! member it took takes over that member's running VM. In order: the VM's spec names its new
+//! owner, hostname and attachment, the TAP is renamed for the claimant and its port's rules
+//! loaded for its MAC ([`imp_net::NodeNet::rebind`]), then its shim gives the guest the
+//! claimant's identity and saves the record with the claimant as its owner (the commit), and
+//! the claimant is reported `Running`.
 //!
 //! When the member's VM no longer runs here, or its shim refuses, the claim falls back: what
 //! is left of the member's VM is removed and the claimant starts from its booking (a restore
@@ -99,12 +99,12 @@ async fn hand_over(
         vm: format!("{ns}/{name}"),
         ..a
     });
-    if let Some(a) = &attachment {
-        let Some(net) = &ctx.net else {
-            return Err("this node's agent wires no VM networks".into());
-        };
-        net.rebind(&id, a.clone()).await?;
-    }
+    let net = match (&attachment, &ctx.net) {
+        (Some(_), None) => return Err("this node's agent wires no VM networks".into()),
+        (_, net) => net,
+    };
+    // The spec first: an agent stopped before the TAP is renamed puts the TAP back under the
+    // spec's name when it starts (`network::adopt`, `NodeNet::repair_tap`).
     spec.owner = Some(owner.clone());
     spec.hostname.clone_from(&name);
     spec.network = attachment.clone();
@@ -112,6 +112,9 @@ async fn hand_over(
         .write_spec(&id, spec)
         .await
         .map_err(|e| format!("writing the claimant's spec: {}", imp_api::chain::chain(&e)))?;
+    if let (Some(a), Some(net)) = (&attachment, net) {
+        net.rebind(&id, a.clone()).await?;
+    }
     let identity = imp_proto::message::Identity {
         hostname: Some(name),
         mac: attachment.as_ref().map(|a| a.mac.clone()),
