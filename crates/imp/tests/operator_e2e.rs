@@ -2092,3 +2092,176 @@ async fn a_warm_pool_fills_scales_and_says_what_it_lacks() {
         "a refused claim took a member"
     );
 }
+
+/// A pool `py` of `size` members made from template `python`, restoring from an elected base
+/// on node `a`, each played Running; returns them.
+async fn filled_pool(c: &Client, size: i32) -> Vec<ImpVM> {
+    common::create_imp(
+        c,
+        "ImpVMTemplate",
+        "impvmtemplates",
+        json!({"apiVersion": "imp.dev/v1alpha1", "kind": "ImpVMTemplate",
+               "metadata": {"name": "python", "namespace": NS},
+               "spec": {"classRef": {"name": "small"}, "image": "busybox"}}),
+    )
+    .await;
+    vm(
+        c,
+        "src",
+        json!({"classRef": {"name": "small"}, "image": "busybox"}),
+    )
+    .await;
+    let snaps: Api<imp_api::snapshot::ImpVMSnapshot> = Api::namespaced(c.clone(), NS);
+    let exec = "py-warm-20260101-000000";
+    common::create_imp(
+        c,
+        "ImpVMSnapshot",
+        "impvmsnapshots",
+        json!({"apiVersion": "imp.dev/v1alpha1", "kind": "ImpVMSnapshot",
+               "metadata": {"name": exec, "namespace": NS,
+                            "labels": {"imp.dev/snapshot-parent": "py-warm"},
+                            "annotations": {"imp.dev/snapshot-node": "a"}},
+               "spec": {"sourceVMName": "src", "sourceVMNamespace": NS,
+                        "storage": {"type": "node-local"}}}),
+    )
+    .await;
+    let now = k8s_openapi::jiff::Timestamp::now().to_string();
+    snaps
+        .patch_status(
+            exec,
+            &PatchParams::default(),
+            &Patch::Merge(
+                &json!({"status": {"phase": "Succeeded", "terminatedAt": now,
+                                             "completedAt": now}}),
+            ),
+        )
+        .await
+        .unwrap();
+    common::create_imp(
+        c,
+        "ImpVMSnapshot",
+        "impvmsnapshots",
+        json!({"apiVersion": "imp.dev/v1alpha1", "kind": "ImpVMSnapshot",
+               "metadata": {"name": "py-warm", "namespace": NS},
+               "spec": {"sourceVMName": "src", "sourceVMNamespace": NS, "baseSnapshot": exec,
+                        "storage": {"type": "node-local"}}}),
+    )
+    .await;
+    common::create_imp(
+        c,
+        "ImpWarmPool",
+        "impwarmpools",
+        json!({"apiVersion": "imp.dev/v1alpha1", "kind": "ImpWarmPool",
+               "metadata": {"name": "py", "namespace": NS},
+               "spec": {"snapshotRef": "py-warm", "templateName": "python", "size": size}}),
+    )
+    .await;
+    let placed = common::wait_for(
+        "the members placed",
+        Duration::from_secs(WAIT_SECS),
+        || async {
+            let m = members(c).await;
+            (m.len() == usize::try_from(size).unwrap()
+                && m.iter().all(|v| phase(v) == Some(VmPhase::Scheduled)))
+            .then_some(m)
+        },
+    )
+    .await;
+    for m in &placed {
+        member_runs(c, &m.name_any()).await;
+    }
+    wait_pool(c, "Reconciled", |p| {
+        p.status.as_ref().unwrap().ready_count == size
+    })
+    .await;
+    placed
+}
+
+/// Issue 39: the operator killed (SIGKILL) as soon as a claim has marked its first member,
+/// with three claims in flight: once restarted, each claimant has exactly one member, no
+/// member went to two, each claimant is bound to its member's node and holds its member's
+/// reservation Pod and no other.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_operator_killed_mid_claim_finishes_each_claim_once() {
+    let Some(e) = env().await else {
+        return;
+    };
+    let c = &e.client;
+    node(c, "a", "8", "16Gi", true, true).await;
+    class(c, "small", 1, 256).await;
+    let mut op = Operator::start(&e, "first", &[]).await;
+    let members_before = filled_pool(c, 3).await;
+    for i in 0..3 {
+        vm(
+            c,
+            &format!("job{i}"),
+            json!({"templateRef": {"name": "python"}, "warmPoolRef": {"name": "py"}}),
+        )
+        .await;
+    }
+    common::wait_for(
+        "a first member marked",
+        Duration::from_secs(WAIT_SECS),
+        || async {
+            let all = vms(c).list(&ListParams::default()).await.ok()?.items;
+            all.iter()
+                .any(|v| v.annotations().contains_key("imp.dev/claimed-by"))
+                .then_some(())
+        },
+    )
+    .await;
+    op.kill9().await;
+    let _op2 = Operator::start(&e, "second", &[]).await;
+    let claims = common::wait_for("three claims booked", Duration::from_secs(30), || async {
+        let all = vms(c).list(&ListParams::default()).await.ok()?.items;
+        let booked: Vec<ImpVM> = all
+            .into_iter()
+            .filter(|v| v.name_any().starts_with("job"))
+            .filter(|v| {
+                v.status.as_ref().is_some_and(|s| {
+                    s.booking.is_some() && s.warm_claim.as_ref().is_some_and(|w| w.member.is_some())
+                })
+            })
+            .collect();
+        (booked.len() == 3).then_some(booked)
+    })
+    .await;
+    let pods: Api<k8s_openapi::api::core::v1::Pod> = Api::namespaced(c.clone(), NS);
+    let reserved = pods
+        .list(&ListParams::default().labels("imp.dev/reservation=true"))
+        .await
+        .unwrap()
+        .items;
+    let mut taken = std::collections::BTreeSet::new();
+    for job in &claims {
+        let claim = job.status.as_ref().unwrap().warm_claim.clone().unwrap();
+        let member = claim.member.unwrap();
+        assert!(taken.insert(member.clone()), "{member} went to two claims");
+        let was = members_before
+            .iter()
+            .find(|m| m.name_any() == member)
+            .unwrap_or_else(|| panic!("{} took {member}, not a member", job.name_any()));
+        assert_eq!(claim.member_uid, was.uid());
+        assert_eq!(job.spec.node_name.as_deref(), Some("a"));
+        let held: Vec<String> = reserved
+            .iter()
+            .filter(|p| {
+                p.metadata
+                    .owner_references
+                    .iter()
+                    .flatten()
+                    .any(|o| Some(&o.uid) == job.metadata.uid.as_ref())
+            })
+            .map(|p| p.name_any())
+            .collect();
+        assert_eq!(held, [format!("imp-vm-{member}")], "{}", job.name_any());
+    }
+    // Every marked member is marked by the claimant that booked it.
+    for v in vms(c).list(&ListParams::default()).await.unwrap().items {
+        if let Some(by) = v.annotations().get("imp.dev/claimed-by") {
+            let job = claims.iter().find(|j| &j.name_any() == by).unwrap();
+            let claim = job.status.as_ref().unwrap().warm_claim.as_ref().unwrap();
+            assert_eq!(claim.member.as_deref(), Some(v.name_any().as_str()));
+        }
+    }
+}
