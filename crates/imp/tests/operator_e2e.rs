@@ -2180,7 +2180,7 @@ async fn filled_pool(c: &Client, size: i32) -> Vec<ImpVM> {
 /// Issue 39: the operator killed (SIGKILL) as soon as a claim has marked its first member,
 /// with three claims in flight: once restarted, each claimant has exactly one member, no
 /// member went to two, each claimant is bound to its member's node and holds its member's
-/// reservation Pod and no other.
+/// reservation Pod and no other. Then the pool's deletion takes its unclaimed members only.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_operator_killed_mid_claim_finishes_each_claim_once() {
     let Some(e) = env().await else {
@@ -2263,5 +2263,35 @@ async fn an_operator_killed_mid_claim_finishes_each_claim_once() {
             let claim = job.status.as_ref().unwrap().warm_claim.as_ref().unwrap();
             assert_eq!(claim.member.as_deref(), Some(v.name_any().as_str()));
         }
+    }
+
+    // Deleting the pool deletes its unclaimed members (the garbage collector follows the
+    // pool's owner reference), not the ones claims hold (their owner is the claimant now).
+    pools(c)
+        .delete("py", &DeleteParams::default())
+        .await
+        .unwrap();
+    common::wait_for(
+        "the unclaimed members deleted with the pool",
+        Duration::from_secs(60),
+        || async {
+            let left = vms(c)
+                .list(&ListParams::default().labels("imp.dev/warm-pool=py"))
+                .await
+                .ok()?
+                .items;
+            left.iter()
+                .filter(|v| !v.annotations().contains_key("imp.dev/claimed-by"))
+                .all(|v| v.metadata.deletion_timestamp.is_some())
+                .then_some(())
+        },
+    )
+    .await;
+    for member in &taken {
+        let still = vms(c).get(member).await.unwrap();
+        assert!(
+            still.metadata.deletion_timestamp.is_none(),
+            "claimed member {member} deleted with its pool"
+        );
     }
 }
