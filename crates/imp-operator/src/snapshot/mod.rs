@@ -48,7 +48,7 @@ use kube::api::{Api, DeleteParams, ListParams, Patch, PostParams};
 use kube::runtime::controller::{Action, Controller};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::runtime::reflector::ObjectRef;
-use kube::runtime::watcher;
+use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Resource, ResourceExt};
 use serde_json::json;
 
@@ -367,21 +367,15 @@ pub async fn run(
     let controller = Controller::new(api.clone(), parents);
     let store = controller.store();
     // A VM going away may free an execution retention kept for it: its namespace's parents
-    // look again.
-    let freed = move |vm: ImpVM| {
-        if vm.meta().deletion_timestamp.is_none() || decide::snapshots_of(&vm).is_empty() {
-            return Vec::new();
-        }
-        store
-            .state()
-            .iter()
-            .filter(|p| p.namespace() == vm.namespace())
-            .map(|p| ObjectRef::from_obj(p.as_ref()))
-            .collect()
-    };
+    // look again. Its deletion is told apart from its changes by the watch's own events.
+    let (freed_tx, freed_rx) = tokio::sync::mpsc::channel(64);
+    let freeing = tokio::spawn(tell_freed(Api::<ImpVM>::all(vm_client), store, freed_tx));
+    let freed = futures::stream::unfold(freed_rx, |mut rx| async move {
+        rx.recv().await.map(|r| (r, rx))
+    });
     controller
         .watches(api, executions, to_parent)
-        .watches(Api::<ImpVM>::all(vm_client), watcher::Config::default(), freed)
+        .reconcile_on(freed)
         .graceful_shutdown_on(shutdown)
         .run(reconcile, error_policy, ctx)
         .for_each(|r| async move {
@@ -390,4 +384,41 @@ pub async fn run(
             }
         })
         .await;
+    freeing.abort();
+}
+
+/// Sends the parents of a VM's namespace (from `parents`) to `tx` whenever a VM that names a
+/// snapshot execution is deleted or starts being deleted, until the receiver goes.
+async fn tell_freed(
+    vms: Api<ImpVM>,
+    parents: kube::runtime::reflector::Store<ImpVMSnapshot>,
+    tx: tokio::sync::mpsc::Sender<ObjectRef<ImpVMSnapshot>>,
+) {
+    let mut events = Box::pin(watcher(vms, watcher::Config::default()).default_backoff());
+    while let Some(event) = events.next().await {
+        let gone = match event {
+            Ok(watcher::Event::Delete(vm)) => vm,
+            Ok(watcher::Event::Apply(vm)) if vm.meta().deletion_timestamp.is_some() => vm,
+            Ok(_) => continue,
+            Err(e) => {
+                tracing::debug!(error = %imp_api::chain::DisplayChain(&e), "watching VMs for the executions they free");
+                continue;
+            }
+        };
+        if decide::snapshots_of(&gone).is_empty() {
+            continue;
+        }
+        let ns = gone.namespace();
+        let refs: Vec<_> = parents
+            .state()
+            .iter()
+            .filter(|p| p.namespace() == ns)
+            .map(|p| ObjectRef::from_obj(p.as_ref()))
+            .collect();
+        for r in refs {
+            if tx.send(r).await.is_err() {
+                return;
+            }
+        }
+    }
 }

@@ -10,7 +10,7 @@ use imp_api::{ImpWarmPool, validation};
 use k8s_openapi::api::core::v1::{Node, Pod};
 use k8s_openapi::jiff::Timestamp;
 use kube::ResourceExt as _;
-use kube::api::{Api, ListParams, Patch, PatchParams};
+use kube::api::{Api, ListParams, Patch};
 use kube::runtime::controller::Action;
 use kube::runtime::reflector::ObjectRef;
 use serde_json::json;
@@ -103,7 +103,7 @@ impl Context {
             match vms
                 .patch(
                     &member.name_any(),
-                    &PatchParams::default(),
+                    &super::write::patch_params(),
                     &Patch::Merge(&body),
                 )
                 .await
@@ -269,7 +269,7 @@ impl Context {
             return Ok(());
         }
         let body = reservation::handed_to(&pod, vm);
-        pods.patch(&name, &PatchParams::default(), &Patch::Merge(&body))
+        pods.patch(&name, &super::write::patch_params(), &Patch::Merge(&body))
             .await
             .map_err(api_err("handing the member's reservation Pod to", vm))?;
         tracing::info!(vm = %key(vm), pod = %name, "reservation Pod handed over");
