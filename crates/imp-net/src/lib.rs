@@ -248,11 +248,9 @@ impl NodeNet {
     /// it ([`tap_clash`]).
     async fn claim_tap(&self, uid: &str, a: NetAttachment) -> Result<(), String> {
         let links = {
-            // One netlink dump at a time (see `guest_mtu`).
             let _one = self.applied.lock().await;
-            self.netlink.links().await
+            self.read_links().await?
         };
-        let links = links.map_err(|e| format!("reading the node's interfaces: {}", chain(&e)))?;
         if let Some(owner) = links
             .get(&a.tap)
             .and_then(|l| alias_clash(l.alias.as_deref(), &a.vm))
@@ -283,19 +281,9 @@ impl NodeNet {
         a.check().map_err(|e| chain(&e))?;
         let (network, tap, vm) = (a.network.clone(), a.tap.clone(), a.vm.clone());
         self.claim_tap(uid, a).await?;
-        let refused = match self.sync().await {
-            Ok(plan) => match plan.refused.get(&network).or(plan.closed.get(&network)) {
-                Some(why) => Some(why.clone()),
-                None => self
-                    .guarded(&tap, &vm)
-                    .err()
-                    .map(|e| format!("wiring ImpNetwork {network}: {}", chain(&e))),
-            },
-            Err(e) => Some(format!("wiring ImpNetwork {network}: {}", chain(&e))),
-        };
-        match refused {
-            None => Ok(()),
-            Some(why) => {
+        match self.wired(&network, &tap, &vm).await {
+            Ok(()) => Ok(()),
+            Err(why) => {
                 lock(&self.attachments).remove(uid);
                 if let Err(e) = self.sync().await {
                     tracing::warn!(uid, error = %chain(&e), "removing a refused network");
@@ -303,6 +291,39 @@ impl NodeNet {
                 Err(why)
             }
         }
+    }
+
+    /// Syncs, then whether VM `vm`'s port `tap` on `network` is wired: the reason the plan
+    /// refused or closed the network, or that the rules loaded do not hold the port.
+    async fn wired(&self, network: &str, tap: &str, vm: &str) -> Result<(), String> {
+        let wiring =
+            |e: &dyn std::error::Error| format!("wiring ImpNetwork {network}: {}", chain(e));
+        match self.sync().await {
+            Ok(plan) => match plan.refused.get(network).or(plan.closed.get(network)) {
+                Some(why) => Err(why.clone()),
+                None => self.guarded(tap, vm).map_err(|e| wiring(&e)),
+            },
+            Err(e) => Err(wiring(&e)),
+        }
+    }
+
+    /// The node's interfaces, or why they could not be read (the caller holds `applied`:
+    /// one netlink dump at a time, see `guest_mtu`).
+    async fn read_links(&self) -> Result<BTreeMap<String, Link>, String> {
+        self.netlink
+            .links()
+            .await
+            .map_err(|e| format!("reading the node's interfaces: {}", chain(&e)))
+    }
+
+    /// Renames TAP `from` (interface `index`) to `to` for VM `vm`, saying `why` in the log.
+    async fn rename_tap(&self, index: u32, from: &str, to: &str, why: &str) -> Result<(), String> {
+        self.netlink
+            .rename(index, from, to)
+            .await
+            .map_err(|e| format!("renaming TAP {from} to {to}: {}", chain(&e)))?;
+        tracing::info!(from, to, why, "TAP renamed");
+        Ok(())
     }
 
     /// Rebinds VM `uid`'s running attachment to `a` (a warm pool's claim: the claimant's TAP
@@ -315,20 +336,13 @@ impl NodeNet {
         let old = lock(&self.attachments).get(uid).cloned();
         {
             let _one = self.applied.lock().await;
-            let links = self
-                .netlink
-                .links()
-                .await
-                .map_err(|e| format!("reading the node's interfaces: {}", chain(&e)))?;
+            let links = self.read_links().await?;
             let from = old.as_ref().map(|o| o.tap.as_str()).filter(|t| *t != a.tap);
             match (from.and_then(|t| links.get(t)), links.get(&a.tap)) {
                 (Some(l), None) => {
-                    let from = from.unwrap_or_default();
-                    self.netlink
-                        .rename(l.index, from, &a.tap)
-                        .await
-                        .map_err(|e| format!("renaming TAP {from} to {}: {}", a.tap, chain(&e)))?;
-                    tracing::info!(from, to = %a.tap, vm = %a.vm, "TAP renamed for its new owner");
+                    let why = format!("handed to VM {}", a.vm);
+                    self.rename_tap(l.index, from.unwrap_or_default(), &a.tap, &why)
+                        .await?;
                 }
                 (None, Some(_)) => {}
                 (Some(_), Some(_)) => {
@@ -349,15 +363,7 @@ impl NodeNet {
         }
         let (network, tap, vm) = (a.network.clone(), a.tap.clone(), a.vm.clone());
         lock(&self.attachments).insert(uid.to_owned(), a);
-        match self.sync().await {
-            Ok(plan) => match plan.refused.get(&network).or(plan.closed.get(&network)) {
-                Some(why) => Err(why.clone()),
-                None => self
-                    .guarded(&tap, &vm)
-                    .map_err(|e| format!("wiring ImpNetwork {network}: {}", chain(&e))),
-            },
-            Err(e) => Err(format!("wiring ImpNetwork {network}: {}", chain(&e))),
-        }
+        self.wired(&network, &tap, &vm).await
     }
 
     /// Puts back the TAP of a VM found on disk whose spec names TAP `a.tap` while the node still
@@ -368,11 +374,7 @@ impl NodeNet {
     pub async fn repair_tap(&self, a: &NetAttachment, former: &str) -> Result<bool, String> {
         a.check().map_err(|e| chain(&e))?;
         let _one = self.applied.lock().await;
-        let links = self
-            .netlink
-            .links()
-            .await
-            .map_err(|e| format!("reading the node's interfaces: {}", chain(&e)))?;
+        let links = self.read_links().await?;
         if links.contains_key(&a.tap) {
             return Ok(false);
         }
@@ -382,11 +384,8 @@ impl NodeNet {
         let Some((from, l)) = held else {
             return Ok(false);
         };
-        self.netlink
-            .rename(l.index, from, &a.tap)
-            .await
-            .map_err(|e| format!("renaming TAP {from} to {}: {}", a.tap, chain(&e)))?;
-        tracing::info!(from = %from, to = %a.tap, vm = %a.vm, former, "TAP of an unfinished claim renamed for its spec");
+        let why = format!("an unfinished claim's spec names it for VM {}", a.vm);
+        self.rename_tap(l.index, from, &a.tap, &why).await?;
         Ok(true)
     }
 
