@@ -1,8 +1,12 @@
-//! A controller's failed Kubernetes API call, saying what it was doing and to which object,
-//! and the patch parameters of the controllers' writes.
+//! What the per-kind controllers share when they call the API: a failed call, saying what it
+//! was doing and to which object; the patch parameters of their writes; and the Event they
+//! publish about an object.
 
 use imp_api::refusal;
+use k8s_openapi::api::core::v1::ObjectReference;
+use kube::Resource;
 use kube::api::PatchParams;
+use kube::runtime::events::{Event, EventType};
 
 use crate::FIELD_MANAGER;
 
@@ -51,6 +55,36 @@ pub fn params() -> PatchParams {
     }
 }
 
+/// The Event `reason` (also its action) saying `message`, Warning or Normal, about an object
+/// whose Event may name a related object of kind `K`: `related` in `namespace`. Naming it
+/// also keeps apart Events of one reason about different related objects (the recorder folds
+/// repeats of a reason about the same objects into a series that keeps the first message).
+pub fn event<K: Resource<DynamicType = ()>>(
+    warning: bool,
+    reason: &str,
+    message: &str,
+    related: Option<&str>,
+    namespace: Option<String>,
+) -> Event {
+    Event {
+        type_: if warning {
+            EventType::Warning
+        } else {
+            EventType::Normal
+        },
+        reason: reason.to_owned(),
+        note: Some(message.to_owned()),
+        action: reason.to_owned(),
+        secondary: related.map(|name| ObjectReference {
+            api_version: Some(K::api_version(&()).into_owned()),
+            kind: Some(K::kind(&()).into_owned()),
+            name: Some(name.to_owned()),
+            namespace,
+            ..ObjectReference::default()
+        }),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -70,5 +104,28 @@ mod tests {
             Status::failure("gone", "Conflict").with_code(409),
         )));
         assert_eq!(e.metric_label(), "api");
+    }
+
+    #[test]
+    fn an_event_names_its_related_object_of_the_kind_given() {
+        let ev = event::<imp_api::vm::ImpVM>(true, "Claimed", "m", Some("py-a"), Some("ci".into()));
+        assert_eq!(
+            (ev.type_, ev.reason.as_str(), ev.action.as_str()),
+            (EventType::Warning, "Claimed", "Claimed")
+        );
+        let related = ev.secondary.unwrap();
+        assert_eq!(
+            (
+                related.kind.as_deref(),
+                related.name.as_deref(),
+                related.namespace.as_deref()
+            ),
+            (Some("ImpVM"), Some("py-a"), Some("ci"))
+        );
+        assert!(
+            event::<imp_api::vm::ImpVM>(false, "R", "m", None, None)
+                .secondary
+                .is_none()
+        );
     }
 }

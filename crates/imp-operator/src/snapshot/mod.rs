@@ -42,7 +42,6 @@ use imp_api::conditions::ConditionReason;
 use imp_api::shared::LABEL_SNAPSHOT_PARENT;
 use imp_api::snapshot::{ImpVMSnapshot, ImpVMSnapshotStatus};
 use imp_api::vm::ImpVM;
-use k8s_openapi::api::core::v1::ObjectReference;
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PostParams};
 use kube::runtime::controller::{Action, Controller};
@@ -95,23 +94,13 @@ struct Ctx {
 
 impl Ctx {
     async fn event(&self, parent: &ImpVMSnapshot, note: &Note) {
-        let ev = Event {
-            type_: if note.warning {
-                EventType::Warning
-            } else {
-                EventType::Normal
-            },
-            reason: note.reason.to_owned(),
-            note: Some(note.message.clone()),
-            action: note.reason.to_owned(),
-            secondary: note.execution.as_ref().map(|name| ObjectReference {
-                api_version: Some(ImpVMSnapshot::api_version(&()).into_owned()),
-                kind: Some(ImpVMSnapshot::kind(&()).into_owned()),
-                name: Some(name.clone()),
-                namespace: parent.namespace(),
-                ..ObjectReference::default()
-            }),
-        };
+        let ev = crate::api_call::event::<ImpVMSnapshot>(
+            note.warning,
+            note.reason,
+            &note.message,
+            note.execution.as_deref(),
+            parent.namespace(),
+        );
         if let Err(e) = self.recorder.publish(&ev, &parent.object_ref(&())).await {
             tracing::warn!(snapshot = %key(parent), reason = note.reason, error = %imp_api::chain::DisplayChain(&e), "publishing event failed");
         }

@@ -29,12 +29,12 @@ use imp_api::snapshot::ImpVMSnapshot;
 use imp_api::template::ImpVMTemplate;
 use imp_api::vm::ImpVM;
 use imp_api::{ImpWarmPool, pools::ImpWarmPoolStatus};
-use k8s_openapi::api::core::v1::{Node, ObjectReference};
+use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PostParams, Preconditions};
 use kube::runtime::controller::{Action, Controller};
-use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use kube::runtime::events::{Recorder, Reporter};
 use kube::runtime::reflector::{ObjectRef, Store};
 use kube::runtime::watcher;
 use kube::{Resource, ResourceExt};
@@ -102,23 +102,13 @@ impl Ctx {
         } else {
             tracing::info!(pool = %key(pool), reason = note.reason, message = %note.message, "warm pool");
         }
-        let ev = Event {
-            type_: if note.warning {
-                EventType::Warning
-            } else {
-                EventType::Normal
-            },
-            reason: note.reason.to_owned(),
-            note: Some(note.message.clone()),
-            action: note.reason.to_owned(),
-            secondary: note.member.as_ref().map(|name| ObjectReference {
-                api_version: Some(ImpVM::api_version(&()).into_owned()),
-                kind: Some(ImpVM::kind(&()).into_owned()),
-                name: Some(name.clone()),
-                namespace: pool.namespace(),
-                ..ObjectReference::default()
-            }),
-        };
+        let ev = crate::api_call::event::<ImpVM>(
+            note.warning,
+            note.reason,
+            &note.message,
+            note.member.as_deref(),
+            pool.namespace(),
+        );
         if let Err(e) = self.recorder.publish(&ev, &pool.object_ref(&())).await {
             tracing::warn!(pool = %key(pool), reason = note.reason, error = %imp_api::chain::DisplayChain(&e), "publishing event failed");
         }
