@@ -118,28 +118,23 @@ impl Shims {
     }
 
     /// The record of the ImpVM of uid `uid` and whether its shim lives: `vms/<uid>` when that
-    /// VM owns it; with `search` (a warm pool's claimant), else the one record a claim handed
-    /// to it. A record in `vms/<uid>` that a claim handed to another VM is not this VM's.
+    /// VM owns it, else `vms/<handed>` when a claim handed that VM to it (a warm pool's
+    /// claimant: `handed` is its member's uid). A record in `vms/<uid>` that a claim handed to
+    /// another VM is not this VM's.
     pub async fn observe_owned(
         &self,
         uid: &str,
-        search: bool,
+        handed: Option<&str>,
     ) -> Result<Option<(VmRecord, bool)>, ShimsError> {
         let owned_by = |r: &VmRecord| r.owner.as_ref().is_none_or(|o| o.uid == uid);
-        if let Some((r, alive)) = self.observe(uid).await?
-            && owned_by(&r)
-        {
-            return Ok(Some((r, alive)));
+        for id in std::iter::once(uid).chain(handed.filter(|h| *h != uid)) {
+            if let Some((r, alive)) = self.observe(id).await?
+                && owned_by(&r)
+            {
+                return Ok(Some((r, alive)));
+            }
         }
-        if !search {
-            return Ok(None);
-        }
-        let found = self
-            .list()
-            .await?
-            .into_iter()
-            .find(|(r, _)| r.name != uid && r.owner.as_ref().is_some_and(|o| o.uid == uid));
-        Ok(found)
+        Ok(None)
     }
 
     /// Writes VM `id`'s spec (a claim's: its new owner, hostname and network), atomically.
@@ -354,35 +349,41 @@ mod tests {
         shims.state().save(&record).unwrap();
         let mine = |r: Option<(VmRecord, bool)>| r.map(|(r, _)| r.name);
         assert_eq!(
-            mine(shims.observe_owned("member-uid", false).await.unwrap()).as_deref(),
+            mine(shims.observe_owned("member-uid", None).await.unwrap()).as_deref(),
             Some("member-uid")
         );
         assert!(
             shims
-                .observe_owned("job-uid", true)
+                .observe_owned("job-uid", Some("member-uid"))
                 .await
                 .unwrap()
                 .is_none()
         );
-        // Handed over: the claimant finds it (when it searches), the member no longer does.
+        // Handed over: the claimant finds it (given its member's uid), the member no longer does.
         record.owner = Some(owner("job", "job-uid"));
         shims.state().save(&record).unwrap();
         assert!(
             shims
-                .observe_owned("member-uid", false)
+                .observe_owned("member-uid", None)
                 .await
                 .unwrap()
                 .is_none()
         );
         assert!(
             shims
-                .observe_owned("job-uid", false)
+                .observe_owned("job-uid", None)
                 .await
                 .unwrap()
                 .is_none()
         );
         assert_eq!(
-            mine(shims.observe_owned("job-uid", true).await.unwrap()).as_deref(),
+            mine(
+                shims
+                    .observe_owned("job-uid", Some("member-uid"))
+                    .await
+                    .unwrap()
+            )
+            .as_deref(),
             Some("member-uid")
         );
         let _ = std::fs::remove_dir_all(root);

@@ -312,15 +312,15 @@ impl Context {
 }
 
 /// The VM's local record and whether its shim lives ([`Shims::observe_owned`]: a warm pool's
-/// claimant's is the one a claim handed it). No record is `None`; a record that cannot be read
-/// is an error (retried), never taken for a lost VM.
+/// claimant's may be the one its claim handed it, of member `handed`). No record is `None`; a
+/// record that cannot be read is an error (retried), never taken for a lost VM.
 async fn local_state(
     ctx: &Context,
     uid: &str,
-    claimant: bool,
+    handed: Option<&str>,
 ) -> Result<Option<(VmRecord, bool)>, Error> {
     ctx.shims
-        .observe_owned(uid, claimant)
+        .observe_owned(uid, handed)
         .await
         .map_err(|e| Error::Local {
             doing: "reading the record of",
@@ -366,8 +366,14 @@ fn claimed_member(vm: &ImpVM) -> Option<String> {
 /// Reconciles one VM.
 pub async fn reconcile(vm: Arc<ImpVM>, ctx: Arc<Context>) -> Result<Action, Error> {
     let owner_uid = vm.uid().ok_or_else(|| Error::NoUid(key(&vm)))?;
-    let claimant = vm.spec.warm_pool_ref.is_some();
-    let local = local_state(&ctx, &owner_uid, claimant).await?;
+    let handed = vm
+        .spec
+        .warm_pool_ref
+        .as_ref()
+        .and(vm.status.as_ref())
+        .and_then(|s| s.warm_claim.as_ref())
+        .and_then(|c| c.member_uid.clone());
+    let local = local_state(&ctx, &owner_uid, handed.as_deref()).await?;
     // The VM's id on this node: its uid, unless a claim handed it another VM's.
     let uid = local
         .as_ref()
