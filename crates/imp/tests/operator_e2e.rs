@@ -2226,12 +2226,6 @@ async fn an_operator_killed_mid_claim_finishes_each_claim_once() {
         (booked.len() == 3).then_some(booked)
     })
     .await;
-    let pods: Api<k8s_openapi::api::core::v1::Pod> = Api::namespaced(c.clone(), NS);
-    let reserved = pods
-        .list(&ListParams::default().labels("imp.dev/reservation=true"))
-        .await
-        .unwrap()
-        .items;
     let mut taken = std::collections::BTreeSet::new();
     for job in &claims {
         let claim = job.status.as_ref().unwrap().warm_claim.clone().unwrap();
@@ -2243,17 +2237,7 @@ async fn an_operator_killed_mid_claim_finishes_each_claim_once() {
             .unwrap_or_else(|| panic!("{} took {member}, not a member", job.name_any()));
         assert_eq!(claim.member_uid, was.uid());
         assert_eq!(job.spec.node_name.as_deref(), Some("a"));
-        let held: Vec<String> = reserved
-            .iter()
-            .filter(|p| {
-                p.metadata
-                    .owner_references
-                    .iter()
-                    .flatten()
-                    .any(|o| Some(&o.uid) == job.metadata.uid.as_ref())
-            })
-            .map(|p| p.name_any())
-            .collect();
+        let held = common::reservations_of(c, NS, &job.uid().unwrap()).await;
         assert_eq!(held, [format!("imp-vm-{member}")], "{}", job.name_any());
     }
     // Every marked member is marked by the claimant that booked it.

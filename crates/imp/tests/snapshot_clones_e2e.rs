@@ -372,22 +372,7 @@ async fn two_clones_at_once_share_a_network_and_a_qemu_that_cannot_load_the_snap
         "the claimant left its member's address"
     );
     // Its reservation is its member's Pod, handed over: one Pod, none made for it.
-    let pods: Api<k8s_openapi::api::core::v1::Pod> = Api::namespaced(c.clone(), NS);
-    let reserved: Vec<String> = pods
-        .list(&ListParams::default().labels("imp.dev/reservation=true"))
-        .await
-        .unwrap()
-        .items
-        .into_iter()
-        .filter(|p| {
-            p.metadata
-                .owner_references
-                .iter()
-                .flatten()
-                .any(|o| Some(&o.uid) == job.metadata.uid.as_ref())
-        })
-        .map(|p| p.name_any())
-        .collect();
+    let reserved = common::reservations_of(&c, NS, &job.uid().unwrap()).await;
     assert_eq!(reserved, [format!("imp-vm-{taken_name}")]);
     assert_eq!(exec_in(&alice, NS, "job", "hostname").await.trim(), "job");
     assert_eq!(

@@ -1063,3 +1063,23 @@ pub async fn wait_gateway(client: &kube::Client) {
     )
     .await;
 }
+
+/// The names of the reservation Pods (label `imp.dev/reservation=true`) in `ns` owned by the
+/// ImpVM of uid `uid`.
+pub async fn reservations_of(c: &kube::Client, ns: &str, uid: &str) -> Vec<String> {
+    let pods: Api<k8s_openapi::api::core::v1::Pod> = Api::namespaced(c.clone(), ns);
+    pods.list(&kube::api::ListParams::default().labels("imp.dev/reservation=true"))
+        .await
+        .unwrap()
+        .items
+        .into_iter()
+        .filter(|p| {
+            p.metadata
+                .owner_references
+                .iter()
+                .flatten()
+                .any(|o| o.uid == uid)
+        })
+        .filter_map(|p| p.metadata.name)
+        .collect()
+}
