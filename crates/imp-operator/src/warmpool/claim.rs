@@ -19,10 +19,7 @@ use k8s_openapi::jiff::Timestamp;
 use kube::{Resource, ResourceExt};
 use serde_json::{Value, json};
 
-use super::decide::is_member_of;
-
-/// A member this close to its expiry is not handed out.
-const EXPIRY_MARGIN_SECS: i64 = 10;
+use super::decide::{is_member_of, running_and_ready};
 
 /// Where a claimant stands, as the VM controller reads it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -75,17 +72,11 @@ pub fn claimable(
     let Some(status) = &member.status else {
         return false;
     };
-    let expiring = status
-        .expires_at
-        .as_ref()
-        .is_some_and(|t| t.0.as_second() - now.as_second() <= EXPIRY_MARGIN_SECS);
     is_member_of(member, pool)
         && member.meta().deletion_timestamp.is_none()
         && !member.annotations().contains_key(ANNOTATION_CLAIMED_BY)
-        && status.phase == Some(VmPhase::Running)
-        && conditions::is_true(&status.conditions, ConditionType::Ready)
+        && running_and_ready(member, now)
         && !conditions::is_true(&status.conditions, ConditionType::DisruptionTarget)
-        && !expiring
         && status.node_name.as_deref().is_some_and(usable)
         && member.uid().is_some()
         && status.booking.is_some()

@@ -182,14 +182,26 @@ fn state(vm: &ImpVM, world: &World<'_>) -> State {
     if let Some((reason, message, true)) = condition(vm, ConditionType::DisruptionTarget) {
         return State::Lost(format!("it is to leave its node ({reason}: {message})"));
     }
-    let ready = phase == VmPhase::Running
+    if running_and_ready(vm, world.now) {
+        State::Ready
+    } else {
+        State::Filling
+    }
+}
+
+/// Whether `vm` runs with its guest Ready and more than [`EXPIRY_MARGIN`] from its expiry at
+/// `now`: what the pool counts as ready and a claim may take (besides its node and marks).
+pub fn running_and_ready(vm: &ImpVM, now: Timestamp) -> bool {
+    let Some(status) = &vm.status else {
+        return false;
+    };
+    status.phase == Some(VmPhase::Running)
         && conditions::is_true(&status.conditions, ConditionType::Ready)
         && status.expires_at.as_ref().is_none_or(|t| {
-            t.0.duration_since(world.now)
+            t.0.duration_since(now)
                 .try_into()
                 .is_ok_and(|d: Duration| d > EXPIRY_MARGIN)
-        });
-    if ready { State::Ready } else { State::Filling }
+        })
 }
 
 /// Why the pool cannot make members now, as the condition's reason and message.
