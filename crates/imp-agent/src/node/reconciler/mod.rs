@@ -352,27 +352,24 @@ fn observed(vm: &ImpVM) -> Observed {
     }
 }
 
-/// The uid of the member claimant `vm` takes over, once the operator has booked it onto this
-/// node with its claim (`status.warmClaim`, not a cold start).
-fn claimed_member(vm: &ImpVM) -> Option<String> {
+/// The uid of the member claimant `vm` took (`status.warmClaim`, not a cold start).
+fn handed_member(vm: &ImpVM) -> Option<String> {
     vm.spec.warm_pool_ref.as_ref()?;
-    let status = vm.status.as_ref()?;
-    status.booking.as_ref()?;
-    let claim = status.warm_claim.as_ref()?;
+    let claim = vm.status.as_ref()?.warm_claim.as_ref()?;
     claim.member.as_ref()?;
     claim.member_uid.clone()
+}
+
+/// [`handed_member`], once the operator has booked the claimant onto this node.
+fn claimed_member(vm: &ImpVM) -> Option<String> {
+    vm.status.as_ref()?.booking.as_ref()?;
+    handed_member(vm)
 }
 
 /// Reconciles one VM.
 pub async fn reconcile(vm: Arc<ImpVM>, ctx: Arc<Context>) -> Result<Action, Error> {
     let owner_uid = vm.uid().ok_or_else(|| Error::NoUid(key(&vm)))?;
-    let handed = vm
-        .spec
-        .warm_pool_ref
-        .as_ref()
-        .and(vm.status.as_ref())
-        .and_then(|s| s.warm_claim.as_ref())
-        .and_then(|c| c.member_uid.clone());
+    let handed = handed_member(&vm);
     let local = local_state(&ctx, &owner_uid, handed.as_deref()).await?;
     // The VM's id on this node: its uid, unless a claim handed it another VM's.
     let uid = local
