@@ -5,6 +5,7 @@
 //! share. `/metrics` may be guarded ([`Guard`]: the agent's asks the API server whether the
 //! caller's token may `get /metrics`); the health routes never are (the kubelet probes them).
 
+pub mod fault;
 pub mod trace;
 
 use std::future::Future;

@@ -5,6 +5,9 @@
 //! claimant's identity and saves the record with the claimant as its owner (the commit), and
 //! the claimant is reported `Running`.
 //!
+//! Fault points (`imp_telemetry::fault`), for the crash tests: `claim.spec-written`,
+//! `claim.tap-rebound`, `claim.committed` (the shim has committed; nothing reported yet).
+//!
 //! When the member's VM no longer runs here, or its shim refuses, the claim falls back: what
 //! is left of the member's VM is removed and the claimant starts from its booking (a restore
 //! from the pool's base), with a Warning Event `ClaimFailed` saying why.
@@ -12,6 +15,7 @@
 use std::time::{Duration, Instant};
 
 use imp_api::vm::ImpVM;
+use imp_telemetry::fault;
 use kube::ResourceExt;
 use kube::runtime::controller::Action;
 use kube::runtime::events::EventType;
@@ -112,9 +116,11 @@ async fn hand_over(
         .write_spec(&id, spec)
         .await
         .map_err(|e| format!("writing the claimant's spec: {}", imp_api::chain::chain(&e)))?;
+    fault::point("claim.spec-written");
     if let (Some(a), Some(net)) = (&attachment, net) {
         net.rebind(&id, a.clone()).await?;
     }
+    fault::point("claim.tap-rebound");
     let identity = imp_proto::message::Identity {
         hostname: Some(name),
         mac: attachment.as_ref().map(|a| a.mac.clone()),
@@ -123,6 +129,7 @@ async fn hand_over(
     let req = ClaimRequest { owner, identity };
     match ctx.shims.claim(&id, req, CLAIM_TIMEOUT).await {
         Ok(Some(outcome)) => {
+            fault::point("claim.committed");
             ctx.vms.observe(&outcome.record, true);
             Ok((outcome.guest_ms, outcome.record))
         }
