@@ -138,6 +138,8 @@ pub struct Ledger {
     relisting: Option<HashSet<String>>,
     /// A class or template changed: live sizes must be looked up again.
     resize: bool,
+    /// The watch has listed every VM once: what the ledger holds is the cluster's.
+    listed: bool,
 }
 
 impl Ledger {
@@ -203,11 +205,19 @@ impl Ledger {
         self.relisting = Some(HashSet::new());
     }
 
+    /// Whether the watch has listed every VM at least once. Before, an absent VM may be one
+    /// not listed yet: nothing is to be concluded from what the ledger lacks (a reservation
+    /// Pod without its VM's share is not to be deleted).
+    pub fn listed(&self) -> bool {
+        self.listed
+    }
+
     /// The relist is complete: VMs it did not show are gone.
     pub fn relist_done(&mut self) {
         let Some(seen) = self.relisting.take() else {
             return;
         };
+        self.listed = true;
         let gone: Vec<String> = self
             .vms
             .keys()
@@ -526,6 +536,7 @@ mod tests {
     #[test]
     fn a_relist_drops_the_vms_it_no_longer_shows() {
         let mut l = Ledger::default();
+        assert!(!l.listed());
         l.observe(
             "ns/a",
             &vm("1", Some("n1"), VmPhase::Running, None),
@@ -544,7 +555,9 @@ mod tests {
         );
         // Until the relist is done, what it has not shown yet still counts.
         assert_eq!(on(&l, "n1"), used(2, 512, 2));
+        assert!(!l.listed(), "listed before the first relist was done");
         l.relist_done();
+        assert!(l.listed());
         assert_eq!(on(&l, "n1"), used(1, 256, 1));
     }
 

@@ -160,6 +160,11 @@ pub(super) async fn sync(
         return;
     };
     ready.await;
+    // The other caches have filled; the VMs' (and the ledger fed by the same watch) may not
+    // have: an empty ledger would make every reservation Pod look orphaned and delete it.
+    while !ctx.ledger().listed() {
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
     let mut refused: BTreeMap<String, String> = BTreeMap::new();
     loop {
         let existing: Vec<Existing> = pods
