@@ -1,12 +1,16 @@
 //! A warm pool's claim, driven by the VM controller for a VM with `spec.warmPoolRef`: what
 //! [`crate::warmpool::claim`] decides, written in its order. Each step is found done or not
 //! from the API, so a claim interrupted anywhere (the operator killed) resumes where it
-//! stopped; none waits on anything but its own writes.
+//! stopped; none waits on anything but its own writes. Fault points
+//! (`imp_telemetry::fault`) after each write, for the crash tests: `claim.labelled`,
+//! `claim.member-marked`, `claim.written`, `claim.pod-handed`, `claim.address-moved`,
+//! `claim.placed`, `claim.recorded`.
 
 use imp_api::conditions::{ConditionReason, ConditionType};
 use imp_api::shared::{ANNOTATION_PLACED_RESOURCES, LABEL_CLAIMED_FROM, PlacedSize};
 use imp_api::vm::{ImpVM, WarmClaim};
 use imp_api::{ImpWarmPool, validation};
+use imp_telemetry::fault;
 use k8s_openapi::api::core::v1::{Node, Pod};
 use k8s_openapi::jiff::Timestamp;
 use kube::ResourceExt as _;
@@ -38,7 +42,7 @@ impl Context {
     /// The next step of claimant `vm`'s claim (its spec resolved as `r`).
     pub(super) async fn claim(&self, vm: ImpVM, r: &Resolved) -> Result<Claimed, Error> {
         let ns = vm.namespace().unwrap_or_default();
-        if let Err(e) = validation::warm_claim(&ns, &vm.spec) {
+        if let Err(e) = validation::warm_claim(&ns, &decide::as_asked(&vm)) {
             return self.refuse_claim(vm, e.to_string()).await;
         }
         let Some(pool_ref) = vm.spec.warm_pool_ref.clone() else {
@@ -85,6 +89,7 @@ impl Context {
     /// starts cold. The claimant is labelled first, so the pool sees a claim in flight.
     async fn choose_member(&self, vm: ImpVM, pool: &ImpWarmPool) -> Result<Claimed, Error> {
         let vm = self.label_claimant(vm, pool).await?;
+        fault::point("claim.labelled");
         let ns = vm.namespace().unwrap_or_default();
         let vms: Api<ImpVM> = Api::namespaced(self.client.clone(), &ns);
         let members = vms
@@ -117,6 +122,7 @@ impl Context {
                 }
                 Err(e) => return Err(api_err("marking a member taken by", &vm)(e)),
             }
+            fault::point("claim.member-marked");
         }
         let claim = decide::claim_of(pool, Some(member), None, now);
         tracing::info!(vm = %key(&vm), pool = %pool.name_any(), member = %member.name_any(), "claimed a running member");
@@ -158,6 +164,7 @@ impl Context {
         let vm = self
             .patch_status(&vm, &status, "writing the claim of")
             .await?;
+        fault::point("claim.written");
         Ok(Claimed::Continue(Box::new(vm)))
     }
 
@@ -197,8 +204,17 @@ impl Context {
             .as_ref()
             .and_then(|s| s.node_name.clone())
             .unwrap_or_default();
+        if let Some(other) = vm.spec.node_name.as_deref().filter(|n| *n != node) {
+            let why = format!(
+                "spec.nodeName: {other:?} is not the node {node:?} of claimed member {name}: \
+                 a claimant is bound to its member's node"
+            );
+            return self.refuse_claim(vm, why).await;
+        }
         self.move_reservation(&vm, &member).await?;
+        fault::point("claim.pod-handed");
         let ip = self.move_address(&vm, &member).await?;
+        fault::point("claim.address-moved");
         let vm = if vm.spec.node_name.is_none() {
             let size = member
                 .annotations()
@@ -209,7 +225,9 @@ impl Context {
                     memory_mib: r.memory_mib,
                 });
             let booking = self.ledger().book(&key(&vm), Some(&node), Some(size));
-            self.write_placement(&vm, &node, size, booking).await?
+            let placed = self.write_placement(&vm, &node, size, booking).await?;
+            fault::point("claim.placed");
+            placed
         } else {
             vm
         };
@@ -243,6 +261,7 @@ impl Context {
         let vm = self
             .patch_status(&vm, &status, "recording the claim of")
             .await?;
+        fault::point("claim.recorded");
         tracing::info!(vm = %key(&vm), member = name, node = %node, "claim handed to the node");
         self.note(&vm, Note::normal("Claimed", msg)).await;
         Ok(Claimed::Done(Action::requeue(self.settings.requeue_active)))

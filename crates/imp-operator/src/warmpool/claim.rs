@@ -54,6 +54,22 @@ pub fn step(vm: &ImpVM) -> Step {
     }
 }
 
+/// Claimant `vm`'s spec as its user asked for it: once a member is claimed (its uid written in
+/// `status.warmClaim`), `spec.nodeName` is the claim's own binding to the member's node, not
+/// a field the user set beside `spec.warmPoolRef`.
+pub fn as_asked(vm: &ImpVM) -> imp_api::vm::ImpVMSpec {
+    let mut spec = vm.spec.clone();
+    let claimed = vm
+        .status
+        .as_ref()
+        .and_then(|s| s.warm_claim.as_ref())
+        .is_some_and(|c| c.member_uid.is_some());
+    if claimed {
+        spec.node_name = None;
+    }
+    spec
+}
+
 fn ended(phase: Option<VmPhase>) -> bool {
     matches!(
         phase,

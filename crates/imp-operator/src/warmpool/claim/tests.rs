@@ -207,3 +207,27 @@ fn the_claimant_is_booked_with_its_members_class_network_and_base() {
     unbooked.status.as_mut().unwrap().booking = None;
     assert!(claimed_booking(&unbooked, imp_api::vm::ImpVMSpec::default()).is_none());
 }
+
+/// An operator killed after binding a claimant to its member's node (`claim.placed`) finds
+/// `spec.nodeName` set on restart: its own binding, not a user's field to refuse.
+#[test]
+fn a_claims_own_binding_is_not_the_users_node_name() {
+    let mut bound = claimant(json!({"warmClaim": {"pool": "py", "member": "m1",
+                                                  "memberUID": "uid-m1"}}));
+    bound.spec.node_name = Some("a".into());
+    assert_eq!(as_asked(&bound).node_name, None);
+    assert_eq!(
+        step(&bound),
+        Step::HandOver {
+            member: "m1".into()
+        }
+    );
+    // Set before any member was claimed, it is the user's (refused beside warmPoolRef).
+    let mut asked = claimant(json!({}));
+    asked.spec.node_name = Some("a".into());
+    assert_eq!(as_asked(&asked).node_name.as_deref(), Some("a"));
+    let cold = claimant(json!({"warmClaim": {"pool": "py", "cold": "no ready member"}}));
+    let mut cold = cold;
+    cold.spec.node_name = Some("a".into());
+    assert_eq!(as_asked(&cold).node_name.as_deref(), Some("a"));
+}
