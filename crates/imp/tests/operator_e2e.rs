@@ -48,6 +48,15 @@ struct Operator {
 
 impl Operator {
     async fn start(env: &Env, identity: &str, extra: &[&str]) -> Self {
+        Self::start_with(env, identity, extra, None).await
+    }
+
+    /// An operator that dies by SIGKILL at fault point `point` (`imp_telemetry::fault`).
+    async fn start_dying_at(env: &Env, identity: &str, point: &str) -> Self {
+        Self::start_with(env, identity, &[], Some(point)).await
+    }
+
+    async fn start_with(env: &Env, identity: &str, extra: &[&str], fault: Option<&str>) -> Self {
         let metrics_port = common::free_port();
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_imp"));
         cmd.arg("operator")
@@ -61,12 +70,26 @@ impl Operator {
             .stdout(Stdio::null())
             .stderr(common::logs())
             .kill_on_drop(true);
+        if let Some(point) = fault {
+            cmd.env(imp_telemetry::fault::ENV, point);
+        }
         let child = cmd.spawn().unwrap();
         Self {
             child,
             metrics_port,
             identity: identity.to_owned(),
         }
+    }
+
+    /// Waits until the operator has died by SIGKILL (at its fault point), failing after
+    /// `WAIT_SECS`.
+    async fn died(&mut self, point: &str) {
+        use std::os::unix::process::ExitStatusExt as _;
+        let status = tokio::time::timeout(Duration::from_secs(WAIT_SECS), self.child.wait())
+            .await
+            .unwrap_or_else(|_| panic!("the operator never reached fault point {point}"))
+            .unwrap();
+        assert_eq!(status.signal(), Some(9), "{point}: {status}");
     }
 
     /// SIGKILL, like a crashed pod.
@@ -2177,27 +2200,94 @@ async fn filled_pool(c: &Client, size: i32) -> Vec<ImpVM> {
     placed
 }
 
+/// The operator's fault points in a claim (`imp_operator::vm::claim`), in their order.
+const CLAIM_POINTS: [&str; 7] = [
+    "claim.labelled",
+    "claim.member-marked",
+    "claim.written",
+    "claim.pod-handed",
+    "claim.address-moved",
+    "claim.placed",
+    "claim.recorded",
+];
+
+/// Waits until `n` claimants (`job*`, `step*`) are booked with a member, and returns them.
+async fn booked_claims(c: &Client, n: usize) -> Vec<ImpVM> {
+    common::wait_for(
+        &format!("{n} claims booked"),
+        Duration::from_secs(30),
+        || async {
+            let all = vms(c).list(&ListParams::default()).await.ok()?.items;
+            let booked: Vec<ImpVM> = all
+                .into_iter()
+                .filter(|v| v.name_any().starts_with("job") || v.name_any().starts_with("step"))
+                .filter(|v| {
+                    v.status.as_ref().is_some_and(|s| {
+                        s.booking.is_some()
+                            && s.warm_claim.as_ref().is_some_and(|w| w.member.is_some())
+                    })
+                })
+                .collect();
+            (booked.len() == n).then_some(booked)
+        },
+    )
+    .await
+}
+
+/// Each of `claims` took one of `members` (by uid), none went to two, each is bound to its
+/// member's node and holds its member's reservation Pod and no other, and every marked member
+/// is marked by the claimant that booked it: the set of claims taken `taken`.
+async fn assert_claims_whole(
+    c: &Client,
+    members: &[ImpVM],
+    claims: &[ImpVM],
+) -> std::collections::BTreeSet<String> {
+    let mut taken = std::collections::BTreeSet::new();
+    for job in claims {
+        let claim = job.status.as_ref().unwrap().warm_claim.clone().unwrap();
+        let member = claim.member.unwrap();
+        assert!(taken.insert(member.clone()), "{member} went to two claims");
+        let was = members
+            .iter()
+            .find(|m| m.name_any() == member)
+            .unwrap_or_else(|| panic!("{} took {member}, not a member", job.name_any()));
+        assert_eq!(claim.member_uid, was.uid());
+        assert_eq!(job.spec.node_name.as_deref(), Some("a"));
+        let held = common::reservations_of(c, NS, &job.uid().unwrap()).await;
+        assert_eq!(held, [format!("imp-vm-{member}")], "{}", job.name_any());
+    }
+    for v in vms(c).list(&ListParams::default()).await.unwrap().items {
+        if let Some(by) = v.annotations().get("imp.dev/claimed-by") {
+            let job = claims
+                .iter()
+                .find(|j| &j.name_any() == by)
+                .unwrap_or_else(|| panic!("{} marked by {by}, which booked none", v.name_any()));
+            let claim = job.status.as_ref().unwrap().warm_claim.as_ref().unwrap();
+            assert_eq!(claim.member.as_deref(), Some(v.name_any().as_str()));
+        }
+    }
+    taken
+}
+
 /// Issue 39: the operator killed (SIGKILL) as soon as a claim has marked its first member,
-/// with three claims in flight: once restarted, each claimant has exactly one member, no
-/// member went to two, each claimant is bound to its member's node and holds its member's
-/// reservation Pod and no other. Then the pool's deletion takes its unclaimed members only.
+/// with three claims in flight; then killed by its fault points at each named step of a claim
+/// in turn (`CLAIM_POINTS`). Once restarted, each claimant has exactly one member, no member
+/// went to two, each claimant is bound to its member's node and holds its member's reservation
+/// Pod and no other. Then the pool's deletion takes its unclaimed members only.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_operator_killed_mid_claim_finishes_each_claim_once() {
     let Some(e) = env().await else {
         return;
     };
     let c = &e.client;
-    node(c, "a", "8", "16Gi", true, true).await;
+    node(c, "a", "16", "16Gi", true, true).await;
     class(c, "small", 1, 256).await;
     let mut op = Operator::start(&e, "first", &[]).await;
-    let members_before = filled_pool(c, 3).await;
+    let size = 3 + CLAIM_POINTS.len();
+    let members_before = filled_pool(c, i32::try_from(size).unwrap()).await;
+    let claimant = json!({"templateRef": {"name": "python"}, "warmPoolRef": {"name": "py"}});
     for i in 0..3 {
-        vm(
-            c,
-            &format!("job{i}"),
-            json!({"templateRef": {"name": "python"}, "warmPoolRef": {"name": "py"}}),
-        )
-        .await;
+        vm(c, &format!("job{i}"), claimant.clone()).await;
     }
     common::wait_for(
         "a first member marked",
@@ -2211,43 +2301,24 @@ async fn an_operator_killed_mid_claim_finishes_each_claim_once() {
     )
     .await;
     op.kill9().await;
-    let _op2 = Operator::start(&e, "second", &[]).await;
-    let claims = common::wait_for("three claims booked", Duration::from_secs(30), || async {
-        let all = vms(c).list(&ListParams::default()).await.ok()?.items;
-        let booked: Vec<ImpVM> = all
-            .into_iter()
-            .filter(|v| v.name_any().starts_with("job"))
-            .filter(|v| {
-                v.status.as_ref().is_some_and(|s| {
-                    s.booking.is_some() && s.warm_claim.as_ref().is_some_and(|w| w.member.is_some())
-                })
-            })
-            .collect();
-        (booked.len() == 3).then_some(booked)
-    })
-    .await;
-    let mut taken = std::collections::BTreeSet::new();
-    for job in &claims {
-        let claim = job.status.as_ref().unwrap().warm_claim.clone().unwrap();
-        let member = claim.member.unwrap();
-        assert!(taken.insert(member.clone()), "{member} went to two claims");
-        let was = members_before
-            .iter()
-            .find(|m| m.name_any() == member)
-            .unwrap_or_else(|| panic!("{} took {member}, not a member", job.name_any()));
-        assert_eq!(claim.member_uid, was.uid());
-        assert_eq!(job.spec.node_name.as_deref(), Some("a"));
-        let held = common::reservations_of(c, NS, &job.uid().unwrap()).await;
-        assert_eq!(held, [format!("imp-vm-{member}")], "{}", job.name_any());
+    let mut op = Operator::start(&e, "second", &[]).await;
+    let claims = booked_claims(c, 3).await;
+    assert_claims_whole(c, &members_before, &claims).await;
+    op.kill9().await;
+
+    // Killed at each named step of one claim in turn; the next operator finishes it.
+    for (i, point) in CLAIM_POINTS.iter().enumerate() {
+        let mut dying = Operator::start_dying_at(&e, &format!("dies-{i}"), point).await;
+        vm(c, &format!("step{i}"), claimant.clone()).await;
+        dying.died(point).await;
+        let mut op = Operator::start(&e, &format!("after-{i}"), &[]).await;
+        let claims = booked_claims(c, 4 + i).await;
+        assert_claims_whole(c, &members_before, &claims).await;
+        op.kill9().await;
     }
-    // Every marked member is marked by the claimant that booked it.
-    for v in vms(c).list(&ListParams::default()).await.unwrap().items {
-        if let Some(by) = v.annotations().get("imp.dev/claimed-by") {
-            let job = claims.iter().find(|j| &j.name_any() == by).unwrap();
-            let claim = job.status.as_ref().unwrap().warm_claim.as_ref().unwrap();
-            assert_eq!(claim.member.as_deref(), Some(v.name_any().as_str()));
-        }
-    }
+    let claims = booked_claims(c, size).await;
+    let taken = assert_claims_whole(c, &members_before, &claims).await;
+    let _op = Operator::start(&e, "last", &[]).await;
 
     // Deleting the pool deletes its unclaimed members (the garbage collector follows the
     // pool's owner reference), not the ones claims hold (their owner is the claimant now).

@@ -10,13 +10,14 @@
 //! its own hostname and its own random numbers, each holding the source's data; each
 //! answers a ping from the node and from the other clone and the source.
 //!
-//! The same snapshot then serves a warm pool (issue 39): no member until it is elected the
-//! base; a member restored from it runs under its own name and is replaced when deleted; a VM
-//! with `spec.warmPoolRef` takes over the running member (the same QEMU process, the source's
-//! data, the claimant's hostname, the member's address answering the node, the member's
-//! reservation Pod and no other), the member object goes and the pool refills; a claim booked
-//! while the node's agent is down is finished by the restarted agent; an empty pool gives a
-//! cold start restoring from the base, with a `ColdStart` Event.
+//! The same snapshot then serves a warm pool of two (issue 39): no member until it is elected
+//! the base; members restored from it run under their own names and are replaced when
+//! deleted; a VM with `spec.warmPoolRef` takes over a running member (the same QEMU process,
+//! the source's data, the claimant's hostname, the member's address answering the node, the
+//! member's reservation Pod and no other), the member object goes and the pool refills; a
+//! claim booked while the node's agent is down is finished by the restarted agent, and so is
+//! a claim whose agent dies by SIGKILL at each of its named steps (`imp_telemetry::fault`);
+//! an empty pool gives a cold start restoring from the base, with a `ColdStart` Event.
 //!
 //! Then the node's QEMU changes to Debian's 7.2 (the agent restarted with it; running VMs keep
 //! theirs): a third VM from the same snapshot fails with a Ready condition naming both QEMU
@@ -119,6 +120,69 @@ async fn members(vms: &Api<ImpVM>) -> Vec<ImpVM> {
 
 fn ready_count(p: &ImpWarmPool) -> i32 {
     p.status.as_ref().map_or(0, |s| s.ready_count)
+}
+
+/// A claimant of pool `py` (template `warm`).
+fn claimant(name: &str) -> ImpVM {
+    serde_json::from_value(json!({
+        "apiVersion": "imp.dev/v1alpha1", "kind": "ImpVM",
+        "metadata": {"name": name, "namespace": NS},
+        "spec": {"templateRef": {"name": "warm"}, "warmPoolRef": {"name": "py"}}
+    }))
+    .unwrap()
+}
+
+/// A ready member as a claim may find it: its name, address and QEMU process.
+#[derive(Debug, Clone)]
+struct Member {
+    name: String,
+    ip: String,
+    qemu: u32,
+}
+
+/// Waits until pool `py` holds two ready members, and returns them by uid.
+async fn whole_pool(
+    pools: &Api<ImpWarmPool>,
+    vms: &Api<ImpVM>,
+    a: &Agent,
+) -> std::collections::BTreeMap<String, Member> {
+    wait_pool(pools, "Reconciled", 300, |p| ready_count(p) == 2).await;
+    let mut ready = std::collections::BTreeMap::new();
+    for m in members(vms).await {
+        let uid = m.uid().unwrap();
+        let qemu = common::qemu_of(&a.state, &uid);
+        assert_eq!(qemu.len(), 1, "member {}: {qemu:?}", m.name_any());
+        let member = Member {
+            name: m.name_any(),
+            ip: ip_of(&m),
+            qemu: qemu[0],
+        };
+        ready.insert(uid, member);
+    }
+    ready
+}
+
+/// The member of `ready` that `claimed` took over: its claim names it, and its QEMU process is
+/// the one the claimant runs in, alone.
+fn took_over(
+    claimed: &ImpVM,
+    ready: &std::collections::BTreeMap<String, Member>,
+    a: &Agent,
+) -> Member {
+    let claim = claimed.status.as_ref().unwrap().warm_claim.clone().unwrap();
+    let uid = claim.member_uid.clone().unwrap_or_default();
+    let member = ready
+        .get(&uid)
+        .unwrap_or_else(|| panic!("{} took no ready member: {claim:?}", claimed.name_any()))
+        .clone();
+    assert_eq!(claim.member.as_deref(), Some(member.name.as_str()));
+    assert_eq!(
+        common::qemu_of(&a.state, &uid),
+        [member.qemu],
+        "{} does not run in its member's QEMU process",
+        claimed.name_any()
+    );
+    member
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -271,8 +335,14 @@ async fn two_clones_at_once_share_a_network_and_a_qemu_that_cannot_load_the_snap
         "the clones read the same random bytes"
     );
 
-    // A warm pool of one (issue 39, layer 3): no member until the execution is elected its
-    // base; then a member restored from it runs under its own name, holding the source's
+    // The clones have shown what they show: their guests make room for the pool's.
+    for name in ["c1", "c2"] {
+        vms.delete(name, &Default::default()).await.unwrap();
+        common::wait_vm_gone(&vms, name, 120).await;
+    }
+
+    // A warm pool of two (issue 39, layer 3): no member until the execution is elected its
+    // base; then members restored from it run under their own names, holding the source's
     // data, and a member deleted is replaced.
     common::create_imp(
         &c,
@@ -290,7 +360,7 @@ async fn two_clones_at_once_share_a_network_and_a_qemu_that_cannot_load_the_snap
         "impwarmpools",
         json!({"apiVersion": "imp.dev/v1alpha1", "kind": "ImpWarmPool",
                "metadata": {"name": "py", "namespace": NS},
-               "spec": {"snapshotRef": "base", "templateName": "warm", "size": 1}}),
+               "spec": {"snapshotRef": "base", "templateName": "warm", "size": 2}}),
     )
     .await;
     let pools: Api<ImpWarmPool> = Api::namespaced(c.clone(), NS);
@@ -305,51 +375,43 @@ async fn two_clones_at_once_share_a_network_and_a_qemu_that_cannot_load_the_snap
         )
         .await
         .unwrap();
-    let full = wait_pool(&pools, "Reconciled", 300, |p| ready_count(p) == 1).await;
+    let full = wait_pool(&pools, "Reconciled", 300, |p| ready_count(p) == 2).await;
     assert_eq!(
         full.status.as_ref().unwrap().base_snapshot.as_deref(),
         Some(from.as_str())
     );
     let first = members(&vms).await;
-    assert_eq!(first.len(), 1, "{first:?}");
-    let member = first[0].name_any();
-    assert_eq!(first[0].spec.snapshot_ref.as_deref(), Some(from.as_str()));
-    assert_eq!(
-        exec_in(&alice, NS, &member, "hostname").await.trim(),
-        member
-    );
-    assert_eq!(
-        exec_in(&alice, NS, &member, "md5sum /mnt/t/blob").await,
-        data,
-        "the member lacks the source's data"
-    );
-    vms.delete(&member, &Default::default()).await.unwrap();
+    assert_eq!(first.len(), 2, "{first:?}");
+    for m in &first {
+        let member = m.name_any();
+        assert_eq!(m.spec.snapshot_ref.as_deref(), Some(from.as_str()));
+        assert_eq!(
+            exec_in(&alice, NS, &member, "hostname").await.trim(),
+            member
+        );
+        assert_eq!(
+            exec_in(&alice, NS, &member, "md5sum /mnt/t/blob").await,
+            data,
+            "member {member} lacks the source's data"
+        );
+    }
+    let gone = first[0].name_any();
+    vms.delete(&gone, &Default::default()).await.unwrap();
     // The replacement runs; then (the pool having said Waiting when it made it) the pool is
     // whole again.
-    let second = common::wait_for("a replacement member", Duration::from_secs(300), || async {
+    common::wait_for("a replacement member", Duration::from_secs(300), || async {
         let m = members(&vms).await;
-        (m.len() == 1 && m[0].name_any() != member && phase(&m[0]) == Some(VmPhase::Running))
-            .then_some(m)
+        (m.len() == 2
+            && m.iter()
+                .all(|v| v.name_any() != gone && phase(v) == Some(VmPhase::Running)))
+        .then_some(())
     })
     .await;
-    wait_pool(&pools, "Reconciled", 60, |p| ready_count(p) == 1).await;
 
-    // A claim: VM "job" takes over the running member, the same QEMU process holding the
+    // A claim: VM "job" takes over a running member, the same QEMU process holding the
     // source's data, under its own name and hostname, on the member's address; the member
     // object goes and the pool refills.
-    let taken = vms.get(&second[0].name_any()).await.unwrap();
-    let (taken_name, taken_uid) = (taken.name_any(), taken.uid().unwrap());
-    let taken_ip = ip_of(&taken);
-    let qemu = common::qemu_of(&a.state, &taken_uid);
-    assert_eq!(qemu.len(), 1, "{qemu:?}");
-    let claimant = |name: &str| -> ImpVM {
-        serde_json::from_value(json!({
-            "apiVersion": "imp.dev/v1alpha1", "kind": "ImpVM",
-            "metadata": {"name": name, "namespace": NS},
-            "spec": {"templateRef": {"name": "warm"}, "warmPoolRef": {"name": "py"}}
-        }))
-        .unwrap()
-    };
+    let ready_members = whole_pool(&pools, &vms, &a).await;
     vms.create(&PostParams::default(), &claimant("job"))
         .await
         .unwrap();
@@ -357,14 +419,17 @@ async fn two_clones_at_once_share_a_network_and_a_qemu_that_cannot_load_the_snap
         phase(v) == Some(VmPhase::Running)
     })
     .await;
-    let claim = job.status.as_ref().unwrap().warm_claim.clone().unwrap();
+    let taken = took_over(&job, &ready_members, &a);
+    let (taken_name, taken_ip) = (taken.name.clone(), taken.ip.clone());
     assert_eq!(
-        (
-            claim.member.as_deref(),
-            claim.member_uid.as_deref(),
-            claim.cold
-        ),
-        (Some(taken_name.as_str()), Some(taken_uid.as_str()), None)
+        job.status
+            .as_ref()
+            .unwrap()
+            .warm_claim
+            .as_ref()
+            .unwrap()
+            .cold,
+        None
     );
     assert_eq!(
         ip_of(&job),
@@ -379,11 +444,6 @@ async fn two_clones_at_once_share_a_network_and_a_qemu_that_cannot_load_the_snap
         exec_in(&alice, NS, "job", "md5sum /mnt/t/blob").await,
         data,
         "the claimed VM lacks the source's data"
-    );
-    assert_eq!(
-        common::qemu_of(&a.state, &taken_uid),
-        qemu,
-        "the claim did not keep the member's running QEMU"
     );
     let from_node = topo.exec("a", &["busybox", "ping", "-c", "1", "-W", "10", &taken_ip]);
     assert!(
@@ -404,7 +464,7 @@ async fn two_clones_at_once_share_a_network_and_a_qemu_that_cannot_load_the_snap
     )
     .await;
     wait_pool(&pools, "Reconciled", 300, |p| {
-        ready_count(p) == 1 && p.status.as_ref().is_some_and(|s| s.claimed_count == 1)
+        ready_count(p) == 2 && p.status.as_ref().is_some_and(|s| s.claimed_count == 1)
     })
     .await;
     let events = common::events_of(&c, NS, "job").await;
@@ -418,8 +478,7 @@ async fn two_clones_at_once_share_a_network_and_a_qemu_that_cannot_load_the_snap
 
     // The node's agent down while a claim is booked onto its node: restarted, it finishes the
     // claim (the member's VM, which ran on without it, becomes the claimant's).
-    let member = members(&vms).await.remove(0);
-    let member_uid = member.uid().unwrap();
+    let ready_members = whole_pool(&pools, &vms, &a).await;
     a.kill().await;
     vms.create(&PostParams::default(), &claimant("job2"))
         .await
@@ -441,10 +500,40 @@ async fn two_clones_at_once_share_a_network_and_a_qemu_that_cannot_load_the_snap
         phase(v) == Some(VmPhase::Running)
     })
     .await;
-    let claim = job2.status.as_ref().unwrap().warm_claim.clone().unwrap();
-    assert_eq!(claim.member_uid.as_deref(), Some(member_uid.as_str()));
+    took_over(&job2, &ready_members, &a);
     assert_eq!(exec_in(&alice, NS, "job2", "hostname").await.trim(), "job2");
-    assert_eq!(common::qemu_of(&a.state, &member_uid).len(), 1);
+
+    // The agent killed (SIGKILL, by its fault points) at each named step of a claim on the
+    // node in turn: restarted, it finishes the claim on the member's running VM, one QEMU.
+    let mut done = vec!["job2".to_owned()];
+    for (i, point) in ["claim.spec-written", "claim.tap-rebound", "claim.committed"]
+        .into_iter()
+        .enumerate()
+    {
+        let ready_members = whole_pool(&pools, &vms, &a).await;
+        let kubeconfig = kube.agent_kubeconfig_for(&a.node).await;
+        a.restart_dying_at(point, &kubeconfig, &cache).await;
+        let name = format!("step{i}");
+        vms.create(&PostParams::default(), &claimant(&name))
+            .await
+            .unwrap();
+        a.died(point).await;
+        a.start(&kubeconfig, &cache);
+        let claimed = wait_vm(&vms, &name, "Running after the agent's crash", 120, |v| {
+            phase(v) == Some(VmPhase::Running)
+        })
+        .await;
+        let member = took_over(&claimed, &ready_members, &a);
+        assert_eq!(ip_of(&claimed), member.ip, "{point}");
+        assert_eq!(
+            exec_in(&alice, NS, &name, "hostname").await.trim(),
+            name,
+            "{point}"
+        );
+        let from_node = topo.exec("a", &["busybox", "ping", "-c", "1", "-W", "10", &member.ip]);
+        assert!(from_node.status.success(), "{point}: {}", text(&from_node));
+        done.push(name);
+    }
 
     // An empty pool: the claim starts cold, restoring from the base, and says so.
     pools
@@ -489,8 +578,11 @@ async fn two_clones_at_once_share_a_network_and_a_qemu_that_cannot_load_the_snap
         "{events:?}"
     );
     // Room on the node for what follows.
-    for name in ["job2", "cold"] {
+    done.push("cold".to_owned());
+    for name in &done {
         vms.delete(name, &Default::default()).await.unwrap();
+    }
+    for name in &done {
         common::wait_vm_gone(&vms, name, 120).await;
     }
     pools
@@ -554,7 +646,7 @@ async fn two_clones_at_once_share_a_network_and_a_qemu_that_cannot_load_the_snap
         "{status:?}"
     );
     assert_eq!(status.ready_count, 0);
-    for name in ["src", "c1", "c2", "job"] {
+    for name in ["src", "job"] {
         assert_eq!(
             phase(&vms.get(name).await.unwrap()),
             Some(VmPhase::Running),

@@ -753,6 +753,15 @@ impl Container {
         }
     }
 
+    /// Waits (at most `within`) for the process to end by itself and returns how it ended.
+    pub async fn exited(&mut self, within: Duration) -> std::process::ExitStatus {
+        let mut c = self.child.take().expect("a process to wait for");
+        tokio::time::timeout(within, c.wait())
+            .await
+            .expect("the process did not end in time")
+            .expect("waiting for a test process")
+    }
+
     /// Kills every process in the cgroup and reaps the child.
     pub async fn kill_all(&mut self) {
         let cg = self.cgroup.clone();

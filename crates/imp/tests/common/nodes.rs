@@ -7,6 +7,7 @@
 use std::net::Ipv4Addr;
 use std::path::{Path, PathBuf};
 use std::process::{Output, Stdio};
+use std::time::Duration;
 
 use imp_testenv::registry::scratch_dir;
 use tokio::process::Command;
@@ -285,6 +286,22 @@ impl Agent {
     /// SIGKILL, as a crashed container; its VMs live on under their shims.
     pub async fn kill(&mut self) {
         self.container.kill().await;
+    }
+
+    /// Restarts the agent to die by SIGKILL at fault point `point` (`imp_telemetry::fault`).
+    pub async fn restart_dying_at(&mut self, point: &str, kubeconfig: &Path, cache: &Path) {
+        self.kill().await;
+        self.env
+            .push((imp_telemetry::fault::ENV.into(), point.into()));
+        self.start(kubeconfig, cache);
+        self.env.retain(|(k, _)| k != imp_telemetry::fault::ENV);
+    }
+
+    /// Waits until the agent has died by SIGKILL (at its fault point `point`).
+    pub async fn died(&mut self, point: &str) {
+        use std::os::unix::process::ExitStatusExt as _;
+        let status = self.container.exited(Duration::from_secs(120)).await;
+        assert_eq!(status.signal(), Some(9), "agent at {point}: {status}");
     }
 
     /// Kills every process in the agent's cgroup, as a container runtime does on restart.
