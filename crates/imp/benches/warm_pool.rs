@@ -251,6 +251,7 @@ async fn main() {
         planes.push(plane);
         ratios.push(ratio);
     }
+    waiting_member_costs(&c, &vms, &agent).await;
     let ratio = median(&mut ratios);
     let plane = median(&mut planes);
     println!("  median claim / cold create: {ratio:.3} (aim: at most 0.1)");
@@ -278,4 +279,61 @@ async fn main() {
     let _ = std::fs::remove_dir_all(&store);
     let _ = std::fs::remove_dir_all(&layout);
     let _ = std::fs::remove_dir_all(&cache);
+}
+
+/// What a ready member costs while it waits for a claim (issue 39's question: running or
+/// paused members): the CPU its QEMU uses over 5 s idle, and its memory (resident, and the part
+/// of it that is its own: the private dirty pages; the rest is the base's image, mapped and
+/// shared through the page cache). A paused member would save the CPU only; a suspended one
+/// the memory too, but its claim is then a restore (the cold claim above).
+async fn waiting_member_costs(c: &kube::Client, vms: &Api<ImpVM>, agent: &Agent) {
+    pool_at(c, vms, 1).await;
+    let member = vms
+        .list(&ListParams::default().labels("imp.dev/warm-pool=py"))
+        .await
+        .unwrap()
+        .items
+        .remove(0);
+    let qemu = common::qemu_of(&agent.state, &member.uid().unwrap());
+    assert_eq!(qemu.len(), 1, "{qemu:?}");
+    let pid = qemu[0];
+    let before = cpu_ticks(pid);
+    let t = Instant::now();
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let used = (cpu_ticks(pid) - before) as f64 / clock_ticks() / t.elapsed().as_secs_f64();
+    let (rss, private) = (smaps_kib(pid, "Rss:"), smaps_kib(pid, "Private_Dirty:"));
+    println!(
+        "  a ready member waiting: {:.1} % of a CPU idle; {:.0} MiB resident, {:.0} MiB of it its own",
+        used * 100.0,
+        rss / 1024.0,
+        private / 1024.0
+    );
+    figure("warm pool: a waiting member's CPU", used * 100.0, "%", "");
+    figure("warm pool: a waiting member's own memory", private / 1024.0, "MiB", "");
+}
+
+/// User and system CPU time of process `pid`, in clock ticks.
+fn cpu_ticks(pid: u32) -> u64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    let after = &stat[stat.rfind(')').unwrap() + 2..];
+    let fields: Vec<&str> = after.split_whitespace().collect();
+    // utime and stime are fields 14 and 15 of stat(5), 12 and 13 after the command's ')'.
+    fields[11].parse::<u64>().unwrap() + fields[12].parse::<u64>().unwrap()
+}
+
+fn clock_ticks() -> f64 {
+    nix::unistd::sysconf(nix::unistd::SysconfVar::CLK_TCK)
+        .ok()
+        .flatten()
+        .map_or(100.0, |t| t as f64)
+}
+
+/// Field `key` of process `pid`'s `smaps_rollup`, in KiB.
+fn smaps_kib(pid: u32, key: &str) -> f64 {
+    std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup"))
+        .unwrap()
+        .lines()
+        .find_map(|l| l.strip_prefix(key))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        .unwrap()
 }

@@ -3,7 +3,8 @@
 //! from the API, so a claim interrupted anywhere (the operator killed) resumes where it
 //! stopped; none waits on anything but its own writes. Fault points
 //! (`imp_telemetry::fault`) after each write, for the crash tests: `claim.labelled`,
-//! `claim.member-marked`, `claim.written`, `claim.pod-handed`, `claim.address-moved`,
+//! `claim.member-marked`, `claim.written`, `claim.pod-handed` (the Pod's patch, while the
+//! address may be moving), `claim.address-moved` (both done),
 //! `claim.placed`, `claim.recorded`.
 
 use imp_api::conditions::{ConditionReason, ConditionType};
@@ -72,7 +73,7 @@ impl Context {
         }
         match decide::step(&vm) {
             Step::NotClaiming => Ok(Claimed::Continue(Box::new(vm))),
-            Step::Choose => self.choose_member(vm, &pool).await,
+            Step::Choose => self.choose_member(vm, &pool, r).await,
             Step::HandOver { member } => self.hand_over(vm, &pool, &member, r).await,
         }
     }
@@ -87,7 +88,12 @@ impl Context {
 
     /// Marks a ready member of `pool` taken by `vm` and writes the claim, or writes why `vm`
     /// starts cold. The claimant is labelled first, so the pool sees a claim in flight.
-    async fn choose_member(&self, vm: ImpVM, pool: &ImpWarmPool) -> Result<Claimed, Error> {
+    async fn choose_member(
+        &self,
+        vm: ImpVM,
+        pool: &ImpWarmPool,
+        r: &Resolved,
+    ) -> Result<Claimed, Error> {
         let vm = self.label_claimant(vm, pool).await?;
         fault::point("claim.labelled");
         let ns = vm.namespace().unwrap_or_default();
@@ -103,6 +109,7 @@ impl Context {
             let why = decide::cold_reason(pool, &members);
             return self.go_cold(vm, pool, why).await;
         };
+        let mut marked = member.clone();
         if !decide::marked_by(member, &vm) {
             let body = decide::take_member(member, &vm);
             match vms
@@ -113,7 +120,7 @@ impl Context {
                 )
                 .await
             {
-                Ok(_) => {}
+                Ok(written) => marked = written,
                 // Taken or changed meanwhile: choose again on a fresh list.
                 Err(kube::Error::Api(s)) if s.code == 409 || s.code == 404 => {
                     return Ok(Claimed::Done(Action::requeue(
@@ -126,7 +133,16 @@ impl Context {
         }
         let claim = decide::claim_of(pool, Some(member), None, now);
         tracing::info!(vm = %key(&vm), pool = %pool.name_any(), member = %member.name_any(), "claimed a running member");
-        self.write_claim(vm, claim).await
+        // Straight on to the hand-over with the member as the mark returned it: no second
+        // reconcile, no second read of the pool or the member.
+        match self.write_claim(vm, claim).await? {
+            Claimed::Continue(vm) => {
+                let name = marked.name_any();
+                self.hand_over_member(*vm, pool, &name, Some(marked), r)
+                    .await
+            }
+            done @ Claimed::Done(_) => Ok(done),
+        }
     }
 
     /// Labels `vm` with the pool it claims from (its `claimedCount`, and the watch that tells
@@ -183,6 +199,18 @@ impl Context {
             .get_opt(name)
             .await
             .map_err(api_err("reading the claimed member of", &vm))?;
+        self.hand_over_member(vm, pool, name, member, r).await
+    }
+
+    /// [`Self::hand_over`] with `member` as read (the member object named `name`, if any).
+    async fn hand_over_member(
+        &self,
+        vm: ImpVM,
+        pool: &ImpWarmPool,
+        name: &str,
+        member: Option<ImpVM>,
+        r: &Resolved,
+    ) -> Result<Claimed, Error> {
         let claim = vm.status.as_ref().and_then(|s| s.warm_claim.clone());
         let member = member.filter(|m| {
             m.uid() == claim.as_ref().and_then(|c| c.member_uid.clone())
@@ -211,9 +239,13 @@ impl Context {
             );
             return self.refuse_claim(vm, why).await;
         }
-        self.move_reservation(&vm, &member).await?;
-        fault::point("claim.pod-handed");
-        let ip = self.move_address(&vm, &member).await?;
+        // The Pod and the address are handed over together: neither reads the other.
+        let (moved, ip) = tokio::join!(
+            self.move_reservation(&vm, &member),
+            self.move_address(&vm, &member)
+        );
+        moved?;
+        let ip = ip?;
         fault::point("claim.address-moved");
         let vm = if vm.spec.node_name.is_none() {
             let size = member
@@ -291,6 +323,7 @@ impl Context {
         pods.patch(&name, &super::write::patch_params(), &Patch::Merge(&body))
             .await
             .map_err(api_err("handing the member's reservation Pod to", vm))?;
+        fault::point("claim.pod-handed");
         tracing::info!(vm = %key(vm), pod = %name, "reservation Pod handed over");
         Ok(())
     }

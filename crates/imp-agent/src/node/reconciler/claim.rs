@@ -53,11 +53,14 @@ pub(super) async fn take_over(
         return fall_back(ctx, vm, uid, found.map(|(r, _)| r), &why).await;
     };
     match hand_over(ctx, vm, uid, record).await {
-        Ok((guest_ms, taken)) => {
+        Ok((took, taken)) => {
             // Reported at once, as the claimant's next reconcile would: a claim is waited on.
+            let reported = Instant::now();
             write_report(ctx, vm, Report::Running, Some(&taken)).await?;
+            let report_ms = reported.elapsed().as_millis();
             let total = t.elapsed().as_millis();
-            tracing::info!(vm = %key(vm), node = %ctx.settings.node, member, guest_ms, total_ms = total, "took over a warm pool's running member");
+            let Took { spec_ms, net_ms, shim_ms, guest_ms } = took;
+            tracing::info!(vm = %key(vm), node = %ctx.settings.node, member, spec_ms, net_ms, shim_ms, guest_ms, report_ms, total_ms = total, "took over a warm pool's running member");
             let note = format!(
                 "took over the running VM of member {} on node {}; {total} ms on the node \
                  ({guest_ms} ms for the guest's new identity)",
@@ -75,15 +78,27 @@ pub(super) async fn take_over(
     }
 }
 
-/// The node's steps of a claim of `record` (the member's running VM) by `vm`: the guest's
-/// identity step's milliseconds and the record as committed, or why it could not be handed
-/// over.
+/// Milliseconds of the node's steps of a claim, for its log line.
+struct Took {
+    /// Rewriting the VM's spec.
+    spec_ms: u128,
+    /// Renaming its TAP and loading its port's rules.
+    net_ms: u128,
+    /// The shim's hand-over, the guest's step included.
+    shim_ms: u128,
+    /// The guest's identity step alone, as the shim measured it.
+    guest_ms: u64,
+}
+
+/// The node's steps of a claim of `record` (the member's running VM) by `vm`: what each took
+/// and the record as committed, or why it could not be handed over.
 async fn hand_over(
     ctx: &Context,
     vm: &ImpVM,
     uid: &str,
     record: &VmRecord,
-) -> Result<(u64, VmRecord), String> {
+) -> Result<(Took, VmRecord), String> {
+    let t = Instant::now();
     let id = record.name.clone();
     let Some(mut spec) = ctx.shims.spec(&id).await else {
         return Err(format!("member VM {id} has no readable spec"));
@@ -117,10 +132,14 @@ async fn hand_over(
         .await
         .map_err(|e| format!("writing the claimant's spec: {}", imp_api::chain::chain(&e)))?;
     fault::point("claim.spec-written");
+    let spec_ms = t.elapsed().as_millis();
+    let t = Instant::now();
     if let (Some(a), Some(net)) = (&attachment, net) {
         net.rebind(&id, a.clone()).await?;
     }
     fault::point("claim.tap-rebound");
+    let net_ms = t.elapsed().as_millis();
+    let t = Instant::now();
     let identity = imp_proto::message::Identity {
         hostname: Some(name),
         mac: attachment.as_ref().map(|a| a.mac.clone()),
@@ -131,7 +150,13 @@ async fn hand_over(
         Ok(Some(outcome)) => {
             fault::point("claim.committed");
             ctx.vms.observe(&outcome.record, true);
-            Ok((outcome.guest_ms, outcome.record))
+            let took = Took {
+                spec_ms,
+                net_ms,
+                shim_ms: t.elapsed().as_millis(),
+                guest_ms: outcome.guest_ms,
+            };
+            Ok((took, outcome.record))
         }
         Ok(None) => Err(format!(
             "the shim of member VM {id} has no API to hand its VM over with"

@@ -564,3 +564,25 @@ fn claimed_counts_the_claimants_that_took_a_member() {
     ];
     assert_eq!(c.plan().status.claimed_count, 1);
 }
+
+#[test]
+fn a_claim_in_flight_defers_its_replacement_for_five_seconds_from_the_claimants_creation() {
+    let mut c = Case::new(2, vec![taken("py-a", "job"), running("py-b", 1, "e1")]);
+    let mut job = claimant("job", "Scheduled", Some("py-a"));
+    job.metadata.creation_timestamp = Some(Time(t(98)));
+    c.claimants = vec![job.clone()];
+    // Being handed over: no replacement yet, a look again when it is due.
+    let p = c.plan();
+    assert!(p.create.is_empty() && p.delete.is_empty(), "{p:?}");
+    assert_eq!(p.requeue_at, Some(t(103)));
+    assert_eq!(p.status.ready_count, 1);
+    // Due (the claim is slow: its agent is down): the pool refills.
+    c.now = t(103);
+    assert_eq!(c.plan().create.len(), 1);
+    // Over before that: the member goes and the pool refills at once.
+    c.now = t(100);
+    job.status.as_mut().unwrap().phase = Some(VmPhase::Running);
+    c.claimants = vec![job];
+    let p = c.plan();
+    assert_eq!((deleted(&p), p.create.len()), (vec!["py-a"], 1));
+}
