@@ -17,6 +17,12 @@ pub const LABEL_WARM_POOL: &str = "imp.dev/warm-pool";
 /// member's owner reference). The pool no longer counts it and deletes it once the claimant
 /// runs, or when the claim is given up.
 pub const ANNOTATION_CLAIMED_BY: &str = "imp.dev/claimed-by";
+/// Annotation on an ImpWarmPool, copied onto its members: how a ready member waits for its
+/// claim. `paused` (the default: its vCPUs stopped, no CPU spent, the claim resumes it) or
+/// `running` (for a workload that must go on working while it waits).
+pub const ANNOTATION_MEMBER_STATE: &str = "imp.dev/member-state";
+/// [`ANNOTATION_MEMBER_STATE`]'s value that keeps members running.
+pub const MEMBER_STATE_RUNNING: &str = "running";
 /// Label on a VM that took over a warm pool's member, naming the pool (its `claimedCount`).
 pub const LABEL_CLAIMED_FROM: &str = "imp.dev/claimed-from";
 /// Label on a runner VM naming its ImpVMRunnerPool.

@@ -2,14 +2,16 @@
 //! namespace, with QEMU 10 (restored memory mapped from the snapshot's image), a 256 MiB guest
 //! and a pool of one, measured per round, each from the ImpVM's create until a watch sees it
 //! `Running`:
-//! - claim: a VM with `spec.warmPoolRef` takes over the pool's running member;
+//! - claim: a VM with `spec.warmPoolRef` takes over the pool's member, waiting paused (the
+//!   default) and, the pool annotated `imp.dev/member-state: running`, waiting running;
 //! - cold create: a plain VM of the same template boots from its image;
 //! - cold claim: the pool empty, the claim restores from the pool's base;
 //! - the claim's control-plane part: the claim minus the guest's identity step (the shim's
 //!   `guest_ms`, from the claimant's `Claimed` Event).
 //!
 //! It prints each round, the medians, claim / cold create (aim: at most 0.1) and the
-//! control-plane part (aim: at most 50 ms). `cargo bench -p imp --bench warm_pool` (10 rounds),
+//! control-plane part (aim: at most 50 ms), and what a member waiting paused or running costs
+//! (CPU over 5 s, its own memory). `cargo bench -p imp --bench warm_pool` (10 rounds),
 //! or `cargo test -p imp --bench warm_pool` for a debug build (3 rounds, as CI runs it);
 //! `IMP_BENCH_ROUNDS` sets the rounds. Needs what `snapshot_clones_e2e` needs (root, iproute2,
 //! nftables, QEMU 10, the guest kernel and init); without it, it skips on a developer machine
@@ -218,15 +220,33 @@ async fn main() {
     println!(
         "warm pool, 256 MiB guest under QEMU 10 ({rounds} rounds; create -> Running seen by a watch):"
     );
-    let (mut claims, mut colds, mut cold_claims, mut planes, mut ratios) =
-        (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let (mut claims, mut running_claims, mut colds, mut cold_claims, mut planes, mut ratios) = (
+        Vec::new(),
+        Vec::new(),
+        Vec::new(),
+        Vec::new(),
+        Vec::new(),
+        Vec::new(),
+    );
+    let ms = |d: Duration| d.as_secs_f64() * 1e3;
     for i in 1..=rounds {
         // One guest besides the source at a time: the pool's member, then the VM measured.
+        // A member waiting paused (the default), claimed; its replacement waits running (the
+        // pool's annotation, set before the claim makes it), claimed in turn.
+        member_state(&c, None).await;
         pool_at(&c, &vms, 1).await;
+        waiting(&vms, &agent, true).await;
+        member_state(&c, Some("running")).await;
         let name = format!("claim-{i}");
         let claim = create_until_running(&vms, &vm(&name, claimant.clone())).await;
         let guest = guest_ms(&c, &name).await;
         delete(&vms, &name).await;
+        pool_at(&c, &vms, 1).await;
+        waiting(&vms, &agent, false).await;
+        let name = format!("claim-running-{i}");
+        let running_claim = create_until_running(&vms, &vm(&name, claimant.clone())).await;
+        delete(&vms, &name).await;
+        member_state(&c, None).await;
         pool_at(&c, &vms, 0).await;
         let name = format!("plain-{i}");
         let cold = create_until_running(&vms, &vm(&name, plain.clone())).await;
@@ -234,29 +254,46 @@ async fn main() {
         let name = format!("empty-{i}");
         let cold_claim = create_until_running(&vms, &vm(&name, claimant.clone())).await;
         delete(&vms, &name).await;
-        let ms = |d: Duration| d.as_secs_f64() * 1e3;
         let plane = ms(claim) - guest;
         let ratio = claim.as_secs_f64() / cold.as_secs_f64();
         println!(
-            "  round {i}: claim -> Running {:.0} ms (guest's identity {guest:.0} ms, control \
-             plane {plane:.0} ms) | cold create {:.0} ms | cold claim (empty pool) {:.0} ms | \
-             claim / cold create {ratio:.3}",
+            "  round {i}: claim of a paused member -> Running {:.0} ms (guest's identity {guest:.0} \
+             ms, control plane {plane:.0} ms) | of a running member {:.0} ms | cold create {:.0} \
+             ms | cold claim (empty pool) {:.0} ms | claim / cold create {ratio:.3}",
             ms(claim),
+            ms(running_claim),
             ms(cold),
             ms(cold_claim),
         );
         claims.push(ms(claim));
+        running_claims.push(ms(running_claim));
         colds.push(ms(cold));
         cold_claims.push(ms(cold_claim));
         planes.push(plane);
         ratios.push(ratio);
     }
-    waiting_member_costs(&c, &vms, &agent).await;
+    for paused in [true, false] {
+        member_state(&c, (!paused).then_some("running")).await;
+        pool_at(&c, &vms, 1).await;
+        waiting_member_costs(&vms, &agent, paused).await;
+        pool_at(&c, &vms, 0).await;
+    }
     let ratio = median(&mut ratios);
     let plane = median(&mut planes);
     println!("  median claim / cold create: {ratio:.3} (aim: at most 0.1)");
     println!("  median control-plane part of a claim: {plane:.0} ms (aim: at most 50 ms)");
-    figure("warm pool: claim -> Running", median(&mut claims), "ms", "");
+    figure(
+        "warm pool: claim of a paused member -> Running",
+        median(&mut claims),
+        "ms",
+        "",
+    );
+    figure(
+        "warm pool: claim of a running member -> Running",
+        median(&mut running_claims),
+        "ms",
+        "",
+    );
     figure(
         "warm pool: cold create -> Running, same template",
         median(&mut colds),
@@ -281,35 +318,77 @@ async fn main() {
     let _ = std::fs::remove_dir_all(&cache);
 }
 
-/// What a ready member costs while it waits for a claim (issue 39's question: running or
-/// paused members): the CPU its QEMU uses over 5 s idle, and its memory (resident, and the part
-/// of it that is its own: the private dirty pages; the rest is the base's image, mapped and
-/// shared through the page cache). A paused member would save the CPU only; a suspended one
-/// the memory too, but its claim is then a restore (the cold claim above).
-async fn waiting_member_costs(c: &kube::Client, vms: &Api<ImpVM>, agent: &Agent) {
-    pool_at(c, vms, 1).await;
-    let member = vms
+/// Sets (or, with `None`, removes) the pool's `imp.dev/member-state`, which the members it
+/// makes from now on carry.
+async fn member_state(c: &kube::Client, state: Option<&str>) {
+    Api::<ImpWarmPool>::namespaced(c.clone(), NS)
+        .patch(
+            "py",
+            &PatchParams::default(),
+            &Patch::Merge(&json!({"metadata": {"annotations": {"imp.dev/member-state": state}}})),
+        )
+        .await
+        .unwrap();
+}
+
+/// Waits until the pool's one member waits paused (or running, with `paused` false), as the
+/// agent's record of it says; returns its QEMU's pid.
+async fn waiting(vms: &Api<ImpVM>, agent: &Agent, paused: bool) -> u32 {
+    let uid = vms
         .list(&ListParams::default().labels("imp.dev/warm-pool=py"))
         .await
         .unwrap()
         .items
-        .remove(0);
-    let qemu = common::qemu_of(&agent.state, &member.uid().unwrap());
+        .remove(0)
+        .uid()
+        .unwrap();
+    let record = agent.state.join("vms").join(&uid).join("vm.json");
+    common::wait_for(
+        &format!("the member waiting paused: {paused}"),
+        Duration::from_secs(60),
+        || async {
+            let r: serde_json::Value =
+                serde_json::from_slice(&std::fs::read(&record).ok()?).ok()?;
+            (r["paused"].as_bool().unwrap_or(false) == paused).then_some(())
+        },
+    )
+    .await;
+    let qemu = common::qemu_of(&agent.state, &uid);
     assert_eq!(qemu.len(), 1, "{qemu:?}");
-    let pid = qemu[0];
+    qemu[0]
+}
+
+/// What a ready member costs while it waits for a claim, paused or running (issue 39's Q1):
+/// the CPU its QEMU uses over 5 s, and its memory (resident, and the part of it that is its
+/// own: the private dirty pages; the rest is the base's image, mapped and shared through the
+/// page cache). A suspended member would save the memory too, but its claim is a restore (the
+/// cold claim above).
+async fn waiting_member_costs(vms: &Api<ImpVM>, agent: &Agent, paused: bool) {
+    let pid = waiting(vms, agent, paused).await;
     let before = cpu_ticks(pid);
     let t = Instant::now();
     tokio::time::sleep(Duration::from_secs(5)).await;
     let used = (cpu_ticks(pid) - before) as f64 / clock_ticks() / t.elapsed().as_secs_f64();
     let (rss, private) = (smaps_kib(pid, "Rss:"), smaps_kib(pid, "Private_Dirty:"));
+    let how = if paused { "paused" } else { "running" };
     println!(
-        "  a ready member waiting: {:.1} % of a CPU idle; {:.0} MiB resident, {:.0} MiB of it its own",
+        "  a ready member waiting {how}: {:.1} % of a CPU; {:.0} MiB resident, {:.0} MiB of it its own",
         used * 100.0,
         rss / 1024.0,
         private / 1024.0
     );
-    figure("warm pool: a waiting member's CPU", used * 100.0, "%", "");
-    figure("warm pool: a waiting member's own memory", private / 1024.0, "MiB", "");
+    figure(
+        &format!("warm pool: a member waiting {how}: CPU"),
+        used * 100.0,
+        "%",
+        "",
+    );
+    figure(
+        &format!("warm pool: a member waiting {how}: own memory"),
+        private / 1024.0,
+        "MiB",
+        "",
+    );
 }
 
 /// User and system CPU time of process `pid`, in clock ticks.

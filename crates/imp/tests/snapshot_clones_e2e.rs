@@ -12,7 +12,9 @@
 //!
 //! The same snapshot then serves a warm pool of two (issue 39): no member until it is elected
 //! the base; members restored from it run under their own names and are replaced when
-//! deleted; a VM with `spec.warmPoolRef` takes over a running member (the same QEMU process,
+//! deleted; they wait running while the pool says `imp.dev/member-state: running`, else paused
+//! (their records say so); a VM with `spec.warmPoolRef` takes over a member, resumed (the same
+//! QEMU process,
 //! the source's data, the claimant's hostname, the member's address answering the node, the
 //! member's reservation Pod and no other), the member object goes and the pool refills; a
 //! claim booked while the node's agent is down is finished by the restarted agent, and so is
@@ -140,13 +142,26 @@ struct Member {
     qemu: u32,
 }
 
-/// Waits until pool `py` holds two ready members, and returns them by uid.
+/// Whether the agent's record of VM `uid` says its vCPUs are paused.
+fn paused(a: &Agent, uid: &str) -> bool {
+    let record = std::fs::read(a.state.join("vms").join(uid).join("vm.json")).unwrap_or_default();
+    serde_json::from_slice::<serde_json::Value>(&record)
+        .is_ok_and(|r| r["paused"] == serde_json::Value::Bool(true))
+}
+
+/// Waits until pool `py` holds two ready members, each waiting paused, and returns them by
+/// uid.
 async fn whole_pool(
     pools: &Api<ImpWarmPool>,
     vms: &Api<ImpVM>,
     a: &Agent,
 ) -> std::collections::BTreeMap<String, Member> {
     wait_pool(pools, "Reconciled", 300, |p| ready_count(p) == 2).await;
+    common::wait_for("the members paused", Duration::from_secs(60), || async {
+        let m = members(vms).await;
+        (m.len() == 2 && m.iter().all(|v| paused(a, &v.uid().unwrap()))).then_some(())
+    })
+    .await;
     let mut ready = std::collections::BTreeMap::new();
     for m in members(vms).await {
         let uid = m.uid().unwrap();
@@ -359,7 +374,8 @@ async fn two_clones_at_once_share_a_network_and_a_qemu_that_cannot_load_the_snap
         "ImpWarmPool",
         "impwarmpools",
         json!({"apiVersion": "imp.dev/v1alpha1", "kind": "ImpWarmPool",
-               "metadata": {"name": "py", "namespace": NS},
+               "metadata": {"name": "py", "namespace": NS,
+                            "annotations": {"imp.dev/member-state": "running"}},
                "spec": {"snapshotRef": "base", "templateName": "warm", "size": 2}}),
     )
     .await;
@@ -395,17 +411,34 @@ async fn two_clones_at_once_share_a_network_and_a_qemu_that_cannot_load_the_snap
             "member {member} lacks the source's data"
         );
     }
-    let gone = first[0].name_any();
-    vms.delete(&gone, &Default::default()).await.unwrap();
-    // The replacement runs; then (the pool having said Waiting when it made it) the pool is
+    // Kept running (the pool's annotation): exec answered, the records say not paused.
+    assert!(first.iter().all(|m| !paused(&a, &m.uid().unwrap())));
+    // Without it, members wait paused: both deleted, their replacements run, then pause.
+    pools
+        .patch(
+            "py",
+            &PatchParams::default(),
+            &Patch::Merge(&json!({"metadata": {"annotations": {"imp.dev/member-state": null}}})),
+        )
+        .await
+        .unwrap();
+    let gone: Vec<String> = first.iter().map(ResourceExt::name_any).collect();
+    for name in &gone {
+        vms.delete(name, &Default::default()).await.unwrap();
+    }
+    // The replacements run; then (the pool having said Waiting when it made them) the pool is
     // whole again.
-    common::wait_for("a replacement member", Duration::from_secs(300), || async {
-        let m = members(&vms).await;
-        (m.len() == 2
-            && m.iter()
-                .all(|v| v.name_any() != gone && phase(v) == Some(VmPhase::Running)))
-        .then_some(())
-    })
+    common::wait_for(
+        "the replacement members",
+        Duration::from_secs(300),
+        || async {
+            let m = members(&vms).await;
+            (m.len() == 2
+                && m.iter()
+                    .all(|v| !gone.contains(&v.name_any()) && phase(v) == Some(VmPhase::Running)))
+            .then_some(())
+        },
+    )
     .await;
 
     // A claim: VM "job" takes over a running member, the same QEMU process holding the
@@ -420,6 +453,17 @@ async fn two_clones_at_once_share_a_network_and_a_qemu_that_cannot_load_the_snap
     })
     .await;
     let taken = took_over(&job, &ready_members, &a);
+    let taken_uid = job
+        .status
+        .as_ref()
+        .unwrap()
+        .warm_claim
+        .as_ref()
+        .unwrap()
+        .member_uid
+        .clone()
+        .unwrap();
+    assert!(!paused(&a, &taken_uid), "the claimed VM is still paused");
     let (taken_name, taken_ip) = (taken.name.clone(), taken.ip.clone());
     assert_eq!(
         job.status

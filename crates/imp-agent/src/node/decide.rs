@@ -52,6 +52,9 @@ pub struct Observed {
     /// A warm pool's member taken by a claim (`imp.dev/claimed-by`): its VM is, or is becoming,
     /// its claimant's, so having no record of its own is no loss.
     pub claimed: bool,
+    /// A warm pool's member not taken, meant to run (not suspended or ScaleToZero), `Running`
+    /// and `Ready`: it waits for a claim with its vCPUs paused.
+    pub pause_wanted: bool,
 }
 
 /// The VM's local state: its record and whether its shim still runs.
@@ -69,6 +72,9 @@ pub struct Local<'a> {
     pub idle: bool,
     /// Scale-to-zero: a frame for the sleeping VM arrived (its sleeper holds it).
     pub woken: bool,
+    /// Its shim refused to pause it (a shim of an earlier release, or its VMM could not): it
+    /// is not asked again.
+    pub pause_refused: bool,
 }
 
 impl Local<'_> {
@@ -117,6 +123,9 @@ pub enum Decision {
         /// The member's uid.
         member: String,
     },
+    /// A warm pool's member ready for a claim: ask its shim to pause its vCPUs (a claim
+    /// resumes them).
+    Pause,
 }
 
 /// A status the record calls for.
@@ -208,6 +217,11 @@ pub fn decide(vm: &Observed, local: Option<Local<'_>>) -> Decision {
     {
         return Decision::ColdBoot { why };
     }
+    if let Some(l) = local
+        && pause(vm, l)
+    {
+        return Decision::Pause;
+    }
     match local {
         // Another attempt (a restart), or the same with a changed spec rolled in: the boot
         // that runs gives way to the new one.
@@ -266,6 +280,17 @@ fn suspend_or_resume(vm: &Observed, l: Local<'_>) -> Option<Decision> {
         VmStatus::Suspended if wake && !l.shim_alive => Some(Decision::Resume),
         _ => None,
     }
+}
+
+/// Whether a member waiting for a claim is to be paused now: it runs (its record and the API
+/// agree), its shim lives, and it is neither paused already nor refused.
+fn pause(vm: &Observed, l: Local<'_>) -> bool {
+    vm.pause_wanted
+        && vm.phase == VmPhase::Running
+        && l.shim_alive
+        && l.record.status == VmStatus::Running
+        && !l.record.paused
+        && !l.pause_refused
 }
 
 /// Why the VM's restore failed, when the user wants a cold boot instead of a failed VM.
@@ -459,6 +484,7 @@ pub(crate) mod tests {
             cold_boot_fallback: false,
             claim: None,
             claimed: false,
+            pause_wanted: false,
         }
     }
 
@@ -538,6 +564,7 @@ pub(crate) mod tests {
             timings: Default::default(),
             suspend: None,
             suspend_failure: None,
+            paused: false,
             owner: Some(Owner {
                 namespace: "ns".into(),
                 name: "vm".into(),
@@ -556,6 +583,7 @@ pub(crate) mod tests {
             suspend_retry_secs: 60,
             idle: false,
             woken: false,
+            pause_refused: false,
         })
     }
 
@@ -613,6 +641,49 @@ pub(crate) mod tests {
         by_hand.suspend_wanted = true;
         assert!(!wants_sleeper(&by_hand, local(&sleeping, false)));
         assert_ne!(decide(&by_hand, Some(woken)), Decision::Resume);
+    }
+
+    #[test]
+    fn a_ready_member_is_paused_once_and_a_claim_or_a_refusal_ends_it() {
+        let member = Observed {
+            pause_wanted: true,
+            ..vm(VmPhase::Running, true)
+        };
+        let running = record(VmStatus::Running, 0);
+        assert_eq!(decide(&member, local(&running, true)), Decision::Pause);
+        // Paused: reported running, not asked again.
+        let mut paused = running.clone();
+        paused.paused = true;
+        assert_eq!(
+            decide(&member, local(&paused, true)),
+            Decision::Report(Report::Running)
+        );
+        // Its shim refused (an earlier release's): not asked again either.
+        let refused = Local {
+            pause_refused: true,
+            ..local(&running, true).unwrap()
+        };
+        assert_eq!(
+            decide(&member, Some(refused)),
+            Decision::Report(Report::Running)
+        );
+        // Not before the API says Running, nor with its shim gone, nor once it is deleted.
+        let starting = Observed {
+            phase: VmPhase::Starting,
+            ..member.clone()
+        };
+        assert_ne!(decide(&starting, local(&running, true)), Decision::Pause);
+        assert_ne!(decide(&member, local(&running, false)), Decision::Pause);
+        let deleted = Observed {
+            deleting: true,
+            ..member.clone()
+        };
+        assert_ne!(decide(&deleted, local(&running, true)), Decision::Pause);
+        // A plain VM is never paused.
+        assert_eq!(
+            decide(&vm(VmPhase::Running, true), local(&running, true)),
+            Decision::Report(Report::Running)
+        );
     }
 
     #[test]

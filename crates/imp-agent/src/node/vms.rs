@@ -214,7 +214,8 @@ fn entry(r: &VmRecord, alive: bool) -> Option<(Key, Found)> {
         vsock: r.vsock.clone(),
         agent_port: r.agent_port,
         serial_log: r.serial_log.clone(),
-        running: alive && r.status == VmStatus::Running,
+        // A paused warm pool member is not asked anything: its guest cannot answer.
+        running: alive && r.status == VmStatus::Running && !r.paused,
         guest_agent: r.guest_agent,
     };
     let found = Found {

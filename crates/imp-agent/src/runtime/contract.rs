@@ -148,5 +148,6 @@ pub fn initial_record(id: &str, dir: &Path, spec: &VmSpec, shim_pid: u32) -> VmR
         owner: spec.owner.clone(),
         suspend: None,
         suspend_failure: None,
+        paused: false,
     }
 }

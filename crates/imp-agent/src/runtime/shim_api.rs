@@ -14,6 +14,7 @@
 //! | [`Request::Stop`] | [`Reply::Accepted`]; the connection stays open until the shim has written the end and exited |
 //! | [`Request::Suspend`] | [`Reply::Accepted`] once the supervision loop has the request; the outcome is the record's (`suspending`, then `suspended`, or a `suspend_failure` naming the token), seen by a watch |
 //! | [`Request::Snapshot`] | [`Reply::Snapshot`] once the running VM is snapshotted into the request's destination (or failed to be); the VM runs on |
+//! | [`Request::Pause`] (version 3) | [`Reply::Accepted`] once the running VM's vCPUs are paused and the record says so (`paused`: a warm pool's member waiting for a claim, which resumes it), or [`Reply::Refused`] with the VM running on |
 //! | [`Request::Claim`] (version 2) | [`Reply::Claimed`] once the running guest took the new owner's identity and the record names the new owner (the node's commit of a warm pool's claim), or [`Reply::Refused`] with the VM running on as it was |
 //!
 //! The socket is in the VM's directory, which only its owner (root, for the node agent) may
@@ -25,9 +26,9 @@ use tokio::io::{AsyncBufRead, AsyncBufReadExt, AsyncWrite, AsyncWriteExt};
 use super::contract::{SnapshotOutcome, SnapshotRequest};
 use super::state::{Owner, VmRecord};
 
-/// The protocol version this build speaks: 2 added [`Request::Claim`]; version 1's requests
-/// are answered as before.
-pub const VERSION: u32 = 2;
+/// The protocol version this build speaks: 2 added [`Request::Claim`], 3 [`Request::Pause`];
+/// version 1's requests are answered as before.
+pub const VERSION: u32 = 3;
 
 /// The oldest version this build still answers.
 pub const OLDEST: u32 = 1;
@@ -63,8 +64,11 @@ pub enum Request {
     /// Snapshot the running VM into a new directory; it runs on.
     Snapshot(SnapshotRequest),
     /// Hand the running VM to another owner (a warm pool's claim): the guest takes `identity`
-    /// (its link down meanwhile), then the record names `owner`.
+    /// (its link down meanwhile), then the record names `owner`. A paused VM is resumed first.
     Claim(Box<ClaimRequest>),
+    /// Pause the running VM's vCPUs until a claim (a warm pool's member waiting: it costs no
+    /// CPU meanwhile); the record says `paused`.
+    Pause,
 }
 
 /// A claim of the running VM by another ImpVM.
@@ -216,6 +220,7 @@ pub fn refuse_version(v: u32) -> Option<String> {
 pub fn version_of(request: &Request) -> u32 {
     match request {
         Request::Claim(_) => 2,
+        Request::Pause => 3,
         _ => OLDEST,
     }
 }
@@ -251,9 +256,9 @@ mod tests {
     fn another_version_is_refused_by_name() {
         assert_eq!(refuse_version(VERSION), None);
         assert_eq!(refuse_version(OLDEST), None);
-        let said = refuse_version(3).unwrap();
+        let said = refuse_version(VERSION + 1).unwrap();
         assert!(
-            said.contains("versions 1 to 2") && said.contains("version 3"),
+            said.contains("versions 1 to 3") && said.contains("version 4"),
             "{said}"
         );
         // A claim goes out as version 2: a shim of version 1 refuses it by version.
@@ -272,7 +277,11 @@ mod tests {
             },
         }));
         assert_eq!(version_of(&claim), 2);
+        assert_eq!(version_of(&Request::Pause), 3);
         assert_eq!(version_of(&Request::Watch), 1);
+        // The pause's wire form.
+        let pause: Envelope = serde_json::from_str(r#"{"v":3,"op":"pause"}"#).unwrap();
+        assert_eq!(pause.request, Request::Pause);
     }
 
     #[tokio::test]

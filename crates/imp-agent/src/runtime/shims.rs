@@ -158,6 +158,16 @@ impl Shims {
         control::client::claim(&self.state.vm_dir(id), req, limit).await
     }
 
+    /// Asks the shim of VM `id` to pause its running VM (a warm pool's member waiting for a
+    /// claim), waiting up to `limit`; `false` when its shim has no API to ask.
+    pub async fn pause(
+        &self,
+        id: &str,
+        limit: Duration,
+    ) -> Result<bool, super::shim_api::WireError> {
+        control::client::pause(&self.state.vm_dir(id), limit).await
+    }
+
     /// VM `id`'s spec, if it has a readable one.
     pub async fn spec(&self, id: &str) -> Option<VmSpec> {
         let (state, owned) = (self.state.clone(), id.to_owned());

@@ -791,6 +791,10 @@ pub struct VmRecord {
     /// The last suspend that failed (the VM kept running).
     #[serde(default)]
     pub suspend_failure: Option<SuspendFailure>,
+    /// The running VM's vCPUs are paused: a warm pool's member waiting for a claim, which
+    /// resumes them.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub paused: bool,
 }
 
 impl VmRecord {
@@ -1187,6 +1191,7 @@ mod tests {
             timings: Timings::default(),
             owner: None,
             suspend: None,
+            paused: false,
             suspend_failure: None,
         }
     }

@@ -11,7 +11,8 @@ use std::time::Duration;
 
 use imp_api::conditions::{self, ConditionReason, ConditionStatus, ConditionType};
 use imp_api::shared::{
-    ANNOTATION_CLAIMED_BY, LABEL_SNAPSHOT_PARENT, LABEL_WARM_POOL, LocalObjectRef, VmLifecycle,
+    ANNOTATION_CLAIMED_BY, ANNOTATION_MEMBER_STATE, LABEL_SNAPSHOT_PARENT, LABEL_WARM_POOL,
+    LocalObjectRef, VmLifecycle,
 };
 use imp_api::snapshot::{ImpVMSnapshot, SnapshotPhase};
 use imp_api::template::ImpVMTemplate;
@@ -307,6 +308,10 @@ pub fn member(pool: &ImpWarmPool, base: &str) -> ImpVM {
             generate_name: Some(format!("{name}-")),
             namespace: pool.namespace(),
             labels: Some(BTreeMap::from([(LABEL_WARM_POOL.to_owned(), name)])),
+            annotations: pool
+                .annotations()
+                .get(ANNOTATION_MEMBER_STATE)
+                .map(|v| BTreeMap::from([(ANNOTATION_MEMBER_STATE.to_owned(), v.clone())])),
             owner_references: pool.controller_owner_ref(&()).map(|o| vec![o]),
             ..ObjectMeta::default()
         },

@@ -59,7 +59,12 @@ pub(super) async fn take_over(
             write_report(ctx, vm, Report::Running, Some(&taken)).await?;
             let report_ms = reported.elapsed().as_millis();
             let total = t.elapsed().as_millis();
-            let Took { spec_ms, net_ms, shim_ms, guest_ms } = took;
+            let Took {
+                spec_ms,
+                net_ms,
+                shim_ms,
+                guest_ms,
+            } = took;
             tracing::info!(vm = %key(vm), node = %ctx.settings.node, member, spec_ms, net_ms, shim_ms, guest_ms, report_ms, total_ms = total, "took over a warm pool's running member");
             let note = format!(
                 "took over the running VM of member {} on node {}; {total} ms on the node \

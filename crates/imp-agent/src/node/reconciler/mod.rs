@@ -55,6 +55,7 @@ use imp_net::NodeNet;
 
 mod claim;
 mod follow;
+mod pause;
 mod probe;
 mod sleep;
 mod start;
@@ -150,6 +151,8 @@ pub struct Context {
     shims: Shims,
     /// The shims whose events are followed ([`follow`]).
     followed: follow::Followed,
+    /// The shims that refused to pause a warm pool's member ([`pause`]).
+    pause_refused: pause::Refused,
 }
 
 fn key(vm: &ImpVM) -> String {
@@ -187,6 +190,7 @@ impl Context {
             probes: Arc::default(),
             fence: None,
             followed: Default::default(),
+            pause_refused: Default::default(),
         }
     }
 
@@ -349,6 +353,7 @@ fn observed(vm: &ImpVM) -> Observed {
         claimed: vm
             .annotations()
             .contains_key(imp_api::shared::ANNOTATION_CLAIMED_BY),
+        pause_wanted: pause::wanted(vm),
     }
 }
 
@@ -387,6 +392,7 @@ pub async fn reconcile(vm: Arc<ImpVM>, ctx: Arc<Context>) -> Result<Action, Erro
         suspend_retry_secs: ctx.settings.suspend_retry.as_secs(),
         idle: facts.idle_since.is_some(),
         woken: facts.woken,
+        pause_refused: ctx.pause_refused.has(record),
     });
     let decision = decide::decide(&obs, here);
     if ctx.fenced()
@@ -408,8 +414,9 @@ pub async fn reconcile(vm: Arc<ImpVM>, ctx: Arc<Context>) -> Result<Action, Erro
         .set_phase(&owner_uid, Some((&labels, obs.phase)));
     let sleeper = decide::wants_sleeper(&obs, here) && decision != Decision::Resume;
     let unheld = !sync_sleeper(&ctx, &vm, &uid, sleeper, facts.tap.as_ref(), &decision).await;
-    // Probes run while the VM runs: never while it starts, sleeps, ends or goes.
-    if decision != Decision::Report(Report::Running) {
+    // Probes run while the VM runs: never while it starts, sleeps, is paused, ends or goes.
+    let paused = local.as_ref().is_some_and(|(r, _)| r.paused);
+    if decision != Decision::Report(Report::Running) || paused {
         ctx.probes.stop(&uid);
     } else if let Some((record, _)) = &local
         && let Some(why) = probe::run(&ctx, &vm, &uid, record)
@@ -433,6 +440,7 @@ async fn act(
     unheld: bool,
 ) -> Result<Action, Error> {
     match decision {
+        Decision::Pause => Ok(pause::pause(ctx, vm, local.as_ref()).await),
         Decision::Wait => Ok(Action::requeue(Duration::from_secs(300))),
         Decision::Start { clear_previous } => {
             if clear_previous {

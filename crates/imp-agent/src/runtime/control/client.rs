@@ -1,7 +1,7 @@
 //! The front ends' side of the shim's typed API ([`crate::runtime::shim_api`]): watch a VM's
 //! record as its shim changes it, ask a stop that answers when the shim has ended, a suspend
-//! (its outcome is the record's), a snapshot that answers with its outcome, and a warm pool's
-//! claim that answers once the VM is its new owner's. A VM
+//! (its outcome is the record's), a snapshot that answers with its outcome, a warm pool's
+//! claim that answers once the VM is its new owner's, and a member's pause. A VM
 //! whose directory has no socket (its shim is of a release before the API, or has ended) gives
 //! `None`, and the caller drives it by files and signals instead.
 
@@ -170,6 +170,25 @@ pub async fn suspend(dir: &Path, token: &str) -> Result<bool, WireError> {
         Some(Reply::Accepted) => Ok(true),
         None => Err(ended_before("waiting for a suspend's answer on")),
         Some(other) => Err(not_expected(other, "a suspend")),
+    }
+}
+
+/// Asks the shim of the VM in `dir` to pause its running VM's vCPUs (a warm pool's member
+/// waiting), waiting up to `limit`; `false` when nothing listens.
+pub async fn pause(dir: &Path, limit: Duration) -> Result<bool, WireError> {
+    let Some((mut r, _w)) = ask(dir, Request::Pause).await? else {
+        return Ok(false);
+    };
+    let reply = tokio::time::timeout(limit, shim_api::read::<_, Reply>(&mut r))
+        .await
+        .map_err(|_| WireError::Io {
+            doing: "waiting for a pause's answer on",
+            source: std::io::ErrorKind::TimedOut.into(),
+        })??;
+    match reply {
+        Some(Reply::Accepted) => Ok(true),
+        None => Err(ended_before("waiting for a pause's answer on")),
+        Some(other) => Err(not_expected(other, "a pause")),
     }
 }
 

@@ -153,6 +153,7 @@ fn serve_api(dir: &Path, control_fd: Option<i32>, feed: state::RecordFeed, stop:
                 snapshots: stop.snapshots_tx.clone(),
                 suspends: stop.suspends_tx.clone(),
                 claims: stop.claims_tx.clone(),
+                pauses: stop.pauses_tx.clone(),
             };
             tokio::spawn(serve::serve(listener, served));
         }

@@ -60,6 +60,9 @@ pub type SnapshotAsked = (SnapshotRequest, oneshot::Sender<SnapshotOutcome>);
 /// A claim asked on the API, and where its outcome (or why it was refused) goes.
 pub type ClaimAsked = (ClaimRequest, oneshot::Sender<Result<ClaimOutcome, String>>);
 
+/// A pause asked on the API, and where its outcome (or why it was refused) goes.
+pub type PauseAsked = oneshot::Sender<Result<(), String>>;
+
 /// What the API's handlers reach in the shim.
 #[derive(Clone)]
 pub struct Served {
@@ -75,6 +78,8 @@ pub struct Served {
     pub suspends: mpsc::Sender<String>,
     /// Where claims go, as for snapshots.
     pub claims: mpsc::Sender<ClaimAsked>,
+    /// Where pauses go, as for snapshots.
+    pub pauses: mpsc::Sender<PauseAsked>,
 }
 
 /// Accepts and answers callers until the shim ends.
@@ -178,6 +183,20 @@ async fn answer(stream: UnixStream, served: &Served, me: u32) -> Result<(), Wire
             };
             shim_api::write(&mut w, &reply).await
         }
+        Request::Pause => {
+            let (tx, rx) = oneshot::channel();
+            if served.pauses.send(tx).await.is_err() {
+                return Ok(());
+            }
+            let reply = match rx.await {
+                Ok(Ok(())) => Reply::Accepted,
+                Ok(Err(error)) => Reply::Refused { error },
+                Err(_) => Reply::Refused {
+                    error: "the VM ended before it was paused".into(),
+                },
+            };
+            shim_api::write(&mut w, &reply).await
+        }
     }
 }
 
@@ -242,6 +261,7 @@ mod tests {
             snapshots,
             suspends: mpsc::channel(1).0,
             claims: mpsc::channel(1).0,
+            pauses: mpsc::channel(1).0,
         };
         let l = listener(&dir, None).unwrap();
         tokio::spawn(serve(l, served.clone()));

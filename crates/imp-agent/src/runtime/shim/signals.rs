@@ -1,5 +1,5 @@
 //! The requests that reach the shim while it works: a stop (SIGTERM, SIGINT or the API), a
-//! suspend (SIGUSR1 or the API), a snapshot and a claim (the API), and the grace a stop gives
+//! suspend (SIGUSR1 or the API), a snapshot, a claim and a pause (the API), and the grace a stop gives
 //! the guest.
 
 use std::path::Path;
@@ -27,6 +27,9 @@ pub(super) struct StopSignals {
     /// Claims asked on the API, answered by the supervision loop.
     pub(super) claims: tokio::sync::mpsc::Receiver<serve::ClaimAsked>,
     pub(super) claims_tx: tokio::sync::mpsc::Sender<serve::ClaimAsked>,
+    /// Pauses asked on the API, answered by the supervision loop.
+    pub(super) pauses: tokio::sync::mpsc::Receiver<serve::PauseAsked>,
+    pub(super) pauses_tx: tokio::sync::mpsc::Sender<serve::PauseAsked>,
 }
 
 impl StopSignals {
@@ -34,6 +37,7 @@ impl StopSignals {
         let (snapshots_tx, snapshots) = tokio::sync::mpsc::channel(4);
         let (suspends_tx, suspends) = tokio::sync::mpsc::channel(4);
         let (claims_tx, claims) = tokio::sync::mpsc::channel(1);
+        let (pauses_tx, pauses) = tokio::sync::mpsc::channel(1);
         Ok(Self {
             term: signal(SignalKind::terminate())?,
             int: signal(SignalKind::interrupt())?,
@@ -45,6 +49,8 @@ impl StopSignals {
             suspends_tx,
             claims,
             claims_tx,
+            pauses,
+            pauses_tx,
         })
     }
 

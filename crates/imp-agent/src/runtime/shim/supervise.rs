@@ -262,6 +262,9 @@ async fn supervise_loop<V: Vmm>(
                     super::claim::hand_over(vm, run.state, networked, record, req).await,
                 );
             }
+            Some(answer) = stop.pauses.recv() => {
+                let _ = answer.send(super::claim::pause(vm, run.state, record).await);
+            }
             Some(token) = stop.suspends.recv() => {
                 if let Some(s) = suspend_now(vm, run, record, token).await {
                     break LoopEnd::Suspended(s);

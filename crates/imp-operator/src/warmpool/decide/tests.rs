@@ -158,6 +158,18 @@ fn an_empty_pool_makes_size_members_restoring_from_the_base() {
     assert_eq!(p.status.base_snapshot.as_deref(), Some("e1"));
     assert_eq!(p.status.observed_generation, Some(4));
     assert_eq!(p.status.ready_count, 0);
+    // Members wait paused unless the pool says they wait running, which they are told.
+    assert!(m.annotations().is_empty());
+    let mut c = Case::new(1, vec![]);
+    c.pool.metadata.annotations =
+        Some([(ANNOTATION_MEMBER_STATE.to_owned(), "running".to_owned())].into());
+    assert_eq!(
+        c.plan().create[0]
+            .annotations()
+            .get(ANNOTATION_MEMBER_STATE)
+            .map(String::as_str),
+        Some("running")
+    );
     let (status, reason, msg) = ready(&p);
     assert_eq!((status.as_str(), reason.as_str()), ("False", "Waiting"));
     assert_eq!(msg, "0 of 2 members ready, 0 on their way");
