@@ -128,6 +128,10 @@ pub(super) async fn drive<V: Vmm>(
     let end = supervise_loop(&mut vm, run, record, stop, &mut reports, &mut reported, t).await;
     let stopped = match end {
         LoopEnd::StopRequested => {
+            // A paused member runs again to shut down within its grace.
+            if record.paused && vm.resume().await.is_ok() {
+                record.paused = false;
+            }
             stop_on_request(vm, run.dir, &record.name).await;
             true
         }
@@ -252,9 +256,11 @@ async fn supervise_loop<V: Vmm>(
                 if let Some(s) = handle_suspend(vm, run, record).await {
                     break LoopEnd::Suspended(s);
                 }
+                repause(vm, record).await;
             }
             Some((req, answer)) = stop.snapshots.recv() => {
                 let _ = answer.send(take_snapshot(vm, run, record, &req).await);
+                repause(vm, record).await;
             }
             Some((req, answer)) = stop.claims.recv() => {
                 let networked = run.spec.network.is_some();
@@ -269,6 +275,7 @@ async fn supervise_loop<V: Vmm>(
                 if let Some(s) = suspend_now(vm, run, record, token).await {
                     break LoopEnd::Suspended(s);
                 }
+                repause(vm, record).await;
             }
             Some(status) = reports.recv() => *reported = Some(status),
             r = &mut health, if !healthy => {
@@ -301,6 +308,18 @@ async fn supervise_loop<V: Vmm>(
             Ok(true) => break LoopEnd::Exited,
             Err(e) => return LoopEnd::Failed(at(Stage::Run, "checking the VMM")(e)),
         }
+    }
+}
+
+/// A snapshot or a failed suspend resumes the VM when it is done; a warm pool's member that
+/// waited paused (its record says so) is paused again.
+/// If that fails, it runs, and its record (saved at its next change) says so.
+async fn repause<V: Vmm>(vm: &mut V, record: &mut VmRecord) {
+    if record.paused
+        && let Err(e) = vm.pause().await
+    {
+        record.paused = false;
+        tracing::warn!(vm = %record.name, error = %imp_api::chain::DisplayChain(&e), "pausing the member again after a snapshot failed: it runs");
     }
 }
 
