@@ -519,6 +519,15 @@ async fn two_clones_at_once_share_a_network_and_a_qemu_that_cannot_load_the_snap
                 .is_some_and(|m| m.contains(&taken_name))),
         "{events:?}"
     );
+    // The member object's own last Event says which VM it became.
+    let events = common::events_of(&c, NS, &taken_name).await;
+    assert!(
+        events.iter().any(|e| e.reason.as_deref() == Some("Claimed")
+            && e.message
+                .as_deref()
+                .is_some_and(|m| m.contains("became ImpVM job"))),
+        "{events:?}"
+    );
 
     // The node's agent down while a claim is booked onto its node: restarted, it finishes the
     // claim (the member's VM, which ran on without it, becomes the claimant's).

@@ -114,6 +114,15 @@ impl Ctx {
         }
     }
 
+    /// Event `note` on member `member` itself.
+    async fn member_event(&self, member: &ImpVM, note: &Note) {
+        let ev =
+            crate::api_call::event::<ImpVM>(note.warning, note.reason, &note.message, None, None);
+        if let Err(e) = self.recorder.publish(&ev, &member.object_ref(&())).await {
+            tracing::warn!(vm = %member.name_any(), reason = note.reason, error = %imp_api::chain::DisplayChain(&e), "publishing event failed");
+        }
+    }
+
     /// Reads what [`decide::plan`] needs besides the pool: the parent, the template, the
     /// members and the nodes they are on.
     async fn read(&self, pool: &ImpWarmPool) -> Result<Read, Error> {
@@ -189,7 +198,15 @@ impl Ctx {
                 ..DeleteParams::default()
             };
             match vms.delete(&d.name, &dp).await {
-                Ok(_) => self.event(pool, &d.note).await,
+                Ok(deleted) => {
+                    self.event(pool, &d.note).await;
+                    // The member itself says which VM it became (its last Event).
+                    if d.note.reason == decide::reason::CLAIMED
+                        && let Some(member) = deleted.left()
+                    {
+                        self.member_event(&member, &d.note).await;
+                    }
+                }
                 // Gone already, or changed since it was judged: the next reconcile sees it.
                 Err(kube::Error::Api(s)) if s.code == 404 || s.code == 409 => {}
                 Err(e) => return Err(kube_err("deleting a member of", pool)(e)),
