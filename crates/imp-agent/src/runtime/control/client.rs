@@ -56,6 +56,21 @@ async fn ask(
     Ok(Some((BufReader::new(r), w)))
 }
 
+/// The one reply to a request on `r`, read within `limit` (`doing` names the wait in a
+/// timeout).
+async fn reply_within(
+    r: &mut BufReader<OwnedReadHalf>,
+    limit: Duration,
+    doing: &'static str,
+) -> Result<Option<Reply>, WireError> {
+    tokio::time::timeout(limit, shim_api::read::<_, Reply>(r))
+        .await
+        .map_err(|_| WireError::Io {
+            doing,
+            source: std::io::ErrorKind::TimedOut.into(),
+        })?
+}
+
 /// A reply `request` does not expect: the shim's refusal, or an answer to something else.
 fn not_expected(reply: Reply, request: &'static str) -> WireError {
     match reply {
@@ -144,12 +159,7 @@ pub async fn snapshot(
     let Some((mut r, _w)) = ask(dir, Request::Snapshot(req)).await? else {
         return Ok(None);
     };
-    let reply = tokio::time::timeout(limit, shim_api::read::<_, Reply>(&mut r))
-        .await
-        .map_err(|_| WireError::Io {
-            doing: "waiting for a snapshot's outcome on",
-            source: std::io::ErrorKind::TimedOut.into(),
-        })??;
+    let reply = reply_within(&mut r, limit, "waiting for a snapshot's outcome on").await?;
     match reply {
         Some(Reply::Snapshot(o)) => Ok(Some(*o)),
         None => Err(ended_before("waiting for a snapshot's outcome on")),
@@ -179,12 +189,7 @@ pub async fn pause(dir: &Path, limit: Duration) -> Result<bool, WireError> {
     let Some((mut r, _w)) = ask(dir, Request::Pause).await? else {
         return Ok(false);
     };
-    let reply = tokio::time::timeout(limit, shim_api::read::<_, Reply>(&mut r))
-        .await
-        .map_err(|_| WireError::Io {
-            doing: "waiting for a pause's answer on",
-            source: std::io::ErrorKind::TimedOut.into(),
-        })??;
+    let reply = reply_within(&mut r, limit, "waiting for a pause's answer on").await?;
     match reply {
         Some(Reply::Accepted) => Ok(true),
         None => Err(ended_before("waiting for a pause's answer on")),
@@ -202,12 +207,7 @@ pub async fn claim(
     let Some((mut r, _w)) = ask(dir, Request::Claim(Box::new(req))).await? else {
         return Ok(None);
     };
-    let reply = tokio::time::timeout(limit, shim_api::read::<_, Reply>(&mut r))
-        .await
-        .map_err(|_| WireError::Io {
-            doing: "waiting for a claim's outcome on",
-            source: std::io::ErrorKind::TimedOut.into(),
-        })??;
+    let reply = reply_within(&mut r, limit, "waiting for a claim's outcome on").await?;
     match reply {
         Some(Reply::Claimed(o)) => Ok(Some(*o)),
         None => Err(ended_before("waiting for a claim's outcome on")),
