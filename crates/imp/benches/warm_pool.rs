@@ -24,7 +24,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::nodes::{Agent, Topology, ready};
-use common::snapshots::{parent, snapshot_root, terminated_execution};
+use common::snapshots::{self, parent, snapshot_root, terminated_execution};
 use futures::TryStreamExt;
 use imp_api::ImpWarmPool;
 use imp_api::vm::{ImpVM, VmPhase};
@@ -233,10 +233,10 @@ async fn main() {
         // One guest besides the source at a time: the pool's member, then the VM measured.
         // A member waiting paused (the default), claimed; its replacement waits running (the
         // pool's annotation, set before the claim makes it), claimed in turn.
-        member_state(&c, None).await;
+        snapshots::member_state(&c, NS, "py", None).await;
         pool_at(&c, &vms, 1).await;
         waiting(&vms, &agent, true).await;
-        member_state(&c, Some("running")).await;
+        snapshots::member_state(&c, NS, "py", Some("running")).await;
         let name = format!("claim-{i}");
         let claim = create_until_running(&vms, &vm(&name, claimant.clone())).await;
         let guest = guest_ms(&c, &name).await;
@@ -246,7 +246,7 @@ async fn main() {
         let name = format!("claim-running-{i}");
         let running_claim = create_until_running(&vms, &vm(&name, claimant.clone())).await;
         delete(&vms, &name).await;
-        member_state(&c, None).await;
+        snapshots::member_state(&c, NS, "py", None).await;
         pool_at(&c, &vms, 0).await;
         let name = format!("plain-{i}");
         let cold = create_until_running(&vms, &vm(&name, plain.clone())).await;
@@ -273,7 +273,7 @@ async fn main() {
         ratios.push(ratio);
     }
     for paused in [true, false] {
-        member_state(&c, (!paused).then_some("running")).await;
+        snapshots::member_state(&c, NS, "py", (!paused).then_some("running")).await;
         pool_at(&c, &vms, 1).await;
         waiting_member_costs(&vms, &agent, paused).await;
         pool_at(&c, &vms, 0).await;
@@ -318,19 +318,6 @@ async fn main() {
     let _ = std::fs::remove_dir_all(&cache);
 }
 
-/// Sets (or, with `None`, removes) the pool's `imp.dev/member-state`, which the members it
-/// makes from now on carry.
-async fn member_state(c: &kube::Client, state: Option<&str>) {
-    Api::<ImpWarmPool>::namespaced(c.clone(), NS)
-        .patch(
-            "py",
-            &PatchParams::default(),
-            &Patch::Merge(&json!({"metadata": {"annotations": {"imp.dev/member-state": state}}})),
-        )
-        .await
-        .unwrap();
-}
-
 /// Waits until the pool's one member waits paused (or running, with `paused` false), as the
 /// agent's record of it says; returns its QEMU's pid.
 async fn waiting(vms: &Api<ImpVM>, agent: &Agent, paused: bool) -> u32 {
@@ -342,15 +329,10 @@ async fn waiting(vms: &Api<ImpVM>, agent: &Agent, paused: bool) -> u32 {
         .remove(0)
         .uid()
         .unwrap();
-    let record = agent.state.join("vms").join(&uid).join("vm.json");
     common::wait_for(
         &format!("the member waiting paused: {paused}"),
         Duration::from_secs(60),
-        || async {
-            let r: serde_json::Value =
-                serde_json::from_slice(&std::fs::read(&record).ok()?).ok()?;
-            (r["paused"].as_bool().unwrap_or(false) == paused).then_some(())
-        },
+        || async { (agent.paused(&uid) == paused).then_some(()) },
     )
     .await;
     let qemu = common::qemu_of(&agent.state, &uid);

@@ -142,13 +142,6 @@ struct Member {
     qemu: u32,
 }
 
-/// Whether the agent's record of VM `uid` says its vCPUs are paused.
-fn paused(a: &Agent, uid: &str) -> bool {
-    let record = std::fs::read(a.state.join("vms").join(uid).join("vm.json")).unwrap_or_default();
-    serde_json::from_slice::<serde_json::Value>(&record)
-        .is_ok_and(|r| r["paused"] == serde_json::Value::Bool(true))
-}
-
 /// Waits until pool `py` holds two ready members, each waiting paused, and returns them by
 /// uid.
 async fn whole_pool(
@@ -159,7 +152,7 @@ async fn whole_pool(
     wait_pool(pools, "Reconciled", 300, |p| ready_count(p) == 2).await;
     common::wait_for("the members paused", Duration::from_secs(60), || async {
         let m = members(vms).await;
-        (m.len() == 2 && m.iter().all(|v| paused(a, &v.uid().unwrap()))).then_some(())
+        (m.len() == 2 && m.iter().all(|v| a.paused(&v.uid().unwrap()))).then_some(())
     })
     .await;
     let mut ready = std::collections::BTreeMap::new();
@@ -412,16 +405,9 @@ async fn two_clones_at_once_share_a_network_and_a_qemu_that_cannot_load_the_snap
         );
     }
     // Kept running (the pool's annotation): exec answered, the records say not paused.
-    assert!(first.iter().all(|m| !paused(&a, &m.uid().unwrap())));
+    assert!(first.iter().all(|m| !a.paused(&m.uid().unwrap())));
     // Without it, members wait paused: both deleted, their replacements run, then pause.
-    pools
-        .patch(
-            "py",
-            &PatchParams::default(),
-            &Patch::Merge(&json!({"metadata": {"annotations": {"imp.dev/member-state": null}}})),
-        )
-        .await
-        .unwrap();
+    snapshots::member_state(&c, NS, "py", None).await;
     let gone: Vec<String> = first.iter().map(ResourceExt::name_any).collect();
     for name in &gone {
         vms.delete(name, &Default::default()).await.unwrap();
@@ -463,7 +449,7 @@ async fn two_clones_at_once_share_a_network_and_a_qemu_that_cannot_load_the_snap
         .member_uid
         .clone()
         .unwrap();
-    assert!(!paused(&a, &taken_uid), "the claimed VM is still paused");
+    assert!(!a.paused(&taken_uid), "the claimed VM is still paused");
     let (taken_name, taken_ip) = (taken.name.clone(), taken.ip.clone());
     assert_eq!(
         job.status

@@ -288,6 +288,14 @@ impl Agent {
         self.container.kill().await;
     }
 
+    /// Whether this agent's record of VM `uid` says its vCPUs are paused (a warm pool's member
+    /// waiting for a claim).
+    pub fn paused(&self, uid: &str) -> bool {
+        let record = std::fs::read(self.state.join("vms").join(uid).join("vm.json"));
+        serde_json::from_slice::<serde_json::Value>(&record.unwrap_or_default())
+            .is_ok_and(|r| r["paused"] == serde_json::Value::Bool(true))
+    }
+
     /// Restarts the agent to die by SIGKILL at fault point `point` (`imp_telemetry::fault`).
     pub async fn restart_dying_at(&mut self, point: &str, kubeconfig: &Path, cache: &Path) {
         self.kill().await;

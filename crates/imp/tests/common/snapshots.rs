@@ -91,3 +91,18 @@ pub fn ready_of(status: &ImpVMSnapshotStatus) -> Condition {
         .cloned()
         .unwrap_or_else(|| panic!("no Ready condition: {status:?}"))
 }
+
+/// Sets (or, with `None`, removes) ImpWarmPool `ns/pool`'s `imp.dev/member-state`, which the
+/// members it makes from then on carry (`running`: they wait running, not paused).
+pub async fn member_state(c: &Client, ns: &str, pool: &str, state: Option<&str>) {
+    kube::Api::<imp_api::ImpWarmPool>::namespaced(c.clone(), ns)
+        .patch(
+            pool,
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(
+                &serde_json::json!({"metadata": {"annotations": {"imp.dev/member-state": state}}}),
+            ),
+        )
+        .await
+        .expect("setting a pool's member state");
+}
