@@ -2273,14 +2273,17 @@ async fn assert_claims_whole(
 /// with three claims in flight; then killed by its fault points at each named step of a claim
 /// in turn (`CLAIM_POINTS`). Once restarted, each claimant has exactly one member, no member
 /// went to two, each claimant is bound to its member's node and holds its member's reservation
-/// Pod and no other. Then the pool's deletion takes its unclaimed members only.
+/// Pod and no other. A claimant whose nodeSelector no member's node matches starts cold. Then
+/// the pool's deletion takes its unclaimed members only.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_operator_killed_mid_claim_finishes_each_claim_once() {
     let Some(e) = env().await else {
         return;
     };
     let c = &e.client;
-    node(c, "a", "16", "16Gi", true, true).await;
+    // Room for the members, their claimants (counted beside them until a claimant runs) and
+    // refills.
+    node(c, "a", "32", "32Gi", true, true).await;
     class(c, "small", 1, 256).await;
     let mut op = Operator::start(&e, "first", &[]).await;
     let size = 3 + CLAIM_POINTS.len();
@@ -2319,6 +2322,55 @@ async fn an_operator_killed_mid_claim_finishes_each_claim_once() {
     let claims = booked_claims(c, size).await;
     let taken = assert_claims_whole(c, &members_before, &claims).await;
     let _op = Operator::start(&e, "last", &[]).await;
+
+    // A claimant whose own nodeSelector no member's node matches takes none: it starts cold,
+    // saying why (a refill played Running first, so that a ready member exists).
+    let refill = common::wait_for(
+        "a refill placed",
+        Duration::from_secs(WAIT_SECS),
+        || async {
+            members(c).await.into_iter().find(|m| {
+                !m.annotations().contains_key("imp.dev/claimed-by")
+                    && phase(m) == Some(VmPhase::Scheduled)
+            })
+        },
+    )
+    .await;
+    member_runs(c, &refill.name_any()).await;
+    common::wait_for(
+        "the refill ready",
+        Duration::from_secs(WAIT_SECS),
+        || async {
+            let p = pools(c).get("py").await.ok()?;
+            (p.status?.ready_count >= 1).then_some(())
+        },
+    )
+    .await;
+    vm(
+        c,
+        "picky",
+        json!({"templateRef": {"name": "python"}, "warmPoolRef": {"name": "py"},
+               "nodeSelector": {"zone": "nowhere"}}),
+    )
+    .await;
+    let picky = common::wait_vm(&vms(c), "picky", "a cold claim", WAIT_SECS, |v| {
+        v.status
+            .as_ref()
+            .and_then(|s| s.warm_claim.as_ref())
+            .is_some_and(|w| w.cold.is_some())
+    })
+    .await;
+    let claim = picky.status.unwrap().warm_claim.unwrap();
+    assert!(
+        claim.member.is_none()
+            && claim
+                .cold
+                .as_deref()
+                .is_some_and(|w| w.contains("no ready member on a node this VM may run on")),
+        "{claim:?}"
+    );
+    let still = vms(c).get(&refill.name_any()).await.unwrap();
+    assert!(!still.annotations().contains_key("imp.dev/claimed-by"));
 
     // Deleting the pool deletes its unclaimed members (the garbage collector follows the
     // pool's owner reference), not the ones claims hold (their owner is the claimant now).

@@ -103,10 +103,19 @@ impl Context {
             .await
             .map_err(api_err("listing the pool's members for", &vm))?
             .items;
-        let usable = |node: &str| self.node_keeps_members(node);
         let now = Timestamp::now();
+        let keeps = |node: &str| self.node_keeps_members(node);
+        let usable = |node: &str| keeps(node) && self.node_takes(node, &r.spec);
         let Some(member) = decide::pick(&vm, pool, &members, &usable, now) else {
-            let why = decide::cold_reason(pool, &members);
+            let why = if decide::pick(&vm, pool, &members, &keeps, now).is_some() {
+                format!(
+                    "pool {} has no ready member on a node this VM may run on (its nodeSelector \
+                     and tolerations); starting it cold",
+                    pool.name_any()
+                )
+            } else {
+                decide::cold_reason(pool, &members)
+            };
             return self.go_cold(vm, pool, why).await;
         };
         let mut marked = member.clone();
@@ -160,6 +169,14 @@ impl Context {
         self.nodes
             .get(&ObjectRef::<Node>::new(node))
             .is_some_and(|n| crate::warmpool::unusable(&n).is_none())
+    }
+
+    /// Whether a member on `node` may go to a claimant of resolved spec `spec` (its own
+    /// nodeSelector and tolerations).
+    fn node_takes(&self, node: &str, spec: &imp_api::vm::ImpVMSpec) -> bool {
+        self.nodes
+            .get(&ObjectRef::<Node>::new(node))
+            .is_some_and(|n| decide::unfit(spec, &n).is_none())
     }
 
     /// Writes that `vm` starts cold, and why (an Event too); it then goes on as a VM restoring

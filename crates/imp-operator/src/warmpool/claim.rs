@@ -209,6 +209,31 @@ pub fn cold_reason(pool: &ImpWarmPool, members: &[ImpVM]) -> String {
     }
 }
 
+/// Why a member on `node` cannot go to a claimant whose resolved spec is `spec`: the node
+/// lacks a label of its `nodeSelector`, or has a `NoSchedule`/`NoExecute` taint it does not
+/// tolerate (as the scheduler would refuse the node for it); `None` when it may.
+pub fn unfit(
+    spec: &imp_api::vm::ImpVMSpec,
+    node: &k8s_openapi::api::core::v1::Node,
+) -> Option<String> {
+    let labels = node.labels();
+    for (k, v) in &spec.node_selector {
+        if labels.get(k) != Some(v) {
+            return Some(format!("does not match nodeSelector {k}={v}"));
+        }
+    }
+    let taints = node
+        .spec
+        .as_ref()
+        .and_then(|s| s.taints.as_deref())
+        .unwrap_or_default();
+    taints
+        .iter()
+        .filter(|t| matches!(t.effect.as_str(), "NoSchedule" | "NoExecute"))
+        .find(|t| !crate::placement::schedule::tolerated(t, &spec.tolerations))
+        .map(|t| format!("has untolerated taint {}:{}", t.key, t.effect))
+}
+
 /// The booking of a claimant that took over `member`: the member's class and size as booked,
 /// the claimant's resolved `spec` restoring from the member's base, revision 0.
 pub fn claimed_booking(member: &ImpVM, mut spec: imp_api::vm::ImpVMSpec) -> Option<Booking> {

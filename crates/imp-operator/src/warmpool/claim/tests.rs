@@ -231,3 +231,30 @@ fn a_claims_own_binding_is_not_the_users_node_name() {
     cold.spec.node_name = Some("a".into());
     assert_eq!(as_asked(&cold).node_name.as_deref(), Some("a"));
 }
+
+/// A claimant's own nodeSelector and tolerations decide which members' nodes it may take,
+/// as they would decide where it boots.
+#[test]
+fn a_claimant_takes_no_member_on_a_node_it_may_not_run_on() {
+    let node: k8s_openapi::api::core::v1::Node = serde_json::from_value(json!({
+        "metadata": {"name": "n1", "labels": {"zone": "a"}},
+        "spec": {"taints": [{"key": "gpu", "effect": "NoSchedule"},
+                            {"key": "soft", "effect": "PreferNoSchedule"}]}
+    }))
+    .unwrap();
+    let mut spec = claimant(json!({})).spec;
+    assert_eq!(
+        unfit(&spec, &node).as_deref(),
+        Some("has untolerated taint gpu:NoSchedule")
+    );
+    spec.tolerations =
+        vec![serde_json::from_value(json!({"key": "gpu", "operator": "Exists"})).unwrap()];
+    assert_eq!(unfit(&spec, &node), None);
+    spec.node_selector.insert("zone".into(), "b".into());
+    assert_eq!(
+        unfit(&spec, &node).as_deref(),
+        Some("does not match nodeSelector zone=b")
+    );
+    spec.node_selector.insert("zone".into(), "a".into());
+    assert_eq!(unfit(&spec, &node), None);
+}
