@@ -1,12 +1,12 @@
 //! What the per-kind controllers share when they call the API: a failed call, saying what it
 //! was doing and to which object; the patch parameters of their writes; and the Event they
-//! publish about an object.
+//! publish about an object, and its publication.
 
 use imp_api::refusal;
 use k8s_openapi::api::core::v1::ObjectReference;
 use kube::Resource;
 use kube::api::PatchParams;
-use kube::runtime::events::{Event, EventType};
+use kube::runtime::events::{Event, EventType, Recorder};
 
 use crate::FIELD_MANAGER;
 
@@ -82,6 +82,21 @@ pub fn event<K: Resource<DynamicType = ()>>(
             namespace,
             ..ObjectReference::default()
         }),
+    }
+}
+
+/// Publishes `event` about the object `regarding`; a failure is logged, never returned (an
+/// Event is not worth failing a reconcile for).
+pub async fn publish(recorder: &Recorder, event: &Event, regarding: &ObjectReference) {
+    if let Err(e) = recorder.publish(event, regarding).await {
+        tracing::warn!(
+            kind = regarding.kind.as_deref().unwrap_or_default(),
+            namespace = regarding.namespace.as_deref().unwrap_or_default(),
+            name = regarding.name.as_deref().unwrap_or_default(),
+            reason = %event.reason,
+            error = %imp_api::chain::DisplayChain(&e),
+            "publishing event failed"
+        );
     }
 }
 

@@ -140,9 +140,7 @@ async fn refuse(
         action: "Refuse".to_owned(),
         secondary: None,
     };
-    if let Err(e) = recorder.publish(&event, &obj.object_ref(resource)).await {
-        tracing::warn!(kind, namespace = %ns, name = %name, error = %imp_api::chain::DisplayChain(&e), "publishing event failed");
-    }
+    crate::api_call::publish(recorder, &event, &obj.object_ref(resource)).await;
 }
 
 #[cfg(test)]

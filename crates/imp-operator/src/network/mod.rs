@@ -139,9 +139,7 @@ impl Ctx {
             action: reason.to_owned(),
             secondary: None,
         };
-        if let Err(e) = self.recorder.publish(&ev, &net.object_ref(&())).await {
-            tracing::warn!(network = %network_key(net), reason, error = %imp_api::chain::DisplayChain(&e), "publishing event failed");
-        }
+        crate::api_call::publish(&self.recorder, &ev, &net.object_ref(&())).await;
     }
 
     /// Counts a write of an ImpNetwork refused with 409.

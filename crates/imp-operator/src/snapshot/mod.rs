@@ -101,9 +101,7 @@ impl Ctx {
             note.execution.as_deref(),
             parent.namespace(),
         );
-        if let Err(e) = self.recorder.publish(&ev, &parent.object_ref(&())).await {
-            tracing::warn!(snapshot = %key(parent), reason = note.reason, error = %imp_api::chain::DisplayChain(&e), "publishing event failed");
-        }
+        crate::api_call::publish(&self.recorder, &ev, &parent.object_ref(&())).await;
     }
 
     fn conflict(&self, write: Write) {
@@ -179,9 +177,7 @@ impl Ctx {
             action: "Snapshot".to_owned(),
             secondary: None,
         };
-        if let Err(e) = self.recorder.publish(&ev, &exec.object_ref(&())).await {
-            tracing::warn!(snapshot = %key(exec), error = %imp_api::chain::DisplayChain(&e), "publishing event failed");
-        }
+        crate::api_call::publish(&self.recorder, &ev, &exec.object_ref(&())).await;
         Ok(())
     }
 

@@ -52,9 +52,7 @@ impl Context {
             action: action.to_owned(),
             secondary: None,
         };
-        if let Err(e) = self.recorder.publish(&ev, &vm.object_ref(&())).await {
-            tracing::warn!(vm = %key(vm), reason, error = %imp_api::chain::DisplayChain(&e), "publishing event failed");
-        }
+        crate::api_call::publish(&self.recorder, &ev, &vm.object_ref(&())).await;
     }
 
     /// Merge-patches the main resource with a resourceVersion precondition.

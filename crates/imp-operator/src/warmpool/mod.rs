@@ -109,18 +109,14 @@ impl Ctx {
             note.member.as_deref(),
             pool.namespace(),
         );
-        if let Err(e) = self.recorder.publish(&ev, &pool.object_ref(&())).await {
-            tracing::warn!(pool = %key(pool), reason = note.reason, error = %imp_api::chain::DisplayChain(&e), "publishing event failed");
-        }
+        crate::api_call::publish(&self.recorder, &ev, &pool.object_ref(&())).await;
     }
 
     /// Event `note` on member `member` itself.
     async fn member_event(&self, member: &ImpVM, note: &Note) {
         let ev =
             crate::api_call::event::<ImpVM>(note.warning, note.reason, &note.message, None, None);
-        if let Err(e) = self.recorder.publish(&ev, &member.object_ref(&())).await {
-            tracing::warn!(vm = %member.name_any(), reason = note.reason, error = %imp_api::chain::DisplayChain(&e), "publishing event failed");
-        }
+        crate::api_call::publish(&self.recorder, &ev, &member.object_ref(&())).await;
     }
 
     /// Reads what [`decide::plan`] needs besides the pool: the parent, the template, the
