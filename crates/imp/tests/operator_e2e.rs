@@ -1879,24 +1879,8 @@ async fn a_warm_pool_fills_scales_and_says_what_it_lacks() {
     node(c, "a", "8", "16Gi", true, true).await;
     class(c, "small", 1, 256).await;
     let op = Operator::start(&e, "solo", &[]).await;
-    common::create_imp(
-        c,
-        "ImpVMTemplate",
-        "impvmtemplates",
-        json!({"apiVersion": "imp.dev/v1alpha1", "kind": "ImpVMTemplate",
-               "metadata": {"name": "python", "namespace": NS},
-               "spec": {"classRef": {"name": "small"}, "image": "busybox"}}),
-    )
-    .await;
-    common::create_imp(
-        c,
-        "ImpWarmPool",
-        "impwarmpools",
-        json!({"apiVersion": "imp.dev/v1alpha1", "kind": "ImpWarmPool",
-               "metadata": {"name": "py", "namespace": NS},
-               "spec": {"snapshotRef": "py-warm", "templateName": "python", "size": 2}}),
-    )
-    .await;
+    python_template(c).await;
+    warm_pool(c, 2).await;
     let p = wait_pool(c, "InvalidSpec", |_| true).await;
     let msg = &p.status.as_ref().unwrap().conditions[0].message;
     assert!(
@@ -1982,15 +1966,7 @@ async fn a_warm_pool_fills_scales_and_says_what_it_lacks() {
     })
     .await;
     assert_eq!(p.status.as_ref().unwrap().ready_count, 0);
-    let placed = common::wait_for(
-        "two members placed",
-        Duration::from_secs(WAIT_SECS),
-        || async {
-            let m = members(c).await;
-            (m.len() == 2 && m.iter().all(|v| phase(v) == Some(VmPhase::Scheduled))).then_some(m)
-        },
-    )
-    .await;
+    let placed = members_placed(c, 2).await;
     for m in &placed {
         assert!(m.name_any().starts_with("py-"), "{}", m.name_any());
         assert_eq!(m.spec.snapshot_ref.as_deref(), Some(exec.as_str()));
@@ -2116,9 +2092,8 @@ async fn a_warm_pool_fills_scales_and_says_what_it_lacks() {
     );
 }
 
-/// A pool `py` of `size` members made from template `python`, restoring from an elected base
-/// on node `a`, each played Running; returns them.
-async fn filled_pool(c: &Client, size: i32) -> Vec<ImpVM> {
+/// Template `python` (class `small`, image busybox), which the pools of these tests name.
+async fn python_template(c: &Client) {
     common::create_imp(
         c,
         "ImpVMTemplate",
@@ -2128,6 +2103,38 @@ async fn filled_pool(c: &Client, size: i32) -> Vec<ImpVM> {
                "spec": {"classRef": {"name": "small"}, "image": "busybox"}}),
     )
     .await;
+}
+
+/// Pool `py` of `size` members of template `python`, from parent snapshot `py-warm`.
+async fn warm_pool(c: &Client, size: i32) {
+    common::create_imp(
+        c,
+        "ImpWarmPool",
+        "impwarmpools",
+        json!({"apiVersion": "imp.dev/v1alpha1", "kind": "ImpWarmPool",
+               "metadata": {"name": "py", "namespace": NS},
+               "spec": {"snapshotRef": "py-warm", "templateName": "python", "size": size}}),
+    )
+    .await;
+}
+
+/// Waits until pool `py` has `n` members, each placed (`Scheduled`), and returns them.
+async fn members_placed(c: &Client, n: usize) -> Vec<ImpVM> {
+    common::wait_for(
+        &format!("{n} members placed"),
+        Duration::from_secs(WAIT_SECS),
+        || async {
+            let m = members(c).await;
+            (m.len() == n && m.iter().all(|v| phase(v) == Some(VmPhase::Scheduled))).then_some(m)
+        },
+    )
+    .await
+}
+
+/// A pool `py` of `size` members made from template `python`, restoring from an elected base
+/// on node `a`, each played Running; returns them.
+async fn filled_pool(c: &Client, size: i32) -> Vec<ImpVM> {
+    python_template(c).await;
     vm(
         c,
         "src",
@@ -2170,26 +2177,8 @@ async fn filled_pool(c: &Client, size: i32) -> Vec<ImpVM> {
                         "storage": {"type": "node-local"}}}),
     )
     .await;
-    common::create_imp(
-        c,
-        "ImpWarmPool",
-        "impwarmpools",
-        json!({"apiVersion": "imp.dev/v1alpha1", "kind": "ImpWarmPool",
-               "metadata": {"name": "py", "namespace": NS},
-               "spec": {"snapshotRef": "py-warm", "templateName": "python", "size": size}}),
-    )
-    .await;
-    let placed = common::wait_for(
-        "the members placed",
-        Duration::from_secs(WAIT_SECS),
-        || async {
-            let m = members(c).await;
-            (m.len() == usize::try_from(size).unwrap()
-                && m.iter().all(|v| phase(v) == Some(VmPhase::Scheduled)))
-            .then_some(m)
-        },
-    )
-    .await;
+    warm_pool(c, size).await;
+    let placed = members_placed(c, usize::try_from(size).unwrap()).await;
     for m in &placed {
         member_runs(c, &m.name_any()).await;
     }
