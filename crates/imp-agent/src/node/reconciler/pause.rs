@@ -27,7 +27,9 @@ const PAUSE_TIMEOUT: Duration = Duration::from_secs(10);
 /// Whether `vm` is a warm pool's member waiting for a claim that is to wait paused: labelled
 /// with its pool, not taken, meant to run, `Running` and `Ready`.
 pub(super) fn wanted(vm: &ImpVM) -> bool {
-    let status = vm.status.clone().unwrap_or_default();
+    let Some(status) = vm.status.as_ref() else {
+        return false;
+    };
     vm.labels().contains_key(LABEL_WARM_POOL)
         && !vm.annotations().contains_key(ANNOTATION_CLAIMED_BY)
         && vm
