@@ -5,7 +5,7 @@
 //! restore that fails after an upgrade says which VMM wrote the snapshot and which one refused
 //! it, and a snapshot of one kind is never handed to the other.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 /// `kind version` from what `binary --version` printed (`kind` is `qemu` or `firecracker`);
 /// the version is the first word that starts with a digit (a leading `v` dropped), else
@@ -73,6 +73,33 @@ pub fn skew_note(writer: Option<&str>, loader: &str) -> Option<String> {
     ))
 }
 
+/// Whether identities `a` and `b` name the same kind and the same `major.minor` release
+/// (patch releases of one QEMU read each other's streams; a machine type such as `microvm`
+/// is not versioned, so another minor may not).
+pub fn same_release(a: &str, b: &str) -> bool {
+    let kind = |i: &str| i.split_whitespace().next().map(str::to_owned);
+    let release = |i: &str| numbers(i).filter(|n| n.len() >= 2).map(|n| (n[0], n[1]));
+    kind(a) == kind(b) && release(a).is_some() && release(a) == release(b)
+}
+
+/// Which of the `kept` VMMs (identity, binary) should load a snapshot written by `writer`
+/// when the node's own VMM is `loader`: none when `loader` is of the writer's release (it
+/// reads it), else the kept binary that is the writer itself, else one of its release.
+/// An agent image keeps the previous QEMU beside the new one so that a VM suspended before
+/// an upgrade resumes with the memory it had (docs/upgrade.md).
+pub fn reader<'a>(writer: &str, loader: &str, kept: &'a [(String, PathBuf)]) -> Option<&'a Path> {
+    if same_release(writer, loader) {
+        return None;
+    }
+    kept.iter()
+        .find(|(identity, _)| identity == writer)
+        .or_else(|| {
+            kept.iter()
+                .find(|(identity, _)| same_release(identity, writer))
+        })
+        .map(|(_, binary)| binary.as_path())
+}
+
 /// The numbers of the version in `identity` (`qemu 7.2.22` → [7, 2, 22]), if it has one.
 fn numbers(identity: &str) -> Option<Vec<u32>> {
     let version = identity.split_whitespace().nth(1)?;
@@ -131,5 +158,33 @@ mod tests {
         assert!(back.contains("an older VMM cannot read a newer"), "{back}");
         let unknown = skew_note(Some("qemu unknown"), "qemu 7.2.22").unwrap();
         assert!(unknown.contains("may not read"), "{unknown}");
+    }
+    #[test]
+    fn a_snapshot_goes_to_a_kept_vmm_of_its_writers_release() {
+        assert!(same_release("qemu 7.2.19", "qemu 7.2.22"));
+        assert!(!same_release("qemu 7.2.22", "qemu 10.0.2"));
+        assert!(!same_release("qemu 7.2.22", "firecracker 7.2.22"));
+        assert!(!same_release("qemu unknown", "qemu unknown"));
+        assert!(!same_release("qemu 7", "qemu 7"));
+        let kept = vec![
+            ("qemu 7.2.19".to_owned(), PathBuf::from("/old/a")),
+            ("qemu 7.2.22".to_owned(), PathBuf::from("/old/b")),
+            ("qemu 9.2.0".to_owned(), PathBuf::from("/old/c")),
+        ];
+        // The node's own QEMU reads its release's snapshots: nothing kept is needed.
+        assert_eq!(reader("qemu 10.0.1", "qemu 10.0.2", &kept), None);
+        // The writer itself first, else one of its release.
+        assert_eq!(
+            reader("qemu 7.2.22", "qemu 10.0.2", &kept),
+            Some(Path::new("/old/b"))
+        );
+        assert_eq!(
+            reader("qemu 7.2.20", "qemu 10.0.2", &kept),
+            Some(Path::new("/old/a"))
+        );
+        // No kept VMM of the writer's release: the node's own tries (and names the skew).
+        assert_eq!(reader("qemu 8.2.2", "qemu 10.0.2", &kept), None);
+        assert_eq!(reader("firecracker 7.2.22", "qemu 10.0.2", &kept), None);
+        assert_eq!(reader("qemu 7.2.22", "qemu 10.0.2", &[]), None);
     }
 }

@@ -45,6 +45,9 @@ pub fn main(args: VersionArgs) -> anyhow::Result<()> {
             None => "not found (apt-get install qemu-system-x86)".into(),
         },
     );
+    for kept in imp_vmm::qemu::kept_binaries() {
+        line("qemu kept", tool_version(&kept, &["--version"]));
+    }
     let firecracker = locate(
         "firecracker",
         None,

@@ -105,6 +105,15 @@ async fn qemu(c: &Cluster, vms: &Api<ImpVM>, name: &str) -> u32 {
     pids[0]
 }
 
+/// The release of the QEMU running as `pid` (`qemu 7.2.22`), from its own binary.
+fn qemu_release(pid: u32) -> String {
+    let out = std::process::Command::new(format!("/proc/{pid}/exe"))
+        .arg("--version")
+        .output()
+        .unwrap();
+    imp_vmm::version::identity("qemu", &String::from_utf8_lossy(&out.stdout))
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_vm_survives_an_upgrade_from_the_previous_release() {
     let mut archives: Vec<PathBuf> = IMAGES.iter().map(|i| archive(i)).collect();
@@ -303,6 +312,8 @@ async fn every_vm_survived(c: &Cluster, vms: &Api<ImpVM>, before: &Before) {
         before.boot("run"),
         "run's guest rebooted"
     );
+    // The previous release's QEMU, which wrote sus's snapshot too.
+    let writer = qemu_release(before.run_qemu);
     // Each VM is deleted once checked: the next needs its CPU.
     delete(vms, "run").await;
     assert!(
@@ -321,6 +332,13 @@ async fn every_vm_survived(c: &Cluster, vms: &Api<ImpVM>, before: &Before) {
         c.boot_id(VM_NS, "sus").await,
         before.boot("sus"),
         "sus booted afresh instead of resuming"
+    );
+    // Resumed by a QEMU of its snapshot's writer's release, which this release's image keeps
+    // beside its own newer one when they differ (IMP_QEMU_KEPT).
+    assert_eq!(
+        qemu_release(qemu(c, vms, "sus").await),
+        writer,
+        "sus was resumed by another QEMU release than the one that suspended it"
     );
     delete(vms, "sus").await;
     // wakeable

@@ -244,6 +244,17 @@ impl Launcher {
     }
 }
 
+/// The environment variable naming, `:`-separated, the QEMU binaries a node keeps beside its
+/// own to load the snapshots their releases wrote (the agent image keeps the previous QEMU).
+pub const KEPT_ENV: &str = "IMP_QEMU_KEPT";
+
+/// The kept QEMU binaries [`KEPT_ENV`] names that exist.
+pub fn kept_binaries() -> Vec<PathBuf> {
+    std::env::var_os(KEPT_ENV)
+        .map(|v| std::env::split_paths(&v).filter(|p| p.is_file()).collect())
+        .unwrap_or_default()
+}
+
 /// A binary on PATH or in `~/.cargo/bin`.
 fn find(name: &str) -> Option<PathBuf> {
     let mut dirs: Vec<PathBuf> = std::env::var_os("PATH")

@@ -81,10 +81,12 @@ pub(super) async fn resume(
     };
     match spec.runtime {
         VmRuntime::Qemu => {
-            let launcher = match qemu_launcher(state, spec, &config.kernel, Stage::Resume).await {
+            let mut launcher = match qemu_launcher(state, spec, &config.kernel, Stage::Resume).await
+            {
                 Ok(l) => l,
                 Err(f) => return Ended::Failed(f),
             };
+            read_with_writer(&mut launcher, writer.as_deref(), &record.name).await;
             let run = run(&launcher.qemu);
             drive::<imp_vmm::qemu::Qemu>(&launcher, config, &run, record, stop).await
         }
@@ -119,10 +121,14 @@ pub(super) async fn restore_new(
         Ok(c) => c,
         Err(f) => return Ended::Failed(f),
     };
-    let vmm = match clone_vmm(state, spec, confine).await {
+    let mut vmm = match clone_vmm(state, spec, confine).await {
         Ok(v) => v,
         Err(f) => return Ended::Failed(f),
     };
+    if let CloneVmm::Qemu(launcher) = &mut vmm {
+        let writer = written_by(&snap).await;
+        read_with_writer(launcher, writer.as_deref(), &record.name).await;
+    }
     let loader = identify(spec.runtime, vmm.binary()).await;
     let seeded = tokio::select! {
         r = seed(spec, dir, &snap, vmm.maps_image(&loader)) => r,
@@ -174,6 +180,41 @@ pub(super) async fn restore_new(
             drive::<imp_vmm::firecracker::Firecracker>(l, config, &run, record, stop).await
         }
     }
+}
+
+/// Points `launcher` at a kept QEMU of the release that wrote the snapshot (`writer`) when
+/// the node's own QEMU is of another release and the node keeps one
+/// ([`imp_vmm::qemu::KEPT_ENV`]): a VM suspended before an upgrade of the node's QEMU
+/// resumes with its memory, in the QEMU that can read it, and runs on in it until it boots
+/// again. Without one the node's own QEMU tries, and a failure names both.
+async fn read_with_writer(launcher: &mut imp_vmm::qemu::Launcher, writer: Option<&str>, vm: &str) {
+    let Some(writer) = writer else { return };
+    let kept = imp_vmm::qemu::kept_binaries();
+    if kept.is_empty() {
+        return;
+    }
+    let loader = identify(VmRuntime::Qemu, &launcher.qemu).await;
+    if imp_vmm::version::same_release(writer, &loader) {
+        return;
+    }
+    let mut known = Vec::with_capacity(kept.len());
+    for binary in kept {
+        known.push((identify(VmRuntime::Qemu, &binary).await, binary));
+    }
+    if let Some(binary) = imp_vmm::version::reader(writer, &loader, &known) {
+        tracing::info!(%vm, %writer, node_qemu = %loader, kept = %binary.display(), "loading the snapshot with the kept QEMU of its writer's release");
+        launcher.qemu = binary.to_path_buf();
+    }
+}
+
+/// The VMM that wrote snapshot directory `snap`, from its manifest (none if unreadable: the
+/// seed that follows reads it again and says why).
+async fn written_by(snap: &Path) -> Option<String> {
+    let path = snap.join(crate::snapshot::MANIFEST);
+    let text = tokio::fs::read(&path).await.ok()?;
+    serde_json::from_slice::<crate::snapshot::Manifest>(&text)
+        .ok()
+        .map(|m| m.vmm)
 }
 
 /// The VMM that restores a new VM from a snapshot.
