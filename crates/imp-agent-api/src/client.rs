@@ -1,12 +1,14 @@
 //! The gateway's side of the agent API: mutual TLS to `host:port` pinned both ways, the user
 //! the API server authenticated named in headers, and the upgraded exec connection, the
-//! console's byte stream or the guests' figures.
+//! console's byte stream or the guests' figures. The pinned connection itself ([`connect`])
+//! serves the moves' sender too ([`crate::moves`]).
 
 use bytes::Bytes;
 use http::header::{CONNECTION, HOST, UPGRADE};
 use http::{HeaderValue, Method, Request, Response, StatusCode};
 use http_body_util::{BodyExt, Empty};
 use hyper::body::Incoming;
+use hyper::client::conn::http1::SendRequest;
 use hyper_util::rt::TokioIo;
 use rustls::pki_types::ServerName;
 use tokio::net::TcpStream;
@@ -171,16 +173,49 @@ async fn send(
     upgrade: bool,
 ) -> Result<Response<Incoming>, ClientError> {
     let endpoint = &target.endpoint;
-    let host = host_of(endpoint).ok_or_else(|| ClientError::Endpoint(endpoint.clone()))?;
-    let server_name = ServerName::try_from(host.to_owned())
-        .map_err(|_| ClientError::Endpoint(endpoint.clone()))?;
-    let config = caller.identity.pinned_config(&target.fingerprint)?;
     let user = HeaderValue::from_str(caller.user).map_err(|_| ClientError::User)?;
     let groups = caller
         .groups
         .iter()
         .map(|g| HeaderValue::from_str(g).map_err(|_| ClientError::User))
         .collect::<Result<Vec<_>, _>>()?;
+    let mut sender = connect(target, caller.identity).await?;
+    let mut req = Request::builder()
+        .method(method)
+        .uri(path)
+        .header(HOST, endpoint.as_str())
+        .header(USER_HEADER, user);
+    for group in groups {
+        req = req.header(GROUP_HEADER, group);
+    }
+    if upgrade {
+        req = req
+            .header(CONNECTION, "upgrade")
+            .header(UPGRADE, EXEC_UPGRADE);
+    }
+    let req = req
+        .body(Empty::<Bytes>::new())
+        .map_err(|_| ClientError::Endpoint(endpoint.clone()))?;
+    Ok(sender.send_request(req).await?)
+}
+
+/// An HTTP/1.1 connection to the agent at `target` over TLS, pinned to the certificate its
+/// Node publishes and presenting `identity`, for requests with bodies of type `B` (one at a
+/// time; the connection is kept between them).
+pub(crate) async fn connect<B>(
+    target: &Target,
+    identity: &ClientIdentity,
+) -> Result<SendRequest<B>, ClientError>
+where
+    B: hyper::body::Body + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    let endpoint = &target.endpoint;
+    let host = host_of(endpoint).ok_or_else(|| ClientError::Endpoint(endpoint.clone()))?;
+    let server_name = ServerName::try_from(host.to_owned())
+        .map_err(|_| ClientError::Endpoint(endpoint.clone()))?;
+    let config = identity.pinned_config(&target.fingerprint)?;
     let timed_out = || {
         std::io::Error::new(
             std::io::ErrorKind::TimedOut,
@@ -201,29 +236,13 @@ async fn send(
     .await
     .unwrap_or_else(|_| Err(timed_out()))
     .map_err(|source| handshake_error(endpoint, source))?;
-    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tls)).await?;
+    let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tls)).await?;
     tokio::spawn(async move {
         if let Err(e) = conn.with_upgrades().await {
             tracing::debug!(error = %e, "agent API connection ended with an error");
         }
     });
-    let mut req = Request::builder()
-        .method(method)
-        .uri(path)
-        .header(HOST, endpoint.as_str())
-        .header(USER_HEADER, user);
-    for group in groups {
-        req = req.header(GROUP_HEADER, group);
-    }
-    if upgrade {
-        req = req
-            .header(CONNECTION, "upgrade")
-            .header(UPGRADE, EXEC_UPGRADE);
-    }
-    let req = req
-        .body(Empty::<Bytes>::new())
-        .map_err(|_| ClientError::Endpoint(endpoint.clone()))?;
-    Ok(sender.send_request(req).await?)
+    Ok(sender)
 }
 
 /// A pin mismatch said plainly; any other handshake failure as it is.
@@ -250,7 +269,7 @@ fn handshake_error(endpoint: &str, source: std::io::Error) -> ClientError {
 }
 
 /// Reads a refusal's `Status` message (or its text), bounded.
-async fn refusal(resp: Response<Incoming>) -> ClientError {
+pub(crate) async fn refusal(resp: Response<Incoming>) -> ClientError {
     let status = resp.status();
     let body = http_body_util::Limited::new(resp.into_body(), 64 * 1024)
         .collect()

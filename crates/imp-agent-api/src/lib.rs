@@ -1,4 +1,5 @@
-//! The node agent's API as its one caller, the operator's gateway, sees it.
+//! The node agent's API as its callers see it: the operator's gateway, and the agent of a node a
+//! VM moves from.
 //!
 //! No user credential reaches a node. `imp exec`, `imp console`, `imp top` and `kubectl imp`
 //! ask the Kubernetes API server for the `impvms/exec`, `impvms/console` and `guestmetrics`
@@ -9,10 +10,18 @@
 //! serves nobody else: a caller without the gateway's certificate, a bearer token included, is
 //! refused (docs/security.md).
 //!
-//! Rooms: [`tls`] the pins and the gateway's identity, [`client`] the calls, [`top`] the guests'
-//! figures as JSON.
+//! The other caller is another node's agent, sending the files of a VM that moves to the
+//! agent's node (cold migration, docs/migration.md): it presents its own agent certificate and
+//! the move's token, and reaches only the moves' endpoints ([`moves`]); the gateway's
+//! endpoints stay the gateway's.
+//!
+//! Rooms: [`tls`] the pins and the client identities, [`client`] the gateway's calls, [`top`]
+//! the guests' figures as JSON, [`moves`] the transfer's wire and its sender, [`sparse`] where
+//! a file holds data.
 
 pub mod client;
+pub mod moves;
+pub mod sparse;
 pub mod tls;
 pub mod top;
 
@@ -56,6 +65,7 @@ pub fn status_body(code: StatusCode, message: &str) -> serde_json::Value {
         StatusCode::GATEWAY_TIMEOUT => "Timeout",
         StatusCode::TOO_MANY_REQUESTS => "TooManyRequests",
         StatusCode::BAD_REQUEST | StatusCode::UPGRADE_REQUIRED => "BadRequest",
+        StatusCode::UNPROCESSABLE_ENTITY => "Invalid",
         _ => "InternalError",
     };
     serde_json::json!({

@@ -71,7 +71,8 @@ pub fn certificates_from_pem(pem: &str) -> Vec<CertificateDer<'static>> {
         .collect()
 }
 
-/// The gateway's client certificate and key, presented to every agent.
+/// A client certificate and its key: the gateway's, presented to every agent, or a source
+/// agent's own agent certificate, presented to the agent a VM moves to.
 pub struct ClientIdentity {
     cert: CertificateDer<'static>,
     key: PrivateKeyDer<'static>,
@@ -101,6 +102,12 @@ impl ClientIdentity {
                 source,
             })?;
         Ok(Self { cert, key })
+    }
+
+    /// A certificate and its key, as rustls holds them (an agent presenting its own
+    /// certificate as a client).
+    pub fn new(cert: CertificateDer<'static>, key: PrivateKeyDer<'static>) -> Self {
+        Self { cert, key }
     }
 
     /// A DER certificate and its DER (PKCS#8) key.

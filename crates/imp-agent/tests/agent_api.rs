@@ -1,7 +1,10 @@
 //! The agent API served for real (mutual TLS on loopback) with a scripted guest agent behind a
 //! `CONNECT <port>` socket, called as the gateway (whose certificate it pins) or as a stranger:
 //! what the protocol relay, the sessions and the console follower do over the wire, and every
-//! refusal's status.
+//! refusal's status. Then a VM's files moved to it by the sender of `imp-agent-api` as a source
+//! node's agent would (its own agent certificate, the move's token, a [`MoveAuthority`] fake
+//! that knows one move): sparse files arriving with their holes, a cut transfer resumed, the
+//! digests checked, the refusals, and the bandwidth cap.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::collections::HashMap;
@@ -11,13 +14,19 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use bytes::Bytes;
 use http::{Request, StatusCode};
-use http_body_util::BodyExt;
+use http_body_util::{BodyExt, Empty};
 use imp_agent::api::auth::Gateway;
+use imp_agent::api::moves::Admission;
 use imp_agent::api::sessions::SessionLimits;
 use imp_agent::api::top::GuestReading;
-use imp_agent::api::{AgentApi, ApiConfig, GuestEndpoint, Identity, VmLookup, Waking};
+use imp_agent::api::{
+    AgentApi, ApiConfig, GuestEndpoint, Identity, IncomingMove, MoveAuthority, MoveReceiver,
+    MoveRefusal, Moves, VmLookup, Waking,
+};
 use imp_agent_api::client::{self, Caller, ClientError, Target};
+use imp_agent_api::moves::{MoveConnection, MoveSendError, MoveTo, Sent, send_files};
 use imp_agent_api::tls::{ClientIdentity, parse_fingerprint};
 use imp_proto::frame::{check_len, decode, encode};
 use imp_proto::message::{ExecRequest, ExitStatus, Hello, Message, WindowSize};
@@ -219,7 +228,16 @@ async fn env(tag: &str) -> Env {
 }
 
 async fn env_with(tag: &str, sessions: SessionLimits) -> Env {
-    let dir = std::env::temp_dir().join(format!("imp-agent-api-{tag}-{}", std::process::id()));
+    env_full(tag, sessions, None).await
+}
+
+/// The directory of test `tag`'s environment (made anew by [`env_full`], removed with it).
+fn env_dir(tag: &str) -> PathBuf {
+    std::env::temp_dir().join(format!("imp-agent-api-{tag}-{}", std::process::id()))
+}
+
+async fn env_full(tag: &str, sessions: SessionLimits, moves: Option<MoveReceiver>) -> Env {
+    let dir = env_dir(tag);
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     let seen = scripted_guest(dir.join("vsock.sock"));
@@ -248,17 +266,17 @@ async fn env_with(tag: &str, sessions: SessionLimits) -> Env {
         "imp-system/imp-gateway-client",
         vec![parse_fingerprint(&gateway.fingerprint()).unwrap()],
     );
-    let api = AgentApi::new(
-        vms.clone(),
-        pins,
-        ApiConfig {
-            guest_connect_timeout: Duration::from_millis(300),
-            console_poll: Duration::from_millis(20),
-            wake_timeout: Duration::from_millis(500),
-            sessions,
-            ..Default::default()
-        },
-    );
+    let config = ApiConfig {
+        guest_connect_timeout: Duration::from_millis(300),
+        console_poll: Duration::from_millis(20),
+        wake_timeout: Duration::from_millis(500),
+        sessions,
+        ..Default::default()
+    };
+    let api = match moves {
+        Some(moves) => AgentApi::with_moves(vms.clone(), pins, moves, config),
+        None => AgentApi::new(vms.clone(), pins, config),
+    };
     let identity = Identity::self_signed(&["localhost".into()]).unwrap();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let target = Target {
@@ -516,7 +534,10 @@ async fn refusals_have_their_status_and_a_message_naming_the_vm() {
             req = req.header("authorization", format!("Bearer {t}"));
         }
         let api = env.api.clone();
-        async move { api.handle(req.body(()).unwrap(), peer.as_ref()).await }
+        async move {
+            api.handle(req.body(Empty::<Bytes>::new()).unwrap(), peer.as_ref())
+                .await
+        }
     };
     let exec = "/v1/namespaces/ns/impvms/vm/exec";
     let resp = call("POST", exec, Some(gateway), None).await;
@@ -696,4 +717,512 @@ async fn sessions_over_the_per_vm_or_per_caller_limit_are_refused_429() {
         let (status, _) = refused(client::exec(&env.target, &env.stranger(), "ns", "vm").await);
         assert_eq!(status, StatusCode::UNAUTHORIZED);
     }
+}
+
+// ---- Moves: a VM's files sent by a source node's agent ----
+
+/// The move's token in the fake authority.
+const TOKEN: &str = "move-token-0123456789";
+
+/// The uid of VM ns/vm, which the fake authority says moves here.
+const UID: &str = "5b0e7f3c-1d2a-4c5b-9e8f-0a1b2c3d4e5f";
+
+const MIB: u64 = 1 << 20;
+
+/// The fake [`MoveAuthority`]: VM ns/vm moves here from node-a with [`TOKEN`], sent by the
+/// agent whose certificate has SHA-256 `source`; any other VM does not exist.
+struct OneMove {
+    source: [u8; 32],
+}
+
+impl MoveAuthority for OneMove {
+    fn admit<'a>(
+        &'a self,
+        namespace: &'a str,
+        name: &'a str,
+        token: &'a str,
+        peer_cert_sha256: &'a [u8; 32],
+    ) -> Admission<'a> {
+        Box::pin(async move {
+            if (namespace, name) != ("ns", "vm") {
+                return Err(MoveRefusal::UnknownVm(format!("{namespace}/{name}")));
+            }
+            if token != TOKEN {
+                return Err(MoveRefusal::Forbidden(
+                    "the token is not ImpVM ns/vm's move token".into(),
+                ));
+            }
+            if *peer_cert_sha256 != self.source {
+                return Err(MoveRefusal::Forbidden(format!(
+                    "the caller's certificate ({}) is not the one node node-a publishes",
+                    imp_agent_api::tls::hex(peer_cert_sha256)
+                )));
+            }
+            Ok(IncomingMove {
+                uid: UID.into(),
+                source_node: "node-a".into(),
+            })
+        })
+    }
+}
+
+/// An agent API receiving moves, the source agent's certificate, and a directory of files to
+/// send.
+struct MoveEnv {
+    env: Env,
+    moves: Arc<Moves>,
+    /// The source node's agent certificate, as a client's.
+    source: ClientIdentity,
+    /// Where the files to send are.
+    src: PathBuf,
+}
+
+impl MoveEnv {
+    fn to<'a>(&'a self, identity: &'a ClientIdentity, token: &'a str) -> MoveTo<'a> {
+        MoveTo {
+            target: &self.env.target,
+            identity,
+            namespace: "ns",
+            name: "vm",
+            token,
+        }
+    }
+
+    /// The source agent moving ns/vm with the right token.
+    fn source(&self) -> MoveTo<'_> {
+        self.to(&self.source, TOKEN)
+    }
+
+    fn source_digest(&self) -> [u8; 32] {
+        parse_fingerprint(&self.source.fingerprint()).unwrap()
+    }
+}
+
+async fn move_env(tag: &str) -> MoveEnv {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let source_agent = Identity::self_signed(&["node-a".into()]).unwrap();
+    let source = source_agent.client_identity();
+    let moves = Moves::new(env_dir(tag).join("moves"));
+    let authority = Arc::new(OneMove {
+        source: parse_fingerprint(source_agent.fingerprint()).unwrap(),
+    });
+    let receiver = MoveReceiver::new(authority, moves.clone());
+    let env = env_full(tag, SessionLimits::default(), Some(receiver)).await;
+    let src = env.dir.join("src");
+    std::fs::create_dir_all(&src).unwrap();
+    MoveEnv {
+        env,
+        moves,
+        source,
+        src,
+    }
+}
+
+/// The data extents of [`sparse_disk`]: (offset, length) in MiB.
+const EXTENTS: [(u64, u64); 4] = [(0, 8), (16, 8), (40, 6), (60, 4)];
+
+/// A 64 MiB file holding data only in [`EXTENTS`] (a pattern that differs at every offset),
+/// holes elsewhere; its data bytes.
+fn sparse_disk(path: &std::path::Path) -> u64 {
+    use std::os::unix::fs::FileExt;
+    let f = std::fs::File::create(path).unwrap();
+    f.set_len(64 * MIB).unwrap();
+    for (start, len) in EXTENTS {
+        let (start, len) = (start * MIB, len * MIB);
+        let data: Vec<u8> = (start..start + len)
+            .map(|i| (i % 251) as u8 ^ (i >> 20) as u8)
+            .collect();
+        f.write_all_at(&data, start).unwrap();
+    }
+    f.sync_all().unwrap();
+    EXTENTS.iter().map(|(_, len)| len * MIB).sum()
+}
+
+/// The data bytes of [`sparse_disk`] at or past `from`.
+fn data_from(from: u64) -> u64 {
+    EXTENTS
+        .iter()
+        .map(|&(start, len)| ((start + len) * MIB).saturating_sub((start * MIB).max(from)))
+        .sum()
+}
+
+/// The VM's two files: a sparse disk and a small state file; the disk's data bytes.
+fn vm_files(src: &std::path::Path) -> (Vec<(String, PathBuf)>, u64) {
+    let disk = src.join("disk.img");
+    let data = sparse_disk(&disk);
+    let state = src.join("state.json");
+    std::fs::write(&state, br#"{"vm":"ns/vm","paused":true}"#).unwrap();
+    (
+        vec![("disk.img".into(), disk), ("state.json".into(), state)],
+        data,
+    )
+}
+
+/// Asserts every file of `files` is in `dir` byte for byte, and that the disk's holes are
+/// holes there too (allocated blocks hardly more than its data).
+fn arrived(dir: &std::path::Path, files: &[(String, PathBuf)], disk_data: u64) {
+    use std::os::unix::fs::MetadataExt;
+    for (name, path) in files {
+        let there = dir.join(name);
+        assert_eq!(
+            std::fs::read(path).unwrap(),
+            std::fs::read(&there).unwrap(),
+            "{name} differs"
+        );
+    }
+    let disk = std::fs::metadata(dir.join("disk.img")).unwrap();
+    let allocated = disk.blocks() * 512;
+    println!(
+        "disk.img on the target: {} MiB long, {} MiB allocated, {} MiB of data",
+        disk.len() / MIB,
+        allocated / MIB,
+        disk_data / MIB
+    );
+    assert_eq!(disk.len(), 64 * MIB);
+    assert!(
+        allocated <= disk_data + MIB,
+        "{allocated} bytes allocated for {disk_data} of data: the holes were filled"
+    );
+}
+
+/// A TCP proxy to `to` for one connection that forwards the first `limit` bytes the client
+/// sends, then cuts: the client's side is closed at once (it is sending: a reset), the
+/// server's is shut for writing (it reads an end inside the body), and what the server still
+/// says is read and dropped until it closes.
+async fn cutting_proxy(to: String, limit: usize) -> String {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    tokio::spawn(async move {
+        let (mut client, _) = listener.accept().await.unwrap();
+        let mut server = tokio::net::TcpStream::connect(&to).await.unwrap();
+        let mut left = limit;
+        let (mut up, mut down) = (vec![0u8; 64 << 10], vec![0u8; 64 << 10]);
+        loop {
+            tokio::select! {
+                n = client.read(&mut up) => {
+                    let n = n.unwrap_or(0);
+                    if n == 0 {
+                        return;
+                    }
+                    let take = n.min(left);
+                    server.write_all(&up[..take]).await.unwrap();
+                    left -= take;
+                    if left == 0 {
+                        break;
+                    }
+                }
+                n = server.read(&mut down) => {
+                    let n = n.unwrap_or(0);
+                    if n == 0 || client.write_all(&down[..n]).await.is_err() {
+                        return;
+                    }
+                }
+            }
+        }
+        drop(client);
+        let _ = server.shutdown().await;
+        let mut rest = Vec::new();
+        let _ = server.read_to_end(&mut rest).await;
+    });
+    addr
+}
+
+/// The status and message of a refused move.
+fn move_refused(r: Result<Sent, MoveSendError>) -> (StatusCode, String) {
+    match r {
+        Err(MoveSendError::Refused {
+            status, message, ..
+        }) => (status, message),
+        Err(e) => panic!("unexpected error {}", imp_api::chain::chain(&e)),
+        Ok(s) => panic!("the move was accepted: {s:?}"),
+    }
+}
+
+#[tokio::test]
+async fn a_sparse_disk_and_a_small_file_arrive_byte_identical_with_their_holes() {
+    let m = move_env("move-whole").await;
+    let (files, disk_data) = vm_files(&m.src);
+    let started = Instant::now();
+    let sent = send_files(&m.source(), &files, None).await.unwrap();
+    let state_len = std::fs::metadata(&files[1].1).unwrap().len();
+    println!(
+        "sent {} bytes of 64 MiB + {state_len} in {:?}",
+        sent.bytes_sent,
+        started.elapsed()
+    );
+    assert_eq!(
+        sent.bytes_sent,
+        disk_data + state_len,
+        "only the data is sent"
+    );
+    assert_eq!(
+        sent.files
+            .iter()
+            .map(|f| f.name.as_str())
+            .collect::<Vec<_>>(),
+        ["disk.img", "state.json"]
+    );
+    assert_eq!(
+        sent.files[0].sha256,
+        imp_agent_api::moves::sha256_file(&files[0].1).unwrap().1
+    );
+    let dir = m.moves.received(UID).expect("the move is complete");
+    arrived(&dir, &files, disk_data);
+    assert!(!m.moves.incoming(UID).exists(), "incoming became received");
+    // Sent again (its answer lost, say): nothing is sent, and the target agrees.
+    let again = send_files(&m.source(), &files, None).await.unwrap();
+    assert_eq!(again.bytes_sent, 0);
+    assert_eq!(again.files, sent.files);
+}
+
+#[tokio::test]
+async fn a_cut_transfer_resumes_where_the_target_acknowledged() {
+    let m = move_env("move-cut").await;
+    let (files, disk_data) = vm_files(&m.src);
+    let proxy = cutting_proxy(m.env.target.endpoint.clone(), 12 << 20).await;
+    let through_proxy = Target {
+        endpoint: proxy,
+        fingerprint: m.env.target.fingerprint.clone(),
+    };
+    let to = MoveTo {
+        target: &through_proxy,
+        ..m.source()
+    };
+    let err = send_files(&to, &files, None).await.unwrap_err();
+    println!("cut: {}", imp_api::chain::chain(&err));
+    let MoveSendError::Cut { file, offset, .. } = &err else {
+        panic!("not a cut: {}", imp_api::chain::chain(&err));
+    };
+    assert_eq!(file, "disk.img");
+    assert!(*offset > 0 && *offset < 64 * MIB, "{offset}");
+    assert!(err.to_string().contains("disk.img") && err.to_string().contains(&offset.to_string()));
+    // What the target acknowledged (its answer waits for the cut request's last whole frames).
+    let mut conn = MoveConnection::open(&m.source()).await.unwrap();
+    let held = conn.held("disk.img").await.unwrap();
+    println!(
+        "the target holds disk.img up to {} MiB",
+        held.received / MIB
+    );
+    assert_eq!(held.size, Some(64 * MIB));
+    assert!(
+        held.received >= 4 * MIB,
+        "whole frames before the cut were kept: {held:?}"
+    );
+    assert!(held.received < 64 * MIB, "{held:?}");
+    drop(conn);
+    // Resumed: only the rest is sent.
+    let resumed = send_files(&m.source(), &files, None).await.unwrap();
+    let state_len = std::fs::metadata(&files[1].1).unwrap().len();
+    println!(
+        "resumed: {} of {} data bytes sent again",
+        resumed.bytes_sent,
+        disk_data + state_len
+    );
+    assert!(resumed.bytes_sent < 64 * MIB);
+    assert_eq!(resumed.bytes_sent, data_from(held.received) + state_len);
+    assert!(resumed.bytes_sent < disk_data);
+    arrived(&m.moves.received(UID).unwrap(), &files, disk_data);
+}
+
+#[tokio::test]
+async fn a_wrong_token_a_strangers_certificate_or_another_vm_is_refused_and_nothing_is_written() {
+    let m = move_env("move-refused").await;
+    let (files, _) = vm_files(&m.src);
+    let (status, message) = move_refused(send_files(&m.to(&m.source, "wrong"), &files, None).await);
+    assert_eq!(status, StatusCode::FORBIDDEN, "{message}");
+    assert!(message.contains("move token"), "{message}");
+    // The gateway's certificate, or anybody else's: not the source node's.
+    for identity in [&m.env.gateway, &m.env.stranger] {
+        let (status, message) =
+            move_refused(send_files(&m.to(identity, TOKEN), &files, None).await);
+        assert_eq!(status, StatusCode::FORBIDDEN, "{message}");
+        assert!(
+            message.contains("not the one node node-a publishes"),
+            "{message}"
+        );
+    }
+    let other = MoveTo {
+        name: "other",
+        ..m.source()
+    };
+    let (status, message) = move_refused(send_files(&other, &files, None).await);
+    assert_eq!(status, StatusCode::NOT_FOUND, "{message}");
+    assert!(
+        !m.moves.root().exists(),
+        "a refused caller had something written"
+    );
+
+    // Straight into the handler: no token, a bearer token, no certificate are 401.
+    let path = "/v1/moves/ns/vm/files/disk.img";
+    let call = |token: Option<&str>, bearer: bool, peer: Option<[u8; 32]>| {
+        let mut req = Request::builder().method("GET").uri(path);
+        if let Some(t) = token {
+            req = req.header(imp_agent_api::moves::TOKEN_HEADER, t);
+        }
+        if bearer {
+            req = req.header("authorization", "Bearer abc");
+        }
+        let api = m.env.api.clone();
+        async move {
+            api.handle(req.body(Empty::<Bytes>::new()).unwrap(), peer.as_ref())
+                .await
+        }
+    };
+    let source = Some(m.source_digest());
+    assert_eq!(
+        call(Some(TOKEN), false, source).await.status(),
+        StatusCode::OK
+    );
+    for (token, bearer, peer) in [
+        (None, false, source),
+        (Some(TOKEN), true, source),
+        (Some(TOKEN), false, None),
+    ] {
+        let resp = call(token, bearer, peer).await;
+        assert_eq!(
+            resp.status(),
+            StatusCode::UNAUTHORIZED,
+            "{token:?} {bearer} {peer:?}"
+        );
+    }
+    assert!(!m.moves.root().exists());
+
+    // An agent API given no moves has no such endpoints.
+    let plain = env("move-none").await;
+    let req = Request::builder()
+        .uri(path)
+        .header(imp_agent_api::moves::TOKEN_HEADER, TOKEN)
+        .body(Empty::<Bytes>::new())
+        .unwrap();
+    let resp = plain.api.clone().handle(req, source.as_ref()).await;
+    assert_eq!(resp.status(), StatusCode::NOT_FOUND);
+    let body = resp.into_body().collect().await.unwrap().to_bytes();
+    assert!(String::from_utf8_lossy(&body).contains("receives no VM moves"));
+}
+
+#[tokio::test]
+async fn a_file_changed_on_the_target_before_done_is_refused_422_by_name_then_sent_anew() {
+    let m = move_env("move-tamper").await;
+    let (files, disk_data) = vm_files(&m.src);
+    let mut conn = MoveConnection::open(&m.source()).await.unwrap();
+    for (name, path) in &files {
+        let held = conn.held(name).await.unwrap();
+        conn.send_file(name, path, held, None).await.unwrap();
+    }
+    // One byte changed in the target's incoming copy.
+    {
+        use std::os::unix::fs::FileExt;
+        let copy = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(m.moves.incoming(UID).join("disk.img"))
+            .unwrap();
+        let mut byte = [0u8; 1];
+        copy.read_exact_at(&mut byte, 17 * MIB + 3).unwrap();
+        copy.write_all_at(&[byte[0] ^ 0xff], 17 * MIB + 3).unwrap();
+    }
+    let digests = imp_agent_api::moves::digests(&files).await.unwrap();
+    let err = conn.done(&digests).await.unwrap_err();
+    println!("{}", imp_api::chain::chain(&err));
+    match &err {
+        MoveSendError::Mismatch { file, message, .. } => {
+            assert_eq!(file, "disk.img");
+            assert!(
+                message.contains("disk.img") && message.contains("SHA-256"),
+                "{message}"
+            );
+        }
+        e => panic!("not a mismatch: {}", imp_api::chain::chain(e)),
+    }
+    assert!(m.moves.received(UID).is_none(), "nothing was taken");
+    // Its progress was dropped: sent again, it is sent whole, the other file not at all.
+    assert_eq!(conn.held("disk.img").await.unwrap(), Default::default());
+    drop(conn);
+    let sent = send_files(&m.source(), &files, None).await.unwrap();
+    assert_eq!(sent.bytes_sent, disk_data);
+    arrived(&m.moves.received(UID).unwrap(), &files, disk_data);
+}
+
+#[tokio::test]
+async fn a_file_name_that_is_a_path_is_refused_400_by_both_ends() {
+    let m = move_env("move-names").await;
+    let (mut files, _) = vm_files(&m.src);
+    files.push(("../x".into(), m.src.join("state.json")));
+    match send_files(&m.source(), &files, None).await {
+        Err(MoveSendError::FileName(name)) => assert_eq!(name, "../x"),
+        other => panic!("expected the sender to refuse ../x: {other:?}"),
+    }
+    let source = m.source_digest();
+    for (method, path) in [
+        ("GET", "/v1/moves/ns/vm/files/../x"),
+        ("PUT", "/v1/moves/ns/vm/files/../x?size=1"),
+        ("PUT", "/v1/moves/ns/vm/files/.hidden?size=1"),
+        ("GET", "/v1/moves/ns/vm/files/a/b"),
+    ] {
+        let req = Request::builder()
+            .method(method)
+            .uri(path)
+            .header(imp_agent_api::moves::TOKEN_HEADER, TOKEN)
+            .body(Empty::<Bytes>::new())
+            .unwrap();
+        let resp = m.env.api.clone().handle(req, Some(&source)).await;
+        assert_eq!(resp.status(), StatusCode::BAD_REQUEST, "{method} {path}");
+        let body = resp.into_body().collect().await.unwrap().to_bytes();
+        let body = String::from_utf8_lossy(&body);
+        assert!(body.contains("Invalid file name"), "{body}");
+    }
+    assert!(!m.moves.root().exists());
+}
+
+#[tokio::test]
+async fn a_move_callers_certificate_opens_none_of_the_gateways_endpoints() {
+    let m = move_env("move-exec").await;
+    let caller = Caller {
+        identity: &m.source,
+        user: "alice",
+        groups: &[],
+    };
+    let exec = refused(client::exec(&m.env.target, &caller, "ns", "vm").await);
+    says(exec, StatusCode::UNAUTHORIZED, &["only imp's gateway"]);
+    match client::console(&m.env.target, &caller, "ns", "vm", false).await {
+        Err(ClientError::Refused { status, .. }) => assert_eq!(status, StatusCode::UNAUTHORIZED),
+        Err(e) => panic!("unexpected error {e}"),
+        Ok(_) => panic!("the move's caller read the console"),
+    }
+    assert!(matches!(
+        client::guest_metrics(&m.env.target, &caller, "ns").await,
+        Err(ClientError::Refused {
+            status: StatusCode::UNAUTHORIZED,
+            ..
+        })
+    ));
+    assert_eq!(m.env.api.exec_sessions(), 0);
+    assert!(
+        m.env.seen.lock().unwrap().is_empty(),
+        "the guest was reached"
+    );
+}
+
+#[tokio::test]
+async fn a_bandwidth_cap_paces_the_transfer() {
+    let m = move_env("move-pace").await;
+    let dense = m.src.join("memory");
+    let data: Vec<u8> = (0..16 * MIB).map(|i| (i % 253) as u8).collect();
+    std::fs::write(&dense, &data).unwrap();
+    let files = [("memory".to_owned(), dense)];
+    let started = Instant::now();
+    let sent = send_files(&m.source(), &files, Some(8 * MIB))
+        .await
+        .unwrap();
+    let took = started.elapsed();
+    println!(
+        "16 MiB at a cap of 8 MiB/s took {took:?} ({:.1} MiB/s)",
+        sent.bytes_sent as f64 / MIB as f64 / took.as_secs_f64()
+    );
+    assert_eq!(sent.bytes_sent, 16 * MIB);
+    assert!(took >= Duration::from_millis(1500), "{took:?}");
+    assert_eq!(
+        std::fs::read(m.moves.received(UID).unwrap().join("memory")).unwrap(),
+        data
+    );
 }

@@ -1,6 +1,7 @@
 //! The node agent's API for exec, the serial console and the guests' figures, over HTTPS,
-//! served to one caller: imp's gateway, the operator's aggregated API that the Kubernetes API
-//! server proxies users' requests to (`subresources.imp.dev`).
+//! served to imp's gateway, the operator's aggregated API that the Kubernetes API server
+//! proxies users' requests to (`subresources.imp.dev`); and the receiving end of a VM moving
+//! to this node, served to the agent of the node it moves from ([`moves`]).
 //!
 //! No user credential reaches the node. The API server authenticates and authorizes each user
 //! as it does for `pods/exec`; the gateway calls this API over mutual TLS, pinned both ways: it
@@ -12,14 +13,16 @@
 //! Rooms: [`route`] parses request paths, [`auth`] decides whether the caller is the gateway,
 //! [`tls`] holds the certificate, [`exec`] relays an exec between the caller and the guest
 //! agent, [`console`] streams the serial log, [`sessions`] bounds how many of both are open per
-//! VM and per user, [`server`] accepts connections and ties them together, and answers
-//! `imp top` with the guests' latest figures. The caller's side (paths, headers, pins, the
-//! figures' JSON) is the crate `imp-agent-api`. How VMs are found is not this module's
-//! business: the agent's runtime implements [`VmLookup`].
+//! VM and per user, [`moves`] receives a moving VM's files, [`server`] accepts connections and
+//! ties them together, and answers `imp top` with the guests' latest figures. The callers' side
+//! (paths, headers, pins, the figures' JSON, the moves' wire and sender) is the crate
+//! `imp-agent-api`. How VMs are found is not this module's business: the agent's runtime
+//! implements [`VmLookup`], and [`moves::MoveAuthority`] for who may send a move.
 
 pub mod auth;
 pub mod console;
 pub mod exec;
+pub mod moves;
 pub mod route;
 pub mod server;
 pub mod sessions;
@@ -28,6 +31,7 @@ pub mod tls;
 pub use auth::Gateway;
 pub use imp_agent_api::top;
 pub use imp_agent_api::{EXEC_UPGRADE, top::GuestReading};
+pub use moves::{IncomingMove, MoveAuthority, MoveReceiver, MoveRefusal, Moves};
 pub use server::{AgentApi, ApiConfig};
 pub use tls::Identity;
 

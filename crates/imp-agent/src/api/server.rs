@@ -1,12 +1,15 @@
 //! The HTTPS server: accepts TLS connections, routes each request, authorizes it, then hands
-//! it to [`super::exec`] or [`super::console`], or answers it with the guests' figures
-//! ([`super::top`]).
+//! it to [`super::exec`] or [`super::console`], answers it with the guests' figures
+//! ([`super::top`]), or hands a move's request to [`super::moves`].
 //!
-//! Order per request: route ([`super::route::parse`]; 404/405/400), the caller (401 unless it
-//! is imp's gateway, [`super::auth`]; 503 while the gateway's certificates are unknown), and
-//! only then the VM lookup (404 naming namespace/name), so another caller learns nothing about
-//! which VMs exist, then the session limits ([`super::sessions`]; 429). Refusals are Kubernetes
-//! `Status` objects (JSON) whose `message` says why.
+//! Order per request: route ([`super::route::parse_request`]; 404/405/400). The gateway's
+//! endpoints: the caller (401 unless it is imp's gateway, [`super::auth`]; 503 while the
+//! gateway's certificates are unknown), and only then the VM lookup (404 naming
+//! namespace/name), so another caller learns nothing about which VMs exist, then the session
+//! limits ([`super::sessions`]; 429). A move's endpoints: 404 unless the API receives moves
+//! ([`AgentApi::with_moves`]), then the move's token and the caller's certificate, which
+//! [`super::moves::MoveAuthority`] admits (401/403/404) before anything is read or written.
+//! Refusals are Kubernetes `Status` objects (JSON) whose `message` says why.
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -27,6 +30,7 @@ use tokio_rustls::TlsAcceptor;
 
 use super::auth::Gateway;
 use super::console::Tail;
+use super::moves::MoveReceiver;
 use super::route::{self, Action, Route};
 use super::sessions::{Session, SessionLimits, Sessions};
 use super::{EXEC_UPGRADE, VmLookup, exec};
@@ -49,6 +53,9 @@ pub struct ApiConfig {
     pub wake_timeout: Duration,
     /// How many exec and console sessions may be open per VM and per caller.
     pub sessions: SessionLimits,
+    /// How long a move's `PUT` may go without a byte before what arrived is recorded and the
+    /// request ends (a connection gone silent must not hold the move's lock for ever).
+    pub move_idle_timeout: Duration,
 }
 
 impl Default for ApiConfig {
@@ -60,14 +67,16 @@ impl Default for ApiConfig {
             console_poll: Duration::from_millis(200),
             wake_timeout: Duration::from_secs(60),
             sessions: SessionLimits::default(),
+            move_idle_timeout: Duration::from_secs(60),
         }
     }
 }
 
-/// The agent's exec and console API.
+/// The agent's exec and console API, and the receiving end of VMs' moves.
 pub struct AgentApi {
     lookup: Arc<dyn VmLookup>,
     gateway: Arc<Gateway>,
+    moves: Option<MoveReceiver>,
     config: ApiConfig,
     exec_sessions: Arc<AtomicUsize>,
     console_streams: Arc<AtomicUsize>,
@@ -75,11 +84,33 @@ pub struct AgentApi {
 }
 
 impl AgentApi {
-    /// An API that finds VMs with `lookup` and serves the callers `gateway` pins.
+    /// An API that finds VMs with `lookup` and serves the callers `gateway` pins; it receives
+    /// no moves.
     pub fn new(lookup: Arc<dyn VmLookup>, gateway: Arc<Gateway>, config: ApiConfig) -> Arc<Self> {
+        Self::build(lookup, gateway, None, config)
+    }
+
+    /// [`AgentApi::new`], receiving the files of VMs moving to this node as `moves` admits
+    /// them.
+    pub fn with_moves(
+        lookup: Arc<dyn VmLookup>,
+        gateway: Arc<Gateway>,
+        moves: MoveReceiver,
+        config: ApiConfig,
+    ) -> Arc<Self> {
+        Self::build(lookup, gateway, Some(moves), config)
+    }
+
+    fn build(
+        lookup: Arc<dyn VmLookup>,
+        gateway: Arc<Gateway>,
+        moves: Option<MoveReceiver>,
+        config: ApiConfig,
+    ) -> Arc<Self> {
         Arc::new(Self {
             lookup,
             gateway,
+            moves,
             sessions: Sessions::new(config.sessions),
             config,
             exec_sessions: Arc::default(),
@@ -158,13 +189,25 @@ impl AgentApi {
     }
 
     /// Answers one request; `peer` is the SHA-256 of the connection's client certificate.
-    pub async fn handle<B: Send + 'static>(
+    pub async fn handle<B>(
         self: Arc<Self>,
         mut req: Request<B>,
         peer: Option<&[u8; 32]>,
-    ) -> Response<Body> {
-        let route = match route::parse(req.method(), req.uri().path(), req.uri().query()) {
-            Ok(r) => r,
+    ) -> Response<Body>
+    where
+        B: hyper::body::Body<Data = Bytes> + Send + 'static,
+        B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    {
+        let route = match route::parse_request(req.method(), req.uri().path(), req.uri().query()) {
+            Ok(route::Request::Vm(r)) => r,
+            Ok(route::Request::Move(m)) => {
+                let Some(moves) = &self.moves else {
+                    let msg = "This node's agent receives no VM moves";
+                    return status(StatusCode::NOT_FOUND, msg);
+                };
+                let idle = self.config.move_idle_timeout;
+                return moves.serve(m, req, peer, idle).await;
+            }
             Err(e) => return status(e.status(), &e.to_string()),
         };
         let subresource = route.subresource();
@@ -450,7 +493,7 @@ fn not_on_this_node(route: &Route) -> Response<Body> {
 }
 
 /// A Kubernetes `Status` answering a failed request.
-fn status(code: StatusCode, message: &str) -> Response<Body> {
+pub(super) fn status(code: StatusCode, message: &str) -> Response<Body> {
     let body = imp_agent_api::status_body(code, message);
     let mut resp = Response::new(
         Full::new(Bytes::from(body.to_string()))

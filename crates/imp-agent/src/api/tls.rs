@@ -161,6 +161,12 @@ impl Identity {
         &self.cert
     }
 
+    /// This certificate as a client's: what the agent presents to the agent of the node a VM
+    /// moves to, which checks it against the fingerprint this agent's Node publishes.
+    pub fn client_identity(&self) -> imp_agent_api::tls::ClientIdentity {
+        imp_agent_api::tls::ClientIdentity::new(self.cert.clone(), self.key.clone_key())
+    }
+
     /// A server configuration presenting this certificate and asking each caller for one
     /// ([`AnyClientCert`]); HTTP/1.1 only: exec upgrades.
     pub fn server_config(&self) -> Result<Arc<ServerConfig>, TlsError> {

@@ -1,5 +1,6 @@
-//! Sparse files: where a file holds data (`SEEK_DATA`/`SEEK_HOLE`), and copies that keep the
-//! holes, so a snapshot of a guest that touched 100 MiB of its 2 GiB stores 100 MiB.
+//! Sparse files: where a file holds data (`SEEK_DATA`/`SEEK_HOLE`, [`data_ranges`], shared with
+//! the moves' sender in `imp-agent-api`), and copies that keep the holes, so a snapshot of a
+//! guest that touched 100 MiB of its 2 GiB stores 100 MiB.
 //! Blocking calls: run them off the async runtime.
 
 use std::fs::File;
@@ -7,39 +8,7 @@ use std::io;
 use std::os::unix::fs::FileExt as _;
 use std::path::Path;
 
-use nix::unistd::{Whence, lseek};
-
-/// The `[start, end)` byte ranges of `file` that hold data, in order. A file system without
-/// `SEEK_DATA` reports the whole file as one range.
-pub fn data_ranges(file: &File) -> io::Result<Vec<(u64, u64)>> {
-    let len = file.metadata()?.len();
-    let mut ranges = Vec::new();
-    let mut at = 0u64;
-    while at < len {
-        let start = match seek(file, at, Whence::SeekData) {
-            Ok(s) => s,
-            // No data past `at`.
-            Err(nix::errno::Errno::ENXIO) => break,
-            Err(nix::errno::Errno::EINVAL) if at == 0 => return Ok(vec![(0, len)]),
-            Err(e) => return Err(e.into()),
-        };
-        let end = seek(file, start, Whence::SeekHole)
-            .map_err(io::Error::from)?
-            .min(len);
-        if end <= start {
-            break;
-        }
-        ranges.push((start, end));
-        at = end;
-    }
-    Ok(ranges)
-}
-
-fn seek(file: &File, at: u64, whence: Whence) -> nix::Result<u64> {
-    let at = i64::try_from(at).map_err(|_| nix::errno::Errno::EOVERFLOW)?;
-    let to = lseek(file, at, whence)?;
-    u64::try_from(to).map_err(|_| nix::errno::Errno::EOVERFLOW)
-}
+pub use imp_agent_api::sparse::data_ranges;
 
 /// The bytes of `file` that hold data.
 pub fn data_bytes(path: &Path) -> io::Result<u64> {
