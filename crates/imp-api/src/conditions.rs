@@ -163,6 +163,12 @@ string_enum! {
         MembersFailing,
         /// (Operator) a VM with `spec.warmPoolRef` took over a running member of its pool.
         Claimed,
+        /// (ImpVMMigration) the VM is on its way to another node.
+        Moving,
+        /// (ImpVMMigration) the VM runs on its new node.
+        Moved,
+        /// (ImpVMMigration) the move failed or was given up; the VM runs where it was.
+        MoveFailed,
     }
 }
 

@@ -178,6 +178,8 @@ pub struct ImpVMSnapshotStatus {
     printcolumn(name = "Source", type_ = "string", json_path = ".spec.sourceVMName"),
     printcolumn(name = "Target", type_ = "string", json_path = ".spec.targetNode"),
     printcolumn(name = "Phase", type_ = "string", json_path = ".status.phase"),
+    printcolumn(name = "Mode", type_ = "string", json_path = ".status.mode"),
+    printcolumn(name = "Downtime", type_ = "integer", json_path = ".status.downtimeMs"),
     printcolumn(
         name = "Age",
         type_ = "date",
@@ -206,14 +208,18 @@ spec_may_be_absent!(ImpVMMigrationSpec);
 pub enum MigrationPhase {
     /// Choosing a target.
     Pending,
-    /// Snapshotting the source.
+    /// Snapshotting the source (Go's phase; imp's moves say `Transferring`).
     Snapshotting,
-    /// Restoring on the target.
+    /// The source's agent suspends the VM and sends its state and disk to the target's.
+    Transferring,
+    /// Restoring on the target (after the commit).
     Restoring,
-    /// Done; the source is gone.
+    /// Done: the VM runs on the target, nothing of it is left on the source.
     Succeeded,
-    /// Failed; the message says why.
+    /// Failed; the message says why (the VM runs where it was).
     Failed,
+    /// Deleted before the commit: the VM runs where it was.
+    Cancelled,
 }
 
 /// Migration status.
@@ -244,4 +250,20 @@ pub struct ImpVMMigrationStatus {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]), transform = crate::schema::conditions)]
     pub conditions: Vec<Condition>,
+    /// The node the VM left (imp extension).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub source_node: Option<String>,
+    /// `cold` or `live` (imp extension; only `cold` is built).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mode: Option<String>,
+    /// The VM's vCPUs stopped on the source to running on the target, in milliseconds (imp
+    /// extension).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub downtime_ms: Option<i64>,
+    /// Creation of the migration to `Succeeded`, in milliseconds (imp extension).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub total_ms: Option<i64>,
+    /// Bytes sent from the source's agent to the target's (imp extension).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bytes_moved: Option<i64>,
 }

@@ -33,7 +33,7 @@ pub const NO_CONTROLLER: &str =
     "is not supported yet by this imp: no controller acts on it (see docs/fields.md)";
 
 /// Kinds no controller acts on: the webhook refuses creating or changing them.
-pub const NO_CONTROLLER_KINDS: [&str; 2] = ["ImpVMMigration", "ImpVMRunnerPool"];
+pub const NO_CONTROLLER_KINDS: [&str; 1] = ["ImpVMRunnerPool"];
 
 /// The refusal of kind `kind` when no controller acts on it, e.g. `ImpWarmPool is not
 /// supported yet by this imp: …`.
@@ -299,13 +299,14 @@ mod tests {
     #[test]
     fn kinds_without_a_controller_are_refused_by_name() {
         assert_eq!(
-            kind("ImpVMMigration").as_deref(),
+            kind("ImpVMRunnerPool").as_deref(),
             Some(
-                "ImpVMMigration is not supported yet by this imp: no controller acts on it (see docs/fields.md)"
+                "ImpVMRunnerPool is not supported yet by this imp: no controller acts on it (see docs/fields.md)"
             )
         );
-        // Warm pools have their controller (only claims are refused, on the claimant).
+        // Warm pools and migrations have their controllers.
         assert_eq!(kind("ImpWarmPool"), None);
+        assert_eq!(kind("ImpVMMigration"), None);
         for k in NO_CONTROLLER_KINDS {
             assert!(
                 kind(k).is_some_and(|m| m.contains(NOT_SUPPORTED_YET)),

@@ -190,12 +190,26 @@ pub const RESTORE_KEEPS_ITS_OWN: &str = "is not applied to a VM restored from a 
 /// `spec.nodeName` may be cleared (the operator and agent do that) and set when empty, but not
 /// moved from one node to another by an update: a move is a migration.
 pub fn vm_update(old: &ImpVMSpec, new: &ImpVMSpec) -> Result<(), ValidationErrors> {
+    vm_update_moving(old, new, None)
+}
+
+/// [`vm_update`] of a VM whose stored status holds `moving`: the move's commit, which sets
+/// `spec.nodeName` from its source to its target once the source's agent says the target
+/// holds the VM's files (`Sent`), is the one change of node allowed (docs/migration.md).
+pub fn vm_update_moving(
+    old: &ImpVMSpec,
+    new: &ImpVMSpec,
+    moving: Option<&crate::vm::VmMove>,
+) -> Result<(), ValidationErrors> {
     let mut e = match vm(new) {
         Ok(()) => ValidationErrors::default(),
         Err(e) => e,
     };
     if let (Some(a), Some(b)) = (&old.node_name, &new.node_name)
         && a != b
+        && !moving.is_some_and(|m| {
+            m.phase == crate::vm::MovePhase::Sent && &m.source == a && &m.target == b
+        })
     {
         e.push(
             "spec.nodeName",
@@ -1249,6 +1263,34 @@ mod tests {
             "clearing is how controllers release a VM"
         );
         assert_eq!(vm_update(&on(None), &on(Some("a"))), Ok(()));
+        // A move's commit: from its source to its target, once the target holds the files.
+        let mut moving = crate::vm::VmMove {
+            source: "a".into(),
+            target: "b".into(),
+            phase: crate::vm::MovePhase::Sent,
+            ..Default::default()
+        };
+        assert_eq!(
+            vm_update_moving(&on(Some("a")), &on(Some("b")), Some(&moving)),
+            Ok(())
+        );
+        assert!(
+            msg(vm_update_moving(
+                &on(Some("a")),
+                &on(Some("c")),
+                Some(&moving)
+            ))
+            .contains("cannot move from a to c")
+        );
+        moving.phase = crate::vm::MovePhase::Transferring;
+        assert!(
+            msg(vm_update_moving(
+                &on(Some("a")),
+                &on(Some("b")),
+                Some(&moving)
+            ))
+            .contains("cannot move from a to b")
+        );
         assert_eq!(vm_update(&on(Some("a")), &on(Some("a"))), Ok(()));
         assert!(
             msg(vm_update(&on(Some("a")), &on(Some("b"))))

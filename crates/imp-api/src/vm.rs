@@ -275,6 +275,74 @@ pub struct ImpVMStatus {
     /// cold (imp extension; written by the operator).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub warm_claim: Option<WarmClaim>,
+    /// A move of this VM to another node in flight (an ImpVMMigration; imp extension, written
+    /// by the operator, and by the source's agent for `phase: Sent`). docs/migration.md.
+    #[serde(default, skip_serializing_if = "Option::is_none", rename = "move")]
+    pub moving: Option<VmMove>,
+}
+
+/// A move of a VM from its node (`source`) to `target`, as the operator asked it and the
+/// agents carry it out. The VM stays the same object: `spec.nodeName` changes once, at the
+/// commit, which the operator writes when the source's agent says `Sent`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct VmMove {
+    /// The ImpVMMigration (same namespace).
+    pub migration: String,
+    /// Its uid.
+    #[serde(rename = "migrationUID")]
+    pub migration_uid: String,
+    /// The node the VM leaves.
+    pub source: String,
+    /// The node the VM goes to.
+    pub target: String,
+    /// `cold` (the only mode built: suspended, its files copied, resumed on the target).
+    pub mode: String,
+    /// Where the move is.
+    pub phase: MovePhase,
+    /// A one-time value the target's agent accepts the VM's files with, beside the source
+    /// node's pinned certificate (not a secret: it ties a transfer to this move).
+    pub token: String,
+    /// When the operator started it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub started_at: Option<Time>,
+    /// The target's agent API (`host:port`), as the target's Node published it: the source's
+    /// agent sends the VM's files there.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub target_endpoint: Option<String>,
+    /// The SHA-256 of the target agent's certificate, as its Node published it: the source's
+    /// agent accepts no other.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub target_cert_sha256: Option<String>,
+    /// The SHA-256 of the source agent's certificate, as its Node published it: the target's
+    /// agent takes the files from no other.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub source_cert_sha256: Option<String>,
+    /// Bytes the source's agent sent (memory, device state, disk, initramfs; holes not sent).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bytes_sent: Option<i64>,
+    /// When the source's agent stopped the VM's vCPUs for the move (downtime starts).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub paused_at: Option<Time>,
+    /// Why the source's agent could not send, when it could not.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub failure: Option<String>,
+}
+
+/// The steps of a move, in the VM's status.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub enum MovePhase {
+    /// The source's agent suspends the VM and sends its files to the target's agent.
+    #[default]
+    Transferring,
+    /// The target's agent holds the VM's files, checked: the operator may commit.
+    Sent,
+    /// The source's agent could not send (`failure` says why): the operator aborts.
+    SendFailed,
+    /// `spec.nodeName` names the target: the target resumes the VM, the source removes it.
+    Committed,
+    /// Given up before the commit: the source resumes the VM; the move is then cleared.
+    Aborting,
 }
 
 /// A claim of a warm pool's member: which member became this VM, or why none did.

@@ -101,7 +101,8 @@ fn crd_names_scope_and_columns_match_the_go_project() {
             "impmig",
             true,
             true,
-            &["Source", "Target", "Phase", "Age"],
+            // Go's four, and how the move is made and how long the VM stopped (issue 40).
+            &["Source", "Target", "Phase", "Mode", "Downtime", "Age"],
         ),
         (
             "ImpWarmPool",

@@ -392,7 +392,6 @@ fn not_yet(doc: &Value) -> Vec<String> {
 /// that a new refusal never reaches a Go manifest unnoticed.
 const REFUSED_FIXTURES: &[&str] = &[
     "go/cluster-and-snapshots.yaml ClusterImpConfig cluster: spec.networking.cni.autoDetect, spec.networking.cni.provider, spec.networking.cni.natBackend, spec.observability.metrics.port, spec.observability.tracing.endpoint",
-    "go/cluster-and-snapshots.yaml ImpVMMigration move-legacy: kind",
     "go/runner-pools.yaml ImpVMRunnerPool github-webhook: kind",
     "go/runner-pools.yaml ImpVMRunnerPool github-unscoped: kind",
     "go/runner-pools.yaml ImpVMRunnerPool github-hybrid: kind",
@@ -405,7 +404,6 @@ const REFUSED_FIXTURES: &[&str] = &[
     "valid/cluster.yaml ClusterImpConfig cluster: spec.networking.cni.provider",
     "valid/pools.yaml ImpVMRunnerPool secure-runners: kind",
     "valid/pools.yaml ImpVMRunnerPool gitlab-builds: kind",
-    "valid/snapshot-and-migration.yaml ImpVMMigration move-nginx: kind",
 ];
 
 #[test]

@@ -92,6 +92,13 @@ const ADDED: &[(&str, &str)] = &[
     ("ImpWarmPool", ".status.observedGeneration"),
     ("ImpWarmPool", ".status.failedInARow"),
     ("ImpWarmPool", ".status.lastFailureAt"),
+    // A move to another node in flight (docs/migration.md), and what a finished one took.
+    ("ImpVM", ".status.move"),
+    ("ImpVMMigration", ".status.sourceNode"),
+    ("ImpVMMigration", ".status.mode"),
+    ("ImpVMMigration", ".status.downtimeMs"),
+    ("ImpVMMigration", ".status.totalMs"),
+    ("ImpVMMigration", ".status.bytesMoved"),
     // firecracker or qemu per class.
     ("ImpVMClass", ".spec.runtime"),
     // Placement inherited from a template, unioned with class and VM.

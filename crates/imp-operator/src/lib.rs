@@ -5,7 +5,8 @@
 //! VM (`status.booking`: the class and resolved spec its node agent boots) and runs it against
 //! the API server; [`network`] keeps ImpNetwork status (group CIDRs, VTEP table, Ready);
 //! [`snapshot`] runs ImpVMSnapshot schedules (executions on a cron, retention, base election);
-//! [`warmpool`] keeps each ImpWarmPool's members, VMs restored from its snapshot's base, running.
+//! [`warmpool`] keeps each ImpWarmPool's members, VMs restored from its snapshot's base, running;
+//! [`migration`] moves a VM to another node through its status and one commit write.
 //! What every controller that places a VM shares (the VM controller today; pools and migration
 //! next) sits in [`placement`]: the scheduler's pick, the per-node ledger, reservation Pods
 //! and node fencing; [`ipam`] gives every VM on an ImpNetwork its address. [`gateway`] is imp's
@@ -19,8 +20,8 @@
 //! state; everything it decides is written to the API, and what it keeps in memory (caches, the
 //! ledger) is rebuilt from the API after a restart. It is not the binary either (`imp operator`
 //! in the `imp` crate turns its flags into a [`process::Config`] and calls [`process::run`]), nor
-//! what takes a snapshot (the node agent executes them), and the migration and runner pool kinds
-//! have no controller yet ([`unsupported`] says so on each).
+//! what takes a snapshot (the node agent executes them), and the runner pool kind has no
+//! controller yet ([`unsupported`] says so).
 
 /// The field manager of the controllers' writes (VMs, networks, snapshots); the webhook's
 /// certificates, the leader Lease and the unsupported kinds' notes write under their own.
@@ -32,6 +33,7 @@ pub mod gateway;
 pub mod ipam;
 pub mod leader;
 pub mod metrics;
+pub mod migration;
 pub mod names;
 pub mod network;
 pub mod placement;

@@ -4,8 +4,7 @@
 //! stored and silently ignored.
 //!
 //! Each object gets `Ready=False`, reason [`REASON`], the webhook's own message, for its
-//! current generation, and one Warning Event; an ImpVMMigration also gets `phase: Failed` with
-//! the message, since it will never run. [`refusal`] decides, [`run`] applies.
+//! current generation, and one Warning Event. [`refusal`] decides, [`run`] applies.
 
 use futures::StreamExt;
 use k8s_openapi::jiff::Timestamp;
@@ -57,12 +56,7 @@ pub fn refusal(kind: &str, obj: &DynamicObject, now: Timestamp) -> Option<Value>
         .unwrap_or_default();
     conditions.retain(|c| c.get("type") != Some(&json!("Ready")));
     conditions.push(condition);
-    let mut body = json!({ "status": { "conditions": conditions } });
-    if kind == "ImpVMMigration" {
-        body["status"]["phase"] = json!("Failed");
-        body["status"]["message"] = json!(message);
-    }
-    Some(body)
+    Some(json!({ "status": { "conditions": conditions } }))
 }
 
 /// Watches every kind with no controller, in every namespace, and writes [`refusal`] on each
@@ -188,30 +182,19 @@ mod tests {
     }
 
     #[test]
-    fn a_migration_is_failed_and_other_conditions_are_kept() {
+    fn other_conditions_are_kept() {
         let now = Timestamp::UNIX_EPOCH;
         let other = json!({"type": "Progressing", "status": "True", "reason": "X", "message": ""});
         let body = refusal(
-            "ImpVMMigration",
+            "ImpVMRunnerPool",
             &obj(3, json!({"conditions": [other]})),
             now,
         )
         .unwrap();
-        assert_eq!(body["status"]["phase"], "Failed");
-        assert!(
-            body["status"]["message"]
-                .as_str()
-                .unwrap()
-                .contains("ImpVMMigration")
-        );
         let conds = body["status"]["conditions"].as_array().unwrap();
         assert_eq!(conds.len(), 2);
         assert_eq!(conds[0], other);
-        assert!(
-            refusal("ImpVMRunnerPool", &obj(1, json!({})), now).unwrap()["status"]
-                .get("phase")
-                .is_none()
-        );
+        assert!(body["status"].get("phase").is_none());
     }
 
     #[test]

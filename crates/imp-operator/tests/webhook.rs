@@ -1447,28 +1447,33 @@ async fn the_api_server_refuses_what_imp_does_not_support_yet_with_a_field_named
     assert!(api.get_opt("agentless").await.unwrap().is_none());
 
     // A kind no controller acts on is refused whole, by name.
-    let migrations: Api<DynamicObject> = Api::namespaced_with(
+    let pools: Api<DynamicObject> = Api::namespaced_with(
         f.admin.clone(),
         &ns,
-        &ApiResource::erase::<imp_api::ImpVMMigration>(&()),
+        &ApiResource::erase::<imp_api::ImpVMRunnerPool>(&()),
     );
-    let migration: DynamicObject = serde_json::from_value(json!({
-        "apiVersion": "imp.dev/v1alpha1", "kind": "ImpVMMigration",
-        "metadata": {"name": "move", "namespace": ns},
-        "spec": {"sourceVMName": "web", "sourceVMNamespace": ns}}))
+    let pool: DynamicObject = serde_json::from_value(json!({
+        "apiVersion": "imp.dev/v1alpha1", "kind": "ImpVMRunnerPool",
+        "metadata": {"name": "runners", "namespace": ns},
+        "spec": {"templateName": "t",
+                 "platform": {"type": "github-actions", "scope": {"repo": "o/r"},
+                              "credentialsSecret": "gh"},
+                 "scaling": {"mode": "webhook", "minIdle": 0, "maxConcurrent": 2,
+                             "scaleUpStep": 1, "cooldownSeconds": 30,
+                             "webhook": {"secretRef": "hook"}}}}))
     .unwrap();
-    match migrations.create(&PostParams::default(), &migration).await {
+    match pools.create(&PostParams::default(), &pool).await {
         Err(kube::Error::Api(s)) => {
             println!("refused by the server: {}", s.message);
             assert_eq!(s.code, 422, "{s:?}");
             assert!(
                 s.message
-                    .contains("ImpVMMigration is not supported yet by this imp"),
+                    .contains("ImpVMRunnerPool is not supported yet by this imp"),
                 "{}",
                 s.message
             );
         }
-        other => panic!("an ImpVMMigration was admitted: {other:?}"),
+        other => panic!("an ImpVMRunnerPool was admitted: {other:?}"),
     }
 
     // The same VM with the default (agent on) goes through.

@@ -103,6 +103,13 @@ struct Entry {
     stale: Vec<String>,
     /// The share now in [`Ledger::usage`], to take back exactly.
     counted: Option<Share>,
+    /// The node a move in flight takes the VM to (`status.move` before its commit, or a
+    /// move this process booked that the watch does not show yet): the VM holds it too.
+    moving_to: Option<String>,
+    /// [`Ledger::book_move`] set `moving_to` and the watch has not shown the move yet.
+    move_booked: bool,
+    /// The share on `moving_to` now in [`Ledger::usage`].
+    counted_move: Option<Share>,
 }
 
 impl Entry {
@@ -125,6 +132,17 @@ impl Entry {
             node,
             size: self.size(),
             suspended: self.phase == VmPhase::Suspended,
+        })
+    }
+
+    /// What the VM holds on the node it moves to: its whole size (it runs there after the
+    /// commit), while it holds its source too.
+    fn move_share(&self) -> Option<Share> {
+        let node = self.moving_to.clone()?;
+        (!self.phase.is_terminal()).then(|| Share {
+            node,
+            size: self.size(),
+            suspended: false,
         })
     }
 }
@@ -190,13 +208,49 @@ impl Ledger {
             // A booking not shown yet keeps the size it placed with.
             e.placed = placed;
         }
+        match vm.status.as_ref().and_then(|s| s.moving.as_ref()) {
+            Some(m) => {
+                e.move_booked = false;
+                let before_commit = matches!(
+                    m.phase,
+                    imp_api::vm::MovePhase::Transferring | imp_api::vm::MovePhase::Sent
+                );
+                e.moving_to = before_commit.then(|| m.target.clone());
+            }
+            None if !e.move_booked => e.moving_to = None,
+            None => {}
+        }
         self.recount(key);
+    }
+
+    /// Books `key`'s whole size on `target`, where a move takes it, until the watch shows the
+    /// move (which then keeps it booked until its commit) or [`Ledger::abort_move`].
+    pub fn book_move(&mut self, key: &str, target: &str) {
+        let Some(e) = self.vms.get_mut(key) else {
+            return;
+        };
+        e.moving_to = Some(target.to_owned());
+        e.move_booked = true;
+        self.recount(key);
+    }
+
+    /// The write of a move booked with [`Ledger::book_move`] failed: the target is free again.
+    pub fn abort_move(&mut self, key: &str) {
+        let Some(e) = self.vms.get_mut(key) else {
+            return;
+        };
+        if e.move_booked {
+            e.move_booked = false;
+            e.moving_to = None;
+            self.recount(key);
+        }
     }
 
     /// The watch says `key` was deleted.
     pub fn forget(&mut self, key: &str) {
         if let Some(e) = self.vms.remove(key) {
             self.take(e.counted.as_ref());
+            self.take(e.counted_move.as_ref());
         }
     }
 
@@ -312,17 +366,20 @@ impl Ledger {
             return;
         };
         let share = e.share();
-        if share == e.counted {
-            return;
-        }
-        let old = std::mem::replace(&mut e.counted, share.clone());
-        self.take(old.as_ref());
-        if let Some(s) = &share {
-            self.usage.entry(s.node.clone()).or_default().add(
-                s.size.vcpu,
-                s.size.memory_mib,
-                s.suspended,
-            );
+        let move_share = e.move_share();
+        let old = (share != e.counted).then(|| std::mem::replace(&mut e.counted, share.clone()));
+        let old_move = (move_share != e.counted_move)
+            .then(|| std::mem::replace(&mut e.counted_move, move_share.clone()));
+        for (old, new) in [(old, share), (old_move, move_share)] {
+            let Some(old) = old else { continue };
+            self.take(old.as_ref());
+            if let Some(s) = &new {
+                self.usage.entry(s.node.clone()).or_default().add(
+                    s.size.vcpu,
+                    s.size.memory_mib,
+                    s.suspended,
+                );
+            }
         }
     }
 
@@ -531,6 +588,61 @@ mod tests {
             Some(SMALL),
         );
         assert!(l.usage().is_empty());
+    }
+
+    #[test]
+    fn a_move_holds_both_nodes_until_its_commit_then_only_the_target() {
+        let mut l = Ledger::default();
+        let running = vm("1", Some("n1"), VmPhase::Running, Some(SMALL));
+        l.observe("ns/a", &running, Some(SMALL));
+        // Booked before the move's write: the target is held at once ...
+        l.book_move("ns/a", "n2");
+        assert_eq!(on(&l, "n1"), used(1, 256, 1));
+        assert_eq!(on(&l, "n2"), used(1, 256, 1));
+        // ... also while the watch still shows the VM without its move.
+        l.observe("ns/a", &running, Some(SMALL));
+        assert_eq!(on(&l, "n2"), used(1, 256, 1));
+        let moving = |rv: &str, node: &str, phase: imp_api::vm::MovePhase| {
+            let mut v = vm(rv, Some(node), VmPhase::Suspended, Some(SMALL));
+            v.status.as_mut().unwrap().moving = Some(imp_api::vm::VmMove {
+                source: "n1".into(),
+                target: "n2".into(),
+                phase,
+                ..Default::default()
+            });
+            v
+        };
+        // Suspended on its source for the move: memory there, the whole size on the target.
+        l.observe(
+            "ns/a",
+            &moving("2", "n1", imp_api::vm::MovePhase::Sent),
+            Some(SMALL),
+        );
+        assert_eq!(on(&l, "n1").suspended_memory_mib, 256);
+        assert_eq!(on(&l, "n2"), used(1, 256, 1));
+        // Committed: the source is free, the target counted once.
+        l.observe(
+            "ns/a",
+            &moving("3", "n2", imp_api::vm::MovePhase::Committed),
+            Some(SMALL),
+        );
+        assert!(!l.usage().contains_key("n1"));
+        assert_eq!(on(&l, "n2").vms, 1);
+        // A move whose write failed gives the target back.
+        let mut l = Ledger::default();
+        l.observe("ns/a", &running, Some(SMALL));
+        l.book_move("ns/a", "n2");
+        l.abort_move("ns/a");
+        assert!(!l.usage().contains_key("n2"));
+        // A move cleared by an abort frees the target too.
+        l.observe(
+            "ns/a",
+            &moving("2", "n1", imp_api::vm::MovePhase::Transferring),
+            Some(SMALL),
+        );
+        assert_eq!(on(&l, "n2"), used(1, 256, 1));
+        l.observe("ns/a", &running, Some(SMALL));
+        assert!(!l.usage().contains_key("n2"));
     }
 
     #[test]

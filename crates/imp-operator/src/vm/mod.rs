@@ -530,6 +530,16 @@ pub async fn run(
         watches::spawn_gauges(m, vms.clone(), backlog.clone());
     }
     let ready = gate(&ctx, vms, reservation_pods, reservation_changed, health);
+    let shutdown = futures::FutureExt::shared(Box::pin(shutdown));
+    let migrations = tokio::spawn({
+        let (ctx, ready, shutdown) = (ctx.clone(), ready.clone(), shutdown.clone());
+        async move {
+            // Moves are booked in the ledger: only once it holds every VM.
+            until_filled(&ready).await;
+            let recorder = ctx.recorder.clone();
+            crate::migration::run(ctx.client.clone(), ctx, recorder, shutdown).await;
+        }
+    });
     controller
         .graceful_shutdown_on(shutdown)
         .run(
@@ -543,6 +553,9 @@ pub async fn run(
             }
         })
         .await;
+    if let Err(e) = migrations.await {
+        tracing::warn!(error = %imp_api::chain::DisplayChain(&e), "migration controller task failed");
+    }
     Ok(())
 }
 

@@ -231,6 +231,48 @@ impl Context {
         Ok((node, booking))
     }
 
+    /// A node other than its own for placed `vm` to move to (`asked`: only that one), booked
+    /// for its whole size in the ledger under the scheduling lock until the move's write shows
+    /// (a failed write gives it back: [`Context::unbook_move`]); or why none can take it.
+    pub(crate) fn book_move_target(
+        &self,
+        vm: &ImpVM,
+        asked: Option<&str>,
+    ) -> Result<String, String> {
+        let Some(Ok(r)) = self.booked(vm) else {
+            return Err("the VM has no booking to move with (it was never placed)".into());
+        };
+        let source = vm.spec.node_name.clone().unwrap_or_default();
+        let nodes: Vec<_> = self
+            .node_views()
+            .into_iter()
+            .filter(|n| n.name != source && asked.is_none_or(|a| n.name == a))
+            .collect();
+        if let Some(a) = asked
+            && nodes.is_empty()
+        {
+            return Err(format!("spec.targetNode {a}: no such node"));
+        }
+        let k = key(vm);
+        let policy = self.policy();
+        let mut ledger = self.ledger();
+        ledger.refresh_sizes(|s| live_size(&self.classes, &self.templates, s));
+        let node =
+            schedule::pick(&request(&r, None), &nodes, ledger.usage(), &policy).map_err(|no| {
+                match asked {
+                    Some(a) => format!("spec.targetNode {a} cannot take the VM: {}", no.message),
+                    None => format!("no other node can take the VM: {}", no.message),
+                }
+            })?;
+        ledger.book_move(&k, &node);
+        Ok(node)
+    }
+
+    /// The move booked by [`Context::book_move_target`] was not written.
+    pub(crate) fn unbook_move(&self, vm: &ImpVM) {
+        self.ledger().abort_move(&key(vm));
+    }
+
     /// Writes the status of `vm`, just placed on `node` with `r` as its booking, and tells of
     /// it (log, Event, the schedule-latency metric on its first placement).
     async fn record_placement(&self, vm: ImpVM, r: &Resolved, node: &str) -> Result<Action, Error> {

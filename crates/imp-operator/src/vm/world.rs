@@ -156,7 +156,7 @@ impl Context {
 
     /// A placed VM's booking ([`imp_api::vm::Booking`]) in place of its live class and template,
     /// which it no longer follows (its network must still exist); `None` for a VM without one.
-    fn booked(&self, vm: &ImpVM) -> Option<Result<Resolved, MissingRef>> {
+    pub(super) fn booked(&self, vm: &ImpVM) -> Option<Result<Resolved, MissingRef>> {
         vm.spec.node_name.as_ref()?;
         let b = vm.status.as_ref()?.booking.as_ref()?;
         let ns = vm.namespace().unwrap_or_default();
@@ -215,6 +215,18 @@ impl Context {
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         leases.silence(node, std::time::Instant::now(), self.settings.fence_margin)
+    }
+
+    /// The agent API of node `node` as its Node publishes it: its endpoint and its
+    /// certificate's SHA-256 (`None` when it publishes no API).
+    pub(crate) fn agent_of(&self, node: &str) -> Option<(String, String)> {
+        let n = self.nodes.get(&ObjectRef::new(node))?;
+        let a = n.metadata.annotations.as_ref()?;
+        Some((
+            a.get(imp_api::shared::ANNOTATION_AGENT_ENDPOINT)?.clone(),
+            a.get(imp_api::shared::ANNOTATION_AGENT_CERT_SHA256)?
+                .clone(),
+        ))
     }
 
     pub(super) fn node_views(&self) -> Vec<NodeView> {

@@ -602,7 +602,8 @@ fn validate_vm(
             Ok(old) if only_node_name_changed(&old.spec, &new.spec) => {
                 // A controller clearing or setting spec.nodeName: judge only the node rule, so a
                 // rule added since the VM was stored never blocks a reschedule or a deletion.
-                match validation::vm_update(&old.spec, &new.spec) {
+                let moving = old.status.as_ref().and_then(|s| s.moving.as_ref());
+                match validation::vm_update_moving(&old.spec, &new.spec, moving) {
                     Ok(()) => Ok(()),
                     Err(e) => {
                         let node: Vec<_> =
