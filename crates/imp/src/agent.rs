@@ -147,6 +147,10 @@ pub struct Args {
     /// limit); more are answered 429.
     #[arg(long, default_value_t = imp_agent::api::sessions::DEFAULT_PER_CALLER)]
     api_max_sessions_per_caller: usize,
+    /// Bytes per second at most that a VM moving to another node (ImpVMMigration) is sent
+    /// at (0: no cap).
+    #[arg(long, default_value_t = 0)]
+    migration_bandwidth: u64,
     /// The ConfigMap (NAMESPACE/NAME) in which the operator publishes its gateway's client
     /// certificates: the API serves only callers that present one of them (users reach it
     /// through the Kubernetes API server and the gateway, never directly).
@@ -320,6 +324,7 @@ fn config(args: Args) -> anyhow::Result<Config> {
             per_vm: args.api_max_sessions_per_vm,
             per_caller: args.api_max_sessions_per_caller,
         },
+        migration_bandwidth: Some(args.migration_bandwidth).filter(|b| *b > 0),
         gateway_configmap: args.gateway_configmap,
         boot_timeout: args.boot_timeout,
         stop_grace: args.stop_grace,

@@ -128,6 +128,14 @@ fn refused<T: std::fmt::Debug>(res: kube::Result<T>, what: &str, node: &str) {
     }
 }
 
+/// The admin's status patch of `vm-node-a` (as the operator writes a move).
+async fn admin_vms_status(admin: &kube::Client, patch: &Patch<Value>) {
+    vms(admin)
+        .patch_status("vm-node-a", &PatchParams::default(), patch)
+        .await
+        .unwrap();
+}
+
 /// Asserts that `res` was admitted.
 fn admitted<T>(res: kube::Result<T>, what: &str) {
     if let Err(e) = res {
@@ -229,6 +237,64 @@ async fn an_agents_node_bound_token_writes_only_what_belongs_to_its_own_node() {
     admitted(
         vms(&a).patch_status("vm-node-a", &p, &placed(A)).await,
         "node-a's VM's status",
+    );
+    // A move of its VM to node-b (written by the admin as the operator would): node-a's agent
+    // says how its part went, and nothing else of the move.
+    let mv = |phase: &str| {
+        merge(json!({"status": {"move": {
+            "migration": "mv", "migrationUID": "u1", "source": A, "target": B,
+            "mode": "cold", "phase": phase, "token": "t1"}}}))
+    };
+    admin_vms_status(&admin, &mv("Transferring")).await;
+    for (what, patch) in [
+        (
+            "redirecting node-a's VM's move to node-c",
+            json!({"status": {"move": {"target": "node-c"}}}),
+        ),
+        (
+            "changing the token of node-a's VM's move",
+            json!({"status": {"move": {"token": "t2"}}}),
+        ),
+        (
+            "marking node-a's VM's move Committed",
+            json!({"status": {"move": {"phase": "Committed"}}}),
+        ),
+        (
+            "clearing node-a's VM's move",
+            json!({"status": {"move": null}}),
+        ),
+    ] {
+        refused(
+            vms(&a).patch_status("vm-node-a", &p, &merge(patch)).await,
+            what,
+            "status.move is the operator's",
+        );
+    }
+    admitted(
+        vms(&a)
+            .patch_status(
+                "vm-node-a",
+                &p,
+                &merge(json!({"status": {"move": {"phase": "Sent", "bytesSent": 1}}})),
+            )
+            .await,
+        "node-a's agent saying its VM's move was sent",
+    );
+    // No agent starts a move.
+    refused(
+        vms(&a)
+            .patch_status("vm-node-a", &p, &merge(json!({"status": {"move": null}})))
+            .await,
+        "clearing node-a's VM's sent move",
+        "status.move is the operator's",
+    );
+    admin_vms_status(&admin, &merge(json!({"status": {"move": null}}))).await;
+    refused(
+        vms(&a)
+            .patch_status("vm-node-a", &p, &mv("Transferring"))
+            .await,
+        "starting a move of node-a's VM",
+        "status.move is the operator's",
     );
     admitted(profiles(&a).patch(A, &p, &cpu).await, "profile node-a");
     admitted(

@@ -69,6 +69,8 @@ pub struct Config {
     pub tls: Option<(PathBuf, PathBuf)>,
     /// Exec and console sessions allowed at once.
     pub sessions: SessionLimits,
+    /// Bytes per second a VM moving away may be sent at (`None`: no cap).
+    pub migration_bandwidth: Option<u64>,
     /// The ConfigMap (`namespace/name`) in which the operator publishes its gateway's client
     /// certificates, the only callers the API serves.
     pub gateway_configmap: String,
@@ -185,8 +187,15 @@ pub async fn run(
         ctx = ctx.with_network(node_net);
         tasks.push(watch);
     }
-    let ctx = Arc::new(ctx);
     let (api_listener, identity, advertised) = api_endpoint(&config, &state).await?;
+    // VMs moving away are sent with the API's certificate; those moving here arrive through it.
+    let moves = crate::api::moves::Moves::new(state.root().join("moves"));
+    ctx = ctx.with_moves(reconciler::MoveKit {
+        identity: identity.client_identity(),
+        store: moves.clone(),
+        bandwidth: config.migration_bandwidth,
+    });
+    let ctx = Arc::new(ctx);
     let published = Published {
         endpoint: advertised,
         fingerprint: identity.fingerprint().to_owned(),
@@ -202,9 +211,14 @@ pub async fn run(
         gateway.clone(),
         stopped(stop.clone()),
     )));
-    let api = AgentApi::new(
+    let receiver = crate::api::moves::MoveReceiver::new(
+        crate::node::move_authority::FromApi::new(client.clone(), config.node.clone()),
+        moves,
+    );
+    let api = AgentApi::with_moves(
         ctx.vms(),
         gateway,
+        receiver,
         ApiConfig {
             sessions: config.sessions,
             ..ApiConfig::default()

@@ -16,7 +16,7 @@
 //! [`Local::suspend_retry_secs`] (the agent's `--suspend-retry`).
 
 use imp_api::conditions::ConditionReason;
-use imp_api::vm::VmPhase;
+use imp_api::vm::{MovePhase, VmPhase};
 
 use crate::runtime::state::{Stage, VmRecord, VmStatus};
 
@@ -55,6 +55,12 @@ pub struct Observed {
     /// A warm pool's member not taken, meant to run (not suspended or ScaleToZero), `Running`
     /// and `Ready`: it waits for a claim with its vCPUs paused.
     pub pause_wanted: bool,
+    /// A move of the VM away from this node (`status.move` naming this node its source), and
+    /// where it is.
+    pub moving_out: Option<MovePhase>,
+    /// This node's agent holds the files a move sent it for this VM, checked, and has no
+    /// record of it yet: after the commit it takes them as the VM's own.
+    pub moved_in: bool,
 }
 
 /// The VM's local state: its record and whether its shim still runs.
@@ -126,6 +132,12 @@ pub enum Decision {
     /// A warm pool's member ready for a claim: ask its shim to pause its vCPUs (a claim
     /// resumes them).
     Pause,
+    /// A move away from this node: the VM is suspended (its shim gone, its snapshot on
+    /// disk): send its files to the target's agent and say `Sent` (or `SendFailed`).
+    SendMove,
+    /// A VM moved here (committed), whose files this agent received: make them its record,
+    /// suspended, which a resume then brings back.
+    MoveIn,
 }
 
 /// A status the record calls for.
@@ -194,6 +206,14 @@ pub fn decide(vm: &Observed, local: Option<Local<'_>>) -> Decision {
     // Only once the operator has finished placing it (Scheduled): acting on the placement's
     // first write would race the operator's own status write.
     let fresh_request = vm.phase == VmPhase::Scheduled && !vm.started;
+    if local.is_none() && vm.moved_in {
+        return Decision::MoveIn;
+    }
+    if let Some(l) = local
+        && let Some(d) = move_out(vm, l)
+    {
+        return d;
+    }
     if local.is_none() {
         if vm.claimed {
             // Its VM went to its claimant: the pool deletes it (released then).
@@ -267,17 +287,36 @@ pub fn decide(vm: &Observed, local: Option<Local<'_>>) -> Decision {
 fn suspend_or_resume(vm: &Observed, l: Local<'_>) -> Option<Decision> {
     let r = l.record;
     let sleep = vm.suspend_wanted || (vm.scale_to_zero && l.idle);
-    let wake = if vm.scale_to_zero {
-        l.woken
-    } else {
-        !vm.suspend_wanted
-    };
+    // A move holds the VM suspended from its start to its commit; an abort lets it wake.
+    let held = vm.moving_out.is_some_and(|p| p != MovePhase::Aborting);
+    let wake = !held
+        && if vm.scale_to_zero {
+            l.woken
+        } else {
+            !vm.suspend_wanted
+        };
     match r.status {
         // Only once the API says Running: the Running write comes first.
         VmStatus::Running if sleep && l.shim_alive && vm.phase == VmPhase::Running => {
             (!failed_recently(l)).then_some(Decision::Suspend)
         }
         VmStatus::Suspended if wake && !l.shim_alive => Some(Decision::Resume),
+        _ => None,
+    }
+}
+
+/// A move away from this node: suspend the running VM (its vCPUs stop here before any other
+/// node holds its state), then send it once its shim is gone and its snapshot complete. After
+/// `Sent` nothing more until the commit takes the VM off this node (or an abort lets it wake).
+fn move_out(vm: &Observed, l: Local<'_>) -> Option<Decision> {
+    if vm.moving_out != Some(MovePhase::Transferring) {
+        return None;
+    }
+    match l.record.status {
+        VmStatus::Running if l.shim_alive && vm.phase == VmPhase::Running => {
+            (!failed_recently(l)).then_some(Decision::Suspend)
+        }
+        VmStatus::Suspended if !l.shim_alive => Some(Decision::SendMove),
         _ => None,
     }
 }
@@ -485,7 +524,79 @@ pub(crate) mod tests {
             claim: None,
             claimed: false,
             pause_wanted: false,
+            moving_out: None,
+            moved_in: false,
         }
+    }
+
+    #[test]
+    fn a_move_suspends_the_vm_sends_it_holds_it_until_the_commit_and_an_abort_wakes_it() {
+        let moving = |p: MovePhase| Observed {
+            moving_out: Some(p),
+            ephemeral: false,
+            ..vm(VmPhase::Running, true)
+        };
+        let running = record(VmStatus::Running, 0);
+        assert_eq!(
+            decide(&moving(MovePhase::Transferring), local(&running, true)),
+            Decision::Suspend
+        );
+        let suspended = asleep();
+        let transferring = Observed {
+            phase: VmPhase::Suspended,
+            ..moving(MovePhase::Transferring)
+        };
+        assert_eq!(
+            decide(&transferring, local(&suspended, false)),
+            Decision::SendMove
+        );
+        // Sent, failed to send, committed: held, never resumed here.
+        for p in [MovePhase::Sent, MovePhase::SendFailed, MovePhase::Committed] {
+            let held = Observed {
+                phase: VmPhase::Suspended,
+                ..moving(p)
+            };
+            assert!(
+                matches!(decide(&held, local(&suspended, false)), Decision::Report(_)),
+                "{p:?}"
+            );
+        }
+        // Aborted: the VM wakes where it was.
+        let aborting = Observed {
+            phase: VmPhase::Suspended,
+            ..moving(MovePhase::Aborting)
+        };
+        assert_eq!(
+            decide(&aborting, local(&suspended, false)),
+            Decision::Resume
+        );
+        // A VM its user suspended moves as it is, and stays suspended after an abort.
+        let user_suspended = Observed {
+            suspend_wanted: true,
+            ..aborting
+        };
+        assert!(matches!(
+            decide(&user_suspended, local(&suspended, false)),
+            Decision::Report(_)
+        ));
+        // The target: the files received, no record yet, the commit made: taken in; without
+        // the files a VM with no record is lost as before.
+        let arrived = Observed {
+            moved_in: true,
+            phase: VmPhase::Suspended,
+            ..vm(VmPhase::Running, true)
+        };
+        assert_eq!(decide(&arrived, None), Decision::MoveIn);
+        assert!(matches!(
+            decide(
+                &Observed {
+                    moved_in: false,
+                    ..arrived
+                },
+                None
+            ),
+            Decision::Report(Report::Ended { .. })
+        ));
     }
 
     #[test]
@@ -592,6 +703,7 @@ pub(crate) mod tests {
         r.suspend = Some(crate::runtime::state::SuspendRecord {
             snapshot_dir: "/snap".into(),
             suspended_unix: 900,
+            paused_unix_ms: None,
             bytes: 1,
             vmm: None,
         });
@@ -810,6 +922,7 @@ pub(crate) mod tests {
         asleep.suspend = Some(crate::runtime::state::SuspendRecord {
             snapshot_dir: "/var/lib/imp/agent/snapshots/uid-1".into(),
             suspended_unix: 900,
+            paused_unix_ms: None,
             bytes: 1,
             vmm: None,
         });

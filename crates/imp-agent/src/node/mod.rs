@@ -27,6 +27,7 @@ pub mod guest_metrics;
 pub mod inputs;
 pub mod metrics;
 pub mod metrics_auth;
+pub mod move_authority;
 pub mod network;
 pub mod probes;
 pub mod reconciler;

@@ -18,6 +18,7 @@ pub mod console;
 pub mod contract;
 pub mod control;
 pub mod guest_agent;
+pub mod moved;
 pub mod progress;
 pub mod shim;
 pub mod shim_api;

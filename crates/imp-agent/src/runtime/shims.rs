@@ -34,6 +34,9 @@ pub enum ShimsError {
         #[source]
         source: std::io::Error,
     },
+    /// A moved VM's files could not be made its own.
+    #[error(transparent)]
+    TakeIn(super::moved::TakeInError),
     /// The blocking work itself ended abnormally (it panicked or the runtime shut down).
     #[error("{what} of VM {id} did not finish")]
     Task {
@@ -254,6 +257,23 @@ impl Shims {
         suspend::request_suspend(&self.state, &record)
             .await
             .map_err(ShimsError::Suspend)
+    }
+
+    /// Makes the files a move sent here (`received`) VM `id`'s, suspended, to be resumed
+    /// ([`super::moved::take_in`]).
+    pub async fn take_in(
+        &self,
+        id: &str,
+        spec: VmSpec,
+        record: VmRecord,
+        received: &std::path::Path,
+    ) -> Result<(), ShimsError> {
+        let (state, owned, received) = (self.state.clone(), id.to_owned(), received.to_path_buf());
+        blocking("taking in a moved VM", id, move || {
+            super::moved::take_in(&state, &owned, &spec, record, &received)
+        })
+        .await?
+        .map_err(ShimsError::TakeIn)
     }
 
     /// Starts a shim that restores the suspended VM of `record`, handing it `tap` (held while

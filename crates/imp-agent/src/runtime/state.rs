@@ -14,7 +14,9 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 /// The record file's name inside a VM directory.
-const RECORD: &str = "vm.json";
+/// A VM's record in its directory.
+pub const RECORD_FILE: &str = "vm.json";
+const RECORD: &str = RECORD_FILE;
 
 /// Failures of reading and writing VM records.
 #[derive(Debug, thiserror::Error)]
@@ -677,6 +679,10 @@ pub struct SuspendRecord {
     pub snapshot_dir: PathBuf,
     /// When the snapshot was complete, seconds since the Unix epoch.
     pub suspended_unix: u64,
+    /// When the VM's vCPUs were paused for it, milliseconds since the Unix epoch (a move's
+    /// downtime starts there); absent in records written before it was kept.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub paused_unix_ms: Option<u64>,
     /// The snapshot's size on disk in bytes.
     pub bytes: u64,
     /// The VMM that wrote it, `kind version` ([`imp_vmm::version`]); absent in records
@@ -902,6 +908,14 @@ pub fn now_unix_nanos() -> u128 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_nanos())
+        .unwrap_or(0)
+}
+
+/// Milliseconds since the Unix epoch.
+pub fn now_unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
         .unwrap_or(0)
 }
 

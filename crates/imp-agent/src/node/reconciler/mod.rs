@@ -55,6 +55,7 @@ use imp_net::NodeNet;
 
 mod claim;
 mod follow;
+mod moving;
 mod pause;
 mod probe;
 mod sleep;
@@ -153,6 +154,19 @@ pub struct Context {
     followed: follow::Followed,
     /// The shims that refused to pause a warm pool's member ([`pause`]).
     pause_refused: pause::Refused,
+    /// Sending and taking in moved VMs ([`moving`]); `None` without the agent API.
+    moves: Option<MoveKit>,
+}
+
+/// What moving VMs between nodes needs: this agent's certificate (presented to the agent a VM
+/// moves to), the files moves sent here, and a bandwidth cap for sending.
+pub struct MoveKit {
+    /// The agent API's certificate and key.
+    pub identity: imp_agent_api::tls::ClientIdentity,
+    /// The files moves sent to this node ([`crate::api::moves::Moves`]).
+    pub store: Arc<crate::api::moves::Moves>,
+    /// Bytes per second a send may use (`None`: no cap).
+    pub bandwidth: Option<u64>,
 }
 
 fn key(vm: &ImpVM) -> String {
@@ -191,7 +205,14 @@ impl Context {
             fence: None,
             followed: Default::default(),
             pause_refused: Default::default(),
+            moves: None,
         }
+    }
+
+    /// Sends VMs that move away and takes in those that move here with `kit`.
+    pub fn with_moves(mut self, kit: MoveKit) -> Self {
+        self.moves = Some(kit);
+        self
     }
 
     /// Holds every start, resume and cold boot while `fence` is up (see [`super::fence`]).
@@ -354,6 +375,9 @@ fn observed(vm: &ImpVM) -> Observed {
             .annotations()
             .contains_key(imp_api::shared::ANNOTATION_CLAIMED_BY),
         pause_wanted: pause::wanted(vm),
+        // Set by the reconcile, which knows the node and what it received.
+        moving_out: None,
+        moved_in: false,
     }
 }
 
@@ -383,7 +407,13 @@ pub async fn reconcile(vm: Arc<ImpVM>, ctx: Arc<Context>) -> Result<Action, Erro
     if let Some((record, alive)) = &local {
         ctx.vms.observe(record, *alive);
     }
-    let obs = observed(&vm);
+    let mut obs = observed(&vm);
+    obs.moving_out = moving::moving_out(&vm, &ctx.settings.node);
+    obs.moved_in = local.is_none()
+        && ctx
+            .moves
+            .as_ref()
+            .is_some_and(|k| k.store.received(&owner_uid).is_some());
     let facts = scale_facts(&ctx, &vm, &uid, &obs, local.as_ref()).await;
     let here = local.as_ref().map(|(record, alive)| Local {
         record,
@@ -441,6 +471,11 @@ async fn act(
 ) -> Result<Action, Error> {
     match decision {
         Decision::Pause => Ok(pause::pause(ctx, vm, local.as_ref()).await),
+        Decision::SendMove => match local {
+            Some(record) => moving::send(ctx, vm, record).await,
+            None => Ok(Action::requeue(Duration::from_secs(1))),
+        },
+        Decision::MoveIn => moving::take_in(ctx, vm, uid).await,
         Decision::Wait => Ok(Action::requeue(Duration::from_secs(300))),
         Decision::Start { clear_previous } => {
             if clear_previous {
@@ -744,6 +779,7 @@ async fn watch_records(ctx: Arc<Context>, store: Store<ImpVM>, tx: mpsc::Sender<
 /// interrupted removals left.
 async fn collect_orphans(ctx: Arc<Context>, store: Store<ImpVM>, records: Vec<VmRecord>) {
     ctx.shims.sweep_trash().await;
+    moving::sweep(&ctx, &store).await;
     for r in &records {
         let Some(owner) = &r.owner else { continue };
         let key = ObjectRef::new(&owner.name).within(&owner.namespace);

@@ -10,7 +10,9 @@ use super::*;
 /// (`status.booking`), never a second lookup of its class or template, which may have been
 /// edited or deleted since; or why it cannot start yet (not booked: the operator writes the
 /// booking with the placement, or right after a user pins a VM to this node).
-fn booked(vm: &ImpVM) -> Result<(ImpVMSpec, imp_api::class::ImpVMClassSpec), &'static str> {
+pub(super) fn booked(
+    vm: &ImpVM,
+) -> Result<(ImpVMSpec, imp_api::class::ImpVMClassSpec), &'static str> {
     let b = vm
         .status
         .as_ref()
@@ -372,7 +374,7 @@ async fn report_starting(
 
 /// Wires the VM's network, or says why not (a VM with a networkRef on an agent without
 /// networking waits, naming why).
-async fn wire(
+pub(super) async fn wire(
     ctx: &Context,
     vm: &ImpVM,
     uid: &str,

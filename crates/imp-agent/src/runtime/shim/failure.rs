@@ -175,6 +175,7 @@ mod tests {
         record.suspend = Some(SuspendRecord {
             snapshot_dir: "/snaps/s1".into(),
             suspended_unix: 1,
+            paused_unix_ms: None,
             bytes: 0,
             vmm: Some("qemu 9.0.0".into()),
         });

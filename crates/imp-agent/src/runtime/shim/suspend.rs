@@ -143,6 +143,7 @@ pub async fn suspend_vm<V: Vmm>(
             needed_mib: needed >> 20,
         });
     }
+    let paused_unix_ms = state::now_unix_ms();
     if let Err(e) = vm.pause().await {
         return Err(SnapshotError::Vmm {
             step: "pausing",
@@ -168,6 +169,7 @@ pub async fn suspend_vm<V: Vmm>(
     Ok(SuspendRecord {
         snapshot_dir: dir.to_path_buf(),
         suspended_unix: state::now_unix(),
+        paused_unix_ms: Some(paused_unix_ms),
         bytes,
         // The supervisor, which knows the VMM, names the writer.
         vmm: None,
