@@ -321,9 +321,10 @@ pub struct VmMove {
     /// Bytes the source's agent sent (memory, device state, disk, initramfs; holes not sent).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub bytes_sent: Option<i64>,
-    /// When the source's agent stopped the VM's vCPUs for the move (downtime starts).
+    /// When the source's agent stopped the VM's vCPUs for the move (downtime starts), in
+    /// milliseconds since the Unix epoch (a `Time` holds whole seconds only).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub paused_at: Option<Time>,
+    pub paused_unix_ms: Option<i64>,
     /// Why the source's agent could not send, when it could not.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub failure: Option<String>,

@@ -11,8 +11,10 @@
 //! disk, the same address answers ping from node b, and node a holds nothing of it. Every
 //! 100 ms during the move the test counts the VM's QEMU processes per node: never two. Two
 //! migrations of one VM at once: one moves it, the other fails (`AlreadyMoving`); a migration
-//! to a node that does not exist fails (`TargetUnfit`) with the VM running on; a migration
-//! without a target takes it back to node a (the scheduler's choice). The figures are printed.
+//! to a node that does not exist fails (`TargetUnfit`) with the VM running on; one to a node
+//! whose agent is down fails on the send and the VM wakes on node a, the same guest; a
+//! migration without a target takes it back to node a (the scheduler's choice). The figures
+//! are printed.
 //!
 //! Needs root, iproute2, nftables and what a guest boot needs (`scripts/setup`): without them
 //! it skips on a developer machine and fails under `CI=true`.
@@ -20,7 +22,7 @@
 
 mod common;
 
-use common::nodes::{Agent, Topology, ready, text};
+use common::nodes::{AGENT_API_PORT, Agent, Topology, ready, text};
 use common::{phase, wait_vm};
 
 use std::path::Path;
@@ -210,6 +212,54 @@ async fn a_vm_moves_to_another_node_with_its_memory_disk_and_address_and_back() 
         .and_then(|s| s.message.clone())
         .unwrap_or_default();
     assert!(msg.contains("node-z: no such node"), "{msg}");
+
+    // Node b's agent down: the send fails, the move is aborted, the VM wakes on node a.
+    agents[1].kill().await;
+    migs.create(&PostParams::default(), &migration("b-down", Some("node-b")))
+        .await
+        .unwrap();
+    let (m, most) = finish(&migs, "b-down", &topo, &state, &uid).await;
+    assert_eq!(
+        mig_phase(&m),
+        Some(MigrationPhase::Failed),
+        "{:?}",
+        m.status
+    );
+    let msg = m
+        .status
+        .as_ref()
+        .and_then(|s| s.message.clone())
+        .unwrap_or_default();
+    assert!(msg.contains("could not send the VM to node-b"), "{msg}");
+    assert!(
+        most <= 1,
+        "two QEMUs of the VM at once during the aborted move"
+    );
+    let v = vms.get(VM).await.unwrap();
+    assert_eq!(phase(&v), Some(VmPhase::Running), "{:?}", v.status);
+    assert_eq!(v.spec.node_name.as_deref(), Some("node-a"));
+    assert!(
+        v.status.as_ref().is_some_and(|s| s.moving.is_none()),
+        "{:?}",
+        v.status
+    );
+    assert_eq!(qemus_per_node(&topo, &state, &uid), [1, 0]);
+    let (boot_home, home) = guest(&kubeconfig).await;
+    assert_eq!(boot_home, boot, "the guest rebooted after the aborted move");
+    assert!(home > before, "the counter went from {before} to {home}");
+    let node_b = agents[1].node.clone();
+    agents[1].start(&kube.agent_kubeconfig_for(&node_b).await, &cache);
+    let api_b = std::net::SocketAddr::from((topo.underlay(2), AGENT_API_PORT));
+    common::wait_for(
+        "node b's agent API",
+        Duration::from_secs(60),
+        || async move {
+            std::net::TcpStream::connect_timeout(&api_b, Duration::from_secs(1))
+                .ok()
+                .map(|_| ())
+        },
+    )
+    .await;
 
     // Two at once to node b: one moves it, the other is refused.
     for name in ["to-b", "to-b-too"] {

@@ -191,14 +191,7 @@ fn moving(vm: &ImpVM, mv: &VmMove, now: Timestamp) -> Step {
         },
         MovePhase::Sent => Step::MarkCommitted,
         MovePhase::Committed => {
-            let status = vm.status.as_ref();
-            let runs_there = status.and_then(|s| s.node_name.as_deref()) == Some(&mv.target)
-                && matches!(
-                    status.and_then(|s| s.phase),
-                    Some(VmPhase::Running | VmPhase::Suspended)
-                )
-                && !resuming_for_move(vm);
-            if runs_there {
+            if arrived(vm, &mv.target) {
                 Step::Succeed
             } else {
                 Step::Wait
@@ -245,13 +238,22 @@ fn moving(vm: &ImpVM, mv: &VmMove, now: Timestamp) -> Step {
     }
 }
 
-/// The target's agent resumes the VM after the commit: until it runs, its phase says
-/// `Suspended` as the source left it (a VM suspended before the move stays so, and counts as
-/// arrived once the target reports it).
-fn resuming_for_move(vm: &ImpVM) -> bool {
+/// Whether the VM is as it should be on `target`, as `target`'s agent reports it (only that
+/// agent writes `status.nodeName: <target>`): running, or suspended when its user wants it so
+/// (`desiredState` Suspended or ScaleToZero: it moved as it was). The target takes the VM in
+/// suspended before it resumes it, so `Suspended` there is not yet arrived for a VM meant to run.
+fn arrived(vm: &ImpVM, target: &str) -> bool {
     let status = vm.status.as_ref();
-    status.and_then(|s| s.phase) == Some(VmPhase::Suspended)
-        && status.and_then(|s| s.node_name.as_deref()) != vm.spec.node_name.as_deref()
+    if status.and_then(|s| s.node_name.as_deref()) != Some(target) {
+        return false;
+    }
+    match status.and_then(|s| s.phase) {
+        Some(VmPhase::Running) => true,
+        Some(VmPhase::Suspended) => {
+            vm.spec.desired_state != imp_api::shared::VmDesiredState::Running
+        }
+        _ => false,
+    }
 }
 
 /// The aborted VM is back as it was on its source: running (or suspended, if its user had
@@ -304,15 +306,15 @@ pub fn new_move(
         target_cert_sha256: None,
         source_cert_sha256: None,
         bytes_sent: None,
-        paused_at: None,
+        paused_unix_ms: None,
         failure: None,
     }
 }
 
 /// The downtime of a move that ended at `now`: from the source pausing the VM.
 pub fn downtime_ms(mv: &VmMove, now: Timestamp) -> Option<i64> {
-    let paused = mv.paused_at.as_ref()?;
-    Some(now.duration_since(paused.0).as_millis() as i64)
+    let paused = mv.paused_unix_ms?;
+    Some(now.as_millisecond() - paused)
 }
 
 #[cfg(test)]
@@ -469,8 +471,15 @@ mod tests {
         assert_eq!(next(&m, Some(&committed), now()), Step::Wait);
         let st = committed.status.as_mut().unwrap();
         st.node_name = Some("b".into());
-        st.phase = Some(VmPhase::Resuming);
+        // Taken in on the target, not yet resumed: not there yet for a VM meant to run.
         assert_eq!(next(&m, Some(&committed), now()), Step::Wait);
+        committed.status.as_mut().unwrap().phase = Some(VmPhase::Resuming);
+        assert_eq!(next(&m, Some(&committed), now()), Step::Wait);
+        // A VM its user keeps suspended has arrived once the target holds it suspended.
+        let mut kept = committed.clone();
+        kept.spec.desired_state = imp_api::shared::VmDesiredState::Suspended;
+        kept.status.as_mut().unwrap().phase = Some(VmPhase::Suspended);
+        assert_eq!(next(&m, Some(&kept), now()), Step::Succeed);
         committed.status.as_mut().unwrap().phase = Some(VmPhase::Running);
         assert_eq!(next(&m, Some(&committed), now()), Step::Succeed);
         // The move cleared but the migration's status write lost: success still.
@@ -540,7 +549,7 @@ mod tests {
         let m = mig(None, None);
         let mut mv = new_move(&m, "a", "b", "t".into(), now());
         assert_eq!(downtime_ms(&mv, now()), None);
-        mv.paused_at = Some(Time(now() - SignedDuration::from_millis(1500)));
+        mv.paused_unix_ms = Some((now() - SignedDuration::from_millis(1500)).as_millisecond());
         assert_eq!(downtime_ms(&mv, now()), Some(1500));
     }
 }

@@ -8,8 +8,6 @@
 use std::time::Duration;
 
 use imp_api::vm::{ImpVM, MovePhase};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
-use k8s_openapi::jiff::Timestamp;
 use kube::ResourceExt;
 use kube::api::{Patch, PatchParams};
 use kube::runtime::controller::Action;
@@ -129,10 +127,7 @@ async fn say(
 ) -> Result<Action, Error> {
     let body = match &outcome {
         Ok((bytes, paused)) => {
-            let paused = paused
-                .and_then(|ms| Timestamp::from_millisecond(ms as i64).ok())
-                .map(Time);
-            json!({"phase": MovePhase::Sent, "bytesSent": bytes, "pausedAt": paused})
+            json!({"phase": MovePhase::Sent, "bytesSent": bytes, "pausedUnixMs": paused})
         }
         Err(why) => {
             tracing::warn!(vm = %key(vm), node = %ctx.settings.node, why, "sending the VM to its new node failed");
