@@ -18,7 +18,7 @@ use crate::leader::{LeaderElector, LeaseConfig};
 use crate::metrics::Metrics;
 use crate::shutdown::raised;
 use crate::webhook::serving::{self, Serving};
-use crate::{network, snapshot, vm, warmpool};
+use crate::{migration, network, snapshot, vm, warmpool};
 use imp_telemetry::Health;
 
 /// Everything the operator process is started with.
@@ -181,7 +181,8 @@ async fn lead(parts: Parts, lease: LeaseConfig) -> Result<Led, Error> {
     Ok(Led::Once)
 }
 
-/// Runs every controller (ImpVM, ImpNetwork, ImpVMSnapshot, ImpWarmPool) until `shutdown` completes.
+/// Runs every controller (ImpVM, ImpNetwork, ImpVMSnapshot, ImpWarmPool, ImpVMMigration) until
+/// `shutdown` completes.
 /// `health` is made ready once the ImpVM controller's caches have filled (`None` under
 /// election: a standby is ready already).
 pub async fn controllers(
@@ -219,7 +220,21 @@ pub async fn controllers(
         settings.instance.clone(),
         shutdown.clone(),
     ));
-    let vms = vm::run(client, settings, ipam, metrics, health, shutdown).await;
+    // Migrations book their targets through the VM controller's scheduler and ledger.
+    let migrations = |ctx| {
+        let moves = migration::run(client.clone(), ctx, shutdown.clone());
+        Some(tokio::spawn(moves))
+    };
+    let vms = vm::run(
+        client.clone(),
+        settings,
+        ipam,
+        metrics,
+        health,
+        shutdown.clone(),
+        migrations,
+    )
+    .await;
     if let Err(e) = unsupported.await {
         tracing::warn!(error = %imp_api::chain::DisplayChain(&e), "the watch of kinds with no controller failed");
     }

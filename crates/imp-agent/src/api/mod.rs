@@ -23,6 +23,7 @@ pub mod auth;
 pub mod console;
 pub mod exec;
 pub mod moves;
+mod reply;
 pub mod route;
 pub mod server;
 pub mod sessions;

@@ -46,8 +46,8 @@ use imp_agent_api::moves::{
 use serde::{Deserialize, Serialize};
 use tokio::sync::OwnedMutexGuard;
 
+use super::reply::{Body, status};
 use super::route::{MoveAction, MoveRoute};
-use super::server::{Body, status};
 
 /// How many bytes of frames are received between two syncs of a file and its progress.
 pub const SYNC_EVERY: u64 = 64 << 20;

@@ -21,7 +21,6 @@ use bytes::Bytes;
 use futures::TryStreamExt;
 use http::header::{CONNECTION, CONTENT_TYPE, UPGRADE};
 use http::{HeaderValue, Request, Response, StatusCode};
-use http_body_util::combinators::UnsyncBoxBody;
 use http_body_util::{BodyExt, Full, StreamBody};
 use hyper::body::Frame;
 use hyper_util::rt::{TokioIo, TokioTimer};
@@ -35,8 +34,8 @@ use super::route::{self, Action, Route};
 use super::sessions::{Session, SessionLimits, Sessions};
 use super::{EXEC_UPGRADE, VmLookup, exec};
 
-/// The body of every response.
-pub type Body = UnsyncBoxBody<Bytes, std::io::Error>;
+pub use super::reply::Body;
+use super::reply::status;
 
 /// Timeouts and intervals; the defaults suit production.
 #[derive(Debug, Clone)]
@@ -490,22 +489,4 @@ fn not_on_this_node(route: &Route) -> Response<Body> {
         route.namespace, route.name
     );
     status(StatusCode::NOT_FOUND, &msg)
-}
-
-/// A Kubernetes `Status` answering a failed request.
-pub(super) fn status(code: StatusCode, message: &str) -> Response<Body> {
-    let body = imp_agent_api::status_body(code, message);
-    let mut resp = Response::new(
-        Full::new(Bytes::from(body.to_string()))
-            .map_err(|never| match never {})
-            .boxed_unsync(),
-    );
-    *resp.status_mut() = code;
-    resp.headers_mut()
-        .insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
-    if code == StatusCode::UPGRADE_REQUIRED {
-        resp.headers_mut()
-            .insert(UPGRADE, HeaderValue::from_static(EXEC_UPGRADE));
-    }
-    resp
 }

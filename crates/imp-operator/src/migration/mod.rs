@@ -202,6 +202,10 @@ fn token(m: &ImpVMMigration, now: Timestamp) -> String {
 }
 
 async fn reconcile(m: Arc<ImpVMMigration>, ctx: Arc<Ctx>) -> Result<Action, Error> {
+    // Targets are booked in the VM controller's ledger: only once it holds every VM.
+    if !ctx.vms.ledger_listed() {
+        return Ok(Action::requeue(Duration::from_secs(1)));
+    }
     let vm = ctx
         .vms(&m)
         .get_opt(&m.spec.source_vm_name)
@@ -488,13 +492,12 @@ fn error_policy(m: Arc<ImpVMMigration>, err: &Error, _ctx: Arc<Ctx>) -> Action {
 pub async fn run(
     client: kube::Client,
     vms: Arc<crate::vm::Context>,
-    recorder: Recorder,
     shutdown: impl Future<Output = ()> + Send + Sync + 'static,
 ) {
     let ctx = Arc::new(Ctx {
         client: client.clone(),
+        recorder: vms.recorder(),
         vms,
-        recorder,
     });
     Controller::new(
         Api::<ImpVMMigration>::all(client.clone()),

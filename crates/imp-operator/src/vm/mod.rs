@@ -481,6 +481,7 @@ pub async fn run(
     metrics: Option<Arc<Metrics>>,
     health: Option<Arc<Health>>,
     shutdown: impl Future<Output = ()> + Send + Sync + 'static,
+    beside: impl FnOnce(Arc<Context>) -> Option<tokio::task::JoinHandle<()>>,
 ) -> Result<(), ControllerError> {
     let wc = watcher::Config::default();
     let (stores, streams) = watches::kinds(&client, &wc);
@@ -530,16 +531,8 @@ pub async fn run(
         watches::spawn_gauges(m, vms.clone(), backlog.clone());
     }
     let ready = gate(&ctx, vms, reservation_pods, reservation_changed, health);
-    let shutdown = futures::FutureExt::shared(Box::pin(shutdown));
-    let migrations = tokio::spawn({
-        let (ctx, ready, shutdown) = (ctx.clone(), ready.clone(), shutdown.clone());
-        async move {
-            // Moves are booked in the ledger: only once it holds every VM.
-            until_filled(&ready).await;
-            let recorder = ctx.recorder.clone();
-            crate::migration::run(ctx.client.clone(), ctx, recorder, shutdown).await;
-        }
-    });
+    // A controller that books through this one's scheduler and ledger (migrations).
+    let beside = beside(ctx.clone());
     controller
         .graceful_shutdown_on(shutdown)
         .run(
@@ -553,8 +546,10 @@ pub async fn run(
             }
         })
         .await;
-    if let Err(e) = migrations.await {
-        tracing::warn!(error = %imp_api::chain::DisplayChain(&e), "migration controller task failed");
+    if let Some(task) = beside
+        && let Err(e) = task.await
+    {
+        tracing::warn!(error = %imp_api::chain::DisplayChain(&e), "a controller beside the VM controller failed");
     }
     Ok(())
 }

@@ -10,6 +10,7 @@ use imp_api::vm::{ImpVM, ImpVMSpec, ImpVMStatus, VmPhase};
 use k8s_openapi::api::core::v1::Node;
 use kube::ResourceExt;
 use kube::api::Api;
+use kube::runtime::events::Recorder;
 use kube::runtime::reflector::{ObjectRef, Store};
 use kube::runtime::watcher;
 
@@ -215,6 +216,17 @@ impl Context {
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         leases.silence(node, std::time::Instant::now(), self.settings.fence_margin)
+    }
+
+    /// Whether the ledger holds every VM (the VM watch has listed them once): only then may a
+    /// controller beside this one book through it.
+    pub(crate) fn ledger_listed(&self) -> bool {
+        self.ledger().listed()
+    }
+
+    /// The Event recorder of the operator's controllers.
+    pub(crate) fn recorder(&self) -> Recorder {
+        self.recorder.clone()
     }
 
     /// The agent API of node `node` as its Node publishes it: its endpoint and its
