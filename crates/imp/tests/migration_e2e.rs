@@ -345,6 +345,25 @@ async fn a_vm_moves_to_another_node_with_its_memory_disk_and_address_and_back() 
         figures.bytes_moved.unwrap_or(-1),
         took.as_secs_f64()
     );
+    for (name, value, unit) in [
+        (
+            "migration (cold, 128 MiB guest): downtime",
+            figures.downtime_ms,
+            "ms",
+        ),
+        (
+            "migration (cold, 128 MiB guest): create to Succeeded",
+            figures.total_ms,
+            "ms",
+        ),
+        (
+            "migration (cold, 128 MiB guest): sent",
+            figures.bytes_moved.map(|b| b >> 20),
+            "MiB",
+        ),
+    ] {
+        imp_testenv::figures::figure(name, value.unwrap_or(-1) as f64, unit, "one run");
+    }
     assert!(figures.downtime_ms.is_some_and(|d| d > 0), "{figures:?}");
     assert!(figures.bytes_moved.is_some_and(|b| b > 0), "{figures:?}");
 
