@@ -30,7 +30,6 @@ use common::nodes::{Agent, Topology, ready, run, text};
 use common::{phase, wait_vm};
 
 use std::path::Path;
-use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use imp_api::vm::{ImpVM, VmPhase};
@@ -39,7 +38,6 @@ use k8s_openapi::api::core::v1::Node;
 use kube::ResourceExt;
 use kube::api::{Api, Patch, PatchParams, PostParams};
 use serde_json::json;
-use tokio::process::Command;
 
 const NS: &str = "default";
 const MOVER: &str = "mover";
@@ -77,25 +75,9 @@ const CLIENT_SCRIPT: &str = "while [ ! -s /tmp/target ]; do sleep 0.2; done; T=$
      while true; do a=$(timeout 2 nc -w 1 $T 9000 </dev/null 2>/dev/null); read u _ </proc/uptime; \
      echo \"$u ${a:--}\" >> /tmp/answers; sleep 0.2; done";
 
-/// `imp exec` into a VM through its agent's API (every script here ends within seconds: two
-/// minutes means a hang); its stdout, which must succeed.
+/// `imp exec` into VM `vm` of the test's namespace; its stdout, which must succeed.
 async fn exec(kubeconfig: &Path, vm: &str, script: &str) -> String {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_imp"));
-    cmd.args(["exec", "-n", NS, vm, "--", "sh", "-c", script])
-        .env("KUBECONFIG", kubeconfig)
-        .stdin(Stdio::null());
-    let out = common::output_within(
-        cmd,
-        Duration::from_secs(120),
-        &format!("imp exec {vm} -- {script}"),
-    )
-    .await;
-    assert!(
-        out.status.success(),
-        "imp exec {vm} -- {script}: {}",
-        text(&out)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
+    common::nodes::exec_ok(kubeconfig, NS, vm, script).await
 }
 
 /// A third node namespace, `c`, on the underlay (address `.3`); deleted when dropped.

@@ -26,7 +26,6 @@ use common::nodes::{AGENT_API_PORT, Agent, Topology, ready, text};
 use common::{phase, wait_vm};
 
 use std::path::Path;
-use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use imp_api::snapshot::{ImpVMMigration, MigrationPhase};
@@ -35,7 +34,6 @@ use imp_testenv::registry::{TestImage, scratch_dir};
 use kube::ResourceExt;
 use kube::api::{Api, PostParams};
 use serde_json::json;
-use tokio::process::Command;
 
 const NS: &str = "default";
 const VM: &str = "mover";
@@ -50,22 +48,7 @@ fn image() -> TestImage {
 
 /// `imp exec` into the VM through the API server and its node's agent; its stdout.
 async fn exec(kubeconfig: &Path, script: &str) -> String {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_imp"));
-    cmd.args(["exec", "-n", NS, VM, "--", "sh", "-c", script])
-        .env("KUBECONFIG", kubeconfig)
-        .stdin(Stdio::null());
-    let out = common::output_within(
-        cmd,
-        Duration::from_secs(120),
-        &format!("imp exec {VM} -- {script}"),
-    )
-    .await;
-    assert!(
-        out.status.success(),
-        "imp exec {VM} -- {script}: {}",
-        text(&out)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
+    common::nodes::exec_ok(kubeconfig, NS, VM, script).await
 }
 
 /// The guest's boot id and its counter.

@@ -53,6 +53,28 @@ pub fn run(args: &[&str]) -> Output {
     out
 }
 
+/// `imp exec -n NS VM -- sh -c SCRIPT` with `kubeconfig`, through the API server and the VM's
+/// node's agent (every script the tests run ends within seconds: two minutes means a hang);
+/// its stdout, which must succeed.
+pub async fn exec_ok(kubeconfig: &Path, ns: &str, vm: &str, script: &str) -> String {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_imp"));
+    cmd.args(["exec", "-n", ns, vm, "--", "sh", "-c", script])
+        .env("KUBECONFIG", kubeconfig)
+        .stdin(Stdio::null());
+    let out = super::output_within(
+        cmd,
+        Duration::from_secs(120),
+        &format!("imp exec {vm} -- {script}"),
+    )
+    .await;
+    assert!(
+        out.status.success(),
+        "imp exec {vm} -- {script}: {}",
+        text(&out)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
 /// stdout and stderr of `o`, as text.
 pub fn text(o: &Output) -> String {
     format!(
