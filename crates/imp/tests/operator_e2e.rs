@@ -2382,3 +2382,167 @@ async fn an_operator_killed_mid_claim_finishes_each_claim_once() {
         );
     }
 }
+
+fn migrations(c: &Client) -> Api<imp_api::ImpVMMigration> {
+    Api::namespaced(c.clone(), NS)
+}
+
+/// Publishes an agent API on node `name`, as its agent does.
+async fn publish_agent(c: &Client, name: &str) {
+    let api: Api<Node> = Api::all(c.clone());
+    let annotations = json!({"metadata": {"annotations": {
+        imp_api::shared::ANNOTATION_AGENT_ENDPOINT: format!("{name}.example:10251"),
+        imp_api::shared::ANNOTATION_AGENT_CERT_SHA256: "ab".repeat(32),
+    }}});
+    api.patch(name, &PatchParams::default(), &Patch::Merge(&annotations))
+        .await
+        .unwrap();
+}
+
+/// Creates migration `name` of VM `mover` to node `target`.
+async fn migrate(c: &Client, name: &str, target: &str) {
+    let m: imp_api::ImpVMMigration = serde_json::from_value(json!({
+        "apiVersion": "imp.dev/v1alpha1", "kind": "ImpVMMigration",
+        "metadata": {"name": name, "namespace": NS},
+        "spec": {"sourceVMName": "mover", "sourceVMNamespace": "", "targetNode": target}
+    }))
+    .unwrap();
+    migrations(c)
+        .create(&PostParams::default(), &m)
+        .await
+        .unwrap();
+}
+
+/// Waits until the move in `mover`'s status is in `phase`; the VM then.
+async fn move_in_phase(c: &Client, phase: imp_api::vm::MovePhase) -> ImpVM {
+    common::wait_vm(
+        &vms(c),
+        "mover",
+        &format!("a move {phase:?}"),
+        WAIT_SECS,
+        |v| {
+            v.status
+                .as_ref()
+                .and_then(|s| s.moving.as_ref())
+                .is_some_and(|m| m.phase == phase)
+        },
+    )
+    .await
+}
+
+/// The operator's part of a move, with the agents played: the move written with both agents'
+/// published API, nothing committed before the source says Sent, the commit, success once the
+/// target reports the VM running there (with the downtime from the source's pause); and a
+/// migration deleted before its commit held by its finalizer until the VM runs where it was.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_migration_commits_only_after_the_send_and_a_deleted_one_is_undone_first() {
+    use imp_api::snapshot::MigrationPhase;
+    use imp_api::vm::MovePhase;
+    let Some(e) = env().await else {
+        return;
+    };
+    let c = &e.client;
+    for n in ["a", "b"] {
+        node(c, n, "8", "16Gi", true, true).await;
+        publish_agent(c, n).await;
+    }
+    class(c, "small", 1, 256).await;
+    let _op = Operator::start(&e, "solo", &[]).await;
+    vm(
+        c,
+        "mover",
+        json!({"classRef": {"name": "small"}, "image": "busybox", "nodeName": "a"}),
+    )
+    .await;
+    common::wait_vm(&vms(c), "mover", "mover Scheduled", WAIT_SECS, |v| {
+        phase(v) == Some(VmPhase::Scheduled)
+    })
+    .await;
+    agent_status(c, "mover", json!({"phase": "Running", "nodeName": "a"})).await;
+
+    // Deleted before its commit: aborted, and gone only once the VM runs on a again.
+    migrate(c, "cancelled", "b").await;
+    let v = move_in_phase(c, MovePhase::Transferring).await;
+    let mv = v.status.as_ref().unwrap().moving.clone().unwrap();
+    assert_eq!((mv.source.as_str(), mv.target.as_str()), ("a", "b"));
+    assert_eq!(mv.target_endpoint.as_deref(), Some("b.example:10251"));
+    assert_eq!(mv.source_cert_sha256, Some("ab".repeat(32)));
+    agent_status(c, "mover", json!({"phase": "Suspended"})).await;
+    migrations(c)
+        .delete("cancelled", &DeleteParams::default())
+        .await
+        .unwrap();
+    move_in_phase(c, MovePhase::Aborting).await;
+    let held = migrations(c).get_opt("cancelled").await.unwrap();
+    assert!(
+        held.is_some(),
+        "the migration went before its move was undone"
+    );
+    assert_eq!(
+        vms(c).get("mover").await.unwrap().spec.node_name.as_deref(),
+        Some("a")
+    );
+    agent_status(c, "mover", json!({"phase": "Running"})).await;
+    common::wait_for(
+        "the cancelled migration gone",
+        Duration::from_secs(WAIT_SECS),
+        || async {
+            migrations(c)
+                .get_opt("cancelled")
+                .await
+                .unwrap()
+                .is_none()
+                .then_some(())
+        },
+    )
+    .await;
+    let v = vms(c).get("mover").await.unwrap();
+    assert!(
+        v.status.as_ref().unwrap().moving.is_none(),
+        "{:?}",
+        v.status
+    );
+
+    // Committed only after Sent, done only once the target runs it.
+    migrate(c, "moved", "b").await;
+    move_in_phase(c, MovePhase::Transferring).await;
+    agent_status(c, "mover", json!({"phase": "Suspended"})).await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let v = vms(c).get("mover").await.unwrap();
+    assert_eq!(
+        v.spec.node_name.as_deref(),
+        Some("a"),
+        "committed before Sent"
+    );
+    let paused = k8s_openapi::jiff::Timestamp::now().as_millisecond() - 1500;
+    agent_status(
+        c,
+        "mover",
+        json!({"move": {"phase": "Sent", "bytesSent": 42, "pausedUnixMs": paused}}),
+    )
+    .await;
+    let v = move_in_phase(c, MovePhase::Committed).await;
+    assert_eq!(v.spec.node_name.as_deref(), Some("b"));
+    let m = migrations(c).get("moved").await.unwrap();
+    assert_eq!(m.status.unwrap().phase, Some(MigrationPhase::Restoring));
+    agent_status(c, "mover", json!({"phase": "Running", "nodeName": "b"})).await;
+    let m = common::wait_for(
+        "migration moved Succeeded",
+        Duration::from_secs(WAIT_SECS),
+        || async {
+            let m = migrations(c).get("moved").await.unwrap();
+            (m.status.as_ref()?.phase == Some(MigrationPhase::Succeeded)).then_some(m)
+        },
+    )
+    .await;
+    let st = m.status.unwrap();
+    assert_eq!(st.bytes_moved, Some(42));
+    assert!(st.downtime_ms.is_some_and(|d| d >= 1500), "{st:?}");
+    assert!(m.metadata.finalizers.unwrap_or_default().is_empty());
+    let v = vms(c).get("mover").await.unwrap();
+    assert!(
+        v.status.as_ref().unwrap().moving.is_none(),
+        "{:?}",
+        v.status
+    );
+}
