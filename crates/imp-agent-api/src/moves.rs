@@ -122,7 +122,8 @@ pub struct DoneFile {
     pub name: String,
     /// Its size in bytes.
     pub size: u64,
-    /// The SHA-256 of its bytes (holes read as zeros), lowercase hex.
+    /// Its digest, lowercase hex ([`sha256_file`]: the SHA-256 of its non-zero blocks and
+    /// their offsets, and its size).
     pub sha256: String,
 }
 
@@ -718,37 +719,118 @@ impl Drop for Digests {
     }
 }
 
-/// The size and SHA-256 (lowercase hex) of the file at `path`, holes read as zeros: what
-/// [`Done`] carries, and what the receiver checks it against. Blocking: run it off the runtime.
+/// The size and digest (lowercase hex) of the file at `path`, what both ends compare: the
+/// SHA-256 of its non-zero [`DIGEST_BLOCK`]-byte blocks, each after its offset (8 bytes
+/// big-endian), then of its size. Holes are not read and zero blocks not hashed, so the cost
+/// follows the file's data, not its size (a mostly empty disk image is cheap), and the digest
+/// does not depend on how either filesystem allocates the file: a block of zeros and a hole
+/// read alike, as they do to the VM. Any other difference changes it. Blocking: run it off
+/// the runtime.
 pub fn sha256_file(path: &Path) -> io::Result<(u64, String)> {
     digest(path, &AtomicBool::new(false))
 }
 
+/// The block a file's digest is made of ([`sha256_file`]).
+pub const DIGEST_BLOCK: u64 = 4096;
+
 /// [`sha256_file`], stopping early when `stop` is set.
 fn digest(path: &Path, stop: &AtomicBool) -> io::Result<(u64, String)> {
-    use std::io::Read as _;
-    let mut f = std::fs::File::open(path)?;
+    let f = std::fs::File::open(path)?;
+    let size = f.metadata()?.len();
     let mut hasher = Sha256::new();
     let mut buf = vec![0u8; FRAME_DATA as usize];
-    let mut size = 0u64;
-    loop {
-        if stop.load(Ordering::Relaxed) {
-            return Err(io::Error::new(io::ErrorKind::Interrupted, "abandoned"));
+    // The next block not hashed yet: two ranges may share a block of their ends.
+    let mut next_block = 0u64;
+    for (start, end) in crate::sparse::data_ranges(&f)? {
+        let mut at = (start / DIGEST_BLOCK).max(next_block) * DIGEST_BLOCK;
+        while at < end {
+            if stop.load(Ordering::Relaxed) {
+                return Err(io::Error::new(io::ErrorKind::Interrupted, "abandoned"));
+            }
+            let want = (end
+                .next_multiple_of(DIGEST_BLOCK)
+                .min(size.next_multiple_of(DIGEST_BLOCK))
+                - at)
+                .min(FRAME_DATA) as usize;
+            let n = read_at_most(&f, &mut buf[..want], at)?;
+            if n == 0 {
+                break;
+            }
+            for (i, block) in buf[..n].chunks(DIGEST_BLOCK as usize).enumerate() {
+                if block.iter().any(|b| *b != 0) {
+                    hasher.update((at + i as u64 * DIGEST_BLOCK).to_be_bytes());
+                    hasher.update(block);
+                }
+            }
+            at += n as u64;
+            next_block = at.div_ceil(DIGEST_BLOCK);
         }
-        let n = f.read(&mut buf)?;
-        if n == 0 {
-            break;
-        }
-        hasher.update(&buf[..n]);
-        size += n as u64;
     }
+    hasher.update(size.to_be_bytes());
     Ok((size, crate::tls::hex(&hasher.finalize())))
+}
+
+/// Reads into `buf` from `offset` until it is full or the file ends; the bytes read.
+fn read_at_most(f: &std::fs::File, buf: &mut [u8], offset: u64) -> io::Result<usize> {
+    let mut done = 0;
+    while done < buf.len() {
+        match f.read_at(&mut buf[done..], offset + done as u64) {
+            Ok(0) => break,
+            Ok(n) => done += n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(done)
 }
 
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
+
+    #[test]
+    fn a_digest_reads_data_only_and_tells_zeros_from_nothing_else() {
+        let dir = std::env::temp_dir().join(format!("imp-digest-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let write = |name: &str, parts: &[(u64, &[u8])], len: u64| {
+            let path = dir.join(name);
+            let f = std::fs::File::create(&path).unwrap();
+            f.set_len(len).unwrap();
+            for (at, bytes) in parts {
+                f.write_all_at(bytes, *at).unwrap();
+            }
+            path
+        };
+        let data = vec![7u8; 10_000];
+        let zeros = vec![0u8; 8192];
+        let len = 64 << 20;
+        // The same content: data at 1 MiB; a written block of zeros at 8 MiB, or a hole.
+        let a = write("a", &[(1 << 20, &data), (8 << 20, &zeros)], len);
+        let b = write("b", &[(1 << 20, &data)], len);
+        let (size, da) = sha256_file(&a).unwrap();
+        assert_eq!(size, len);
+        assert_eq!(
+            sha256_file(&b).unwrap().1,
+            da,
+            "zeros and a hole read alike"
+        );
+        // A byte changed, data moved, or the size changed: another digest.
+        let mut changed = data.clone();
+        changed[9_999] = 8;
+        let c = write("c", &[(1 << 20, &changed)], len);
+        assert_ne!(sha256_file(&c).unwrap().1, da);
+        let d = write("d", &[((1 << 20) + 4096, &data)], len);
+        assert_ne!(sha256_file(&d).unwrap().1, da);
+        let e = write("e", &[(1 << 20, &data)], len + 4096);
+        assert_ne!(sha256_file(&e).unwrap().1, da);
+        // A file whose data ends inside a block, and one of no data at all.
+        let odd = write("odd", &[(0, &data[..10])], 10);
+        assert_eq!(sha256_file(&odd).unwrap().0, 10);
+        let empty = write("empty", &[], 4096);
+        assert_ne!(sha256_file(&empty).unwrap().1, sha256_file(&odd).unwrap().1);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 
     #[test]
     fn file_names_are_one_plain_lowercase_component() {
