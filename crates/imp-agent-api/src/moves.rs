@@ -393,23 +393,15 @@ impl MoveConnection {
         if !is_file_name(file) {
             return Err(MoveSendError::FileName(file.to_owned()));
         }
+        let endpoint = self.endpoint.clone();
         let failed = |source| MoveSendError::Held {
-            endpoint: self.endpoint.clone(),
+            endpoint: endpoint.clone(),
             file: file.to_owned(),
             source,
         };
         let uri = file_path(&self.namespace, &self.name, file);
         let req = self.request(Method::GET, &uri, empty())?;
-        self.sender
-            .ready()
-            .await
-            .map_err(|e| failed(ClientError::Http(e)))?;
-        let resp = self
-            .sender
-            .send_request(req)
-            .await
-            .map_err(|e| failed(ClientError::Http(e)))?;
-        let (status, body) = answer(resp).await.map_err(failed)?;
+        let (status, body) = self.exchange(req).await.map_err(failed)?;
         if status != StatusCode::OK {
             return Err(self.refused(format!("asking how much of {file} it holds"), status, &body));
         }
@@ -500,8 +492,9 @@ impl MoveConnection {
 
     /// Ends the move: the target checks each file's size and SHA-256 and takes the files.
     pub async fn done(&mut self, files: &[DoneFile]) -> Result<(), MoveSendError> {
+        let endpoint = self.endpoint.clone();
         let failed = |source| MoveSendError::Done {
-            endpoint: self.endpoint.clone(),
+            endpoint: endpoint.clone(),
             source,
         };
         let json = serde_json::to_vec(&Done {
@@ -514,16 +507,7 @@ impl MoveConnection {
         let mut req = self.request(Method::POST, &done_path(&self.namespace, &self.name), body)?;
         req.headers_mut()
             .insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
-        self.sender
-            .ready()
-            .await
-            .map_err(|e| failed(ClientError::Http(e)))?;
-        let resp = self
-            .sender
-            .send_request(req)
-            .await
-            .map_err(|e| failed(ClientError::Http(e)))?;
-        let (status, body) = answer(resp).await.map_err(failed)?;
+        let (status, body) = self.exchange(req).await.map_err(failed)?;
         match status {
             StatusCode::OK => Ok(()),
             StatusCode::UNPROCESSABLE_ENTITY => {
@@ -556,6 +540,22 @@ fn empty() -> MoveBody {
 
 /// An answer's status and body (read whole, bounded, so the connection can carry the next
 /// request).
+impl MoveConnection {
+    /// Sends `req` once the connection can take it, and reads its answer.
+    async fn exchange(
+        &mut self,
+        req: Request<UnsyncBoxBody<Bytes, io::Error>>,
+    ) -> Result<(StatusCode, Bytes), ClientError> {
+        self.sender.ready().await.map_err(ClientError::Http)?;
+        let resp = self
+            .sender
+            .send_request(req)
+            .await
+            .map_err(ClientError::Http)?;
+        answer(resp).await
+    }
+}
+
 async fn answer(resp: Response<Incoming>) -> Result<(StatusCode, Bytes), ClientError> {
     let status = resp.status();
     let body = http_body_util::Limited::new(resp.into_body(), MAX_ANSWER)

@@ -286,8 +286,10 @@ pub fn decide(vm: &Observed, local: Option<Local<'_>>) -> Decision {
 /// woken by traffic under ScaleToZero.
 fn suspend_or_resume(vm: &Observed, l: Local<'_>) -> Option<Decision> {
     let r = l.record;
-    let sleep = vm.suspend_wanted || (vm.scale_to_zero && l.idle);
-    // A move holds the VM suspended from its start to its commit; an abort lets it wake.
+    // A move suspends the VM first (its vCPUs stop here before any other node holds its
+    // state), and holds it suspended until its commit; an abort lets it wake.
+    let moving = vm.moving_out == Some(MovePhase::Transferring);
+    let sleep = vm.suspend_wanted || (vm.scale_to_zero && l.idle) || moving;
     let held = vm.moving_out.is_some_and(|p| p != MovePhase::Aborting);
     let wake = !held
         && if vm.scale_to_zero {
@@ -305,20 +307,12 @@ fn suspend_or_resume(vm: &Observed, l: Local<'_>) -> Option<Decision> {
     }
 }
 
-/// A move away from this node: suspend the running VM (its vCPUs stop here before any other
-/// node holds its state), then send it once its shim is gone and its snapshot complete. After
-/// `Sent` nothing more until the commit takes the VM off this node (or an abort lets it wake).
+/// A move away from this node, once the VM is suspended for it ([`suspend_or_resume`]
+/// suspends it): send it, its shim gone and its snapshot complete. After `Sent` nothing more
+/// until the commit takes the VM off this node (or an abort lets it wake).
 fn move_out(vm: &Observed, l: Local<'_>) -> Option<Decision> {
-    if vm.moving_out != Some(MovePhase::Transferring) {
-        return None;
-    }
-    match l.record.status {
-        VmStatus::Running if l.shim_alive && vm.phase == VmPhase::Running => {
-            (!failed_recently(l)).then_some(Decision::Suspend)
-        }
-        VmStatus::Suspended if !l.shim_alive => Some(Decision::SendMove),
-        _ => None,
-    }
+    let sendable = l.record.status == VmStatus::Suspended && !l.shim_alive;
+    (vm.moving_out == Some(MovePhase::Transferring) && sendable).then_some(Decision::SendMove)
 }
 
 /// Whether a member waiting for a claim is to be paused now: it runs (its record and the API

@@ -222,13 +222,23 @@ impl Context {
         req: &Request,
         size: PlacedSize,
     ) -> Result<(String, ledger::Booking), schedule::NoNode> {
-        let nodes = self.node_views();
+        let (node, mut ledger) = self.pick(req, &self.node_views())?;
+        let booking = ledger.book(k, Some(&node), Some(size));
+        Ok((node, booking))
+    }
+
+    /// The scheduler's pick among `nodes` for `req`, and the scheduling lock (the ledger, its
+    /// live sizes looked up again) held for the caller to book it.
+    fn pick(
+        &self,
+        req: &Request,
+        nodes: &[schedule::NodeView],
+    ) -> Result<(String, std::sync::MutexGuard<'_, ledger::Ledger>), schedule::NoNode> {
         let policy = self.policy();
         let mut ledger = self.ledger();
         ledger.refresh_sizes(|s| live_size(&self.classes, &self.templates, s));
-        let node = schedule::pick(req, &nodes, ledger.usage(), &policy)?;
-        let booking = ledger.book(k, Some(&node), Some(size));
-        Ok((node, booking))
+        let node = schedule::pick(req, nodes, ledger.usage(), &policy)?;
+        Ok((node, ledger))
     }
 
     /// A node other than its own for placed `vm` to move to (`asked`: only that one), booked
@@ -253,18 +263,13 @@ impl Context {
         {
             return Err(format!("spec.targetNode {a}: no such node"));
         }
-        let k = key(vm);
-        let policy = self.policy();
-        let mut ledger = self.ledger();
-        ledger.refresh_sizes(|s| live_size(&self.classes, &self.templates, s));
-        let node =
-            schedule::pick(&request(&r, None), &nodes, ledger.usage(), &policy).map_err(|no| {
-                match asked {
+        let (node, mut ledger) =
+            self.pick(&request(&r, None), &nodes)
+                .map_err(|no| match asked {
                     Some(a) => format!("spec.targetNode {a} cannot take the VM: {}", no.message),
                     None => format!("no other node can take the VM: {}", no.message),
-                }
-            })?;
-        ledger.book_move(&k, &node);
+                })?;
+        ledger.book_move(&key(vm), &node);
         Ok(node)
     }
 
